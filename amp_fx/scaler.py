@@ -1,0 +1,936 @@
+"""``amp_fx.GradScaler``: a drop-in for ``torch.amp.GradScaler`` that can step without a host sync.
+
+With its defaults the scaler is ``torch.amp.GradScaler``, bit for bit: the same lazily created
+0-dim float32 scale and int32 growth tracker, the same ``inv_scale``
+(``scale.double().reciprocal().float()``), the same per-optimizer state machine and error
+messages, the same update rule (``torch.ops.amp_fx.update_scale_``, bitwise
+``torch._amp_update_scale_``) and a ``state_dict`` that loads into torch's scaler and back.
+It subclasses ``torch.amp.GradScaler`` so that ``isinstance`` checks in training libraries
+still pass; every method is reimplemented here.
+
+What it adds, each opt-in through a keyword-only argument:
+
+* ``step_mode=StepMode.MASKED``: ``step()`` never reads the found-inf flag on the host. The
+  optimizer always steps, then parameters and optimizer state are put back on the device
+  where the step was non-finite. Optimizers that take ``grad_scale``/``found_inf`` themselves
+  (``fused=True`` Adam, AdamW, SGD, Adagrad) get the flags, exactly as torch gives them.
+* ``min_scale``, ``max_scale``: bounds on the dynamic scale.
+* ``hysteresis`` (and ``consecutive_hysteresis``): overflows tolerated before a back-off, as
+  in Megatron-LM and DeepSpeed.
+* ``mode=ScalerMode.CHECK_ONLY``: no scaling (for bf16), only skipping of non-finite steps.
+
+Always on (it only differs from torch where torch corrupts the parameters): a scale whose
+reciprocal is not finite (0 after about 166 back-offs from 2**16, or a float32 denormal)
+counts as an overflow, so the step is skipped instead of turning ``0 * inf`` into NaN.
+
+Device-side statistics: ``skipped_steps`` and ``last_step_skipped`` are 0-dim tensors, read
+without a sync until the caller reads them.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import logging
+import math
+import warnings
+from collections import abc, defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, cast, overload
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+
+import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
+
+__all__ = ["GradScaler", "ScalerMode", "StepMode"]
+
+logger = logging.getLogger(__name__)
+
+# Extra state_dict entries live under this one key: torch's load_state_dict reads only the
+# five keys it writes, so a state_dict of ours loads into torch's scaler unchanged.
+_STATE_KEY = "amp_fx"
+_STATE_CREATED = "optimizer state was created"
+
+
+class ScalerMode(enum.Enum):
+    """What the scaler does to the loss.
+
+    * ``DYNAMIC``: multiply the loss by a scale that backs off on overflow and grows after
+      ``growth_interval`` clean steps (torch's behaviour; what fp16 needs).
+    * ``CHECK_ONLY``: the scale is 1.0 forever; the scaler only checks gradients and skips
+      non-finite steps (bf16 and fp32 need no scaling). ``scale()`` returns its input,
+      gradients are not multiplied, fp16 gradients are accepted, growth and back-off settings
+      are ignored.
+    """
+
+    DYNAMIC = "dynamic"
+    CHECK_ONLY = "check_only"
+
+
+class StepMode(enum.Enum):
+    """How ``step()`` skips a non-finite step for optimizers that cannot skip on their own.
+
+    * ``HOST_SYNC``: read the found-inf flag on the host (``.item()``) and skip
+      ``optimizer.step()`` (torch's behaviour).
+    * ``MASKED``: always call ``optimizer.step()``, having copied the parameters and the
+      optimizer's tensor state beforehand, then select ``where(found_inf, old, new)`` on the
+      device. No host sync; costs one extra copy of every parameter and state tensor of the
+      optimizer for the duration of ``step()``.
+
+    Either way, optimizers with ``_step_supports_amp_scaling`` (``fused=True``) receive
+    ``grad_scale``/``found_inf`` and skip on the device themselves.
+    """
+
+    HOST_SYNC = "host_sync"
+    MASKED = "masked"
+
+
+# --------------------------------------------------------------------------------------------
+# Unscale kernel. amp_fx.kernels.unscale provides a fused check+unscale with the semantics of
+# torch._amp_foreach_non_finite_check_and_unscale_; until it is importable we fall back to
+# torch's kernel, grouped by dtype as torch's foreach kernels require.
+# --------------------------------------------------------------------------------------------
+_UnscaleFn = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
+
+
+def _torch_unscale_check_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    per_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        per_dtype[g.dtype].append(g)
+    for group in per_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+
+
+@functools.cache
+def _unscale_kernel() -> _UnscaleFn:
+    try:
+        from amp_fx.kernels.unscale import unscale_check_
+    except ImportError:
+        logger.debug("amp_fx.kernels.unscale not available; using torch's unscale kernel")
+        return _torch_unscale_check_
+    return cast(_UnscaleFn, unscale_check_)
+
+
+# --------------------------------------------------------------------------------------------
+# Masked step helpers.
+# --------------------------------------------------------------------------------------------
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A non_blocking device-to-host copy returns before the data lands, and the CPU op that
+    # reads it next would race with it; only copies to an accelerator may be asynchronous.
+    return t.to(device=device, non_blocking=device.type != "cpu", copy=True)
+
+
+def _combine_found_inf(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Combine per-device flags with max, not sum: the result stays exactly 0.0 or 1.0.
+
+    torch sums them; with grads on two devices that can give 2.0, which fused optimizer
+    kernels (they skip only when found_inf == 1.0) would not treat as a skip.
+    """
+    combined = _to_device(flags[0], device) if flags[0].device != device else flags[0].clone()
+    for f in flags[1:]:
+        combined = torch.maximum(combined, f.to(device=device, non_blocking=True))
+    return combined
+
+
+def _same_value(before: Any, after: Any) -> bool:
+    """Whether a non-tensor state value is unchanged, without reading any tensor's value.
+
+    Identity first (an untouched entry), then equality for plain scalars and tuples of them
+    (``state["step"] += 1`` on a Python int rebinds it). A mutable object changed in place
+    keeps its identity and is not detected.
+    """
+    if before is after:
+        return True
+    if isinstance(before, (tuple, list)) and isinstance(after, (tuple, list)):
+        return len(before) == len(after) and all(map(_same_value, before, after))
+    scalars = (bool, int, float, complex, str, type(None))
+    return isinstance(before, scalars) and isinstance(after, scalars) and before == after
+
+
+class _Snapshot:
+    """Copies of an optimizer's parameters and state, to undo a step on the device.
+
+    Holds one clone of every parameter in ``optimizer.param_groups`` and of every tensor in
+    ``optimizer.state`` for them; that is the memory cost of ``StepMode.MASKED``.
+    Structure (which state entries exist, non-tensor values, param-group hyperparameters)
+    is recorded too: a step that changes it cannot be undone on the device and needs the
+    flag on the host.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+        with torch.no_grad():
+            self.saved_params = [p.detach().clone() for p in self.params]
+            # state entry per param: None if absent, else {key: (live object, saved copy)}.
+            self.state: list[dict[str, tuple[Any, Any]] | None] = []
+            for p in self.params:
+                entry = optimizer.state.get(p)  # .get: the defaultdict must not grow here
+                if entry is None:
+                    self.state.append(None)
+                    continue
+                self.state.append(
+                    {
+                        k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in entry.items()
+                    }
+                )
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+    def needs_host_decision(self) -> str | None:
+        """Why the step just taken cannot be undone on the device, or None if it can."""
+        opt = self.optimizer
+        for p, before in zip(self.params, self.state):
+            after = opt.state.get(p)
+            if before is None:
+                if after:
+                    return _STATE_CREATED
+                continue
+            if after is None or after.keys() != before.keys():
+                return "optimizer state keys changed"
+            for k, (live, _) in before.items():
+                now = after[k]
+                if isinstance(live, torch.Tensor):
+                    if not isinstance(now, torch.Tensor) or (
+                        now is not live
+                        and (now.shape, now.dtype, now.device) != (live.shape, live.dtype, live.device)
+                    ):
+                        return f"state tensor {k!r} was replaced by one of another kind"
+                elif not _same_value(live, now):
+                    return f"non-tensor state {k!r} changed ({live!r} -> {now!r})"
+        for g, before_g in zip(opt.param_groups, self.groups):
+            for k, v in before_g.items():
+                if k not in g or not _same_value(v, g[k]):
+                    return f"param_group entry {k!r} changed"
+        return None
+
+    def restore_where(self, found_inf: torch.Tensor) -> None:
+        """Put back the saved values where ``found_inf`` is non-zero, on the device."""
+        masks = _MultiDeviceReplicator(found_inf != 0)
+        state = self.optimizer.state
+        with torch.no_grad():
+            for p, old in zip(self.params, self.saved_params):
+                torch.where(masks.get(p.device), old, p, out=p)
+            for p, before in zip(self.params, self.state):
+                if before is None:
+                    continue
+                entry = state[p]
+                for k, (live, old) in before.items():
+                    if not isinstance(live, torch.Tensor):
+                        continue
+                    now = entry[k]
+                    if now is live:
+                        torch.where(masks.get(now.device), old, now, out=now)
+                    else:  # the optimizer rebound the key to a new tensor of the same kind
+                        entry[k] = torch.where(masks.get(now.device), old, now)
+
+    def restore_all(self) -> None:
+        """Undo the step completely (after the flag was read on the host)."""
+        state = self.optimizer.state
+        with torch.no_grad():
+            for p, old in zip(self.params, self.saved_params):
+                p.copy_(old)
+            for p, before in zip(self.params, self.state):
+                if before is None:
+                    state.pop(p, None)
+                    continue
+                entry = state[p]
+                entry.clear()
+                for k, (live, old) in before.items():
+                    if isinstance(live, torch.Tensor):
+                        live.copy_(old)
+                    entry[k] = live
+        for g, before_g in zip(self.optimizer.param_groups, self.groups):
+            g.update(before_g)
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Gradient scaler for mixed precision: ``torch.amp.GradScaler`` plus sync-free stepping.
+
+    The positional arguments and every method behave as in ``torch.amp.GradScaler`` (see its
+    documentation); with no keyword-only argument given the two scalers produce the same
+    scale, growth tracker and parameters bit for bit. The one default difference: a scale
+    whose reciprocal is not finite skips the step instead of producing NaN parameters.
+
+    Args:
+        device: device type, ``"cuda"`` (default, like torch) or ``"cpu"``. As in torch, a
+            ``"cuda"`` scaler on a machine without CUDA warns and disables itself.
+        init_scale: initial scale (``2**16``).
+        growth_factor: multiplier after ``growth_interval`` clean steps; must be > 1.
+        backoff_factor: multiplier on an overflow; must be < 1.
+        growth_interval: clean steps needed to grow the scale.
+        enabled: if False, ``scale`` returns its input, ``step`` calls ``optimizer.step()``,
+            the other methods do nothing and ``state_dict()`` is ``{}``.
+        mode: ``ScalerMode.DYNAMIC`` (torch) or ``ScalerMode.CHECK_ONLY`` (scale fixed at 1).
+        step_mode: ``StepMode.HOST_SYNC`` (torch) or ``StepMode.MASKED`` (no host sync).
+        min_scale: lower bound for back-offs (``None``: no bound, as in torch).
+        max_scale: upper bound for growth (``None``: only the float32 range, as in torch).
+        hysteresis: overflows since the last growth before the scale backs off (Megatron-LM's
+            definition); 1 (default) backs off on every overflow, as torch does.
+        consecutive_hysteresis: refill the hysteresis budget on every clean step, so only
+            ``hysteresis`` overflows in a row back off (DeepSpeed's option).
+
+    Example::
+
+        >>> import torch
+        >>> from amp_fx.scaler import GradScaler, StepMode
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> scaler = GradScaler("cpu", step_mode=StepMode.MASKED, min_scale=1.0)
+        >>> loss = model(torch.randn(8, 4)).square().mean()
+        >>> scaler.scale(loss).backward()
+        >>> scaler.unscale_(opt)  # optional: to clip the unscaled gradients
+        >>> norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> scaler.step(opt)
+        >>> scaler.update()
+        >>> int(scaler.skipped_steps)
+        0
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        mode: ScalerMode = ScalerMode.DYNAMIC,
+        step_mode: StepMode = StepMode.HOST_SYNC,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+    ) -> None:
+        # torch.amp.GradScaler.__init__ is deliberately not called: it would warn with a stack
+        # level pointing into this file. The same attributes are set here instead.
+        self._device = device
+        self._enabled = enabled
+        if self._device == "cuda":
+            if enabled and torch.cuda.amp.common.amp_definitely_not_available():
+                warnings.warn(
+                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                    stacklevel=2,
+                )
+                self._enabled = False
+        if not isinstance(mode, ScalerMode):
+            raise TypeError(f"mode must be a ScalerMode, got {mode!r}")
+        if not isinstance(step_mode, StepMode):
+            raise TypeError(f"step_mode must be a StepMode, got {step_mode!r}")
+        if self._enabled:
+            # torch raises AssertionError for these two; users may catch that type.
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+        self._mode = mode
+        self._step_mode = step_mode
+        self._min_scale, self._max_scale = _validate_bounds(min_scale, max_scale, init_scale, mode)
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
+        self._hysteresis = hysteresis
+        self._consecutive_hysteresis = bool(consecutive_hysteresis)
+
+        self._init_scale = 1.0 if mode is ScalerMode.CHECK_ONLY else init_scale
+        self._scale: torch.Tensor | None = None
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = 0
+        self._growth_tracker: torch.Tensor | None = None
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
+            _refresh_per_optimizer_state
+        )
+        # amp_fx's own device state, created next to the scale at the first scale().
+        self._init_hysteresis_tracker = hysteresis
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._init_skipped_steps = 0
+        self._skipped_steps: torch.Tensor | None = None
+        self._last_found_inf: torch.Tensor | None = None
+        # Optimizers (by id) already warned about a host sync in the masked step.
+        self._warned_sync: set[int] = set()
+
+    # ---------------------------------------------------------------- configuration
+    @property
+    def mode(self) -> ScalerMode:
+        """The ``ScalerMode`` given to the constructor."""
+        return self._mode
+
+    @property
+    def step_mode(self) -> StepMode:
+        """The ``StepMode`` given to the constructor."""
+        return self._step_mode
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """0-dim int64 tensor: iterations whose ``update()`` saw a non-finite gradient.
+
+        Lives on the scale's device and is updated without a host sync; reading its value
+        (``int(...)``) is the caller's sync. It counts iterations, not optimizers: with several
+        optimizers an iteration counts once if any of them found a non-finite gradient.
+        """
+        if self._skipped_steps is None:
+            return torch.tensor(self._init_skipped_steps if self._enabled else 0, dtype=torch.int64)
+        return self._skipped_steps.clone()
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """0-dim bool tensor: whether the last ``update()`` saw a non-finite gradient.
+
+        Use it to hold back an LR scheduler on skipped steps without a sync, e.g.
+        ``lr_factor = torch.where(scaler.last_step_skipped, 0.0, 1.0)``.
+        """
+        if self._last_found_inf is None:
+            return torch.tensor(False)
+        return self._last_found_inf != 0
+
+    # ---------------------------------------------------------------- lazy state
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return (self._scale, self._growth_tracker)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
+        )
+        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def _inv_scale_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inv_scale`` as torch computes it, and a found_inf initialised to "inv_scale is
+        not finite": a collapsed scale then skips the step (torch's kernel checks the scaled
+        gradient before multiplying, so ``0 * inf = NaN`` would pass)."""
+        scale = self._scale
+        assert scale is not None
+        if self._mode is ScalerMode.CHECK_ONLY:
+            one = torch.ones((), dtype=torch.float32, device=scale.device)
+            return one, torch.zeros((), dtype=torch.float32, device=scale.device)
+        # FP32 division can be imprecise for certain compile options, so torch carries out the
+        # reciprocal in FP64 (not on MPS, which has no FP64).
+        if scale.device != torch.device("mps:0"):
+            inv_scale = scale.double().reciprocal().float()
+        else:
+            inv_scale = scale.reciprocal()
+        found_inf = (~torch.isfinite(inv_scale)).to(torch.float32)
+        return inv_scale, found_inf
+
+    # ---------------------------------------------------------------- scale
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(
+        self, outputs: torch.Tensor | Iterable[torch.Tensor]
+    ) -> torch.Tensor | Iterable[torch.Tensor]:
+        """Multiply a tensor or (nested) iterable of tensors by the scale.
+
+        Returns ``outputs`` unchanged when disabled or in ``ScalerMode.CHECK_ONLY`` (the
+        scale state is still created, on the device of the first tensor).
+        """
+        if not self._enabled:
+            return outputs
+        multiply = self._mode is ScalerMode.DYNAMIC
+
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            assert self._scale is not None
+            if not multiply:
+                return outputs
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+
+        stash: list[_MultiDeviceReplicator] = []
+
+        def apply_scale(val: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+            if isinstance(val, torch.Tensor):
+                if len(stash) == 0:
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    assert self._scale is not None
+                    stash.append(_MultiDeviceReplicator(self._scale))
+                return val * stash[0].get(val.device) if multiply else val
+            if isinstance(val, abc.Iterable):
+                iterable = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(iterable)
+                return iterable
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    # ---------------------------------------------------------------- unscale
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Check and unscale the optimizer's gradients in place; found_inf per device.
+
+        Same contract as torch's (subclasses such as FSDP's sharded scaler override it):
+        ``found_inf`` and ``inv_scale`` are copied to each gradient device, gradients of one
+        device go to one kernel call, sparse gradients are handled through ``_values()``.
+        """
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(
+                            f"expected param to be torch.Tensor, got {type(param).__name__}"
+                        )
+                    if param.grad is None:
+                        continue
+                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if param.grad.is_sparse:
+                        # Coalescing adds values that share an index; for scaled fp16 values
+                        # that can overflow, so check the coalesced values (as torch does).
+                        if param.grad.dtype is torch.float16:
+                            param.grad = param.grad.coalesce()
+                        to_unscale = param.grad._values()
+                    else:
+                        to_unscale = param.grad
+                    per_device_grads[to_unscale.device].append(to_unscale)
+
+            kernel = _unscale_kernel()
+            for device, grads in per_device_grads.items():
+                kernel(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+
+        return per_device_found_inf._per_device_tensors
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and record non-finite ones.
+
+        Call it at most once per optimizer per ``step()``, after all gradients are
+        accumulated, e.g. to clip the unscaled gradients::
+
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(optimizer)
+            scaler.update()
+
+        Raises RuntimeError when called twice for one optimizer before ``update()`` or after
+        ``step()``, and ValueError for fp16 gradients (except in ``ScalerMode.CHECK_ONLY``,
+        which does not change gradients). No host sync.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        elif optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+
+        inv_scale, found_inf = self._inv_scale_and_guard()
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inv_scale, found_inf, self._mode is ScalerMode.CHECK_ONLY
+        )
+        optimizer_state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Check (without unscaling) the gradients of an optimizer that unscales itself."""
+        _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=_scale.device)
+        _, found_inf = self._inv_scale_and_guard()
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, dummy_inv_scale, found_inf, True
+        )
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    # ---------------------------------------------------------------- step
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> float | None:
+        # StepMode.HOST_SYNC: torch's host-side skip, one sync per device.
+        retval: float | None = None
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            retval = optimizer.step(*args, **kwargs)
+        return retval
+
+    def _masked_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        assert self._scale is not None
+        found_inf = _combine_found_inf(
+            list(optimizer_state["found_inf_per_device"].values()), self._scale.device
+        )
+        snapshot = _Snapshot(optimizer)
+        retval = optimizer.step(*args, **kwargs)
+        reason = snapshot.needs_host_decision()
+        if reason is None and found_inf.device.type != "cpu":
+            devices = {p.device for p in snapshot.params}
+            for entry in snapshot.state:
+                for live, _ in (entry or {}).values():
+                    if isinstance(live, torch.Tensor):
+                        devices.add(live.device)
+            if torch.device("cpu") in devices:
+                reason = "a parameter or state tensor is on the CPU (e.g. Adam's step without capturable=True)"
+        if reason is None:
+            snapshot.restore_where(found_inf)
+            return retval
+        # The step changed something that cannot be selected on the device, so decide on the
+        # host this once. Lazily created state (every optimizer's first step) is expected and
+        # logged at debug level; anything else would sync on every step, so say so once.
+        if reason == _STATE_CREATED:
+            logger.debug("masked step of %s reads found_inf on the host: %s", type(optimizer).__name__, reason)
+        elif id(optimizer) not in self._warned_sync:
+            self._warned_sync.add(id(optimizer))
+            logger.warning(
+                "masked step of %s reads found_inf on the host (a sync): %s", type(optimizer).__name__, reason
+            )
+        if found_inf.item():
+            snapshot.restore_all()
+        return retval
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` was called) and step the optimizer unless non-finite.
+
+        ``*args``/``**kwargs`` go to ``optimizer.step()``; closures are not supported. Returns
+        what ``optimizer.step()`` returned, or None when the step was skipped on the host.
+        In ``StepMode.MASKED`` the optimizer always steps (and its return value is returned);
+        a non-finite step is then undone on the device. Step hooks run either way.
+
+        Raises RuntimeError if ``step()`` was already called for this optimizer since the last
+        ``update()``.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_self_scaling(optimizer, optimizer_state, *args, **kwargs)
+
+        if optimizer_state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if len(optimizer_state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        if self._step_mode is StepMode.MASKED:
+            retval = self._masked_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        else:
+            retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    def _step_self_scaling(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Optimizers with ``_step_supports_amp_scaling`` unscale and skip on the device.
+
+        Same protocol as torch: a ``grad_scaler`` keyword for legacy optimizers, else the
+        ``grad_scale`` and ``found_inf`` attributes, set for the call and deleted after it.
+        """
+        kwargs_ = kwargs
+        has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        if has_grad_scaler_kwarg:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            kwargs_.update({"grad_scaler": self})
+        else:
+            if optimizer_state["stage"] is OptState.READY:
+                self._check_inf_per_device(optimizer)
+            scale = self._get_scale_async()
+            if scale is None:
+                raise AssertionError("_get_scale_async returned None")
+            found_inf = _combine_found_inf(
+                list(optimizer_state["found_inf_per_device"].values()), scale.device
+            )
+            # Product of the scales if the user already set optimizer.grad_scale (as torch).
+            optimizer.grad_scale = (  # type: ignore[attr-defined]
+                getattr(optimizer, "grad_scale", None)
+                if optimizer_state["stage"] == OptState.UNSCALED
+                else scale * getattr(optimizer, "grad_scale", 1)
+            )
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        retval = optimizer.step(*args, **kwargs_)
+        optimizer_state["stage"] = OptState.STEPPED
+        if not has_grad_scaler_kwarg:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        return retval
+
+    # ---------------------------------------------------------------- update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale from this iteration's found-inf flags (no host sync).
+
+        Backs off by ``backoff_factor`` (bounded by ``min_scale``, after ``hysteresis``
+        overflows) if any optimizer saw a non-finite gradient, grows by ``growth_factor``
+        (bounded by ``max_scale``, never to inf) after ``growth_interval`` clean steps. Also
+        updates ``skipped_steps`` and ``last_step_skipped``.
+
+        ``new_scale`` (a Python float, or a 1-element tensor of this scaler's device type
+        without grad) sets the scale instead, with torch's checks and errors. Not allowed in
+        ``ScalerMode.CHECK_ONLY``, whose scale is fixed.
+        """
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        assert self._hysteresis_tracker is not None
+        found_infs = [
+            found_inf
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        found_inf_combined = _combine_found_inf(found_infs, _scale.device) if found_infs else None
+
+        if new_scale is not None:
+            if self._mode is ScalerMode.CHECK_ONLY:
+                raise ValueError("update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0.")
+            if isinstance(new_scale, float):
+                self._scale.fill_(new_scale)  # type: ignore[union-attr]
+            else:
+                reason = (
+                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                    "torch.FloatTensor with requires_grad=False."
+                )
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                self._scale.copy_(new_scale)  # type: ignore[union-attr]
+        else:
+            if found_inf_combined is None:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            if self._mode is ScalerMode.DYNAMIC:
+                torch.ops.amp_fx.update_scale_(
+                    _scale,
+                    _growth_tracker,
+                    self._hysteresis_tracker,
+                    found_inf_combined,
+                    self._growth_factor,
+                    self._backoff_factor,
+                    self._growth_interval,
+                    self._min_scale,
+                    self._max_scale,
+                    self._hysteresis,
+                    self._consecutive_hysteresis,
+                )
+
+        if found_inf_combined is not None:
+            assert self._skipped_steps is not None and self._last_found_inf is not None
+            self._last_found_inf.copy_(found_inf_combined)
+            self._skipped_steps.add_((found_inf_combined != 0).to(torch.int64))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # ---------------------------------------------------------------- getters and setters
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync), 1.0 when disabled."""
+        if self._enabled:
+            scale = self._get_scale_async()
+            return self._init_scale if scale is None else cast(float, scale.item())
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        """The scale growth factor."""
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the scale growth factor (not validated, as in torch)."""
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        """The scale back-off factor."""
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the scale back-off factor (not validated, as in torch)."""
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        """The number of clean steps before the scale grows."""
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (not validated, as in torch)."""
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if self._enabled:
+            if self._growth_tracker is None:
+                return self._init_growth_tracker
+            return cast(int, self._growth_tracker.item())
+        return 0
+
+    def is_enabled(self) -> bool:
+        """Whether this scaler is enabled."""
+        return self._enabled
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state: torch's five entries plus ours under the key ``"amp_fx"``.
+
+        ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
+        ``_growth_tracker`` are torch's (Python numbers, read with a host sync); ``"amp_fx"``
+        holds ``skipped_steps``, ``hysteresis_tracker``, ``min_scale``, ``max_scale``,
+        ``hysteresis`` and ``consecutive_hysteresis``. torch's ``load_state_dict`` reads only
+        its own keys, so the dict loads into either scaler. ``{}`` when disabled.
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            _STATE_KEY: {
+                "skipped_steps": self._read_int(self._skipped_steps, self._init_skipped_steps),
+                "hysteresis_tracker": self._read_int(
+                    self._hysteresis_tracker, self._init_hysteresis_tracker
+                ),
+                "min_scale": self._min_scale,
+                "max_scale": self._max_scale,
+                "hysteresis": self._hysteresis,
+                "consecutive_hysteresis": self._consecutive_hysteresis,
+            },
+        }
+
+    @staticmethod
+    def _read_int(t: torch.Tensor | None, default: int) -> int:
+        return default if t is None else int(t.item())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` of this class or of ``torch.amp.GradScaler``.
+
+        A torch state_dict has no ``"amp_fx"`` entry: the skip counter and the hysteresis
+        budget then start afresh and this scaler keeps its own bounds. In
+        ``ScalerMode.CHECK_ONLY`` the loaded scale is ignored (the scale stays 1.0).
+        """
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        if self._mode is ScalerMode.DYNAMIC:
+            self._init_scale = cast(float, state_dict["scale"])
+            if self._scale is not None:
+                self._scale.fill_(state_dict["scale"])
+        elif state_dict["scale"] != 1.0:
+            logger.info("CHECK_ONLY scaler ignores the loaded scale %s", state_dict["scale"])
+        self._growth_factor = cast(float, state_dict["growth_factor"])
+        self._backoff_factor = cast(float, state_dict["backoff_factor"])
+        self._growth_interval = cast(int, state_dict["growth_interval"])
+        self._init_growth_tracker = cast(int, state_dict["_growth_tracker"])
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(state_dict["_growth_tracker"])
+
+        extra = state_dict.get(_STATE_KEY)
+        if extra is not None:
+            self._min_scale = float(extra["min_scale"])
+            self._max_scale = float(extra["max_scale"])
+            self._hysteresis = int(extra["hysteresis"])
+            self._consecutive_hysteresis = bool(extra["consecutive_hysteresis"])
+            skipped, hyst = int(extra["skipped_steps"]), int(extra["hysteresis_tracker"])
+        else:
+            skipped, hyst = 0, self._hysteresis
+        self._init_skipped_steps = skipped
+        self._init_hysteresis_tracker = hyst
+        if self._skipped_steps is not None:
+            self._skipped_steps.fill_(skipped)
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(hyst)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            # As torch: the tensors are re-created lazily after unpickling.
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_skipped_steps"] = self._read_int(self._skipped_steps, self._init_skipped_steps)
+            state["_init_hysteresis_tracker"] = self._read_int(
+                self._hysteresis_tracker, self._init_hysteresis_tracker
+            )
+            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_found_inf"):
+                state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _validate_bounds(
+    min_scale: float | None, max_scale: float | None, init_scale: float, mode: ScalerMode
+) -> tuple[float, float]:
+    """Bounds as floats (0.0 and inf mean none); errors name the offending value."""
+    lo = 0.0 if min_scale is None else float(min_scale)
+    hi = math.inf if max_scale is None else float(max_scale)
+    if min_scale is not None and not (0.0 < lo < math.inf):
+        raise ValueError(f"min_scale must be positive and finite, got {min_scale!r}")
+    if max_scale is not None and not (0.0 < hi <= torch.finfo(torch.float32).max):
+        raise ValueError(f"max_scale must be positive and within float32, got {max_scale!r}")
+    if lo > hi:
+        raise ValueError(f"min_scale ({lo}) must not exceed max_scale ({hi})")
+    if mode is ScalerMode.DYNAMIC and not (lo <= init_scale <= hi):
+        raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}]")
+    return lo, hi
