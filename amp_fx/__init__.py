@@ -1,0 +1,11 @@
+"""amp_fx: automatic mixed precision as a torch.compile graph pass.
+
+    model = amp_fx.compile(model, dtype="bf16")
+"""
+
+from amp_fx.compile import AmpCompiledModule, compile, records
+from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.policy import CastClass, Policy
+
+__all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError"]
+__version__ = "0.1.0"

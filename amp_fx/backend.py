@@ -1,0 +1,149 @@
+"""The torch.compile backend: capture, run the passes, hand the graph to the downstream backend.
+
+    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> --fold_casts--> downstream
+
+Every graph Dynamo captures (one per graph break) goes through the same pipeline, and each leaves
+a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from amp_fx.capture import capture, is_cacheable_leaf
+from amp_fx.passes.fold_casts import FoldRecord, fold_casts
+from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
+from amp_fx.policy import Policy
+
+__all__ = ["AmpBackend", "GraphRecord"]
+
+log = logging.getLogger("amp_fx")
+
+Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+@dataclass
+class GraphRecord:
+    """What the passes did to one captured graph."""
+
+    index: int
+    device_type: str
+    dtype: torch.dtype
+    dynamo_graph: torch.fx.GraphModule
+    captured: torch.fx.GraphModule
+    """The pre-dispatch ATen graph before the passes (a copy)."""
+    rewritten: torch.fx.GraphModule
+    """The graph handed to the downstream backend."""
+    inserted: InsertRecord
+    folded: FoldRecord
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def casts(self) -> int:
+        """Casts in the rewritten graph (inserted ones that survived folding, and the user's)."""
+        return sum(1 for n in self.rewritten.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
+
+    def summary_rows(self) -> list[list[object]]:
+        ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
+        return [[self.index, self.device_type, str(self.dtype).replace("torch.", ""), ops,
+                 self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
+                 ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
+                 self.casts]]
+
+    def __str__(self) -> str:
+        return summarize([self])
+
+
+_HEADERS = ["graph", "device", "dtype", "ops", "casts inserted", "leaf casts shared",
+            "casts folded", "folded by rule", "casts left"]
+
+
+def summarize(records: Sequence[GraphRecord]) -> str:
+    """A table of what the passes did, one row per captured graph."""
+    rows = [row for r in records for row in r.summary_rows()]
+    return tabulate(rows, headers=_HEADERS)
+
+
+def _downstream(backend: str | Backend) -> Backend:
+    if callable(backend):
+        return backend
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    return torch._dynamo.lookup_backend(backend)
+
+
+class AmpBackend:
+    """A torch.compile backend that rewrites each graph for mixed precision, then delegates.
+
+    Its identity (and so Dynamo's cache entries) is per (dtype, policy, downstream backend, fold).
+    """
+
+    def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
+                 fold: bool = True) -> None:
+        self.dtype = dtype
+        self.policy = policy
+        self.fold = fold
+        self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+        self._downstream = _downstream(backend)
+        self.records: list[GraphRecord] = []
+
+    def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
+        """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # Fakify through the backend's fake mode (the one AOTAutograd will use), not Dynamo's
+        # tracing one, so our fake values and the downstream trace agree (from_tensor memoizes).
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+        fake_args = []
+        for node, real in zip(placeholders, example_inputs, strict=True):
+            if isinstance(real, torch.Tensor):
+                fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
+            else:
+                fake_args.append(node.meta.get("example_value", real))
+        leaf_flags = [is_cacheable_leaf(r) for r in example_inputs]
+        device_type = graph_device_type(fake_args)
+        timings: dict[str, float] = {}
+
+        t0 = time.perf_counter()
+        with fake_mode:
+            captured = capture(gm, fake_args, policy=self.policy, device_type=device_type,
+                               leaf_flags=leaf_flags)
+        before = _copy_graph_module(captured)
+        t1 = time.perf_counter()
+        rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,
+                                           dtype=self.dtype, fake_mode=fake_mode)
+        t2 = time.perf_counter()
+        folded = FoldRecord()
+        if self.fold:
+            rewritten, folded = fold_casts(rewritten)
+        t3 = time.perf_counter()
+        timings.update(capture=t1 - t0, insert_casts=t2 - t1, fold_casts=t3 - t2)
+        record = GraphRecord(index=len(self.records), device_type=device_type, dtype=self.dtype,
+                             dynamo_graph=gm, captured=before, rewritten=rewritten,
+                             inserted=inserted, folded=folded, pass_seconds=timings)
+        log.debug("amp_fx graph %d:\n%s", record.index, record)
+        return record
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        record = self.rewrite(gm, example_inputs)
+        self.records.append(record)
+        return self._downstream(record.rewritten, example_inputs)
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env = graph.graph_copy(gm.graph, {})
+    graph.output(env)
+    return torch.fx.GraphModule(gm, graph)

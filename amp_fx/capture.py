@@ -1,0 +1,124 @@
+"""Capture: turn a graph Dynamo hands us into the ATen-level graph eager autocast would see.
+
+Why a pre-dispatch ATen graph and not Dynamo's torch-level graph: eager autocast decides at the
+``Autocast`` dispatch key, which sits above autograd and above the decomposition of
+CompositeImplicitAutograd ops. It sees ``aten::linear`` (and casts there), but it never sees
+``torch.einsum``: einsum has no autocast kernel, so it decomposes at the autograd key into
+``aten::bmm``, which autocast then casts. A torch-level graph would need a hand-written map from
+every torch function, method and alias onto those ATen names, and would still miss the
+decompositions. Tracing with ``make_fx(pre_dispatch=True)`` records ops at the ``PreDispatch`` key,
+above both, and a decomposition table that expands exactly the composite ops the policy does not
+claim reproduces what the dispatcher does under autocast: ``linear`` stays ``linear``,
+``einsum`` becomes ``bmm``, ``layer_norm`` on CPU becomes ``native_layer_norm``.
+
+Contract of :func:`capture`:
+    input: a callable (usually Dynamo's ``GraphModule``) and fake example inputs;
+    output: a ``GraphModule`` of ATen ``OpOverload`` calls with ``meta["val"]`` on every node,
+    ``meta["nn_module_stack"]`` copied from Dynamo's nodes, and ``meta["amp_fx_leaf"] = True`` on
+    placeholders whose tensor is an fp32-capable leaf that requires grad (eager autocast's cast
+    cache applies to exactly those).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from typing import Any
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import autograd_would_have_decomposed
+from torch.utils._pytree import tree_flatten
+
+from amp_fx.policy import Policy
+
+__all__ = ["capture", "is_cacheable_leaf", "module_path", "module_stack"]
+
+
+def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    def decomp(*args: Any, **kwargs: Any) -> Any:
+        flat, _ = tree_flatten((args, kwargs))
+        if not autograd_would_have_decomposed(op, flat):
+            return NotImplemented
+        return op.decompose(*args, **kwargs)
+
+    return decomp
+
+
+@cache
+def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Callable[..., Any]]:
+    """Composite ops the policy does not claim, decomposed as autograd would (see module doc)."""
+    claimed = policy.table(device_type)
+    table: dict[Any, Callable[..., Any]] = {}
+    for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
+        if name in claimed or not name.startswith("aten::"):
+            continue
+        packet_name, _, overload = name[len("aten::"):].partition(".")
+        try:
+            op = getattr(getattr(torch.ops.aten, packet_name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+        table[op] = _decompose_like_autograd(op)
+    return table
+
+
+def capture(
+    fn: Callable[..., Any],
+    fake_args: Sequence[Any],
+    *,
+    policy: Policy,
+    device_type: str,
+    leaf_flags: Sequence[bool],
+) -> torch.fx.GraphModule:
+    """Trace ``fn`` on ``fake_args`` into a pre-dispatch ATen graph (contract in the module doc)."""
+    decompositions = _decomposition_table(policy, device_type)
+
+    def run(*args: Any) -> Any:
+        if isinstance(fn, torch.fx.GraphModule):
+            with fx_traceback.preserve_node_meta():
+                return torch.fx.Interpreter(fn).run(*args)
+        return fn(*args)
+
+    gm = make_fx(run, pre_dispatch=True, decomposition_table=decompositions)(*fake_args)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, is_leaf in zip(placeholders, leaf_flags, strict=True):
+        node.meta["amp_fx_leaf"] = is_leaf
+    return gm
+
+
+def is_cacheable_leaf(t: object) -> bool:
+    """Eager autocast's cast cache condition, minus the dtype test done at cast time."""
+    return (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
+            and not t._is_view())
+
+
+_GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
+
+
+def module_path(source: str) -> str:
+    """Normalise Dynamo's module source name (``L['self'].layers[0]``) to ``layers.0``."""
+    while True:
+        m = _GETATTR.search(source)
+        if m is None:
+            break
+        source = source[:m.start()] + f"{m.group(1)}.{m.group(2)}" + source[m.end():]
+    source = re.sub(r"^[LG]\['[^']*'\]", "", source)
+    source = re.sub(r"\._modules\['([^']*)'\]", r".\1", source)
+    source = re.sub(r"\[['\"]?([^'\"\]]*)['\"]?\]", r".\1", source)
+    return ".".join(p for p in source.split(".") if p)
+
+
+def module_stack(node: torch.fx.Node) -> tuple[tuple[str, type], ...]:
+    """The node's enclosing modules, outermost first, as (qualified path, type)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        source, mtype = value[0], value[1]
+        if isinstance(mtype, str):  # some torch versions record the type's name only
+            continue
+        out.append((module_path(source), mtype))
+    return tuple(out)
+

@@ -1,0 +1,160 @@
+"""amp_fx.compile: torch.compile with the autocast policy applied as a graph pass."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch._dynamo
+
+from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
+from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.policy import Policy, resolve_dtype
+
+__all__ = ["compile", "AmpCompiledModule", "records"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _unwrap_backend_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Re-raise amp_fx's own errors instead of Dynamo's BackendCompilerFailed wrapper."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, (AmpFxError, ValueError)):
+                raise inner from None
+            raise
+    return call
+
+
+class AmpCompiledModule(torch.nn.Module):
+    """The module :func:`compile` returns: the original's parameters, buffers and submodules.
+
+    It shares the original module's ``_parameters``, ``_buffers`` and ``_modules`` dicts, so
+    ``state_dict()`` keys, parameter objects and buffers are the original's: a state_dict of
+    either loads into the other, and an optimizer built on either trains both. Attributes it does
+    not define are read from the original module.
+    """
+
+    def __init__(self, module: torch.nn.Module, backend: AmpBackend, compile_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+            self.__dict__[name] = module.__dict__[name]
+        self.__dict__["_amp_fx_original"] = module
+        self.__dict__["_amp_fx_backend"] = backend
+        compiled = torch.compile(module, backend=backend, **compile_kwargs)
+        self.__dict__["_amp_fx_forward"] = _unwrap_backend_errors(compiled)
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._amp_fx_forward(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AmpCompiledModule:
+        self._amp_fx_original.train(mode)
+        return super().train(mode)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_amp_fx_original"], name)
+
+    @property
+    def original_module(self) -> torch.nn.Module:
+        """The module that was compiled (shares all state with this one)."""
+        return self._amp_fx_original
+
+    @property
+    def amp_fx_records(self) -> list[GraphRecord]:
+        """One record per graph captured so far (filled in when the module first runs)."""
+        return self._amp_fx_backend.records
+
+    def amp_fx_summary(self) -> str:
+        """A table of what the passes did to each captured graph."""
+        return summarize(self._amp_fx_backend.records)
+
+
+def _check_keep_fp32(policy: Policy, model: object) -> None:
+    names = [s for s in policy.keep_fp32 if isinstance(s, str)]
+    if not names:
+        return
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"amp_fx: Policy.keep_fp32 names submodules {names}, but {model!r} is a "
+                         "function, not an nn.Module")
+    known = {n for n, _ in model.named_modules() if n}
+    for name in names:
+        if name not in known:
+            close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
+            hint = f" (did you mean {close}?)" if close else ""
+            raise ValueError(f"amp_fx: Policy.keep_fp32 names submodule {name!r}, which "
+                             f"{type(model).__name__} does not have{hint}")
+
+
+def compile(
+    model_or_fn: F,
+    *,
+    dtype: str | torch.dtype = "bf16",
+    policy: Policy | None = None,
+    backend: str | Backend = "inductor",
+    fold: bool = True,
+    **torch_compile_kwargs: Any,
+) -> F:
+    """Compile a module or function with mixed precision inserted into its graphs.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a callable.
+        dtype: the lower-precision dtype: "bf16"/"bfloat16"/torch.bfloat16 or
+            "fp16"/"float16"/torch.float16.
+        policy: overrides of eager autocast's op tables and fp32-kept submodules.
+        backend: any torch.compile backend ("inductor", "aot_eager", "eager", or a callable);
+            amp_fx rewrites each captured graph, then hands it on.
+        fold: run the value-preserving cast-folding pass.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+
+    Returns:
+        For a module, an :class:`AmpCompiledModule` sharing the module's parameters, buffers and
+        state_dict keys; for a function, the compiled function.
+
+    Example:
+        >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="bf16", backend="aot_eager")
+        >>> model(torch.randn(2, 4)).dtype
+        torch.bfloat16
+    """
+    lower = resolve_dtype(dtype)
+    policy = Policy() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(policy).__name__}")
+    if "backend" in torch_compile_kwargs or "mode" in torch_compile_kwargs and backend != "inductor":
+        raise ValueError("amp_fx: pass the downstream backend as backend=...; 'mode' only applies "
+                         "to backend='inductor'")
+    if not callable(model_or_fn):
+        raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
+                        f"{type(model_or_fn).__name__}")
+    _check_keep_fp32(policy, model_or_fn)
+    amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold)
+    if isinstance(model_or_fn, torch.nn.Module):
+        _check_devices(model_or_fn)
+        return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
+    compiled = _unwrap_backend_errors(torch.compile(model_or_fn, backend=amp_backend, **torch_compile_kwargs))
+    compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
+    return compiled  # type: ignore[return-value]
+
+
+def _check_devices(module: torch.nn.Module) -> None:
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t.device.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(f"amp_fx: {name} is on device {t.device}, which amp_fx has no autocast "
+                             "policy for; supported device types are 'cpu' and 'cuda'")
+
+
+def records(compiled: object) -> list[GraphRecord]:
+    """The per-graph records of a module or function returned by :func:`compile`."""
+    found = getattr(compiled, "amp_fx_records", None)
+    if found is None:
+        raise TypeError(f"amp_fx: {compiled!r} was not returned by amp_fx.compile")
+    return found

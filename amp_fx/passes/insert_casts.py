@@ -1,0 +1,245 @@
+"""insert_casts: apply the autocast policy to a captured ATen graph by inserting explicit casts.
+
+Assumes (what :func:`amp_fx.capture.capture` guarantees): every ``call_function`` node targets an
+ATen ``OpOverload`` or a Python callable such as ``operator.getitem``; every node has
+``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``.
+
+Guarantees:
+    * for each op the policy classifies, the op receives exactly the inputs eager autocast would
+      give it: the same ``aten._to_copy(x, dtype=...)`` casts on the same eligible tensors
+      (floating point, not float64, on the autocast device), ``dtype=float32`` set on
+      ``FP32_SET_OPT_DTYPE`` ops, the dtype-taking overload for ``FP32_APPEND_DTYPE`` ops;
+    * a lower-precision cast of an fp32 leaf that requires grad is shared by all its uses, as
+      eager autocast's cast cache does, so the uses' gradients add up before the cast back to
+      fp32 (``Policy(cast_cache=False)`` turns this off); every other cast is per use;
+    * float64 and non-floating tensors are never cast; casts already in the graph are kept;
+      ops that mutate or alias an input are never given a cast copy of that input;
+    * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
+      has at run time; each op node gets ``meta["amp_fx_decision"]`` (its cast class and the rule
+      that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``;
+    * the graph lints.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from amp_fx.capture import module_stack
+from amp_fx.policy import APPEND_DTYPE_REDISPATCH, CastClass, Decision, Policy, _op_from_name
+
+__all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
+
+CAST_OP = torch.ops.aten._to_copy.default
+
+
+class AmpFxError(RuntimeError):
+    """An op or input that amp_fx refuses, with the node that caused it."""
+
+
+@dataclass
+class InsertRecord:
+    """What insert_casts did to one graph."""
+
+    casts_inserted: int = 0
+    casts_shared: int = 0
+    """Uses served by an existing cached leaf cast (eager autocast's cast cache)."""
+    ops_by_class: Counter[str] = field(default_factory=Counter)
+    dtype_args_set: int = 0
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def _eligible(val: Any, device_type: str) -> bool:
+    """at::autocast::is_eligible: defined, floating point, not float64, on the autocast device."""
+    return (isinstance(val, torch.Tensor) and val.is_floating_point()
+            and val.dtype is not torch.float64 and val.device.type == device_type)
+
+
+def _touches_alias(op: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None for a in op._schema.arguments)
+
+
+class _Rewriter:
+    def __init__(self, gm: torch.fx.GraphModule, policy: Policy, device_type: str,
+                 dtype: torch.dtype, fake_mode: FakeTensorMode) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.policy = policy
+        self.device_type = device_type
+        self.lower = dtype
+        self.fake_mode = fake_mode
+        self.cache: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.record = InsertRecord()
+
+    def cast(self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node, why: str) -> torch.fx.Node:
+        """at::autocast::cached_cast for one tensor-valued node (eligibility checked by caller)."""
+        val = _val(arg)
+        cacheable = (self.policy.cast_cache and to == self.lower and val.dtype == torch.float32
+                     and arg.op == "placeholder" and arg.meta.get("amp_fx_leaf", False))
+        if cacheable and arg in self.cache:
+            self.record.casts_shared += 1
+            return self.cache[arg]
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(CAST_OP, (arg,), {"dtype": to})
+        with self.fake_mode:
+            node.meta["val"] = CAST_OP(val, dtype=to)
+        node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+        node.meta["amp_fx_cast"] = "inserted"
+        node.meta["amp_fx_cast_reason"] = why
+        node.meta["amp_fx_cached"] = cacheable
+        self.record.casts_inserted += 1
+        if cacheable:
+            self.cache[arg] = node
+        return node
+
+    def cast_args(self, node: torch.fx.Node, to_type_of: Any, why: str) -> None:
+        """Cast every eligible tensor argument (in lists too) whose dtype differs from the target."""
+        def visit(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                v = _val(a)
+                if _eligible(v, self.device_type):
+                    to = to_type_of(v)
+                    if v.dtype != to:
+                        return self.cast(a, to, node, why)
+            return a
+
+        node.args = tuple(_map_nodes(visit, a) for a in node.args)
+        node.kwargs = {k: _map_nodes(visit, v) for k, v in node.kwargs.items()}
+
+    def promote_type(self, node: torch.fx.Node) -> torch.dtype:
+        """at::autocast::promote_type: float32 wins over the lower dtype; float64 is ignored."""
+        current = self.lower
+        for a in node.all_input_nodes:
+            v = _val(a)
+            if not _eligible(v, self.device_type):
+                continue
+            if current == torch.float32 or v.dtype == torch.float32:
+                current = torch.float32
+            elif v.dtype != self.lower:
+                raise AmpFxError(
+                    f"amp_fx: {node.format_node()} mixes {v.dtype} with {self.lower} autocast; "
+                    "eager autocast raises 'Unexpected floating ScalarType in "
+                    "at::autocast::prioritize' here too")
+        return current
+
+    def apply(self, node: torch.fx.Node, decision: Decision) -> None:
+        cls = decision.cast_class
+        if cls is CastClass.LOWER_PRECISION_FP:
+            self.cast_args(node, lambda v: self.lower, decision.reason)
+        elif cls is CastClass.FP32:
+            self.cast_args(node, lambda v: torch.float32, decision.reason)
+        elif cls is CastClass.PROMOTE:
+            to = self.promote_type(node)
+            self.cast_args(node, lambda v: to, decision.reason)
+        elif cls is CastClass.FP32_SET_OPT_DTYPE:
+            self.set_opt_dtype(node)
+        elif cls is CastClass.FP32_APPEND_DTYPE:
+            self.append_dtype(node)
+        elif cls is CastClass.BANNED:
+            raise AmpFxError(
+                f"amp_fx: {node.target} is unsafe to autocast ({decision.reason}), as in eager "
+                "autocast: torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
+                "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
+                "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+
+    def set_opt_dtype(self, node: torch.fx.Node) -> None:
+        if not node.args or not _eligible(_val(node.args[0]), self.device_type):
+            return
+        schema = node.target._schema
+        index, arg = next((i, a) for i, a in enumerate(schema.arguments) if a.name == "dtype")
+        given = node.kwargs.get("dtype") if arg.kwarg_only or index >= len(node.args) else node.args[index]
+        if given is None:
+            if not arg.kwarg_only and index < len(node.args):
+                args = list(node.args)
+                args[index] = torch.float32
+                node.args = tuple(args)
+            else:
+                node.kwargs = {**node.kwargs, "dtype": torch.float32}
+            self.record.dtype_args_set += 1
+
+    def append_dtype(self, node: torch.fx.Node) -> None:
+        target = _op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
+        schema = node.target._schema
+        args = list(node.args)
+        for a in schema.arguments[len(args):]:
+            args.append(node.kwargs.get(a.name, a.default_value))
+        first = _val(node.args[0])
+        out = torch.float32 if _eligible(first, self.device_type) else first.dtype
+        node.target = target
+        node.args = tuple(args)
+        node.kwargs = {"dtype": out}
+        self.record.dtype_args_set += 1
+
+    def refresh_val(self, node: torch.fx.Node) -> None:
+        """Recompute meta["val"] from the (possibly recast) inputs, as the op will run."""
+        args = tree_map(_val, node.args)
+        kwargs = tree_map(_val, node.kwargs)
+        with self.fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+    def run(self) -> InsertRecord:
+        for node in list(self.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if isinstance(node.target, torch._ops.OpOverload):
+                decision = self.decide(node)
+                node.meta["amp_fx_decision"] = decision
+                self.record.ops_by_class[decision.cast_class.value] += 1
+                self.apply(node, decision)
+            self.refresh_val(node)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.record
+
+    def decide(self, node: torch.fx.Node) -> Decision:
+        op = node.target
+        if node.meta.get("amp_fx_cast") == "inserted":
+            return Decision(CastClass.NONE, "cast inserted by amp_fx")
+        decision = self.policy.classify(op, self.device_type, module_stack(node))
+        if decision.cast_class is CastClass.FP32 and "kept by policy" in decision.reason:
+            # A kept module runs its compute in fp32; views and in-place ops keep their inputs,
+            # since a cast copy would break aliasing (a mutation would land on the copy).
+            if _touches_alias(op) or not any(_eligible(_val(a), self.device_type)
+                                             for a in node.all_input_nodes):
+                return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is")
+        return decision
+
+
+def _map_nodes(fn: Any, a: Any) -> Any:
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map_nodes(fn, x) for x in a)
+    return fn(a)
+
+
+def insert_casts(
+    gm: torch.fx.GraphModule,
+    *,
+    policy: Policy,
+    device_type: str,
+    dtype: torch.dtype,
+    fake_mode: FakeTensorMode,
+) -> tuple[torch.fx.GraphModule, InsertRecord]:
+    """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done."""
+    return gm, _Rewriter(gm, policy, device_type, dtype, fake_mode).run()
+
+
+def graph_device_type(vals: Sequence[Any]) -> str:
+    """The autocast device type for a graph: cuda if any input is on cuda, else cpu."""
+    types = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
+    unsupported = types - {"cpu", "cuda", "meta"}
+    if unsupported:
+        raise ValueError(
+            f"amp_fx: the model's tensors are on {sorted(unsupported)}, a device amp_fx has no "
+            "autocast policy for; supported device types are 'cpu' and 'cuda'")
+    return "cuda" if "cuda" in types else "cpu"
+

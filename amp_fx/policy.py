@@ -1,0 +1,310 @@
+"""The autocast policy as data: cast classes, torch's op tables, and user overrides.
+
+``CastClass`` mirrors ATen's ``at::autocast::CastPolicy`` (aten/src/ATen/autocast_mode.h) plus the
+banned ops. The default tables reproduce the registrations of torch 2.13's ``AutocastCPU`` and
+``AutocastCUDA`` dispatch keys overload for overload; ``tests/test_policy.py`` checks them against
+``torch._C._dispatch_get_registrations_for_dispatch_key`` so a torch upgrade that moves an op fails
+loudly instead of silently drifting from eager autocast.
+
+A :class:`Policy` moves ops between classes and keeps chosen submodules in fp32:
+
+    >>> import torch
+    >>> p = Policy(op_classes={"aten.layer_norm": CastClass.FP32}, keep_fp32=("lm_head",))
+    >>> p.classify(torch.ops.aten.layer_norm.default, "cpu", ()).cast_class
+    <CastClass.FP32: 'fp32'>
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from types import MappingProxyType
+from typing import Union
+
+import torch
+
+__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES"]
+
+
+class CastClass(enum.Enum):
+    """How an op's floating-point inputs are cast (ATen's ``CastPolicy`` and the banned list)."""
+
+    LOWER_PRECISION_FP = "lower_precision_fp"
+    """Cast every eligible input to the autocast dtype (bf16/fp16)."""
+    FP32 = "fp32"
+    """Cast every eligible input to float32."""
+    FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"
+    """If the first input is eligible and the op's ``dtype`` argument is unset, set it to float32."""
+    FP32_APPEND_DTYPE = "fp32_append_dtype"
+    """Redispatch to the overload that takes an output dtype, with float32 (``norm`` only)."""
+    PROMOTE = "promote"
+    """Cast eligible inputs to the widest floating dtype among them."""
+    BANNED = "banned"
+    """Autocast refuses the op (binary_cross_entropy on CUDA)."""
+    NONE = "none"
+    """Not autocast: the op runs in whatever dtypes its inputs have (a policy can move ops here)."""
+
+
+OpLike = Union[str, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
+
+_LOWER = CastClass.LOWER_PRECISION_FP
+_FP32 = CastClass.FP32
+_SET = CastClass.FP32_SET_OPT_DTYPE
+_APPEND = CastClass.FP32_APPEND_DTYPE
+_PROMOTE = CastClass.PROMOTE
+
+
+def _table(**classes: str) -> Mapping[str, CastClass]:
+    out: dict[str, CastClass] = {}
+    for cls_name, names in classes.items():
+        for name in names.split():
+            out[f"aten::{name}"] = CastClass[cls_name]
+    return MappingProxyType(out)
+
+
+# Overload names as the dispatcher spells them ("aten::conv2d" is the default overload).
+# Source: KERNEL_CPU registrations in aten/src/ATen/autocast_mode.cpp (torch 2.13).
+_CPU_TABLE = _table(
+    LOWER_PRECISION_FP="""
+        conv1d conv1d.padding conv2d conv2d.padding conv3d conv3d.padding bmm mm linalg_vecdot
+        baddbmm addmm _addmm_activation addbmm linear _convolution.deprecated matmul conv_tbc
+        mkldnn_rnn_layer conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu
+        scaled_dot_product_attention _native_multi_head_attention""",
+    FP32="""
+        avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int quantile
+        quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d
+        _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky
+        cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
+        max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
+        replication_pad1d replication_pad2d replication_pad3d mse_loss cosine_embedding_loss
+        nll_loss nll_loss2d hinge_embedding_loss poisson_nll_loss smooth_l1_loss
+        cross_entropy_loss l1_loss huber_loss margin_ranking_loss soft_margin_loss
+        triplet_margin_loss multi_margin_loss ctc_loss.IntList ctc_loss.Tensor kl_div
+        multilabel_margin_loss binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2
+        fft_ifft2 fft_fftn fft_ifftn fft_rfft fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn
+        fft_hfft fft_ihfft linalg_cond linalg_cond.p_str linalg_matrix_rank
+        linalg_matrix_rank.tol_tensor linalg_matrix_rank.atol_rtol_tensor
+        linalg_matrix_rank.atol_rtol_float linalg_solve linalg_cholesky linalg_svdvals
+        linalg_eigvals linalg_eigvalsh linalg_inv linalg_householder_product linalg_tensorinv
+        linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd
+        triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
+        multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig
+        linalg_eigh linalg_lstsq linalg_inv_ex""",
+    PROMOTE="stack cat index_copy",
+)
+
+# Source: AT_FORALL_* lists in aten/src/ATen/autocast_mode.h and the Autocast (CUDA)
+# registrations in autocast_mode.cpp (torch 2.13).
+_CUDA_TABLE = _table(
+    LOWER_PRECISION_FP="""
+        _convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
+        conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul
+        einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
+        _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+        _scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution
+        cudnn_convolution_transpose""",
+    FP32="""
+        acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan
+        pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm
+        rms_norm group_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim cosine_similarity
+        poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div
+        l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss
+        soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits
+        dist pdist cdist renorm logsumexp upsample_nearest1d _upsample_nearest_exact1d
+        upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d
+        upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d
+        upsample_bicubic2d _upsample_bicubic2d_aa""",
+    FP32_SET_OPT_DTYPE="""
+        prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
+        linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList""",
+    FP32_APPEND_DTYPE="norm.Scalar norm.ScalarOpt_dim",
+    PROMOTE="addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add",
+    BANNED="binary_cross_entropy",
+)
+
+DEFAULT_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType(
+    {"cpu": _CPU_TABLE, "cuda": _CUDA_TABLE}
+)
+"""Eager autocast's op classes per device type, keyed by ``"aten::name[.overload]"``."""
+
+# fp32_append_dtype redispatch targets (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE).
+APPEND_DTYPE_REDISPATCH: Mapping[str, str] = MappingProxyType(
+    {"aten::norm.Scalar": "aten::norm.ScalarOpt_dtype",
+     "aten::norm.ScalarOpt_dim": "aten::norm.ScalarOpt_dim_dtype"}
+)
+
+_DTYPE_ALIASES: Mapping[object, torch.dtype] = MappingProxyType({
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    torch.float16: torch.float16,
+})
+
+
+def resolve_dtype(dtype: object) -> torch.dtype:
+    """Map the user's ``dtype`` argument to torch.bfloat16 or torch.float16, or raise ValueError."""
+    try:
+        return _DTYPE_ALIASES[dtype]
+    except (KeyError, TypeError):
+        accepted = '"bf16", "bfloat16", "fp16", "float16", "half", torch.bfloat16, torch.float16'
+        raise ValueError(f"amp_fx: unknown dtype {dtype!r}; accepted values are {accepted}") from None
+
+
+def op_name(op: torch._ops.OpOverload) -> str:
+    """The dispatcher name of an overload: ``aten::conv2d`` or ``aten::conv2d.padding``."""
+    return op.name()
+
+
+@cache
+def _op_from_name(name: str) -> torch._ops.OpOverload:
+    ns, _, rest = name.partition("::")
+    packet_name, _, overload = rest.partition(".")
+    packet = getattr(getattr(torch.ops, ns), packet_name)
+    return getattr(packet, overload or "default")
+
+
+def _normalize_op(op: OpLike) -> tuple[str, ...]:
+    """Resolve an op given as an overload, a packet or a string to its overloads' names."""
+    if isinstance(op, torch._ops.OpOverload):
+        return (op.name(),)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return tuple(getattr(op, o).name() for o in op.overloads())
+    if not isinstance(op, str):
+        raise TypeError(f"amp_fx: a policy op must be a string or a torch op, got {op!r}")
+    text = op.replace("torch.ops.", "")
+    ns, sep, rest = text.partition("::")
+    if not sep:
+        ns, sep, rest = text.partition(".")
+        if not sep:
+            ns, rest = "aten", text
+    packet_name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), packet_name)
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"amp_fx: the policy names op {op!r}, which does not exist") from None
+    if overload:
+        if overload not in packet.overloads():
+            raise ValueError(
+                f"amp_fx: the policy names op {op!r}, but {ns}::{packet_name} has no overload "
+                f"{overload!r} (it has {sorted(packet.overloads())})")
+        return (getattr(packet, overload).name(),)
+    return tuple(getattr(packet, o).name() for o in packet.overloads())
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why a node got its cast class: recorded on the node as ``meta["amp_fx_decision"]``."""
+
+    cast_class: CastClass
+    reason: str
+
+
+ModuleSelector = Union[str, type]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """User overrides on top of eager autocast's tables.
+
+    Args:
+        op_classes: ops moved to another :class:`CastClass`, keyed by overload
+            (``torch.ops.aten.layer_norm.default``), packet (``torch.ops.aten.layer_norm``: every
+            overload) or string (``"aten.layer_norm"``, ``"aten::conv2d.padding"``). Unknown ops
+            raise ValueError.
+        keep_fp32: submodules whose ops all run in float32, by qualified name (``"lm_head"``,
+            ``"blocks.0.attn"``; a name covers its descendants) or by type
+            (``torch.nn.LayerNorm``). Names are checked against the model at compile time.
+        cast_cache: share one lower-precision cast of each fp32 leaf tensor that requires grad
+            among all its uses in a graph, as eager autocast's cast cache does. Turning it off
+            casts per use (gradients of the uses then add up in fp32).
+
+    The policy is hashable and part of amp_fx's compile cache key.
+    """
+
+    op_classes: Mapping[OpLike, CastClass] = field(default_factory=dict)
+    keep_fp32: Sequence[ModuleSelector] = ()
+    cast_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op_classes, Mapping):
+            raise TypeError(f"amp_fx: Policy.op_classes must be a mapping, got {self.op_classes!r}")
+        resolved: dict[str, CastClass] = {}
+        for op, cls in self.op_classes.items():
+            if not isinstance(cls, CastClass):
+                raise TypeError(f"amp_fx: Policy.op_classes[{op!r}] must be a CastClass, got {cls!r}")
+            for name in _normalize_op(op):
+                _check_class_fits(name, cls)
+                resolved[name] = cls
+        object.__setattr__(self, "op_classes", MappingProxyType(dict(sorted(resolved.items()))))
+        if isinstance(self.keep_fp32, (str, type)):
+            object.__setattr__(self, "keep_fp32", (self.keep_fp32,))
+        keep = tuple(self.keep_fp32)
+        for sel in keep:
+            is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
+            if not (isinstance(sel, str) and sel) and not is_module_type:
+                raise TypeError(
+                    f"amp_fx: Policy.keep_fp32 entries must be module names or nn.Module "
+                    f"subclasses, got {sel!r}")
+        object.__setattr__(self, "keep_fp32", keep)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache))
+
+    def table(self, device_type: str) -> Mapping[str, CastClass]:
+        """The effective op table for a device type: torch's defaults with this policy applied."""
+        return _effective_table(self, device_type)
+
+    def classify(
+        self, op: torch._ops.OpOverload, device_type: str, module_types: Sequence[tuple[str, type]]
+    ) -> Decision:
+        """Decide the cast class of ``op`` running inside the modules ``module_types``.
+
+        ``module_types`` is the node's module stack, outermost first, as (qualified name, type).
+        A kept module wins over the op tables.
+        """
+        for path, mtype in module_types:
+            for sel in self.keep_fp32:
+                if _module_matches(sel, path, mtype):
+                    label = sel if isinstance(sel, str) else sel.__name__
+                    return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by policy "
+                                                    f"({label})")
+        name = op.name()
+        short = name.replace("::", ".")
+        if name in self.op_classes:
+            cls = self.op_classes[name]
+            return Decision(cls, f"{_label(cls)}: {short} (moved by policy)")
+        cls = DEFAULT_TABLES.get(device_type, {}).get(name, CastClass.NONE)
+        if cls is CastClass.NONE:
+            return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
+        return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
+
+
+def _label(cls: CastClass) -> str:
+    return cls.value.replace("_", " ")
+
+
+def _module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
+    if isinstance(sel, str):
+        return path == sel or path.startswith(sel + ".")
+    return issubclass(mtype, sel)
+
+
+def _check_class_fits(name: str, cls: CastClass) -> None:
+    op = _op_from_name(name)
+    if cls is CastClass.FP32_SET_OPT_DTYPE:
+        arg = next((a for a in op._schema.arguments if a.name == "dtype"), None)
+        if arg is None or "Optional" not in str(arg.type) and "?" not in str(arg.type):
+            raise ValueError(
+                f"amp_fx: {name} cannot be FP32_SET_OPT_DTYPE: it has no optional dtype argument")
+    if cls is CastClass.FP32_APPEND_DTYPE and name not in APPEND_DTYPE_REDISPATCH:
+        raise ValueError(
+            f"amp_fx: {name} cannot be FP32_APPEND_DTYPE: only {sorted(APPEND_DTYPE_REDISPATCH)} "
+            "have a dtype-taking overload to redispatch to")
+
+
+@cache
+def _effective_table(policy: Policy, device_type: str) -> Mapping[str, CastClass]:
+    table = dict(DEFAULT_TABLES.get(device_type, {}))
+    table.update(policy.op_classes)
+    return MappingProxyType({k: v for k, v in table.items() if v is not CastClass.NONE})
