@@ -1,0 +1,11 @@
+"""Fused kernels for the training step: gradient unscale + inf/NaN check (+ norm).
+
+``unscale`` holds the public functions and the ``torch.ops.amp_fx`` custom ops and picks a
+backend per device: ``triton_unscale`` (the Triton kernel and its launcher) or
+``cpu_unscale`` (torch's CPU kernels, cache-blocked). ``reference`` holds the torch baselines
+that the tests and the benchmark compare against.
+"""
+
+from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
+
+__all__ = ["unscale_check_", "unscale_check_norm_"]

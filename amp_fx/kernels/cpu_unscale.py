@@ -1,0 +1,93 @@
+"""The CPU path of unscale + check (+ norm), built from torch's own CPU kernels.
+
+Semantics are those of ``torch._amp_foreach_non_finite_check_and_unscale_`` because that op
+does the unscaling and the check; only the norm is computed here.
+
+Why this shape (measured on the project's 2-core AMD EPYC VM, torch 2.13.0, 64 x 1M fp32):
+- torch's fused unscale runs at 0.86 to 1.0 of an in-place ``_foreach_mul_`` from DRAM; the
+  multiply hides its compute, so unscale + check simply calls it.
+- For the norm, reading the gradients again after a full unscale pass costs a second trip to
+  DRAM (about 0.45 of the ceiling for both passes). Instead the gradients are processed in
+  pieces of ``_CACHE_CHUNK`` elements (4 MiB of fp32): each piece is unscaled and then its sum of
+  squares is taken while it is still in cache (2 MiB L2 per core, 32 MiB L3). That runs at
+  about 0.6 of the ceiling, against 0.27 to 0.32 for ``unscale_`` + ``clip_grad_norm_``.
+- ``torch.dot`` (MKL sdot) is the sum of squares for fp32: in cache it is 1.6x faster than
+  ``linalg.vector_norm`` and, measured on 2^20 normal values, 10x more accurate (2.5e-6 vs
+  2.5e-5 relative error against fp64). An inductor-compiled single-pass kernel was also tried:
+  4.7-27 s to compile and 0.4 of the ceiling, slower than this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["cpu_unscale_check_", "cpu_unscale_check_norm_"]
+
+# 2^20 elements: the best of 2^15 .. 2^21 measured (2^19 is within noise). Smaller pieces pay
+# the ~10 us per-op dispatch and OpenMP fork more often; 2^21 (8 MiB fp32) starts to fall out of
+# this VM's share of the 32 MiB L3 before the norm reads it back.
+_CACHE_CHUNK = 1 << 20
+
+
+def cpu_unscale_check_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Unscale ``grads`` in place and flag inf/NaN: exactly torch's fused CPU kernel."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def _cache_sized_batches(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group grads into batches of about ``_CACHE_CHUNK`` elements, splitting large ones.
+
+    Contiguous tensors larger than a chunk are split into flat views; small tensors are grouped
+    so that one foreach call covers many of them. Non-contiguous tensors are kept whole (they
+    cannot be viewed flat), which is correct, only less cache-friendly.
+    """
+    batches: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_numel = 0
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        if g.is_contiguous() and g.numel() > _CACHE_CHUNK:
+            pieces = list(g.view(-1).split(_CACHE_CHUNK))
+        else:
+            pieces = [g]
+        for piece in pieces:
+            current.append(piece)
+            current_numel += piece.numel()
+            if current_numel >= _CACHE_CHUNK:
+                batches.append(current)
+                current, current_numel = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _sum_of_squares_fp64(batch: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of ``batch`` (values as stored, accumulated in fp32), as an fp64 0-dim."""
+    if len(batch) == 1 and batch[0].dtype == torch.float32 and batch[0].is_contiguous():
+        flat = batch[0].view(-1)
+        return torch.dot(flat, flat).to(torch.float64)
+    # dtype=float32 upcasts fp16/bf16 values as stored and accumulates in fp32. The norm is
+    # squared in fp64, which adds only the sqrt's rounding (1 ulp of fp32) to each term.
+    norms = torch._foreach_norm(batch, 2, dtype=torch.float32)
+    return torch.stack(norms).to(torch.float64).square().sum()
+
+
+def cpu_unscale_check_norm_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> torch.Tensor:
+    """Unscale and check like ``cpu_unscale_check_``; return the fp32 0-dim sum of squares.
+
+    The squares are of the unscaled values as stored in the gradient dtype, so the square root
+    of the result is ``torch.linalg.vector_norm`` of the unscaled gradients (what
+    ``clip_grad_norm_`` computes after ``unscale_``) up to fp32 summation order.
+    """
+    partials: list[torch.Tensor] = []
+    for batch in _cache_sized_batches(grads):
+        torch._amp_foreach_non_finite_check_and_unscale_(batch, found_inf, inv_scale)
+        partials.append(_sum_of_squares_fp64(batch))
+    if not partials:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    return torch.stack(partials).sum().to(torch.float32)

@@ -1,0 +1,254 @@
+"""The fused unscale + non-finite check (+ squared L2 norm) Triton kernel and its launcher.
+
+One launch handles every gradient of one (device, dtype) group in a single pass over memory:
+each element is read once, checked for inf/NaN, multiplied by the inverse scale in fp32, cast
+back to the gradient dtype and written once; optionally its square (from the value as stored)
+is accumulated in fp32 so gradient clipping needs no second read.
+
+The gradients are described to the kernel by a *chunk table* built on the host for each call,
+like the chunk lists of PyTorch's ``multi_tensor_apply``: every tensor is cut into chunks of at
+most ``chunk`` elements and each chunk becomes one row ``(address of its first element, number
+of elements)`` and one Triton program. Addresses and counts are int64, so tensors with more than
+2^31 elements are fine; the per-program offsets are < ``chunk`` and fit in int32.
+
+Bytes moved on a GPU (README paragraph)
+---------------------------------------
+Per gradient element the kernel reads the element once and writes it once in its own dtype:
+8 bytes for fp32, 4 bytes for fp16/bf16. The rest is negligible: a 16-byte table row per chunk
+of 65536 elements (0.003 % of the fp32 gradient bytes), one 4-byte inverse-scale load per
+program, one 4-byte partial sum per program with ``compute_norm`` and a 4-byte flag store only in
+programs that saw an inf/NaN. That is exactly the traffic of an in-place ``torch._foreach_mul_``,
+the memory ceiling, so the kernel should reach the ceiling's bandwidth up to launch and tail
+effects (about 0.95 of it or better for 64M elements). The alternative it replaces, ``unscale_``
+followed by ``clip_grad_norm_``, moves 24 bytes per fp32 element (three reads and two writes
+plus the read of the norm pass, see DESIGN.md) and so is predicted at about 8/24 = 0.33 of the
+ceiling before its extra launches; the fused kernel with the norm predicts about 3x over it.
+These are predictions from the byte count: this project's machines have no GPU to measure on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK", "CHUNK", "NUM_WARPS", "is_interpreted", "launch_unscale_check"]
+
+# Each program handles one chunk of up to CHUNK elements, in a loop over tiles of BLOCK.
+# CHUNK = 65536 is the chunk size of torch's multi_tensor_apply: it makes the table small
+# (1024 rows = 16 KiB for 64M elements) while 64M elements still give 1024 programs, about
+# 7.8 per SM on a 132-SM H100, enough to fill every SM in a single wave.
+CHUNK = 65536
+# BLOCK = 1024 with 4 warps (128 threads) gives each thread 8 consecutive elements per tile:
+# two 16-byte loads for fp32, one for fp16/bf16, the widest vector access, and 4 KiB of fp32 in
+# flight per program per tile. Larger tiles only add registers for a memory-bound loop.
+BLOCK = 1024
+NUM_WARPS = 4
+
+# Set by torch's own Triton integration when the interpreter is asked for; triton.jit reads
+# the same variable when the kernel below is decorated, so the value at import time is what
+# decides whether the kernel runs on CPU tensors (interpreted) or on GPU tensors (compiled).
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_interpreted() -> bool:
+    """True if the kernel in this module was built by the Triton interpreter.
+
+    The interpreter runs the kernel on CPU tensors through numpy; it is selected by setting
+    ``TRITON_INTERPRET=1`` *before* triton is first imported. An interpreted kernel cannot read
+    GPU memory, and a compiled one cannot read CPU memory.
+    """
+    return type(_unscale_check_kernel).__name__ == "InterpretedFunction"
+
+
+_TORCH_TO_TL: dict[torch.dtype, tl.dtype] = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+@triton.jit
+def _fp32_to_bf16_rtne(x):
+    """Round fp32 to bf16, nearest-even, NaN kept NaN: bitwise what torch's CPU/CUDA casts give.
+
+    Done with integer bit operations instead of ``x.to(tl.bfloat16)`` because the Triton
+    interpreter (3.7) truncates that cast instead of rounding; on a GPU this costs a few integer
+    instructions per element of a memory-bound loop. Adding 0x7FFF plus the lowest kept bit and
+    shifting by 16 rounds to nearest-even and carries into the exponent (so overflow gives inf);
+    NaN must be special-cased because a NaN with a small payload would carry into inf.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    rounded = tl.where(x != x, (bits >> 16) | 0x0040, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _unscale_check_kernel(
+    table_ptr,
+    found_inf_ptr,
+    inv_scale_ptr,
+    partial_ptr,
+    ELEM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COMPUTE_NORM: tl.constexpr,
+):
+    """Unscale one chunk in place, flag inf/NaN, and optionally sum the squares of the result.
+
+    Pointers:
+        table_ptr: int64 [n_chunks, 2], contiguous. Row ``pid`` is (byte address of the chunk's
+            first element, number of elements in the chunk); rows are written by
+            ``_chunk_table`` on the host.
+        found_inf_ptr: fp32 [] (0-dim). Set to 1.0 (``atomic_max``) if any element of any chunk
+            is inf or NaN *before* the multiply; never written otherwise.
+        inv_scale_ptr: fp32 [] (0-dim). The inverse loss scale, read on the device.
+        partial_ptr: fp32 [n_chunks]. With COMPUTE_NORM, program ``pid`` writes the fp32 sum of
+            the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
+            Unused otherwise (any tensor may be passed).
+
+    Every element x becomes ``ELEM(float(x) * inv_scale)``, or ``x`` unchanged when inv_scale
+    is exactly 1.0, as in ``torch._amp_foreach_non_finite_check_and_unscale_``.
+    """
+    pid = tl.program_id(0)
+    address = tl.load(table_ptr + 2 * pid)
+    n = tl.load(table_ptr + 2 * pid + 1)
+    ptr = address.to(tl.pointer_type(ELEM))
+    inv_scale = tl.load(inv_scale_ptr)
+    nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
+    sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        x = tl.load(ptr + offsets, mask=mask, other=0.0)
+        if ELEM == tl.bfloat16:
+            # bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
+            xf = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            xf = x.to(tl.float32)
+        # Check the value *before* the multiply, like torch: at inv_scale == inf (scale 0)
+        # a finite x gives inf or NaN that must not be flagged.
+        nonfinite |= ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+        yf = tl.where(inv_scale == 1.0, xf, xf * inv_scale)
+        if ELEM == tl.bfloat16:
+            y = _fp32_to_bf16_rtne(yf)
+        else:
+            y = yf.to(ELEM)
+        tl.store(ptr + offsets, y, mask=mask)
+        if COMPUTE_NORM:
+            if ELEM == tl.bfloat16:
+                ys = (y.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                ys = y.to(tl.float32)
+            # Masked lanes hold 0 * inv_scale, which is NaN when inv_scale is inf: mask them.
+            sum_sq += tl.where(mask, ys * ys, 0.0)
+    if tl.max(nonfinite, axis=0) > 0:
+        tl.atomic_max(found_inf_ptr, 1.0)
+    if COMPUTE_NORM:
+        tl.store(partial_ptr + pid, tl.sum(sum_sq, axis=0))
+
+
+def _is_dense_block(t: torch.Tensor) -> bool:
+    """True if ``t``'s elements fill exactly ``t.numel()`` consecutive slots from ``data_ptr``.
+
+    Holds for contiguous tensors and for any permutation of one (channels_last, a transpose):
+    strides are then a permutation of contiguous strides, element 0 is the lowest address, and
+    an elementwise kernel may treat the memory as a flat array.
+    """
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
+    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
+    element_size = flat[0].element_size()
+    addresses = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64)
+    numels = torch.tensor([t.numel() for t in flat], dtype=torch.int64)
+    chunks_per_tensor = (numels + chunk - 1) // chunk
+    owner = torch.repeat_interleave(torch.arange(len(flat)), chunks_per_tensor)
+    first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
+    index_in_tensor = torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]
+    start = index_in_tensor * chunk
+    table = torch.stack(
+        [
+            addresses[owner] + start * element_size,
+            torch.clamp(numels[owner] - start, max=chunk),
+        ],
+        dim=1,
+    )
+    if device.type == "cpu":
+        return table
+    # Pinned + non_blocking: the copy is queued on the current stream without a host sync, and
+    # the caching host allocator keeps the pinned buffer alive until the copy has run.
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def launch_unscale_check(
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
+    compute_norm: bool,
+    block: int = BLOCK,
+    chunk: int = CHUNK,
+) -> torch.Tensor | None:
+    """Run the fused kernel once over ``grads`` (one device, one dtype) in place.
+
+    Args:
+        grads: dense strided tensors, all of one dtype (fp32, fp16 or bf16) on ``found_inf``'s
+            device. Tensors whose memory is not one dense block (slices with gaps) are copied
+            to a contiguous buffer, processed, and copied back.
+        found_inf: fp32 0-dim tensor; set to 1.0 if any element is inf/NaN before unscaling.
+        inv_scale: fp32 0-dim tensor on the same device.
+        compute_norm: also return the sum of squares of the unscaled gradients.
+        block, chunk: tile and chunk sizes (powers of two, ``chunk`` a multiple of ``block``);
+            tests shrink them to put block and chunk boundaries inside small tensors.
+
+    Returns:
+        With ``compute_norm``, an fp32 0-dim tensor: the sum over programs of their fp32
+        partial sums, added in fp64 (deterministic, unlike float atomics) and rounded to fp32.
+        Otherwise None. Empty input gives 0.0 / None without a launch.
+    """
+    if block & (block - 1) or chunk % block:
+        raise ValueError(f"block={block} must be a power of two dividing chunk={chunk}")
+    device = found_inf.device
+    nonempty = [g for g in grads if g.numel() > 0]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.float32, device=device) if compute_norm else None
+    dtype = nonempty[0].dtype
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    flat: list[torch.Tensor] = []
+    for g in nonempty:
+        if _is_dense_block(g):
+            flat.append(g)
+        else:
+            buffer = g.contiguous()
+            copies.append((g, buffer))
+            flat.append(buffer)
+    table = _chunk_table(flat, chunk, device)
+    n_chunks = table.shape[0]
+    partials = (
+        torch.empty(n_chunks, dtype=torch.float32, device=device) if compute_norm else found_inf
+    )
+    _unscale_check_kernel[(n_chunks,)](
+        table,
+        found_inf,
+        inv_scale,
+        partials,
+        ELEM=_TORCH_TO_TL[dtype],
+        BLOCK=block,
+        COMPUTE_NORM=compute_norm,
+        num_warps=NUM_WARPS,
+    )
+    for g, buffer in copies:
+        g.copy_(buffer)
+    if not compute_norm:
+        return None
+    return partials.sum(dtype=torch.float64).to(torch.float32)

@@ -1,0 +1,200 @@
+"""Fused gradient unscale + inf/NaN check (+ squared L2 norm) as torch custom ops.
+
+Ops (namespace ``amp_fx``), traceable by ``torch.compile`` without a graph break thanks to their
+fake implementations:
+
+- ``torch.ops.amp_fx.unscale_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale)
+  -> ()``: in place, the semantics of ``torch._amp_foreach_non_finite_check_and_unscale_``.
+- ``torch.ops.amp_fx.unscale_check_norm_(...) -> Tensor``: the same, and returns the fp32 0-dim
+  sum of squares of the unscaled gradients (values as stored in their dtype, upcast to fp32),
+  so ``clip_grad_norm_``'s total norm is its square root with no second read of the gradients.
+
+The ops take one device and one dtype; the Python functions ``unscale_check_`` and
+``unscale_check_norm_`` accept any mix of dtypes, group them and call the op once per group.
+
+Dispatch (``_use_triton``): the Triton kernel of ``triton_unscale`` runs on CUDA tensors, and on
+CPU tensors only when triton was imported with ``TRITON_INTERPRET=1`` (the interpreter, for
+tests). Otherwise CPU tensors take ``cpu_unscale``, built on torch's CPU kernels, and CUDA
+tensors under the interpreter (which cannot read GPU memory) take torch's CUDA kernels.
+
+Example::
+
+    >>> import torch
+    >>> from amp_fx.kernels import unscale_check_norm_
+    >>> grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+    >>> found_inf, inv_scale = torch.zeros(()), torch.tensor(0.5)
+    >>> sum_sq = unscale_check_norm_(grads, found_inf, inv_scale)
+    >>> grads[0], found_inf
+    (tensor([1., 2.]), tensor(1.))
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from amp_fx.kernels import cpu_unscale, triton_unscale
+
+__all__ = ["unscale_check_", "unscale_check_norm_"]
+
+logger = logging.getLogger("amp_fx")
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_triton(device: torch.device) -> bool:
+    """Whether tensors on ``device`` go through the Triton kernel.
+
+    True for CUDA when the kernel is compiled, and for CPU when it is interpreted
+    (``TRITON_INTERPRET=1`` set before triton was imported). Everything else takes torch's own
+    kernels, which have the same semantics bit for bit.
+    """
+    if triton_unscale.is_interpreted():
+        return device.type == "cpu"
+    return device.type == "cuda"
+
+
+def _check_group(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Validate the op's inputs; errors name the offending tensor and what was expected."""
+    for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(
+                f"{name} must be a 1-element float32 tensor, got {t.dtype} with shape "
+                f"{tuple(t.shape)}"
+            )
+    device = found_inf.device
+    if inv_scale.device != device:
+        raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {device}")
+    dtype = grads[0].dtype if grads else None
+    for i, g in enumerate(grads):
+        if g.layout != torch.strided:
+            raise ValueError(
+                f"grads[{i}] has layout {g.layout}; only dense gradients are supported "
+                "(for a sparse gradient pass grad.coalesce()._values(), as GradScaler does)"
+            )
+        if g.device != device:
+            raise ValueError(
+                f"grads[{i}] is on {g.device} but found_inf is on {device}; call once per "
+                "device with that device's found_inf and inv_scale"
+            )
+        if g.dtype != dtype:
+            raise ValueError(f"grads[{i}] is {g.dtype} but grads[0] is {dtype}; one dtype per call")
+        if g.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"grads[{i}] is {g.dtype}; supported: {_SUPPORTED_DTYPES}")
+        if torch._debug_has_internal_overlap(g) == 1:
+            raise ValueError(
+                f"grads[{i}] has elements that share memory (e.g. an expanded tensor); "
+                "unscaling it in place would scale them more than once: clone() it first"
+            )
+
+
+@torch.library.custom_op("amp_fx::unscale_check_", mutates_args=("grads", "found_inf"))
+def _unscale_check_op(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    _check_group(grads, found_inf, inv_scale)
+    if not grads:
+        return
+    if _use_triton(found_inf.device):
+        triton_unscale.launch_unscale_check(grads, found_inf, inv_scale, compute_norm=False)
+    else:
+        cpu_unscale.cpu_unscale_check_(grads, found_inf, inv_scale)
+
+
+@_unscale_check_op.register_fake
+def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf"))
+def _unscale_check_norm_op(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> torch.Tensor:
+    _check_group(grads, found_inf, inv_scale)
+    device = found_inf.device
+    if _use_triton(device):
+        sum_sq = triton_unscale.launch_unscale_check(
+            grads, found_inf, inv_scale, compute_norm=True
+        )
+        assert sum_sq is not None  # compute_norm=True always returns a tensor
+        return sum_sq
+    if device.type == "cpu":
+        return cpu_unscale.cpu_unscale_check_norm_(grads, found_inf, inv_scale)
+    # A GPU under the Triton interpreter, or another device: torch's kernels, two passes.
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).to(torch.float64).square().sum().to(torch.float32)
+
+
+@_unscale_check_norm_op.register_fake
+def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    return found_inf.new_empty(())
+
+
+def _groups(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Grads grouped by (device, dtype), in first-seen order; sparse and foreign devices fail."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"grads[{i}] is a {type(g).__name__}, expected a torch.Tensor")
+        if g.layout != torch.strided:
+            raise ValueError(
+                f"grads[{i}] has layout {g.layout}; only dense gradients are supported "
+                "(for a sparse gradient pass grad.coalesce()._values(), as GradScaler does)"
+            )
+        if g.device != found_inf.device:
+            raise ValueError(
+                f"grads[{i}] is on {g.device} but found_inf is on {found_inf.device}; "
+                "mixed devices are not supported: call once per device"
+            )
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    return groups
+
+
+def unscale_check_(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """Multiply every gradient by ``inv_scale`` in place; set ``found_inf`` to 1.0 on inf/NaN.
+
+    Contract: bitwise the semantics of ``torch._amp_foreach_non_finite_check_and_unscale_``
+    (values checked *before* the multiply, multiply in fp32, rounded back to the gradient
+    dtype) for dense fp32/fp16/bf16 gradients of any strides on one device. ``found_inf`` and
+    ``inv_scale`` are 1-element fp32 tensors on that device, read and written there with no host
+    sync; ``found_inf`` is only ever raised to 1.0, never cleared. One kernel launch per dtype;
+    an empty list is a no-op.
+
+    Raises:
+        ValueError: a sparse gradient, a gradient on another device than ``found_inf``, an
+            unsupported dtype, or an ill-formed ``found_inf``/``inv_scale``.
+    """
+    for group in _groups(grads, found_inf).values():
+        torch.ops.amp_fx.unscale_check_(group, found_inf, inv_scale)
+
+
+def unscale_check_norm_(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> torch.Tensor:
+    """``unscale_check_`` that also returns the sum of squares of the unscaled gradients.
+
+    Returns:
+        An fp32 0-dim tensor on ``found_inf``'s device: the sum over all elements of
+        ``float(g)**2`` for the unscaled values as stored in each gradient's dtype, accumulated
+        in fp32 (partial sums combined in fp64). ``sqrt`` of it is the total norm that
+        ``clip_grad_norm_`` would compute after ``unscale_``. 0.0 for an empty list; inf/NaN when
+        a gradient is non-finite, or when squares overflow fp32 (|g| > 1.8e19).
+    """
+    total: torch.Tensor | None = None
+    for group in _groups(grads, found_inf).values():
+        sum_sq = torch.ops.amp_fx.unscale_check_norm_(group, found_inf, inv_scale)
+        total = sum_sq if total is None else total + sum_sq
+    if total is None:
+        return torch.zeros((), dtype=torch.float32, device=found_inf.device)
+    return total
