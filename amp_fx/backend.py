@@ -137,9 +137,21 @@ class AmpBackend:
         return record
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        record = self.rewrite(gm, example_inputs)
-        self.records.append(record)
-        return self._downstream(record.rewritten, example_inputs)
+        # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
+        # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
+        # are explicit, so autocast is off while we capture, while the downstream backend traces,
+        # and while the compiled graph runs: nothing is cast twice.
+        with torch._C._DisableAutocast():
+            record = self.rewrite(gm, example_inputs)
+            self.records.append(record)
+            compiled = self._downstream(record.rewritten, example_inputs)
+
+        def run_without_autocast(*args: Any) -> Any:
+            with torch._C._DisableAutocast():
+                return compiled(*args)
+
+        run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run_without_autocast
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch._dynamo
+from torch.utils._pytree import tree_flatten
 
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
 from amp_fx.passes.insert_casts import AmpFxError
@@ -18,12 +19,26 @@ __all__ = ["compile", "AmpCompiledModule", "records"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _unwrap_backend_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Re-raise amp_fx's own errors instead of Dynamo's BackendCompilerFailed wrapper."""
+def _device_type_of(values: Any) -> str:
+    tensors = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+    return "cuda" if any(t.is_cuda for t in tensors) else "cpu"
+
+
+def _amp_call(fn: Callable[..., Any], dtype: torch.dtype,
+              device_type: Callable[[tuple[Any, ...], dict[str, Any]], str]) -> Callable[..., Any]:
+    """Call compiled ``fn`` inside ``torch.autocast``; re-raise amp_fx's errors unwrapped.
+
+    The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
+    autocast serves two other purposes: code that Dynamo leaves to eager (graph breaks, skipped
+    modules such as nn.LSTM) runs under eager autocast, exactly as without amp_fx; and Dynamo's
+    own fake propagation sees autocast's dtypes, so Python code that reads ``x.dtype`` (e.g.
+    ``h.to(x.dtype)`` in an RMSNorm) is specialised to the dtype the tensor has at run time.
+    """
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with torch.autocast(device_type(args, kwargs), dtype=dtype):
+                return fn(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
@@ -48,7 +63,9 @@ class AmpCompiledModule(torch.nn.Module):
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
         compiled = torch.compile(module, backend=backend, **compile_kwargs)
-        self.__dict__["_amp_fx_forward"] = _unwrap_backend_errors(compiled)
+        self.__dict__["_amp_fx_forward"] = _amp_call(
+            compiled, backend.dtype, lambda args, kwargs: _device_type_of(
+                (args, kwargs, list(module.parameters()), list(module.buffers()))))
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -140,7 +157,8 @@ def compile(
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
-    compiled = _unwrap_backend_errors(torch.compile(model_or_fn, backend=amp_backend, **torch_compile_kwargs))
+    compiled = _amp_call(torch.compile(model_or_fn, backend=amp_backend, **torch_compile_kwargs),
+                         lower, lambda args, kwargs: _device_type_of((args, kwargs)))
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
