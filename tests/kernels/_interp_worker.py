@@ -1,0 +1,74 @@
+"""Run the Triton unscale kernel through the interpreter on every case; save inputs and outputs.
+
+Usage (from the repository root; ``test_unscale_triton.py`` runs it)::
+
+    TRITON_INTERPRET=1 python tests/kernels/_interp_worker.py RESULTS.pt
+
+A separate process because ``TRITON_INTERPRET`` is read when triton is first imported, and the
+pytest process may already have imported triton (via torch._inductor) in compiled mode. This
+script only runs the kernel; the comparison with torch happens in the test process, so a
+failure there shows up as an ordinary pytest assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
+    raise SystemExit("run with TRITON_INTERPRET=1 in the environment, before triton is imported")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import _unscale_cases  # noqa: E402
+from amp_fx.kernels import triton_unscale, unscale  # noqa: E402
+
+
+def _run(case: _unscale_cases.Case, variant: str) -> dict[str, Any]:
+    grads = case.grads()
+    inputs = [g.clone() for g in grads]
+    found_inf = torch.full((), case.found_inf_start, dtype=torch.float32)
+    inv_scale = torch.tensor(case.inv_scale, dtype=torch.float32)
+    sum_sq = None
+    if variant == "op_check":
+        unscale.unscale_check_(grads, found_inf, inv_scale)
+    elif variant == "op_norm":
+        sum_sq = unscale.unscale_check_norm_(grads, found_inf, inv_scale)
+    elif variant in ("small_check", "small_norm"):
+        sum_sq = triton_unscale.launch_unscale_check(
+            grads,
+            found_inf,
+            inv_scale,
+            compute_norm=variant == "small_norm",
+            block=_unscale_cases.SMALL_BLOCK,
+            chunk=_unscale_cases.SMALL_CHUNK,
+        )
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    return {
+        "inputs": inputs,
+        "outputs": grads,
+        "strides": [g.stride() for g in grads],
+        "found_inf": found_inf,
+        "sum_sq": sum_sq,
+    }
+
+
+def main(out_path: str) -> None:
+    results: dict[str, Any] = {
+        "is_interpreted": triton_unscale.is_interpreted(),
+        "use_triton_cpu": unscale._use_triton(torch.device("cpu")),
+        "cases": {},
+    }
+    for case in _unscale_cases.all_cases():
+        for variant in ("op_check", "op_norm", "small_check", "small_norm"):
+            results["cases"][(case.name, variant)] = _run(case, variant)
+    torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

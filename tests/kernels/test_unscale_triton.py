@@ -1,0 +1,83 @@
+"""The Triton kernel itself, run on CPU through the Triton interpreter, against torch bit for bit.
+
+The interpreter must be chosen before triton is imported, and this pytest process may already
+have imported triton compiled for GPUs (torch._inductor does). So one subprocess
+(``_interp_worker.py``, started with ``TRITON_INTERPRET=1``) runs the kernel on every case and
+saves inputs and outputs; the tests here compare them with torch's fused unscale.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _unscale_cases import SMALL_BLOCK, SMALL_CHUNK, Case, all_cases
+from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close
+from amp_fx.kernels import triton_unscale
+
+_REPO = Path(__file__).resolve().parents[2]
+_CASES = all_cases()
+_VARIANTS = ("op_check", "op_norm", "small_check", "small_norm")
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Results of ``_interp_worker.py``: the kernel interpreted on every case and variant."""
+    out = tmp_path_factory.mktemp("triton_interp") / "results.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_interp_worker.py")), str(out)],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    return torch.load(out, weights_only=False)
+
+
+def _rtol(variant: str) -> float:
+    """Relative error bound of the kernel's fp32 sum of squares (all terms are >= 0).
+
+    One program sums its chunk in BLOCK lane accumulators (chunk/block sequential adds each)
+    and then across the BLOCK lanes with tl.sum. For non-negative terms any summation order of
+    m terms errs by at most (m - 1) * u relative; the lane reduction's order is the
+    implementation's (a tree on GPU, numpy's pairwise sum in the interpreter), so it is bounded
+    by BLOCK - 1 adds. Add 1 u for the squaring, and 1 u for rounding the fp64 sum of the
+    per-program partials to fp32: (chunk/block + block + 1) * u, 8e-6 with 128/512.
+    """
+    block, chunk = (
+        (SMALL_BLOCK, SMALL_CHUNK)
+        if variant.startswith("small")
+        else (triton_unscale.BLOCK, triton_unscale.CHUNK)
+    )
+    return (chunk // block + block + 1) * U32
+
+
+def test_worker_ran_the_interpreted_triton_kernel(interpreted: dict[str, Any]) -> None:
+    assert interpreted["is_interpreted"], "the worker's kernel was not the interpreter's"
+    assert interpreted["use_triton_cpu"], "_use_triton(cpu) was False under TRITON_INTERPRET=1"
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name)
+def test_triton_matches_torch(interpreted: dict[str, Any], case: Case, variant: str) -> None:
+    result = interpreted["cases"][(case.name, variant)]
+    # The worker must have unscaled the tensors it was given (same strides), not copies.
+    assert result["strides"] == [g.stride() for g in case.grads()]
+    expected = assert_same_as_torch(
+        result["inputs"], result["outputs"], result["found_inf"], case.found_inf_start,
+        case.inv_scale,
+    )
+    if variant.endswith("norm"):
+        assert_sum_sq_close(result["sum_sq"], expected, rtol=_rtol(variant))
+    else:
+        assert result["sum_sq"] is None
