@@ -35,6 +35,7 @@ import inspect
 import logging
 import math
 import warnings
+import weakref
 from collections import abc, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, cast, overload
@@ -88,11 +89,13 @@ class StepMode(enum.Enum):
 
 
 # --------------------------------------------------------------------------------------------
-# Unscale kernel. amp_fx.kernels.unscale provides a fused check+unscale with the semantics of
-# torch._amp_foreach_non_finite_check_and_unscale_; until it is importable we fall back to
-# torch's kernel, grouped by dtype as torch's foreach kernels require.
+# Unscale kernel: amp_fx.kernels.unscale's fused check+unscale (the semantics of
+# torch._amp_foreach_non_finite_check_and_unscale_, bit for bit) for the dtypes it takes;
+# torch's own kernel for the rest (float64: torch's scaler accepts it) and whenever the
+# amp_fx kernels cannot be imported.
 # --------------------------------------------------------------------------------------------
 _UnscaleFn = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
+_FUSED_UNSCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 def _torch_unscale_check_(
@@ -106,13 +109,27 @@ def _torch_unscale_check_(
 
 
 @functools.cache
-def _unscale_kernel() -> _UnscaleFn:
+def _fused_unscale_kernel() -> _UnscaleFn | None:
     try:
         from amp_fx.kernels.unscale import unscale_check_
     except ImportError:
-        logger.debug("amp_fx.kernels.unscale not available; using torch's unscale kernel")
-        return _torch_unscale_check_
+        logger.warning("amp_fx.kernels.unscale could not be imported; using torch's unscale kernel")
+        return None
     return cast(_UnscaleFn, unscale_check_)
+
+
+def _unscale_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Check and unscale gradients of one device in place (see ``_unscale_grads_``)."""
+    fused = _fused_unscale_kernel()
+    if fused is None:
+        _torch_unscale_check_(grads, found_inf, inv_scale)
+        return
+    ours = [g for g in grads if g.dtype in _FUSED_UNSCALE_DTYPES]
+    rest = [g for g in grads if g.dtype not in _FUSED_UNSCALE_DTYPES]
+    if ours:
+        fused(ours, found_inf, inv_scale)
+    if rest:
+        _torch_unscale_check_(rest, found_inf, inv_scale)
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,6 +377,8 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf: torch.Tensor | None = None
         # Optimizers (by id) already warned about a host sync in the masked step.
         self._warned_sync: set[int] = set()
+        # Self-scaling optimizers that have taken a real step through this scaler.
+        self._stepped_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # ---------------------------------------------------------------- configuration
     @property
@@ -523,9 +542,8 @@ class GradScaler(torch.amp.GradScaler):
                         to_unscale = param.grad
                     per_device_grads[to_unscale.device].append(to_unscale)
 
-            kernel = _unscale_kernel()
             for device, grads in per_device_grads.items():
-                kernel(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+                _unscale_check_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
 
         return per_device_found_inf._per_device_tensors
 
@@ -701,12 +719,38 @@ class GradScaler(torch.amp.GradScaler):
                 else scale * getattr(optimizer, "grad_scale", 1)
             )
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            if self._first_step_needs_host_decision(optimizer) and found_inf.item():
+                # torch's fused SGD creates its momentum buffers with empty_like on the first
+                # step and its kernel then skips writing them, so a skipped first step leaves
+                # uninitialised memory that the next step reads. Not stepping at all is what a
+                # skip means; for Adam, AdamW and Adagrad the result is bitwise the same.
+                logger.debug("skipping the first step of %s on the host", type(optimizer).__name__)
+                optimizer_state["stage"] = OptState.STEPPED
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+                return None
         retval = optimizer.step(*args, **kwargs_)
         optimizer_state["stage"] = OptState.STEPPED
+        self._stepped_optimizers.add(optimizer)
         if not has_grad_scaler_kwarg:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             del optimizer.found_inf  # type: ignore[attr-defined]
         return retval
+
+    def _first_step_needs_host_decision(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a self-scaling optimizer may create its state in this step.
+
+        True until the optimizer has stepped once through this scaler and while some
+        parameter with a gradient has no state (a checkpoint-loaded optimizer has state, so
+        it never pays the one host sync this costs).
+        """
+        if optimizer in self._stepped_optimizers:
+            return False
+        return any(
+            p.grad is not None and not optimizer.state.get(p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
 
     # ---------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -913,9 +957,11 @@ class GradScaler(torch.amp.GradScaler):
             )
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_found_inf"):
                 state[name] = None
+        del state["_stepped_optimizers"]  # weak references do not pickle; re-created empty
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state["_stepped_optimizers"] = weakref.WeakSet()
         self.__dict__.update(state)
 
 
