@@ -107,7 +107,8 @@ def _unscale_check_op(
 
 @_unscale_check_op.register_fake
 def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    return None
+    # Validate here too: a meta/fake argument sends the call here, never to the real kernel.
+    _check_group(grads, found_inf, inv_scale)
 
 
 @torch.library.custom_op("amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf"))
@@ -134,6 +135,7 @@ def _unscale_check_norm_op(
 
 @_unscale_check_norm_op.register_fake
 def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    _check_group(grads, found_inf, inv_scale)
     return found_inf.new_empty(())
 
 
