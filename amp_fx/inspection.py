@@ -1,0 +1,461 @@
+"""amp_fx.explain: what the passes did to each captured graph, node by node.
+
+Everything shown is read from the records the passes leave (``GraphRecord``: the captured graph
+before the passes, the rewritten graph, ``meta["amp_fx_decision"]`` on each op, ``meta["amp_fx_cast"]``
+on inserted casts, ``meta["amp_fx_folded"]`` on nodes that absorbed folded casts); nothing is
+recomputed, except the plain-language note on ops autocast leaves alone (which dtype their inputs
+had), which is read from ``meta["val"]``.
+
+    >>> import torch, amp_fx
+    >>> ex = amp_fx.explain(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
+    >>> print(ex.summary())          # doctest: +SKIP
+    >>> ex.to_svg("linear.svg")      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch._guards import detect_fake_mode
+
+from amp_fx._graphviz import GraphvizNotFound, build_dot, write_svg
+from amp_fx._probe import (
+    InputRecorder, ValueInterpreter, clone_inputs, copy_args, describe_value, input_labels,
+    leaf_flags, many_recompiles, module_of, numel_or_none, op_label, private_copy,
+    run_eager_checked, short_dtype, value_dtype,
+)
+from amp_fx.backend import GraphRecord
+from amp_fx.passes.insert_casts import CAST_OP
+from amp_fx.policy import CastClass, Policy, resolve_dtype
+
+__all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of an explained graph."""
+
+    graph: int
+    name: str
+    """The FX node name (the same in the captured and rewritten graphs for op nodes)."""
+    kind: str
+    """``input``, ``op`` (an ATen op of your program), ``cast`` (inserted by amp_fx or written by
+    you), ``getitem`` (an element of a multi-output op), ``constant`` or ``output``."""
+    op: str
+    args: str
+    value: str
+    """dtype and shape, e.g. ``bf16[2, 8]``."""
+    dtype: torch.dtype | None
+    module: str
+    """The innermost module the node came from (qualified path), empty for the top level."""
+    module_type: str
+    rule: str
+    """What decided the node's dtype (the passes' recorded reason, e.g. ``lower precision fp:
+    aten.linear (default cpu table)``)."""
+    cast: str | None = None
+    """``"inserted"`` for a cast amp_fx inserted, ``"user"`` for one in your code."""
+    cached: bool = False
+    """An inserted cast of a leaf weight shared by all its uses (eager autocast's cast cache)."""
+    folded: tuple[str, ...] = ()
+    """Fold rules whose removed casts this node absorbed."""
+    label: str = ""
+    """For inputs: what you call it (``fc1.weight``, ``x``)."""
+    autocast_dtype: torch.dtype | None = None
+    """The dtype eager autocast gives this value, where capture recorded it."""
+
+    @property
+    def dtype_name(self) -> str:
+        return short_dtype(self.dtype)
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is CAST_OP
+
+
+def _eligible_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
+    out = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype not in out:
+            out.append(v.dtype)
+    return out
+
+
+def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
+    if node.op == "placeholder":
+        return f"graph input {labels.get(node.name, node.name)}"
+    if node.op == "get_attr":
+        return "constant captured from your code"
+    if node.op == "output":
+        return "graph output"
+    if node.meta.get("amp_fx_cast") == "inserted":
+        why = node.meta.get("amp_fx_cast_reason", "?")
+        shared = "; cached: one cast of this weight for all its uses, as autocast's cast cache" if node.meta.get(
+            "amp_fx_cached") else ""
+        return f"inserted for {why}{shared}"
+    if node.target is operator.getitem:
+        return f"element {node.args[1]} of {node.args[0].name}"
+    decision = node.meta.get("amp_fx_decision")
+    out = short_dtype(value_dtype(node.meta.get("val")))
+    if decision is None:
+        return "python op (not a tensor op)" if node.op == "call_function" else ""
+    if _is_cast(node) and decision.cast_class is CastClass.NONE:
+        return f"cast in your code (to {short_dtype(node.kwargs.get('dtype'))}); not autocast"
+    reason = decision.reason
+    if decision.cast_class is CastClass.NONE and "not autocast" in reason:
+        ins = _eligible_dtypes(node)
+        if not ins:
+            if value_dtype(node.meta.get("val")) is None:
+                return reason
+            return f"{reason}; no floating input: {out} from its arguments"
+        if len(ins) == 1:
+            return f"{reason} ({short_dtype(ins[0])})"
+        return (f"{reason}: type promotion of {', '.join(short_dtype(d) for d in ins)} "
+                f"gives {out}")
+    if decision.cast_class is CastClass.PROMOTE:
+        return f"{reason}: widest input gives {out}"
+    return reason
+
+
+def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
+    def fmt(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(fmt(x) for x in a)
+            return f"[{inner}]"
+        if isinstance(a, torch.dtype):
+            return short_dtype(a)
+        return repr(a)
+    parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+    text = ", ".join(parts)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
+               val: Any = None, *, use_meta: bool = True) -> NodeInfo:
+    if use_meta:
+        val = node.meta.get("val")
+    path, mtype = module_of(node)
+    kind = {"placeholder": "input", "get_attr": "constant", "output": "output"}.get(node.op, "op")
+    cast = None
+    if _is_cast(node):
+        kind = "cast"
+        cast = "inserted" if node.meta.get("amp_fx_cast") == "inserted" else "user"
+    elif node.target is operator.getitem:
+        kind = "getitem"
+    op = {"input": "input", "output": "output", "constant": "get_attr"}.get(kind) or op_label(node)
+    return NodeInfo(
+        graph=index, name=node.name, kind=kind, op=op,
+        args="" if node.op in ("placeholder", "get_attr") else _args_text(node),
+        value=describe_value(val) if node.op != "output" else "",
+        dtype=value_dtype(val), module=path, module_type=mtype, rule=_rule(node, labels),
+        cast=cast, cached=bool(node.meta.get("amp_fx_cached", False)),
+        folded=tuple(node.meta.get("amp_fx_folded", ())), label=labels.get(node.name, ""),
+        autocast_dtype=node.meta.get("amp_fx_autocast_dtype"))
+
+
+def _fp32_values(record: GraphRecord) -> dict[str, Any] | None:
+    """The captured graph's values as your program computes them without any autocast: the graph
+    run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture)."""
+    vals = [n.meta.get("val") for n in record.captured.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        return None
+    try:
+        with mode, torch.no_grad():
+            interp = ValueInterpreter(record.captured)
+            interp.run(*vals)
+    except Exception:  # a graph fake tensors cannot run (e.g. data-dependent): show no dtypes
+        return None
+    return {n.name: v for n, v in interp.env.items()}
+
+
+def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
+    """Bytes the casts of ``gm`` read and write per call: numel * (src + dst itemsize) each.
+
+    None when a size is symbolic (dynamic shapes) and so has no number.
+    """
+    total = 0
+    for n in gm.graph.nodes:
+        if not _is_cast(n):
+            continue
+        src, dst = n.args[0].meta.get("val"), n.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
+            continue
+        numel = numel_or_none(dst)
+        if numel is None:
+            return None
+        total += numel * (src.element_size() + dst.element_size())
+    return total
+
+
+def _bytes_text(n: int | None) -> str:
+    if n is None:
+        return "symbolic"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+
+
+class Explanation:
+    """What amp_fx did to every graph of one model: per-node dtypes, rules, casts; tables; a picture.
+
+    Build one with :func:`explain`, or from a compiled model's records with :meth:`from_records`.
+    ``str(explanation)`` gives the summary table, then, per graph, the before/after table and the
+    rewritten graph node by node.
+    """
+
+    def __init__(self, records: Sequence[GraphRecord], *, notes: Sequence[str] = (),
+                 inputs: Sequence[list[Any] | None] | None = None,
+                 policy: Policy | None = None) -> None:
+        self.records = list(records)
+        self.notes = list(notes)
+        self.policy = policy
+        self._fp32_cache: dict[int, dict[str, Any] | None] = {}
+        self._inputs = list(inputs) if inputs is not None else [None] * len(self.records)
+        if not self.records or not any(_op_nodes(r.captured) for r in self.records):
+            self.notes.append(
+                "no ops were captured: torch.compile found no tensor operations to put in a graph "
+                "(the function does nothing, or only returns its inputs), so amp_fx had nothing to "
+                "rewrite")
+        elif not any(t is not None and t.is_floating_point()
+                     for r in self.records for n in _op_nodes(r.captured)
+                     for t in [_first_tensor(n)]):
+            self.notes.append("no floating-point ops: the graphs compute only on integers or "
+                              "booleans, so amp_fx inserted no casts")
+
+    @classmethod
+    def from_records(cls, records: Sequence[GraphRecord]) -> Explanation:
+        """Explain the records of a model returned by :func:`amp_fx.compile` after it has run
+        (``compiled.amp_fx_records`` or ``amp_fx.records(compiled)``)."""
+        return cls(records)
+
+    # --- data ------------------------------------------------------------------------------
+
+    def nodes(self, graph: int | None = None, *, before: bool = False) -> list[NodeInfo]:
+        """Every node of one graph (or of all graphs), in graph order; ``before=True`` for the
+        captured graph as it was before the passes."""
+        out = []
+        for r in self.records if graph is None else [self.records[graph]]:
+            labels = input_labels(r)
+            if not before:
+                out += [_node_info(r.index, n, labels) for n in r.rewritten.graph.nodes]
+                continue
+            vals = self._fp32(r)
+            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False)
+                    for n in r.captured.graph.nodes]
+        return out
+
+    def _fp32(self, record: GraphRecord) -> dict[str, Any] | None:
+        if record.index not in self._fp32_cache:
+            self._fp32_cache[record.index] = _fp32_values(record)
+        return self._fp32_cache[record.index]
+
+    def dtypes(self, graph: int, *, before: bool = False) -> dict[str, torch.dtype | None]:
+        """Node name -> the dtype explain shows for it."""
+        return {n.name: n.dtype for n in self.nodes(graph, before=before)}
+
+    def runtime_dtypes(self, graph: int) -> dict[str, torch.dtype | None]:
+        """Node name -> the dtype the node's value really has when the rewritten graph runs on the
+        inputs it was called with (available when built by :func:`explain` with inputs)."""
+        inputs = self._inputs[graph]
+        if inputs is None:
+            raise ValueError("amp_fx: this Explanation has no recorded inputs for graph "
+                             f"{graph}; build it with amp_fx.explain(model, *inputs)")
+        r = self.records[graph]
+        interp = ValueInterpreter(r.rewritten)
+        with torch.no_grad():
+            interp.run(*clone_inputs(inputs, leaf_flags(r)))
+        return {n.name: value_dtype(v) for n, v in interp.env.items() if n.op != "output"}
+
+    def cast_bytes(self, graph: int) -> int | None:
+        """Bytes the casts in the rewritten graph read plus write per call."""
+        return cast_bytes(self.records[graph].rewritten)
+
+    # --- tables ----------------------------------------------------------------------------
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for r in self.records:
+            ops = [n for n in _op_nodes(r.rewritten) if not _is_cast(n)]
+            per_dtype = Counter(short_dtype(value_dtype(n.meta.get("val"))) for n in ops)
+            rows.append({
+                "graph": r.index,
+                "device": r.device_type,
+                "dtype": short_dtype(r.dtype),
+                "ops": len(ops),
+                "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
+                "casts inserted": r.inserted.casts_inserted,
+                "leaf casts shared": r.inserted.casts_shared,
+                "casts folded": ", ".join(f"{k} {v}" for k, v in sorted(r.folded.by_rule.items()))
+                                or "0",
+                "casts left": r.casts,
+                "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
+            })
+        return rows
+
+    def summary(self) -> str:
+        """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
+        lines = []
+        if self.records:
+            lines.append(tabulate(self.summary_rows(), headers="keys"))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def graph_text(self, graph: int, *, before: bool = False) -> str:
+        """The graph as a table: node, op and arguments, value (dtype[shape]), module, what decided
+        its dtype. Inserted casts are marked ``+cast``, your casts ``cast``, nodes that absorbed
+        folded casts ``folded(rule)``."""
+        rows = []
+        for n in self.nodes(graph, before=before):
+            if n.kind == "output":
+                continue
+            mark = {"inserted": "+cast", "user": "cast"}.get(n.cast or "", "")
+            if n.folded:
+                mark = (mark + " " if mark else "") + f"folded({','.join(n.folded)})"
+            what = n.label if n.kind == "input" else f"{n.op}({n.args})"
+            module = f"{n.module} ({n.module_type})" if n.module else ""
+            rows.append([mark, n.name, what, n.value, module, n.rule])
+        r = self.records[graph]
+        title = (f"graph {graph} {'before' if before else 'after'} the passes "
+                 f"({r.device_type}, {short_dtype(r.dtype)})")
+        return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module",
+                                                      "dtype decided by"])
+
+    def before_after(self, graph: int) -> str:
+        """Each op of your program: its dtype before and after the passes, and the casts put on
+        its inputs."""
+        r = self.records[graph]
+        after = {n.name: n for n in r.rewritten.graph.nodes}
+        labels = input_labels(r)
+        fp32 = self._fp32(r) or {}
+        rows = []
+        for n in r.captured.graph.nodes:
+            if n.op != "call_function" or n.target is operator.getitem:
+                continue
+            new = after.get(n.name)
+            before_dt = short_dtype(value_dtype(fp32.get(n.name))) if fp32 else "?"
+            eager = short_dtype(n.meta.get("amp_fx_autocast_dtype"))
+            if new is None:
+                rows.append([n.name, op_label(n), module_of(n)[0], before_dt, eager,
+                             "(folded away)", ""])
+                continue
+            casts = []
+            for a in new.all_input_nodes:
+                if _is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
+                    src = a.args[0]
+                    casts.append(f"{labels.get(src.name, src.name)}->"
+                                 f"{short_dtype(value_dtype(a.meta.get('val')))}")
+            path, _ = module_of(n)
+            rows.append([n.name, op_label(n), path, before_dt, eager,
+                         short_dtype(value_dtype(new.meta.get("val"))), ", ".join(casts)])
+        return (f"graph {graph}: before -> after\n"
+                + tabulate(rows, headers=["node", "op", "module", "without amp", "eager autocast",
+                                          "amp_fx", "casts on inputs"]))
+
+    def __str__(self) -> str:
+        parts = [f"amp_fx.explain: {len(self.records)} graph(s)"
+                 + (f", {short_dtype(self.records[0].dtype)}" if self.records else ""),
+                 self.summary()]
+        for r in self.records:
+            parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return f"<amp_fx.Explanation of {len(self.records)} graph(s)>"
+
+    # --- picture ---------------------------------------------------------------------------
+
+    def to_dot(self, path: str | Path | None = None, *, before: bool = False) -> str:
+        """The graphs as Graphviz DOT text, nodes coloured by dtype and inserted casts outlined in
+        red; written to ``path`` when given."""
+        graphs = []
+        for r in self.records:
+            gm = r.captured if before else r.rewritten
+            nodes = self.nodes(r.index, before=before)
+            edges = [(a.name, n.name) for n in gm.graph.nodes for a in n.all_input_nodes]
+            graphs.append((r.index, nodes, edges))
+        title = "amp_fx " + ("before the passes" if before else "after the passes")
+        if self.records:
+            title += f" ({short_dtype(self.records[0].dtype)})"
+        text = build_dot(graphs, title=title)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def to_svg(self, path: str | Path, *, before: bool = False) -> Path:
+        """Render the picture to ``path`` with Graphviz's ``dot``. Without Graphviz, writes the DOT
+        next to it (``path`` with suffix ``.dot``) and raises :class:`GraphvizNotFound`, whose
+        message says how to install Graphviz and make the SVG."""
+        return write_svg(self.to_dot(before=before), path)
+
+
+def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
+    from amp_fx._probe import tensors_of
+
+    ts = tensors_of(node.meta.get("val"))
+    floats = [t for t in ts if t.is_floating_point()]
+    return floats[0] if floats else (ts[0] if ts else None)
+
+
+def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
+            policy: Policy | None = None, fold: bool = True, **kwargs: Any) -> Explanation:
+    """Explain what amp_fx does to ``model_or_fn`` on these inputs.
+
+    Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
+    no backward, on a deep copy of the model (your model's parameters and buffers, BatchNorm
+    running stats included, are untouched). ``**kwargs`` are passed to the model with ``args``.
+
+    With a model or function returned by :func:`amp_fx.compile` and no inputs, explains the
+    graphs it has already captured (its dtype and policy); with inputs, explains its original
+    module under its dtype and policy.
+
+    Raises:
+        ValueError: the model fails in plain eager mode on these inputs (a shape mismatch, or a
+            bug in the model), with the eager error chained; or the compiled model given without
+            inputs has not run yet.
+    """
+    from amp_fx.compile import AmpCompiledModule, records
+
+    if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
+        recs = list(records(model_or_fn))
+        if not recs:
+            raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
+                             "captured; call it once, or pass example inputs")
+        backend = getattr(model_or_fn, "_amp_fx_backend", None)
+        return Explanation(recs, policy=getattr(backend, "policy", None))
+    if isinstance(model_or_fn, AmpCompiledModule):
+        backend = model_or_fn._amp_fx_backend
+        dtype, policy, fold = backend.dtype, backend.policy, backend.fold
+        model_or_fn = model_or_fn.original_module
+    elif hasattr(model_or_fn, "amp_fx_records"):
+        raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
+                        "returned) with inputs, or the compiled one without inputs")
+    lower = resolve_dtype(dtype)
+    run_eager_checked(model_or_fn, args, kwargs, tool="explain")
+    recorder = InputRecorder("eager")
+    from amp_fx.compile import compile as amp_compile
+
+    with many_recompiles():
+        compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy,
+                               backend=recorder, fold=fold)
+        a, k = copy_args(args, kwargs)
+        compiled(*a, **k)
+    recs = list(records(compiled))
+    return Explanation(recs, inputs=[recorder.inputs_for(r) for r in recs],
+                       policy=policy if policy is not None else Policy())
