@@ -119,7 +119,7 @@ class AmpBackend:
         t0 = time.perf_counter()
         with fake_mode:
             captured = capture(gm, fake_args, policy=self.policy, device_type=device_type,
-                               leaf_flags=leaf_flags)
+                               dtype=self.dtype, leaf_flags=leaf_flags)
         before = _copy_graph_module(captured)
         t1 = time.perf_counter()
         rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,

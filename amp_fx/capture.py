@@ -13,16 +13,19 @@ claim reproduces what the dispatcher does under autocast: ``linear`` stays ``lin
 
 Contract of :func:`capture`:
     input: a callable (usually Dynamo's ``GraphModule``) and fake example inputs;
-    output: a ``GraphModule`` of ATen ``OpOverload`` calls with ``meta["val"]`` on every node,
+    output: a ``GraphModule`` of ATen ``OpOverload`` calls, traced with eager autocast's dtypes
+    (see the comment in :func:`capture`) but holding no autocast cast, with ``meta["val"]`` on every node,
     ``meta["nn_module_stack"]`` copied from Dynamo's nodes, and ``meta["amp_fx_leaf"] = True`` on
-    placeholders whose tensor is an fp32-capable leaf that requires grad (eager autocast's cast
+    ``meta["amp_fx_autocast_dtype"]`` (the dtype eager autocast gives the value) on tensor nodes,
+    and ``meta["amp_fx_leaf"] = True`` on placeholders whose tensor is an fp32-capable leaf that requires grad (eager autocast's cast
     cache applies to exactly those).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -35,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from amp_fx.policy import Policy
 
-__all__ = ["capture", "is_cacheable_leaf", "module_path", "module_stack"]
+__all__ = ["capture", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -65,12 +68,34 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     return table
 
 
+@contextlib.contextmanager
+def eager_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """Turn on eager autocast's kernels for ``device_type``, fake CUDA tensors included.
+
+    ``torch.autocast("cuda")`` disables itself on a machine without CUDA; the thread-local
+    switches underneath it do not, and under FakeTensorMode they apply to fake CUDA tensors.
+    """
+    was_enabled = torch.is_autocast_enabled(device_type)
+    was_dtype = torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, was_enabled)
+        torch.set_autocast_dtype(device_type, was_dtype)
+
+
 def capture(
     fn: Callable[..., Any],
     fake_args: Sequence[Any],
     *,
     policy: Policy,
     device_type: str,
+    dtype: torch.dtype,
     leaf_flags: Sequence[bool],
 ) -> torch.fx.GraphModule:
     """Trace ``fn`` on ``fake_args`` into a pre-dispatch ATen graph (contract in the module doc)."""
@@ -82,7 +107,16 @@ def capture(
                 return torch.fx.Interpreter(fn).run(*args)
         return fn(*args)
 
-    gm = make_fx(run, pre_dispatch=True, decomposition_table=decompositions)(*fake_args)
+    # Ops are recorded at PreDispatch, above the Autocast key, so no cast lands in the graph;
+    # but their values are computed below it, with eager autocast on. Code that depends on a
+    # dtype (``x.float()`` is a copy only if x is not fp32 already; decompositions that branch
+    # on dtype) is therefore traced for the dtypes the tensors will have once casts are in.
+    with eager_autocast(device_type, dtype):
+        gm = make_fx(run, pre_dispatch=True, decomposition_table=decompositions)(*fake_args)
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            node.meta["amp_fx_autocast_dtype"] = val.dtype
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, is_leaf in zip(placeholders, leaf_flags, strict=True):
         node.meta["amp_fx_leaf"] = is_leaf

@@ -16,7 +16,8 @@ Guarantees:
       ops that mutate or alias an input are never given a cast copy of that input;
     * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
       has at run time; each op node gets ``meta["amp_fx_decision"]`` (its cast class and the rule
-      that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``;
+      that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``; values whose
+      dtype differs from the one eager autocast gives them are listed in the record;
     * the graph lints.
 """
 
@@ -53,6 +54,9 @@ class InsertRecord:
     """Uses served by an existing cached leaf cast (eager autocast's cast cache)."""
     ops_by_class: Counter[str] = field(default_factory=Counter)
     dtype_args_set: int = 0
+    autocast_mismatches: list[str] = field(default_factory=list)
+    """Nodes whose dtype after the pass differs from eager autocast's (expected only where the
+    policy departs from torch's tables)."""
 
 
 def _val(arg: Any) -> Any:
@@ -185,7 +189,12 @@ class _Rewriter:
         args = tree_map(_val, node.args)
         kwargs = tree_map(_val, node.kwargs)
         with self.fake_mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+            node.meta["val"] = val = node.target(*args, **kwargs)
+        expected = node.meta.get("amp_fx_autocast_dtype")
+        if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
+            self.record.autocast_mismatches.append(
+                f"{node.name}: {str(val.dtype).replace('torch.', '')} "
+                f"(eager autocast: {str(expected).replace('torch.', '')})")
 
     def run(self) -> InsertRecord:
         for node in list(self.graph.nodes):
