@@ -973,6 +973,9 @@ def _validate_bounds(
     hi = math.inf if max_scale is None else float(max_scale)
     if min_scale is not None and not (0.0 < lo < math.inf):
         raise ValueError(f"min_scale must be positive and finite, got {min_scale!r}")
+    if min_scale is not None and lo < 1.0 / torch.finfo(torch.float32).max:
+        # At such a scale inv_scale is inf, so every step would count as an overflow.
+        raise ValueError(f"min_scale must have a finite float32 reciprocal (>= 2.94e-39), got {min_scale!r}")
     if max_scale is not None and not (0.0 < hi <= torch.finfo(torch.float32).max):
         raise ValueError(f"max_scale must be positive and within float32, got {max_scale!r}")
     if lo > hi:
