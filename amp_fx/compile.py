@@ -165,7 +165,7 @@ def compile(
 
 def _check_devices(module: torch.nn.Module) -> None:
     for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if t.device.type not in ("cpu", "cuda", "meta"):
+        if t.device.type not in ("cpu", "cuda"):
             raise ValueError(f"amp_fx: {name} is on device {t.device}, which amp_fx has no autocast "
                              "policy for; supported device types are 'cpu' and 'cuda'")
 

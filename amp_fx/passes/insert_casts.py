@@ -245,7 +245,7 @@ def insert_casts(
 def graph_device_type(vals: Sequence[Any]) -> str:
     """The autocast device type for a graph: cuda if any input is on cuda, else cpu."""
     types = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
-    unsupported = types - {"cpu", "cuda", "meta"}
+    unsupported = types - {"cpu", "cuda"}
     if unsupported:
         raise ValueError(
             f"amp_fx: the model's tensors are on {sorted(unsupported)}, a device amp_fx has no "

@@ -1,0 +1,32 @@
+"""Bad input gets a clear error that names the problem (the rest is in test_compile_api.py)."""
+
+import pytest
+import torch
+
+import amp_fx
+from amp_fx import Policy
+
+
+def test_module_on_a_device_autocast_does_not_support():
+    # "meta" is the one non-CPU device a CPU-only build can create; torch.autocast refuses it too.
+    with pytest.raises(RuntimeError):
+        torch.autocast("meta")
+    model = torch.nn.Linear(4, 4).to("meta")
+    with pytest.raises(ValueError, match=r"weight is on device meta.*'cpu' and 'cuda'"):
+        amp_fx.compile(model)
+
+
+def test_function_called_on_an_unsupported_device():
+    fn = amp_fx.compile(lambda x: x @ x, backend="aot_eager")
+    with pytest.raises(ValueError, match=r"\['meta'\].*'cpu' and 'cuda'"):
+        fn(torch.empty(2, 2, device="meta"))
+
+
+def test_keep_fp32_by_name_on_a_function():
+    with pytest.raises(ValueError, match="is a function, not an nn.Module"):
+        amp_fx.compile(lambda x: x, policy=Policy(keep_fp32=("fc",)))
+
+
+def test_policy_of_the_wrong_type():
+    with pytest.raises(TypeError, match="amp_fx.Policy"):
+        amp_fx.compile(torch.nn.Linear(2, 2), policy={"keep_fp32": ("fc",)})
