@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from amp_fx.backend import Backend, GraphRecord, _downstream
+from amp_fx.backend import Backend, GraphRecord
 
 __all__: list[str] = []
 
@@ -164,6 +164,16 @@ def many_recompiles() -> Iterator[None]:
         yield
 
 
+def _resolve_backend(backend: str | Backend) -> Backend:
+    if callable(backend):
+        return backend
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    return torch._dynamo.lookup_backend(backend)
+
+
 class InputRecorder:
     """A downstream backend for :func:`amp_fx.compile` that keeps the real inputs of each graph.
 
@@ -176,7 +186,7 @@ class InputRecorder:
     def __init__(self, downstream: str | Backend) -> None:
         self.name = downstream if isinstance(downstream, str) else getattr(
             downstream, "__name__", repr(downstream))
-        self._inner = _downstream(downstream)
+        self._inner = _resolve_backend(downstream)
         self._inputs: dict[int, list[Any]] = {}
         self._graphs: list[torch.fx.GraphModule] = []  # keeps ids stable
         self.__name__ = f"recorder({self.name})"
@@ -194,14 +204,7 @@ class InputRecorder:
                 self._inputs[key] = [a.detach().clone() if isinstance(a, torch.Tensor) else a
                                      for a in args]
 
-        if getattr(inner, "_boxed_call", False):
-            def run_boxed(args: list[Any]) -> Any:
-                remember(args)
-                return inner(args)
-
-            run_boxed._boxed_call = True  # type: ignore[attr-defined]
-            return run_boxed
-
+        # Dynamo calls the compiled graph with positional tensors whatever the backend returns
         def run(*args: Any) -> Any:
             remember(args)
             return inner(*args)
@@ -298,3 +301,42 @@ def op_label(node: torch.fx.Node) -> str:
         name = target.name().replace("::", ".")
         return name
     return getattr(target, "__name__", str(target))
+
+
+class AmpRunError(RuntimeError):
+    """The model runs in plain eager mode but fails when run with mixed precision."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def eager_autocast_error(model_or_fn: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                         device_type: str, dtype: torch.dtype) -> BaseException | None:
+    """The error eager ``torch.autocast`` raises on this model, or None if it runs."""
+    target = private_copy(model_or_fn)
+    a, k = copy_args(args, kwargs)
+    try:
+        with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
+            target(*a, **k)
+    except Exception as e:
+        return e
+    return None
+
+
+def amp_failure(e: BaseException, model_or_fn: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                *, tool: str, dtype: torch.dtype) -> AmpRunError:
+    """Describe a failure of the amp_fx-compiled model, saying whether eager autocast fails too."""
+    device_type = "cuda" if any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
+                                for t in tree_flatten((list(args), kwargs))[0]) else "cpu"
+    eager = eager_autocast_error(model_or_fn, args, kwargs, device_type, dtype)
+    if eager is not None:
+        same = (f"eager torch.autocast('{device_type}', {short_dtype(dtype)}) fails on it too "
+                f"({_first_line(eager)}): this op has no {short_dtype(dtype)} kernel here; keep "
+                f"the module that runs it in fp32 (Policy(keep_fp32=...)) or use another dtype")
+    else:
+        same = (f"eager torch.autocast('{device_type}', {short_dtype(dtype)}) runs it, so this "
+                "looks like an amp_fx bug: please report it with this model")
+    return AmpRunError(f"amp_fx.{tool}: the model runs in fp32 eager mode but fails with amp_fx "
+                       f"({short_dtype(dtype)}): {_first_line(e)}; {same}")

@@ -28,12 +28,12 @@ from torch._guards import detect_fake_mode
 
 from amp_fx._graphviz import GraphvizNotFound, build_dot, write_svg
 from amp_fx._probe import (
-    InputRecorder, ValueInterpreter, clone_inputs, copy_args, describe_value, input_labels,
+    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, describe_value, input_labels,
     leaf_flags, many_recompiles, module_of, numel_or_none, op_label, private_copy,
     run_eager_checked, short_dtype, value_dtype,
 )
 from amp_fx.backend import GraphRecord
-from amp_fx.passes.insert_casts import CAST_OP
+from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -455,7 +455,12 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
         compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy,
                                backend=recorder, fold=fold)
         a, k = copy_args(args, kwargs)
-        compiled(*a, **k)
+        try:
+            compiled(*a, **k)
+        except (AmpFxError, ValueError):
+            raise
+        except Exception as e:
+            raise amp_failure(e, model_or_fn, args, kwargs, tool="explain", dtype=lower) from e
     recs = list(records(compiled))
     return Explanation(recs, inputs=[recorder.inputs_for(r) for r in recs],
                        policy=policy if policy is not None else Policy())

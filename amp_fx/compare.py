@@ -1,0 +1,460 @@
+"""amp_fx.compare: amp_fx against eager ``torch.autocast``, op by op, then outputs and gradients.
+
+How ops are matched. amp_fx records every graph Dynamo hands it (one per graph break) as a
+``GraphRecord`` holding the *captured* pre-dispatch ATen graph (before the passes) and the
+*rewritten* one; insert_casts rewrites in place and only adds cast nodes, and fold_casts removes
+only cast nodes, so every op of your program keeps its node name in both graphs. compare records
+the real inputs each graph is called with (a recording downstream backend), then, per graph, on
+copies of those inputs:
+
+(a) runs the rewritten graph with an ``fx.Interpreter``, keeping every op's output (amp_fx);
+(b) runs the captured graph with an ``fx.Interpreter`` under ``torch.autocast(device, dtype)``:
+    each ATen op goes through the real Autocast dispatch key, exactly as in eager (eager autocast);
+(c) runs the captured graph without autocast on float64 copies of the inputs (the reference;
+    float32 if the graph cannot run in float64).
+
+Op nodes are matched by name across (a), (b) and (c). Casts amp_fx inserted are not ops of your
+program and are not compared; a cast of yours that a fold removed is listed as folded. A graph
+break gives separate records, each compared on its own recorded inputs, so matching never crosses
+a break. Then the real eager model under ``torch.autocast`` and the amp_fx-compiled model are run
+end to end for outputs and each parameter's ``.grad``.
+
+What "agree" means. Per op, (a) and (b) run the same ATen kernels on the same dtypes whatever the
+downstream backend, so an op agrees when its output dtype is the same and its values are equal bit
+for bit (NaN equal to NaN). End to end, backends "eager" and "aot_eager" must also be bitwise;
+other backends (inductor) fuse ops and keep intermediates in fp32 (excess precision), so outputs
+and gradients agree within ``rtol = atol_scale = 2 * eps(dtype)`` (two roundings of the lower
+dtype), the absolute tolerance relative to the largest magnitude of the eager value.
+
+All runs use deep copies of the model and inputs; your model's parameters, buffers and RNG state
+are untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch.utils._pytree import tree_flatten
+
+from amp_fx._probe import (
+    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, leaf_flags, many_recompiles,
+    module_of, op_label, private_copy, run_eager_checked, short_dtype, tensors_of,
+)
+from amp_fx.backend import Backend, GraphRecord
+from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.policy import Policy, resolve_dtype
+
+__all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]
+
+_EXACT_BACKENDS = ("eager", "aot_eager")
+_SEED = 0
+
+
+@dataclass(frozen=True)
+class Error:
+    """max |a - b| and that divided by max |b| (NaN at the same place counts as equal)."""
+
+    abs: float
+    rel: float
+
+    def __str__(self) -> str:
+        return f"{self.abs:.3g} ({self.rel:.2g})" if not math.isnan(self.abs) else "-"
+
+
+def _error(a: Any, b: Any) -> Error:
+    ta = [t for t in tensors_of(a)]
+    tb = [t for t in tensors_of(b)]
+    if not ta or len(ta) != len(tb):
+        return Error(math.nan, math.nan)
+    worst_abs, scale = 0.0, 0.0
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape or x.is_complex() or y.is_complex():
+            return Error(math.inf, math.inf)
+        x, y = x.detach().double(), y.detach().double()
+        both_nan = torch.isnan(x) & torch.isnan(y)
+        same_inf = torch.isinf(x) & (x == y)
+        d = (x - y).abs()
+        d = torch.where(both_nan | same_inf, torch.zeros_like(d), d)
+        d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+        if d.numel():
+            worst_abs = max(worst_abs, float(d.max()))
+            finite = y[torch.isfinite(y)]
+            if finite.numel():
+                scale = max(scale, float(finite.abs().max()))
+    return Error(worst_abs, worst_abs / scale if scale > 0 else (0.0 if worst_abs == 0 else math.inf))
+
+
+def _bitwise(a: Any, b: Any) -> bool:
+    ta, tb = tensors_of(a), tensors_of(b)
+    if len(ta) != len(tb):
+        return False
+    for x, y in zip(ta, tb):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.is_floating_point():
+            if not bool(((x == y) | (torch.isnan(x) & torch.isnan(y))).all()):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+def _dtypes(value: Any) -> str:
+    ts = tensors_of(value)
+    if not ts:
+        return "-"
+    names = [short_dtype(t.dtype) for t in ts]
+    return names[0] if len(set(names)) == 1 else "(" + ", ".join(names) + ")"
+
+
+@dataclass(frozen=True)
+class OpComparison:
+    """One op of your program: eager autocast's and amp_fx's dtype and values."""
+
+    graph: int
+    node: str
+    op: str
+    module: str
+    eager_dtype: str
+    amp_dtype: str
+    agree: bool
+    error_vs_eager: Error
+    error_vs_reference: Error
+    eager_error_vs_reference: Error
+    rule: str
+    status: str = ""
+    """``folded`` for a cast of yours that fold_casts removed (not compared)."""
+
+    @property
+    def dtype_agrees(self) -> bool:
+        return self.eager_dtype == self.amp_dtype
+
+    def where(self) -> str:
+        return f"{self.node} ({self.op}{', module ' + self.module if self.module else ''})"
+
+
+@dataclass(frozen=True)
+class ValueComparison:
+    """A model output or a parameter gradient, end to end."""
+
+    name: str
+    eager_dtype: str
+    amp_dtype: str
+    agree: bool
+    error_vs_eager: Error
+    error_vs_reference: Error | None
+    eager_error_vs_reference: Error | None
+
+
+@dataclass
+class CompareReport:
+    """The result of :func:`compare`. ``ok`` when every op, output and gradient agrees."""
+
+    dtype: torch.dtype
+    backend: str
+    exact: bool
+    ops: list[OpComparison] = field(default_factory=list)
+    outputs: list[ValueComparison] = field(default_factory=list)
+    grads: list[ValueComparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    reference_dtype: str = "fp64"
+
+    @property
+    def ok(self) -> bool:
+        return (all(o.agree for o in self.ops) and all(v.agree for v in self.outputs)
+                and all(v.agree for v in self.grads))
+
+    @property
+    def first_divergence(self) -> OpComparison | None:
+        """The first op (graph order, graphs in execution order) whose dtype or value differs."""
+        return next((o for o in self.ops if not o.agree), None)
+
+    @property
+    def first_dtype_divergence(self) -> OpComparison | None:
+        return next((o for o in self.ops if o.status != "folded" and not o.dtype_agrees), None)
+
+    def op_table(self) -> str:
+        rows = [[o.graph, o.node, o.op, o.module, o.eager_dtype, o.amp_dtype,
+                 "folded" if o.status == "folded" else ("yes" if o.agree else "NO"),
+                 o.error_vs_eager, o.error_vs_reference, o.eager_error_vs_reference]
+                for o in self.ops]
+        return tabulate(rows, headers=["graph", "node", "op", "module", "eager", "amp_fx", "agree",
+                                       "|amp-eager| (rel)", f"|amp-{self.reference_dtype}| (rel)",
+                                       f"|eager-{self.reference_dtype}| (rel)"])
+
+    def value_table(self) -> str:
+        rows = [[kind, v.name, v.eager_dtype, v.amp_dtype, "yes" if v.agree else "NO",
+                 v.error_vs_eager, v.error_vs_reference or "-", v.eager_error_vs_reference or "-"]
+                for kind, vs in (("output", self.outputs), ("grad", self.grads)) for v in vs]
+        return tabulate(rows, headers=["", "name", "eager", "amp_fx", "agree", "|amp-eager| (rel)",
+                                       f"|amp-{self.reference_dtype}| (rel)",
+                                       f"|eager-{self.reference_dtype}| (rel)"])
+
+    def verdict(self) -> str:
+        mode = ("bitwise" if self.exact
+                else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})")
+        if self.ok:
+            return (f"OK: amp_fx agrees with eager torch.autocast ({short_dtype(self.dtype)}) on "
+                    f"{sum(o.status != 'folded' for o in self.ops)} ops, {len(self.outputs)} "
+                    f"outputs and {len(self.grads)} gradients ({mode})")
+        first = self.first_divergence
+        lines = [f"DIFFERS from eager torch.autocast ({short_dtype(self.dtype)}, {mode})"]
+        if first is not None:
+            what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
+                    if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
+            lines.append(f"first divergence: graph {first.graph}, node {first.where()}: {what}; "
+                         f"amp_fx decided: {first.rule}")
+        bad = [v.name for v in (*self.outputs, *self.grads) if not v.agree]
+        if bad:
+            lines.append("differing outputs/gradients: " + ", ".join(bad[:8])
+                         + (" ..." if len(bad) > 8 else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        parts = [self.verdict()]
+        if self.ops:
+            parts += ["", "ops (graph order):", self.op_table()]
+        if self.outputs or self.grads:
+            parts += ["", "end to end:", self.value_table()]
+        parts += [f"note: {n}" for n in self.notes]
+        return "\n".join(parts)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # two roundings to the lower dtype: inductor may skip one per fused op (excess precision)
+    return 2 * torch.finfo(dtype).eps
+
+
+def _close(a: Any, b: Any, exact: bool, dtype: torch.dtype) -> bool:
+    if exact:
+        return _bitwise(a, b)
+    ta, tb = tensors_of(a), tensors_of(b)
+    if len(ta) != len(tb) or any(x.dtype != y.dtype or x.shape != y.shape for x, y in zip(ta, tb)):
+        return False
+    err = _error(a, b)
+    return err.rel <= _tolerance(dtype)
+
+
+def _rule_of(node: torch.fx.Node | None) -> str:
+    if node is None:
+        return ""
+    d = node.meta.get("amp_fx_decision")
+    return d.reason if d is not None else ""
+
+
+def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, torch.dtype] | None
+         ) -> dict[str, Any]:
+    interp = ValueInterpreter(gm)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_SEED)
+        if autocast is not None:
+            with torch.autocast(autocast[0], dtype=autocast[1]):
+                interp.run(*inputs)
+        else:
+            interp.run(*inputs)
+    return {n.name: v for n, v in interp.env.items()}
+
+
+def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport
+                   ) -> None:
+    flags = leaf_flags(record)
+    amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
+    eager = _run(record.captured, clone_inputs(inputs, flags),
+                 autocast=(record.device_type, record.dtype))
+    try:
+        ref = _run(record.captured, clone_inputs(inputs, flags, to=torch.float64), autocast=None)
+    except Exception as e:
+        report.reference_dtype = "fp32"
+        report.notes.append(f"graph {record.index} cannot run in float64 ({type(e).__name__}); "
+                            "its reference is float32")
+        ref = _run(record.captured, clone_inputs(inputs, flags), autocast=None)
+    rewritten = {n.name: n for n in record.rewritten.graph.nodes}
+    for node in record.captured.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        path, _ = module_of(node)
+        new = rewritten.get(node.name)
+        e_val = eager[node.name]
+        if new is None:
+            report.ops.append(OpComparison(
+                record.index, node.name, op_label(node), path, _dtypes(e_val), "-", True,
+                Error(math.nan, math.nan), Error(math.nan, math.nan), Error(math.nan, math.nan),
+                "cast removed by fold_casts (value-preserving)", status="folded"))
+            continue
+        a_val, r_val = amp[node.name], ref[node.name]
+        agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
+        report.ops.append(OpComparison(
+            record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
+            _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val), _rule_of(new)))
+
+
+def _cotangents(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(_SEED + 1)
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device) for o in outputs]
+
+
+def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
+    if loss_fn is not None:
+        return loss_fn(out)
+    floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        return None
+    # a fixed random cotangent (a plain sum would give e.g. softmax outputs zero gradients);
+    # .float(), mul and sum are not in autocast's tables, so both sides compute it alike
+    return sum((o.float() * g).sum() for o, g in zip(floats, _cotangents(floats)))
+
+
+def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
+    leaves, _ = tree_flatten(out)
+    ts = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if len(ts) == 1:
+        return [("output", ts[0])]
+    return [(f"output[{i}]", t) for i, t in enumerate(ts)]
+
+
+def _device_type(model: Any, args: Sequence[Any]) -> str:
+    tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
+    if isinstance(model, torch.nn.Module):
+        tensors += list(model.parameters())
+    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+
+
+def _run_end_to_end(model: Any, args: Sequence[Any], *, autocast: tuple[str, torch.dtype] | None,
+                    grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
+                    to: torch.dtype | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    a, _ = copy_args(args, {})
+    if to is not None:
+        a = tuple(x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_SEED)
+        if autocast is not None:
+            with torch.autocast(autocast[0], dtype=autocast[1]):
+                out = model(*a)
+                loss = _loss(out, loss_fn) if loss_fn is not None else None
+        else:
+            out = model(*a)
+            loss = _loss(out, loss_fn) if loss_fn is not None else None
+        if loss is None:
+            loss = _loss(out, None)
+        if grads and loss is not None and loss.requires_grad:
+            loss.backward()
+    g = {}
+    if isinstance(model, torch.nn.Module):
+        g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out, g
+
+
+def compare(
+    model_or_fn: Any,
+    *args: Any,
+    dtype: str | torch.dtype = "bf16",
+    policy: Policy | None = None,
+    backend: str | Backend = "aot_eager",
+    grads: bool = True,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> CompareReport:
+    """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
+
+    Lists, op by op, the dtype eager autocast used and the dtype amp_fx used, whether they agree,
+    and the op's error against eager autocast and against a float64 reference; then the same for
+    the outputs and, with ``grads=True``, each parameter's gradient. ``report.first_divergence``
+    names the first op (with its module path) where dtype or value differs. How ops are matched
+    across graph breaks and folded casts, and what "agree" means per backend: see the module doc.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies).
+        *args: example inputs.
+        dtype: "bf16" or "fp16" (and their aliases).
+        policy: amp_fx's policy (differences it makes on purpose are reported as differences).
+        backend: the downstream backend amp_fx hands its graphs to.
+        grads: also compare the parameters' gradients.
+        loss_fn: maps the output to the scalar to differentiate; by default a fixed random
+            projection of every floating output. Eager computes it inside the autocast region.
+
+    Raises:
+        ValueError: the model fails in plain eager mode on these inputs (error chained).
+    """
+    lower = resolve_dtype(dtype)
+    backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "callable")
+    exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
+    report = CompareReport(dtype=lower, backend=backend_name, exact=exact)
+    run_eager_checked(model_or_fn, args, {}, tool="compare")
+    device_type = _device_type(model_or_fn, args)
+
+    from amp_fx.compile import compile as amp_compile, records
+
+    recorder = InputRecorder(backend)
+    amp_model = private_copy(model_or_fn)
+    with many_recompiles():
+        compiled = amp_compile(amp_model, dtype=lower, policy=policy, backend=recorder)
+        try:
+            amp_out, amp_grads = _run_end_to_end(compiled, args, autocast=None, grads=grads,
+                                                 loss_fn=loss_fn)
+        except (AmpFxError, ValueError):
+            raise
+        except Exception as e:
+            raise amp_failure(e, model_or_fn, args, {}, tool="compare", dtype=lower) from e
+    recs = list(records(compiled))
+    if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
+        report.notes.append("no ops were captured: the function does nothing torch.compile puts "
+                            "in a graph, so there is nothing to compare op by op")
+    for r in recs:
+        inputs = recorder.inputs_for(r)
+        if inputs is None:
+            report.notes.append(f"graph {r.index} was compiled but not called; not compared")
+            continue
+        _compare_graph(r, inputs, exact, report)
+    if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype
+                        for o in report.ops):
+        report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
+
+    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), args,
+                                             autocast=(device_type, lower), grads=grads,
+                                             loss_fn=loss_fn)
+    try:
+        ref_model = private_copy(model_or_fn)
+        if isinstance(ref_model, torch.nn.Module):
+            ref_model = ref_model.double()
+        ref_out, ref_grads = _run_end_to_end(ref_model, args, autocast=None, grads=grads,
+                                             loss_fn=loss_fn, to=torch.float64)
+    except Exception as e:
+        report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
+                            f"({type(e).__name__}: {e})")
+        ref_out, ref_grads = None, {}
+
+    e_outs, a_outs = _named_outputs(eager_out), _named_outputs(amp_out)
+    r_outs = dict(_named_outputs(ref_out)) if ref_out is not None else {}
+    for (name, e), (_, a) in zip(e_outs, a_outs):
+        r = r_outs.get(name)
+        report.outputs.append(ValueComparison(
+            name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
+            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+    if len(e_outs) != len(a_outs):
+        report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
+        report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
+                                              False, Error(math.inf, math.inf), None, None))
+    if grads:
+        for name in [*eager_grads, *(n for n in amp_grads if n not in eager_grads)]:
+            e, a = eager_grads.get(name), amp_grads.get(name)
+            if e is None or a is None:
+                report.grads.append(ValueComparison(
+                    name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
+                    False, Error(math.inf, math.inf), None, None))
+                continue
+            r = ref_grads.get(name)
+            report.grads.append(ValueComparison(
+                name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
+                _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+    return report
