@@ -8,6 +8,7 @@ a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -75,13 +76,13 @@ def summarize(records: Sequence[GraphRecord]) -> str:
     return tabulate(rows, headers=_HEADERS)
 
 
-def _downstream(backend: str | Backend) -> Backend:
+def _downstream(backend: str | Backend, inductor_config: dict[str, Any]) -> Backend:
     if callable(backend):
         return backend
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx
+        return functools.partial(compile_fx, config_patches=dict(inductor_config))
     return torch._dynamo.lookup_backend(backend)
 
 
@@ -92,12 +93,12 @@ class AmpBackend:
     """
 
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
-                 fold: bool = True) -> None:
+                 fold: bool = True, inductor_config: dict[str, Any] | None = None) -> None:
         self.dtype = dtype
         self.policy = policy
         self.fold = fold
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-        self._downstream = _downstream(backend)
+        self._downstream = _downstream(backend, inductor_config or {})
         self.records: list[GraphRecord] = []
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch._dynamo
+import torch._inductor
 from torch.utils._pytree import tree_flatten
 
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
@@ -146,14 +147,13 @@ def compile(
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(policy).__name__}")
-    if "backend" in torch_compile_kwargs or "mode" in torch_compile_kwargs and backend != "inductor":
-        raise ValueError("amp_fx: pass the downstream backend as backend=...; 'mode' only applies "
-                         "to backend='inductor'")
+    inductor_config = _inductor_config(backend, torch_compile_kwargs)
     if not callable(model_or_fn):
         raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
                         f"{type(model_or_fn).__name__}")
     _check_keep_fp32(policy, model_or_fn)
-    amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold)
+    amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
+                             inductor_config=inductor_config)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
@@ -161,6 +161,16 @@ def compile(
                          lower, lambda args, kwargs: _device_type_of((args, kwargs)))
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile's ``mode``/``options`` become inductor config patches (popped from kwargs)."""
+    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
+    if (mode is not None or options) and backend != "inductor":
+        raise ValueError(f"amp_fx: mode= and options= configure inductor, but backend={backend!r}")
+    config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    config.update(options or {})
+    return config
 
 
 def _check_devices(module: torch.nn.Module) -> None:

@@ -30,3 +30,8 @@ def test_keep_fp32_by_name_on_a_function():
 def test_policy_of_the_wrong_type():
     with pytest.raises(TypeError, match="amp_fx.Policy"):
         amp_fx.compile(torch.nn.Linear(2, 2), policy={"keep_fp32": ("fc",)})
+
+
+def test_inductor_mode_with_another_backend():
+    with pytest.raises(ValueError, match="mode= and options= configure inductor"):
+        amp_fx.compile(lambda x: x, backend="aot_eager", mode="max-autotune")
