@@ -118,7 +118,9 @@ def _fused_unscale_kernel() -> _UnscaleFn | None:
     return cast(_UnscaleFn, unscale_check_)
 
 
-def _unscale_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+def _unscale_check_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
     """Check and unscale gradients of one device in place (see ``_unscale_grads_``)."""
     fused = _fused_unscale_kernel()
     if fused is None:
@@ -202,7 +204,9 @@ class _Snapshot:
                         for k, v in entry.items()
                     }
                 )
-        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        self.groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
 
     def needs_host_decision(self) -> str | None:
         """Why the step just taken cannot be undone on the device, or None if it can."""
@@ -220,7 +224,8 @@ class _Snapshot:
                 if isinstance(live, torch.Tensor):
                     if not isinstance(now, torch.Tensor) or (
                         now is not live
-                        and (now.shape, now.dtype, now.device) != (live.shape, live.dtype, live.device)
+                        and (now.shape, now.dtype, now.device)
+                        != (live.shape, live.dtype, live.device)
                     ):
                         return f"state tensor {k!r} was replaced by one of another kind"
                 elif not _same_value(live, now):
@@ -334,13 +339,16 @@ class GradScaler(torch.amp.GradScaler):
         # level pointing into this file. The same attributes are set here instead.
         self._device = device
         self._enabled = enabled
-        if self._device == "cuda":
-            if enabled and torch.cuda.amp.common.amp_definitely_not_available():
-                warnings.warn(
-                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                    stacklevel=2,
-                )
-                self._enabled = False
+        if (
+            self._device == "cuda"
+            and enabled
+            and torch.cuda.amp.common.amp_definitely_not_available()
+        ):
+            warnings.warn(
+                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                stacklevel=2,
+            )
+            self._enabled = False
         if not isinstance(mode, ScalerMode):
             raise TypeError(f"mode must be a ScalerMode, got {mode!r}")
         if not isinstance(step_mode, StepMode):
@@ -416,7 +424,10 @@ class GradScaler(torch.amp.GradScaler):
 
     # ---------------------------------------------------------------- lazy state
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        fix = (
+            "This may indicate your script did not use scaler.scale(loss or outputs) "
+            "earlier in the iteration."
+        )
         if self._scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
         if self._growth_tracker is None:
@@ -427,11 +438,15 @@ class GradScaler(torch.amp.GradScaler):
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=dev
+        )
         self._hysteresis_tracker = torch.full(
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
         )
-        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
+        self._skipped_steps = torch.full(
+            (), self._init_skipped_steps, dtype=torch.int64, device=dev
+        )
         self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
 
     def _inv_scale_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,7 +540,7 @@ class GradScaler(torch.amp.GradScaler):
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
-                        raise AssertionError(
+                        raise AssertionError(  # noqa: TRY004 - torch's type, users may catch it
                             f"expected param to be torch.Tensor, got {type(param).__name__}"
                         )
                     if param.grad is None:
@@ -543,7 +558,9 @@ class GradScaler(torch.amp.GradScaler):
                     per_device_grads[to_unscale.device].append(to_unscale)
 
             for device, grads in per_device_grads.items():
-                _unscale_check_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+                _unscale_check_(
+                    grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                )
 
         return per_device_found_inf._per_device_tensors
 
@@ -628,7 +645,10 @@ class GradScaler(torch.amp.GradScaler):
                     if isinstance(live, torch.Tensor):
                         devices.add(live.device)
             if torch.device("cpu") in devices:
-                reason = "a parameter or state tensor is on the CPU (e.g. Adam's step without capturable=True)"
+                reason = (
+                    "a parameter or state tensor is on the CPU "
+                    "(e.g. Adam's step counter without capturable=True)"
+                )
         if reason is None:
             snapshot.restore_where(found_inf)
             return retval
@@ -636,11 +656,17 @@ class GradScaler(torch.amp.GradScaler):
         # host this once. Lazily created state (every optimizer's first step) is expected and
         # logged at debug level; anything else would sync on every step, so say so once.
         if reason == _STATE_CREATED:
-            logger.debug("masked step of %s reads found_inf on the host: %s", type(optimizer).__name__, reason)
+            logger.debug(
+                "masked step of %s reads found_inf on the host: %s",
+                type(optimizer).__name__,
+                reason,
+            )
         elif id(optimizer) not in self._warned_sync:
             self._warned_sync.add(id(optimizer))
             logger.warning(
-                "masked step of %s reads found_inf on the host (a sync): %s", type(optimizer).__name__, reason
+                "masked step of %s reads found_inf on the host (a sync): %s",
+                type(optimizer).__name__,
+                reason,
             )
         if found_inf.item():
             snapshot.restore_all()
@@ -698,7 +724,8 @@ class GradScaler(torch.amp.GradScaler):
             warnings.warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
+                "directly.",
                 FutureWarning,
                 stacklevel=3,
             )
@@ -778,7 +805,9 @@ class GradScaler(torch.amp.GradScaler):
 
         if new_scale is not None:
             if self._mode is ScalerMode.CHECK_ONLY:
-                raise ValueError("update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0.")
+                raise ValueError(
+                    "update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0."
+                )
             if isinstance(new_scale, float):
                 self._scale.fill_(new_scale)  # type: ignore[union-attr]
             else:
@@ -951,11 +980,19 @@ class GradScaler(torch.amp.GradScaler):
             # As torch: the tensors are re-created lazily after unpickling.
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_skipped_steps"] = self._read_int(self._skipped_steps, self._init_skipped_steps)
+            state["_init_skipped_steps"] = self._read_int(
+                self._skipped_steps, self._init_skipped_steps
+            )
             state["_init_hysteresis_tracker"] = self._read_int(
                 self._hysteresis_tracker, self._init_hysteresis_tracker
             )
-            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_found_inf"):
+            for name in (
+                "_scale",
+                "_growth_tracker",
+                "_hysteresis_tracker",
+                "_skipped_steps",
+                "_last_found_inf",
+            ):
                 state[name] = None
         del state["_stepped_optimizers"]  # weak references do not pickle; re-created empty
         return state
@@ -975,11 +1012,15 @@ def _validate_bounds(
         raise ValueError(f"min_scale must be positive and finite, got {min_scale!r}")
     if min_scale is not None and lo < 1.0 / torch.finfo(torch.float32).max:
         # At such a scale inv_scale is inf, so every step would count as an overflow.
-        raise ValueError(f"min_scale must have a finite float32 reciprocal (>= 2.94e-39), got {min_scale!r}")
+        raise ValueError(
+            f"min_scale must have a finite float32 reciprocal (>= 2.94e-39), got {min_scale!r}"
+        )
     if max_scale is not None and not (0.0 < hi <= torch.finfo(torch.float32).max):
         raise ValueError(f"max_scale must be positive and within float32, got {max_scale!r}")
     if lo > hi:
         raise ValueError(f"min_scale ({lo}) must not exceed max_scale ({hi})")
     if mode is ScalerMode.DYNAMIC and not (lo <= init_scale <= hi):
-        raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}]")
+        raise ValueError(
+            f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}]"
+        )
     return lo, hi

@@ -8,7 +8,9 @@ and message. Overflows are injected by planting inf/NaN in a gradient after back
 from __future__ import annotations
 
 import copy
+import functools
 import io
+import itertools
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -51,7 +53,9 @@ def assert_bitwise(actual: Any, expected: Any, what: str = "") -> None:
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_bitwise(a, e, f"{what}[{i}]")
     else:
-        assert type(actual) is type(expected) and actual == expected, f"{what}: {actual!r} != {expected!r}"
+        assert type(actual) is type(expected) and actual == expected, (
+            f"{what}: {actual!r} != {expected!r}"
+        )
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -67,7 +71,9 @@ def make_data(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptFactory] = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "sgd_momentum_for_loop": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, foreach=False),
+    "sgd_momentum_for_loop": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.9, dampening=0.1, foreach=False
+    ),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
     "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, amsgrad=True),
@@ -127,13 +133,21 @@ def run_script(
 
 # Three overflows in a row, a NaN, a -inf; with growth_interval 3 the scale also grows (the
 # test checks that both happen). Step 0 is clean here: see the first-step tests.
-SCRIPT_POISON: Poison = {1: float("inf"), 5: float("nan"), 6: float("inf"), 7: float("inf"), 15: float("-inf")}
+SCRIPT_POISON: Poison = {
+    1: float("inf"),
+    5: float("nan"),
+    6: float("inf"),
+    7: float("inf"),
+    15: float("-inf"),
+}
 SCRIPT_STEPS = 20
 
 
-def _assert_script_exercises_rule(history: list[tuple[torch.Tensor, torch.Tensor]], init: float) -> None:
+def _assert_script_exercises_rule(
+    history: list[tuple[torch.Tensor, torch.Tensor]], init: float
+) -> None:
     scales = [init] + [s.item() for s, _ in history]
-    grew = any(b > a for a, b in zip(scales, scales[1:]))
+    grew = any(b > a for a, b in itertools.pairwise(scales))
     backed_off_in_a_row = any(
         scales[i + 2] < scales[i + 1] < scales[i] for i in range(len(scales) - 2)
     )
@@ -144,9 +158,14 @@ def _assert_script_exercises_rule(history: list[tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("step_mode", list(StepMode))
 def test_scripted_run_bitwise(opt_name: str, step_mode: StepMode) -> None:
-    ref = run_script(torch.amp.GradScaler("cpu", growth_interval=3), opt_name, SCRIPT_STEPS, SCRIPT_POISON)
+    ref = run_script(
+        torch.amp.GradScaler("cpu", growth_interval=3), opt_name, SCRIPT_STEPS, SCRIPT_POISON
+    )
     ours = run_script(
-        GradScaler("cpu", growth_interval=3, step_mode=step_mode), opt_name, SCRIPT_STEPS, SCRIPT_POISON
+        GradScaler("cpu", growth_interval=3, step_mode=step_mode),
+        opt_name,
+        SCRIPT_STEPS,
+        SCRIPT_POISON,
     )
     _assert_script_exercises_rule(ref["history"], 2.0**16)
     assert_bitwise(ours, ref)
@@ -159,7 +178,9 @@ def test_first_step_overflow_bitwise(opt_name: str, step_mode: StepMode) -> None
     # trace. (torch's fused SGD does leave one: see test_fused_sgd_first_step_overflow.)
     poison = {0: float("inf"), 1: float("nan"), 4: float("inf")}
     ref = run_script(torch.amp.GradScaler("cpu", growth_interval=3), opt_name, 8, poison)
-    ours = run_script(GradScaler("cpu", growth_interval=3, step_mode=step_mode), opt_name, 8, poison)
+    ours = run_script(
+        GradScaler("cpu", growth_interval=3, step_mode=step_mode), opt_name, 8, poison
+    )
     assert_bitwise(ours, ref)
 
 
@@ -183,7 +204,9 @@ def test_fused_sgd_first_step_overflow(step_mode: StepMode) -> None:
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
     for batch in data[1:]:
         train_step(ref, ref_model, ref_opt, batch)
-    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
+    assert_bitwise(
+        [p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()]
+    )
     assert_bitwise(ours._scale, ref._scale)
 
     # The torch bug itself, where the buffer's memory is not zero: it ends up in the state.
@@ -198,7 +221,11 @@ def test_fused_sgd_first_step_overflow(step_mode: StepMode) -> None:
 def test_scripted_run_with_unscale_and_clip_bitwise(opt_name: str, step_mode: StepMode) -> None:
     # unscale_ + clip_grad_norm_ on every other step: the UNSCALED path of step(), including
     # the fused optimizers' "already unscaled" branch (grad_scale left unset).
-    args = dict(n_steps=12, poison={2: float("inf"), 3: float("nan")}, clip_every=2)
+    args: dict[str, Any] = {
+        "n_steps": 12,
+        "poison": {2: float("inf"), 3: float("nan")},
+        "clip_every": 2,
+    }
     ref = run_script(torch.amp.GradScaler("cpu", growth_interval=2), opt_name, **args)
     ours = run_script(GradScaler("cpu", growth_interval=2, step_mode=step_mode), opt_name, **args)
     assert_bitwise(ours, ref)
@@ -221,7 +248,10 @@ def test_inexact_inv_scale_matches_torch() -> None:
 
 def test_two_optimizers_one_overflowing_bitwise() -> None:
     results = []
-    for scaler in (torch.amp.GradScaler("cpu", growth_interval=2), GradScaler("cpu", growth_interval=2)):
+    for scaler in (
+        torch.amp.GradScaler("cpu", growth_interval=2),
+        GradScaler("cpu", growth_interval=2),
+    ):
         model = make_model()
         opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
         opt_b = torch.optim.Adam(model[2].parameters(), lr=0.01, fused=True)
@@ -278,7 +308,9 @@ def _outcome(fn: Callable[[], Any]) -> tuple[type, str] | None:
     return None
 
 
-def _prepared(cls: type, **kw: Any) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer, torch.nn.Module]:
+def _prepared(
+    cls: type, **kw: Any
+) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer, torch.nn.Module]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = cls("cpu", **kw)
@@ -488,7 +520,13 @@ def _double_grad_with_nan(model: torch.nn.Module) -> None:
     model[0].bias.grad[0] = float("nan")
 
 
-BAD_GRADS = [_non_contiguous, _non_contiguous_finite, _some_grads_none, _bf16_grad, _double_grad_with_nan]
+BAD_GRADS = [
+    _non_contiguous,
+    _non_contiguous_finite,
+    _some_grads_none,
+    _bf16_grad,
+    _double_grad_with_nan,
+]
 
 
 @pytest.mark.parametrize("setup", BAD_GRADS, ids=lambda f: f.__name__.strip("_"))
@@ -541,22 +579,30 @@ def test_empty_param_group_list_matches_torch() -> None:
     # An optimizer over parameters that never get gradients: step() has nothing to check.
     p = torch.nn.Parameter(torch.ones(2))
     outcomes = []
-    for scaler in (torch.amp.GradScaler("cpu"), GradScaler("cpu"), GradScaler("cpu", step_mode=StepMode.MASKED)):
+    for scaler in (
+        torch.amp.GradScaler("cpu"),
+        GradScaler("cpu"),
+        GradScaler("cpu", step_mode=StepMode.MASKED),
+    ):
         scaler.scale(torch.ones(()))
-        outcomes.append(_outcome(lambda: scaler.step(torch.optim.SGD([p], lr=0.1))))
+        outcomes.append(_outcome(functools.partial(scaler.step, torch.optim.SGD([p], lr=0.1))))
     assert outcomes[0] is not None and outcomes[1] == outcomes[0] == outcomes[2]
 
 
 # ----------------------------------------------------------------------------- update(new_scale)
 @pytest.mark.parametrize(
-    "new_scale", [512.0, torch.tensor(3.0), torch.tensor([5.0]), torch.tensor(6.0, dtype=torch.float64)]
+    "new_scale",
+    [512.0, torch.tensor(3.0), torch.tensor([5.0]), torch.tensor(6.0, dtype=torch.float64)],
 )
 def test_update_new_scale_matches_torch(new_scale: float | torch.Tensor) -> None:
     # torch.tensor([5.0]) passes torch's checks and then fails to copy into the 0-dim scale.
     out = []
-    for scaler in (torch.amp.GradScaler("cpu", growth_interval=1), GradScaler("cpu", growth_interval=1)):
+    for scaler in (
+        torch.amp.GradScaler("cpu", growth_interval=1),
+        GradScaler("cpu", growth_interval=1),
+    ):
         stepped = _prepared_pair_step(scaler)
-        err = _outcome(lambda: scaler.update(new_scale))
+        err = _outcome(functools.partial(scaler.update, new_scale))
         out.append((err, scaler._scale.clone(), scaler._growth_tracker.clone(), stepped))
     assert_bitwise(out[1], out[0])
 
@@ -599,7 +645,11 @@ def test_state_dict_round_trip_mid_run(opt_name: str, direction: str) -> None:
                 opt.load_state_dict(opt_sd)
                 scaler = second
             train_step(scaler, model, opt, batch, poison.get(i))
-        return [p.detach().clone() for p in model.parameters()], scaler._scale.clone(), scaler._growth_tracker.clone()
+        return (
+            [p.detach().clone() for p in model.parameters()],
+            scaler._scale.clone(),
+            scaler._growth_tracker.clone(),
+        )
 
     ref = run(torch.amp.GradScaler("cpu", growth_interval=3), None)
     if direction == "ours_to_torch":
@@ -638,7 +688,10 @@ def test_state_dict_extras_round_trip() -> None:
 
 def test_pickle_matches_torch() -> None:
     out = []
-    for scaler in (torch.amp.GradScaler("cpu", growth_interval=1), GradScaler("cpu", growth_interval=1)):
+    for scaler in (
+        torch.amp.GradScaler("cpu", growth_interval=1),
+        GradScaler("cpu", growth_interval=1),
+    ):
         _prepared_pair_step(scaler)
         with pytest.raises(AssertionError, match="may only be pickled"):
             pickle.dumps(scaler)
@@ -677,8 +730,12 @@ def test_cuda_without_cuda_warns_and_disables_like_torch() -> None:
     with warnings.catch_warnings(record=True) as our_w:
         warnings.simplefilter("always")
         ours = GradScaler()
-    assert [(w.category, str(w.message)) for w in our_w] == [(w.category, str(w.message)) for w in ref_w]
-    assert len(our_w) == 1 and our_w[0].filename == __file__  # points at the caller, as torch's does
+    assert [(w.category, str(w.message)) for w in our_w] == [
+        (w.category, str(w.message)) for w in ref_w
+    ]
+    assert (
+        len(our_w) == 1 and our_w[0].filename == __file__
+    )  # points at the caller, as torch's does
     assert ours.is_enabled() is ref.is_enabled() is False
 
 
@@ -688,7 +745,13 @@ def test_getters_and_setters_match_torch() -> None:
         scaler.set_growth_factor(3.0)
         scaler.set_backoff_factor(0.125)
         scaler.set_growth_interval(11)
-    for name in ("get_growth_factor", "get_backoff_factor", "get_growth_interval", "get_scale", "is_enabled"):
+    for name in (
+        "get_growth_factor",
+        "get_backoff_factor",
+        "get_growth_interval",
+        "get_scale",
+        "is_enabled",
+    ):
         assert_bitwise(getattr(ours, name)(), getattr(ref, name)(), name)
 
 

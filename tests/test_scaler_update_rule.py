@@ -84,11 +84,23 @@ def run_op(s: State, found_inf: float, r: Rule) -> State:
 
 
 def same_state(a: State, b: State) -> bool:
-    bits = lambda x: np.float32(x).view(np.int32)  # noqa: E731 - NaN-safe, -0.0-safe
+    bits = lambda x: np.float32(x).view(np.int32)  # NaN-safe, -0.0-safe
     return bits(a.scale) == bits(b.scale) and (a.tracker, a.hyst) == (b.tracker, b.hyst)
 
 
-EDGE_SCALES = [0.0, -0.0, F32_TINY_DENORMAL, 1.0, 3.0, 2.0**16, 2.0**127, F32_MAX, math.inf, math.nan, -4.0]
+EDGE_SCALES = [
+    0.0,
+    -0.0,
+    F32_TINY_DENORMAL,
+    1.0,
+    3.0,
+    2.0**16,
+    2.0**127,
+    F32_MAX,
+    math.inf,
+    math.nan,
+    -4.0,
+]
 
 
 # ----------------------------------------------------------------------------- vs ATen
@@ -98,17 +110,35 @@ def test_default_rule_is_bitwise_aten_on_edge_and_random_inputs() -> None:
     for scale in EDGE_SCALES:
         for found in (0.0, 1.0, 2.0, math.nan, -1.0):
             for tracker in (0, 1, 2, 5):
-                cases.append((scale, found, tracker, rng.choice([2.0, 1.5, 3.7]), rng.choice([0.5, 0.1, 0.999]), 3))
+                cases.append(
+                    (
+                        scale,
+                        found,
+                        tracker,
+                        rng.choice([2.0, 1.5, 3.7]),
+                        rng.choice([0.5, 0.1, 0.999]),
+                        3,
+                    )
+                )
     for _ in range(2000):
         scale = f32(rng.uniform(0, 10) * 10.0 ** rng.randint(-45, 38))
         cases.append(
-            (scale, rng.choice([0.0, 1.0]), rng.randint(0, 4), rng.uniform(1.0001, 4.0), rng.uniform(0.01, 0.9999), rng.randint(1, 5))
+            (
+                scale,
+                rng.choice([0.0, 1.0]),
+                rng.randint(0, 4),
+                rng.uniform(1.0001, 4.0),
+                rng.uniform(0.01, 0.9999),
+                rng.randint(1, 5),
+            )
         )
     mismatches = []
     for scale, found, tracker, growth, backoff, interval in cases:
         ref_scale = torch.tensor(scale, dtype=torch.float32)
         ref_tracker = torch.tensor(tracker, dtype=torch.int32)
-        torch._amp_update_scale_(ref_scale, ref_tracker, torch.tensor(found), growth, backoff, interval)
+        torch._amp_update_scale_(
+            ref_scale, ref_tracker, torch.tensor(found), growth, backoff, interval
+        )
         got = run_op(State(scale, tracker, 1), found, Rule(growth, backoff, interval))
         if not same_state(got, State(ref_scale.item(), int(ref_tracker), got.hyst)):
             mismatches.append((scale, found, tracker, growth, backoff, interval))
@@ -116,7 +146,11 @@ def test_default_rule_is_bitwise_aten_on_edge_and_random_inputs() -> None:
 
 
 def test_rejects_what_aten_rejects() -> None:
-    ok = dict(scale=torch.ones(()), tracker=torch.zeros((), dtype=torch.int32), found=torch.zeros(()))
+    ok = {
+        "scale": torch.ones(()),
+        "tracker": torch.zeros((), dtype=torch.int32),
+        "found": torch.zeros(()),
+    }
     for key, bad, aten_msg in [
         ("scale", torch.ones((), dtype=torch.float64), "current_scale must be a float tensor."),
         ("tracker", torch.zeros(()), "growth_tracker must be an int tensor."),
@@ -127,7 +161,11 @@ def test_rejects_what_aten_rejects() -> None:
             torch._amp_update_scale_(args["scale"], args["tracker"], args["found"], 2.0, 0.5, 3)
         with pytest.raises(RuntimeError, match=aten_msg):
             torch.ops.amp_fx.update_scale_(
-                args["scale"], args["tracker"], torch.ones((), dtype=torch.int32), args["found"], *Rule().op_args()
+                args["scale"],
+                args["tracker"],
+                torch.ones((), dtype=torch.int32),
+                args["found"],
+                *Rule().op_args(),
             )
 
 
@@ -135,7 +173,9 @@ def test_rejects_what_aten_rejects() -> None:
 RULES = {
     "torch": Rule(growth_interval=3),
     "bounds": Rule(growth_interval=2, min_scale=0.75, max_scale=48.0),
-    "odd_factors": Rule(growth_factor=1.7, backoff_factor=0.3, growth_interval=2, min_scale=0.3, max_scale=100.0),
+    "odd_factors": Rule(
+        growth_factor=1.7, backoff_factor=0.3, growth_interval=2, min_scale=0.3, max_scale=100.0
+    ),
     "hysteresis": Rule(growth_interval=4, hysteresis=3),
     "hysteresis_consecutive": Rule(growth_interval=4, hysteresis=2, consecutive_hysteresis=True),
     "all": Rule(growth_interval=2, min_scale=1.0, max_scale=2.0**20, hysteresis=2),
@@ -217,7 +257,9 @@ def test_grad_scaler_follows_reference(name: str, step_mode: StepMode) -> None:
         scaler.step(opt)
         scaler.update()
         ref = reference_update(ref, found, rule)
-        got = State(scaler.get_scale(), scaler._get_growth_tracker(), int(scaler._hysteresis_tracker))
+        got = State(
+            scaler.get_scale(), scaler._get_growth_tracker(), int(scaler._hysteresis_tracker)
+        )
         assert same_state(got, ref), (got, ref)
     assert int(scaler.skipped_steps) == sum(flags)
 
@@ -238,14 +280,20 @@ def test_opcheck() -> None:
 def test_compiles_without_graph_break(backend: str) -> None:
     rule = RULES["all"]
 
-    def step(scale: torch.Tensor, tracker: torch.Tensor, hyst: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+    def step(
+        scale: torch.Tensor, tracker: torch.Tensor, hyst: torch.Tensor, found: torch.Tensor
+    ) -> torch.Tensor:
         torch.ops.amp_fx.update_scale_(scale, tracker, hyst, found, *rule.op_args())
         return scale * 2
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    state = [torch.tensor(8.0), torch.tensor(1, dtype=torch.int32), torch.tensor(2, dtype=torch.int32)]
+    state = [
+        torch.tensor(8.0),
+        torch.tensor(1, dtype=torch.int32),
+        torch.tensor(2, dtype=torch.int32),
+    ]
     ref = State(8.0, 1, 2)
     for found in (0.0, 1.0, 1.0, 0.0, 0.0):
         out = compiled(*state, torch.tensor(found))
