@@ -198,6 +198,8 @@ class Decision:
 
     cast_class: CastClass
     reason: str
+    kept_module: str | None = None
+    """The qualified name of the fp32-kept module that decided, if one did."""
 
 
 ModuleSelector = Union[str, type]
@@ -267,8 +269,8 @@ class Policy:
             for sel in self.keep_fp32:
                 if _module_matches(sel, path, mtype):
                     label = sel if isinstance(sel, str) else sel.__name__
-                    return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by policy "
-                                                    f"({label})")
+                    return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by "
+                                                    f"policy ({label})", kept_module=path)
         name = op.name()
         short = name.replace("::", ".")
         if name in self.op_classes:

@@ -215,12 +215,13 @@ class _Rewriter:
         if node.meta.get("amp_fx_cast") == "inserted":
             return Decision(CastClass.NONE, "cast inserted by amp_fx")
         decision = self.policy.classify(op, self.device_type, module_stack(node))
-        if decision.cast_class is CastClass.FP32 and "kept by policy" in decision.reason:
+        if decision.kept_module is not None:
             # A kept module runs its compute in fp32; views and in-place ops keep their inputs,
             # since a cast copy would break aliasing (a mutation would land on the copy).
             if _touches_alias(op) or not any(_eligible(_val(a), self.device_type)
                                              for a in node.all_input_nodes):
-                return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is")
+                return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is",
+                                kept_module=decision.kept_module)
         return decision
 
 
