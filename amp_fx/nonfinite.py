@@ -1,0 +1,406 @@
+"""amp_fx.find_nonfinite: the first op whose output (or gradient) holds inf or NaN, and a fix.
+
+How it works. The model (a deep copy) is compiled by amp_fx with a downstream backend that runs
+each rewritten graph through an ``fx.Interpreter`` on the real tensors. The casts are explicit
+nodes of that graph, so the forward is exactly amp_fx's, and autograd records it as it runs: the
+backward is amp_fx's too. Graph breaks need nothing special: the model's own Python runs between
+the graphs as usual, so ops are seen in execution order.
+
+* forward: after each op, its output is checked; the first non-finite one is reported with the
+  range of its inputs. The op is then re-run with its inputs in float32; if that is finite, the
+  report proposes keeping the op's module in fp32 (or, for an op at the top level, moving the op
+  to fp32 in the policy), and by default checks the whole model again with that policy.
+* backward: a hook on every op's output sees the gradient flowing into it; the first non-finite
+  gradient in backward execution order is reported with the op whose output it belongs to.
+
+    >>> report = amp_fx.find_nonfinite(model, x, dtype="fp16")   # doctest: +SKIP
+    >>> print(report)                                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from tabulate import tabulate
+
+from amp_fx._probe import (
+    all_finite, amp_failure, copy_args, format_range, input_labels, many_recompiles, module_of,
+    op_label, private_copy, run_eager_checked, short_dtype, tensor_range, tensors_of,
+)
+from amp_fx.backend import GraphRecord
+from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
+from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
+
+__all__ = ["find_nonfinite", "NonfiniteReport"]
+
+_SEED = 0
+
+
+@dataclass
+class NonfiniteReport:
+    """What :func:`find_nonfinite` found. ``found`` is False on a healthy model."""
+
+    dtype: torch.dtype
+    found: bool = False
+    phase: str | None = None
+    """``"forward"`` or ``"backward"``."""
+    op: str | None = None
+    """The ATen op, e.g. ``aten.linear``; ``input`` for an input that already holds inf/NaN."""
+    node: str | None = None
+    graph: int | None = None
+    module_path: str | None = None
+    module_type: str | None = None
+    dtype_found: torch.dtype | None = None
+    """The dtype of the non-finite value (the op's output, or the gradient)."""
+    inputs: list[tuple[str, str]] = field(default_factory=list)
+    """(input, its dtype and range) of the op, for the forward."""
+    value_range: str = ""
+    reason: str = ""
+    """Why the value is non-finite, in words."""
+    suggestion: str = ""
+    suggested_policy: Policy | None = None
+    suggestion_code: str = ""
+    """The suggested policy change as code, e.g. ``Policy(keep_fp32=("fc2",))``."""
+    fp32_finite: bool | None = None
+    """Whether re-running the op with its inputs in float32 gives a finite output."""
+    verified: bool | None = None
+    """Whether the whole model is free of inf/NaN with ``suggested_policy`` (None: not checked)."""
+    verification: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dtype_name(self) -> str:
+        return short_dtype(self.dtype_found)
+
+    def __str__(self) -> str:
+        if not self.found:
+            lines = [f"no inf/NaN found: every op output in the forward"
+                     f"{' and every gradient in the backward' if 'backward skipped' not in ' '.join(self.notes) else ''}"
+                     f" is finite with amp_fx ({short_dtype(self.dtype)})"]
+            return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        where = f"module `{self.module_path}` ({self.module_type})" if self.module_path else "top level"
+        lines = [f"first inf/NaN in the {self.phase}: graph {self.graph}, node {self.node} "
+                 f"({self.op}) in {where}, dtype {self.dtype_name}",
+                 f"  {self.reason}"]
+        if self.value_range:
+            lines.append(f"  {'gradient' if self.phase == 'backward' else 'output'}: "
+                         f"{self.value_range}")
+        if self.inputs:
+            lines.append(tabulate([[n, r] for n, r in self.inputs], headers=["input", "range"]))
+        if self.suggestion:
+            lines.append(f"fix: {self.suggestion}")
+        if self.verification:
+            lines.append(f"check: {self.verification}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is CAST_OP
+
+
+def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
+    """For a cast amp_fx inserted, the op it was inserted for; else the node itself."""
+    if node.meta.get("amp_fx_cast") == "inserted":
+        for user in node.users:
+            if user.op == "call_function" and not _is_cast(user):
+                return user
+    return node
+
+
+def _upcast(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
+        return v.detach().float()
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    return v
+
+
+def _merge(policy: Policy, node: torch.fx.Node) -> tuple[Policy, str]:
+    """The user's policy plus keeping ``node``'s module (or its op) in fp32, and how to write it."""
+    path, _ = module_of(node)
+    ops = {_op_from_name(k): v for k, v in policy.op_classes.items()}
+    if path:
+        new = Policy(op_classes=ops, keep_fp32=(*policy.keep_fp32, path),
+                     cast_cache=policy.cast_cache)
+        return new, f'Policy(keep_fp32=("{path}",))'
+    op = node.target
+    new = Policy(op_classes={**ops, op: CastClass.FP32}, keep_fp32=policy.keep_fp32,
+                 cast_cache=policy.cast_cache)
+    return new, f'Policy(op_classes={{"{op.name()}": CastClass.FP32}})'
+
+
+class _Probe:
+    """Downstream backend: runs each rewritten graph through :class:`_ProbeInterpreter`."""
+
+    def __init__(self, dtype: torch.dtype, backward: bool) -> None:
+        self.dtype = dtype
+        self.backward = backward
+        self.records: list[GraphRecord] = []
+        self.forward_hit: dict[str, Any] | None = None
+        self.backward_hit: dict[str, Any] | None = None
+        self.__name__ = "find_nonfinite_probe"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        record = next(r for r in reversed(self.records) if r.rewritten is gm)
+
+        def run(*args: Any) -> Any:
+            return _ProbeInterpreter(record, self).run(*args)
+
+        return run
+
+    def hook(self, record: GraphRecord, node: torch.fx.Node) -> Callable[[torch.Tensor], None]:
+        def on_grad(grad: torch.Tensor) -> None:
+            if self.backward_hit is None and grad is not None and not all_finite(grad):
+                self.backward_hit = {"record": record, "node": node, "grad": grad.detach().clone()}
+        return on_grad
+
+
+class _ProbeInterpreter(torch.fx.Interpreter):
+    def __init__(self, record: GraphRecord, probe: _Probe) -> None:
+        super().__init__(record.rewritten, garbage_collect_values=False)
+        self.record = record
+        self.probe = probe
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        probe = self.probe
+        if n.op in ("placeholder", "call_function") and probe.forward_hit is None \
+                and not all_finite(out):
+            probe.forward_hit = {"record": self.record, "node": n, "out": out,
+                                 "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
+            if n.op == "call_function":
+                probe.forward_hit["fp32"] = self._fp32_output(n)
+        if (probe.backward and n.op == "call_function" and n.target is not operator.getitem
+                and torch.is_grad_enabled()):
+            for t in tensors_of(out):
+                if t.requires_grad and t.is_floating_point():
+                    t.register_hook(probe.hook(self.record, n))
+        return out
+
+    def _fp32_output(self, n: torch.fx.Node) -> Any:
+        """The op re-run with its fp16/bf16 inputs in float32; a cast to lower precision
+        is dropped instead (its input is what fp32 would use)."""
+        if _is_cast(n) and n.kwargs.get("dtype") in (torch.float16, torch.bfloat16):
+            return _upcast(self.env[n.args[0]])
+        args = torch.fx.node.map_arg(n.args, lambda a: _upcast(self.env[a]))
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: _upcast(self.env[a]))
+        try:
+            with torch.no_grad():
+                return n.target(*args, **kwargs)
+        except Exception:  # the op has no fp32 form with these arguments: no claim either way
+            return None
+
+
+def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
+    if a.meta.get("amp_fx_cast") == "inserted" and isinstance(a.args[0], torch.fx.Node):
+        src = a.args[0]
+        return (f"{labels.get(src.name, src.name)} (cast to "
+                f"{short_dtype(a.kwargs.get('dtype'))} by amp_fx)")
+    return labels.get(a.name, a.name)
+
+
+def _range_text(value: Any) -> str:
+    ts = [t for t in tensors_of(value) if t.is_floating_point()]
+    return "; ".join(format_range(tensor_range(t)) for t in ts) or "-"
+
+
+def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.Node, Any]],
+                    dtype: torch.dtype | None) -> str:
+    in_ok = all(all_finite(v) for _, v in inputs)
+    has_inf = any(bool(torch.isinf(t).any()) for t in tensors_of(out) if t.is_floating_point())
+    if dtype in (torch.float16, torch.bfloat16) and in_ok and has_inf:
+        fmax = torch.finfo(dtype).max
+        if _is_cast(node):
+            src = max((tensor_range(t)["max_abs"] or 0.0) for _, v in inputs for t in tensors_of(v)
+                      if t.is_floating_point())
+            return (f"casting to {short_dtype(dtype)} overflows: the input holds values up to "
+                    f"{src:.3g}, above {short_dtype(dtype)}'s max {fmax:.6g}")
+        return (f"the op's output overflows {short_dtype(dtype)}'s max {fmax:.6g} "
+                "(its inputs are finite)")
+    if in_ok:
+        return ("the op produces NaN/inf from finite inputs (e.g. log of 0, 0/0, sqrt of a "
+                "negative, or an intermediate that overflows inside the op)")
+    return "its inputs already hold inf/NaN"
+
+
+def _probe_run(model_or_fn: Any, args: Sequence[Any], lower: torch.dtype, policy: Policy,
+               backward: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
+               loss_scale: float) -> tuple[_Probe, Any, list[str]]:
+    from amp_fx.compile import compile as amp_compile, records
+
+    notes: list[str] = []
+    probe = _Probe(lower, backward)
+    with many_recompiles():
+        compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy, backend=probe)
+        probe.records = records(compiled)
+        a, _ = copy_args(args, {})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            try:
+                out = compiled(*a)
+            except (AmpFxError, ValueError):
+                raise
+            except Exception as e:
+                raise amp_failure(e, model_or_fn, args, {}, tool="find_nonfinite",
+                                  dtype=lower) from e
+            if probe.forward_hit is None and not all_finite(out):
+                notes.append("the model's output holds inf/NaN, but no op in the captured graphs "
+                             "produced it: it comes from code that runs between graph breaks")
+            if probe.forward_hit is None and backward:
+                if loss_fn is not None:
+                    loss = loss_fn(out)
+                else:
+                    floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+                    loss = sum(t.float().sum() for t in floats) if floats else None
+                if loss is None or not getattr(loss, "requires_grad", False):
+                    notes.append("backward skipped: the output does not require grad")
+                else:
+                    (loss * loss_scale).backward()
+    if not probe.records:
+        notes.append("no ops were captured, so there was nothing to check")
+    return probe, out, notes
+
+
+def find_nonfinite(
+    model_or_fn: Any,
+    *args: Any,
+    dtype: str | torch.dtype = "fp16",
+    backward: bool = True,
+    policy: Policy | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_scale: float = 1.0,
+    verify: bool = True,
+) -> NonfiniteReport:
+    """Run amp_fx's rewritten graphs (and their backward) and report the first inf/NaN.
+
+    Reports the first op whose output holds inf or NaN, with its module path, dtype and the range
+    of its inputs, and which fp32-kept alternative avoids it (the op re-run with fp32 inputs); or,
+    if the forward is finite and ``backward`` is set, the first gradient (in backward execution
+    order) that holds inf/NaN and the op whose output it is the gradient of.
+
+    Args:
+        model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy).
+        *args: example inputs.
+        dtype: "fp16" (the usual culprit: max 65504) or "bf16".
+        backward: also check the gradients.
+        policy: amp_fx's policy.
+        loss_fn: maps the output to the scalar to differentiate (default: the sum of the floating
+            outputs in fp32).
+        loss_scale: multiplies the loss before backward, as a GradScaler would (2**16 is
+            GradScaler's initial scale).
+        verify: when a fix is proposed, run the whole check again with it.
+
+    Raises:
+        ValueError: the model fails in plain eager mode on these inputs (error chained).
+    """
+    lower = resolve_dtype(dtype)
+    policy = Policy() if policy is None else policy
+    run_eager_checked(model_or_fn, args, {}, tool="find_nonfinite")
+    probe, _, notes = _probe_run(model_or_fn, args, lower, policy, backward, loss_fn, loss_scale)
+    report = NonfiniteReport(dtype=lower, notes=notes)
+    hit = probe.forward_hit or probe.backward_hit
+    if hit is None:
+        return report
+    record: GraphRecord = hit["record"]
+    node: torch.fx.Node = hit["node"]
+    labels = input_labels(record)
+    path, mtype = module_of(node)
+    report.found = True
+    report.graph = record.index
+    report.node = node.name
+    report.module_path, report.module_type = path, mtype
+    if probe.forward_hit is not None:
+        _describe_forward(report, hit, labels, policy)
+    else:
+        _describe_backward(report, hit, policy)
+    if report.suggested_policy is not None and verify:
+        again, _, _ = _probe_run(model_or_fn, args, lower, report.suggested_policy, backward,
+                                 loss_fn, loss_scale)
+        other = again.forward_hit or again.backward_hit
+        report.verified = other is None
+        if other is None:
+            report.verification = (f"with {report.suggestion_code} the whole model runs without "
+                                   f"inf/NaN{' (forward and backward)' if backward else ''}")
+        else:
+            n = other["node"]
+            p, _ = module_of(n)
+            report.verification = (
+                f"with {report.suggestion_code} this op is finite, but the next inf/NaN is in the "
+                f"{'forward' if again.forward_hit else 'backward'} at {n.name} ({op_label(n)}"
+                f"{', module `' + p + '`' if p else ''}): run find_nonfinite with that policy")
+    return report
+
+
+def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict[str, str],
+                      policy: Policy) -> None:
+    node: torch.fx.Node = hit["node"]
+    out = hit["out"]
+    report.phase = "forward"
+    report.dtype_found = next((t.dtype for t in tensors_of(out) if t.is_floating_point()), None)
+    report.value_range = _range_text(out)
+    if node.op == "placeholder":
+        name = labels.get(node.name, node.name)
+        report.op = "input"
+        report.reason = (f"the graph input `{name}` already holds inf/NaN before any op runs "
+                         "(a bad input batch, or parameters broken by an earlier step)")
+        return
+    report.op = op_label(node)
+    report.inputs = [(_arg_label(a, labels), f"{short_dtype(next((t.dtype for t in tensors_of(v)), None))} "
+                      f"{_range_text(v)}") for a, v in hit["inputs"]]
+    report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
+    fp32 = hit.get("fp32")
+    report.fp32_finite = None if fp32 is None else all_finite(fp32)
+    if node.meta.get("amp_fx_cast") != "inserted" and _is_cast(node):
+        report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
+                             "its input does not fit the target dtype; drop it or clamp first")
+        return
+    decider = _deciding_node(node)
+    if report.fp32_finite is False:
+        report.suggestion = ("computing this op in fp32 gives inf/NaN too, so it is not a "
+                             "mixed-precision problem: the fp32 model fails here as well (check the "
+                             "inputs, the initialisation, the learning rate)")
+        return
+    new, code = _merge(policy, decider)
+    report.suggested_policy = new
+    report.suggestion_code = code
+    dp, _ = module_of(decider)
+    subject = f"module `{dp}`" if dp else f"op {op_label(decider)}"
+    via = "" if decider is node else f" (the cast was inserted for {decider.name}, {op_label(decider)})"
+    checked = ("with its inputs in fp32 the op gives a finite output"
+               if report.fp32_finite else "the op could not be re-run in fp32 to check")
+    report.suggestion = f"keep {subject} in fp32{via}: {code}; {checked}"
+
+
+def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Policy) -> None:
+    node: torch.fx.Node = hit["node"]
+    grad: torch.Tensor = hit["grad"]
+    report.phase = "backward"
+    report.op = op_label(node)
+    report.dtype_found = grad.dtype
+    report.value_range = format_range(tensor_range(grad))
+    users = [u.name + f" ({op_label(u)})" for u in node.users if u.op == "call_function"]
+    fmax = torch.finfo(grad.dtype).max if grad.is_floating_point() else None
+    low = grad.dtype in (torch.float16, torch.bfloat16)
+    report.reason = (f"the gradient flowing into this op's output holds inf/NaN; it was computed "
+                     f"by the backward of {', '.join(users) or 'the loss'}"
+                     + (f"; in {short_dtype(grad.dtype)} it overflows the max {fmax:.6g}"
+                        if low else ""))
+    decider = _deciding_node(node)
+    if not low:
+        report.suggestion = ("the gradient is non-finite in fp32 too: not a precision problem of "
+                             "this op (check the loss and the loss scale)")
+        return
+    new, code = _merge(policy, decider)
+    report.suggested_policy = new
+    report.suggestion_code = code
+    dp, _ = module_of(decider)
+    subject = f"module `{dp}`" if dp else f"op {op_label(decider)}"
+    report.suggestion = (f"keep {subject} in fp32 so this gradient is fp32: {code}; or lower the "
+                         "loss scale (with a GradScaler an occasional inf gradient is expected: "
+                         "the step is skipped and the scale backs off; worry only when it recurs)")
