@@ -76,12 +76,23 @@ class StepMode(enum.Enum):
     * ``HOST_SYNC``: read the found-inf flag on the host (``.item()``) and skip
       ``optimizer.step()`` (torch's behaviour).
     * ``MASKED``: always call ``optimizer.step()``, having copied the parameters and the
-      optimizer's tensor state beforehand, then select ``where(found_inf, old, new)`` on the
-      device. No host sync; costs one extra copy of every parameter and state tensor of the
-      optimizer for the duration of ``step()``.
+      optimizer's tensor state beforehand, then select ``where(found_inf, old, new)`` in place
+      on the device. No host sync. Memory: one extra copy of every parameter of the optimizer
+      and of every tensor in its state, held during ``step()`` (for Adam, 3x the parameter
+      bytes: params, exp_avg, exp_avg_sq); time: one extra read and write of each.
+      Gradients are not restored (torch does not touch them either), step hooks run.
+
+      What cannot be selected on the device falls back to reading the flag on the host for
+      that step, and then undoes the step completely: state the optimizer creates (its first
+      step, once; debug log), non-tensor state or param-group entries it changes (a Python
+      int step counter; warned once per optimizer), and state tensors on the CPU while the
+      flag is on an accelerator (non-capturable Adam's step counter: use capturable=True).
 
     Either way, optimizers with ``_step_supports_amp_scaling`` (``fused=True``) receive
-    ``grad_scale``/``found_inf`` and skip on the device themselves.
+    ``grad_scale``/``found_inf`` and skip on the device themselves. Until such an optimizer
+    has taken one step through the scaler (and while it has no state), the flag is read on
+    the host and an overflowing step is not called at all: torch's fused SGD would otherwise
+    keep an uninitialised momentum buffer from a skipped first step.
     """
 
     HOST_SYNC = "host_sync"
@@ -149,9 +160,9 @@ def _combine_found_inf(flags: list[torch.Tensor], device: torch.device) -> torch
     torch sums them; with grads on two devices that can give 2.0, which fused optimizer
     kernels (they skip only when found_inf == 1.0) would not treat as a skip.
     """
-    combined = _to_device(flags[0], device) if flags[0].device != device else flags[0].clone()
+    combined = _to_device(flags[0], device)  # a copy: the per-device flags stay as they are
     for f in flags[1:]:
-        combined = torch.maximum(combined, f.to(device=device, non_blocking=True))
+        combined = torch.maximum(combined, f if f.device == device else _to_device(f, device))
     return combined
 
 
