@@ -3,9 +3,14 @@
     model = amp_fx.compile(model, dtype="bf16")
 """
 
+from amp_fx.compare import CompareReport, compare
 from amp_fx.compile import AmpCompiledModule, compile, records
+from amp_fx.inspection import Explanation, GraphvizNotFound, explain
+from amp_fx.nonfinite import NonfiniteReport, find_nonfinite
 from amp_fx.passes.insert_casts import AmpFxError
 from amp_fx.policy import CastClass, Policy
 
-__all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError"]
+__all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError",
+           "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
+           "find_nonfinite", "NonfiniteReport"]
 __version__ = "0.1.0"

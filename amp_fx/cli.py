@@ -1,0 +1,154 @@
+"""The ``amp-fx`` command: explain, compare and find-nonfinite on a model defined in a file.
+
+    amp-fx explain examples/tiny_mlp.py:build --dtype bf16 --svg tiny_mlp.svg
+    amp-fx compare examples/tiny_mlp.py:build --dtype fp16
+    amp-fx find-nonfinite examples/tiny_mlp.py:build_overflowing
+
+``FILE:FUNCTION`` names a Python file and a function in it that takes no arguments and returns
+``(model, inputs)``, inputs a tuple. Exit codes: 0 fine; 1 the check failed (compare differs,
+find-nonfinite found an inf/NaN) or amp_fx refused the model; 2 a problem in your file or model
+(syntax error, missing function, an exception in it, a model that fails in eager mode), reported
+with your file and line, not as an amp_fx traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import traceback
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+class UserCodeError(Exception):
+    """A problem in the user's file or function (exit code 2)."""
+
+
+def _user_frame(tb: types.TracebackType | None, path: Path) -> str:
+    """``file:line`` of the innermost traceback frame in the user's file."""
+    where = ""
+    for frame in traceback.extract_tb(tb):
+        if Path(frame.filename).resolve() == path:
+            where = f"{frame.filename}:{frame.lineno}"
+    return where
+
+
+def load_target(spec: str) -> tuple[Any, tuple[Any, ...]]:
+    """Import ``FILE:FUNCTION``, call the function, return ``(model, inputs)``."""
+    file, sep, func = spec.rpartition(":")
+    if not sep or not file or not func:
+        raise UserCodeError(f"expected FILE.py:FUNCTION, got {spec!r}")
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise UserCodeError(f"{file}: no such file")
+    name = f"_amp_fx_user_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UserCodeError(f"{file}: cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserCodeError(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
+    except Exception as e:
+        raise UserCodeError(f"{_user_frame(e.__traceback__, path) or file}: importing {file} "
+                            f"raised {type(e).__name__}: {e}") from None
+    fn = getattr(module, func, None)
+    if fn is None or not callable(fn):
+        defined = sorted(k for k, v in vars(module).items()
+                         if callable(v) and getattr(v, "__module__", None) == name
+                         and not k.startswith("_"))
+        raise UserCodeError(f"{file}: has no function {func!r} (it defines: "
+                            f"{', '.join(defined) or 'nothing callable'})")
+    try:
+        result = fn()
+    except Exception as e:
+        raise UserCodeError(f"{_user_frame(e.__traceback__, path) or file}: {func}() raised "
+                            f"{type(e).__name__}: {e}") from None
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise UserCodeError(f"{file}: {func}() must return (model, inputs), got "
+                            f"{type(result).__name__}")
+    model, inputs = result
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    if not callable(model):
+        raise UserCodeError(f"{file}: {func}() returned a model that is not callable: "
+                            f"{type(model).__name__}")
+    return model, inputs
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="amp-fx", description="Inspect amp_fx's mixed precision.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser, dtype: str, backend: str | None) -> None:
+        sp.add_argument("target", help="FILE.py:FUNCTION returning (model, inputs)")
+        sp.add_argument("--dtype", default=dtype, choices=["bf16", "fp16", "bfloat16", "float16"])
+        if backend is not None:
+            sp.add_argument("--backend", default=backend,
+                            help=f"downstream torch.compile backend (default {backend})")
+        sp.add_argument("--keep-fp32", action="append", default=[], metavar="MODULE",
+                        help="keep this submodule in fp32 (repeatable)")
+
+    e = sub.add_parser("explain", help="per-node dtypes, rules and casts; before/after; picture")
+    common(e, "bf16", None)
+    e.add_argument("--svg", metavar="PATH", help="write the graph picture (SVG via Graphviz)")
+    c = sub.add_parser("compare", help="op by op against eager torch.autocast")
+    common(c, "bf16", "aot_eager")
+    c.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
+    f = sub.add_parser("find-nonfinite", help="the first op or gradient holding inf/NaN")
+    common(f, "fp16", None)
+    f.add_argument("--no-backward", action="store_true", help="check the forward only")
+    f.add_argument("--loss-scale", type=float, default=1.0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import amp_fx
+    from amp_fx._graphviz import GraphvizNotFound
+    from amp_fx._probe import AmpRunError, EagerError
+
+    try:
+        model, inputs = load_target(args.target)
+    except UserCodeError as e:
+        print(f"amp-fx: error in your code: {e}", file=sys.stderr)
+        return 2
+    policy = amp_fx.Policy(keep_fp32=tuple(args.keep_fp32))
+    try:
+        if args.command == "explain":
+            ex = amp_fx.explain(model, *inputs, dtype=args.dtype, policy=policy)
+            print(ex)
+            if args.svg:
+                try:
+                    print(f"\nwrote {ex.to_svg(args.svg)}")
+                except GraphvizNotFound as g:
+                    print(f"\n{g}")
+            return 0
+        if args.command == "compare":
+            report = amp_fx.compare(model, *inputs, dtype=args.dtype, policy=policy,
+                                    backend=args.backend, grads=not args.no_grads)
+            print(report)
+            return 0 if report.ok else 1
+        report = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,
+                                       backward=not args.no_backward, loss_scale=args.loss_scale)
+        print(report)
+        return 1 if report.found else 0
+    except EagerError as e:
+        cause = e.__cause__
+        where = _user_frame(cause.__traceback__, Path(args.target.rpartition(":")[0]).resolve()) \
+            if cause is not None else ""
+        print(f"amp-fx: error in your model{' at ' + where if where else ''}: {e}", file=sys.stderr)
+        return 2
+    except (amp_fx.AmpFxError, AmpRunError) as e:
+        print(f"amp-fx: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:
+        print(f"amp-fx: {e}", file=sys.stderr)
+        return 2
