@@ -87,6 +87,62 @@ def _fp32_to_bf16_rtne(x):
 
 
 @triton.jit
+def _bf16_to_fp32(x):
+    """Exact: the bf16 bits are the top half of the fp32 bits (no interpreter cast involved)."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unscale_tile(
+    ptr,
+    offsets,
+    mask,
+    inv_scale,
+    nonfinite,
+    sum_sq,
+    ELEM: tl.constexpr,
+    COMPUTE_NORM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of ``_unscale_check_kernel``; returns the updated (nonfinite, sum_sq) lanes.
+
+    Full tiles run unmasked: a mask built from a length loaded from memory has unknown
+    divisibility, which stops Triton from emitting 16-byte vector loads and stores.
+    """
+    if MASKED:
+        x = tl.load(ptr + offsets, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptr + offsets)
+    if ELEM == tl.bfloat16:
+        xf = _bf16_to_fp32(x)
+    else:
+        xf = x.to(tl.float32)
+    # Check the value *before* the multiply, like torch: at inv_scale == inf (scale 0) a
+    # finite x gives inf or NaN that must not be flagged.
+    nonfinite |= ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+    yf = tl.where(inv_scale == 1.0, xf, xf * inv_scale)
+    if ELEM == tl.bfloat16:
+        y = _fp32_to_bf16_rtne(yf)
+    else:
+        y = yf.to(ELEM)
+    if MASKED:
+        tl.store(ptr + offsets, y, mask=mask)
+    else:
+        tl.store(ptr + offsets, y)
+    if COMPUTE_NORM:
+        if ELEM == tl.bfloat16:
+            ys = _bf16_to_fp32(y)
+        else:
+            ys = y.to(tl.float32)
+        square = ys * ys
+        if MASKED:
+            # Masked lanes hold 0 * inv_scale, which is NaN when inv_scale is inf.
+            square = tl.where(mask, square, 0.0)
+        sum_sq += square
+    return nonfinite, sum_sq
+
+
+@triton.jit
 def _unscale_check_kernel(
     table_ptr,
     found_inf_ptr,
@@ -95,55 +151,49 @@ def _unscale_check_kernel(
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
     COMPUTE_NORM: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Unscale one chunk in place, flag inf/NaN, and optionally sum the squares of the result.
 
     Pointers:
         table_ptr: int64 [n_chunks, 2], contiguous. Row ``pid`` is (byte address of the chunk's
-            first element, number of elements in the chunk); rows are written by
-            ``_chunk_table`` on the host.
-        found_inf_ptr: fp32 [] (0-dim). Set to 1.0 (``atomic_max``) if any element of any chunk
-            is inf or NaN *before* the multiply; never written otherwise.
+            first element, number of elements in the chunk, 1 <= n <= chunk); rows are written
+            by ``_chunk_table`` on the host.
+        found_inf_ptr: fp32 [] (0-dim). Raised to 1.0 (``atomic_max``) if any element of the
+            chunk is inf or NaN *before* the multiply; not written otherwise.
         inv_scale_ptr: fp32 [] (0-dim). The inverse loss scale, read on the device.
         partial_ptr: fp32 [n_chunks]. With COMPUTE_NORM, program ``pid`` writes the fp32 sum of
             the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
             Unused otherwise (any tensor may be passed).
+
+    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). ALIGNED promises that
+    every chunk address is a multiple of 16 bytes, which lets full tiles use 16-byte vector
+    accesses (checked on the host; an address loaded from memory has no known alignment).
 
     Every element x becomes ``ELEM(float(x) * inv_scale)``, or ``x`` unchanged when inv_scale
     is exactly 1.0, as in ``torch._amp_foreach_non_finite_check_and_unscale_``.
     """
     pid = tl.program_id(0)
     address = tl.load(table_ptr + 2 * pid)
-    n = tl.load(table_ptr + 2 * pid + 1)
+    # n <= chunk, so int32 index math (cheaper than int64 on a GPU) cannot overflow.
+    n = tl.load(table_ptr + 2 * pid + 1).to(tl.int32)
     ptr = address.to(tl.pointer_type(ELEM))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
     inv_scale = tl.load(inv_scale_ptr)
     nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):
+    n_full = n - n % BLOCK
+    for start in range(0, n_full, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        x = tl.load(ptr + offsets, mask=mask, other=0.0)
-        if ELEM == tl.bfloat16:
-            # bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 bits.
-            xf = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            xf = x.to(tl.float32)
-        # Check the value *before* the multiply, like torch: at inv_scale == inf (scale 0)
-        # a finite x gives inf or NaN that must not be flagged.
-        nonfinite |= ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
-        yf = tl.where(inv_scale == 1.0, xf, xf * inv_scale)
-        if ELEM == tl.bfloat16:
-            y = _fp32_to_bf16_rtne(yf)
-        else:
-            y = yf.to(ELEM)
-        tl.store(ptr + offsets, y, mask=mask)
-        if COMPUTE_NORM:
-            if ELEM == tl.bfloat16:
-                ys = (y.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            else:
-                ys = y.to(tl.float32)
-            # Masked lanes hold 0 * inv_scale, which is NaN when inv_scale is inf: mask them.
-            sum_sq += tl.where(mask, ys * ys, 0.0)
+        nonfinite, sum_sq = _unscale_tile(
+            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, False
+        )
+    if n_full < n:
+        offsets = n_full + tl.arange(0, BLOCK)
+        nonfinite, sum_sq = _unscale_tile(
+            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, True
+        )
     if tl.max(nonfinite, axis=0) > 0:
         tl.atomic_max(found_inf_ptr, 1.0)
     if COMPUTE_NORM:
@@ -245,6 +295,7 @@ def launch_unscale_check(
         ELEM=_TORCH_TO_TL[dtype],
         BLOCK=block,
         COMPUTE_NORM=compute_norm,
+        ALIGNED=all(t.data_ptr() % 16 == 0 for t in flat),
         num_warps=NUM_WARPS,
     )
     for g, buffer in copies:
