@@ -9,6 +9,7 @@ from amp_fx.inspection import Explanation, GraphvizNotFound, explain
 from amp_fx.nonfinite import NonfiniteReport, find_nonfinite
 from amp_fx.passes.insert_casts import AmpFxError
 from amp_fx.policy import CastClass, Policy
+from amp_fx.step import CompiledStep, GradNorm, compile_step
 
 __all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
