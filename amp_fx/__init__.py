@@ -7,11 +7,11 @@ from amp_fx.compare import CompareReport, compare
 from amp_fx.compile import AmpCompiledModule, compile, records
 from amp_fx.inspection import Explanation, GraphvizNotFound, explain
 from amp_fx.nonfinite import NonfiniteReport, find_nonfinite
-from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.errors import AmpFxError
 from amp_fx.policy import CastClass, Policy
 from amp_fx.step import CompiledStep, GradNorm, compile_step
 
 __all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
-           "find_nonfinite", "NonfiniteReport"]
+           "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm"]
 __version__ = "0.1.0"
