@@ -105,7 +105,8 @@ def main() -> None:
     )
     print(
         f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f} (other processes skew every row alike)"
     )
     print(
         f"{args.tensors} fp32 gradients x {args.numel} elements, {args.reps} repetitions after "
