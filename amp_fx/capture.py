@@ -36,7 +36,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten
 
-from amp_fx.policy import Policy
+from amp_fx.errors import AmpFxError
+from amp_fx.policy import CastClass, Policy, _op_from_name
 
 __all__ = ["capture", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 
@@ -51,11 +52,28 @@ def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
     return decomp
 
 
+def _refuse_banned(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AmpFxError(
+            f"amp_fx: {op.name()} is unsafe to autocast (banned by the policy, as in eager "
+            "autocast): torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
+            "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
+            "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+
+    return refuse
+
+
 @cache
 def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Callable[..., Any]]:
-    """Composite ops the policy does not claim, decomposed as autograd would (see module doc)."""
+    """Composite ops the policy does not claim, decomposed as autograd would (see module doc).
+
+    Banned ops raise here, while tracing: capture runs under eager autocast, whose kernel for a
+    banned op would otherwise raise a bare RuntimeError before the pass can name the problem.
+    """
     claimed = policy.table(device_type)
-    table: dict[Any, Callable[..., Any]] = {}
+    table: dict[Any, Callable[..., Any]] = {
+        _op_from_name(name): _refuse_banned(_op_from_name(name))
+        for name, cls in claimed.items() if cls is CastClass.BANNED}
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue

@@ -12,7 +12,7 @@ import torch._inductor
 from torch.utils._pytree import tree_flatten
 
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
-from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compile", "AmpCompiledModule", "records"]

@@ -34,15 +34,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from amp_fx.capture import module_stack
+from amp_fx.errors import AmpFxError
 from amp_fx.policy import APPEND_DTYPE_REDISPATCH, CastClass, Decision, Policy, _op_from_name
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
 
 CAST_OP = torch.ops.aten._to_copy.default
-
-
-class AmpFxError(RuntimeError):
-    """An op or input that amp_fx refuses, with the node that caused it."""
 
 
 @dataclass
