@@ -32,8 +32,6 @@ available to measure them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -51,17 +49,12 @@ CHUNK = 65536
 BLOCK = 1024
 NUM_WARPS = 4
 
-# Set by torch's own Triton integration when the interpreter is asked for; triton.jit reads
-# the same variable when the kernel below is decorated, so the value at import time is what
-# decides whether the kernel runs on CPU tensors (interpreted) or on GPU tensors (compiled).
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def is_interpreted() -> bool:
     """True if the kernel in this module was built by the Triton interpreter.
 
-    The interpreter runs the kernel on CPU tensors through numpy; it is selected by setting
-    ``TRITON_INTERPRET=1`` *before* triton is first imported. An interpreted kernel cannot read
+    The interpreter runs the kernel on CPU tensors through numpy; ``triton.jit`` picks it when
+    ``TRITON_INTERPRET=1`` is set as this module is imported (set it before importing triton:
+    triton reads parts of its configuration once). The kernel object's type is the record. An interpreted kernel cannot read
     GPU memory, and a compiled one cannot read CPU memory.
     """
     return type(_unscale_check_kernel).__name__ == "InterpretedFunction"
