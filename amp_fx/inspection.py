@@ -227,6 +227,7 @@ class Explanation:
         self.notes = list(notes)
         self.policy = policy
         self._fp32_cache: dict[int, dict[str, Any] | None] = {}
+        self._runtime_cache: dict[int, dict[str, Any] | None] = {}
         self._inputs = list(inputs) if inputs is not None else [None] * len(self.records)
         if not self.records or not any(_op_nodes(r.captured) for r in self.records):
             self.notes.append(
@@ -254,7 +255,10 @@ class Explanation:
         for r in self.records if graph is None else [self.records[graph]]:
             labels = input_labels(r)
             if not before:
-                out += [_node_info(r.index, n, labels) for n in r.rewritten.graph.nodes]
+                run = self._runtime(r.index)
+                out += [_node_info(r.index, n, labels) if run is None or n.name not in run
+                        else _node_info(r.index, n, labels, run[n.name], use_meta=False)
+                        for n in r.rewritten.graph.nodes]
                 continue
             vals = self._fp32(r)
             out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False)
@@ -273,15 +277,41 @@ class Explanation:
     def runtime_dtypes(self, graph: int) -> dict[str, torch.dtype | None]:
         """Node name -> the dtype the node's value really has when the rewritten graph runs on the
         inputs it was called with (available when built by :func:`explain` with inputs)."""
-        inputs = self._inputs[graph]
-        if inputs is None:
+        run = self._runtime(graph)
+        if run is None:
             raise ValueError("amp_fx: this Explanation has no recorded inputs for graph "
                              f"{graph}; build it with amp_fx.explain(model, *inputs)")
-        r = self.records[graph]
-        interp = ValueInterpreter(r.rewritten)
-        with torch.no_grad():
-            interp.run(*clone_inputs(inputs, leaf_flags(r)))
-        return {n.name: value_dtype(v) for n, v in interp.env.items() if n.op != "output"}
+        return {name: value_dtype(v) for name, v in run.items()}
+
+    def meta_mismatches(self, graph: int) -> list[str]:
+        """Nodes whose recorded ``meta["val"]`` dtype differs from the dtype they have at run time
+        (a fake-tensor kernel that disagrees with the real one); empty without recorded inputs."""
+        run = self._runtime(graph)
+        if run is None:
+            return []
+        out = []
+        for n in self.records[graph].rewritten.graph.nodes:
+            if n.name in run and "val" in n.meta:
+                meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
+                if meta != real:
+                    out.append(f"{n.name} ({op_label(n.args[0]) if n.target is operator.getitem else op_label(n)}"
+                               f"): meta {short_dtype(meta)}, runs as {short_dtype(real)}")
+        return out
+
+    def _runtime(self, graph: int) -> dict[str, Any] | None:
+        """The rewritten graph run on its recorded inputs: node name -> value (cached)."""
+        if graph in self._runtime_cache:
+            return self._runtime_cache[graph]
+        inputs = self._inputs[graph]
+        values = None
+        if inputs is not None:
+            r = self.records[graph]
+            interp = ValueInterpreter(r.rewritten)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                interp.run(*clone_inputs(inputs, leaf_flags(r)))
+            values = {n.name: v for n, v in interp.env.items() if n.op != "output"}
+        self._runtime_cache[graph] = values
+        return values
 
     def cast_bytes(self, graph: int) -> int | None:
         """Bytes the casts in the rewritten graph read plus write per call."""
@@ -315,6 +345,11 @@ class Explanation:
         if self.records:
             lines.append(tabulate(self.summary_rows(), headers="keys"))
         lines += [f"note: {n}" for n in self.notes]
+        for r in self.records:
+            bad = self.meta_mismatches(r.index)
+            if bad:
+                lines.append(f"note: graph {r.index}: shown with the dtypes measured at run time; "
+                             f"the graph's fake-tensor metadata differs for {'; '.join(bad)}")
         return "\n".join(lines)
 
     def graph_text(self, graph: int, *, before: bool = False) -> str:

@@ -1,0 +1,85 @@
+"""Small models with planted problems, shared by the explain/compare/find_nonfinite tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Overflowing(nn.Module):
+    """``up``'s output exceeds fp16's max (65504); the LayerNorm after it brings it back to ~1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.up(x)))
+
+
+class ExpOverflow(nn.Module):
+    """A top-level ``exp`` (not autocast: runs in its input's fp16) overflows above ~11.1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.weight.fill_(1.0)
+            self.fc.bias.fill_(10.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.exp(self.fc(x)).mean(-1, keepdim=True) * 1e-6
+
+
+class GradOverflow(nn.Module):
+    """Finite forward; the gradient of ``fc``'s fp16 output is 1e6 > 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (self.fc(x).float() * 1e6).sum()
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class RoundTrip(nn.Module):
+    """``fc1(x).float()`` fed to ``fc2``: a bf16 -> fp32 -> bf16 chain fold_casts folds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(x).float())
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+def seeded(cls: type[nn.Module], *shape: int) -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    model = cls()
+    return model, torch.randn(*shape, generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,192 @@
+"""amp_fx.explain: per-node dtypes match the rewritten graph and the values it really computes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.fx
+
+import amp_fx
+from amp_fx import _graphviz
+from amp_fx.capture import module_stack
+from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
+from tests.zoo import ZOO
+
+EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
+               "classifier_loss", "tied_embedding"]
+
+
+# torch's fake kernel gives batch norm's saved mean/invstd the input's dtype (bf16/fp16); the CPU
+# kernel keeps them fp32. Those outputs feed only the backward.
+KNOWN_META_MISMATCH = "(aten.native_batch_norm): meta "
+
+
+def _meta_dtype(n: torch.fx.Node) -> torch.dtype | None:
+    from amp_fx._probe import value_dtype
+
+    return value_dtype(n.meta.get("val")) if n.op != "output" else None
+
+
+def _runtime_dtype_backend(seen: dict[int, dict[str, torch.dtype | None]]):
+    """A downstream backend written here: runs each graph node by node and records the dtype of
+    every value (the reference explain is checked against)."""
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        index = len(seen)
+        seen[index] = {}
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                t = out if isinstance(out, torch.Tensor) else next(
+                    (x for x in (out if isinstance(out, (tuple, list)) else ())
+                     if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+                if n.op != "output":
+                    seen[index][n.name] = t.dtype if isinstance(t, torch.Tensor) else None
+                return out
+
+        return lambda *args: Recorder(gm).run(*args)
+    return backend
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", EXPLAIN_ZOO)
+def test_node_dtypes_match_rewritten_graph_and_runtime(name, dtype):
+    model, inputs, _ = ZOO[name].build()
+    ex = amp_fx.explain(model, *inputs, dtype=dtype)
+    assert ex.records, "explain captured no graph"
+    assert len(ex.records) == 1 + ZOO[name].graph_breaks
+
+    seen: dict[int, dict[str, torch.dtype | None]] = {}
+    model2, inputs2, _ = ZOO[name].build()
+    compiled = amp_fx.compile(model2, dtype=dtype, backend=_runtime_dtype_backend(seen))
+    compiled(*inputs2)
+    from_records = amp_fx.Explanation.from_records(amp_fx.records(compiled))
+    assert len(seen) == len(ex.records)
+    for r in ex.records:
+        shown = ex.dtypes(r.index)
+        # the same model compiled on its own and run node by node by the backend above
+        runtime = seen[r.index]
+        assert {k: shown[k] for k in runtime} == runtime
+        assert ex.runtime_dtypes(r.index) == {k: shown[k] for k in ex.runtime_dtypes(r.index)}
+        # without inputs (from the records), explain shows the graph's meta["val"] dtypes; they
+        # agree with run time except where a fake kernel disagrees with the real one (listed)
+        meta = from_records.dtypes(r.index)
+        assert meta == {n.name: _meta_dtype(n) for n in r.rewritten.graph.nodes}
+        differ = {k for k in runtime if meta[k] != runtime[k]}
+        listed = {m.split(" ")[0] for m in ex.meta_mismatches(r.index)}
+        assert differ == listed
+        assert all(KNOWN_META_MISMATCH in m for m in ex.meta_mismatches(r.index))
+
+
+def test_rules_modules_and_inserted_casts():
+    model, x = seeded(TwoLayer, 2, 4)
+    ex = amp_fx.explain(model, x, dtype="bf16", policy=amp_fx.Policy(keep_fp32=("fc2",)))
+    nodes = {n.name: n for n in ex.nodes(0)}
+    linears = [n for n in nodes.values() if n.op == "aten.linear"]
+    assert [(n.module, n.dtype) for n in linears] == [("fc1", torch.bfloat16), ("fc2", torch.float32)]
+    assert linears[0].rule == "lower precision fp: aten.linear (default cpu table)"
+    assert linears[1].rule == "fp32: module fc2 kept by policy (fc2)"
+    gelu = next(n for n in nodes.values() if n.op == "aten.gelu")
+    assert gelu.rule.startswith("not autocast") and gelu.rule.endswith("(bf16)")
+    inserted = [n for n in nodes.values() if n.cast == "inserted"]
+    assert len(inserted) == ex.records[0].inserted.casts_inserted == 4  # x, w1, b1 -> bf16; h -> fp32
+    assert {n.label for n in nodes.values() if n.kind == "input"} == {
+        "x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    text = str(ex)
+    assert "+cast" in text and "kept by policy (fc2)" in text and "fc2 (Linear)" in text
+
+
+def test_folded_casts_are_marked_and_counted():
+    model, x = seeded(RoundTrip, 2, 4)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    r = ex.records[0]
+    assert r.folded.by_rule  # the bf16 -> fp32 -> bf16 round trip folds
+    folded = [n for n in ex.nodes(0) if n.folded]
+    assert folded and all(set(n.folded) <= set(r.folded.by_rule) for n in folded)
+    row = ex.summary_rows()[0]
+    for rule, count in r.folded.by_rule.items():
+        assert f"{rule} {count}" in row["casts folded"]
+    assert "folded(" in ex.graph_text(0)
+    # negative twin: without fold, nothing is marked
+    ex2 = amp_fx.explain(model, x, dtype="bf16", fold=False)
+    assert not any(n.folded for n in ex2.nodes(0))
+
+
+def test_cast_bytes_hand_computed():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ex = amp_fx.explain(model, torch.randn(2, 4), dtype="fp16")
+    # casts of x (2*4), weight (4*4), bias (4) from fp32 (4 bytes) to fp16 (2 bytes)
+    assert ex.cast_bytes(0) == (8 + 16 + 4) * (4 + 2)
+    assert ex.summary_rows()[0]["cast bytes/call"] == "168 B"
+    assert ex.summary_rows()[0]["ops per dtype"] == "fp16 1"
+
+
+def test_before_after_shows_three_dtypes():
+    model, x = seeded(TwoLayer, 2, 4)
+    text = amp_fx.explain(model, x, dtype="bf16").before_after(0)
+    lines = [ln for ln in text.splitlines() if ln.startswith("linear ")]
+    assert lines and lines[0].split()[3:6] == ["fp32", "bf16", "bf16"]
+
+
+def test_from_compiled_model_records():
+    model, x = seeded(TwoLayer, 2, 4)
+    compiled = amp_fx.compile(model, dtype="bf16", backend="eager")
+    with pytest.raises(ValueError, match="has not run yet"):
+        amp_fx.explain(compiled)
+    compiled(x)
+    ex = amp_fx.explain(compiled)
+    assert ex.records == amp_fx.records(compiled)
+    assert ex.dtypes(0) == amp_fx.Explanation.from_records(compiled.amp_fx_records).dtypes(0)
+    # with inputs, the compiled module's dtype and policy are used
+    assert amp_fx.explain(compiled, x).dtypes(0) == ex.dtypes(0)
+
+
+def test_user_model_untouched():
+    model, x = seeded(BNNet, 2, 2, 4, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    amp_fx.explain(model, x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_empty_graph_and_integer_only():
+    ex = amp_fx.explain(lambda x: x, torch.randn(3))
+    assert "no ops were captured" in str(ex)
+    ex = amp_fx.explain(lambda x: x * 2 + 1, torch.arange(4))
+    assert "no floating-point ops" in str(ex)
+    assert all(n.cast is None for n in ex.nodes())
+
+
+def test_bad_inputs_and_failing_model():
+    model, _ = seeded(TwoLayer, 2, 4)
+    with pytest.raises(ValueError, match="inputs do not match the model.*mat1 and mat2") as info:
+        amp_fx.explain(model, torch.randn(2, 5))
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise KeyError("boom")
+
+    with pytest.raises(ValueError, match="fails in eager mode.*KeyError") as info:
+        amp_fx.explain(Broken(), torch.randn(2))
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_dot_and_svg(tmp_path, monkeypatch):
+    model, x = seeded(TwoLayer, 2, 4)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    dot = ex.to_dot(tmp_path / "g.dot")
+    assert dot.startswith("digraph") and (tmp_path / "g.dot").read_text() == dot
+    assert _graphviz.DTYPE_COLORS["bf16"] in dot and _graphviz.INSERTED_CAST_BORDER in dot
+    assert dot.count("CAST (amp_fx)") == ex.records[0].inserted.casts_inserted
+    if shutil.which("dot"):
+        svg = ex.to_svg(tmp_path / "g.svg")
+        assert "<svg" in svg.read_text()
+    monkeypatch.setattr(_graphviz.shutil, "which", lambda name: None)
+    with pytest.raises(amp_fx.GraphvizNotFound, match="apt-get install graphviz") as info:
+        ex.to_svg(tmp_path / "h.svg")
+    assert info.value.dot_path.read_text() == dot
