@@ -9,9 +9,11 @@ from amp_fx.inspection import Explanation, GraphvizNotFound, explain
 from amp_fx.nonfinite import NonfiniteReport, find_nonfinite
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import CastClass, Policy
+from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step
 
 __all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
-           "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm"]
+           "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm",
+           "GradScaler", "ScalerMode", "StepMode"]
 __version__ = "0.1.0"
