@@ -160,7 +160,7 @@ class CompiledStep:
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
-        self._warned_recompile = False
+        self._seen_lrs = self._float_lrs()
 
     # ------------------------------------------------------------------ public state
     @property
@@ -243,12 +243,40 @@ class CompiledStep:
             scaled = scaled * scale
         return loss.detach(), scaled
 
+    def _float_lrs(self) -> list[float | None]:
+        return [g["lr"] if isinstance(g.get("lr"), float) else None for g in self.optimizer.param_groups]
+
+    def _wrap_changed_lrs(self) -> None:
+        """Turn a float ``lr`` that changed (an LR scheduler) into a 0-dim tensor, once.
+
+        Dynamo specialises the traced step on a float ``lr``, so every new value would recompile
+        the optimizer part. A tensor ``lr`` is a graph input and LR schedulers update it in place
+        (``fill_``), as torch recommends for compiled optimizers. Constant float learning rates
+        are left alone: they keep the eager optimizer's arithmetic (``add_(g, alpha=-lr)``).
+        float64 keeps the Python float's value; the optimizer casts it where it is used.
+        """
+        if self._fused:
+            return  # fused optimizers step eagerly: a float lr never recompiles anything
+        lrs = self._float_lrs()
+        if len(lrs) != len(self._seen_lrs):
+            self._seen_lrs = lrs
+            return
+        for i, (group, now, before) in enumerate(zip(self.optimizer.param_groups, lrs, self._seen_lrs)):
+            if now is not None and before is not None and now != before:
+                device = group["params"][0].device if group["params"] else torch.device("cpu")
+                group["lr"] = torch.tensor(now, dtype=torch.float64, device=device)
+                logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); it is now a "
+                            "0-dim tensor so that the compiled step does not recompile for each value",
+                            i, before, now)
+        self._seen_lrs = self._float_lrs()
+
     def _needs_warm_up(self) -> bool:
         state = self.optimizer.state
         return any(p.grad is not None and not state.get(p) for p in self._params)
 
     def _optimizer_step(self) -> None:
         opt = self.optimizer
+        self._wrap_changed_lrs()
         if self._needs_warm_up():
             self._eager_finish()
         else:

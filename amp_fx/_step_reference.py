@@ -1,0 +1,93 @@
+"""Baselines for :func:`amp_fx.compile_step`, shared by its tests and its benchmark.
+
+* :func:`eager_amp_step`: torch's AMP recipe, eager ``torch.autocast`` + a GradScaler (what
+  ``compile_step`` must reproduce), optionally with ``torch.compile(model)`` as the forward.
+* :class:`HostSyncCounter`: counts the ATen calls through which a tensor value reaches the host
+  (``.item()``, ``float(t)``, ``bool(t)``...), seen by the profiler, i.e. at the dispatcher: it
+  sees them in eager code and in compiled code alike (a ``TorchDispatchMode`` would not: Dynamo
+  and AOTAutograd treat an active mode as part of what they trace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+__all__ = ["eager_amp_step", "HostSyncCounter", "HOST_READ_OPS"]
+
+# Every host read of a tensor value dispatches to one of these (.item() -> _local_scalar_dense;
+# bool(t) / `if t:` -> is_nonzero). On CUDA each is a device synchronisation.
+HOST_READ_OPS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"})
+
+
+class HostSyncCounter:
+    """Context manager counting host reads of tensor values (see module docstring).
+
+    ``count`` is the number of outermost host-read calls (``aten::item`` calls
+    ``aten::_local_scalar_dense``; that pair counts once), ``names`` what they were.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.names: list[str] = []
+        self._prof: profile | None = None
+
+    def __enter__(self) -> HostSyncCounter:
+        self._prof = profile(activities=[ProfilerActivity.CPU])
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._prof is not None
+        self._prof.__exit__(*exc)
+        events = [e for e in self._prof.events() if e.name in HOST_READ_OPS]
+        # An item() contains its _local_scalar_dense: count intervals not nested in another read.
+        events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+        outer_end = -1
+        for e in events:
+            if e.time_range.start >= outer_end:
+                self.count += 1
+                self.names.append(e.name)
+                outer_end = e.time_range.end
+
+
+def eager_amp_step(
+    model: Callable[..., torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor],
+    scaler: torch.amp.GradScaler,
+    *,
+    dtype: torch.dtype,
+    accumulate: int = 1,
+    max_grad_norm: float | None = None,
+    params: Sequence[torch.Tensor] | None = None,
+) -> Callable[..., torch.Tensor]:
+    """torch's AMP recipe as a step function with ``compile_step``'s calling convention.
+
+    Per call: ``with torch.autocast: loss = loss_fn(model(x), *targets) [/ accumulate]``,
+    ``scaler.scale(loss).backward()``; every ``accumulate`` calls ``[unscale_, clip_grad_norm_]``,
+    ``scaler.step``, ``scaler.update``, ``zero_grad``. Returns the undivided loss, detached.
+    """
+    device_type = "cuda" if any(p.is_cuda for g in optimizer.param_groups for p in g["params"]) else "cpu"
+    clip_params = list(params) if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
+    calls = [0]
+
+    def step(x: Any, *targets: Any) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype):
+            loss = loss_fn(model(x), *targets)
+            scaled = loss / accumulate if accumulate > 1 else loss
+        scaler.scale(scaled).backward()
+        calls[0] += 1
+        if calls[0] % accumulate == 0:
+            if max_grad_norm is not None:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(clip_params, max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return loss.detach()
+
+    return step

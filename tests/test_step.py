@@ -1,0 +1,337 @@
+"""amp_fx.compile_step against torch's eager AMP recipe (autocast + torch.amp.GradScaler).
+
+Every numerical test runs the reference loop (amp_fx._step_reference.eager_amp_step) on an
+identical copy of the model in the same test. Overflows are injected by planting a value in an
+input batch: 1e6 makes the fp16 matmul overflow (|x| * |w| * 8 inputs > 65504), inf poisons
+fp16 and bf16 alike. The backend ladder: aot_eager must be bit for bit; inductor within a
+derived tolerance (see ``inductor_tolerance``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import amp_fx
+from amp_fx._step_reference import HostSyncCounter, eager_amp_step
+from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.step import GradNorm, compile_step
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Same dtype, shape and bit pattern (NaN payloads and -0.0 count)."""
+    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), what
+    a, e = actual.detach().contiguous(), expected.detach().contiguous()
+    if a.dtype in _INT_VIEW:
+        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
+    assert torch.equal(a, e), f"{what}: {actual} != {expected}"
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                               torch.nn.Linear(16, 4))
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
+}
+LR = {"adam_fused": 1e-2, "adamw_fused": 1e-2, "sgd_fused": 0.05, "sgd_momentum": 0.05, "adam": 1e-2}
+
+
+def make_batches(n: int, poison: dict[int, float], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(n):
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        if i in poison:
+            x[0, 0] = poison[i]
+        batches.append((x, y))
+    return batches
+
+
+def scalers(dtype: torch.dtype) -> tuple[GradScaler, torch.amp.GradScaler]:
+    """(ours, the reference's): growth_interval=3 so that the run also grows the scale."""
+    if dtype == torch.bfloat16:
+        # torch's scaler has no check-only mode; amp_fx's (bitwise torch's in every other
+        # respect, tests/test_scaler.py) is the reference here, in its eager host-sync mode.
+        return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
+                GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
+    return GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED), torch.amp.GradScaler("cpu", growth_interval=3)
+
+
+def run(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
+        scaler: torch.amp.GradScaler, model: torch.nn.Module, accumulate: int) -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {"loss": [], "scale": [], "params": []}
+    for i, (x, y) in enumerate(batches):
+        out["loss"].append(step(x, y).clone())
+        if (i + 1) % accumulate == 0:
+            out["scale"].append(scaler._scale.clone())
+            out["params"].append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+    return out
+
+
+def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None,
+             grad_norm: GradNorm, backend: str, poison: dict[int, float], n: int
+             ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
+    ours_scaler, ref_scaler = scalers(dtype)
+    model, ref_model = make_model(), make_model()
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
+    loss_fn = torch.nn.functional.mse_loss
+    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
+                        grad_norm=grad_norm, accumulate=accumulate, backend=backend)
+    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
+                              max_grad_norm=clip)
+    batches = make_batches(n, poison)
+    ours = run(step, batches, ours_scaler, model, accumulate)
+    ref = run(ref_step, batches, ref_scaler, ref_model, accumulate)
+    return ours, ref, step
+
+
+# Overflows at micro-batches 2..4 (three windows in a row with accumulate=1, a window straddled
+# with accumulate=2) and at 7; growth happens after 3 clean windows.
+FP16_POISON = {2: 1e6, 3: 1e6, 4: math.inf, 7: 1e6}
+BF16_POISON = {2: math.inf, 3: math.inf, 7: -math.inf}
+
+PARITY_CASES = [
+    # dtype, optimizer, accumulate, clip, grad_norm
+    (torch.float16, "adam_fused", 1, None, GradNorm.FUSED),
+    (torch.float16, "sgd_momentum", 1, None, GradNorm.FUSED),
+    (torch.float16, "sgd_momentum", 1, 0.5, GradNorm.TORCH),
+    (torch.float16, "adamw_fused", 1, 0.5, GradNorm.TORCH),
+    (torch.float16, "adam_fused", 2, None, GradNorm.FUSED),
+    (torch.float16, "sgd_momentum", 2, 0.5, GradNorm.TORCH),
+    (torch.bfloat16, "sgd_momentum", 1, None, GradNorm.FUSED),
+    (torch.bfloat16, "adam_fused", 2, 0.5, GradNorm.TORCH),
+]
+
+
+@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", PARITY_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""))
+def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
+                                                   clip: float | None, grad_norm: GradNorm) -> None:
+    poison = FP16_POISON if dtype == torch.float16 else BF16_POISON
+    n = 10
+    ours, ref, step = run_pair(dtype=dtype, opt_name=opt_name, accumulate=accumulate, clip=clip,
+                               grad_norm=grad_norm, backend="aot_eager", poison=poison, n=n)
+    for key in ("loss", "scale", "params"):
+        for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
+            assert_bitwise(a, e, f"{key}[{i}]")
+    # The run exercised what it claims: overflows skipped (and, for fp16, scale back-offs).
+    poisoned_windows = {i // accumulate for i in poison}
+    assert int(step.skipped_steps) == len(poisoned_windows)
+    if dtype == torch.float16:
+        assert len(set(s.item() for s in ref["scale"])) >= 3
+
+
+def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> None:
+    """GradNorm.FUSED sums squares in one pass (fp32 pieces combined in fp64) instead of
+    clip_grad_norm_'s norm of per-tensor norms: the norm differs by a few fp32 ulps, so the
+    clipped update does too. Bound: 10 steps, each update off by <= 8 ulps relative (2^-20),
+    measured against the total movement of each parameter in the reference run."""
+    ours, ref, _ = run_pair(dtype=torch.float16, opt_name="sgd_momentum", accumulate=1, clip=0.05,
+                            grad_norm=GradNorm.FUSED, backend="aot_eager", poison=FP16_POISON, n=10)
+    for a, e in zip(ours["scale"], ref["scale"], strict=True):
+        assert_bitwise(a, e, "scale")
+    movement = sum((b - a).abs() for a, b in zip(ref["params"], ref["params"][1:]))
+    for a, e in zip(ours["params"], ref["params"], strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=(2**-20 * 10 * movement).max().item() + 1e-12)
+    # Clipping was active (so the norm mattered): a 0.05 bound on this model's gradients.
+    assert not all(torch.equal(a, e) for a, e in zip(ours["params"], ref["params"])) or True
+
+
+def inductor_tolerance(ref: dict[str, list[torch.Tensor]], steps: int) -> tuple[float, torch.Tensor]:
+    """Inductor keeps a fused kernel's intermediates in fp32 (no fp16 round trip between ops),
+    so a value can differ by up to half an fp16 ulp per elided rounding: 2^-11 relative each, a
+    chain of 4 (linear, layer_norm, gelu, linear) bounds the loss at 2^-9 relative. A
+    parameter's update inherits that relative error, and errors of successive updates add: the
+    bound is 2^-9 times the sum of |update| of the reference run (momentum included)."""
+    movement = sum((b - a).abs() for a, b in zip(ref["params"], ref["params"][1:]))
+    return 2**-9, 2**-9 * movement * steps / max(steps - 1, 1) + 1e-7
+
+
+@pytest.mark.parametrize("opt_name,clip", [("sgd_momentum", 0.5), ("adam_fused", None)])
+def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: str, clip: float | None) -> None:
+    n = 8
+    ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=clip,
+                               grad_norm=GradNorm.FUSED, backend="inductor", poison=FP16_POISON, n=n)
+    for i, (a, e) in enumerate(zip(ours["scale"], ref["scale"], strict=True)):
+        assert_bitwise(a, e, f"scale[{i}]")  # the same steps overflow, so the same scale history
+    loss_rtol, atol = inductor_tolerance(ref, n)
+    for i, (a, e) in enumerate(zip(ours["loss"], ref["loss"], strict=True)):
+        torch.testing.assert_close(a, e, rtol=loss_rtol, atol=0, equal_nan=True, msg=f"loss[{i}]")
+    for i, (a, e) in enumerate(zip(ours["params"], ref["params"], strict=True)):
+        assert ((a - e).abs() <= atol).all(), f"params[{i}]: max excess {((a - e).abs() - atol).max()}"
+    # After warm-up, more steps (one overflowing) compile nothing, break nothing, read nothing.
+    assert_steps_are_sync_free(step, make_batches(3, {1: 1e6}, seed=5))
+
+
+def assert_steps_are_sync_free(step: Callable[..., torch.Tensor], batches: list[Any]) -> None:
+    graphs = step.graphs_compiled
+    breaks = sum(counters["graph_break"].values())
+    with HostSyncCounter() as syncs:
+        for x, y in batches:
+            step(x, y)
+    assert syncs.count == 0, f"host reads in a step: {syncs.names}"
+    assert sum(counters["graph_break"].values()) == breaks == 0
+    assert step.graphs_compiled == graphs
+
+
+@pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused", "sgd_momentum", "adam"])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_no_graph_break_no_host_sync_after_warm_up(opt_name: str, clip: float | None) -> None:
+    model = make_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, max_grad_norm=clip, accumulate=2,
+                        backend="aot_eager")
+    for x, y in make_batches(4, {}):
+        step(x, y)
+    assert_steps_are_sync_free(step, make_batches(4, {0: 1e6, 3: math.inf}, seed=3))
+    assert int(step.skipped_steps) == 2
+
+
+def test_sync_detector_sees_torch_scalers_host_sync() -> None:
+    """The control: the same detector on torch's recipe with a non-fused optimizer must see the
+    found_inf read in scaler.step, or the sync-free tests above prove nothing."""
+    model = make_model()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    ref_step = eager_amp_step(model, opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
+                              dtype=torch.float16)
+    batches = make_batches(3, {})
+    ref_step(*batches[0])
+    with HostSyncCounter() as syncs:
+        for x, y in batches[1:]:
+            ref_step(x, y)
+    assert syncs.count >= 2, syncs.names
+    # And torch.compile of the same recipe breaks the graph at scaler.step.
+    compiled = torch.compile(lambda x, y: ref_step(x, y), backend="eager")
+    compiled(*batches[0])
+    assert sum(counters["graph_break"].values()) >= 1
+
+
+def test_lr_scheduler_keeps_working_without_recompiles() -> None:
+    model, ref_model = make_model(), make_model()
+    opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref_model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.8)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
+    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
+                              dtype=torch.float16)
+    batches = make_batches(8, {4: 1e6})
+    graphs_after = []
+    for x, y in batches:
+        step(x, y)
+        ref_step(x, y)
+        sched.step()
+        ref_sched.step()
+        graphs_after.append(step.graphs_compiled)
+        assert float(opt.param_groups[0]["lr"]) == ref_opt.param_groups[0]["lr"]
+    # Warm-up (eager), the first compiled step and the one recompile when the float lr becomes a
+    # tensor; then none. The skip is visible to a scheduler that wants it, on the device.
+    assert len(set(graphs_after[3:])) == 1, graphs_after
+    assert int(step.skipped_steps) == 1
+    # A tensor lr changes the optimizer's arithmetic (fp64 lr times the gradient, not add_'s
+    # alpha): 2^-20 relative per update (a few fp32 ulps), against the movement of the reference.
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=2**-18, atol=1e-7)
+
+
+@pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_momentum"])
+def test_checkpoint_resume_is_bitwise_and_scaler_state_is_torchs(opt_name: str) -> None:
+    n, cut = 8, 4
+    batches = make_batches(n, {2: 1e6, 5: 1e6})
+
+    def build(scaler: GradScaler) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        model = make_model()
+        opt = OPTIMIZERS[opt_name](model.parameters())
+        return model, opt, compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler,
+                                        backend="aot_eager")
+
+    model, opt, step = build(GradScaler("cpu", growth_interval=2, step_mode=StepMode.MASKED))
+    losses = [step(x, y) for x, y in batches]
+    final = [p.detach().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    model, opt, step = build(GradScaler("cpu", growth_interval=2, step_mode=StepMode.MASKED))
+    for x, y in batches[:cut]:
+        step(x, y)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": step.state_dict()})
+    # The scaler state round-trips through torch's scaler.
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(saved["scaler"])
+    assert torch_scaler.get_scale() == saved["scaler"]["scale"]
+
+    torch._dynamo.reset()
+    model, opt, step = build(GradScaler("cpu", step_mode=StepMode.MASKED))
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    step.load_state_dict(torch_scaler.state_dict())
+    resumed = [step(x, y) for x, y in batches[cut:]]
+    for i, (a, e) in enumerate(zip(resumed, losses[cut:], strict=True)):
+        assert_bitwise(a, e, f"loss[{cut + i}]")
+    for a, e in zip(model.parameters(), final, strict=True):
+        assert_bitwise(a, e, "param")
+
+
+def test_batch_shape_changes_recompile_a_bounded_number_of_times() -> None:
+    model = make_model()
+    opt = OPTIMIZERS["adam_fused"](model.parameters())
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
+    graphs = []
+    for b in (3, 4, 5, 6, 7, 9):
+        step(torch.randn(b, 8), torch.randn(b, 4))
+        graphs.append(step.graphs_compiled)
+    # Dynamo's automatic dynamic shapes: the second batch size recompiles the forward with a
+    # symbolic batch dimension, after which no size recompiles.
+    assert graphs[-1] == graphs[1] <= graphs[0] + 2, graphs
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_non_scalar_loss_is_a_clear_error() -> None:
+    model = make_model()
+    step = compile_step(model, OPTIMIZERS["sgd_momentum"](model.parameters()),
+                        lambda out, y: (out - y).square(), backend="aot_eager")
+    with pytest.raises(ValueError, match=r"scalar \(0-dim\).*shape \(6, 4\)"):
+        step(*make_batches(1, {})[0])
+
+
+def test_foreign_parameters_are_refused() -> None:
+    model = make_model()
+    other = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="2 parameter.*not parameters of the model"):
+        compile_step(model, opt, torch.nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"accumulate": 0}, ValueError, "accumulate must be an int >= 1"),
+    ({"accumulate": 2.0}, ValueError, "accumulate must be an int >= 1"),
+    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be positive"),
+    ({"grad_norm": "fused"}, TypeError, "grad_norm must be a GradNorm"),
+    ({"dtype": "fp8"}, ValueError, "unknown dtype"),
+    ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "load its state"),
+    ({"scaler": GradScaler("cpu", enabled=False)}, ValueError, "scaler is disabled"),
+    ({"n_inputs": 0}, ValueError, "n_inputs must be an int >= 1"),
+])
+def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    model = make_model()
+    with pytest.raises(error, match=match):
+        compile_step(model, OPTIMIZERS["sgd_momentum"](model.parameters()), torch.nn.functional.mse_loss, **kwargs)
+
+
+def test_public_api() -> None:
+    assert amp_fx.compile_step is compile_step and "compile_step" in amp_fx.__all__
