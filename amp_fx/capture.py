@@ -32,12 +32,12 @@ from typing import Any
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten
 
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import CastClass, Policy, _op_from_name
+from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
 
 __all__ = ["capture", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 
@@ -63,17 +63,40 @@ def _refuse_banned(op: torch._ops.OpOverload) -> Callable[..., Any]:
     return refuse
 
 
+def _record_without_autocast(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """Record ``op`` as one node, its value computed with eager autocast off.
+
+    For ops the policy moved to another class: eager autocast's kernel for them would apply
+    torch's class while tracing (and raise, for a banned op the policy allows).
+    """
+    def record(*args: Any, **kwargs: Any) -> Any:
+        table = get_proxy_mode().decomposition_table
+        entry = table.pop(op)  # so that calling op below records it instead of recursing here
+        try:
+            with torch._C._DisableAutocast():
+                return op(*args, **kwargs)
+        finally:
+            table[op] = entry
+
+    return record
+
+
 @cache
 def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Callable[..., Any]]:
     """Composite ops the policy does not claim, decomposed as autograd would (see module doc).
 
     Banned ops raise here, while tracing: capture runs under eager autocast, whose kernel for a
     banned op would otherwise raise a bare RuntimeError before the pass can name the problem.
+    Ops the policy moved away from torch's class are recorded with autocast off.
     """
     claimed = policy.table(device_type)
-    table: dict[Any, Callable[..., Any]] = {
-        _op_from_name(name): _refuse_banned(_op_from_name(name))
-        for name, cls in claimed.items() if cls is CastClass.BANNED}
+    table: dict[Any, Callable[..., Any]] = {}
+    for name, cls in policy.op_classes.items():
+        if cls is not DEFAULT_TABLES.get(device_type, {}).get(name, CastClass.NONE):
+            table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
+    for name, cls in claimed.items():
+        if cls is CastClass.BANNED:
+            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name))
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue
@@ -129,8 +152,14 @@ def capture(
     # but their values are computed below it, with eager autocast on. Code that depends on a
     # dtype (``x.float()`` is a copy only if x is not fp32 already; decompositions that branch
     # on dtype) is therefore traced for the dtypes the tensors will have once casts are in.
-    with eager_autocast(device_type, dtype):
-        gm = make_fx(run, pre_dispatch=True, decomposition_table=decompositions)(*fake_args)
+    try:
+        with eager_autocast(device_type, dtype):
+            gm = make_fx(run, pre_dispatch=True, decomposition_table=decompositions)(*fake_args)
+    except RuntimeError as e:
+        if "at::autocast" not in str(e):
+            raise
+        raise AmpFxError(f"amp_fx: eager autocast refuses an op of this graph, and so does amp_fx: "
+                         f"{e}") from e
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

@@ -288,10 +288,6 @@ def test_cpu_cast_lands_on_the_decomposed_op(fn: Any, args: tuple[Any, ...], exp
     assert "aten::einsum" not in decided and "aten::tensordot" not in decided, decided
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "amp_fx bug: capture() traces under eager autocast with torch's own tables, so the "
-    "AutocastCUDA kernel of binary_cross_entropy raises even when the Policy moves the op out of "
-    "BANNED (the escape hatch AmpFxError's message recommends)"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_SHORT.get)
 def test_policy_can_move_a_banned_op(dtype: torch.dtype) -> None:
     """Policy(op_classes={binary_cross_entropy: FP32}) runs it as eager runs it on fp32 inputs."""
