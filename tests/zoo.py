@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ZooEntry", "ZOO", "Factory", "LossFn", "Built", "SEED"]
+__all__ = ["ZooEntry", "ZOO", "Factory", "LossFn", "Built", "SEED", "StepResult",
+           "eager_autocast_step", "step", "transformer_lm"]
 
 SEED = 0
 
@@ -386,3 +387,45 @@ class _TransformerLM(nn.Module):
         for block in self.blocks:
             h = block(h)
         return F.linear(self.norm(h), self.emb.weight)
+
+
+# --- running one step -------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """What one forward+backward left behind: output, loss, every parameter's .grad, buffers."""
+
+    out: Tensor
+    loss: Tensor
+    grads: dict[str, Tensor | None]
+    buffers: dict[str, Tensor]
+
+
+def _collect(model: nn.Module, out: Tensor, loss: Tensor) -> StepResult:
+    grads = {n: None if p.grad is None else p.grad.detach().clone()
+             for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return StepResult(out.detach(), loss.detach(), grads, buffers)
+
+
+def eager_autocast_step(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
+                        dtype: torch.dtype) -> StepResult:
+    """The reference: ``with torch.autocast("cpu", dtype): loss = loss_fn(model(*inputs))``,
+    then ``loss.backward()`` outside the region, as torch's AMP recipe does."""
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(*inputs)
+        loss = loss_fn(out)
+    loss.backward()
+    return _collect(model, out, loss)
+
+
+def step(run: Callable[..., object], model: nn.Module, inputs: tuple[Tensor, ...],
+         loss_fn: LossFn) -> StepResult:
+    """One forward+backward through ``run`` (e.g. an amp_fx-compiled module) with no ambient
+    autocast; grads and buffers are read from ``model``, which ``run`` shares state with."""
+    out = run(*inputs)
+    assert isinstance(out, Tensor)
+    loss = loss_fn(out)
+    loss.backward()
+    return _collect(model, out, loss)
