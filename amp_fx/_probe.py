@@ -325,8 +325,28 @@ def eager_autocast_error(model_or_fn: Any, args: Sequence[Any], kwargs: dict[str
     return None
 
 
+def _compiled_autocast_error(model_or_fn: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                             device_type: str, dtype: torch.dtype, backend: str
+                             ) -> BaseException | None:
+    """The error plain ``torch.compile(backend=...)`` under eager autocast raises (forward and
+    backward), or None if it runs."""
+    target = private_copy(model_or_fn)
+    a, k = copy_args(args, kwargs)
+    try:
+        with many_recompiles():
+            compiled = torch.compile(target, backend=backend)
+            with torch.autocast(device_type, dtype=dtype):
+                out = compiled(*a, **k)
+            floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+            if floats:
+                sum(t.float().sum() for t in floats).backward()
+    except Exception as err:
+        return err
+    return None
+
+
 def amp_failure(e: BaseException, model_or_fn: Any, args: Sequence[Any], kwargs: dict[str, Any],
-                *, tool: str, dtype: torch.dtype) -> AmpRunError:
+                *, tool: str, dtype: torch.dtype, backend: str | None = None) -> AmpRunError:
     """Describe a failure of the amp_fx-compiled model, saying whether eager autocast fails too."""
     device_type = "cuda" if any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
                                 for t in tree_flatten((list(args), kwargs))[0]) else "cpu"
@@ -338,5 +358,12 @@ def amp_failure(e: BaseException, model_or_fn: Any, args: Sequence[Any], kwargs:
     else:
         same = (f"eager torch.autocast('{device_type}', {short_dtype(dtype)}) runs it, so this "
                 "looks like an amp_fx bug: please report it with this model")
+        if isinstance(backend, str) and backend != "eager":
+            compiled = _compiled_autocast_error(model_or_fn, args, kwargs, device_type, dtype,
+                                                backend)
+            if compiled is not None:
+                same = (f"plain torch.compile(backend='{backend}') under eager torch.autocast "
+                        f"fails the same way ({_first_line(compiled)}): a torch.compile problem "
+                        "with this model, not amp_fx's; try backend='eager'")
     return AmpRunError(f"amp_fx.{tool}: the model runs in fp32 eager mode but fails with amp_fx "
                        f"({short_dtype(dtype)}): {_first_line(e)}; {same}")

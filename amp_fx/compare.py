@@ -44,8 +44,8 @@ from tabulate import tabulate
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._probe import (
-    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, leaf_flags, many_recompiles,
-    module_of, op_label, private_copy, run_eager_checked, short_dtype, tensors_of,
+    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, input_labels,
+    leaf_flags, many_recompiles, module_of, op_label, private_copy, run_eager_checked, short_dtype, tensors_of,
 )
 from amp_fx.backend import Backend, GraphRecord
 from amp_fx.passes.insert_casts import AmpFxError
@@ -405,7 +405,8 @@ def compare(
         except (AmpFxError, ValueError):
             raise
         except Exception as e:
-            raise amp_failure(e, model_or_fn, args, {}, tool="compare", dtype=lower) from e
+            raise amp_failure(e, model_or_fn, args, {}, tool="compare", dtype=lower,
+                              backend=backend if isinstance(backend, str) else None) from e
     recs = list(records(compiled))
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
         report.notes.append("no ops were captured: the function does nothing torch.compile puts "
@@ -457,4 +458,24 @@ def compare(
             report.grads.append(ValueComparison(
                 name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
                 _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+    _explain_cross_graph_grads(report, recs)
     return report
+
+
+def _explain_cross_graph_grads(report: CompareReport, recs: Sequence[GraphRecord]) -> None:
+    """Name the known cause of a gradient difference when every op agrees: a weight used in
+    several graphs (on both sides of a graph break)."""
+    if not all(o.agree for o in report.ops):
+        return
+    graphs_of: dict[str, list[int]] = {}
+    for r in recs:
+        for label in input_labels(r).values():
+            graphs_of.setdefault(label, []).append(r.index)
+    for g in report.grads:
+        where = graphs_of.get(g.name, [])
+        if not g.agree and len(where) > 1:
+            report.notes.append(
+                f"{g.name} is used in graphs {', '.join(map(str, where))} (a graph break between "
+                f"its uses): eager autocast casts it to {short_dtype(report.dtype)} once for the "
+                "whole autocast region and sums its uses' gradients in that dtype; amp_fx casts "
+                "it once per graph, so the sum is in fp32 (compare the reference columns)")
