@@ -1,0 +1,80 @@
+"""The amp-fx command on the example file, and errors in a user's file reported as such."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from amp_fx.__main__ import main
+
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.py")
+
+
+def test_explain(capsys, tmp_path):
+    svg = tmp_path / "tiny.svg"
+    assert main(["explain", f"{EXAMPLE}:build", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "cast bytes/call" in out and "graph 0 after the passes" in out
+    assert "lower precision fp: aten.linear (default cpu table)" in out
+    if shutil.which("dot"):
+        assert "<svg" in svg.read_text() and f"wrote {svg}" in out
+    else:
+        assert "apt-get install graphviz" in out and svg.with_suffix(".dot").exists()
+
+
+def test_compare(capsys):
+    assert main(["compare", f"{EXAMPLE}:build", "--dtype", "fp16"]) == 0
+    assert "OK: amp_fx agrees with eager torch.autocast (fp16)" in capsys.readouterr().out
+    assert main(["compare", f"{EXAMPLE}:build", "--keep-fp32", "head"]) == 1
+    assert "first divergence" in capsys.readouterr().out
+
+
+def test_find_nonfinite(capsys):
+    assert main(["find-nonfinite", f"{EXAMPLE}:build_overflowing"]) == 1
+    out = capsys.readouterr().out
+    assert "module `up`" in out and 'Policy(keep_fp32=("up",))' in out
+    assert main(["find-nonfinite", f"{EXAMPLE}:build"]) == 0
+
+
+@pytest.mark.parametrize("source, func, expected", [
+    ("def build(:\n    pass\n", "build", r"bad.py:1: SyntaxError"),
+    ("import torch\n\ndef build():\n    raise RuntimeError('no data')\n", "build",
+     r"bad.py:4: build\(\) raised RuntimeError: no data"),
+    ("def other():\n    pass\n", "build", r"has no function 'build' \(it defines: other\)"),
+    ("def build():\n    return 3\n", "build", r"must return \(model, inputs\)"),
+    (textwrap.dedent("""
+        import torch
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return x @ torch.ones(5, 5)
+        def build():
+            return M(), (torch.ones(2, 3),)
+        """), "build", r"error in your model at .*bad.py:5: .*inputs do not match the model"),
+])
+def test_errors_in_user_file(tmp_path, capsys, source, func, expected):
+    import re
+
+    path = tmp_path / "bad.py"
+    path.write_text(source)
+    assert main(["explain", f"{path}:{func}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(expected, err), err
+    assert "Traceback" not in err
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    cmd = [sys.executable, "-m", "amp_fx", "compare", f"{EXAMPLE}:build"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "OK: amp_fx agrees" in done.stdout
+    exe = shutil.which("amp-fx")
+    if exe is None:
+        pytest.skip("the amp-fx console script is not installed (pip install -e .)")
+    done = subprocess.run([exe, "explain", "missing.py:build"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "missing.py: no such file" in done.stderr
