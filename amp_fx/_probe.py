@@ -114,7 +114,8 @@ def private_copy(model_or_fn: Any) -> Any:
             "are not updated") from e
 
 
-def copy_args(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def copy_args(args: Sequence[Any], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Copies of the inputs (an in-place op on an input must not reach the user's tensor)."""
     def cp(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -152,8 +153,8 @@ def run_eager_checked(model_or_fn: Any, args: Sequence[Any], kwargs: dict[str, A
                 else "the model fails in eager mode")
         raise EagerError(
             f"amp_fx.{tool}: {what}: calling {name} on ({_describe_inputs(args, kwargs)}) without "
-            f"amp_fx (plain eager, fp32) raises {text}. Fix the model or the example inputs; amp_fx "
-            "can only inspect a model that runs eagerly.") from e
+            f"amp_fx (plain eager, fp32) raises {text}. Fix the model or the example inputs; "
+            "amp_fx can only inspect a model that runs eagerly.") from e
 
 
 @contextlib.contextmanager

@@ -44,8 +44,20 @@ from tabulate import tabulate
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._probe import (
-    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, input_labels,
-    leaf_flags, many_recompiles, module_of, op_label, private_copy, run_eager_checked, short_dtype, tensors_of,
+    InputRecorder,
+    ValueInterpreter,
+    amp_failure,
+    clone_inputs,
+    copy_args,
+    input_labels,
+    leaf_flags,
+    many_recompiles,
+    module_of,
+    op_label,
+    private_copy,
+    run_eager_checked,
+    short_dtype,
+    tensors_of,
 )
 from amp_fx.backend import Backend, GraphRecord
 from amp_fx.passes.insert_casts import AmpFxError
@@ -88,7 +100,9 @@ def _error(a: Any, b: Any) -> Error:
             finite = y[torch.isfinite(y)]
             if finite.numel():
                 scale = max(scale, float(finite.abs().max()))
-    return Error(worst_abs, worst_abs / scale if scale > 0 else (0.0 if worst_abs == 0 else math.inf))
+    if scale > 0:
+        return Error(worst_abs, worst_abs / scale)
+    return Error(worst_abs, 0.0 if worst_abs == 0 else math.inf)
 
 
 def _bitwise(a: Any, b: Any) -> bool:
@@ -336,7 +350,8 @@ def _run_end_to_end(model: Any, args: Sequence[Any], *, autocast: tuple[str, tor
                     to: torch.dtype | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     a, _ = copy_args(args, {})
     if to is not None:
-        a = tuple(x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in a)
+        a = tuple(x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                  for x in a)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         if autocast is not None:
@@ -393,7 +408,8 @@ def compare(
     run_eager_checked(model_or_fn, args, {}, tool="compare")
     device_type = _device_type(model_or_fn, args)
 
-    from amp_fx.compile import compile as amp_compile, records
+    from amp_fx.compile import compile as amp_compile
+    from amp_fx.compile import records
 
     recorder = InputRecorder(backend)
     amp_model = private_copy(model_or_fn)

@@ -1,10 +1,12 @@
 """amp_fx.explain: what the passes did to each captured graph, node by node.
 
 Everything shown is read from the records the passes leave (``GraphRecord``: the captured graph
-before the passes, the rewritten graph, ``meta["amp_fx_decision"]`` on each op, ``meta["amp_fx_cast"]``
-on inserted casts, ``meta["amp_fx_folded"]`` on nodes that absorbed folded casts); nothing is
-recomputed, except the plain-language note on ops autocast leaves alone (which dtype their inputs
-had), which is read from ``meta["val"]``.
+before the passes, the rewritten graph, ``meta["amp_fx_decision"]`` on each op,
+``meta["amp_fx_cast"]`` on inserted casts, ``meta["amp_fx_folded"]`` on nodes that absorbed
+folded casts). Two things are computed here: the "without amp" dtypes of the before view (the
+captured graph run on fake tensors without autocast), and, when explain ran the model, the dtypes
+each value has at run time (the rewritten graph run on the inputs it was called with), which are
+shown instead of ``meta["val"]``'s where the two differ, with a note.
 
     >>> import torch, amp_fx
     >>> ex = amp_fx.explain(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
@@ -28,9 +30,22 @@ from torch._guards import detect_fake_mode
 
 from amp_fx._graphviz import GraphvizNotFound, build_dot, write_svg
 from amp_fx._probe import (
-    InputRecorder, ValueInterpreter, amp_failure, clone_inputs, copy_args, describe_value, input_labels,
-    leaf_flags, many_recompiles, module_of, numel_or_none, op_label, private_copy,
-    run_eager_checked, short_dtype, value_dtype,
+    InputRecorder,
+    ValueInterpreter,
+    amp_failure,
+    clone_inputs,
+    copy_args,
+    describe_value,
+    input_labels,
+    leaf_flags,
+    many_recompiles,
+    module_of,
+    numel_or_none,
+    op_label,
+    private_copy,
+    run_eager_checked,
+    short_dtype,
+    value_dtype,
 )
 from amp_fx.backend import GraphRecord
 from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
@@ -98,8 +113,8 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return "graph output"
     if node.meta.get("amp_fx_cast") == "inserted":
         why = node.meta.get("amp_fx_cast_reason", "?")
-        shared = "; cached: one cast of this weight for all its uses, as autocast's cast cache" if node.meta.get(
-            "amp_fx_cached") else ""
+        shared = ("; cached: one cast of this weight for all its uses, as autocast's cast cache"
+                  if node.meta.get("amp_fx_cached") else "")
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
@@ -213,7 +228,7 @@ def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 class Explanation:
-    """What amp_fx did to every graph of one model: per-node dtypes, rules, casts; tables; a picture.
+    """What amp_fx did to every graph of a model: per-node dtypes, rules, casts; tables; a picture.
 
     Build one with :func:`explain`, or from a compiled model's records with :meth:`from_records`.
     ``str(explanation)`` gives the summary table, then, per graph, the before/after table and the
@@ -294,8 +309,9 @@ class Explanation:
             if n.name in run and "val" in n.meta:
                 meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
                 if meta != real:
-                    out.append(f"{n.name} ({op_label(n.args[0]) if n.target is operator.getitem else op_label(n)}"
-                               f"): meta {short_dtype(meta)}, runs as {short_dtype(real)}")
+                    op = op_label(n.args[0] if n.target is operator.getitem else n)
+                    out.append(f"{n.name} ({op}): meta {short_dtype(meta)}, "
+                               f"runs as {short_dtype(real)}")
         return out
 
     def _runtime(self, graph: int) -> dict[str, Any] | None:

@@ -29,8 +29,19 @@ import torch.fx
 from tabulate import tabulate
 
 from amp_fx._probe import (
-    all_finite, amp_failure, copy_args, format_range, input_labels, many_recompiles, module_of,
-    op_label, private_copy, run_eager_checked, short_dtype, tensor_range, tensors_of,
+    all_finite,
+    amp_failure,
+    copy_args,
+    format_range,
+    input_labels,
+    many_recompiles,
+    module_of,
+    op_label,
+    private_copy,
+    run_eager_checked,
+    short_dtype,
+    tensor_range,
+    tensors_of,
 )
 from amp_fx.backend import GraphRecord
 from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
@@ -79,11 +90,13 @@ class NonfiniteReport:
 
     def __str__(self) -> str:
         if not self.found:
+            checked_backward = not any("backward skipped" in n for n in self.notes)
             lines = [f"no inf/NaN found: every op output in the forward"
-                     f"{' and every gradient in the backward' if 'backward skipped' not in ' '.join(self.notes) else ''}"
+                     f"{' and every gradient in the backward' if checked_backward else ''}"
                      f" is finite with amp_fx ({short_dtype(self.dtype)})"]
             return "\n".join(lines + [f"note: {n}" for n in self.notes])
-        where = f"module `{self.module_path}` ({self.module_type})" if self.module_path else "top level"
+        where = (f"module `{self.module_path}` ({self.module_type})" if self.module_path
+                 else "top level")
         lines = [f"first inf/NaN in the {self.phase}: graph {self.graph}, node {self.node} "
                  f"({self.op}) in {where}, dtype {self.dtype_name}",
                  f"  {self.reason}"]
@@ -232,7 +245,8 @@ def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.N
 def _probe_run(model_or_fn: Any, args: Sequence[Any], lower: torch.dtype, policy: Policy,
                backward: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
                loss_scale: float) -> tuple[_Probe, Any, list[str]]:
-    from amp_fx.compile import compile as amp_compile, records
+    from amp_fx.compile import compile as amp_compile
+    from amp_fx.compile import records
 
     notes: list[str] = []
     probe = _Probe(lower, backward)
@@ -256,7 +270,8 @@ def _probe_run(model_or_fn: Any, args: Sequence[Any], lower: torch.dtype, policy
                 if loss_fn is not None:
                     loss = loss_fn(out)
                 else:
-                    floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+                    floats = [t for t in tensors_of(out)
+                              if t.is_floating_point() and t.requires_grad]
                     loss = sum(t.float().sum() for t in floats) if floats else None
                 if loss is None or not getattr(loss, "requires_grad", False):
                     notes.append("backward skipped: the output does not require grad")
@@ -351,7 +366,8 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
                          "(a bad input batch, or parameters broken by an earlier step)")
         return
     report.op = op_label(node)
-    report.inputs = [(_arg_label(a, labels), f"{short_dtype(next((t.dtype for t in tensors_of(v)), None))} "
+    report.inputs = [(_arg_label(a, labels),
+                      f"{short_dtype(next((t.dtype for t in tensors_of(v)), None))} "
                       f"{_range_text(v)}") for a, v in hit["inputs"]]
     report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
     fp32 = hit.get("fp32")
@@ -363,15 +379,16 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
     decider = _deciding_node(node)
     if report.fp32_finite is False:
         report.suggestion = ("computing this op in fp32 gives inf/NaN too, so it is not a "
-                             "mixed-precision problem: the fp32 model fails here as well (check the "
-                             "inputs, the initialisation, the learning rate)")
+                             "mixed-precision problem: the fp32 model fails here as well "
+                             "(check the inputs, the initialisation, the learning rate)")
         return
     new, code = _merge(policy, decider)
     report.suggested_policy = new
     report.suggestion_code = code
     dp, _ = module_of(decider)
     subject = f"module `{dp}`" if dp else f"op {op_label(decider)}"
-    via = "" if decider is node else f" (the cast was inserted for {decider.name}, {op_label(decider)})"
+    via = ("" if decider is node
+           else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
     checked = ("with its inputs in fp32 the op gives a finite output"
                if report.fp32_finite else "the op could not be re-run in fp32 to check")
     report.suggestion = f"keep {subject} in fp32{via}: {code}; {checked}"

@@ -90,9 +90,10 @@ def test_value_divergence_from_a_bad_fold(monkeypatch):
     dtypes still agree everywhere, values do not, from the first op after the fold."""
     def bad_round_trip(node):
         mid = node.args[0]
-        if fold_module.is_pure_cast(mid) and mid.args[0].meta["val"].dtype == node.meta["val"].dtype:
-            return mid.args[0]
-        return None
+        if not fold_module.is_pure_cast(mid):
+            return None
+        src = mid.args[0]
+        return src if src.meta["val"].dtype == node.meta["val"].dtype else None
 
     monkeypatch.setitem(fold_module.RULES, "bad_round_trip", bad_round_trip)
 

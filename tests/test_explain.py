@@ -10,7 +10,6 @@ import torch.fx
 
 import amp_fx
 from amp_fx import _graphviz
-from amp_fx.capture import module_stack
 from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
 from tests.zoo import ZOO
 
@@ -85,13 +84,15 @@ def test_rules_modules_and_inserted_casts():
     ex = amp_fx.explain(model, x, dtype="bf16", policy=amp_fx.Policy(keep_fp32=("fc2",)))
     nodes = {n.name: n for n in ex.nodes(0)}
     linears = [n for n in nodes.values() if n.op == "aten.linear"]
-    assert [(n.module, n.dtype) for n in linears] == [("fc1", torch.bfloat16), ("fc2", torch.float32)]
+    assert [(n.module, n.dtype) for n in linears] == [("fc1", torch.bfloat16),
+                                                      ("fc2", torch.float32)]
     assert linears[0].rule == "lower precision fp: aten.linear (default cpu table)"
     assert linears[1].rule == "fp32: module fc2 kept by policy (fc2)"
     gelu = next(n for n in nodes.values() if n.op == "aten.gelu")
     assert gelu.rule.startswith("not autocast") and gelu.rule.endswith("(bf16)")
     inserted = [n for n in nodes.values() if n.cast == "inserted"]
-    assert len(inserted) == ex.records[0].inserted.casts_inserted == 4  # x, w1, b1 -> bf16; h -> fp32
+    # x, fc1.weight, fc1.bias -> bf16; fc1's output -> fp32 for the kept fc2
+    assert len(inserted) == ex.records[0].inserted.casts_inserted == 4
     assert {n.label for n in nodes.values() if n.kind == "input"} == {
         "x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     text = str(ex)
