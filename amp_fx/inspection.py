@@ -133,11 +133,19 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
             return f"{reason}; no floating input: {out} from its arguments"
         if len(ins) == 1:
             return f"{reason} ({short_dtype(ins[0])})"
-        return (f"{reason}: type promotion of {', '.join(short_dtype(d) for d in ins)} "
-                f"gives {out}")
+        return (f"{reason} ({', '.join(short_dtype(d) for d in ins)}) and gives {out}")
     if decision.cast_class is CastClass.PROMOTE:
         return f"{reason}: widest input gives {out}"
     return reason
+
+
+def _autocast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype capture recorded for eager autocast; for a multi-output op, its first output's."""
+    if "amp_fx_autocast_dtype" in node.meta:
+        return node.meta["amp_fx_autocast_dtype"]
+    first = next((u for u in node.users
+                  if u.target is operator.getitem and u.args[1] == 0), None)
+    return None if first is None else first.meta.get("amp_fx_autocast_dtype")
 
 
 def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
@@ -401,7 +409,7 @@ class Explanation:
                 continue
             new = after.get(n.name)
             before_dt = short_dtype(value_dtype(fp32.get(n.name))) if fp32 else "?"
-            eager = short_dtype(n.meta.get("amp_fx_autocast_dtype"))
+            eager = short_dtype(_autocast_dtype(n))
             if new is None:
                 rows.append([n.name, op_label(n), module_of(n)[0], before_dt, eager,
                              "(folded away)", ""])
