@@ -76,12 +76,33 @@ def scalers(dtype: torch.dtype) -> tuple[GradScaler, torch.amp.GradScaler]:
 
 def run(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
         scaler: torch.amp.GradScaler, model: torch.nn.Module, accumulate: int) -> dict[str, list[torch.Tensor]]:
-    out: dict[str, list[torch.Tensor]] = {"loss": [], "scale": [], "params": []}
+    out: dict[str, list[torch.Tensor]] = {"loss": [], "scale": [], "params": [], "init": [flat_params(model)]}
     for i, (x, y) in enumerate(batches):
         out["loss"].append(step(x, y).clone())
         if (i + 1) % accumulate == 0:
             out["scale"].append(scaler._scale.clone())
-            out["params"].append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+            out["params"].append(flat_params(model))
+    return out
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+
+
+PARAM_SIZES = [p.numel() for p in make_model().parameters()]
+
+
+def cumulative_movement(ref: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per parameter tensor, the sum over windows of max |update| of the reference run, up to
+    each window (broadcast to the tensor's elements). Per tensor, not per element: a rounding
+    error in a gradient element scales with the terms summed into it (a matmul's products), not
+    with the element's own value, which cancellation can make arbitrarily small."""
+    points = ref["init"] + ref["params"]
+    out, total = [], torch.zeros_like(points[0])
+    for a, b in zip(points, points[1:]):
+        step = torch.cat([d.abs().max().expand(d.numel()) for d in (b - a).split(PARAM_SIZES)])
+        total = total + step
+        out.append(total)
     return out
 
 
@@ -147,21 +168,20 @@ def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> No
                             grad_norm=GradNorm.FUSED, backend="aot_eager", poison=FP16_POISON, n=10)
     for a, e in zip(ours["scale"], ref["scale"], strict=True):
         assert_bitwise(a, e, "scale")
-    movement = sum((b - a).abs() for a, b in zip(ref["params"], ref["params"][1:]))
-    for a, e in zip(ours["params"], ref["params"], strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=(2**-20 * 10 * movement).max().item() + 1e-12)
-    # Clipping was active (so the norm mattered): a 0.05 bound on this model's gradients.
-    assert not all(torch.equal(a, e) for a, e in zip(ours["params"], ref["params"])) or True
+    for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
+        bound = 2**-20 * moved + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
 
 
-def inductor_tolerance(ref: dict[str, list[torch.Tensor]], steps: int) -> tuple[float, torch.Tensor]:
-    """Inductor keeps a fused kernel's intermediates in fp32 (no fp16 round trip between ops),
-    so a value can differ by up to half an fp16 ulp per elided rounding: 2^-11 relative each, a
-    chain of 4 (linear, layer_norm, gelu, linear) bounds the loss at 2^-9 relative. A
-    parameter's update inherits that relative error, and errors of successive updates add: the
-    bound is 2^-9 times the sum of |update| of the reference run (momentum included)."""
-    movement = sum((b - a).abs() for a, b in zip(ref["params"], ref["params"][1:]))
-    return 2**-9, 2**-9 * movement * steps / max(steps - 1, 1) + 1e-7
+# Inductor keeps a fused kernel's intermediates in fp32 (no fp16 round trip between ops), so a
+# value can differ by up to half an fp16 ulp (2^-11 relative) per elided rounding. The loss passes
+# 4 fp16 roundings (linear, layer_norm's input, gelu, linear): 2^-9 relative. A gradient passes
+# those and about 4 more in the backward (two matmuls per linear, gelu's and layer_norm's
+# backward): 8 * 2^-11 = 2^-8 relative, doubled to 2^-7 because the errors of the inputs of a
+# matmul add. A parameter's update inherits its gradient's relative error (SGD: linearly; Adam:
+# m / sqrt(v) to first order the same), and the errors of successive updates add up.
+INDUCTOR_LOSS_RTOL = 2**-9
+INDUCTOR_UPDATE_RTOL = 2**-7
 
 
 @pytest.mark.parametrize("opt_name,clip", [("sgd_momentum", 0.5), ("adam_fused", None)])
@@ -171,11 +191,14 @@ def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: st
                                grad_norm=GradNorm.FUSED, backend="inductor", poison=FP16_POISON, n=n)
     for i, (a, e) in enumerate(zip(ours["scale"], ref["scale"], strict=True)):
         assert_bitwise(a, e, f"scale[{i}]")  # the same steps overflow, so the same scale history
-    loss_rtol, atol = inductor_tolerance(ref, n)
+    # The first loss depends on the forward only; later ones also on the parameters' drift.
+    torch.testing.assert_close(ours["loss"][0], ref["loss"][0], rtol=INDUCTOR_LOSS_RTOL, atol=0)
     for i, (a, e) in enumerate(zip(ours["loss"], ref["loss"], strict=True)):
-        torch.testing.assert_close(a, e, rtol=loss_rtol, atol=0, equal_nan=True, msg=f"loss[{i}]")
-    for i, (a, e) in enumerate(zip(ours["params"], ref["params"], strict=True)):
-        assert ((a - e).abs() <= atol).all(), f"params[{i}]: max excess {((a - e).abs() - atol).max()}"
+        assert a.isfinite() == e.isfinite(), f"loss[{i}]"
+        torch.testing.assert_close(a, e, rtol=2 * INDUCTOR_LOSS_RTOL, atol=0, equal_nan=True, msg=f"loss[{i}]")
+    for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
+        bound = INDUCTOR_UPDATE_RTOL * moved + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
     # After warm-up, more steps (one overflowing) compile nothing, break nothing, read nothing.
     assert_steps_are_sync_free(step, make_batches(3, {1: 1e6}, seed=5))
 
@@ -187,6 +210,11 @@ def assert_steps_are_sync_free(step: Callable[..., torch.Tensor], batches: list[
         for x, y in batches:
             step(x, y)
     assert syncs.count == 0, f"host reads in a step: {syncs.names}"
+    # Reads inside an ATen kernel: only the CPU kernels of fused optimizers reading their CPU
+    # step counters (HostSyncCounter's docstring), at most one per parameter and step.
+    n_params = sum(1 for _ in step.model.parameters())
+    allowed = n_params * len(batches) if step._fused else 0
+    assert syncs.in_cpu_kernels <= allowed
     assert sum(counters["graph_break"].values()) == breaks == 0
     assert step.graphs_compiled == graphs
 
@@ -200,7 +228,8 @@ def test_no_graph_break_no_host_sync_after_warm_up(opt_name: str, clip: float | 
                         backend="aot_eager")
     for x, y in make_batches(4, {}):
         step(x, y)
-    assert_steps_are_sync_free(step, make_batches(4, {0: 1e6, 3: math.inf}, seed=3))
+    # Windows: skipped, clean, skipped (a non-finite step must not sync either).
+    assert_steps_are_sync_free(step, make_batches(6, {0: 1e6, 5: math.inf}, seed=3))
     assert int(step.skipped_steps) == 2
 
 
