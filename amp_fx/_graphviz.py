@@ -77,7 +77,7 @@ def build_dot(graphs: Sequence[tuple[int, Sequence[NodeInfo], Sequence[tuple[str
             if n.cast == "inserted":
                 attrs.update(shape="box", color=INSERTED_CAST_BORDER, penwidth="3",
                              style="filled,bold")
-                label.insert(0, "CAST (amp_fx)" + (" shared" if n.cached else ""))
+                label.insert(0, "CAST (amp_fx" + (", cached)" if n.cached else ")"))
             elif n.cast == "user":
                 attrs.update(color=USER_CAST_BORDER, penwidth="2", style="filled,dashed")
                 label.insert(0, "cast (your code)")
