@@ -27,11 +27,15 @@ that reads no tensor value:
      ``grad_scale``/``found_inf`` and skips on the device. The graph computes the flags and
      ``optimizer.step()`` runs right after it, exactly as ``torch.amp.GradScaler.step`` calls it.
 
-Why not one graph with compiled autograd: ``torch._dynamo.config.compiled_autograd`` still
-captures the backward as a separate graph at ``backward()`` (Dynamo graph-breaks on
-``Tensor.backward``), so it would add a compile per step shape without removing the Python
-between the pieces; what matters for CUDA graphs and for throughput is that nothing between them
-reads the device, and that is what this module guarantees and its tests prove.
+Why three pieces and not one graph: Dynamo graph-breaks on ``Tensor.backward()`` (torch 2.13:
+"Unsupported Tensor.backward() call ... when trace_autograd_ops is off"), ``torch.optim``'s step
+wrapper calls ``torch._dynamo.graph_break()`` and fused optimizers are ``compiler.disable``-d, so
+``torch.compile`` of the whole recipe breaks 7 times (bench/bench_step.py prints the list).
+Compiled autograd and the experimental ``torch._dynamo.config.trace_autograd_ops`` could put the
+backward in the same graph; they were not measured for this version. The pieces here are each
+a full graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
+for CUDA graphs and throughput is that nothing between them reads the device, which this module
+guarantees and ``tests/test_step.py`` proves with the profiler.
 
 Warm-up: until every parameter of the optimizer has optimizer state (normally the first step),
 the finish runs eagerly through ``amp_fx.GradScaler`` (``unscale_``, ``clip_grad_norm_``,

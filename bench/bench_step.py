@@ -1,6 +1,6 @@
 """Training-step time of amp_fx.compile_step against torch's AMP recipe, on a small transformer.
 
-Three ways to run the same step (same model, data, dtype, fused AdamW, dynamic loss scaling):
+Three ways to run the same step (same model, data, dtype, AdamW, dynamic loss scaling):
 
 * ``eager``: ``torch.autocast`` + ``torch.amp.GradScaler`` (amp_fx._step_reference.eager_amp_step,
   the reference the tests use);
@@ -58,22 +58,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
-            warmup: int) -> dict[str, Any]:
-    for x, y in batches[:warmup]:
-        step(x, y)
-    breaks = sum(counters["graph_break"].values())
-    times = []
-    for x, y in batches[warmup:]:
+def measure(steps: dict[str, Callable[..., torch.Tensor]], batches: list[tuple[torch.Tensor, torch.Tensor]],
+            warmup: int) -> dict[str, dict[str, Any]]:
+    """Time the variants interleaved, one step of each in turn, so that load from other processes
+    on a shared machine falls on all of them alike; then count host reads and graph breaks."""
+    results: dict[str, dict[str, Any]] = {name: {"times": []} for name in steps}
+    for name, step in steps.items():
         t0 = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - t0)
-    n_timed = len(times)
-    with HostSyncCounter() as syncs:
-        for x, y in batches[warmup:warmup + 3]:
+        for x, y in batches[:warmup]:
             step(x, y)
-    return {"times": times, "syncs": syncs.count / 3, "kernel_reads": syncs.in_cpu_kernels / 3,
-            "breaks": (sum(counters["graph_break"].values()) - breaks) / (n_timed + 3)}
+        results[name]["warmup_s"] = time.perf_counter() - t0
+    breaks = sum(counters["graph_break"].values())
+    timed = batches[warmup:-3]
+    for x, y in timed:
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(x, y)
+            results[name]["times"].append(time.perf_counter() - t0)
+    breaks = (sum(counters["graph_break"].values()) - breaks) / len(timed)
+    for name, step in steps.items():
+        with HostSyncCounter() as syncs:
+            for x, y in batches[-3:]:
+                step(x, y)
+        # Graph breaks are counted over all variants together; only compiled code can break.
+        results[name].update(syncs=syncs.count / 3, kernel_reads=syncs.in_cpu_kernels / 3, breaks=breaks)
+    return results
 
 
 def main() -> None:
@@ -87,6 +96,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--fused", action="store_true",
+                        help="AdamW(fused=True) (skips on the device in torch's recipe too); default: "
+                             "AdamW's default implementation, which torch's GradScaler skips on the host")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
 
@@ -98,7 +110,7 @@ def main() -> None:
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = TinyTransformer(args.vocab, args.d_model, args.heads, args.layers)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)
 
     def scaler() -> torch.amp.GradScaler:
         # check-only semantics for bf16 would need amp_fx's scaler; torch's scales either way.
@@ -121,12 +133,8 @@ def main() -> None:
 
     variants = {"eager autocast + GradScaler": eager, "torch.compile(model) + GradScaler": compiled_model,
                 "amp_fx.compile_step": compile_step}
-    results = {}
-    for name, build in variants.items():
-        torch._dynamo.reset()
-        t0 = time.perf_counter()
-        results[name] = measure(build(), batches, args.warmup)
-        results[name]["wall"] = time.perf_counter() - t0
+    torch._dynamo.reset()
+    results = measure({name: build() for name, build in variants.items()}, batches, args.warmup)
 
     # What torch.compile makes of the whole eager recipe (Dynamo only: backend="eager").
     torch._dynamo.reset()
@@ -143,17 +151,22 @@ def main() -> None:
         t = r["times"]
         rows.append([name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / base:.2f}",
                      f"{percentile(t, 0.1) / base:.2f}", f"{percentile(t, 0.9) / base:.2f}",
-                     f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['wall']:.0f}"])
+                     f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['warmup_s']:.0f}"])
     print(f"torch {torch.__version__}, {platform.platform()}, {platform.processor() or platform.machine()}, "
           f"cpu_count={os.cpu_count()}, threads={torch.get_num_threads()}")
     print(f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
-          f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused=True), "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
+          f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
+          f"{args.steps} timed steps after {args.warmup} warm-up, variants interleaved; "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(tabulate(rows, headers=["variant", "median ms", "median/eager", "p10/eager", "p90/eager",
                                   "host reads/step", "reads in CPU kernels/step", "graph breaks/step",
-                                  "wall s (incl. compile)"]))
-    print(f"torch.compile of the whole eager recipe: {whole_breaks} graph breaks in {3} steps "
-          f"(counters['graph_break']: {dict(counters['graph_break'])})")
+                                  "warm-up s (compile)"]))
+    reasons = sorted({key.splitlines()[0] + (": " + key.splitlines()[1].split("function `")[-1].split("`")[0]
+                                             if "function `" in key else "")
+                      for key in counters["graph_break"]})
+    print(f"torch.compile of the whole eager recipe (Dynamo, 3 steps): {whole_breaks} graph breaks:")
+    for reason in reasons:
+        print(f"  - {reason}")
 
 
 if __name__ == "__main__":
