@@ -381,3 +381,95 @@ def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(dtype: 
     assert "block.weight" in differs, "torch.compile+autocast became bitwise: update DESIGN.md"
     assert differs <= {"block.weight", "block.bias"}, differs
     assert torch.equal(plain["emb.weight"], expected.grads["emb.weight"])
+
+
+# --- autocast state inside the model, and per-call leafness: known amp_fx bugs (reported) -----
+
+
+class _AutocastOffInside(nn.Module):
+    """The common "this part in fp32" idiom: autocast disabled for one layer inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.b(h.float())
+
+
+class _NestedFp16Inside(_AutocastOffInside):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            return self.b(h)
+
+
+def _seeded_module(cls: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return cls()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "amp_fx applies its policy inside `torch.autocast(enabled=False)` regions of forward: Dynamo "
+    "keeps them as _enter_autocast/_exit_autocast nodes, insert_casts casts b's inputs to bf16 "
+    "anyway (and fold_casts then drops the user's h.float() as a round trip), so b runs in bf16 "
+    "where eager runs it in fp32 (reported to the amp_fx owner)"))
+def test_autocast_disabled_region_inside_forward() -> None:
+    model = _seeded_module(_AutocastOffInside)
+    entry = ZooEntry("autocast_off_inside", lambda: (model, (torch.randn(2, 8),), lambda o: o.float().sum()))
+    actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
+    assert expected.out.dtype == torch.float32
+    assert_bitwise(actual, expected)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "amp_fx casts to its own dtype inside a nested `torch.autocast(dtype=torch.float16)` region "
+    "of a bf16 compile; AOTAutograd then re-applies the region's fp16 autocast to those bf16 "
+    "casts, so weights round fp32->bf16->fp16 where eager rounds fp32->fp16 once (reported)"))
+def test_nested_autocast_region_uses_its_own_dtype() -> None:
+    model = _seeded_module(_NestedFp16Inside)
+    entry = ZooEntry("nested_fp16_inside", lambda: (model, (torch.randn(2, 8),), lambda o: o.float().sum()))
+    actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
+    assert expected.out.dtype == torch.float16
+    assert_bitwise(actual, expected)
+
+
+def _twice(x: Tensor, w: Tensor) -> Tensor:
+    return nn.functional.linear(x, w) + nn.functional.linear(torch.tanh(x), w)
+
+
+def _eager_twice_grad(x: Tensor, w0: Tensor, leaf: bool) -> tuple[Tensor, Tensor]:
+    base = w0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _twice(x, base if leaf else base * 1.0)
+    out.float().sum().backward()
+    return out.detach(), base.grad
+
+
+@pytest.mark.parametrize("first_leaf", [
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "the cast-cache decision (share one cast of a leaf that requires grad) is made from the "
+        "first call's example inputs, and Dynamo does not guard on is_leaf: a later call with a "
+        "non-leaf weight reuses the graph that shares its cast, while eager casts a non-leaf "
+        "per use, so the two uses' gradients add up in bf16 instead of fp32 (reported)")),
+        id="leaf-then-nonleaf"),
+    pytest.param(False, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+        "the reverse of leaf-then-nonleaf: a graph compiled for a non-leaf casts per use, and is "
+        "reused for a leaf parameter whose cast eager shares (reported)")),
+        id="nonleaf-then-leaf"),
+])
+def test_cast_cache_follows_each_calls_leafness(first_leaf: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w0 = torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    compiled = amp_fx.compile(_twice, dtype="bf16", backend="aot_eager")
+    for leaf in (first_leaf, not first_leaf):
+        base = w0.clone().requires_grad_()
+        out = compiled(x, base if leaf else base * 1.0)
+        out.float().sum().backward()
+        expected_out, expected_grad = _eager_twice_grad(x, w0, leaf)
+        torch.testing.assert_close(out, expected_out, atol=0, rtol=0)
+        torch.testing.assert_close(base.grad, expected_grad, atol=0, rtol=0,
+                                   msg=_msg(f"w.grad ({'leaf' if leaf else 'non-leaf'} call)"))
