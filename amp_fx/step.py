@@ -165,6 +165,7 @@ class CompiledStep:
         self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
         self._seen_lrs = self._float_lrs()
+        self._warmed_up = False
 
     # ------------------------------------------------------------------ public state
     @property
@@ -275,6 +276,13 @@ class CompiledStep:
         self._seen_lrs = self._float_lrs()
 
     def _needs_warm_up(self) -> bool:
+        """Until one eager step was taken, while some parameter has no optimizer state.
+
+        An optimizer that keeps no state (SGD without momentum) is warm after one step taken; a
+        checkpoint-loaded one is warm from the start.
+        """
+        if self._warmed_up:
+            return False
         state = self.optimizer.state
         return any(p.grad is not None and not state.get(p) for p in self._params)
 
@@ -334,6 +342,7 @@ class CompiledStep:
             torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
         scaler.step(opt)
         scaler.update()
+        self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
 
     # ------------------------------------------------------------------ the compiled finish
     def _finish_impl(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -379,13 +388,16 @@ class CompiledStep:
         saved_params = [p.detach().clone() for p in self._params]
         saved_state: list[list[tuple[str, torch.Tensor]]] = []
         for p in self._params:
-            entry = opt.state[p]
-            saved_state.append([(k, v.clone()) for k, v in entry.items() if isinstance(v, torch.Tensor)])
+            entry = opt.state.get(p)  # .get: indexing the defaultdict would add entries (and a recompile)
+            saved_state.append([] if entry is None else
+                               [(k, v.clone()) for k, v in entry.items() if isinstance(v, torch.Tensor)])
         self._raw_step(opt)
         skip = found_inf != 0
         for p, old in zip(self._params, saved_params):
             p.copy_(torch.where(skip, old, p))
         for p, saved in zip(self._params, saved_state):
+            if not saved:
+                continue
             entry = opt.state[p]
             for k, old in saved:
                 entry[k].copy_(torch.where(skip, old, entry[k]))
