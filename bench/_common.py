@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["machine_lines", "percentile", "import_zoo"]
+__all__ = ["import_zoo", "machine_lines", "percentile"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -26,13 +26,14 @@ def machine_lines() -> list[str]:
     import triton
 
     return [
-        f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
-        f"{platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        (f"torch {torch.__version__}, triton {triton.__version__}, "
+         f"python {platform.python_version()}"),
+        (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"),
     ]
 
 
-def import_zoo():  # noqa: ANN201 (returns the tests.zoo module)
+def import_zoo():
     """The tests' model zoo, so benchmarks and tests build the same models."""
     root = Path(__file__).resolve().parent.parent
     if str(root / "tests") not in sys.path:

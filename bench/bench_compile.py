@@ -1,4 +1,4 @@
-"""amp_fx.compile against torch.compile under torch.autocast: compile time, pass time, step time, casts.
+"""amp_fx.compile vs torch.compile under torch.autocast: compile time, pass time, step time, casts.
 
     python bench/bench_compile.py                          # bf16, backends aot_eager and inductor
     python bench/bench_compile.py --dtypes bf16 fp16 --steps 50
@@ -50,9 +50,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amp_fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import import_zoo, machine_lines, percentile  # noqa: E402
+from _common import import_zoo, machine_lines, percentile
 
 zoo = import_zoo()
+LossFn = Callable[[object], Tensor]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("capture", "insert_casts", "fold_casts")
@@ -63,13 +64,15 @@ class _CountCasts(TorchDispatchMode):
         super().__init__()
         self.casts = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object,
+                           args: tuple[object, ...] = (), kwargs: dict | None = None) -> object:
         if func is torch.ops.aten._to_copy.default:
             self.casts += 1
         return func(*args, **(kwargs or {}))
 
 
-def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...], dtype: torch.dtype) -> int:
+def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...],
+                            dtype: torch.dtype) -> int:
     model = copy.deepcopy(model)
     counter = _CountCasts()
     with torch.autocast("cpu", dtype=dtype), counter:
@@ -80,15 +83,16 @@ def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...], dtype:
 Step = Callable[[], None]
 
 
-def _amp_fx_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...], loss_fn) -> Step:  # noqa: ANN001
+def _amp_fx_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...],
+                 loss_fn: LossFn) -> Step:
     def run() -> None:
         model.zero_grad(set_to_none=True)
         loss_fn(compiled(*inputs)).backward()
     return run
 
 
-def _autocast_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...], loss_fn,  # noqa: ANN001
-                   dtype: torch.dtype) -> Step:
+def _autocast_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...],
+                   loss_fn: LossFn, dtype: torch.dtype) -> Step:
     def run() -> None:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype):
@@ -104,7 +108,7 @@ class Compiled:
     amp_fx_module: amp_fx.AmpCompiledModule
 
 
-def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[Tensor, ...], Callable[[object], Tensor]]:
+def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[Tensor, ...], LossFn]:
     return zoo.transformer_lm(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
                               n_layers=args.layers, seq=args.seq, batch=args.batch)
 
@@ -192,7 +196,8 @@ def _warm_up_imports(backends: list[str]) -> None:
         lin = nn.Linear(4, 4)
         torch.compile(lin, backend=backend)(torch.randn(2, 4)).sum().backward()
         torch._dynamo.reset()
-        amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend=backend)(torch.randn(2, 4)).float().sum().backward()
+        compiled = amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend=backend)
+        compiled(torch.randn(2, 4)).float().sum().backward()
     torch._dynamo.reset()
 
 
@@ -225,7 +230,8 @@ def main() -> None:
     print(*machine_lines(), sep="\n")
     print(f"model: transformer_lm layers={args.layers} d_model={args.d_model} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab} ({n_params:,} parameters)")
-    print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, not with fp32\n")
+    print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, "
+          "not with fp32\n")
 
     compile_rows, step_rows, cast_rows = [], [], []
     for dtype_name in args.dtypes:

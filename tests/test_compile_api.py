@@ -17,7 +17,7 @@ import amp_fx
 from amp_fx import CastClass, Policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ZOO, MLP, eager_autocast_step, step  # noqa: E402
+from zoo import MLP, ZOO, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BACKEND = "aot_eager"  # the bitwise rung of the ladder, and the fastest one that traces to ATen
@@ -64,7 +64,8 @@ def test_state_dict_loads_both_ways_and_the_compiled_graph_sees_it() -> None:
 
     compiled.load_state_dict(other)  # into the compiled module ...
     for k, v in other.items():
-        torch.testing.assert_close(model.state_dict()[k], v, atol=0, rtol=0)  # ... lands in the original
+        # ... lands in the original
+        torch.testing.assert_close(model.state_dict()[k], v, atol=0, rtol=0)
     reference = MLP()
     reference.load_state_dict(other)
     expected = eager_autocast_step(reference, inputs, loss_fn, torch.bfloat16)
@@ -149,7 +150,9 @@ def test_unknown_dtype_raises_naming_accepted_values(bad: object) -> None:
         amp_fx.compile(nn.Linear(4, 4), dtype=bad, backend=BACKEND)
     msg = str(info.value)
     assert repr(bad) in msg
-    for accepted in ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', "torch.bfloat16", "torch.float16"):
+    accepted_values = ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', "torch.bfloat16",
+                       "torch.float16")
+    for accepted in accepted_values:
         assert accepted in msg, (accepted, msg)
 
 
@@ -185,7 +188,8 @@ def test_two_policies_on_one_model_never_share_a_graph() -> None:
 
 def test_keep_fp32_unknown_module_raises_naming_it() -> None:
     with pytest.raises(ValueError, match="nonexistent"):
-        amp_fx.compile(MLP(), dtype="bf16", policy=Policy(keep_fp32=("nonexistent",)), backend=BACKEND)
+        amp_fx.compile(MLP(), dtype="bf16", policy=Policy(keep_fp32=("nonexistent",)),
+                       backend=BACKEND)
 
 
 @pytest.mark.parametrize("op", ["aten.not_an_op", "aten::linear.not_an_overload"])
@@ -238,6 +242,7 @@ def test_binary_cross_entropy_runs_in_fp32_as_on_cpu_eager(dtype: torch.dtype) -
     torch.testing.assert_close(actual.out, expected.out, atol=0, rtol=0)
     for n, g in expected.grads.items():
         torch.testing.assert_close(actual.grads[n], g, atol=0, rtol=0)
-    decisions = [n.meta.get("amp_fx_decision") for n in compiled.amp_fx_records[0].rewritten.graph.nodes
+    graph = compiled.amp_fx_records[0].rewritten.graph
+    decisions = [n.meta.get("amp_fx_decision") for n in graph.nodes
                  if n.target is torch.ops.aten.binary_cross_entropy.default]
     assert [d.cast_class for d in decisions] == [CastClass.FP32]

@@ -14,6 +14,7 @@ import copy
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 import amp_fx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ZOO, StepResult, ZooEntry, eager_autocast_step, step  # noqa: E402
+from zoo import ZOO, LossFn, StepResult, ZooEntry, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,11 +43,11 @@ def _fresh_dynamo() -> Iterator[None]:
 # --- helpers ----------------------------------------------------------------------------------
 
 
-def _dynamo_config(entry: ZooEntry):  # noqa: ANN202 (a config-patch context manager)
+def _dynamo_config(entry: ZooEntry) -> AbstractContextManager[None]:
     return torch._dynamo.config.patch(dict(entry.dynamo_config))
 
 
-def _eager_reference(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: Callable[[object], Tensor],
+def _eager_reference(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
                      dtype: torch.dtype) -> StepResult:
     try:
         return eager_autocast_step(model, inputs, loss_fn, dtype)
@@ -94,7 +95,8 @@ def assert_bitwise(actual: StepResult, expected: StepResult) -> None:
         assert actual.grads[name] is not None, f"{name}.grad: eager has one, amp_fx has none"
         torch.testing.assert_close(actual.grads[name], g, atol=0, rtol=0, msg=_msg(f"{name}.grad"))
     for name, b in expected.buffers.items():
-        torch.testing.assert_close(actual.buffers[name], b, atol=0, rtol=0, msg=_msg(f"buffer {name}"))
+        torch.testing.assert_close(actual.buffers[name], b, atol=0, rtol=0,
+                                   msg=_msg(f"buffer {name}"))
 
 
 def _msg(what: str) -> Callable[[str], str]:
@@ -266,8 +268,8 @@ def test_inductor_within_excess_precision_tolerance(name: str, dtype: torch.dtyp
     for n, g in expected.grads.items():
         # 4 eps of the gradient's magnitude: forward and backward chains, 2u each, both
         # operands of the weight-gradient matmul (derivation above).
-        torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=_GRAD_EPS * eps * g.abs().max().item(),
-                                   msg=_msg(f"{n}.grad"))
+        atol = _GRAD_EPS * eps * g.abs().max().item()
+        torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=atol, msg=_msg(f"{n}.grad"))
 
 
 @pytest.mark.parametrize("name", _INDUCTOR_MODELS)
@@ -360,7 +362,8 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(dtype: torch.dtype) -> None:
+def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(
+        dtype: torch.dtype) -> None:
     """DESIGN.md: torch.compile + ambient autocast differs from eager on weights used in several
     places. Measured: it is the weights used by *two low-precision ops* (``block`` applied twice)
     that differ, since AOTAutograd traces each autocast cast separately and their gradients add
@@ -407,6 +410,11 @@ class _NestedFp16Inside(_AutocastOffInside):
             return self.b(h)
 
 
+def _sum(out: object) -> Tensor:
+    assert isinstance(out, Tensor)
+    return out.float().sum()
+
+
 def _seeded_module(cls: type[nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -419,7 +427,7 @@ def _seeded_module(cls: type[nn.Module]) -> nn.Module:
     "where eager runs it in fp32 (reported to the amp_fx owner)"))
 def test_autocast_disabled_region_inside_forward() -> None:
     model = _seeded_module(_AutocastOffInside)
-    entry = ZooEntry("autocast_off_inside", lambda: (model, (torch.randn(2, 8),), lambda o: o.float().sum()))
+    entry = ZooEntry("autocast_off_inside", lambda: (model, (torch.randn(2, 8),), _sum))
     actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
     assert expected.out.dtype == torch.float32
     assert_bitwise(actual, expected)
@@ -431,7 +439,7 @@ def test_autocast_disabled_region_inside_forward() -> None:
     "casts, so weights round fp32->bf16->fp16 where eager rounds fp32->fp16 once (reported)"))
 def test_nested_autocast_region_uses_its_own_dtype() -> None:
     model = _seeded_module(_NestedFp16Inside)
-    entry = ZooEntry("nested_fp16_inside", lambda: (model, (torch.randn(2, 8),), lambda o: o.float().sum()))
+    entry = ZooEntry("nested_fp16_inside", lambda: (model, (torch.randn(2, 8),), _sum))
     actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
     assert expected.out.dtype == torch.float16
     assert_bitwise(actual, expected)

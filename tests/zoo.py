@@ -30,8 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ZooEntry", "ZOO", "Factory", "LossFn", "Built", "SEED", "StepResult",
-           "eager_autocast_step", "step", "transformer_lm"]
+__all__ = [
+    "SEED",
+    "ZOO",
+    "Built",
+    "Factory",
+    "LossFn",
+    "StepResult",
+    "ZooEntry",
+    "eager_autocast_step",
+    "step",
+    "transformer_lm",
+]
 
 SEED = 0
 
@@ -131,7 +141,7 @@ class SDPABlock(nn.Module):
 class RNNHead(nn.Module):
     """nn.LSTM or nn.GRU over a sequence, then a linear head on every step."""
 
-    def __init__(self, cell: type[nn.LSTM] | type[nn.GRU], d_in: int = 8, d_hidden: int = 16,
+    def __init__(self, cell: type[nn.LSTM | nn.GRU], d_in: int = 8, d_hidden: int = 16,
                  d_out: int = 8) -> None:
         super().__init__()
         self.rnn = cell(d_in, d_hidden, batch_first=True)
@@ -378,7 +388,8 @@ class _TransformerLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(SDPABlock(d_model, n_heads, 4 * d_model) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(
+            SDPABlock(d_model, n_heads, 4 * d_model) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
         self.scale = math.sqrt(d_model)
 
