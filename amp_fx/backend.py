@@ -8,6 +8,7 @@ a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -100,6 +101,11 @@ class AmpBackend:
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         self._downstream = _downstream(backend, inductor_config or {})
         self.records: list[GraphRecord] = []
+
+    def sibling(self) -> AmpBackend:
+        """A backend with the same configuration and the same records, but its own identity
+        (Dynamo keeps separate cache entries per backend object)."""
+        return copy.copy(self)
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
         """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""

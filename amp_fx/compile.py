@@ -12,6 +12,7 @@ import torch._inductor
 from torch.utils._pytree import tree_flatten
 
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
+from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 
@@ -25,26 +26,42 @@ def _device_type_of(values: Any) -> str:
     return "cuda" if any(t.is_cuda for t in tensors) else "cpu"
 
 
-def _amp_call(fn: Callable[..., Any], dtype: torch.dtype,
+def _amp_call(target: Callable[..., Any], backend: AmpBackend, compile_kwargs: dict[str, Any],
               device_type: Callable[[tuple[Any, ...], dict[str, Any]], str]) -> Callable[..., Any]:
-    """Call compiled ``fn`` inside ``torch.autocast``; re-raise amp_fx's errors unwrapped.
+    """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
 
     The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
     autocast serves two other purposes: code that Dynamo leaves to eager (graph breaks, skipped
     modules such as nn.LSTM) runs under eager autocast, exactly as without amp_fx; and Dynamo's
     own fake propagation sees autocast's dtypes, so Python code that reads ``x.dtype`` (e.g.
     ``h.to(x.dtype)`` in an RMSNorm) is specialised to the dtype the tensor has at run time.
+
+    Whether a tensor argument is a leaf that requires grad decides whether its cast is shared
+    (eager autocast's cast cache), and Dynamo does not guard on leafness: each pattern of leaf
+    arguments gets its own compiled callable, with a backend that shares the records.
+    amp_fx's own errors are re-raised unwrapped from Dynamo's BackendCompilerFailed.
     """
-    @functools.wraps(fn)
+    compiled_by_leaves: dict[tuple[bool, ...], Callable[..., Any]] = {}
+
     def call(*args: Any, **kwargs: Any) -> Any:
+        leaves = tuple(is_cacheable_leaf(t) for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor))
+        compiled = compiled_by_leaves.get(leaves)
+        if compiled is None:
+            sibling = backend if not compiled_by_leaves else backend.sibling()
+            compiled = compiled_by_leaves[leaves] = torch.compile(target, backend=sibling,
+                                                                  **compile_kwargs)
         try:
-            with torch.autocast(device_type(args, kwargs), dtype=dtype):
-                return fn(*args, **kwargs)
+            with torch.autocast(device_type(args, kwargs), dtype=backend.dtype):
+                return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from None
             raise
+
+    if not isinstance(target, torch.nn.Module):
+        call = functools.wraps(target)(call)
     return call
 
 
@@ -63,9 +80,8 @@ class AmpCompiledModule(torch.nn.Module):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
-        compiled = torch.compile(module, backend=backend, **compile_kwargs)
         self.__dict__["_amp_fx_forward"] = _amp_call(
-            compiled, backend.dtype, lambda args, kwargs: _device_type_of(
+            module, backend, compile_kwargs, lambda args, kwargs: _device_type_of(
                 (args, kwargs, list(module.parameters()), list(module.buffers()))))
         self.training = module.training
 
@@ -157,8 +173,8 @@ def compile(
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
-    compiled = _amp_call(torch.compile(model_or_fn, backend=amp_backend, **torch_compile_kwargs),
-                         lower, lambda args, kwargs: _device_type_of((args, kwargs)))
+    compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs,
+                         lambda args, kwargs: _device_type_of((args, kwargs)))
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 

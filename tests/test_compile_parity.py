@@ -420,11 +420,6 @@ def _seeded_module(cls: type[nn.Module]) -> nn.Module:
     return cls()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "amp_fx applies its policy inside `torch.autocast(enabled=False)` regions of forward: Dynamo "
-    "keeps them as _enter_autocast/_exit_autocast nodes, insert_casts casts b's inputs to bf16 "
-    "anyway (and fold_casts then drops the user's h.float() as a round trip), so b runs in bf16 "
-    "where eager runs it in fp32 (reported to the amp_fx owner)"))
 def test_autocast_disabled_region_inside_forward() -> None:
     model = _seeded_module(_AutocastOffInside)
     entry = ZooEntry("autocast_off_inside", lambda: (model, (torch.randn(2, 8),), _sum))
@@ -433,10 +428,6 @@ def test_autocast_disabled_region_inside_forward() -> None:
     assert_bitwise(actual, expected)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "amp_fx casts to its own dtype inside a nested `torch.autocast(dtype=torch.float16)` region "
-    "of a bf16 compile; AOTAutograd then re-applies the region's fp16 autocast to those bf16 "
-    "casts, so weights round fp32->bf16->fp16 where eager rounds fp32->fp16 once (reported)"))
 def test_nested_autocast_region_uses_its_own_dtype() -> None:
     model = _seeded_module(_NestedFp16Inside)
     entry = ZooEntry("nested_fp16_inside", lambda: (model, (torch.randn(2, 8),), _sum))
@@ -457,18 +448,7 @@ def _eager_twice_grad(x: Tensor, w0: Tensor, leaf: bool) -> tuple[Tensor, Tensor
     return out.detach(), base.grad
 
 
-@pytest.mark.parametrize("first_leaf", [
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "the cast-cache decision (share one cast of a leaf that requires grad) is made from the "
-        "first call's example inputs, and Dynamo does not guard on is_leaf: a later call with a "
-        "non-leaf weight reuses the graph that shares its cast, while eager casts a non-leaf "
-        "per use, so the two uses' gradients add up in bf16 instead of fp32 (reported)")),
-        id="leaf-then-nonleaf"),
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-        "the reverse of leaf-then-nonleaf: a graph compiled for a non-leaf casts per use, and is "
-        "reused for a leaf parameter whose cast eager shares (reported)")),
-        id="nonleaf-then-leaf"),
-])
+@pytest.mark.parametrize("first_leaf", [True, False], ids=["leaf-then-nonleaf", "nonleaf-then-leaf"])
 def test_cast_cache_follows_each_calls_leafness(first_leaf: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     x, w0 = torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen)

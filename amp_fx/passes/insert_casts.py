@@ -12,6 +12,9 @@ Guarantees:
     * a lower-precision cast of an fp32 leaf that requires grad is shared by all its uses, as
       eager autocast's cast cache does, so the uses' gradients add up before the cast back to
       fp32 (``Policy(cast_cache=False)`` turns this off); every other cast is per use;
+    * ``torch.autocast`` regions the model opens itself are followed: no cast under
+      ``enabled=False``, the region's dtype inside a nested region; their enter/exit calls are
+      removed, since the casts they imply are now explicit;
     * float64 and non-floating tensors are never cast; casts already in the graph are kept;
       ops that mutate or alias an input are never given a cast copy of that input;
     * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
@@ -23,6 +26,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,8 +82,10 @@ class _Rewriter:
         self.policy = policy
         self.device_type = device_type
         self.lower = dtype
+        # (enabled, dtype) of the torch.autocast regions the model opens itself, innermost last.
+        self.regions: list[tuple[bool, torch.dtype]] = [(True, dtype)]
         self.fake_mode = fake_mode
-        self.cache: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.cache: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
         self.record = InsertRecord()
 
     def cast(self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node, why: str) -> torch.fx.Node:
@@ -87,9 +93,9 @@ class _Rewriter:
         val = _val(arg)
         cacheable = (self.policy.cast_cache and to == self.lower and val.dtype == torch.float32
                      and arg.op == "placeholder" and arg.meta.get("amp_fx_leaf", False))
-        if cacheable and arg in self.cache:
+        if cacheable and (arg, to) in self.cache:
             self.record.casts_shared += 1
-            return self.cache[arg]
+            return self.cache[arg, to]
         with self.graph.inserting_before(before):
             node = self.graph.call_function(CAST_OP, (arg,), {"dtype": to})
         with self.fake_mode:
@@ -100,7 +106,7 @@ class _Rewriter:
         node.meta["amp_fx_cached"] = cacheable
         self.record.casts_inserted += 1
         if cacheable:
-            self.cache[arg] = node
+            self.cache[arg, to] = node
         return node
 
     def cast_args(self, node: torch.fx.Node, to_type_of: Any, why: str) -> None:
@@ -193,9 +199,32 @@ class _Rewriter:
                 f"{node.name}: {str(val.dtype).replace('torch.', '')} "
                 f"(eager autocast: {str(expected).replace('torch.', '')})")
 
+    def enter_region(self, node: torch.fx.Node) -> None:
+        """A ``torch.autocast`` region the model opens: (device_type, dtype, enabled, cache)."""
+        device_type, dtype, enabled = node.args[:3]
+        enabled_now, dtype_now = self.regions[-1]
+        if device_type == self.device_type:
+            self.regions.append((bool(enabled), dtype or dtype_now))
+        else:
+            self.regions.append((enabled_now, dtype_now))
+        self.lower = self.regions[-1][1]
+
+    def exit_region(self) -> None:
+        self.regions.pop()
+        self.lower = self.regions[-1][1]
+
     def run(self) -> InsertRecord:
+        region_nodes = []
         for node in list(self.graph.nodes):
             if node.op != "call_function":
+                continue
+            if node.target is torch.amp.autocast_mode._enter_autocast:
+                self.enter_region(node)
+                region_nodes.append(node)
+                continue
+            if node.target is torch.amp.autocast_mode._exit_autocast:
+                self.exit_region()
+                region_nodes.append(node)
                 continue
             if isinstance(node.target, torch._ops.OpOverload):
                 decision = self.decide(node)
@@ -203,6 +232,10 @@ class _Rewriter:
                 self.record.ops_by_class[decision.cast_class.value] += 1
                 self.apply(node, decision)
             self.refresh_val(node)
+        # The regions' casts are explicit now; left in, the downstream backend would apply
+        # autocast inside them a second time.
+        for node in reversed(region_nodes):
+            self.graph.erase_node(node)
         self.graph.lint()
         self.gm.recompile()
         return self.record
@@ -211,7 +244,15 @@ class _Rewriter:
         op = node.target
         if node.meta.get("amp_fx_cast") == "inserted":
             return Decision(CastClass.NONE, "cast inserted by amp_fx")
+        enabled, dtype = self.regions[-1]
+        if not enabled:
+            return Decision(CastClass.NONE, "not autocast: torch.autocast(enabled=False) in the "
+                                            "model covers this op")
         decision = self.policy.classify(op, self.device_type, module_stack(node))
+        if len(self.regions) > 1 and decision.cast_class is not CastClass.NONE:
+            decision = dataclasses.replace(
+                decision, reason=f"{decision.reason}, in the model's torch.autocast region "
+                                 f"({str(dtype).replace('torch.', '')})")
         if decision.kept_module is not None:
             # A kept module runs its compute in fp32; views and in-place ops keep their inputs,
             # since a cast copy would break aliasing (a mutation would land on the copy).
