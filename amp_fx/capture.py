@@ -14,11 +14,11 @@ claim reproduces what the dispatcher does under autocast: ``linear`` stays ``lin
 Contract of :func:`capture`:
     input: a callable (usually Dynamo's ``GraphModule``) and fake example inputs;
     output: a ``GraphModule`` of ATen ``OpOverload`` calls, traced with eager autocast's dtypes
-    (see the comment in :func:`capture`) but holding no autocast cast, with ``meta["val"]`` on every node,
-    ``meta["nn_module_stack"]`` copied from Dynamo's nodes, and ``meta["amp_fx_leaf"] = True`` on
-    ``meta["amp_fx_autocast_dtype"]`` (the dtype eager autocast gives the value) on tensor nodes,
-    and ``meta["amp_fx_leaf"] = True`` on placeholders whose tensor is an fp32-capable leaf that requires grad (eager autocast's cast
-    cache applies to exactly those).
+    (see the comment in :func:`capture`) but holding no autocast cast. Every node has
+    ``meta["val"]``; op nodes keep ``meta["nn_module_stack"]`` from Dynamo's nodes; tensor nodes
+    have ``meta["amp_fx_autocast_dtype"]`` (the dtype eager autocast gives the value); and
+    placeholders have ``meta["amp_fx_leaf"]``, True where the tensor is a leaf that requires grad
+    (eager autocast's cast cache applies to exactly those).
 """
 
 from __future__ import annotations

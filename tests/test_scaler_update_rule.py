@@ -84,7 +84,9 @@ def run_op(s: State, found_inf: float, r: Rule) -> State:
 
 
 def same_state(a: State, b: State) -> bool:
-    bits = lambda x: np.float32(x).view(np.int32)  # NaN-safe, -0.0-safe
+    def bits(x: float) -> np.ndarray:  # NaN-safe, -0.0-safe
+        return np.float32(x).view(np.int32)
+
     return bits(a.scale) == bits(b.scale) and (a.tracker, a.hyst) == (b.tracker, b.hyst)
 
 

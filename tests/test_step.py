@@ -71,7 +71,8 @@ def scalers(dtype: torch.dtype) -> tuple[GradScaler, torch.amp.GradScaler]:
         # respect, tests/test_scaler.py) is the reference here, in its eager host-sync mode.
         return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
                 GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
-    return GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED), torch.amp.GradScaler("cpu", growth_interval=3)
+    return (GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED),
+            torch.amp.GradScaler("cpu", growth_interval=3))
 
 
 def run(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],

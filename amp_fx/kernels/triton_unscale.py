@@ -54,8 +54,8 @@ def is_interpreted() -> bool:
 
     The interpreter runs the kernel on CPU tensors through numpy; ``triton.jit`` picks it when
     ``TRITON_INTERPRET=1`` is set as this module is imported (set it before importing triton:
-    triton reads parts of its configuration once). The kernel object's type is the record. An interpreted kernel cannot read
-    GPU memory, and a compiled one cannot read CPU memory.
+    triton reads parts of its configuration once). The kernel object's type is the record. An
+    interpreted kernel cannot read GPU memory, and a compiled one cannot read CPU memory.
     """
     return type(_unscale_check_kernel).__name__ == "InterpretedFunction"
 

@@ -22,9 +22,9 @@ if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _unscale_cases  # noqa: E402
 import torch  # noqa: E402
 
-import _unscale_cases  # noqa: E402
 from amp_fx.kernels import triton_unscale, unscale  # noqa: E402
 
 

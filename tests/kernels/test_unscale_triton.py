@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-
 from _unscale_cases import SMALL_BLOCK, SMALL_CHUNK, Case, all_cases
 from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close
+
 from amp_fx.kernels import triton_unscale
 
 _REPO = Path(__file__).resolve().parents[2]
