@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map
 
 from amp_fx.capture import module_stack
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import APPEND_DTYPE_REDISPATCH, CastClass, Decision, Policy, _op_from_name
+from amp_fx.policy import APPEND_DTYPE_REDISPATCH, DEFAULT_TABLES, CastClass, Decision, Policy, _op_from_name
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
 
@@ -215,6 +215,12 @@ class _Rewriter:
 
     def run(self) -> InsertRecord:
         region_nodes = []
+        # Values whose metadata differs from what capture recorded. Capture computed every value
+        # with eager autocast on, so only three kinds of node can change: ops eager autocast
+        # handles itself (its kernel cast internally, the policy may not), ops this pass rewrote,
+        # and their dependents. Re-propagating only those saves most of the fake-tensor work.
+        eager_table = DEFAULT_TABLES.get(self.device_type, {})
+        changed: set[torch.fx.Node] = set()
         for node in list(self.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -226,12 +232,19 @@ class _Rewriter:
                 self.exit_region()
                 region_nodes.append(node)
                 continue
+            call = (node.target, node.args, dict(node.kwargs))
             if isinstance(node.target, torch._ops.OpOverload):
                 decision = self.decide(node)
                 node.meta["amp_fx_decision"] = decision
                 self.record.ops_by_class[decision.cast_class.value] += 1
                 self.apply(node, decision)
-            self.refresh_val(node)
+            rewritten = call != (node.target, node.args, dict(node.kwargs))
+            autocast_op = isinstance(call[0], torch._ops.OpOverload) and call[0].name() in eager_table
+            if rewritten or autocast_op or any(a in changed for a in node.all_input_nodes):
+                before = node.meta.get("val")
+                self.refresh_val(node)
+                if not _same_meta(before, node.meta["val"]):
+                    changed.add(node)
         # The regions' casts are explicit now; left in, the downstream backend would apply
         # autocast inside them a second time.
         for node in reversed(region_nodes):
@@ -261,6 +274,15 @@ class _Rewriter:
                 return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is",
                                 kept_module=decision.kept_module)
         return decision
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    """Same dtype, shape and strides for every tensor in two (possibly nested) values."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor)
 
 
 def _map_nodes(fn: Any, a: Any) -> Any:
