@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,13 +22,18 @@ __all__ = ["compile", "AmpCompiledModule", "records"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _device_type_of(values: Any) -> str:
-    tensors = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
-    return "cuda" if any(t.is_cuda for t in tensors) else "cpu"
+def _module_device_type(module: torch.nn.Module) -> str:
+    """The device type of the module's first parameter (or buffer); cpu if it has none.
+
+    Only the first: walking every submodule on each call costs more than the call itself for
+    small models, and a module split across cpu and cuda is not something autocast handles.
+    """
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return "cuda" if first is not None and first.is_cuda else "cpu"
 
 
-def _amp_call(target: Callable[..., Any], backend: AmpBackend, compile_kwargs: dict[str, Any],
-              device_type: Callable[[tuple[Any, ...], dict[str, Any]], str]) -> Callable[..., Any]:
+def _amp_call(target: Callable[..., Any], backend: AmpBackend,
+              compile_kwargs: dict[str, Any]) -> Callable[..., Any]:
     """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
 
     The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
@@ -44,15 +50,21 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend, compile_kwargs: d
     compiled_by_leaves: dict[tuple[bool, ...], Callable[..., Any]] = {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        leaves = tuple(is_cacheable_leaf(t) for t in tree_flatten((args, kwargs))[0]
-                       if isinstance(t, torch.Tensor))
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves = tuple(is_cacheable_leaf(t) for t in tensors)
+        if any(t.is_cuda for t in tensors):
+            device_type = "cuda"
+        elif isinstance(target, torch.nn.Module):
+            device_type = _module_device_type(target)
+        else:
+            device_type = "cpu"
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
             compiled = compiled_by_leaves[leaves] = torch.compile(target, backend=sibling,
                                                                   **compile_kwargs)
         try:
-            with torch.autocast(device_type(args, kwargs), dtype=backend.dtype):
+            with torch.autocast(device_type, dtype=backend.dtype):
                 return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
@@ -80,9 +92,7 @@ class AmpCompiledModule(torch.nn.Module):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
-        self.__dict__["_amp_fx_forward"] = _amp_call(
-            module, backend, compile_kwargs, lambda args, kwargs: _device_type_of(
-                (args, kwargs, list(module.parameters()), list(module.buffers()))))
+        self.__dict__["_amp_fx_forward"] = _amp_call(module, backend, compile_kwargs)
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -173,8 +183,7 @@ def compile(
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
-    compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs,
-                         lambda args, kwargs: _device_type_of((args, kwargs)))
+    compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
