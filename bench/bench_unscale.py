@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+from _common import percentile  # bench/ is sys.path[0] when run as a script
 from tabulate import tabulate
 
 from amp_fx.kernels import unscale_check_, unscale_check_norm_
@@ -33,14 +34,6 @@ from amp_fx.kernels.reference import reference_unscale_check_, torch_unscale_the
 _BYTES_PER_ELEMENT = 8  # fp32 read + write
 _TARGET_CHECK = 0.95  # issue: unscale+check at >= 0.95 of the _foreach_mul_ ceiling
 _TARGET_NORM_SPEEDUP = 1.8  # issue: unscale+check+norm >= 1.8x torch unscale_ + clip_grad_norm_
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def main() -> None:
@@ -93,9 +86,9 @@ def main() -> None:
             [
                 name,
                 f"{statistics.median(ts) * 1e3:.1f}",
-                f"{_percentile(gbps, 0.1):.1f}",
-                f"{_percentile(gbps, 0.5):.1f}",
-                f"{_percentile(gbps, 0.9):.1f}",
+                f"{percentile(gbps, 0.1):.1f}",
+                f"{percentile(gbps, 0.5):.1f}",
+                f"{percentile(gbps, 0.9):.1f}",
                 f"{ceiling / statistics.median(ts):.2f}",
             ]
         )
