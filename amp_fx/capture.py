@@ -24,6 +24,7 @@ Contract of :func:`capture`:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
@@ -109,6 +110,34 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     return table
 
 
+_AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
+
+
+class _InliningInterpreter(torch.fx.Interpreter):
+    """Runs Dynamo's graph, inlining activation-checkpointed regions.
+
+    Pre-dispatch tracing of ``tag_activation_checkpoint`` would keep the region as a subgraph the
+    passes cannot see into (and, in torch 2.13, fails outright for plain checkpointing). Inlined,
+    its ops are cast like any other; their nodes carry ``meta["recompute"]`` and
+    ``meta["ac_graph_id"]``, the tags AOTAutograd's partitioner reads to recompute them in the
+    backward instead of saving them, which is what the higher-order op itself would produce.
+    A selective-checkpointing policy (``context_fn``) is not reproduced: the whole region is
+    marked PREFER_RECOMPUTE (same values, possibly more recomputation).
+    """
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.higher_order.tag_activation_checkpoint:
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            body, *inputs = args
+            graph_id = next(_AC_GRAPH_IDS)
+            for node in body.graph.nodes:
+                node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+                node.meta["ac_graph_id"] = graph_id
+            return _InliningInterpreter(body).run(*inputs)
+        return super().call_function(target, args, kwargs)
+
+
 @contextlib.contextmanager
 def eager_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     """Turn on eager autocast's kernels for ``device_type``, fake CUDA tensors included.
@@ -145,7 +174,7 @@ def capture(
     def run(*args: Any) -> Any:
         if isinstance(fn, torch.fx.GraphModule):
             with fx_traceback.preserve_node_meta():
-                return torch.fx.Interpreter(fn).run(*args)
+                return _InliningInterpreter(fn).run(*args)
         return fn(*args)
 
     # Ops are recorded at PreDispatch, above the Autocast key, so no cast lands in the graph;

@@ -1,0 +1,65 @@
+"""capture: what the pre-dispatch graph holds for constructs Dynamo leaves in its graph."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+import amp_fx
+from amp_fx.capture import module_path
+
+
+class Checkpointed(nn.Module):
+    """An activation-checkpointed block and a no_grad region sharing a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: self.b(self.a(t).relu()), x, use_reentrant=False)
+        with torch.no_grad():
+            side = self.a(x).sum()
+        return h * 2 + side
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_checkpointed_region_is_cast_and_bitwise(dtype):
+    torch.manual_seed(0)
+    model, x = Checkpointed(), torch.randn(4, 8)
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast("cpu", dtype):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    out = compiled(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+
+    (record,) = compiled.amp_fx_records
+    linears = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
+    in_region = [n for n in linears if "recompute" in n.meta]
+    # The two linears of the checkpointed block are inlined, cast, and tagged for recomputation;
+    # the no_grad linear is not in the region.
+    assert len(linears) == 3 and len(in_region) == 2
+    assert all(n.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE for n in in_region)
+    assert len({n.meta["ac_graph_id"] for n in in_region}) == 1
+    assert all(n.args[1].meta["val"].dtype == dtype for n in linears)
+
+
+@pytest.mark.parametrize("source,path", [
+    ("L['self'].fc", "fc"),
+    ("L['self'].layers[0].attn", "layers.0.attn"),
+    ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
+    ("getattr(L['self'].layers, '2')", "layers.2"),
+    ("L['model'].head", "head"),
+])
+def test_module_path_normalises_dynamo_sources(source, path):
+    assert module_path(source) == path
