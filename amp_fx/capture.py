@@ -33,9 +33,14 @@ from typing import Any
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.proxy_tensor import (
+    disable_proxy_modes_tracing,
+    get_proxy_mode,
+    make_fx,
+    track_tensor_tree,
+)
 from torch.utils._python_dispatch import autograd_would_have_decomposed
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
@@ -113,6 +118,34 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
 
 
+def autocast_function_apply(device_type: str, dtype: torch.dtype, fwd: torch.fx.GraphModule,
+                            bwd: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """A custom ``torch.autograd.Function`` as Dynamo captured it, run under eager autocast.
+
+    In eager, the ops of a Function's forward are autocast like any other op, and its backward
+    runs as written. Kept whole in the graph (the passes do not see into it), the Function keeps
+    its backward, and this wrapper gives its forward eager autocast's casts when the downstream
+    backend traces or runs it.
+    """
+    with eager_autocast(device_type, dtype):
+        return torch.ops.higher_order.autograd_function_apply(fwd, bwd, *args, **kwargs)
+
+
+def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record ``fn(*args, **kwargs)`` as one node of the graph being traced, without tracing into
+    it; its example outputs are computed with tracing off."""
+    tracer = get_proxy_mode().tracer
+    with disable_proxy_modes_tracing():
+        example_out = fn(*args, **kwargs)
+    for a in args:
+        if isinstance(a, torch.nn.Module):
+            tracer.root.register_module(tracer.get_fresh_qualname("amp_fx_body"), a)
+    proxy_args = tree_map(tracer.unwrap_proxy, args)
+    proxy_kwargs = tree_map(tracer.unwrap_proxy, kwargs)
+    out_proxy = tracer.create_proxy("call_function", fn, proxy_args, proxy_kwargs)
+    return track_tensor_tree(example_out, out_proxy, constant=None, tracer=tracer)
+
+
 class _InliningInterpreter(torch.fx.Interpreter):
     """Runs Dynamo's graph, inlining activation-checkpointed regions.
 
@@ -123,7 +156,16 @@ class _InliningInterpreter(torch.fx.Interpreter):
     backward instead of saving them, which is what the higher-order op itself would produce.
     A selective-checkpointing policy (``context_fn``) is not reproduced: the whole region is
     marked PREFER_RECOMPUTE (same values, possibly more recomputation).
+
+    Custom ``torch.autograd.Function``s are the opposite case: pre-dispatch tracing would record
+    only their forward, under no_grad, and silently drop their backward. They are kept whole, as
+    :func:`autocast_function_apply` nodes.
     """
+
+    def __init__(self, gm: torch.fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__(gm)
+        self.device_type = device_type
+        self.dtype = dtype
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.higher_order.tag_activation_checkpoint:
@@ -134,7 +176,9 @@ class _InliningInterpreter(torch.fx.Interpreter):
             for node in body.graph.nodes:
                 node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 node.meta["ac_graph_id"] = graph_id
-            return _InliningInterpreter(body).run(*inputs)
+            return _InliningInterpreter(body, self.device_type, self.dtype).run(*inputs)
+        if target is torch.ops.higher_order.autograd_function_apply:
+            return _record_opaque(autocast_function_apply, (self.device_type, self.dtype, *args), kwargs)
         return super().call_function(target, args, kwargs)
 
 
@@ -174,7 +218,7 @@ def capture(
     def run(*args: Any) -> Any:
         if isinstance(fn, torch.fx.GraphModule):
             with fx_traceback.preserve_node_meta():
-                return _InliningInterpreter(fn).run(*args)
+                return _InliningInterpreter(fn, device_type, dtype).run(*args)
         return fn(*args)
 
     # Ops are recorded at PreDispatch, above the Autocast key, so no cast lands in the graph;

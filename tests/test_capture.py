@@ -63,3 +63,47 @@ def test_checkpointed_region_is_cast_and_bitwise(dtype):
 ])
 def test_module_path_normalises_dynamo_sources(source, path):
     assert module_path(source) == path
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    """A custom Function with an autocast op (mm) in its forward and a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w) * 0.5
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors  # x may be low precision: the backward computes in fp32
+        return torch.mm(grad.float(), w.t()) * 0.5, torch.mm(x.t().float(), grad.float()) * 0.5
+
+
+class WithFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledMatmul.apply(self.a(x), self.w).relu()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_custom_autograd_function_keeps_its_backward_and_is_bitwise(dtype):
+    # Pre-dispatch tracing alone records a Function's forward under no_grad and drops its
+    # backward: gradients of everything before it would silently be None.
+    torch.manual_seed(0)
+    model, x = WithFunction(), torch.randn(4, 8)
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast("cpu", dtype):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    out = compiled(x)
+    out.float().sum().backward()
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)

@@ -187,10 +187,16 @@ class _Rewriter:
         node.kwargs = {"dtype": out}
         self.record.dtype_args_set += 1
 
+    def value(self, arg: Any) -> Any:
+        """An argument's run-time stand-in: its fake value, or the submodule a get_attr names."""
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
+            return getattr(self.gm, arg.target)
+        return _val(arg)
+
     def refresh_val(self, node: torch.fx.Node) -> None:
         """Recompute meta["val"] from the (possibly recast) inputs, as the op will run."""
-        args = tree_map(_val, node.args)
-        kwargs = tree_map(_val, node.kwargs)
+        args = tree_map(self.value, node.args)
+        kwargs = tree_map(self.value, node.kwargs)
         with self.fake_mode:
             node.meta["val"] = val = node.target(*args, **kwargs)
         expected = node.meta.get("amp_fx_autocast_dtype")
