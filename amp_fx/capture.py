@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
@@ -45,7 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
 
-__all__ = ["capture", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
+log = logging.getLogger("amp_fx")
+
+__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -118,17 +121,18 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
 
 
-def autocast_function_apply(device_type: str, dtype: torch.dtype, fwd: torch.fx.GraphModule,
-                            bwd: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """A custom ``torch.autograd.Function`` as Dynamo captured it, run under eager autocast.
+def autocast_hop(device_type: str, dtype: torch.dtype, name: str, *args: Any, **kwargs: Any) -> Any:
+    """A higher-order op of Dynamo's graph (``torch.ops.higher_order.<name>``), run under eager
+    autocast.
 
-    In eager, the ops of a Function's forward are autocast like any other op, and its backward
-    runs as written. Kept whole in the graph (the passes do not see into it), the Function keeps
-    its backward, and this wrapper gives its forward eager autocast's casts when the downstream
+    The main case is a custom ``torch.autograd.Function`` (``autograd_function_apply``): in eager,
+    the ops of its forward are autocast like any other op, and its backward runs as written. Kept
+    whole in the graph (the passes do not see into it), the op keeps its semantics, backward
+    included, and this wrapper gives the ops inside it eager autocast's casts when the downstream
     backend traces or runs it.
     """
     with eager_autocast(device_type, dtype):
-        return torch.ops.higher_order.autograd_function_apply(fwd, bwd, *args, **kwargs)
+        return getattr(torch.ops.higher_order, name)(*args, **kwargs)
 
 
 def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -157,9 +161,9 @@ class _InliningInterpreter(torch.fx.Interpreter):
     A selective-checkpointing policy (``context_fn``) is not reproduced: the whole region is
     marked PREFER_RECOMPUTE (same values, possibly more recomputation).
 
-    Custom ``torch.autograd.Function``s are the opposite case: pre-dispatch tracing would record
-    only their forward, under no_grad, and silently drop their backward. They are kept whole, as
-    :func:`autocast_function_apply` nodes.
+    Other higher-order ops are kept whole, as :func:`autocast_hop` nodes. Custom
+    ``torch.autograd.Function``s must be: pre-dispatch tracing would record only their forward,
+    under no_grad, and silently drop their backward.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
@@ -177,8 +181,10 @@ class _InliningInterpreter(torch.fx.Interpreter):
                 node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
                 node.meta["ac_graph_id"] = graph_id
             return _InliningInterpreter(body, self.device_type, self.dtype).run(*inputs)
-        if target is torch.ops.higher_order.autograd_function_apply:
-            return _record_opaque(autocast_function_apply, (self.device_type, self.dtype, *args), kwargs)
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            log.info("amp_fx: %s stays whole; its ops are cast by eager autocast", target.name())
+            return _record_opaque(autocast_hop, (self.device_type, self.dtype, target.name(), *args),
+                                  kwargs)
         return super().call_function(target, args, kwargs)
 
 

@@ -107,3 +107,37 @@ def test_custom_autograd_function_keeps_its_backward_and_is_bitwise(dtype):
     for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+
+
+class WithCond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return torch.cond(h.sum() > 0, lambda t: self.b(t), lambda t: t.exp(), (h,))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_other_higher_order_ops_run_under_eager_autocast(sign):
+    # torch.cond stays whole in the graph; the ops of the branch taken are cast by eager
+    # autocast itself, so the result is eager autocast's, backward included.
+    torch.manual_seed(0)
+    model, x = WithCond(), torch.randn(4, 8) * sign
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype="bf16", backend="aot_eager")
+    out = compiled(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    (record,) = compiled.amp_fx_records
+    assert any(n.target is amp_fx.capture.autocast_hop for n in record.rewritten.graph.nodes)
