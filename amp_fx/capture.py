@@ -52,11 +52,21 @@ __all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "mo
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """Run ``op``'s C++ CompositeImplicitAutograd kernel, as eager autograd would.
+
+    Not ``op.decompose``: that prefers a Python kernel registered for the key where there is one
+    (torch/_decomp registers several for export), and those can differ from what eager runs.
+    ``aten.dropout``'s Python kernel calls ``native_dropout``, whose backward scales the
+    gradient by 1/(1-p) in fp32, while eager's C++ kernel multiplies by a mask that holds
+    1/(1-p) rounded to the activation's dtype: bf16 gradients then differ.
+    """
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+
     def decomp(*args: Any, **kwargs: Any) -> Any:
         flat, _ = tree_flatten((args, kwargs))
         if not autograd_would_have_decomposed(op, flat):
             return NotImplemented
-        return op.decompose(*args, **kwargs)
+        return op._op_dk(key, *args, **kwargs)
 
     return decomp
 

@@ -141,3 +141,37 @@ def test_other_higher_order_ops_run_under_eager_autocast(sign):
             torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
     (record,) = compiled.amp_fx_records
     assert any(n.target is amp_fx.capture.autocast_hop for n in record.rewritten.graph.nodes)
+
+
+class WithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(self.a(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_decomposes_as_eager_does(dtype):
+    # torch registers a Python kernel for dropout's CompositeImplicitAutograd key that calls
+    # native_dropout, whose backward scales by 1/(1-p) in fp32; eager's C++ kernel multiplies by
+    # a mask holding 1/(1-p) rounded to bf16/fp16. capture must follow the C++ kernel.
+    torch.manual_seed(0)
+    model, x = WithDropout(), torch.randn(4, 16)
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    torch.manual_seed(1)
+    out = compiled(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    (record,) = compiled.amp_fx_records
+    assert torch.ops.aten.native_dropout.default not in {n.target for n in record.rewritten.graph.nodes}
