@@ -12,6 +12,7 @@ import copy
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 import torch.fx
 from tabulate import tabulate
-from torch._guards import detect_fake_mode
+from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from amp_fx.capture import capture, is_cacheable_leaf
+from amp_fx.capture import capture, is_cacheable_leaf, module_path
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.policy import Policy
@@ -101,6 +102,8 @@ class AmpBackend:
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         self._downstream = _downstream(backend, inductor_config or {})
         self.records: list[GraphRecord] = []
+        # id(leaf tensor) -> (weakref to it, Dynamo frame ids whose graphs cast it with the cache)
+        self._cached_leaf_frames: dict[int, tuple[weakref.ref[torch.Tensor], set[int]]] = {}
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
@@ -151,6 +154,7 @@ class AmpBackend:
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
+            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs)
             compiled = self._downstream(record.rewritten, example_inputs)
 
         def run_without_autocast(*args: Any) -> Any:
@@ -159,6 +163,44 @@ class AmpBackend:
 
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run_without_autocast
+
+
+    def _warn_on_leaf_casts_split_by_graph_breaks(
+        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> None:
+        """Warn once per weight whose uses a graph break splits (see README, Known differences).
+
+        Eager autocast casts such a weight once per forward and its uses' gradients add up in the
+        low dtype; each graph here casts it itself, so they add up in fp32. Recompiles of one
+        frame are not a split: graphs are told apart by Dynamo's frame id.
+        """
+        compile_id = CompileContext.current_compile_id()
+        frame = compile_id.frame_id if compile_id is not None else record.index
+        ours = [n for n in record.rewritten.graph.nodes if n.op == "placeholder"]
+        theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        position = {n: i for i, n in enumerate(ours)}
+        for node in record.rewritten.graph.nodes:
+            if not node.meta.get("amp_fx_cached") or node.args[0] not in position:
+                continue
+            i = position[node.args[0]]
+            tensor = example_inputs[i]
+            ref, frames = self._cached_leaf_frames.get(id(tensor), (None, set()))
+            if ref is None or ref() is not tensor:
+                ref, frames = weakref.ref(tensor), set()
+                self._cached_leaf_frames[id(tensor)] = (ref, frames)
+            seen = len(frames)
+            frames.add(frame)
+            if seen == 1 and len(frames) == 2:
+                source = getattr(theirs[i], "_dynamo_source", None)
+                text = getattr(source, "name", None)
+                text = text() if callable(text) else text
+                name = ".".join(p for p in module_path(text).split(".")
+                                if p not in ("_parameters", "_buffers")) if text else theirs[i].name
+                log.warning(
+                    "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
+                    "itself, so its gradient contributions add up in fp32 where eager autocast adds "
+                    "them in %s (more accurate, not bitwise)", name,
+                    str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -175,3 +175,29 @@ def test_dropout_decomposes_as_eager_does(dtype):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
     (record,) = compiled.amp_fx_records
     assert torch.ops.aten.native_dropout.default not in {n.target for n in record.rewritten.graph.nodes}
+
+
+class _SplitByBreak(nn.Module):
+    def __init__(self, reuse: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.other = nn.Linear(4, 4)
+        self.reuse = reuse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        torch._dynamo.graph_break()
+        return (self.fc if self.reuse else self.other)(y)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_weight_split_by_a_graph_break_is_reported_once(reuse, caplog):
+    compiled = amp_fx.compile(_SplitByBreak(reuse), backend="aot_eager")
+    with caplog.at_level("WARNING", logger="amp_fx"):
+        for batch in (2, 3, 5):  # recompiles of the same frames are not splits
+            compiled(torch.randn(batch, 4))
+    warned = [r.getMessage() for r in caplog.records if "both sides of a graph break" in r.getMessage()]
+    if reuse:
+        assert sorted(m.split()[1] for m in warned) == ["fc.bias", "fc.weight"]
+    else:
+        assert warned == []
