@@ -8,12 +8,13 @@ a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from amp_fx.capture import capture, is_cacheable_leaf, module_path
+from amp_fx.errors import AmpFxError
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.policy import Policy
@@ -126,21 +128,24 @@ class AmpBackend:
         device_type = graph_device_type(fake_args)
         timings: dict[str, float] = {}
 
+        index = len(self.records)
         t0 = time.perf_counter()
-        with fake_mode:
+        with fake_mode, _naming_failures("capture", index):
             captured = capture(gm, fake_args, policy=self.policy, device_type=device_type,
                                dtype=self.dtype, leaf_flags=leaf_flags)
         before = _copy_graph_module(captured)
         t1 = time.perf_counter()
-        rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,
-                                           dtype=self.dtype, fake_mode=fake_mode)
+        with _naming_failures("insert_casts", index):
+            rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,
+                                               dtype=self.dtype, fake_mode=fake_mode)
         t2 = time.perf_counter()
         folded = FoldRecord()
         if self.fold:
-            rewritten, folded = fold_casts(rewritten)
+            with _naming_failures("fold_casts", index):
+                rewritten, folded = fold_casts(rewritten)
         t3 = time.perf_counter()
         timings.update(capture=t1 - t0, insert_casts=t2 - t1, fold_casts=t3 - t2)
-        record = GraphRecord(index=len(self.records), device_type=device_type, dtype=self.dtype,
+        record = GraphRecord(index=index, device_type=device_type, dtype=self.dtype,
                              dynamo_graph=gm, captured=before, rewritten=rewritten,
                              inserted=inserted, folded=folded, pass_seconds=timings)
         log.debug("amp_fx graph %d:\n%s", record.index, record)
@@ -201,6 +206,20 @@ class AmpBackend:
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
                     "them in %s (more accurate, not bitwise)", name,
                     str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+
+
+@contextlib.contextmanager
+def _naming_failures(stage: str, index: int) -> Iterator[None]:
+    """Name the stage (and the passes before it) when one fails with an unexpected error."""
+    stages = ["capture", "insert_casts", "fold_casts"]
+    try:
+        yield
+    except AmpFxError:
+        raise
+    except Exception as e:
+        done = ", ".join(stages[: stages.index(stage)]) or "none"
+        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {done}): "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

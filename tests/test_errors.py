@@ -35,3 +35,16 @@ def test_policy_of_the_wrong_type():
 def test_inductor_mode_with_another_backend():
     with pytest.raises(ValueError, match="mode= and options= configure inductor"):
         amp_fx.compile(lambda x: x, backend="aot_eager", mode="max-autotune")
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
+    from amp_fx.passes import fold_casts
+
+    def broken(node):
+        raise KeyError("planted")
+
+    monkeypatch.setitem(fold_casts.RULES, "noop_cast", broken)
+    model = amp_fx.compile(torch.nn.Linear(4, 4), backend="aot_eager")
+    with pytest.raises(amp_fx.AmpFxError, match=r"fold_casts failed on graph 0 \(passes run before it: "
+                                                 r"capture, insert_casts\): KeyError: 'planted'"):
+        model(torch.randn(2, 4))

@@ -238,19 +238,13 @@ class _Rewriter:
                 self.exit_region()
                 region_nodes.append(node)
                 continue
-            call = (node.target, node.args, dict(node.kwargs))
-            if isinstance(node.target, torch._ops.OpOverload):
-                decision = self.decide(node)
-                node.meta["amp_fx_decision"] = decision
-                self.record.ops_by_class[decision.cast_class.value] += 1
-                self.apply(node, decision)
-            rewritten = call != (node.target, node.args, dict(node.kwargs))
-            autocast_op = isinstance(call[0], torch._ops.OpOverload) and call[0].name() in eager_table
-            if rewritten or autocast_op or any(a in changed for a in node.all_input_nodes):
-                before = node.meta.get("val")
-                self.refresh_val(node)
-                if not _same_meta(before, node.meta["val"]):
-                    changed.add(node)
+            try:
+                self.visit(node, eager_table, changed)
+            except AmpFxError:
+                raise
+            except Exception as e:
+                raise AmpFxError(f"amp_fx: insert_casts failed on {node.format_node()} "
+                                 f"({type(e).__name__}: {e})") from e
         # The regions' casts are explicit now; left in, the downstream backend would apply
         # autocast inside them a second time.
         for node in reversed(region_nodes):
@@ -258,6 +252,22 @@ class _Rewriter:
         self.graph.lint()
         self.gm.recompile()
         return self.record
+
+    def visit(self, node: torch.fx.Node, eager_table: Any, changed: set[torch.fx.Node]) -> None:
+        """Decide and apply one op's casts; re-propagate its value if it can have changed."""
+        call = (node.target, node.args, dict(node.kwargs))
+        if isinstance(node.target, torch._ops.OpOverload):
+            decision = self.decide(node)
+            node.meta["amp_fx_decision"] = decision
+            self.record.ops_by_class[decision.cast_class.value] += 1
+            self.apply(node, decision)
+        rewritten = call != (node.target, node.args, dict(node.kwargs))
+        autocast_op = isinstance(call[0], torch._ops.OpOverload) and call[0].name() in eager_table
+        if rewritten or autocast_op or any(a in changed for a in node.all_input_nodes):
+            before = node.meta.get("val")
+            self.refresh_val(node)
+            if not _same_meta(before, node.meta["val"]):
+                changed.add(node)
 
     def decide(self, node: torch.fx.Node) -> Decision:
         op = node.target
