@@ -21,6 +21,15 @@ of in ``b`` (e.g. in bf16 instead of fp32), which changes the gradient. The same
 duplicate casts of one tensor apart (no CSE): eager autocast casts activations once per use.
 
 Folded casts are recorded on the surviving node as ``meta["amp_fx_folded"]`` (rule names).
+
+Example:
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> cast = torch.ops.aten._to_copy.default
+    >>> f = lambda x: cast(cast(x * 2, dtype=torch.float32), dtype=torch.bfloat16) + 1
+    >>> gm, record = fold_casts(make_fx(f)(torch.ones(3, dtype=torch.bfloat16)))
+    >>> dict(record.by_rule)
+    {'exact_round_trip': 1}
 """
 
 from __future__ import annotations

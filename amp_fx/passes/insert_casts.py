@@ -22,6 +22,21 @@ Guarantees:
       that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``; values whose
       dtype differs from the one eager autocast gives them are listed in the record;
     * the graph lints.
+
+Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
+    >>> import torch
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> from amp_fx.capture import capture
+    >>> from amp_fx.policy import Policy
+    >>> with FakeTensorMode() as mode:
+    ...     x, w = torch.empty(2, 4), torch.empty(3, 4)
+    ...     gm = capture(torch.nn.functional.linear, [x, w], policy=Policy(), device_type="cpu",
+    ...                  dtype=torch.bfloat16, leaf_flags=[False, False])
+    ...     gm, record = insert_casts(gm, policy=Policy(), device_type="cpu",
+    ...                               dtype=torch.bfloat16, fake_mode=mode)
+    >>> linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    >>> record.casts_inserted, linear.meta["val"].dtype, linear.meta["amp_fx_decision"].reason
+    (2, torch.bfloat16, 'lower precision fp: aten.linear (default cpu table)')
 """
 
 from __future__ import annotations
