@@ -125,7 +125,28 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
         except (AttributeError, RuntimeError):
             continue
         table[op] = _decompose_like_autograd(op)
+    if torch.ops.aten.dropout.default in table:
+        table[torch.ops.aten.dropout.default] = _dropout_like_eager
     return table
+
+
+def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten.dropout`` with eager's values and gradients, and a mask that survives tracing.
+
+    On CPU, eager's C++ kernel draws ``noise = empty_like(input).bernoulli_(1 - p)``, divides it
+    by ``1 - p`` in the input's dtype and returns ``input * noise``. Recorded as is, AOTAutograd
+    functionalises ``bernoulli_`` into ``bernoulli``, whose CPU kernel draws a different mask
+    when ``input`` is not contiguous (it is, after attention's transposes). ``native_dropout``
+    draws the same mask as eager's ``bernoulli_`` and is traced as one op; taking only its mask
+    keeps eager's arithmetic, so the gradient is ``grad * noise`` in the input's dtype, as in eager.
+    Devices where eager itself calls ``native_dropout`` (CUDA) and the degenerate cases take the
+    C++ kernel.
+    """
+    if input.device.type != "cpu" or not train or not 0 < p < 1 or input.numel() == 0:
+        return _decompose_like_autograd(torch.ops.aten.dropout.default)(input, p, train)
+    mask = torch.ops.aten.native_dropout.default(input, p, True)[1]
+    noise = mask.to(input.dtype).div_(1 - p)
+    return input * noise
 
 
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out

@@ -156,9 +156,9 @@ class WithDropout(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dropout_decomposes_as_eager_does(dtype):
-    # torch registers a Python kernel for dropout's CompositeImplicitAutograd key that calls
-    # native_dropout, whose backward scales by 1/(1-p) in fp32; eager's C++ kernel multiplies by
-    # a mask holding 1/(1-p) rounded to bf16/fp16. capture must follow the C++ kernel.
+    # torch registers a Python kernel for dropout's CompositeImplicitAutograd key that returns
+    # native_dropout's output, whose backward scales by 1/(1-p) in fp32; eager's C++ kernel
+    # multiplies by a mask holding 1/(1-p) rounded to bf16/fp16. capture must follow eager.
     torch.manual_seed(0)
     model, x = WithDropout(), torch.randn(4, 16)
     eager, ours = copy.deepcopy(model), copy.deepcopy(model)
@@ -173,8 +173,12 @@ def test_dropout_decomposes_as_eager_does(dtype):
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    # Only native_dropout's mask is used: the gradient flows through eager's multiply by the
+    # low-precision noise, not through native_dropout's fp32-scaled backward.
     (record,) = compiled.amp_fx_records
-    assert torch.ops.aten.native_dropout.default not in {n.target for n in record.rewritten.graph.nodes}
+    dropouts = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    assert len(dropouts) == 1
+    assert [u.args[1] for u in dropouts[0].users if u.users] == [1]
 
 
 class _SplitByBreak(nn.Module):
@@ -201,3 +205,24 @@ def test_weight_split_by_a_graph_break_is_reported_once(reuse, caplog):
         assert sorted(m.split()[1] for m in warned) == ["fc.bias", "fc.weight"]
     else:
         assert warned == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_transformer_layer_with_dropout_trains_bitwise(dtype):
+    # Three dropouts, one on a non-contiguous input (the attention output), plus attention
+    # dropout inside SDPA: masks, outputs and every gradient equal eager autocast's.
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+    x = torch.randn(2, 8, 32)
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    torch.manual_seed(1)
+    out = compiled(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
