@@ -11,6 +11,11 @@ above both, and a decomposition table that expands exactly the composite ops the
 claim reproduces what the dispatcher does under autocast: ``linear`` stays ``linear``,
 ``einsum`` becomes ``bmm``, ``layer_norm`` on CPU becomes ``native_layer_norm``.
 
+Three constructs need more than that, each explained where it is handled: activation-checkpointed
+regions are inlined and tagged for recomputation, other higher-order ops (custom
+``autograd.Function``s, ``torch.cond``) stay whole and run under eager autocast, and CPU dropout
+takes its mask from ``native_dropout`` so the mask survives AOTAutograd's functionalisation.
+
 Contract of :func:`capture`:
     input: a callable (usually Dynamo's ``GraphModule``) and fake example inputs;
     output: a ``GraphModule`` of ATen ``OpOverload`` calls, traced with eager autocast's dtypes
