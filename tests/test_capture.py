@@ -13,6 +13,30 @@ import amp_fx
 from amp_fx.capture import module_path
 
 
+def _train_step_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype):
+    """One forward+backward of eager autocast and of amp_fx (aot_eager) on copies of ``model``,
+    from the same RNG state; asserts outputs and every gradient bitwise equal; returns the
+    compiled module."""
+    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype):
+        ref = eager(x)
+    ref.float().sum().backward()
+    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    torch.manual_seed(1)
+    out = compiled(x)
+    out.float().sum().backward()
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    return compiled
+
+
 class Checkpointed(nn.Module):
     """An activation-checkpointed block and a no_grad region sharing a weight."""
 
@@ -31,18 +55,7 @@ class Checkpointed(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_checkpointed_region_is_cast_and_bitwise(dtype):
     torch.manual_seed(0)
-    model, x = Checkpointed(), torch.randn(4, 8)
-    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    with torch.autocast("cpu", dtype):
-        ref = eager(x)
-    ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
-    out = compiled(x)
-    out.float().sum().backward()
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
-
+    compiled = _train_step_against_eager(Checkpointed(), torch.randn(4, 8), dtype)
     (record,) = compiled.amp_fx_records
     linears = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
     in_region = [n for n in linears if "recompute" in n.meta]
@@ -94,19 +107,7 @@ def test_custom_autograd_function_keeps_its_backward_and_is_bitwise(dtype):
     # Pre-dispatch tracing alone records a Function's forward under no_grad and drops its
     # backward: gradients of everything before it would silently be None.
     torch.manual_seed(0)
-    model, x = WithFunction(), torch.randn(4, 8)
-    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    with torch.autocast("cpu", dtype):
-        ref = eager(x)
-    ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
-    out = compiled(x)
-    out.float().sum().backward()
-    assert out.dtype == ref.dtype
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
-        assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    _train_step_against_eager(WithFunction(), torch.randn(4, 8), dtype)
 
 
 class WithCond(nn.Module):
@@ -125,20 +126,7 @@ def test_other_higher_order_ops_run_under_eager_autocast(sign):
     # torch.cond stays whole in the graph; the ops of the branch taken are cast by eager
     # autocast itself, so the result is eager autocast's, backward included.
     torch.manual_seed(0)
-    model, x = WithCond(), torch.randn(4, 8) * sign
-    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    with torch.autocast("cpu", torch.bfloat16):
-        ref = eager(x)
-    ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype="bf16", backend="aot_eager")
-    out = compiled(x)
-    out.float().sum().backward()
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
-        if q.grad is None:
-            assert p.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    compiled = _train_step_against_eager(WithCond(), torch.randn(4, 8) * sign, torch.bfloat16)
     (record,) = compiled.amp_fx_records
     assert any(n.target is amp_fx.capture.autocast_hop for n in record.rewritten.graph.nodes)
 
@@ -160,19 +148,7 @@ def test_dropout_decomposes_as_eager_does(dtype):
     # native_dropout's output, whose backward scales by 1/(1-p) in fp32; eager's C++ kernel
     # multiplies by a mask holding 1/(1-p) rounded to bf16/fp16. capture must follow eager.
     torch.manual_seed(0)
-    model, x = WithDropout(), torch.randn(4, 16)
-    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    torch.manual_seed(1)
-    with torch.autocast("cpu", dtype):
-        ref = eager(x)
-    ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
-    torch.manual_seed(1)
-    out = compiled(x)
-    out.float().sum().backward()
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    compiled = _train_step_against_eager(WithDropout(), torch.randn(4, 16), dtype)
     # Only native_dropout's mask is used: the gradient flows through eager's multiply by the
     # low-precision noise, not through native_dropout's fp32-scaled backward.
     (record,) = compiled.amp_fx_records
@@ -213,16 +189,4 @@ def test_transformer_layer_with_dropout_trains_bitwise(dtype):
     # dropout inside SDPA: masks, outputs and every gradient equal eager autocast's.
     torch.manual_seed(0)
     model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-    x = torch.randn(2, 8, 32)
-    eager, ours = copy.deepcopy(model), copy.deepcopy(model)
-    torch.manual_seed(1)
-    with torch.autocast("cpu", dtype):
-        ref = eager(x)
-    ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
-    torch.manual_seed(1)
-    out = compiled(x)
-    out.float().sum().backward()
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+    _train_step_against_eager(model, torch.randn(2, 8, 32), dtype)
