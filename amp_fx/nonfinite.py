@@ -382,16 +382,23 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
                              "mixed-precision problem: the fp32 model fails here as well "
                              "(check the inputs, the initialisation, the learning rate)")
         return
-    new, code = _merge(policy, decider)
-    report.suggested_policy = new
-    report.suggestion_code = code
-    dp, _ = module_of(decider)
-    subject = f"module `{dp}`" if dp else f"op {op_label(decider)}"
+    subject, code = _suggest_keeping_in_fp32(report, policy, decider)
     via = ("" if decider is node
            else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
     checked = ("with its inputs in fp32 the op gives a finite output"
                if report.fp32_finite else "the op could not be re-run in fp32 to check")
     report.suggestion = f"keep {subject} in fp32{via}: {code}; {checked}"
+
+
+def _suggest_keeping_in_fp32(report: NonfiniteReport, policy: Policy,
+                             decider: torch.fx.Node) -> tuple[str, str]:
+    """Record the policy that keeps ``decider`` in fp32 on the report; return how to name what it
+    keeps (module or op) and the policy as code."""
+    new, code = _merge(policy, decider)
+    report.suggested_policy = new
+    report.suggestion_code = code
+    dp, _ = module_of(decider)
+    return (f"module `{dp}`" if dp else f"op {op_label(decider)}"), code
 
 
 def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Policy) -> None:
@@ -413,11 +420,7 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Pol
         report.suggestion = ("the gradient is non-finite in fp32 too: not a precision problem of "
                              "this op (check the loss and the loss scale)")
         return
-    new, code = _merge(policy, decider)
-    report.suggested_policy = new
-    report.suggestion_code = code
-    dp, _ = module_of(decider)
-    subject = f"module `{dp}`" if dp else f"op {op_label(decider)}"
+    subject, code = _suggest_keeping_in_fp32(report, policy, decider)
     report.suggestion = (f"keep {subject} in fp32 so this gradient is fp32: {code}; or lower the "
                          "loss scale (with a GradScaler an occasional inf gradient is expected: "
                          "the step is skipped and the scale backs off; worry only when it recurs)")
