@@ -1,0 +1,64 @@
+"""One way to say that amp_fx did less than it was asked: warn once, or raise in strict mode.
+
+Every place that ignores a policy entry, captures no graph, falls back to eager or cannot honour
+an option calls :meth:`Reporter.did_less` with a key naming the thing, so the same thing is
+reported once per owner (a compiled model, a compiled step) however often it recurs. Strict mode
+(the owner's ``strict=True``, or ``AMP_FX_STRICT=1`` in the environment when the owner was
+created) raises :class:`~amp_fx.errors.AmpFxError` with the same message instead.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Hashable
+
+from amp_fx.errors import AmpFxError, AmpFxWarning
+
+__all__ = ["Reporter", "did_less", "resolve_strict", "strict_from_env", "STRICT_ENV"]
+
+STRICT_ENV = "AMP_FX_STRICT"
+
+
+def strict_from_env() -> bool:
+    """Whether ``AMP_FX_STRICT`` asks for strict mode ("1", "true", "yes", "on")."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_strict(strict: bool | None) -> bool:
+    """An explicit ``strict=`` wins; ``None`` defers to the environment."""
+    if strict is None:
+        return strict_from_env()
+    if not isinstance(strict, bool):
+        raise TypeError(f"amp_fx: strict must be True, False or None, got {strict!r}")
+    return strict
+
+
+class Reporter:
+    """Reports shortfalls of one owner (a compiled model or step), each key once."""
+
+    def __init__(self, strict: bool | None = None) -> None:
+        self.strict = resolve_strict(strict)
+        self._seen: set[Hashable] = set()
+
+    def did_less(self, key: Hashable, message: str, *, stacklevel: int = 3) -> None:
+        """Warn once per ``key`` with ``message`` (which names the thing and the fix); raise if strict."""
+        if self.strict:
+            raise AmpFxError(f"{message} [strict mode: {STRICT_ENV}=0 or strict=False makes this a warning]")
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        warnings.warn(message, AmpFxWarning, stacklevel=stacklevel)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"strict": self.strict, "_seen": set()}
+
+
+_GLOBAL = Reporter(strict=False)
+
+
+def did_less(key: Hashable, message: str, *, strict: bool | None = None, stacklevel: int = 3) -> None:
+    """For code with no owner: warn once per key in the process; raise if ``strict`` (or the env) says so."""
+    if resolve_strict(strict):
+        raise AmpFxError(f"{message} [strict mode]")
+    _GLOBAL.did_less(key, message, stacklevel=stacklevel + 1)
