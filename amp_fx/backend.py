@@ -28,7 +28,9 @@ from amp_fx.capture import capture, is_cacheable_leaf, module_path
 from amp_fx.errors import AmpFxError
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
+from amp_fx.passes.lift_weight_casts import lift_weight_casts
 from amp_fx.policy import Policy
+from amp_fx.weight_cache import WeightCache
 
 __all__ = ["AmpBackend", "GraphRecord"]
 
@@ -97,8 +99,10 @@ class AmpBackend:
     """
 
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
-                 fold: bool = True, inductor_config: dict[str, Any] | None = None) -> None:
+                 fold: bool = True, inductor_config: dict[str, Any] | None = None,
+                 weight_cache: WeightCache | None = None) -> None:
         self.dtype = dtype
+        self.weight_cache = weight_cache
         self.policy = policy
         self.fold = fold
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
@@ -159,8 +163,15 @@ class AmpBackend:
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
-            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs)
-            compiled = self._downstream(record.rewritten, example_inputs)
+            # weight cache (amp_fx/weight_cache.py): parameter casts become inputs it fills
+            graph, inputs, lifted = record.rewritten, list(example_inputs), []
+            if self.weight_cache is not None:
+                graph, inputs, lifted = lift_weight_casts(graph, inputs)
+            else:
+                self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs)
+            compiled = self._downstream(graph, inputs)
+            if self.weight_cache is not None:
+                compiled = self.weight_cache.wrap(compiled, lifted)
 
         def run_without_autocast(*args: Any) -> Any:
             with torch._C._DisableAutocast():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -14,8 +15,10 @@ from torch.utils._pytree import tree_flatten
 
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
 from amp_fx.capture import is_cacheable_leaf
+from amp_fx._report import did_less
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
+from amp_fx.weight_cache import WeightCache
 
 __all__ = ["compile", "AmpCompiledModule", "records"]
 
@@ -64,7 +67,7 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
             compiled = compiled_by_leaves[leaves] = torch.compile(target, backend=sibling,
                                                                   **compile_kwargs)
         try:
-            with torch.autocast(device_type, dtype=backend.dtype):
+            with torch.autocast(device_type, dtype=backend.dtype), _one_forward(backend.weight_cache):
                 return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
@@ -114,6 +117,11 @@ class AmpCompiledModule(torch.nn.Module):
         return self._amp_fx_original
 
     @property
+    def amp_fx_weight_cache(self) -> WeightCache | None:
+        """The weight-cast cache (``compile(..., weight_cache=True)``), else None."""
+        return self._amp_fx_backend.weight_cache
+
+    @property
     def amp_fx_records(self) -> list[GraphRecord]:
         """One record per graph captured so far (filled in when the module first runs)."""
         return self._amp_fx_backend.records
@@ -146,6 +154,7 @@ def compile(
     policy: Policy | None = None,
     backend: str | Backend = "inductor",
     fold: bool = True,
+    weight_cache: bool = False,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -158,6 +167,9 @@ def compile(
         backend: any torch.compile backend ("inductor", "aot_eager", "eager", or a callable);
             amp_fx rewrites each captured graph, then hands it on.
         fold: run the value-preserving cast-folding pass.
+        weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
+            once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;
+            keeps a low-precision copy of the parameters alive between steps).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
     Returns:
@@ -179,13 +191,33 @@ def compile(
                         f"{type(model_or_fn).__name__}")
     _check_keep_fp32(policy, model_or_fn)
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
-                             inductor_config=inductor_config)
+                             inductor_config=inductor_config,
+                             weight_cache=_weight_cache_for(weight_cache, policy))
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
     compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
+    compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _weight_cache_for(wanted: bool, policy: Policy) -> WeightCache | None:
+    if not isinstance(wanted, bool):
+        raise TypeError(f"amp_fx: weight_cache must be True or False, got {wanted!r}")
+    if not wanted:
+        return None
+    if not policy.cast_cache:
+        did_less("weight_cache:cast_cache",
+                 "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
+                 "turns off (each use would get its own gradient cast); the weight cache is off. "
+                 "Drop cast_cache=False or weight_cache=True.")
+        return None
+    return WeightCache()
+
+
+def _one_forward(cache: WeightCache | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if cache is None else cache.forward()
 
 
 def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:

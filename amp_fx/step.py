@@ -62,6 +62,7 @@ from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.weight_cache import StepWriter
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
@@ -148,7 +149,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  config: _Config, scaler: GradScaler, backend: str | Backend, policy: Policy | None,
-                 dynamic: bool | None) -> None:
+                 dynamic: bool | None, weight_cache: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -160,7 +161,10 @@ class CompiledStep:
         self._micro_step = 0
         self._compiled_finishes = 0
         self._forward = amp_compile(self._forward_loss, dtype=config.dtype, policy=policy,
-                                    backend=backend, fullgraph=True, dynamic=dynamic)
+                                    backend=backend, fullgraph=True, dynamic=dynamic,
+                                    weight_cache=weight_cache)
+        cache = self._forward.amp_fx_weight_cache  # amp_fx/weight_cache.py: copies written with the update
+        self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
@@ -293,9 +297,14 @@ class CompiledStep:
             self._eager_finish()
         else:
             before = self._finish_backend.graphs
+            writer = self._lowp_writer
             with torch.no_grad():
                 self._run_pre_hooks()
+                if writer is not None:
+                    writer.before_finish()
                 flags = self._finish()
+                if writer is not None:
+                    writer.after_finish()
                 if self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -305,8 +314,12 @@ class CompiledStep:
                     finally:
                         del opt.grad_scale  # type: ignore[attr-defined]
                         del opt.found_inf  # type: ignore[attr-defined]
+                    if writer is not None:
+                        writer.after_fused_step()
                 else:
                     self._run_post_hooks()
+                    if writer is not None:
+                        writer.after_hooks()
             if self._finish_backend.graphs != before:
                 self._compiled_finishes += 1
                 if self._compiled_finishes > 1:
@@ -378,6 +391,8 @@ class CompiledStep:
             torch._foreach_mul_(grads, torch.clamp(clip_coef, max=1.0))
         if not self._fused:
             self._masked_step(found_inf)
+            if self._lowp_writer is not None:
+                self._lowp_writer.in_finish()  # the low-precision copies, in the update's pass
         self._update_scale(found_inf)
         if self._fused:
             return grad_scale, found_inf
@@ -447,6 +462,7 @@ def compile_step(
     backend: str | Backend = "inductor",
     policy: Policy | None = None,
     dynamic: bool | None = None,
+    weight_cache: bool = False,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -479,6 +495,8 @@ def compile_step(
         policy: amp_fx autocast policy overrides.
         dynamic: passed to ``torch.compile`` for the forward (None: Dynamo's automatic dynamic
             shapes; a batch shape that changes recompiles once, then runs dynamic).
+        weight_cache: cast each fp32 parameter once per optimizer step, in the same pass that
+            updates it (see ``amp_fx.weight_cache``), instead of once per micro-batch.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -517,4 +535,4 @@ def compile_step(
            if not isinstance(v, list)):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
     return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, backend=backend,
-                        policy=policy, dynamic=dynamic)
+                        policy=policy, dynamic=dynamic, weight_cache=weight_cache)

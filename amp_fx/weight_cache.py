@@ -1,0 +1,279 @@
+"""The weight-cast cache: each fp32 parameter's low-precision copy, cast once per optimizer step.
+
+Eager autocast, ``torch.compile`` under autocast and amp_fx without this cache cast every fp32
+weight to bf16/fp16 in every forward (4 bytes read, 2 written per parameter), again for every
+micro-batch of an accumulation window, and again in every graph after a graph break.
+``amp_fx.compile(..., weight_cache=True)`` keeps one low-precision copy per (parameter, dtype)
+and recasts it only when the fp32 weight changed.
+
+How the graphs get the copy (see :mod:`amp_fx.passes.lift_weight_casts`): each captured graph's
+shared cast of a parameter (eager autocast's cast cache, reproduced by ``insert_casts``) is
+replaced by an extra graph input. At run time :class:`WeightCache` fills that input, once per
+forward (the compiled module's call), with the output of :class:`_CachedCast`: an autograd node
+whose forward returns the cached copy and whose backward casts the summed low-precision
+gradient to fp32. Every graph of the forward gets the same node, so the gradient contributions
+of all uses, graph breaks included, add up in the low dtype before one cast back to fp32, which
+is exactly what eager autocast's cached cast does: parity stays bitwise.
+
+When a copy is stale (any of these makes it so; checked on the host, no device sync):
+
+* the parameter's version counter moved (``optimizer.step()`` of non-fused optimizers,
+  ``load_state_dict``, any in-place edit under ``no_grad``);
+* its storage is another one, or was freed (``.to()``, ``.data =``, ``swap_tensors``), or its
+  dtype, device, shape, strides or offset changed (checked through a weak reference to the
+  storage, so a reused address cannot pass for the old storage);
+* an optimizer holding it stepped (a global step post-hook): torch's fused optimizers
+  (``fused=True``) update parameters in place *without* bumping their version counters.
+
+Not detectable cheaply, hence documented: in-place edits through ``param.data`` (a new version
+counter, autograd's own checks miss them too) and fused kernels run outside a
+``torch.optim.Optimizer``. Call :meth:`WeightCache.invalidate` after those.
+
+Inside ``compile_step`` the copy is written by the compiled finish graph right after the masked
+optimizer update (:meth:`WeightCache.pairs` / :meth:`WeightCache.revalidate`), and right after a
+fused optimizer's kernel, so the next forward casts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _CachedCast(torch.autograd.Function):
+    """One forward's use of a cached low-precision copy of ``weight``.
+
+    forward: returns an alias of ``lowp`` (no copy; a fresh tensor object per forward, so each
+    forward has its own autograd node). backward: the low-precision gradient, already summed over
+    every use in every graph by the autograd engine, cast to the weight's dtype: eager autocast's
+    ``ToCopyBackward`` on its cached cast.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, lowp: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight_dtype = weight.dtype
+        return lowp.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        return (None if grad is None else grad.to(ctx.weight_dtype)), None
+
+
+def _layout(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+@dataclass
+class _Entry:
+    lowp: torch.Tensor
+    version: int
+    storage: StorageWeakRef
+    layout: tuple[Any, ...]
+
+    def fresh_for(self, weight: torch.Tensor) -> bool:
+        if weight._version != self.version or self.storage.expired():
+            return False
+        return (self.storage.cdata == weight.untyped_storage()._cdata
+                and self.layout == _layout(weight))
+
+
+class _ForwardState(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        self.uses: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+_CACHES: weakref.WeakSet[WeightCache] = weakref.WeakSet()
+_HOOK: Any = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Fused optimizers do not bump version counters: every optimizer step invalidates its params."""
+    if not _CACHES:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for cache in list(_CACHES):
+        cache._mark_stale(params)
+
+
+def _install_step_hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+class WeightCache:
+    """Low-precision copies of fp32 parameters for one compiled model (or compiled step).
+
+    ``refreshes`` counts the casts it computed (one per stale (parameter, dtype) per forward),
+    ``hits`` the forwards that reused a copy; both are host counters.
+    """
+
+    def __init__(self) -> None:
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
+        self._forward = _ForwardState()
+        self.refreshes = 0
+        self.hits = 0
+        _CACHES.add(self)
+        _install_step_hook()
+
+    # ------------------------------------------------------------------ one forward
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """One forward of the compiled model: every graph in it shares one node per weight.
+
+        Nested calls join the outermost forward, as nested autocast regions share eager
+        autocast's cache until the outermost one exits.
+        """
+        state = self._forward
+        state.depth += 1
+        try:
+            yield
+        finally:
+            state.depth -= 1
+            if state.depth == 0:
+                state.uses.clear()
+
+    def lowp(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The low-precision copy of ``weight`` to feed a graph in the current forward."""
+        if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
+            return weight.to(dtype)  # not a parameter: an ordinary cast, as the graph had
+        state = self._forward
+        key = (id(weight), dtype)
+        use = state.uses.get(key)
+        if use is not None and use[0] is weight:
+            return use[1]
+        copy = self._fresh(weight, dtype)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            out = _CachedCast.apply(weight, copy)
+        else:
+            out = copy.detach()
+        if state.depth > 0:
+            state.uses[key] = (weight, out)
+        return out
+
+    def _fresh(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        per_dtype = self._entries.get(weight)
+        if per_dtype is None:
+            per_dtype = self._entries[weight] = {}
+        entry = per_dtype.get(dtype)
+        if entry is not None and entry.fresh_for(weight):
+            self.hits += 1
+            return entry.lowp
+        with torch.no_grad():
+            lowp = weight.detach().to(dtype)  # a new tensor: a pending backward may hold the old one
+        per_dtype[dtype] = _Entry(lowp, weight._version, StorageWeakRef(weight.untyped_storage()),
+                                  _layout(weight))
+        self.refreshes += 1
+        return lowp
+
+    # ------------------------------------------------------------------ invalidation
+    def invalidate(self, weights: Sequence[torch.Tensor] | None = None) -> None:
+        """Drop the copies of ``weights`` (all if None): for edits no check can see (``p.data``)."""
+        if weights is None:
+            self._entries = WeakIdKeyDictionary()
+        else:
+            for w in weights:
+                self._entries.pop(w, None)
+
+    def _mark_stale(self, weights: Sequence[torch.Tensor]) -> None:
+        for w in weights:
+            per_dtype = self._entries.get(w)
+            if per_dtype:
+                for entry in per_dtype.values():
+                    entry.version = -1
+
+    # ------------------------------------------------------------------ written with the update
+    def pairs(self, weights: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight, copy) for every cached copy of ``weights``: what an update pass rewrites."""
+        out = []
+        for w in weights:
+            for entry in (self._entries.get(w) or {}).values():
+                out.append((w, entry.lowp))
+        return out
+
+    @staticmethod
+    def write(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Cast each updated weight into its copy, in place (traceable: runs inside the finish
+        graph, right after the update, where the compiler can fuse it with the update)."""
+        for w, lowp in pairs:
+            lowp.copy_(w)
+
+    def versions(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        return [w._version for w, _ in pairs]
+
+    def revalidate(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[int]) -> None:
+        """After :meth:`write`: the copies match the weights as they were at ``versions``; an
+        entry stays stale if its weight moved since (a post-step hook edited it)."""
+        for (w, lowp), version in zip(pairs, versions, strict=True):
+            if w._version != version:
+                continue
+            for entry in (self._entries.get(w) or {}).values():
+                if entry.lowp is lowp:
+                    entry.version = version
+                    entry.storage = StorageWeakRef(w.untyped_storage())
+                    entry.layout = _layout(w)
+
+    # ------------------------------------------------------------------ graphs
+    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype]]) -> Callable[..., Any]:
+        """A compiled graph whose lifted inputs (positions of weights, dtypes) are filled here."""
+        if not lifted:
+            return compiled
+
+        def run(*args: Any) -> Any:
+            return compiled(*args, *[self.lowp(args[i], dtype) for i, dtype in lifted])
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
+
+
+class StepWriter:
+    """How ``compile_step`` writes the cached copies in the same pass as the weight update.
+
+    Non-fused optimizers: :meth:`in_finish` runs inside the compiled finish graph, right after the
+    masked update, so the compiler sees ``lowp.copy_(w)`` next to the update of ``w`` (inductor
+    fuses the two into one loop: the updated fp32 value is written and cast without a second
+    read). Fused optimizers: their kernel cannot be traced, so :meth:`after_fused_step` casts right
+    after it. On a skipped step (inf/NaN) the weights keep their bits and so does each copy: it is
+    rewritten with the same values, no host read needed to know the step was skipped.
+    """
+
+    def __init__(self, cache: WeightCache, weights: Sequence[torch.Tensor]) -> None:
+        self.cache = cache
+        self.weights = list(weights)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._versions: list[int] = []
+
+    def before_finish(self) -> None:
+        pairs = self.cache.pairs(self.weights)
+        if len(pairs) != len(self.pairs) or any(a[1] is not b[1] for a, b in zip(pairs, self.pairs)):
+            self.pairs = pairs  # a new list only when a copy changed, so the finish graph's guards hold
+
+    def in_finish(self) -> None:
+        WeightCache.write(self.pairs)
+
+    def after_finish(self) -> None:
+        self._versions = self.cache.versions(self.pairs)
+
+    def after_hooks(self) -> None:
+        """Copies written by the finish graph are fresh unless a post-step hook moved a weight."""
+        self.cache.revalidate(self.pairs, self._versions)
+
+    def after_fused_step(self) -> None:
+        with torch.no_grad():
+            WeightCache.write(self.pairs)
+        self.cache.revalidate(self.pairs, self.cache.versions(self.pairs))
