@@ -13,9 +13,9 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._report import did_less
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
 from amp_fx.capture import is_cacheable_leaf
-from amp_fx._report import did_less
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.weight_cache import WeightCache
@@ -192,7 +192,7 @@ def compile(
     _check_keep_fp32(policy, model_or_fn)
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
                              inductor_config=inductor_config,
-                             weight_cache=_weight_cache_for(weight_cache, policy))
+                             weight_cache=_weight_cache_for(weight_cache, policy, model_or_fn))
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
@@ -202,7 +202,7 @@ def compile(
     return compiled  # type: ignore[return-value]
 
 
-def _weight_cache_for(wanted: bool, policy: Policy) -> WeightCache | None:
+def _weight_cache_for(wanted: bool, policy: Policy, target: object) -> WeightCache | None:
     if not isinstance(wanted, bool):
         raise TypeError(f"amp_fx: weight_cache must be True or False, got {wanted!r}")
     if not wanted:
@@ -213,7 +213,7 @@ def _weight_cache_for(wanted: bool, policy: Policy) -> WeightCache | None:
                  "turns off (each use would get its own gradient cast); the weight cache is off. "
                  "Drop cast_cache=False or weight_cache=True.")
         return None
-    return WeightCache()
+    return WeightCache(module=target if isinstance(target, torch.nn.Module) else None)
 
 
 def _one_forward(cache: WeightCache | None) -> contextlib.AbstractContextManager[None]:

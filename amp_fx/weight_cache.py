@@ -47,6 +47,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_fx._report import Reporter
+
 __all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -92,7 +94,8 @@ class _Entry:
 class _ForwardState(threading.local):
     def __init__(self) -> None:
         self.depth = 0
-        self.uses: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (id(weight), dtype) -> (weight, this forward's node output, uses in the latest graph)
+        self.uses: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 _CACHES: weakref.WeakSet[WeightCache] = weakref.WeakSet()
@@ -123,7 +126,9 @@ class WeightCache:
     ``hits`` the forwards that reused a copy; both are host counters.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, module: torch.nn.Module | None = None, strict: bool | None = None) -> None:
+        self._module = weakref.ref(module) if module is not None else None
+        self._reporter = Reporter(strict)
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
         self._forward = _ForwardState()
         self.refreshes = 0
@@ -148,14 +153,18 @@ class WeightCache:
             if state.depth == 0:
                 state.uses.clear()
 
-    def lowp(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The low-precision copy of ``weight`` to feed a graph in the current forward."""
+    def lowp(self, weight: torch.Tensor, dtype: torch.dtype, uses: int = 1) -> torch.Tensor:
+        """The low-precision copy of ``weight`` to feed a graph (that uses it ``uses`` times) in
+        the current forward."""
         if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
             return weight.to(dtype)  # not a parameter: an ordinary cast, as the graph had
         state = self._forward
         key = (id(weight), dtype)
         use = state.uses.get(key)
         if use is not None and use[0] is weight:
+            if use[2] > 1 and weight.requires_grad and torch.is_grad_enabled():
+                self._report_grouped_sum(weight, use[2])
+            state.uses[key] = (weight, use[1], uses)
             return use[1]
         copy = self._fresh(weight, dtype)
         if torch.is_grad_enabled() and weight.requires_grad:
@@ -163,8 +172,19 @@ class WeightCache:
         else:
             out = copy.detach()
         if state.depth > 0:
-            state.uses[key] = (weight, out)
+            state.uses[key] = (weight, out, uses)
         return out
+
+    def _report_grouped_sum(self, weight: torch.Tensor, uses: int) -> None:
+        """Eager autocast adds a weight's gradient contributions one by one, latest use first.
+        A graph's backward adds its own uses' contributions before they meet those of later
+        graphs: the same terms, grouped differently, once an earlier graph uses it twice."""
+        name = self._name_of(weight)
+        self._reporter.did_less(("weight_cache:grouped", name),
+                 f"amp_fx: weight_cache: {name} is used {uses} times in one graph and again after a "
+                 "graph break; the graph adds its uses' gradients before the later graphs' ones, "
+                 "where eager autocast adds them one by one (the same terms in another order: not "
+                 "bitwise). Remove the graph break or use the weight once before it.", stacklevel=5)
 
     def _fresh(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         per_dtype = self._entries.get(weight)
@@ -180,6 +200,13 @@ class WeightCache:
                                   _layout(weight))
         self.refreshes += 1
         return lowp
+
+    def _name_of(self, weight: torch.Tensor) -> str:
+        module = self._module() if self._module is not None else None
+        for name, p in (module.named_parameters() if module is not None else ()):
+            if p is weight:
+                return name
+        return f"a parameter of shape {tuple(weight.shape)}"
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, weights: Sequence[torch.Tensor] | None = None) -> None:
@@ -206,6 +233,10 @@ class WeightCache:
                 out.append((w, entry.lowp))
         return out
 
+    def is_fresh(self, weight: torch.Tensor, lowp: torch.Tensor) -> bool:
+        """Whether the next forward would use ``lowp`` for ``weight`` as it is (no recast)."""
+        return any(e.lowp is lowp and e.fresh_for(weight) for e in (self._entries.get(weight) or {}).values())
+
     @staticmethod
     def write(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Cast each updated weight into its copy, in place (traceable: runs inside the finish
@@ -229,13 +260,15 @@ class WeightCache:
                     entry.layout = _layout(w)
 
     # ------------------------------------------------------------------ graphs
-    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype]]) -> Callable[..., Any]:
-        """A compiled graph whose lifted inputs (positions of weights, dtypes) are filled here."""
+    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype, int]]
+             ) -> Callable[..., Any]:
+        """A compiled graph whose lifted inputs (position of the weight, dtype, uses in the
+        graph) are filled here."""
         if not lifted:
             return compiled
 
         def run(*args: Any) -> Any:
-            return compiled(*args, *[self.lowp(args[i], dtype) for i, dtype in lifted])
+            return compiled(*args, *[self.lowp(args[i], dtype, uses) for i, dtype, uses in lifted])
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run

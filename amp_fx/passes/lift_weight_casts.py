@@ -17,7 +17,8 @@ placeholder per (w, d), appended after the existing ones:
 
 Guarantees: values unchanged when the new inputs hold ``w.to(d)``; ``meta["val"]`` of each new
 placeholder is the cast's; the graph lints. Returns the copy, the example inputs extended with
-one example per new input, and the (position of w, d) of each new input, in order.
+one example per new input, and the (position of w, d, number of uses) of each new input, in
+order.
 
 Example:
     >>> import torch
@@ -30,7 +31,7 @@ Example:
     >>> lifted_gm, inputs, lifted = lift_weight_casts(torch.fx.GraphModule({}, g),
     ...                                               [torch.randn(2, 3), w])
     >>> lifted, [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
-    ([(1, torch.bfloat16)], ['x', 'w', 'w_bfloat16'])
+    ([(1, torch.bfloat16, 1)], ['x', 'w', 'w_bfloat16'])
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _example(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
-                      ) -> tuple[torch.fx.GraphModule, list[Any], list[tuple[int, torch.dtype]]]:
+                      ) -> tuple[torch.fx.GraphModule, list[Any], list[tuple[int, torch.dtype, int]]]:
     """Lift parameter casts into inputs, on a copy (contract in the module doc)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
@@ -94,4 +95,5 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         cast.replace_all_uses_with(new_inputs[key])
         graph.erase_node(cast)
     graph.lint()
-    return torch.fx.GraphModule(gm, graph), inputs, lifted
+    uses = [len(new_inputs[(placeholders[i], d)].users) for i, d in lifted]
+    return torch.fx.GraphModule(gm, graph), inputs, [(i, d, n) for (i, d), n in zip(lifted, uses)]
