@@ -278,7 +278,7 @@ def test_tied_weights_training_bitwise(dtype: torch.dtype, accumulate: int) -> N
     model, inputs, loss_fn = ZOO["tied_embedding"].build()
     ref_model = copy.deepcopy(model)
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref_model)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref_model)]
     for _ in range(3):
         for _ in range(accumulate):
             loss_fn(compiled(*inputs)).backward()
@@ -289,6 +289,7 @@ def test_tied_weights_training_bitwise(dtype: torch.dtype, accumulate: int) -> N
             opt.step()
             opt.zero_grad()
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            assert torch.isfinite(q).all(), f"eager diverged ({n}): the comparison would test NaNs"
             assert_bitwise(p, q, n)
 
 
