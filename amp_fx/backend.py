@@ -215,7 +215,8 @@ class AmpBackend:
                 log.warning(
                     "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
-                    "them in %s (more accurate, not bitwise)", name,
+                    "them in %s (more accurate, not bitwise; amp_fx.compile(..., weight_cache=True) shares one "
+                    "cast across graphs and is bitwise)", name,
                     str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
 
 

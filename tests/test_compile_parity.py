@@ -115,7 +115,8 @@ _SHARED_ACROSS_BREAK = pytest.mark.xfail(
     reason="fc is used on both sides of the graph break: eager autocast's cast cache shares one "
            "bf16/fp16 copy of fc.weight for the whole autocast region, so the two uses' gradients "
            "add up in the low dtype before one cast back to fp32; amp_fx casts once per graph, so "
-           "they are cast back separately and add up in fp32 (reported to the amp_fx owner)")
+           "they are cast back separately and add up in fp32 (reported to the amp_fx owner). "
+           "weight_cache=True makes it bitwise: tests/test_weight_cache.py")
 
 
 def _zoo_params(exclude: tuple[str, ...] = ()) -> list[object]:

@@ -415,3 +415,21 @@ def test_frozen_weights_use_the_cache_without_gradients() -> None:
     for n, g in expected.grads.items():
         assert_bitwise(actual.grads[n], g, f"{n}.grad")
     assert any(w is model.block.weight for w, _ in compiled.amp_fx_weight_cache.pairs([model.block.weight]))
+
+
+# --- the backend ladder: inductor ------------------------------------------------------------
+
+
+def test_inductor_within_the_excess_precision_tolerance() -> None:
+    """Inductor takes the lifted inputs too; with the cache it stays within the tolerance derived
+    in test_compile_parity.py (outputs 1 eps, gradients 4 eps of their max magnitude)."""
+    dtype = torch.bfloat16
+    model, inputs, loss_fn = ZOO["rmsnorm"].build()
+    expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, dtype)
+    compiled = amp_fx.compile(model, dtype=dtype, backend="inductor", weight_cache=True)
+    actual = step(compiled, model, inputs, loss_fn)
+    assert compiled.amp_fx_weight_cache.refreshes == 4  # up, gate, down, out: the cache was used
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(actual.out, expected.out, rtol=0, atol=1.0 * eps * expected.out.float().abs().max().item())
+    for n, g in expected.grads.items():
+        torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=4.0 * eps * g.abs().max().item())
