@@ -29,7 +29,6 @@ and the peak during a step (held + the profiler's largest transient), with and w
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import gc
 import math
@@ -295,10 +294,12 @@ def _build(name: str, kind: str, vocab: int, d: int, layers: int, heads: int, se
 
 
 def cast_bytes(kind: str, dims: dict[str, int], accumulate: int, batch: list[tuple[Tensor, Tensor]]
-               ) -> dict[str, dict[str, int]]:
-    out = {}
+               ) -> tuple[dict[str, dict[str, int]], dict[str, Variant]]:
+    """Bytes per optimizer step for each variant; returns the two amp_fx variants, still compiled."""
+    out, keep = {}, {}
     for name in ("eager autocast", "torch.compile+autocast", "amp_fx", "amp_fx + weight cache"):
-        torch._dynamo.reset()
+        if name != "amp_fx + weight cache":  # the two amp_fx variants stay compiled, to be timed
+            torch._dynamo.reset()
         counter = CastBytes()
         variant = Variant(name, _build(name, kind, **dims), accumulate, counter)
         counter.param_storages = {p.untyped_storage().data_ptr() for p in variant.model.parameters()}
@@ -309,7 +310,9 @@ def cast_bytes(kind: str, dims: dict[str, int], accumulate: int, batch: list[tup
             variant.step(x, y)
         counter.active = False
         out[name] = dict(counter.bytes)
-    return out
+        if name.startswith("amp_fx"):
+            keep[name] = variant
+    return out, keep
 
 
 def _held_bytes(model: nn.Module, opt: torch.optim.Optimizer, cache: Any) -> int:
@@ -340,36 +343,27 @@ def _peak_transient(fn: Callable[[], None]) -> int:
     return peak
 
 
-def time_and_memory(kind: str, dims: dict[str, int], accumulate: int, batch: list[tuple[Tensor, Tensor]],
-                    steps: int) -> list[list[object]]:
-    torch._dynamo.reset()
-    variants = {}
-    for name in ("amp_fx", "amp_fx + weight cache"):
-        counter = CastBytes()  # inactive: only the backend is used
-        model = _build(name, kind, **dims)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = amp_fx.compile_step(model, opt, lm_loss, dtype=DTYPE, accumulate=accumulate, backend="aot_eager",
-                                   weight_cache=name.endswith("cache"))
-        del counter
-        variants[name] = (model, opt, step)
-        for x, y in batch[: 3 * accumulate]:
-            step(x, y)
+def time_and_memory(kind: str, variants: dict[str, Variant], accumulate: int,
+                    batch: list[tuple[Tensor, Tensor]], steps: int) -> list[list[object]]:
+    """amp_fx without and with the cache, already compiled and warm: interleaved step times, the
+    bytes held between steps and the peak during one step."""
+    window = batch[3 * accumulate: 4 * accumulate]
     times: dict[str, list[float]] = defaultdict(list)
     for i in range(steps):
-        for name, (_, _, step) in (variants.items() if i % 2 == 0 else reversed(variants.items())):
+        for name, v in (variants.items() if i % 2 == 0 else reversed(variants.items())):
             t0 = time.perf_counter()
-            for x, y in batch[3 * accumulate: 4 * accumulate]:
-                step(x, y)
+            for x, y in window:
+                v.step(x, y)
             times[name].append(time.perf_counter() - t0)
     rows = []
     base = percentile(times["amp_fx"], 0.5)
-    for name, (model, opt, step) in variants.items():
+    for name, v in variants.items():
         gc.collect()
-        held = _held_bytes(model, opt, step._forward.amp_fx_weight_cache)
+        held = _held_bytes(v.model, v.opt, v._inner._forward.amp_fx_weight_cache)
 
-        def one_window(step: Any = step) -> None:
-            for x, y in batch[3 * accumulate: 4 * accumulate]:
-                step(x, y)
+        def one_window(v: Variant = v) -> None:
+            for x, y in window:
+                v.step(x, y)
 
         peak = held + _peak_transient(one_window)
         med = percentile(times[name], 0.5)
@@ -399,9 +393,11 @@ def check_fusion(kind: str, dims: dict[str, int]) -> str:
         _, code = run_and_get_code(lambda: step(x, y))
     text = "\n".join(code)
     kernels = text.count("extern \"C\"")
-    both = sum(1 for chunk in text.split("extern \"C\"")[1:] if "bfloat16" in chunk and "float* out_ptr" in chunk)
-    return (f"finish graph (inductor, SGD momentum): {kernels} C++ kernels; {both} store both fp32 parameters "
-            "and bf16 copies in one loop")
+    signatures = [chunk.split(")", 1)[0] for chunk in text.split("extern \"C\"")[1:]]
+    both = sum(1 for sig, chunk in zip(signatures, text.split("extern \"C\"")[1:])
+               if "float* out_ptr" in sig and "at::BFloat16* out_ptr" in sig and "convert<at::BFloat16>" in chunk)
+    return (f"code compiled for the step after warm-up (inductor, SGD momentum): {kernels} C++ kernels; {both} "
+            "store updated fp32 parameters and their bf16 copies from the same loop")
 
 
 def _batches(n: int, dims: dict[str, int], batch_size: int = 1) -> list[tuple[Tensor, Tensor]]:
@@ -414,32 +410,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers x 128: a smoke run")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
+    parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--check-fusion", action="store_true", help="inspect inductor's finish graph")
     args = parser.parse_args()
-    dims = (dict(vocab=256, d=128, layers=2, heads=4, seq=8) if args.quick
-            else dict(vocab=512, d=512, layers=6, heads=8, seq=8))
+    dims = (dict(vocab=256, d=128, layers=2, heads=4, seq=4) if args.quick
+            else dict(vocab=256, d=512, layers=6, heads=8, seq=4))
     print("\n".join(machine_lines()))
-    print(f"bf16, batch 1 x seq {dims['seq']}, AdamW; dims {dims}")
-    rows, time_rows = [], []
-    for kind in MODELS:
+    print(f"bf16, batch 1 x seq {dims['seq']}, AdamW (non-fused); dims {dims}", flush=True)
+    byte_headers = ["model", "params", "accumulate", "variant", "weight MiB", "weight B/param", "weight / eager",
+                    "weight / eager as executed", "activation MiB"]
+    time_headers = ["model", "accumulate", "variant", "median ms", "time / no cache", "p10", "p90",
+                    "held between steps MiB", "peak MiB"]
+    for kind in MODELS if args.model == "all" else [args.model]:
         n_params = sum(p.numel() for p in _build("count", kind, **dims).parameters())
-        for accumulate in (1, 4):
+        for accumulate in args.accumulate:
             batch = _batches(4 * accumulate, dims)
-            result = cast_bytes(kind, dims, accumulate, batch)
+            result, compiled = cast_bytes(kind, dims, accumulate, batch)
             eager_weight = result["eager autocast"].get("weight", 0)
+            rows = []
             for name, b in result.items():
                 weight = b.get("weight", 0) + b.get("update (fused)", 0)
                 executed = b.get("weight", 0) + b.get("update", 0)
                 rows.append([kind, f"{n_params / 1e6:.1f}M", accumulate, name, f"{weight / 2**20:.1f}",
                              f"{weight / n_params:.1f}", f"{weight / eager_weight:.2f}",
                              f"{executed / eager_weight:.2f}", f"{b.get('activation', 0) / 2**20:.1f}"])
-            time_rows += time_and_memory(kind, dims, accumulate, batch, args.steps)
-    print("\ncast bytes per optimizer step (reads + writes of executed dtype casts, aot_eager)")
-    print(tabulate(rows, headers=["model", "params", "accumulate", "variant", "weight MiB", "weight B/param",
-                                  "weight / eager", "weight / eager as executed", "activation MiB"]))
-    print(f"\nstep time (aot_eager, median of {args.steps}, interleaved) and memory, per optimizer step")
-    print(tabulate(time_rows, headers=["model", "accumulate", "variant", "median ms", "time / no cache",
-                                       "p10", "p90", "held between steps MiB", "peak MiB"]))
+            print("\ncast bytes per optimizer step (reads + writes of executed dtype casts, aot_eager)")
+            print(tabulate(rows, headers=byte_headers), flush=True)
+            print(f"\nstep time (aot_eager, median of {args.steps}, interleaved) and memory, per optimizer step")
+            print(tabulate(time_and_memory(kind, compiled, accumulate, batch, args.steps), headers=time_headers),
+                  flush=True)
     if args.check_fusion:
         print("\n" + check_fusion("llama-like", dict(vocab=64, d=32, layers=1, heads=2, seq=8)))
 

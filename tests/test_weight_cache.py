@@ -206,14 +206,16 @@ _OPTS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
 }
 # fp16: 1e6 overflows the fp16 matmul, inf poisons both dtypes; windows in a row are skipped.
-_POISON = {torch.float16: {2: 1e6, 3: 1e6, 4: math.inf, 9: 1e6}, torch.bfloat16: {2: math.inf, 3: math.inf, 9: -math.inf}}
+_POISON = {torch.float16: {2: 1e6, 3: 1e6, 4: math.inf, 9: 1e6},
+           torch.bfloat16: {2: math.inf, 3: math.inf, 9: -math.inf}}
 
 
 def _scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
     if dtype == torch.bfloat16:  # torch's scaler has no check-only mode (see tests/test_step.py)
         return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
                 GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
-    return GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED), torch.amp.GradScaler("cpu", growth_interval=3)
+    return (GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED),
+            torch.amp.GradScaler("cpu", growth_interval=3))
 
 
 @pytest.mark.parametrize("opt_name", _OPTS)
@@ -430,6 +432,7 @@ def test_inductor_within_the_excess_precision_tolerance() -> None:
     actual = step(compiled, model, inputs, loss_fn)
     assert compiled.amp_fx_weight_cache.refreshes == 4  # up, gate, down, out: the cache was used
     eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(actual.out, expected.out, rtol=0, atol=1.0 * eps * expected.out.float().abs().max().item())
+    torch.testing.assert_close(actual.out, expected.out, rtol=0,
+                               atol=1.0 * eps * expected.out.float().abs().max().item())
     for n, g in expected.grads.items():
         torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=4.0 * eps * g.abs().max().item())
