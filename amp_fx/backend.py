@@ -24,11 +24,12 @@ from tabulate import tabulate
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from amp_fx.capture import capture, is_cacheable_leaf, module_path
+from amp_fx._report import Reporter
+from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
 from amp_fx.errors import AmpFxError
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
-from amp_fx.policy import Policy
+from amp_fx.policy import CastClass, Policy, _module_matches
 
 __all__ = ["AmpBackend", "GraphRecord"]
 
@@ -80,6 +81,19 @@ def summarize(records: Sequence[GraphRecord]) -> str:
     return tabulate(rows, headers=_HEADERS)
 
 
+def check_backend(backend: object) -> None:
+    """Raise at ``compile()`` time for a backend torch.compile would only reject at the first call."""
+    if callable(backend):
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"amp_fx: backend must be a torch.compile backend name (a str such as "
+                        f"'inductor', 'aot_eager', 'eager') or a callable, got {backend!r} "
+                        f"({type(backend).__name__})")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"amp_fx: unknown backend {backend!r}; torch.compile knows {sorted(known)}")
+
+
 def _downstream(backend: str | Backend, inductor_config: dict[str, Any]) -> Backend:
     if callable(backend):
         return backend
@@ -97,13 +111,22 @@ class AmpBackend:
     """
 
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
-                 fold: bool = True, inductor_config: dict[str, Any] | None = None) -> None:
+                 fold: bool = True, inductor_config: dict[str, Any] | None = None,
+                 root: torch.nn.Module | None = None, reporter: Reporter | None = None) -> None:
         self.dtype = dtype
         self.policy = policy
         self.fold = fold
+        self.backend = backend
+        self.inductor_config = dict(inductor_config or {})
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-        self._downstream = _downstream(backend, inductor_config or {})
+        self._downstream = _downstream(backend, self.inductor_config)
+        self.root = root
+        """The module the user compiled: every module path in the graphs is a name under it."""
+        self.reporter = reporter if reporter is not None else Reporter()
+        """Where this backend's shortfalls go (one per compiled model, shared by its siblings)."""
         self.records: list[GraphRecord] = []
+        self.runs = _RunCount()
+        """How many times a graph of this backend (or a sibling) has run."""
         # id(leaf tensor) -> (weakref to it, Dynamo frame ids whose graphs cast it with the cache)
         self._cached_leaf_frames: dict[int, tuple[weakref.ref[torch.Tensor], set[int]]] = {}
 
@@ -156,22 +179,30 @@ class AmpBackend:
         # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
         # are explicit, so autocast is off while we capture, while the downstream backend traces,
         # and while the compiled graph runs: nothing is cast twice.
+        names = _RootNames(self.root)
+        names.rename_module_stacks(gm)
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
-            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs)
+            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
             compiled = self._downstream(record.rewritten, example_inputs)
+        runs = self.runs
 
         def run_without_autocast(*args: Any) -> Any:
+            runs.count += 1
             with torch._C._DisableAutocast():
-                return compiled(*args)
+                out = compiled(*args)
+            if torch.is_grad_enabled():
+                _refuse_double_backward(out)
+            return out
 
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run_without_autocast
 
 
     def _warn_on_leaf_casts_split_by_graph_breaks(
-        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+        names: _RootNames,
     ) -> None:
         """Warn once per weight whose uses a graph break splits (see README, Known differences).
 
@@ -196,16 +227,187 @@ class AmpBackend:
             seen = len(frames)
             frames.add(frame)
             if seen == 1 and len(frames) == 2:
-                source = getattr(theirs[i], "_dynamo_source", None)
-                text = getattr(source, "name", None)
-                text = text() if callable(text) else text
-                name = ".".join(p for p in module_path(text).split(".")
-                                if p not in ("_parameters", "_buffers")) if text else theirs[i].name
+                name = names.tensor_name(tensor) or _source_name(theirs[i])
                 log.warning(
                     "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
                     "them in %s (more accurate, not bitwise)", name,
                     str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+
+
+    # --- what was asked against what was done ------------------------------------------------
+
+    def report_unused_policy(self) -> None:
+        """Report each policy entry that decided no op of the graphs captured so far.
+
+        A ``keep_fp32`` entry matches an op inside a module it selects; an ``op_classes`` entry
+        matches an op it names. Called after a compiled model's first call.
+        """
+        nodes = [n for r in self.records for n in r.captured.graph.nodes if n.op == "call_function"]
+        stacks = {module_stack(n) for n in nodes}
+        ops = {n.target.name() for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
+        for sel in self.policy.keep_fp32:
+            if any(_module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+                continue
+            label = repr(sel) if isinstance(sel, str) else sel.__name__
+            self.reporter.did_less(("keep_fp32", label), (
+                f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
+                f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
+                f"for it. Name a module that runs ops (names are under the module passed to "
+                f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
+        for label, op_names, cls in self.policy.op_entries:
+            if ops.intersection(op_names) or _unobservable(op_names, cls):
+                continue
+            self.reporter.did_less(("op_classes", label), (
+                f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
+                f"op in the graphs captured on the first call (the model does not call "
+                f"{', '.join(op_names)}), so it changed nothing. Check the op name and overload "
+                f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+    def report_no_graph(self, target: object) -> None:
+        """Report a call of a compiled model or function that captured and ran no graph."""
+        what = type(target).__name__ if isinstance(target, torch.nn.Module) else \
+            getattr(target, "__qualname__", repr(target))
+        fix = _wrapper_fix(target) or (
+            "Dynamo skipped or gave up on every frame of the call (TORCH_LOGS=graph_breaks,"
+            "recompiles says why); compile the module that does the work, or run it under "
+            "torch.autocast if it cannot be compiled.")
+        self.reporter.did_less(("no_graph",), (
+            f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
+            f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
+
+
+class _RunCount:
+    """A counter shared by a backend and its siblings (a copy shares the object)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _wrapper_fix(target: object) -> str | None:
+    """What to do instead when ``target`` is a distributed wrapper Dynamo does not compile through."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if isinstance(target, DistributedDataParallel):
+        return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
+                "the model inside it instead: DDP(amp_fx.compile(model)).")
+    fsdp_types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        fsdp_types = [FSDPModule, FullyShardedDataParallel]
+    except ImportError:  # pragma: no cover
+        pass
+    if fsdp_types and isinstance(target, tuple(fsdp_types)):
+        return (f"Dynamo captures nothing through this FSDP-sharded {type(target).__name__}; it "
+                "trains as eager FSDP under autocast. Compile the unsharded model's layers with "
+                "amp_fx.compile before sharding them, or run the model under torch.autocast.")
+    return None
+
+
+def _unobservable(op_names: Sequence[str], cls: CastClass) -> bool:
+    """An entry that moves composite ops to NONE lets them decompose: the op itself never appears."""
+    registered = _composite_ops()
+    return cls is CastClass.NONE and all(n in registered for n in op_names)
+
+
+@functools.cache
+def _composite_ops() -> frozenset[str]:
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+
+
+_DOUBLE_BACKWARD = ("amp_fx: a backward with create_graph=True (double backward, as in a gradient "
+                    "penalty) reached a graph compiled through AOTAutograd (backend='aot_eager' or "
+                    "'inductor'), which cannot differentiate its own backward. Compile this model "
+                    "with amp_fx.compile(..., backend='eager'): its casts stay explicit, it supports "
+                    "double backward and is bitwise with eager autocast (GradScaler included).")
+
+
+def _refuse_double_backward(out: Any) -> None:
+    """Hook the outputs of an AOTAutograd graph so that a create_graph backward raises amp_fx's
+    error at once, instead of torch's at the second backward."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+            continue
+        node = t.grad_fn
+        if "CompiledFunction" not in type(node).__name__:
+            parents = [f for f, _ in node.next_functions if f is not None]
+            if not any("CompiledFunction" in type(f).__name__ for f in parents):
+                continue
+        t.register_hook(_raise_if_creating_graph)
+
+
+def _raise_if_creating_graph(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():
+        raise AmpFxError(_DOUBLE_BACKWARD)
+
+
+class _RootNames:
+    """Names under the compiled root module for the objects a Dynamo frame reaches.
+
+    Dynamo names modules and parameters by the expression that reaches them from the frame it
+    compiles (``L['self'].head``). That frame is not always the root's: after a graph break inside
+    a submodule, Dynamo compiles the submodule's forward as a frame of its own, whose ``self`` is
+    the submodule. The expression is evaluated against the frame's real locals, and the object it
+    reaches is named by identity, as the root's ``named_modules()``/``named_parameters()`` name it.
+    """
+
+    def __init__(self, root: torch.nn.Module | None) -> None:
+        self.root = root
+        self.scope: dict[str, Any] | None = None
+        if root is None:
+            return
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            tx = InstructionTranslator.current_tx()
+            self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
+                          "getattr": getattr}
+        except Exception:  # not called from Dynamo (a test calling the backend directly)
+            self.scope = None
+        self._modules = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
+                                              *root.named_buffers(remove_duplicate=False))}
+        self._cache: dict[str, str | None] = {}
+
+    def _resolve(self, source: str, table: dict[int, str]) -> str | None:
+        if self.scope is None:
+            return None
+        if source not in self._cache:
+            try:
+                obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
+            except Exception:
+                obj = None
+            self._cache[source] = table.get(id(obj)) if obj is not None else None
+        return self._cache[source]
+
+    def rename_module_stacks(self, gm: torch.fx.GraphModule) -> None:
+        """Rewrite each node's ``nn_module_stack`` sources to names under the root, where found."""
+        if self.scope is None:
+            return
+        for node in gm.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if not stack:
+                continue
+            renamed = {}
+            for key, value in stack.items():
+                name = self._resolve(value[0], self._modules) if isinstance(value[0], str) else None
+                renamed[key] = (name, *value[1:]) if name is not None else value
+            node.meta["nn_module_stack"] = renamed
+
+    def tensor_name(self, tensor: object) -> str | None:
+        return self._tensors.get(id(tensor)) if self.root is not None else None
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    source = getattr(node, "_dynamo_source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else text
+    if not text:
+        return node.name
+    return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
 
 
 @contextlib.contextmanager

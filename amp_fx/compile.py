@@ -12,7 +12,9 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
-from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
+from amp_fx._fresh_code import fresh_callable
+from amp_fx._report import Reporter
+from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
 from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
@@ -42,14 +44,24 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
     own fake propagation sees autocast's dtypes, so Python code that reads ``x.dtype`` (e.g.
     ``h.to(x.dtype)`` in an RMSNorm) is specialised to the dtype the tensor has at run time.
 
+    Dynamo compiles a code object of this target's own (see :mod:`amp_fx._fresh_code`), so its
+    cache entries are this target's alone and the 9th compiled model compiles like the first.
+
     Whether a tensor argument is a leaf that requires grad decides whether its cast is shared
     (eager autocast's cast cache), and Dynamo does not guard on leafness: each pattern of leaf
     arguments gets its own compiled callable, with a backend that shares the records.
     amp_fx's own errors are re-raised unwrapped from Dynamo's BackendCompilerFailed.
+
+    After each call, what was done is checked against what was asked (through the backend's
+    reporter): a call that ran no graph is reported, and after the first call that captured
+    graphs, each policy entry that matched no op.
     """
     compiled_by_leaves: dict[tuple[bool, ...], Callable[..., Any]] = {}
+    own_code = fresh_callable(target)
+    policy_checked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal policy_checked
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         leaves = tuple(is_cacheable_leaf(t) for t in tensors)
         if any(t.is_cuda for t in tensors):
@@ -61,16 +73,25 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
-            compiled = compiled_by_leaves[leaves] = torch.compile(target, backend=sibling,
+            compiled = compiled_by_leaves[leaves] = torch.compile(own_code, backend=sibling,
                                                                   **compile_kwargs)
+        runs = backend.runs.count
         try:
             with torch.autocast(device_type, dtype=backend.dtype):
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from None
             raise
+        if torch.compiler.is_compiling():
+            return out  # traced by an enclosing torch.compile: nothing ran yet
+        if backend.runs.count == runs:
+            backend.report_no_graph(target)
+        elif not policy_checked:
+            policy_checked = True
+            backend.report_unused_policy()
+        return out
 
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
@@ -92,8 +113,21 @@ class AmpCompiledModule(torch.nn.Module):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
+        self.__dict__["_amp_fx_compile_kwargs"] = dict(compile_kwargs)
         self.__dict__["_amp_fx_forward"] = _amp_call(module, backend, compile_kwargs)
         self.training = module.training
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
+        # The compiled callables do not copy or pickle: a copy is the original module (copied
+        # by deepcopy, pickled by pickle/torch.save) compiled again with the same options, with
+        # no records until it first runs. Its state is independent of this module's.
+        backend = self._amp_fx_backend
+        options = {"dtype": backend.dtype, "policy": backend.policy, "backend": backend.backend,
+                   "fold": backend.fold, "strict": backend.reporter.strict,
+                   **self._amp_fx_compile_kwargs}
+        if backend.inductor_config:
+            options["options"] = dict(backend.inductor_config)
+        return (_recompile, (self._amp_fx_original, options, self.training))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._amp_fx_forward(*args, **kwargs)
@@ -139,6 +173,23 @@ def _check_keep_fp32(policy: Policy, model: object) -> None:
                              f"{type(model).__name__} does not have{hint}")
 
 
+def _recompile(module: torch.nn.Module, options: dict[str, Any], training: bool) -> AmpCompiledModule:
+    compiled = compile(module, **options)
+    compiled.train(training)
+    return compiled
+
+
+def _unwrap_compiled(model: object) -> object:
+    """The module under an ``amp_fx.compile`` or ``torch.compile`` wrapper (names are its names)."""
+    while True:
+        if isinstance(model, AmpCompiledModule):
+            model = model.original_module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def compile(
     model_or_fn: F,
     *,
@@ -146,6 +197,7 @@ def compile(
     policy: Policy | None = None,
     backend: str | Backend = "inductor",
     fold: bool = True,
+    strict: bool | None = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -158,11 +210,16 @@ def compile(
         backend: any torch.compile backend ("inductor", "aot_eager", "eager", or a callable);
             amp_fx rewrites each captured graph, then hands it on.
         fold: run the value-preserving cast-folding pass.
+        strict: raise :class:`AmpFxError` where amp_fx would warn that it did less than asked
+            (a call that ran no graph, a policy entry that matched no op). ``None`` reads the
+            ``AMP_FX_STRICT`` environment variable when ``compile`` is called.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
     Returns:
         For a module, an :class:`AmpCompiledModule` sharing the module's parameters, buffers and
-        state_dict keys; for a function, the compiled function.
+        state_dict keys; for a function, the compiled function. A module already wrapped by
+        ``amp_fx.compile`` or ``torch.compile`` is unwrapped first: the module under it is
+        compiled with these options, and module names are its names.
 
     Example:
         >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="bf16", backend="aot_eager")
@@ -173,13 +230,17 @@ def compile(
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(policy).__name__}")
+    reporter = Reporter(strict)
+    check_backend(backend)
     inductor_config = _inductor_config(backend, torch_compile_kwargs)
     if not callable(model_or_fn):
         raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
                         f"{type(model_or_fn).__name__}")
+    model_or_fn = _unwrap_compiled(model_or_fn)  # type: ignore[assignment]
     _check_keep_fp32(policy, model_or_fn)
+    root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
-                             inductor_config=inductor_config)
+                             inductor_config=inductor_config, root=root, reporter=reporter)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]

@@ -192,11 +192,13 @@ def test_fold_fires_on_user_round_trip(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", ["lstm", "gru"])
 def test_rnn_skipped_by_dynamo_by_default_runs_under_eager_autocast(name: str) -> None:
     """Without allow_rnn Dynamo falls back to eager for the whole frame: amp_fx captures nothing,
-    and the model must still be bitwise eager autocast (amp_fx runs it under autocast)."""
+    says so, and the model must still be bitwise eager autocast (amp_fx runs it under autocast)."""
     entry = ZOO[name]
     assert entry.dynamo_config == (("allow_rnn", True),)
     plain = ZooEntry(name, entry.factory)
-    actual, expected, compiled = run_pair(plain, torch.bfloat16, backend="aot_eager")
+    with pytest.warns(amp_fx.AmpFxWarning, match="captured and ran no graph"):
+        actual, expected, compiled = run_pair(plain, torch.bfloat16, backend="aot_eager",
+                                              strict=False)
     assert compiled.amp_fx_records == []
     assert_bitwise(actual, expected)
 
