@@ -40,6 +40,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
+    _temp_remove_pre_dispatch_torch_function_mode,
     disable_proxy_modes_tracing,
     get_proxy_mode,
     make_fx,
@@ -175,7 +176,12 @@ def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     """Record ``fn(*args, **kwargs)`` as one node of the graph being traced, without tracing into
     it; its example outputs are computed with tracing off."""
     tracer = get_proxy_mode().tracer
-    with disable_proxy_modes_tracing():
+    # Pre-dispatch tracing also intercepts torch.autocast's enter/exit at the torch-function
+    # level (recording them instead of running them); the body of a custom Function decorated
+    # with custom_fwd(cast_inputs=...) opens torch.autocast(enabled=False), so with that mode
+    # left on, its ops would be computed under autocast and its output recorded in the low
+    # dtype while it is fp32 at run time.
+    with disable_proxy_modes_tracing(), _temp_remove_pre_dispatch_torch_function_mode():
         example_out = fn(*args, **kwargs)
     for a in args:
         if isinstance(a, torch.nn.Module):
