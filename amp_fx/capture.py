@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
+from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name, banned_message
 
 log = logging.getLogger("amp_fx")
 
@@ -77,13 +77,11 @@ def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
     return decomp
 
 
-def _refuse_banned(op: torch._ops.OpOverload) -> Callable[..., Any]:
+def _refuse_banned(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
+    message = banned_message(op.name(), policy, device_type)
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AmpFxError(
-            f"amp_fx: {op.name()} is unsafe to autocast (banned by the policy, as in eager "
-            "autocast): torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
-            "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
-            "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+        raise AmpFxError(message)
 
     return refuse
 
@@ -121,7 +119,7 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
             table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
     for name, cls in claimed.items():
         if cls is CastClass.BANNED:
-            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name))
+            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name), policy, device_type)
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue

@@ -303,6 +303,25 @@ class Policy:
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
 
 
+def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
+    """Why amp_fx refuses ``op_name`` ("aten::linear"): the user's policy entry, or torch's table."""
+    short = op_name.replace("::", ".")
+    bce = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+           "use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss.")
+    label = policy.entry_for(op_name)
+    if label is not None and policy.op_classes.get(op_name) is CastClass.BANNED:
+        return (f"amp_fx: {short} is banned by your policy: the entry "
+                f"Policy(op_classes={{{label!r}: CastClass.BANNED}}) makes amp_fx refuse every call "
+                f"of it. Drop the entry or give it another CastClass to run the op."
+                + (f" ({bce})" if op_name == "aten::binary_cross_entropy" else ""))
+    if op_name == "aten::binary_cross_entropy":
+        advice = f"{bce} Or move the op with Policy(op_classes=...)."
+    else:
+        advice = "Move the op to another class with Policy(op_classes=...) if it is safe."
+    return (f"amp_fx: {short} is unsafe to autocast on {device_type} (banned by eager autocast's "
+            f"{device_type} table, and so by amp_fx): {advice}")
+
+
 def _op_label(op: OpLike) -> str:
     """The user's spelling of an op entry, one that :func:`_normalize_op` maps back to it."""
     if isinstance(op, torch._ops.OpOverload):

@@ -54,7 +54,15 @@ from torch.utils._pytree import tree_map
 
 from amp_fx.capture import module_stack
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import APPEND_DTYPE_REDISPATCH, DEFAULT_TABLES, CastClass, Decision, Policy, _op_from_name
+from amp_fx.policy import (
+    APPEND_DTYPE_REDISPATCH,
+    DEFAULT_TABLES,
+    CastClass,
+    Decision,
+    Policy,
+    _op_from_name,
+    banned_message,
+)
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
 
@@ -168,11 +176,8 @@ class _Rewriter:
         elif cls is CastClass.FP32_APPEND_DTYPE:
             self.append_dtype(node)
         elif cls is CastClass.BANNED:
-            raise AmpFxError(
-                f"amp_fx: {node.target} is unsafe to autocast ({decision.reason}), as in eager "
-                "autocast: torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
-                "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
-                "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+            raise AmpFxError(f"{banned_message(node.target.name(), self.policy, self.device_type)} "
+                             f"(at {node.format_node()})")
 
     def set_opt_dtype(self, node: torch.fx.Node) -> None:
         if not node.args or not _eligible(_val(node.args[0]), self.device_type):
