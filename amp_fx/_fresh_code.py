@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fresh_function", "fresh_callable"]
+__all__ = ["fresh_function", "fresh_callable", "fresh_forward", "calls_forward_only"]
 
 
 def fresh_function(fn: types.FunctionType) -> types.FunctionType:
@@ -38,6 +38,36 @@ def fresh_function(fn: types.FunctionType) -> types.FunctionType:
 
 def _call_module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return self(*args, **kwargs)
+
+
+def fresh_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """A per-model copy of ``module``'s own forward, bound to it; None where there is none to copy.
+
+    Calling it is calling the module when the module has no hooks (see :func:`calls_forward_only`).
+    Dynamo then compiles the forward as the outermost frame, as ``torch.compile(module)`` does:
+    its arguments keep their names (``L['x']``) and the module is ``L['self']``. Forwards defined
+    in torch itself (``nn.Sequential``, ``nn.Linear``) are not copied: Dynamo does not compile
+    frames of torch's own files, it inlines them from a caller (:func:`fresh_callable`).
+    """
+    forward = module.forward
+    if not (isinstance(forward, types.MethodType) and forward.__self__ is module
+            and isinstance(forward.__func__, types.FunctionType)):
+        return None
+    if forward.__func__.__module__.split(".")[0] == "torch":
+        return None
+    return types.MethodType(fresh_function(forward.__func__), module)
+
+
+def calls_forward_only(module: torch.nn.Module) -> bool:
+    """Whether ``module(...)`` is exactly ``module.forward(...)`` now: the condition under which
+    ``nn.Module._call_impl`` skips every hook, and no ``module.compile()`` in the way."""
+    from torch.nn.modules import module as m
+
+    return not (module._compiled_call_impl is not None
+                or module._backward_hooks or module._backward_pre_hooks
+                or module._forward_hooks or module._forward_pre_hooks
+                or m._global_backward_pre_hooks or m._global_backward_hooks
+                or m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def fresh_callable(target: Callable[..., Any]) -> Callable[..., Any]:

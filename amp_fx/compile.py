@@ -12,7 +12,7 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
-from amp_fx._fresh_code import fresh_callable
+from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
 from amp_fx.capture import is_cacheable_leaf
@@ -56,14 +56,18 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
     reporter): a call that ran no graph is reported, and after the first call that captured
     graphs, each policy entry that matched no op.
     """
-    compiled_by_leaves: dict[tuple[bool, ...], Callable[..., Any]] = {}
-    own_code = fresh_callable(target)
+    compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
+    own_call = fresh_callable(target)
+    # A module is compiled from a copy of its own forward where calling it is calling forward
+    # (no hooks): Dynamo's names are then those of torch.compile(module) (L['x'], not L['args'][0]).
+    own_forward = fresh_forward(target) if isinstance(target, torch.nn.Module) else None
     policy_checked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal policy_checked
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        leaves = tuple(is_cacheable_leaf(t) for t in tensors)
+        direct = own_forward is not None and calls_forward_only(target)
+        leaves = (direct, *(is_cacheable_leaf(t) for t in tensors))
         if any(t.is_cuda for t in tensors):
             device_type = "cuda"
         elif isinstance(target, torch.nn.Module):
@@ -73,8 +77,8 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
-            compiled = compiled_by_leaves[leaves] = torch.compile(own_code, backend=sibling,
-                                                                  **compile_kwargs)
+            compiled = compiled_by_leaves[leaves] = torch.compile(
+                own_forward if direct else own_call, backend=sibling, **compile_kwargs)
         runs = backend.runs.count
         try:
             with torch.autocast(device_type, dtype=backend.dtype):
@@ -87,7 +91,8 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
         if torch.compiler.is_compiling():
             return out  # traced by an enclosing torch.compile: nothing ran yet
         if backend.runs.count == runs:
-            backend.report_no_graph(target)
+            if _computed_floats(out, tensors):
+                backend.report_no_graph(target)
         elif not policy_checked:
             policy_checked = True
             backend.report_unused_policy()
@@ -96,6 +101,14 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
     return call
+
+
+def _computed_floats(out: Any, inputs: list[torch.Tensor]) -> bool:
+    """Whether a call returned a floating-point tensor it computed (not one of its inputs): a
+    call that returns its input or only integers had nothing for amp_fx to compile."""
+    given = {id(t) for t in inputs}
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in given
+               for t in tree_flatten(out)[0])
 
 
 class AmpCompiledModule(torch.nn.Module):

@@ -7,7 +7,6 @@ with eager autocast through the whole recipe, scaler included.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest

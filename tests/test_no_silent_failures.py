@@ -231,3 +231,19 @@ def test_no_graph_message_names_the_working_form_for_ddp_and_fsdp() -> None:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_hooks_still_run_and_hooked_models_own_their_entries_too() -> None:
+    """Without hooks a model is compiled from a copy of its forward; with hooks, through a copy
+    of ``self(*args)``: hooks run, as in eager, added before or after the first call."""
+    x = torch.randn(2, 16)
+    for i in range(10):
+        model = _mlp()
+        compiled = amp_fx.compile(model, backend="eager", strict=True)
+        compiled(x)
+        handle = model.register_forward_hook(lambda mod, args, out: out * 2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+        torch.testing.assert_close(compiled(x), expected, atol=0, rtol=0)
+        assert len(compiled.amp_fx_records) == 2, f"hooked model {i} captured no graph"
+        handle.remove()
