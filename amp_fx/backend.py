@@ -27,13 +27,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
 from amp_fx.errors import AmpFxError
+from amp_fx.passes import meta
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.policy import CastClass, Policy, _module_matches
 
-__all__ = ["AmpBackend", "GraphRecord"]
+__all__ = ["AmpBackend", "GraphRecord", "PIPELINE", "Stage"]
 
-log = logging.getLogger("amp_fx")
+log = logging.getLogger(__name__)
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -147,30 +148,21 @@ class AmpBackend:
                 fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
             else:
                 fake_args.append(node.meta.get("example_value", real))
-        leaf_flags = [is_cacheable_leaf(r) for r in example_inputs]
-        device_type = graph_device_type(fake_args)
-        timings: dict[str, float] = {}
-
+        work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
+                          device_type=graph_device_type(fake_args),
+                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs])
         index = len(self.records)
-        t0 = time.perf_counter()
-        with fake_mode, _naming_failures("capture", index):
-            captured = capture(gm, fake_args, policy=self.policy, device_type=device_type,
-                               dtype=self.dtype, leaf_flags=leaf_flags)
-        before = _copy_graph_module(captured)
-        t1 = time.perf_counter()
-        with _naming_failures("insert_casts", index):
-            rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,
-                                               dtype=self.dtype, fake_mode=fake_mode)
-        t2 = time.perf_counter()
-        folded = FoldRecord()
-        if self.fold:
-            with _naming_failures("fold_casts", index):
-                rewritten, folded = fold_casts(rewritten)
-        t3 = time.perf_counter()
-        timings.update(capture=t1 - t0, insert_casts=t2 - t1, fold_casts=t3 - t2)
-        record = GraphRecord(index=index, device_type=device_type, dtype=self.dtype,
-                             dynamo_graph=gm, captured=before, rewritten=rewritten,
-                             inserted=inserted, folded=folded, pass_seconds=timings)
+        timings: dict[str, float] = {}
+        done: list[str] = []
+        for stage in PIPELINE:
+            if not stage.enabled(self):
+                timings[stage.name] = 0.0
+                continue
+            with _running(stage.name, index, done, timings):
+                stage.run(self, work)
+        record = GraphRecord(index=index, device_type=work.device_type, dtype=self.dtype,
+                             dynamo_graph=gm, captured=work.captured, rewritten=work.gm,
+                             inserted=work.inserted, folded=work.folded, pass_seconds=timings)
         log.debug("amp_fx graph %d:\n%s", record.index, record)
         return record
 
@@ -216,7 +208,7 @@ class AmpBackend:
         theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         position = {n: i for i, n in enumerate(ours)}
         for node in record.rewritten.graph.nodes:
-            if not node.meta.get("amp_fx_cached") or node.args[0] not in position:
+            if not node.meta.get(meta.CACHED) or node.args[0] not in position:
                 continue
             i = position[node.args[0]]
             tensor = example_inputs[i]
@@ -410,18 +402,75 @@ def _source_name(node: torch.fx.Node) -> str:
     return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
 
 
+# --- the pipeline -------------------------------------------------------------------------------
+
+
+@dataclass
+class _GraphWork:
+    """What flows through the pipeline for one Dynamo graph; each stage fills in its part."""
+
+    gm: torch.fx.GraphModule
+    """Dynamo's graph; after capture the ATen graph, which the passes rewrite in place."""
+    fake_args: list[Any]
+    fake_mode: FakeTensorMode
+    device_type: str
+    leaf_flags: list[bool]
+    captured: torch.fx.GraphModule | None = None
+    """A copy of the ATen graph before the passes (for inspection)."""
+    inserted: InsertRecord = field(default_factory=InsertRecord)
+    folded: FoldRecord = field(default_factory=FoldRecord)
+
+
+def _capture(backend: AmpBackend, work: _GraphWork) -> None:
+    with work.fake_mode:
+        work.gm = capture(work.gm, work.fake_args, policy=backend.policy,
+                          device_type=work.device_type, dtype=backend.dtype,
+                          leaf_flags=work.leaf_flags)
+    work.captured = _copy_graph_module(work.gm)
+
+
+def _insert_casts(backend: AmpBackend, work: _GraphWork) -> None:
+    work.gm, work.inserted = insert_casts(work.gm, policy=backend.policy,
+                                          device_type=work.device_type, dtype=backend.dtype,
+                                          fake_mode=work.fake_mode)
+
+
+def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
+    work.gm, work.folded = fold_casts(work.gm)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: its name (in timings, logs and errors) and what it runs."""
+
+    name: str
+    run: Callable[[AmpBackend, _GraphWork], None]
+    enabled: Callable[[AmpBackend], bool] = lambda backend: True
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("capture", _capture),
+    Stage("insert_casts", _insert_casts),
+    Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
+)
+"""What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
+
+
 @contextlib.contextmanager
-def _naming_failures(stage: str, index: int) -> Iterator[None]:
-    """Name the stage (and the passes before it) when one fails with an unexpected error."""
-    stages = ["capture", "insert_casts", "fold_casts"]
+def _running(stage: str, index: int, done: list[str], timings: dict[str, float]) -> Iterator[None]:
+    """Time and log one stage; name it (and the stages run before it) when it fails unexpectedly."""
+    t0 = time.perf_counter()
     try:
         yield
     except AmpFxError:
         raise
     except Exception as e:
-        done = ", ".join(stages[: stages.index(stage)]) or "none"
-        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {done}): "
+        before = ", ".join(done) or "none"
+        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {before}): "
                          f"{type(e).__name__}: {e}") from e
+    timings[stage] = time.perf_counter() - t0
+    done.append(stage)
+    log.debug("amp_fx graph %d: %s took %.1f ms", index, stage, 1e3 * timings[stage])
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

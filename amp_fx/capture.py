@@ -40,7 +40,6 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
-    _temp_remove_pre_dispatch_torch_function_mode,
     disable_proxy_modes_tracing,
     get_proxy_mode,
     make_fx,
@@ -50,9 +49,10 @@ from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
 from amp_fx.errors import AmpFxError
+from amp_fx.passes import meta
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name, banned_message
 
-log = logging.getLogger("amp_fx")
+log = logging.getLogger(__name__)
 
 __all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 
@@ -153,6 +153,12 @@ def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Ten
     return input * noise
 
 
+# Private in torch; present in 2.13 (proxy_tensor.py). Without it, Functions that change the
+# autocast state themselves would be recorded with autocast's dtypes (see _record_opaque).
+_without_pre_dispatch_function_mode = getattr(
+    torch.fx.experimental.proxy_tensor, "_temp_remove_pre_dispatch_torch_function_mode",
+    contextlib.nullcontext)
+
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
 
 
@@ -179,7 +185,7 @@ def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     # with custom_fwd(cast_inputs=...) opens torch.autocast(enabled=False), so with that mode
     # left on, its ops would be computed under autocast and its output recorded in the low
     # dtype while it is fp32 at run time.
-    with disable_proxy_modes_tracing(), _temp_remove_pre_dispatch_torch_function_mode():
+    with disable_proxy_modes_tracing(), _without_pre_dispatch_function_mode():
         example_out = fn(*args, **kwargs)
     for a in args:
         if isinstance(a, torch.nn.Module):
@@ -282,10 +288,10 @@ def capture(
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            node.meta["amp_fx_autocast_dtype"] = val.dtype
+            node.meta[meta.AUTOCAST_DTYPE] = val.dtype
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, is_leaf in zip(placeholders, leaf_flags, strict=True):
-        node.meta["amp_fx_leaf"] = is_leaf
+        node.meta[meta.LEAF] = is_leaf
     return gm
 
 

@@ -12,6 +12,7 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._devices import autocast_device_type, check_supported
 from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
@@ -25,13 +26,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _module_device_type(module: torch.nn.Module) -> str:
-    """The device type of the module's first parameter (or buffer); cpu if it has none.
+    """The autocast device of the module's first parameter (or buffer); cpu if it has none.
 
     Only the first: walking every submodule on each call costs more than the call itself for
     small models, and a module split across cpu and cuda is not something autocast handles.
     """
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return "cuda" if first is not None and first.is_cuda else "cpu"
+    return autocast_device_type([first] if first is not None else [])
 
 
 def _amp_call(target: Callable[..., Any], backend: AmpBackend,
@@ -68,12 +69,10 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         direct = own_forward is not None and calls_forward_only(target)
         leaves = (direct, *(is_cacheable_leaf(t) for t in tensors))
-        if any(t.is_cuda for t in tensors):
-            device_type = "cuda"
-        elif isinstance(target, torch.nn.Module):
-            device_type = _module_device_type(target)
-        else:
-            device_type = "cpu"
+        device_type = autocast_device_type(tensors, default="")
+        if device_type in ("", "cpu") and isinstance(target, torch.nn.Module):
+            device_type = _module_device_type(target)  # a cuda model called with cpu inputs
+        device_type = device_type or "cpu"
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
@@ -274,9 +273,7 @@ def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _check_devices(module: torch.nn.Module) -> None:
     for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"amp_fx: {name} is on device {t.device}, which amp_fx has no autocast "
-                             "policy for; supported device types are 'cpu' and 'cuda'")
+        check_supported(t.device.type, name)
 
 
 def records(compiled: object) -> list[GraphRecord]:
