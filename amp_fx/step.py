@@ -49,19 +49,19 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch._dynamo
 
-import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.policy import Policy, resolve_dtype
-from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
+from amp_fx.scaler.snapshot import copy_state, restore_where_, unique_params
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
@@ -109,17 +109,6 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
     return inspect.unwrap(type(optimizer).step)
 
 
-def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    params: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
-
-
 class _CountingBackend:
     """A torch.compile backend that delegates and counts the graphs it compiles."""
 
@@ -154,7 +143,7 @@ class CompiledStep:
         self.loss_fn = loss_fn
         self.config = config
         self.scaler = scaler
-        self._params = _unique_params(optimizer)
+        self._params = unique_params(optimizer)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
@@ -171,9 +160,7 @@ class CompiledStep:
     @property
     def scale(self) -> torch.Tensor:
         """The current loss scale (0-dim float32 on the device; 1.0 in check-only mode)."""
-        self._ensure_scale()
-        assert self.scaler._scale is not None
-        return self.scaler._scale
+        return self._scale_state()[0].scale
 
     @property
     def last_step_skipped(self) -> torch.Tensor:
@@ -217,7 +204,7 @@ class CompiledStep:
         if len(batch) < n:
             raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
                             f"{len(batch)} argument(s)")
-        scale = self._ensure_scale(batch)
+        scale = self._scale_state()[0].scale
         loss, scaled = self._forward(scale, *batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
             what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
@@ -231,12 +218,9 @@ class CompiledStep:
             self._optimizer_step()
         return loss
 
-    def _ensure_scale(self, batch: Sequence[Any] = ()) -> torch.Tensor:
-        if self.scaler._scale is None:
-            device = self._params[0].device if self._params else torch.device("cpu")
-            self.scaler.scale(torch.zeros((), device=device))  # creates the scaler's device state
-        assert self.scaler._scale is not None
-        return self.scaler._scale
+    def _scale_state(self) -> tuple[rules.ScaleState, rules.ScaleRule]:
+        """The scaler's device state (created on the parameters' device) and update rule."""
+        return self.scaler.loss_scale_state(self._params[0].device)
 
     def _forward_loss(self, scale: torch.Tensor, *batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.config.n_inputs
@@ -295,7 +279,7 @@ class CompiledStep:
             before = self._finish_backend.graphs
             with torch.no_grad():
                 self._run_pre_hooks()
-                flags = self._finish()
+                flags = self._finish(*self._scale_state())
                 if self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -345,24 +329,16 @@ class CompiledStep:
         self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
 
     # ------------------------------------------------------------------ the compiled finish
-    def _finish_impl(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        scaler = self.scaler
-        scale = scaler._scale
-        assert scale is not None
+    def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
+                     ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
         grads = [p.grad for p in self._params if p.grad is not None]
-        if scaler._mode is ScalerMode.DYNAMIC:
-            # torch's inv_scale; a scale with no finite reciprocal counts as an overflow (see scaler).
-            inv_scale = scale.double().reciprocal().float()
-            found_inf = (~torch.isfinite(inv_scale)).to(torch.float32)
-        else:
-            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         max_norm = self.config.max_grad_norm
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale))
-            grad_scale = scale.clone()
+            grad_scale = state.scale.clone()
         elif max_norm is None:
             unscale_check_(grads, found_inf, inv_scale)
         else:
@@ -378,39 +354,17 @@ class CompiledStep:
             torch._foreach_mul_(grads, torch.clamp(clip_coef, max=1.0))
         if not self._fused:
             self._masked_step(found_inf)
-        self._update_scale(found_inf)
+        rules.update_scale_(state, rule, found_inf)
+        rules.record_step_(state, found_inf)
         if self._fused:
             return grad_scale, found_inf
         return None
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
-        opt = self.optimizer
-        saved_params = [p.detach().clone() for p in self._params]
-        saved_state: list[list[tuple[str, torch.Tensor]]] = []
-        for p in self._params:
-            entry = opt.state.get(p)  # .get: indexing the defaultdict would add entries (and a recompile)
-            saved_state.append([] if entry is None else
-                               [(k, v.clone()) for k, v in entry.items() if isinstance(v, torch.Tensor)])
-        self._raw_step(opt)
-        skip = found_inf != 0
-        for p, old in zip(self._params, saved_params):
-            p.copy_(torch.where(skip, old, p))
-        for p, saved in zip(self._params, saved_state):
-            if not saved:
-                continue
-            entry = opt.state[p]
-            for k, old in saved:
-                entry[k].copy_(torch.where(skip, old, entry[k]))
-
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        s = self.scaler
-        if s._mode is ScalerMode.DYNAMIC:
-            torch.ops.amp_fx.update_scale_(
-                s._scale, s._growth_tracker, s._hysteresis_tracker, found_inf, s._growth_factor,
-                s._backoff_factor, s._growth_interval, s._min_scale, s._max_scale, s._hysteresis,
-                s._consecutive_hysteresis)
-        s._last_found_inf.copy_(found_inf)
-        s._skipped_steps.add_((found_inf != 0).to(torch.int64))
+        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot)."""
+        saved_params, saved_state = copy_state(self.optimizer, self._params)
+        self._raw_step(self.optimizer)
+        restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
 
 
 def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
@@ -421,12 +375,12 @@ def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
 
 def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     model_params = {id(p) for p in model.parameters()}
-    foreign = [i for i, p in enumerate(_unique_params(optimizer)) if id(p) not in model_params]
+    foreign = [i for i, p in enumerate(unique_params(optimizer)) if id(p) not in model_params]
     if foreign:
         raise ValueError(f"amp_fx.compile_step: the optimizer holds {len(foreign)} parameter(s) that are not "
                          f"parameters of the model (positions {foreign[:5]} in its param_groups); build the "
                          "optimizer on model.parameters()")
-    in_opt = {id(p) for p in _unique_params(optimizer)}
+    in_opt = {id(p) for p in unique_params(optimizer)}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
     if missing:
         logger.warning("amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
@@ -497,7 +451,7 @@ def compile_step(
     config = _Config(dtype=lower, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
                      n_inputs=n_inputs)
     _check_params(model, optimizer)
-    params = _unique_params(optimizer)
+    params = unique_params(optimizer)
     if not params:
         raise ValueError("amp_fx.compile_step: the optimizer has no parameters")
     devices = {p.device for p in params}
