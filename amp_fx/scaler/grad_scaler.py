@@ -583,8 +583,13 @@ class GradScaler(torch.amp.GradScaler):
             scale = self._get_scale_async()
             if scale is None:
                 raise AssertionError("_get_scale_async returned None")
-            found_inf = rules.combine_found_inf(
-                list(optimizer_state["found_inf_per_device"].values()), scale.device
+            flags = list(optimizer_state["found_inf_per_device"].values())
+            # No gradients, no flags: torch passes found_inf=0 and its update() then raises
+            # "No inf checks were recorded prior to update."; so does ours.
+            found_inf = (
+                rules.combine_found_inf(flags, scale.device)
+                if flags
+                else torch.zeros((), dtype=torch.float32, device=scale.device)
             )
             # Product of the scales if the user already set optimizer.grad_scale (as torch).
             optimizer.grad_scale = (  # type: ignore[attr-defined]
