@@ -49,6 +49,7 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,11 +74,15 @@ LossFn = Callable[..., torch.Tensor]
 class GradNorm(enum.Enum):
     """How the total gradient norm for clipping is computed.
 
-    * ``FUSED``: ``torch.ops.amp_fx.unscale_check_norm_`` returns the sum of squares in the same
-      pass that unscales (one read of the gradients fewer). Accumulated in fp32 with partial
-      sums in fp64, so it can differ from ``clip_grad_norm_``'s norm in the last bits.
-    * ``TORCH``: ``clip_grad_norm_``'s own formula (``_foreach_norm``, then the norm of the
-      norms) after the fused unscale: bit for bit torch's clipping.
+    * ``TORCH`` (the default): ``clip_grad_norm_``'s own formula (``_foreach_norm``, then the
+      norm of the norms) after the fused unscale: bit for bit torch's clipping, so the step is
+      bit for bit the eager recipe (``unscale_`` + ``clip_grad_norm_``).
+    * ``FUSED`` (opt-in, faster): ``torch.ops.amp_fx.unscale_check_norm_`` returns the sum of
+      squares in the same pass that unscales (one read of the gradients fewer: 16 instead of 20
+      bytes per fp32 element with the clip multiply). What it gives up: the sum is accumulated
+      in fp32 with partial sums in fp64, in another order than ``clip_grad_norm_``, so the norm,
+      and with it every clipped step, can differ from the eager recipe in the last bits (a few
+      fp32 ulps per step; ``tests/test_step.py`` pins 2^-20 relative to the parameters' movement).
     """
 
     FUSED = "fused"
@@ -107,6 +112,22 @@ class _Config:
 def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
     """The optimizer's step function without torch's wrappers (hooks, graph breaks, no_grad)."""
     return inspect.unwrap(type(optimizer).step)
+
+
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` bound to a function with its own copy of the code object.
+
+    Dynamo keeps its cache entries (at most ``recompile_limit``, 8) per code object. Compiling the
+    bound methods of ``CompiledStep`` directly would make every step in the process share one
+    code object, so the 9th step would hit the limit; a copied code object gives each step its
+    own entries.
+    """
+    fn = method.__func__  # type: ignore[attr-defined]
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    own.__qualname__ = fn.__qualname__
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
 
 
 class _CountingBackend:
@@ -148,10 +169,12 @@ class CompiledStep:
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
         self._compiled_finishes = 0
-        self._forward = amp_compile(self._forward_loss, dtype=config.dtype, policy=policy,
-                                    backend=backend, fullgraph=True, dynamic=dynamic)
+        # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
+        # splits the forward into graphs, each rewritten, with no host sync between them.
+        self._forward = amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
+                                    backend=backend, dynamic=dynamic)
         self._finish_backend = _CountingBackend(backend)
-        self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
+        self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
         self._seen_lrs = self._float_lrs()
         self._warmed_up = False
@@ -199,18 +222,13 @@ class CompiledStep:
         self.scaler.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ the step
-    def __call__(self, *batch: Any) -> torch.Tensor:
+    def __call__(self, *batch: Any, **model_kwargs: Any) -> torch.Tensor:
         n = self.config.n_inputs
-        if len(batch) < n:
+        if len(batch) < n and not model_kwargs:
             raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
                             f"{len(batch)} argument(s)")
         scale = self._scale_state()[0].scale
-        loss, scaled = self._forward(scale, *batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
-                    else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}")
-            raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}; "
-                             "reduce it (e.g. .mean()) in loss_fn")
+        loss, scaled = self._forward(scale, *batch, **model_kwargs)
         scaled.backward()
         self._micro_step += 1
         if self._micro_step == self.config.accumulate:
@@ -222,9 +240,11 @@ class CompiledStep:
         """The scaler's device state (created on the parameters' device) and update rule."""
         return self.scaler.loss_scale_state(self._params[0].device)
 
-    def _forward_loss(self, scale: torch.Tensor, *batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_loss(self, scale: torch.Tensor, *batch: Any, **model_kwargs: Any
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.config.n_inputs
-        loss = self.loss_fn(self.model(*batch[:n]), *batch[n:])
+        loss = self.loss_fn(self.model(*batch[:n], **model_kwargs), *batch[n:])
+        _check_loss(loss)  # before the loss is used: a None loss must not reach the tracer's ops
         scaled = loss
         if self.config.accumulate > 1:
             scaled = scaled / self.config.accumulate  # torch's recipe: gradients are the window mean
@@ -367,6 +387,18 @@ class CompiledStep:
         restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
 
 
+def _check_loss(loss: object) -> None:
+    """loss_fn's result must be a floating-point 0-dim tensor (checked while tracing: the check
+    reads metadata only; a failing one breaks the graph and raises in eager)."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return
+    what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
+            else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}")
+    hint = (" (a Hugging Face model returns loss=None when no labels are passed)" if loss is None
+            else "; reduce it (e.g. .mean()) in loss_fn")
+    raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}{hint}")
+
+
 def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
     if dtype == torch.bfloat16:
         return GradScaler(device.type, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED)
@@ -395,7 +427,7 @@ def compile_step(
     dtype: str | torch.dtype = "fp16",
     scaler: GradScaler | None = None,
     max_grad_norm: float | None = None,
-    grad_norm: GradNorm = GradNorm.FUSED,
+    grad_norm: GradNorm = GradNorm.TORCH,
     accumulate: int = 1,
     n_inputs: int = 1,
     backend: str | Backend = "inductor",
@@ -422,7 +454,9 @@ def compile_step(
             (default: torch's defaults for fp16, ``ScalerMode.CHECK_ONLY`` for bf16).
         max_grad_norm: clip the unscaled gradients to this total L2 norm (``clip_grad_norm_``'s
             rule, on the device).
-        grad_norm: how the norm for clipping is computed (see :class:`GradNorm`).
+        grad_norm: how the norm for clipping is computed: ``GradNorm.TORCH`` (default, bitwise
+            ``clip_grad_norm_``) or ``GradNorm.FUSED`` (one pass fewer over the gradients, not
+            bitwise: see :class:`GradNorm`).
         accumulate: micro-batches per optimizer step. Call ``step`` once per micro-batch; the
             loss is divided by ``accumulate`` before the backward (torch's recipe), the scale is
             fixed within a window, and unscale/check/step/update run at its end.

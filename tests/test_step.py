@@ -10,6 +10,7 @@ derived tolerance (see ``inductor_tolerance``).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -108,14 +109,17 @@ def cumulative_movement(ref: dict[str, list[torch.Tensor]]) -> list[torch.Tensor
 
 
 def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None,
-             grad_norm: GradNorm, backend: str, poison: dict[int, float], n: int
+             grad_norm: GradNorm | None, backend: str, poison: dict[int, float], n: int
              ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
+    """compile_step and the eager recipe on identical models and batches; ``grad_norm`` None:
+    compile_step's default."""
     ours_scaler, ref_scaler = scalers(dtype)
     model, ref_model = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     loss_fn = torch.nn.functional.mse_loss
+    options = {} if grad_norm is None else {"grad_norm": grad_norm}
     step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
-                        grad_norm=grad_norm, accumulate=accumulate, backend=backend)
+                        accumulate=accumulate, backend=backend, **options)
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
                               max_grad_norm=clip)
     batches = make_batches(n, poison)
@@ -158,6 +162,17 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
     assert int(step.skipped_steps) == len(poisoned_windows)
     if dtype == torch.float16:
         assert len(set(s.item() for s in ref["scale"])) >= 3
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
+def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
+    """The README's example (max_grad_norm, no grad_norm given) reproduces unscale_ +
+    clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
+    ours, ref, _ = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=0.05,
+                            grad_norm=None, backend="aot_eager", poison=FP16_POISON, n=8)
+    for key in ("loss", "scale", "params"):
+        for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
+            assert_bitwise(a, e, f"{key}[{i}]")
 
 
 def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> None:
@@ -365,3 +380,77 @@ def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type[Except
 
 def test_public_api() -> None:
     assert amp_fx.compile_step is compile_step and "compile_step" in amp_fx.__all__
+
+
+# ------------------------------------------------------------------------- usage patterns
+def test_ten_compile_steps_in_one_process_each_own_their_cache_entries() -> None:
+    """Dynamo keeps 8 cache entries per code object: every step must compile its own graphs
+    (once all steps shared one code object and the 9th step raised FailOnRecompileLimitHit)."""
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for i in range(10):
+        torch.manual_seed(i)
+        model = torch.nn.Linear(4, 2)
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref_model))
+        # A scale at which the fp16 gradients do not overflow, so that the second step is compiled.
+        scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
+        step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend="eager")
+        ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
+                                  torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+        for _ in range(2):  # a warm-up step, then a compiled one
+            assert_bitwise(step(x, y), ref_step(x, y), f"step {i}: loss")
+        assert len(step._forward.amp_fx_records) >= 1 and step._finish_backend.graphs == 1, f"step {i}"
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"step {i}: params")
+
+
+class _HFStyleOutput(dict):  # what transformers' ModelOutput is: a dict with attributes
+    __getattr__ = dict.get
+
+
+class _HFStyleLM(torch.nn.Module):
+    """Called as HF models are (keywords, loss inside, None without labels), with a logger call
+    in forward that Dynamo cannot trace (transformers' ``logger.warning_once``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> _HFStyleOutput:
+        logging.getLogger("amp_fx.tests.hf_style").debug("loss_type=None")  # a graph break
+        logits = self.head(self.emb(input_ids))
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return _HFStyleOutput(loss=loss, logits=logits)
+
+
+def _hf_batches(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.randint(0, 16, (2, 5), generator=g),
+             "labels": torch.randint(0, 16, (2, 5), generator=g)} for _ in range(n)]
+
+
+def test_keyword_inputs_and_graph_breaks_in_the_forward_hf_style() -> None:
+    model, ref_model = _HFStyleLM(), _HFStyleLM()
+    opt, ref_opt = OPTIMIZERS["adamw_fused"](model.parameters()), OPTIMIZERS["adamw_fused"](ref_model.parameters())
+    step = compile_step(model, opt, lambda out: out.loss, backend="aot_eager")
+    ref_scaler = torch.amp.GradScaler("cpu")
+    for i, batch in enumerate(_hf_batches(3)):
+        loss = step(**batch)
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = ref_model(**batch).loss
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert_bitwise(loss, ref_loss.detach(), f"loss[{i}]")
+    assert_bitwise(flat_params(model), flat_params(ref_model), "params")
+    assert sum(counters["graph_break"].values()) >= 1  # the logger call did break the graph
+
+
+def test_loss_fn_returning_none_is_amp_fx_error() -> None:
+    model = _HFStyleLM()
+    step = compile_step(model, OPTIMIZERS["adamw_fused"](model.parameters()), lambda out: out.loss,
+                        backend="aot_eager")
+    batch = _hf_batches(1)[0]
+    with pytest.raises(ValueError, match=r"loss_fn must return a floating-point scalar.*got a NoneType.*no labels"):
+        step(input_ids=batch["input_ids"])
