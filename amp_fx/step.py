@@ -10,6 +10,8 @@ that reads no tensor value:
 1. **forward + loss** (``amp_fx.compile`` of ``loss_fn(model(*inputs), *targets)``, so the
    loss is computed under the same autocast policy as the model, as in torch's AMP recipe),
    returning the loss and the loss multiplied by the scale. AOTAutograd compiles its backward.
+   Keyword arguments of ``step`` go to the model. Graph breaks are allowed here (a logger call
+   in a Hugging Face forward): each piece is compiled and rewritten.
 2. **backward**: ``scaled_loss.backward()`` runs AOTAutograd's compiled backward graph; the
    gradients accumulate into ``.grad`` as in eager.
 3. **finish** (``torch.compile(fullgraph=True)``, once per accumulation window): the fused
@@ -32,8 +34,8 @@ Why three pieces and not one graph: Dynamo graph-breaks on ``Tensor.backward()``
 wrapper calls ``torch._dynamo.graph_break()`` and fused optimizers are ``compiler.disable``-d, so
 ``torch.compile`` of the whole recipe breaks 7 times (bench/bench_step.py prints the list).
 Compiled autograd and the experimental ``torch._dynamo.config.trace_autograd_ops`` could put the
-backward in the same graph; they were not measured for this version. The pieces here are each
-a full graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
+backward in the same graph; they were not measured for this version. The finish is a full
+graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
 for CUDA graphs and throughput is that nothing between them reads the device, which this module
 guarantees and ``tests/test_step.py`` proves with the profiler.
 
@@ -41,28 +43,37 @@ Warm-up: until every parameter of the optimizer has optimizer state (normally th
 the finish runs eagerly through ``amp_fx.GradScaler`` (``unscale_``, ``clip_grad_norm_``,
 ``step``, ``update``) which may read found_inf once on the host: a first step that creates
 state cannot be undone on the device (torch's fused SGD would even leave its momentum buffers
-uninitialised). From then on no step reads a device value on the host.
+uninitialised). From then on no step reads a device value on the host. The finish also runs
+eagerly (masked by the scaler, still sync-free) once a hyperparameter other than ``lr`` changes
+between steps (see ``CompiledStep._follow_hyperparameters``).
+
+The loss-scale rules the finish applies (inverse scale and its guard, scale update, masked
+restore) are ``amp_fx.scaler.rules`` and ``amp_fx.scaler.snapshot``: the same functions
+``GradScaler`` calls. Each step compiles its own copy of its code objects, so it owns its
+Dynamo cache entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch._dynamo
 
+from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
-from amp_fx.scaler.snapshot import copy_state, restore_where_, unique_params
+from amp_fx.scaler.snapshot import copy_state, restore_where_, same_value, unique_params
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
@@ -158,7 +169,7 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  config: _Config, scaler: GradScaler, backend: str | Backend, policy: Policy | None,
-                 dynamic: bool | None) -> None:
+                 dynamic: bool | None, strict: bool | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -168,7 +179,10 @@ class CompiledStep:
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
-        self._compiled_finishes = 0
+        self._report = Reporter(strict)
+        # A recompile of the finish that amp_fx caused itself (the first compile, an lr that
+        # became a tensor) is expected; any other is reported.
+        self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
         self._forward = amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
@@ -176,7 +190,12 @@ class CompiledStep:
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
-        self._seen_lrs = self._float_lrs()
+        self._seen_groups = _group_values(optimizer)
+        # Per param_group index: the device tensor that carries a scheduled float lr into the
+        # compiled finish (filled from the float before each step).
+        self._lr_tensors: dict[int, torch.Tensor] = {}
+        # A hyperparameter other than lr changed between steps: the optimizer steps eagerly.
+        self._eager_optimizer = False
         self._warmed_up = False
 
     # ------------------------------------------------------------------ public state
@@ -252,32 +271,65 @@ class CompiledStep:
             scaled = scaled * scale
         return loss.detach(), scaled
 
-    def _float_lrs(self) -> list[float | None]:
-        return [g["lr"] if isinstance(g.get("lr"), float) else None for g in self.optimizer.param_groups]
+    def _follow_hyperparameters(self) -> None:
+        """React to hyperparameters that changed since the last step (an LR or momentum scheduler).
 
-    def _wrap_changed_lrs(self) -> None:
-        """Turn a float ``lr`` that changed (an LR scheduler) into a 0-dim tensor, once.
-
-        Dynamo specialises the traced step on a float ``lr``, so every new value would recompile
-        the optimizer part. A tensor ``lr`` is a graph input and LR schedulers update it in place
-        (``fill_``), as torch recommends for compiled optimizers. Constant float learning rates
-        are left alone: they keep the eager optimizer's arithmetic (``add_(g, alpha=-lr)``).
-        float64 keeps the Python float's value; the optimizer casts it where it is used.
+        Dynamo specialises the traced optimizer step on every float hyperparameter it reads, so
+        each new value would recompile the finish (and, past Dynamo's recompile limit, fail).
+        * A float ``lr`` that changed is carried into the compiled finish as a 0-dim float32
+          device tensor from then on (every torch optimizer takes a tensor lr, as torch
+          recommends for compiled optimizers; float32 because the kernels round a Python lr to
+          it anyway, and a float64 lr makes the traced non-fused Adam read it on the host),
+          filled from the float before each step; the param_group keeps the user's float.
+          Constant float learning rates are left alone: they keep the eager optimizer's
+          arithmetic (``add_(g, alpha=-lr)``).
+        * Any other hyperparameter that changed (OneCycleLR's ``betas``/``momentum``) cannot be
+          a tensor in every optimizer (SGD branches on ``momentum != 0``; foreach Adam refuses a
+          tensor beta1), so the optimizer step then runs eagerly, masked by the scaler.
+        Fused optimizers step eagerly anyway: nothing to do for them.
         """
-        if self._fused:
-            return  # fused optimizers step eagerly: a float lr never recompiles anything
-        lrs = self._float_lrs()
-        if len(lrs) != len(self._seen_lrs):
-            self._seen_lrs = lrs
+        now = _group_values(self.optimizer)
+        before, self._seen_groups = self._seen_groups, now
+        if self._fused or len(now) != len(before):
             return
-        for i, (group, now, before) in enumerate(zip(self.optimizer.param_groups, lrs, self._seen_lrs)):
-            if now is not None and before is not None and now != before:
-                device = group["params"][0].device if group["params"] else torch.device("cpu")
-                group["lr"] = torch.tensor(now, dtype=torch.float64, device=device)
-                logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); it is now a "
-                            "0-dim tensor so that the compiled step does not recompile for each value",
-                            i, before, now)
-        self._seen_lrs = self._float_lrs()
+        for i, (after_g, before_g) in enumerate(zip(now, before)):
+            for key, value in after_g.items():
+                if key not in before_g or same_value(before_g[key], value):
+                    continue
+                if key == "lr" and isinstance(value, float):
+                    if i not in self._lr_tensors:
+                        group = self.optimizer.param_groups[i]
+                        device = group["params"][0].device if group["params"] else self._params[0].device
+                        self._lr_tensors[i] = torch.zeros((), dtype=torch.float32, device=device)
+                        self._expect_recompile = True
+                        logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
+                                    "compiled step takes it as a device tensor from now on, so that it "
+                                    "does not recompile for each value", i, before_g[key], value)
+                elif not self._eager_optimizer:
+                    self._eager_optimizer = True
+                    self._report.did_less(
+                        "hyperparameter changed",
+                        f"amp_fx.compile_step: param_groups[{i}][{key!r}] changed between steps "
+                        f"({before_g[key]!r} -> {value!r}), e.g. by a scheduler (OneCycleLR's "
+                        f"cycle_momentum); the compiled graph would recompile for every value, so the "
+                        f"{type(self.optimizer).__name__} step now runs eagerly (masked by the scaler: "
+                        "no host sync, bitwise the eager recipe). To keep it compiled, keep "
+                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)) or use a "
+                        "fused=True optimizer.", stacklevel=5)
+
+    @contextlib.contextmanager
+    def _lrs_as_tensors(self) -> Iterator[None]:
+        """Inside: scheduled float lrs are their device tensors; after: the user's floats again."""
+        groups = self.optimizer.param_groups
+        floats = {i: groups[i]["lr"] for i in self._lr_tensors}
+        try:
+            for i, t in self._lr_tensors.items():
+                t.fill_(floats[i])  # a host-to-device write of a Python float: no sync
+                groups[i]["lr"] = t
+            yield
+        finally:
+            for i, lr in floats.items():
+                groups[i]["lr"] = lr
 
     def _needs_warm_up(self) -> bool:
         """Until one eager step was taken, while some parameter has no optimizer state.
@@ -292,14 +344,17 @@ class CompiledStep:
 
     def _optimizer_step(self) -> None:
         opt = self.optimizer
-        self._wrap_changed_lrs()
+        self._follow_hyperparameters()
         if self._needs_warm_up():
-            self._eager_finish()
+            self._eager_finish(warm_up=True)
+        elif self._eager_optimizer:
+            self._eager_finish(warm_up=False)
         else:
             before = self._finish_backend.graphs
             with torch.no_grad():
                 self._run_pre_hooks()
-                flags = self._finish(*self._scale_state())
+                with self._lrs_as_tensors():
+                    flags = self._finish(*self._scale_state())
                 if self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -311,12 +366,14 @@ class CompiledStep:
                         del opt.found_inf  # type: ignore[attr-defined]
                 else:
                     self._run_post_hooks()
-            if self._finish_backend.graphs != before:
-                self._compiled_finishes += 1
-                if self._compiled_finishes > 1:
-                    logger.warning("amp_fx.compile_step: the optimizer part recompiled (%d graphs so far); "
-                                   "something it guards on changed (param groups, a float hyperparameter, "
-                                   "gradients present)", self._finish_backend.graphs)
+            if self._finish_backend.graphs != before and not self._expect_recompile:
+                self._report.did_less(
+                    "finish recompiled",
+                    f"amp_fx.compile_step: the optimizer part recompiled ({self._finish_backend.graphs} graphs so "
+                    "far): something it guards on changed between steps (the param groups, a hyperparameter "
+                    "set to a new object, which parameters have gradients). Each recompile costs compile "
+                    "time, and Dynamo stops compiling after 8; keep them fixed between steps.", stacklevel=4)
+            self._expect_recompile = False
         opt.zero_grad()
 
     def _run_pre_hooks(self) -> None:
@@ -338,15 +395,17 @@ class CompiledStep:
         for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
             hook(opt, (), {})
 
-    def _eager_finish(self) -> None:
-        """The warm-up step: amp_fx.GradScaler's eager path (may read found_inf on the host)."""
+    def _eager_finish(self, *, warm_up: bool) -> None:
+        """amp_fx.GradScaler's eager path: the warm-up step (may read found_inf on the host), and
+        the optimizer step once a hyperparameter other than lr is scheduled (masked, no sync)."""
         scaler, opt = self.scaler, self.optimizer
         if self.config.max_grad_norm is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
         scaler.step(opt)
         scaler.update()
-        self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
+        if warm_up:
+            self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
 
     # ------------------------------------------------------------------ the compiled finish
     def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
@@ -385,6 +444,11 @@ class CompiledStep:
         saved_params, saved_state = copy_state(self.optimizer, self._params)
         self._raw_step(self.optimizer)
         restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
+
+
+def _group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param_group's entries but its params (the objects, not copies)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def _check_loss(loss: object) -> None:
@@ -433,6 +497,7 @@ def compile_step(
     backend: str | Backend = "inductor",
     policy: Policy | None = None,
     dynamic: bool | None = None,
+    strict: bool | None = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -467,6 +532,10 @@ def compile_step(
         policy: amp_fx autocast policy overrides.
         dynamic: passed to ``torch.compile`` for the forward (None: Dynamo's automatic dynamic
             shapes; a batch shape that changes recompiles once, then runs dynamic).
+        strict: turn each warning that the step did less than asked (an ``AmpFxWarning``: the
+            optimizer step running eagerly because a hyperparameter is scheduled, the optimizer
+            part recompiling) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
+            variable decides.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -505,4 +574,4 @@ def compile_step(
            if not isinstance(v, list)):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
     return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, backend=backend,
-                        policy=policy, dynamic=dynamic)
+                        policy=policy, dynamic=dynamic, strict=strict)

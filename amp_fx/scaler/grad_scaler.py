@@ -838,6 +838,8 @@ class GradScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["_stepped_optimizers"] = weakref.WeakSet()
+        state.setdefault("_report", Reporter())  # pickled before the reporter existed
+        state.pop("_warned_sync", None)
         self.__dict__.update(state)
 
 

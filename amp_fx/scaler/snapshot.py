@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "restore_where_", "unique_params"]
+__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "restore_where_", "same_value", "unique_params"]
 
 # Why a step could not be undone on the device, when the optimizer created its state.
 STATE_CREATED = "optimizer state was created"
@@ -85,7 +85,7 @@ def restore_where_(
                 entry[k] = torch.where(mask(now.device), old, now)
 
 
-def _same_value(before: Any, after: Any) -> bool:
+def same_value(before: Any, after: Any) -> bool:
     """Whether a non-tensor state value is unchanged, without reading any tensor's value.
 
     Identity first (an untouched entry), then equality for plain scalars and tuples of them
@@ -95,7 +95,7 @@ def _same_value(before: Any, after: Any) -> bool:
     if before is after:
         return True
     if isinstance(before, (tuple, list)) and isinstance(after, (tuple, list)):
-        return len(before) == len(after) and all(map(_same_value, before, after))
+        return len(before) == len(after) and all(map(same_value, before, after))
     scalars = (bool, int, float, complex, str, type(None))
     return isinstance(before, scalars) and isinstance(after, scalars) and before == after
 
@@ -139,11 +139,11 @@ class Snapshot:
                         != (live.shape, live.dtype, live.device)
                     ):
                         return f"state tensor {k!r} was replaced by one of another kind"
-                elif not _same_value(live, now):
+                elif not same_value(live, now):
                     return f"non-tensor state {k!r} changed ({live!r} -> {now!r})"
         for g, before_g in zip(opt.param_groups, self.groups):
             for k, v in before_g.items():
-                if k not in g or not _same_value(v, g[k]):
+                if k not in g or not same_value(v, g[k]):
                     return f"param_group entry {k!r} changed"
         return None
 
