@@ -77,7 +77,7 @@ from amp_fx.scaler.snapshot import copy_state, restore_where_, same_value, uniqu
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
-logger = logging.getLogger("amp_fx")
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[..., torch.Tensor]
 
