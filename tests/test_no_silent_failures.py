@@ -7,10 +7,8 @@ identity under the root the user passed; Dynamo cache entries owned per compiled
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +17,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx import AmpFxError, AmpFxWarning, CastClass, Policy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import MLP
+from amp_fx.testing.zoo import MLP
 
 BACKEND = "aot_eager"
 
