@@ -3,11 +3,10 @@
     model = amp_fx.compile(model, dtype="bf16")
 """
 
-from amp_fx.compare import CompareReport, compare
 from amp_fx.compile import AmpCompiledModule, compile, records
 from amp_fx.errors import AmpFxError, AmpFxWarning
-from amp_fx.inspection import Explanation, GraphvizNotFound, explain
-from amp_fx.nonfinite import NonfiniteReport, find_nonfinite
+from amp_fx.inspect import CompareReport, Explanation, NonfiniteReport, compare, explain, find_nonfinite
+from amp_fx.inspect._graphviz import GraphvizNotFound
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step

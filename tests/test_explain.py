@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 import amp_fx
-from amp_fx import _graphviz
+from amp_fx.inspect import _graphviz
 from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
 from tests.zoo import ZOO
 
@@ -23,7 +23,7 @@ KNOWN_META_MISMATCH = "(aten.native_batch_norm): meta "
 
 
 def _meta_dtype(n: torch.fx.Node) -> torch.dtype | None:
-    from amp_fx._probe import value_dtype
+    from amp_fx.inspect._probe import value_dtype
 
     return value_dtype(n.meta.get("val")) if n.op != "output" else None
 

@@ -28,8 +28,9 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
-from amp_fx._graphviz import GraphvizNotFound, build_dot, write_svg
-from amp_fx._probe import (
+from amp_fx.backend import GraphRecord
+from amp_fx.inspect._graphviz import GraphvizNotFound, build_dot, write_svg
+from amp_fx.inspect._probe import (
     InputRecorder,
     ValueInterpreter,
     amp_failure,
@@ -47,7 +48,6 @@ from amp_fx._probe import (
     short_dtype,
     value_dtype,
 )
-from amp_fx.backend import GraphRecord
 from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
@@ -465,7 +465,7 @@ class Explanation:
 
 
 def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
-    from amp_fx._probe import tensors_of
+    from amp_fx.inspect._probe import tensors_of
 
     ts = tensors_of(node.meta.get("val"))
     floats = [t for t in ts if t.is_floating_point()]

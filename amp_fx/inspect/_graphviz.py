@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from amp_fx.inspection import NodeInfo
+    from amp_fx.inspect.explanation import NodeInfo
 
 __all__ = ["GraphvizNotFound"]
 

@@ -43,7 +43,8 @@ import torch.fx
 from tabulate import tabulate
 from torch.utils._pytree import tree_flatten
 
-from amp_fx._probe import (
+from amp_fx.backend import Backend, GraphRecord
+from amp_fx.inspect._probe import (
     InputRecorder,
     ValueInterpreter,
     amp_failure,
@@ -59,7 +60,6 @@ from amp_fx._probe import (
     short_dtype,
     tensors_of,
 )
-from amp_fx.backend import Backend, GraphRecord
 from amp_fx.passes.insert_casts import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 

@@ -28,7 +28,8 @@ import torch
 import torch.fx
 from tabulate import tabulate
 
-from amp_fx._probe import (
+from amp_fx.backend import GraphRecord
+from amp_fx.inspect._probe import (
     all_finite,
     amp_failure,
     copy_args,
@@ -43,7 +44,6 @@ from amp_fx._probe import (
     tensor_range,
     tensors_of,
 )
-from amp_fx.backend import GraphRecord
 from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
 from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
 
