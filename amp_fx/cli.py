@@ -112,8 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import amp_fx
-    from amp_fx.inspect._graphviz import GraphvizNotFound
-    from amp_fx.inspect._probe import AmpRunError, EagerError
+    from amp_fx.errors import AmpRunError, EagerError, GraphvizNotFound
 
     try:
         model, inputs = load_target(args.target)

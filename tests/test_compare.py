@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import amp_fx
-from amp_fx.inspect._probe import AmpRunError, module_of
+from amp_fx import AmpRunError
+from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
 from tests._inspect_models import BNNet, TwoLayer, seeded
 from tests.zoo import ZOO

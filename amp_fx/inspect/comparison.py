@@ -43,30 +43,24 @@ import torch.fx
 from tabulate import tabulate
 from torch.utils._pytree import tree_flatten
 
-from amp_fx.backend import Backend, GraphRecord
+from amp_fx._backends import Backend, backend_name
+from amp_fx._dtype_names import dtype_name
+from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
-    InputRecorder,
     ValueInterpreter,
-    amp_failure,
     clone_inputs,
-    copy_args,
     input_labels,
     leaf_flags,
-    many_recompiles,
     module_of,
     op_label,
-    private_copy,
-    run_eager_checked,
-    short_dtype,
     tensors_of,
 )
-from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.inspect._runner import SEED, Call, private_copy, run_amp, run_eager_checked
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]
 
 _EXACT_BACKENDS = ("eager", "aot_eager")
-_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +118,7 @@ def _dtypes(value: Any) -> str:
     ts = tensors_of(value)
     if not ts:
         return "-"
-    names = [short_dtype(t.dtype) for t in ts]
+    names = [dtype_name(t.dtype) for t in ts]
     return names[0] if len(set(names)) == 1 else "(" + ", ".join(names) + ")"
 
 
@@ -215,11 +209,11 @@ class CompareReport:
         mode = ("bitwise" if self.exact
                 else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})")
         if self.ok:
-            return (f"OK: amp_fx agrees with eager torch.autocast ({short_dtype(self.dtype)}) on "
+            return (f"OK: amp_fx agrees with eager torch.autocast ({dtype_name(self.dtype)}) on "
                     f"{sum(o.status != 'folded' for o in self.ops)} ops, {len(self.outputs)} "
                     f"outputs and {len(self.grads)} gradients ({mode})")
         first = self.first_divergence
-        lines = [f"DIFFERS from eager torch.autocast ({short_dtype(self.dtype)}, {mode})"]
+        lines = [f"DIFFERS from eager torch.autocast ({dtype_name(self.dtype)}, {mode})"]
         if first is not None:
             what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
                     if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
@@ -270,7 +264,7 @@ def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, to
          ) -> dict[str, Any]:
     interp = ValueInterpreter(gm)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(_SEED)
+        torch.manual_seed(SEED)
         if autocast is not None:
             with torch.autocast(autocast[0], dtype=autocast[1]):
                 interp.run(*inputs)
@@ -315,7 +309,7 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
 
 
 def _cotangents(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(_SEED + 1)
+    gen = torch.Generator().manual_seed(SEED + 1)
     return [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device) for o in outputs]
 
 
@@ -338,37 +332,41 @@ def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
     return [(f"output[{i}]", t) for i, t in enumerate(ts)]
 
 
-def _device_type(model: Any, args: Sequence[Any]) -> str:
-    tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
-    if isinstance(model, torch.nn.Module):
-        tensors += list(model.parameters())
-    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+def _loss_and_backward(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, grads: bool
+                       ) -> Any:
+    """amp_fx's run: the loss and backward after the compiled model's forward; returns ``out``."""
+    loss = _loss(out, loss_fn)
+    if grads and loss is not None and loss.requires_grad:
+        loss.backward()
+    return out
 
 
-def _run_end_to_end(model: Any, args: Sequence[Any], *, autocast: tuple[str, torch.dtype] | None,
+def _grads_of(model: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype] | None,
                     grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
                     to: torch.dtype | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    a, _ = copy_args(args, {})
-    if to is not None:
-        a = tuple(x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in a)
+    """Eager autocast's run (``autocast`` given) or the reference's: the loss ``loss_fn`` gives is
+    computed inside the autocast region, the default projection outside it."""
+    inputs = call.copy(to=to)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_SEED)
+        torch.manual_seed(SEED)
         if autocast is not None:
             with torch.autocast(autocast[0], dtype=autocast[1]):
-                out = model(*a)
+                out = inputs(model)
                 loss = _loss(out, loss_fn) if loss_fn is not None else None
         else:
-            out = model(*a)
+            out = inputs(model)
             loss = _loss(out, loss_fn) if loss_fn is not None else None
         if loss is None:
             loss = _loss(out, None)
         if grads and loss is not None and loss.requires_grad:
             loss.backward()
-    g = {}
-    if isinstance(model, torch.nn.Module):
-        g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return out, g
+    return out, _grads_of(model)
 
 
 def compare(
@@ -402,28 +400,16 @@ def compare(
         ValueError: the model fails in plain eager mode on these inputs (error chained).
     """
     lower = resolve_dtype(dtype)
-    backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "callable")
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
-    report = CompareReport(dtype=lower, backend=backend_name, exact=exact)
-    run_eager_checked(model_or_fn, args, {}, tool="compare")
-    device_type = _device_type(model_or_fn, args)
+    report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
+    call = Call(args, {})
+    run_eager_checked(model_or_fn, call, tool="compare")
+    device_type = call.device_type(model_or_fn)
 
-    from amp_fx.compile import compile as amp_compile
-    from amp_fx.compile import records
-
-    recorder = InputRecorder(backend)
-    amp_model = private_copy(model_or_fn)
-    with many_recompiles():
-        compiled = amp_compile(amp_model, dtype=lower, policy=policy, backend=recorder)
-        try:
-            amp_out, amp_grads = _run_end_to_end(compiled, args, autocast=None, grads=grads,
-                                                 loss_fn=loss_fn)
-        except (AmpFxError, ValueError):
-            raise
-        except Exception as e:
-            raise amp_failure(e, model_or_fn, args, {}, tool="compare", dtype=lower,
-                              backend=backend if isinstance(backend, str) else None) from e
-    recs = list(records(compiled))
+    run = run_amp(model_or_fn, call, tool="compare", dtype=lower, policy=policy,
+                  downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads))
+    amp_out, amp_grads = run.result, _grads_of(run.compiled)
+    recs, recorder = run.records, run.recorder
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
         report.notes.append("no ops were captured: the function does nothing torch.compile puts "
                             "in a graph, so there is nothing to compare op by op")
@@ -437,14 +423,14 @@ def compare(
                         for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
 
-    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), args,
+    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
                                              autocast=(device_type, lower), grads=grads,
                                              loss_fn=loss_fn)
     try:
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):
             ref_model = ref_model.double()
-        ref_out, ref_grads = _run_end_to_end(ref_model, args, autocast=None, grads=grads,
+        ref_out, ref_grads = _run_end_to_end(ref_model, call, autocast=None, grads=grads,
                                              loss_fn=loss_fn, to=torch.float64)
     except Exception as e:
         report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
@@ -492,6 +478,6 @@ def _explain_cross_graph_grads(report: CompareReport, recs: Sequence[GraphRecord
         if not g.agree and len(where) > 1:
             report.notes.append(
                 f"{g.name} is used in graphs {', '.join(map(str, where))} (a graph break between "
-                f"its uses): eager autocast casts it to {short_dtype(report.dtype)} once for the "
+                f"its uses): eager autocast casts it to {dtype_name(report.dtype)} once for the "
                 "whole autocast region and sums its uses' gradients in that dtype; amp_fx casts "
                 "it once per graph, so the sum is in fp32 (compare the reference columns)")

@@ -28,27 +28,24 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
+from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
-from amp_fx.inspect._graphviz import GraphvizNotFound, build_dot, write_svg
+from amp_fx.errors import GraphvizNotFound
+from amp_fx.inspect._graphviz import build_dot, write_svg
 from amp_fx.inspect._probe import (
-    InputRecorder,
     ValueInterpreter,
-    amp_failure,
     clone_inputs,
-    copy_args,
     describe_value,
     input_labels,
+    is_cast,
     leaf_flags,
-    many_recompiles,
     module_of,
     numel_or_none,
     op_label,
-    private_copy,
-    run_eager_checked,
-    short_dtype,
+    tensors_of,
     value_dtype,
 )
-from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
+from amp_fx.inspect._runner import Call, run_amp, run_eager_checked
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -88,11 +85,7 @@ class NodeInfo:
 
     @property
     def dtype_name(self) -> str:
-        return short_dtype(self.dtype)
-
-
-def _is_cast(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is CAST_OP
+        return dtype_name(self.dtype)
 
 
 def _eligible_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
@@ -119,11 +112,11 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
     decision = node.meta.get("amp_fx_decision")
-    out = short_dtype(value_dtype(node.meta.get("val")))
+    out = dtype_name(value_dtype(node.meta.get("val")))
     if decision is None:
         return "python op (not a tensor op)" if node.op == "call_function" else ""
-    if _is_cast(node) and decision.cast_class is CastClass.NONE:
-        return f"cast in your code (to {short_dtype(node.kwargs.get('dtype'))}); not autocast"
+    if is_cast(node) and decision.cast_class is CastClass.NONE:
+        return f"cast in your code (to {dtype_name(node.kwargs.get('dtype'))}); not autocast"
     reason = decision.reason
     if decision.cast_class is CastClass.NONE and "not autocast" in reason:
         ins = _eligible_dtypes(node)
@@ -132,8 +125,8 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
                 return reason
             return f"{reason}; no floating input: {out} from its arguments"
         if len(ins) == 1:
-            return f"{reason} ({short_dtype(ins[0])})"
-        return (f"{reason} ({', '.join(short_dtype(d) for d in ins)}) and gives {out}")
+            return f"{reason} ({dtype_name(ins[0])})"
+        return (f"{reason} ({', '.join(dtype_name(d) for d in ins)}) and gives {out}")
     if decision.cast_class is CastClass.PROMOTE:
         return f"{reason}: widest input gives {out}"
     return reason
@@ -156,7 +149,7 @@ def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
             inner = ", ".join(fmt(x) for x in a)
             return f"[{inner}]"
         if isinstance(a, torch.dtype):
-            return short_dtype(a)
+            return dtype_name(a)
         return repr(a)
     parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
     text = ", ".join(parts)
@@ -170,7 +163,7 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
     path, mtype = module_of(node)
     kind = {"placeholder": "input", "get_attr": "constant", "output": "output"}.get(node.op, "op")
     cast = None
-    if _is_cast(node):
+    if is_cast(node):
         kind = "cast"
         cast = "inserted" if node.meta.get("amp_fx_cast") == "inserted" else "user"
     elif node.target is operator.getitem:
@@ -209,7 +202,7 @@ def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
     """
     total = 0
     for n in gm.graph.nodes:
-        if not _is_cast(n):
+        if not is_cast(n):
             continue
         src, dst = n.args[0].meta.get("val"), n.meta.get("val")
         if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
@@ -318,8 +311,8 @@ class Explanation:
                 meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
                 if meta != real:
                     op = op_label(n.args[0] if n.target is operator.getitem else n)
-                    out.append(f"{n.name} ({op}): meta {short_dtype(meta)}, "
-                               f"runs as {short_dtype(real)}")
+                    out.append(f"{n.name} ({op}): meta {dtype_name(meta)}, "
+                               f"runs as {dtype_name(real)}")
         return out
 
     def _runtime(self, graph: int) -> dict[str, Any] | None:
@@ -346,12 +339,12 @@ class Explanation:
     def summary_rows(self) -> list[dict[str, Any]]:
         rows = []
         for r in self.records:
-            ops = [n for n in _op_nodes(r.rewritten) if not _is_cast(n)]
-            per_dtype = Counter(short_dtype(value_dtype(n.meta.get("val"))) for n in ops)
+            ops = [n for n in _op_nodes(r.rewritten) if not is_cast(n)]
+            per_dtype = Counter(dtype_name(value_dtype(n.meta.get("val"))) for n in ops)
             rows.append({
                 "graph": r.index,
                 "device": r.device_type,
-                "dtype": short_dtype(r.dtype),
+                "dtype": dtype_name(r.dtype),
                 "ops": len(ops),
                 "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
                 "casts inserted": r.inserted.casts_inserted,
@@ -392,7 +385,7 @@ class Explanation:
             rows.append([mark, n.name, what, n.value, module, n.rule])
         r = self.records[graph]
         title = (f"graph {graph} {'before' if before else 'after'} the passes "
-                 f"({r.device_type}, {short_dtype(r.dtype)})")
+                 f"({r.device_type}, {dtype_name(r.dtype)})")
         return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module",
                                                       "dtype decided by"])
 
@@ -408,28 +401,28 @@ class Explanation:
             if n.op != "call_function" or n.target is operator.getitem:
                 continue
             new = after.get(n.name)
-            before_dt = short_dtype(value_dtype(fp32.get(n.name))) if fp32 else "?"
-            eager = short_dtype(_autocast_dtype(n))
+            before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
+            eager = dtype_name(_autocast_dtype(n))
             if new is None:
                 rows.append([n.name, op_label(n), module_of(n)[0], before_dt, eager,
                              "(folded away)", ""])
                 continue
             casts = []
             for a in new.all_input_nodes:
-                if _is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
+                if is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
                     src = a.args[0]
                     casts.append(f"{labels.get(src.name, src.name)}->"
-                                 f"{short_dtype(value_dtype(a.meta.get('val')))}")
+                                 f"{dtype_name(value_dtype(a.meta.get('val')))}")
             path, _ = module_of(n)
             rows.append([n.name, op_label(n), path, before_dt, eager,
-                         short_dtype(value_dtype(new.meta.get("val"))), ", ".join(casts)])
+                         dtype_name(value_dtype(new.meta.get("val"))), ", ".join(casts)])
         return (f"graph {graph}: before -> after\n"
                 + tabulate(rows, headers=["node", "op", "module", "without amp", "eager autocast",
                                           "amp_fx", "casts on inputs"]))
 
     def __str__(self) -> str:
         parts = [f"amp_fx.explain: {len(self.records)} graph(s)"
-                 + (f", {short_dtype(self.records[0].dtype)}" if self.records else ""),
+                 + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
                  self.summary()]
         for r in self.records:
             parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
@@ -451,7 +444,7 @@ class Explanation:
             graphs.append((r.index, nodes, edges))
         title = "amp_fx " + ("before the passes" if before else "after the passes")
         if self.records:
-            title += f" ({short_dtype(self.records[0].dtype)})"
+            title += f" ({dtype_name(self.records[0].dtype)})"
         text = build_dot(graphs, title=title)
         if path is not None:
             Path(path).write_text(text)
@@ -465,8 +458,6 @@ class Explanation:
 
 
 def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
-    from amp_fx.inspect._probe import tensors_of
-
     ts = tensors_of(node.meta.get("val"))
     floats = [t for t in ts if t.is_floating_point()]
     return floats[0] if floats else (ts[0] if ts else None)
@@ -506,20 +497,9 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
         raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
                         "returned) with inputs, or the compiled one without inputs")
     lower = resolve_dtype(dtype)
-    run_eager_checked(model_or_fn, args, kwargs, tool="explain")
-    recorder = InputRecorder("eager")
-    from amp_fx.compile import compile as amp_compile
-
-    with many_recompiles():
-        compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy,
-                               backend=recorder, fold=fold)
-        a, k = copy_args(args, kwargs)
-        try:
-            compiled(*a, **k)
-        except (AmpFxError, ValueError):
-            raise
-        except Exception as e:
-            raise amp_failure(e, model_or_fn, args, kwargs, tool="explain", dtype=lower) from e
-    recs = list(records(compiled))
-    return Explanation(recs, inputs=[recorder.inputs_for(r) for r in recs],
+    call = Call(args, kwargs)
+    run_eager_checked(model_or_fn, call, tool="explain")
+    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
+                  downstream="eager", fold=fold)
+    return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
                        policy=policy if policy is not None else Policy())

@@ -20,7 +20,7 @@ the graphs as usual, so ops are seen in execution order.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,28 +28,22 @@ import torch
 import torch.fx
 from tabulate import tabulate
 
+from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
     all_finite,
-    amp_failure,
-    copy_args,
     format_range,
     input_labels,
-    many_recompiles,
+    is_cast,
     module_of,
     op_label,
-    private_copy,
-    run_eager_checked,
-    short_dtype,
     tensor_range,
     tensors_of,
 )
-from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
+from amp_fx.inspect._runner import Call, run_amp, run_eager_checked
 from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
-
-_SEED = 0
 
 
 @dataclass
@@ -86,14 +80,14 @@ class NonfiniteReport:
 
     @property
     def dtype_name(self) -> str:
-        return short_dtype(self.dtype_found)
+        return dtype_name(self.dtype_found)
 
     def __str__(self) -> str:
         if not self.found:
             checked_backward = not any("backward skipped" in n for n in self.notes)
             lines = [f"no inf/NaN found: every op output in the forward"
                      f"{' and every gradient in the backward' if checked_backward else ''}"
-                     f" is finite with amp_fx ({short_dtype(self.dtype)})"]
+                     f" is finite with amp_fx ({dtype_name(self.dtype)})"]
             return "\n".join(lines + [f"note: {n}" for n in self.notes])
         where = (f"module `{self.module_path}` ({self.module_type})" if self.module_path
                  else "top level")
@@ -113,15 +107,11 @@ class NonfiniteReport:
         return "\n".join(lines)
 
 
-def _is_cast(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is CAST_OP
-
-
 def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
     """For a cast amp_fx inserted, the op it was inserted for; else the node itself."""
     if node.meta.get("amp_fx_cast") == "inserted":
         for user in node.users:
-            if user.op == "call_function" and not _is_cast(user):
+            if user.op == "call_function" and not is_cast(user):
                 return user
     return node
 
@@ -149,35 +139,35 @@ def _merge(policy: Policy, node: torch.fx.Node) -> tuple[Policy, str]:
 
 
 class _Probe:
-    """Downstream backend: runs each rewritten graph through :class:`_ProbeInterpreter`."""
+    """Downstream backend: runs each rewritten graph through :class:`_ProbeInterpreter`.
+
+    A hit holds the graph module it was found in (``"graph"``); :func:`_probe_run` replaces it
+    with the graph's record once the run is over."""
 
     def __init__(self, dtype: torch.dtype, backward: bool) -> None:
         self.dtype = dtype
         self.backward = backward
-        self.records: list[GraphRecord] = []
         self.forward_hit: dict[str, Any] | None = None
         self.backward_hit: dict[str, Any] | None = None
         self.__name__ = "find_nonfinite_probe"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        record = next(r for r in reversed(self.records) if r.rewritten is gm)
-
         def run(*args: Any) -> Any:
-            return _ProbeInterpreter(record, self).run(*args)
+            return _ProbeInterpreter(gm, self).run(*args)
 
         return run
 
-    def hook(self, record: GraphRecord, node: torch.fx.Node) -> Callable[[torch.Tensor], None]:
+    def hook(self, gm: torch.fx.GraphModule, node: torch.fx.Node
+             ) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
             if self.backward_hit is None and grad is not None and not all_finite(grad):
-                self.backward_hit = {"record": record, "node": node, "grad": grad.detach().clone()}
+                self.backward_hit = {"graph": gm, "node": node, "grad": grad.detach().clone()}
         return on_grad
 
 
 class _ProbeInterpreter(torch.fx.Interpreter):
-    def __init__(self, record: GraphRecord, probe: _Probe) -> None:
-        super().__init__(record.rewritten, garbage_collect_values=False)
-        self.record = record
+    def __init__(self, gm: torch.fx.GraphModule, probe: _Probe) -> None:
+        super().__init__(gm, garbage_collect_values=False)
         self.probe = probe
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -185,7 +175,7 @@ class _ProbeInterpreter(torch.fx.Interpreter):
         probe = self.probe
         if n.op in ("placeholder", "call_function") and probe.forward_hit is None \
                 and not all_finite(out):
-            probe.forward_hit = {"record": self.record, "node": n, "out": out,
+            probe.forward_hit = {"graph": self.module, "node": n, "out": out,
                                  "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
             if n.op == "call_function":
                 probe.forward_hit["fp32"] = self._fp32_output(n)
@@ -193,13 +183,13 @@ class _ProbeInterpreter(torch.fx.Interpreter):
                 and torch.is_grad_enabled()):
             for t in tensors_of(out):
                 if t.requires_grad and t.is_floating_point():
-                    t.register_hook(probe.hook(self.record, n))
+                    t.register_hook(probe.hook(self.module, n))
         return out
 
     def _fp32_output(self, n: torch.fx.Node) -> Any:
         """The op re-run with its fp16/bf16 inputs in float32; a cast to lower precision
         is dropped instead (its input is what fp32 would use)."""
-        if _is_cast(n) and n.kwargs.get("dtype") in (torch.float16, torch.bfloat16):
+        if is_cast(n) and n.kwargs.get("dtype") in (torch.float16, torch.bfloat16):
             return _upcast(self.env[n.args[0]])
         args = torch.fx.node.map_arg(n.args, lambda a: _upcast(self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: _upcast(self.env[a]))
@@ -214,7 +204,7 @@ def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
     if a.meta.get("amp_fx_cast") == "inserted" and isinstance(a.args[0], torch.fx.Node):
         src = a.args[0]
         return (f"{labels.get(src.name, src.name)} (cast to "
-                f"{short_dtype(a.kwargs.get('dtype'))} by amp_fx)")
+                f"{dtype_name(a.kwargs.get('dtype'))} by amp_fx)")
     return labels.get(a.name, a.name)
 
 
@@ -229,12 +219,12 @@ def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.N
     has_inf = any(bool(torch.isinf(t).any()) for t in tensors_of(out) if t.is_floating_point())
     if dtype in (torch.float16, torch.bfloat16) and in_ok and has_inf:
         fmax = torch.finfo(dtype).max
-        if _is_cast(node):
+        if is_cast(node):
             src = max((tensor_range(t)["max_abs"] or 0.0) for _, v in inputs for t in tensors_of(v)
                       if t.is_floating_point())
-            return (f"casting to {short_dtype(dtype)} overflows: the input holds values up to "
-                    f"{src:.3g}, above {short_dtype(dtype)}'s max {fmax:.6g}")
-        return (f"the op's output overflows {short_dtype(dtype)}'s max {fmax:.6g} "
+            return (f"casting to {dtype_name(dtype)} overflows: the input holds values up to "
+                    f"{src:.3g}, above {dtype_name(dtype)}'s max {fmax:.6g}")
+        return (f"the op's output overflows {dtype_name(dtype)}'s max {fmax:.6g} "
                 "(its inputs are finite)")
     if in_ok:
         return ("the op produces NaN/inf from finite inputs (e.g. log of 0, 0/0, sqrt of a "
@@ -242,44 +232,35 @@ def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.N
     return "its inputs already hold inf/NaN"
 
 
-def _probe_run(model_or_fn: Any, args: Sequence[Any], lower: torch.dtype, policy: Policy,
+def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
                backward: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
-               loss_scale: float) -> tuple[_Probe, Any, list[str]]:
-    from amp_fx.compile import compile as amp_compile
-    from amp_fx.compile import records
-
+               loss_scale: float) -> tuple[_Probe, list[str]]:
     notes: list[str] = []
     probe = _Probe(lower, backward)
-    with many_recompiles():
-        compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy, backend=probe)
-        probe.records = records(compiled)
-        a, _ = copy_args(args, {})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_SEED)
-            try:
-                out = compiled(*a)
-            except (AmpFxError, ValueError):
-                raise
-            except Exception as e:
-                raise amp_failure(e, model_or_fn, args, {}, tool="find_nonfinite",
-                                  dtype=lower) from e
-            if probe.forward_hit is None and not all_finite(out):
-                notes.append("the model's output holds inf/NaN, but no op in the captured graphs "
-                             "produced it: it comes from code that runs between graph breaks")
-            if probe.forward_hit is None and backward:
-                if loss_fn is not None:
-                    loss = loss_fn(out)
-                else:
-                    floats = [t for t in tensors_of(out)
-                              if t.is_floating_point() and t.requires_grad]
-                    loss = sum(t.float().sum() for t in floats) if floats else None
-                if loss is None or not getattr(loss, "requires_grad", False):
-                    notes.append("backward skipped: the output does not require grad")
-                else:
-                    (loss * loss_scale).backward()
-    if not probe.records:
+
+    def then(out: Any) -> None:
+        if probe.forward_hit is None and not all_finite(out):
+            notes.append("the model's output holds inf/NaN, but no op in the captured graphs "
+                         "produced it: it comes from code that runs between graph breaks")
+        if probe.forward_hit is None and backward:
+            if loss_fn is not None:
+                loss = loss_fn(out)
+            else:
+                floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+                loss = sum(t.float().sum() for t in floats) if floats else None
+            if loss is None or not getattr(loss, "requires_grad", False):
+                notes.append("backward skipped: the output does not require grad")
+            else:
+                (loss * loss_scale).backward()
+
+    run = run_amp(model_or_fn, call, tool="find_nonfinite", dtype=lower, policy=policy,
+                  downstream=probe, keep_inputs=False, then=then)
+    for hit in (probe.forward_hit, probe.backward_hit):
+        if hit is not None:
+            hit["record"] = next(r for r in run.records if r.rewritten is hit.pop("graph"))
+    if not run.records:
         notes.append("no ops were captured, so there was nothing to check")
-    return probe, out, notes
+    return probe, notes
 
 
 def find_nonfinite(
@@ -316,8 +297,9 @@ def find_nonfinite(
     """
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
-    run_eager_checked(model_or_fn, args, {}, tool="find_nonfinite")
-    probe, _, notes = _probe_run(model_or_fn, args, lower, policy, backward, loss_fn, loss_scale)
+    call = Call(args, {})
+    run_eager_checked(model_or_fn, call, tool="find_nonfinite")
+    probe, notes = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn, loss_scale)
     report = NonfiniteReport(dtype=lower, notes=notes)
     hit = probe.forward_hit or probe.backward_hit
     if hit is None:
@@ -335,8 +317,8 @@ def find_nonfinite(
     else:
         _describe_backward(report, hit, policy)
     if report.suggested_policy is not None and verify:
-        again, _, _ = _probe_run(model_or_fn, args, lower, report.suggested_policy, backward,
-                                 loss_fn, loss_scale)
+        again, _ = _probe_run(model_or_fn, call, lower, report.suggested_policy, backward,
+                              loss_fn, loss_scale)
         other = again.forward_hit or again.backward_hit
         report.verified = other is None
         if other is None:
@@ -367,12 +349,12 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
         return
     report.op = op_label(node)
     report.inputs = [(_arg_label(a, labels),
-                      f"{short_dtype(next((t.dtype for t in tensors_of(v)), None))} "
+                      f"{dtype_name(next((t.dtype for t in tensors_of(v)), None))} "
                       f"{_range_text(v)}") for a, v in hit["inputs"]]
     report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
     fp32 = hit.get("fp32")
     report.fp32_finite = None if fp32 is None else all_finite(fp32)
-    if node.meta.get("amp_fx_cast") != "inserted" and _is_cast(node):
+    if node.meta.get("amp_fx_cast") != "inserted" and is_cast(node):
         report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
                              "its input does not fit the target dtype; drop it or clamp first")
         return
@@ -413,7 +395,7 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Pol
     low = grad.dtype in (torch.float16, torch.bfloat16)
     report.reason = (f"the gradient flowing into this op's output holds inf/NaN; it was computed "
                      f"by the backward of {', '.join(users) or 'the loss'}"
-                     + (f"; in {short_dtype(grad.dtype)} it overflows the max {fmax:.6g}"
+                     + (f"; in {dtype_name(grad.dtype)} it overflows the max {fmax:.6g}"
                         if low else ""))
     decider = _deciding_node(node)
     if not low:
