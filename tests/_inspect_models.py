@@ -83,3 +83,34 @@ def seeded(cls: type[nn.Module], *shape: int) -> tuple[nn.Module, Tensor]:
     torch.manual_seed(0)
     model = cls()
     return model, torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+class KeywordLM(nn.Module):
+    """A stand-in for a Hugging Face model: called as ``model(input_ids=..., labels=...)``,
+    returns a dict with ``logits`` and, given labels, ``loss``."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> dict[str, Tensor]:
+        h = self.norm(self.fc(self.embed(input_ids)))
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
+        out = {"logits": self.head(h)}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(out["logits"].flatten(0, 1).float(), labels.flatten())
+        return out
+
+
+def keyword_batch(vocab: int = 11) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 5), generator=gen)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.randint(0, vocab, (2, 5), generator=gen)}

@@ -9,7 +9,7 @@ import amp_fx
 from amp_fx import AmpRunError
 from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
-from tests._inspect_models import BNNet, TwoLayer, seeded
+from tests._inspect_models import BNNet, KeywordLM, TwoLayer, keyword_batch, seeded
 from tests.zoo import ZOO
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
@@ -152,3 +152,28 @@ def test_eager_autocast_failure_is_explained():
             amp_fx.compare(model, *inputs, dtype="fp16")
     else:
         pytest.skip("this CPU has fp16 LSTM kernels: eager autocast runs")
+
+
+def _loss_of(out):
+    return out["loss"]
+
+
+@pytest.mark.parametrize("split", ["keywords", "positional_and_keywords"])
+def test_keyword_call_form(split):
+    """compare takes the model's own call form: model(input_ids=..., labels=...) as HF models."""
+    torch.manual_seed(0)
+    model, batch = KeywordLM(), keyword_batch()
+    if split == "keywords":
+        args, kwargs = (), batch
+    else:
+        args, kwargs = (batch["input_ids"],), {k: v for k, v in batch.items() if k != "input_ids"}
+    report = amp_fx.compare(model, *args, dtype="bf16", loss_fn=_loss_of, **kwargs)
+    assert report.exact and report.ok, str(report)
+    assert sorted(v.name for v in report.outputs) == ["output['logits']", "output['loss']"]
+    # the parameters that get a gradient, found here by a plain eager backward with the same call
+    model(*args, **kwargs)["loss"].backward()
+    assert [g.name for g in report.grads] == [n for n, p in model.named_parameters()
+                                              if p.grad is not None]
+    # the keyword input is used: without the mask the logits differ (a planted, checked effect)
+    unmasked = amp_fx.compare(model, batch["input_ids"], dtype="bf16", grads=False)
+    assert unmasked.ops != report.ops

@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 import amp_fx
-from tests._inspect_models import BNNet, ExpOverflow, GradOverflow, Overflowing, TwoLayer, seeded
+from tests._inspect_models import (
+    BNNet,
+    ExpOverflow,
+    GradOverflow,
+    KeywordLM,
+    Overflowing,
+    TwoLayer,
+    keyword_batch,
+    seeded,
+)
 from tests.zoo import ZOO
 
 
@@ -88,3 +97,20 @@ def test_user_model_untouched():
     amp_fx.find_nonfinite(model, x)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_keyword_call_form():
+    """find_nonfinite takes model(input_ids=..., labels=...) as HF models are called."""
+    torch.manual_seed(0)
+    model, batch = KeywordLM(), keyword_batch()
+    with torch.no_grad():
+        model.fc.weight.mul_(1e5)  # fc's output exceeds fp16's max; the LayerNorm after it does not
+    # the planted overflow, checked here in plain fp16
+    h = model.embed(batch["input_ids"]).half()
+    assert torch.isinf(F.linear(h, model.fc.weight.half(), model.fc.bias.half())).any()
+    report = amp_fx.find_nonfinite(model, dtype="fp16", loss_fn=lambda o: o["loss"], **batch)
+    assert report.found and report.phase == "forward"
+    assert (report.op, report.module_path) == ("aten.linear", "fc")
+    assert report.verified is True
+    assert not amp_fx.find_nonfinite(model, dtype="fp16", policy=report.suggested_policy,
+                                     loss_fn=lambda o: o["loss"], **batch).found

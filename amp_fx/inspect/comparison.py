@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.fx
 from tabulate import tabulate
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from amp_fx._backends import Backend, backend_name
 from amp_fx._dtype_names import dtype_name
@@ -325,11 +325,13 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
 
 
 def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
-    leaves, _ = tree_flatten(out)
-    ts = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if len(ts) == 1:
-        return [("output", ts[0])]
-    return [(f"output[{i}]", t) for i, t in enumerate(ts)]
+    """``output`` for a lone tensor, else ``output`` with the path: ``output[0]``,
+    ``output['logits']``."""
+    leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(out)[0]
+              if isinstance(t, torch.Tensor)]
+    if len(leaves) == 1:
+        return [("output", leaves[0][1])]
+    return [(f"output{path}", t) for path, t in leaves]
 
 
 def _loss_and_backward(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, grads: bool
@@ -377,6 +379,7 @@ def compare(
     backend: str | Backend = "aot_eager",
     grads: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
 ) -> CompareReport:
     """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
 
@@ -388,13 +391,15 @@ def compare(
 
     Args:
         model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies).
-        *args: example inputs.
+        *args: example inputs, positional.
         dtype: "bf16" or "fp16" (and their aliases).
         policy: amp_fx's policy (differences it makes on purpose are reported as differences).
         backend: the downstream backend amp_fx hands its graphs to.
         grads: also compare the parameters' gradients.
         loss_fn: maps the output to the scalar to differentiate; by default a fixed random
             projection of every floating output. Eager computes it inside the autocast region.
+        **kwargs: example inputs by keyword, as the model takes them
+            (``compare(model, input_ids=ids, labels=labels)``).
 
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
@@ -402,7 +407,7 @@ def compare(
     lower = resolve_dtype(dtype)
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
     report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
-    call = Call(args, {})
+    call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="compare")
     device_type = call.device_type(model_or_fn)
 

@@ -272,6 +272,7 @@ def find_nonfinite(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     loss_scale: float = 1.0,
     verify: bool = True,
+    **kwargs: Any,
 ) -> NonfiniteReport:
     """Run amp_fx's rewritten graphs (and their backward) and report the first inf/NaN.
 
@@ -282,7 +283,7 @@ def find_nonfinite(
 
     Args:
         model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy).
-        *args: example inputs.
+        *args: example inputs, positional.
         dtype: "fp16" (the usual culprit: max 65504) or "bf16".
         backward: also check the gradients.
         policy: amp_fx's policy.
@@ -291,13 +292,15 @@ def find_nonfinite(
         loss_scale: multiplies the loss before backward, as a GradScaler would (2**16 is
             GradScaler's initial scale).
         verify: when a fix is proposed, run the whole check again with it.
+        **kwargs: example inputs by keyword, as the model takes them
+            (``find_nonfinite(model, input_ids=ids, labels=labels)``).
 
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
     """
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
-    call = Call(args, {})
+    call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="find_nonfinite")
     probe, notes = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn, loss_scale)
     report = NonfiniteReport(dtype=lower, notes=notes)
