@@ -114,3 +114,20 @@ def keyword_batch(vocab: int = 11) -> dict[str, Tensor]:
     mask[1, 3:] = 0
     return {"input_ids": ids, "attention_mask": mask,
             "labels": torch.randint(0, vocab, (2, 5), generator=gen)}
+
+
+class AutocastMask(nn.Module):
+    """Like HF T5's attention: the mask is made with ``dtype=q.dtype`` while autocast is on, so
+    the captured graph holds a bf16/fp16 mask that no longer matches q when run without autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        n = x.shape[1]
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        mask = torch.zeros(n, n, dtype=q.dtype).masked_fill(future, torch.finfo(q.dtype).min)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ import amp_fx
 from amp_fx import AmpRunError
 from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
-from tests._inspect_models import BNNet, KeywordLM, TwoLayer, keyword_batch, seeded
+from tests._inspect_models import AutocastMask, BNNet, KeywordLM, TwoLayer, keyword_batch, seeded
 from tests.zoo import ZOO
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
@@ -177,3 +179,20 @@ def test_keyword_call_form(split):
     # the keyword input is used: without the mask the logits differ (a planted, checked effect)
     unmasked = amp_fx.compare(model, batch["input_ids"], dtype="bf16", grads=False)
     assert unmasked.ops != report.ops
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_graph_constant_with_autocast_dtype_is_reported_not_raised(dtype):
+    """HF T5's case: the op-by-op reference (the captured graph without autocast) cannot run, since
+    a mask's dtype was read under autocast; compare still compares amp_fx with eager autocast."""
+    model, x = seeded(AutocastMask, 2, 4, 8)
+    lower = torch.bfloat16 if dtype == "bf16" else torch.float16
+    with torch.autocast("cpu", dtype=lower):
+        model(x)  # eager autocast runs it
+    report = amp_fx.compare(model, x, dtype=dtype)
+    assert report.exact and report.ok, str(report)
+    assert any("graph 0 has no op-by-op reference" in n and "attn_mask" in n for n in report.notes)
+    sdpa = next(o for o in report.ops if o.op == "aten.scaled_dot_product_attention")
+    assert sdpa.agree and math.isnan(sdpa.error_vs_reference.abs)
+    # the end-to-end reference runs the model itself in float64
+    assert all(v.error_vs_reference is not None for v in (*report.outputs, *report.grads))
