@@ -11,7 +11,15 @@ import amp_fx
 from amp_fx import AmpRunError
 from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
-from tests._inspect_models import AutocastMask, BNNet, KeywordLM, TwoLayer, keyword_batch, seeded
+from tests._inspect_models import (
+    AutocastMask,
+    BNNet,
+    KeywordLM,
+    Overflowing,
+    TwoLayer,
+    keyword_batch,
+    seeded,
+)
 from tests.zoo import ZOO
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
@@ -196,3 +204,28 @@ def test_graph_constant_with_autocast_dtype_is_reported_not_raised(dtype):
     assert sdpa.agree and math.isnan(sdpa.error_vs_reference.abs)
     # the end-to-end reference runs the model itself in float64
     assert all(v.error_vs_reference is not None for v in (*report.outputs, *report.grads))
+
+
+def test_agreeing_on_nonfinite_values_is_flagged():
+    """Both sides overflow alike (agreement is right) but the verdict line says so."""
+    model, x = seeded(Overflowing, 3, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        eager = model(x)  # the planted overflow, checked here: eager autocast gives NaN too
+    assert torch.isnan(eager).any()
+    report = amp_fx.compare(model, x, dtype="fp16")
+    assert report.ok
+    verdict = str(report).splitlines()[0]
+    assert verdict.startswith("OK: ") and "NOT FINITE: output holds " in verdict
+    assert "(amp_fx and eager)" in verdict and "amp_fx.find_nonfinite" in verdict
+    assert any(t.startswith("gradient of up.weight holds") for t in report.nonfinite)
+    # negative twin: a healthy model is not flagged
+    healthy, y = seeded(TwoLayer, 3, 4)
+    clean = amp_fx.compare(healthy, y, dtype="fp16")
+    assert clean.ok and not clean.nonfinite and "NOT FINITE" not in str(clean)
+
+
+def test_verdict_counts_are_pluralised():
+    torch.manual_seed(0)
+    report = amp_fx.compare(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
+    assert report.verdict() == ("OK: amp_fx agrees with eager torch.autocast (bf16) on 1 op, "
+                                "1 output and 2 gradients (bitwise)")

@@ -159,6 +159,34 @@ class ValueComparison:
     error_vs_eager: Error
     error_vs_reference: Error | None
     eager_error_vs_reference: Error | None
+    amp_nonfinite: str = ""
+    """What amp_fx's value holds that is not finite: ``inf``, ``NaN``, ``inf, NaN``, or empty."""
+    eager_nonfinite: str = ""
+    """The same for eager autocast's value."""
+
+    def nonfinite_text(self, kind: str) -> str:
+        """``output holds inf (amp_fx and eager)``, ``gradient of fc.weight holds NaN with eager``
+        (``kind`` is ``output`` or ``gradient``); empty when both sides are finite."""
+        if not (self.amp_nonfinite or self.eager_nonfinite):
+            return ""
+        what = self.name if kind == "output" else f"gradient of {self.name}"
+        if self.amp_nonfinite == self.eager_nonfinite:
+            return f"{what} holds {self.amp_nonfinite} (amp_fx and eager)"
+        sides = [f"{self.amp_nonfinite} with amp_fx" if self.amp_nonfinite else "",
+                 f"{self.eager_nonfinite} with eager" if self.eager_nonfinite else ""]
+        return f"{what} holds " + ", ".join(x for x in sides if x)
+
+
+def _nonfinite(value: Any) -> str:
+    """``inf``, ``NaN`` or ``inf, NaN`` for what the value's floating tensors hold; empty if finite."""
+    ts = [t.detach() for t in tensors_of(value) if t.is_floating_point() or t.is_complex()]
+    kinds = [k for k, test in (("inf", torch.isinf), ("NaN", torch.isnan))
+             if any(bool(test(t).any()) for t in ts)]
+    return ", ".join(kinds)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 @dataclass
@@ -178,6 +206,12 @@ class CompareReport:
     def ok(self) -> bool:
         return (all(o.agree for o in self.ops) and all(v.agree for v in self.outputs)
                 and all(v.agree for v in self.grads))
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Outputs and gradients that hold inf or NaN, on either side, in words."""
+        return [t for kind, vs in (("output", self.outputs), ("gradient", self.grads)) for v in vs
+                for t in [v.nonfinite_text(kind)] if t]
 
     @property
     def first_divergence(self) -> OpComparison | None:
@@ -208,12 +242,19 @@ class CompareReport:
     def verdict(self) -> str:
         mode = ("bitwise" if self.exact
                 else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})")
+        bad_values = self.nonfinite
+        flag = ""
+        if bad_values:
+            shown = "; ".join(bad_values[:4]) + ("; ..." if len(bad_values) > 4 else "")
+            flag = (f"; NOT FINITE: {shown} (agreement is not health: amp_fx.find_nonfinite "
+                    "names the first op)")
         if self.ok:
+            ops = sum(o.status != "folded" for o in self.ops)
             return (f"OK: amp_fx agrees with eager torch.autocast ({dtype_name(self.dtype)}) on "
-                    f"{sum(o.status != 'folded' for o in self.ops)} ops, {len(self.outputs)} "
-                    f"outputs and {len(self.grads)} gradients ({mode})")
+                    f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
+                    f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}")
         first = self.first_divergence
-        lines = [f"DIFFERS from eager torch.autocast ({dtype_name(self.dtype)}, {mode})"]
+        lines = [f"DIFFERS from eager torch.autocast ({dtype_name(self.dtype)}, {mode}){flag}"]
         if first is not None:
             what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
                     if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
@@ -491,7 +532,8 @@ def compare(
         r = r_outs.get(name)
         report.outputs.append(ValueComparison(
             name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
+            _nonfinite(a), _nonfinite(e)))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
         report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
@@ -502,12 +544,13 @@ def compare(
             if e is None or a is None:
                 report.grads.append(ValueComparison(
                     name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
-                    False, Error(math.inf, math.inf), None, None))
+                    False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
                 continue
             r = ref_grads.get(name)
             report.grads.append(ValueComparison(
                 name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-                _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+                _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
+                _nonfinite(a), _nonfinite(e)))
     _explain_cross_graph_grads(report, recs)
     return report
 
