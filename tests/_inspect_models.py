@@ -131,3 +131,27 @@ class AutocastMask(nn.Module):
         future = torch.ones(n, n, dtype=torch.bool).triu(1)
         mask = torch.zeros(n, n, dtype=q.dtype).masked_fill(future, torch.finfo(q.dtype).min)
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def chain_overflow() -> nn.Sequential:
+    """``0``'s fp16 output overflows; kept in fp32, its output (~1e5) overflows the fp16 cast of
+    ``1``'s input; the LayerNorm ``2`` brings values back to ~1. Keeping both fixes it."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with torch.no_grad():
+        seq[0].weight.mul_(1e5)
+    return seq
+
+
+class NestedOverflow(nn.Module):
+    """``chain_overflow``'s two layers inside one submodule, ``block``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        seq = chain_overflow()
+        self.block = seq[:2]
+        self.norm = seq[2]
+        self.head = seq[3]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.block(x)))

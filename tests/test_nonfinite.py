@@ -13,8 +13,10 @@ from tests._inspect_models import (
     ExpOverflow,
     GradOverflow,
     KeywordLM,
+    NestedOverflow,
     Overflowing,
     TwoLayer,
+    chain_overflow,
     keyword_batch,
     seeded,
 )
@@ -114,3 +116,29 @@ def test_keyword_call_form():
     assert report.verified is True
     assert not amp_fx.find_nonfinite(model, dtype="fp16", policy=report.suggested_policy,
                                      loss_fn=lambda o: o["loss"], **batch).found
+
+
+def test_fix_is_cumulative_with_what_the_user_kept():
+    seq, x = chain_overflow(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    kept_0 = amp_fx.Policy(keep_fp32=("0",))
+    report = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=kept_0)
+    assert report.found and report.module_path == "1"
+    assert report.suggestion_code == 'Policy(keep_fp32=("0", "1"))'
+    assert report.suggested_policy.keep_fp32 == ("0", "1") and report.verified is True
+    # the planted dependency, checked here: `1` alone still overflows at `0`
+    alone = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=amp_fx.Policy(keep_fp32=("1",)),
+                                  verify=False)
+    assert alone.found and alone.module_path == "0"
+
+
+@pytest.mark.parametrize("build, expected", [
+    (NestedOverflow, ("block",)),   # `block.0` is not enough; `block` encloses it and `block.1`
+    (chain_overflow, ("0", "1")),   # `0` and `1` share only the root: both are listed
+])
+def test_one_module_not_enough_prefers_the_enclosing_module(build, expected):
+    model, x = build(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert report.found and report.verified is True
+    assert report.suggested_policy.keep_fp32 == expected
+    assert "alone is not enough" in report.verification
+    assert not amp_fx.find_nonfinite(model, x, dtype="fp16", policy=report.suggested_policy).found

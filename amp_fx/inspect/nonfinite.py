@@ -20,7 +20,7 @@ the graphs as usual, so ops are seen in execution order.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,18 +124,65 @@ def _upcast(v: Any) -> Any:
     return v
 
 
-def _merge(policy: Policy, node: torch.fx.Node) -> tuple[Policy, str]:
-    """The user's policy plus keeping ``node``'s module (or its op) in fp32, and how to write it."""
-    path, _ = module_of(node)
-    ops = {_op_from_name(k): v for k, v in policy.op_classes.items()}
-    if path:
-        new = Policy(op_classes=ops, keep_fp32=(*policy.keep_fp32, path),
-                     cast_cache=policy.cast_cache)
-        return new, f'Policy(keep_fp32=("{path}",))'
-    op = node.target
-    new = Policy(op_classes={**ops, op: CastClass.FP32}, keep_fp32=policy.keep_fp32,
-                 cast_cache=policy.cast_cache)
-    return new, f'Policy(op_classes={{"{op.name()}": CastClass.FP32}})'
+def _inside(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]
+               ) -> Policy:
+    """The user's policy plus ``modules`` kept in fp32 (replacing kept names inside them) and
+    ``ops`` moved to fp32: the fix is cumulative, it never drops what the user already kept."""
+    keep = [k for k in policy.keep_fp32
+            if not (isinstance(k, str) and any(_inside(k, m) and k != m for m in modules))]
+    keep += [m for m in modules if m not in keep]
+    # overloads, not names: Policy reads the name "aten::exp" as every overload of aten.exp
+    classes = {_op_from_name(k): v for k, v in policy.op_classes.items()}
+    return Policy(op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
+                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache)
+
+
+def policy_code(policy: Policy) -> str:
+    """The policy as the code that builds it: ``Policy(keep_fp32=("fc1", "fc2"))``."""
+    def selector(k: object) -> str:
+        if isinstance(k, str):
+            return f'"{k}"'
+        assert isinstance(k, type)
+        return ("nn." if k.__module__.startswith("torch.nn") else f"{k.__module__}.") + k.__qualname__
+    parts = []
+    # "aten::exp" names the default overload here and, to Policy, every overload: list the
+    # others only when their packet's name is not already listed
+    ops = {k: v for k, v in policy.op_classes.items()
+           if "." not in k.partition("::")[2] or k.partition(".")[0] not in policy.op_classes}
+    if ops:
+        parts.append("op_classes={" + ", ".join(f'"{k}": CastClass.{v.name}'
+                                                for k, v in ops.items()) + "}")
+    if policy.keep_fp32:
+        names = [selector(k) for k in policy.keep_fp32]
+        parts.append("keep_fp32=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
+    if not policy.cast_cache:
+        parts.append("cast_cache=False")
+    return f"Policy({', '.join(parts)})"
+
+
+def _kept_text(modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]) -> str:
+    words = []
+    if modules:
+        words.append(("module " if len(modules) == 1 else "modules ")
+                     + ", ".join(f"`{m}`" for m in modules))
+    if ops:
+        words.append(("op " if len(ops) == 1 else "ops ")
+                     + ", ".join(op.name().replace("::", ".") for op in ops))
+    return " and ".join(words)
+
+
+def _common_module(a: str, b: str) -> str:
+    """The innermost module enclosing both paths; empty for the root."""
+    common = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
 
 
 class _Probe:
@@ -315,30 +362,109 @@ def find_nonfinite(
     report.graph = record.index
     report.node = node.name
     report.module_path, report.module_type = path, mtype
-    if probe.forward_hit is not None:
-        _describe_forward(report, hit, labels, policy)
-    else:
-        _describe_backward(report, hit, policy)
-    if report.suggested_policy is not None and verify:
-        again, _ = _probe_run(model_or_fn, call, lower, report.suggested_policy, backward,
-                              loss_fn, loss_scale)
-        other = again.forward_hit or again.backward_hit
-        report.verified = other is None
-        if other is None:
-            report.verification = (f"with {report.suggestion_code} the whole model runs without "
-                                   f"inf/NaN{' (forward and backward)' if backward else ''}")
-        else:
-            n = other["node"]
-            p, _ = module_of(n)
-            report.verification = (
-                f"with {report.suggestion_code} this op is finite, but the next inf/NaN is in the "
-                f"{'forward' if again.forward_hit else 'backward'} at {n.name} ({op_label(n)}"
-                f"{', module `' + p + '`' if p else ''}): run find_nonfinite with that policy")
+    describe = _describe_forward if probe.forward_hit is not None else _describe_backward
+    first = describe(report, hit, labels)
+    if first is None:
+        return report
+    decider, tail = first
+    modules, ops = _kept_in_fp32(decider)
+    report.suggested_policy = _with_fp32(policy, modules, ops)
+    steps: list[str] = []
+    if verify:
+        def check(candidate: Policy) -> _Probe:
+            again, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn,
+                                  loss_scale)
+            return again
+        report.suggested_policy, modules, ops, report.verified, steps = _search_fix(
+            policy, modules, ops, check)
+    report.suggestion_code = policy_code(report.suggested_policy)
+    via = ("" if decider is node or steps
+           else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
+    report.suggestion = f"keep {_kept_text(modules, ops)} in fp32{via}: {report.suggestion_code}; {tail}"
+    if verify:
+        done = (f"with {report.suggestion_code} the whole model runs without inf/NaN"
+                f"{' (forward and backward)' if backward else ''}")
+        report.verification = "; ".join(steps + ([done] if report.verified else []))
     return report
 
 
-def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict[str, str],
-                      policy: Policy) -> None:
+_MAX_ROUNDS = 4
+"""Policies tried before giving up: each round adds one module (or widens to the enclosing one)."""
+
+
+def _kept_in_fp32(node: torch.fx.Node) -> tuple[list[str], list[torch._ops.OpOverload]]:
+    """What keeps ``node`` in fp32: its innermost module, or for a top-level op the op itself."""
+    path, _ = module_of(node)
+    return ([path], []) if path else ([], [node.target])
+
+
+def _where(hit: dict[str, Any], phase: str) -> str:
+    n = hit["node"]
+    p, _ = module_of(n)
+    return f"{phase} at {n.name} ({op_label(n)}{', module `' + p + '`' if p else ''})"
+
+
+def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | None:
+    """Why keeping more in fp32 cannot remove this hit; None when it can."""
+    node = hit["node"]
+    if node.op == "placeholder":
+        return "a graph input already holds inf/NaN"
+    if phase == "forward" and is_cast(node) and node.meta.get("amp_fx_cast") != "inserted":
+        return "a cast in your code overflows"
+    if phase == "forward" and hit.get("fp32") is not None and not all_finite(hit["fp32"]):
+        return "the op gives inf/NaN in fp32 too"
+    if phase == "backward" and hit["grad"].dtype not in (torch.float16, torch.bfloat16):
+        return "the gradient is not finite in fp32 either"
+    decider = _deciding_node(node)
+    path, _ = module_of(decider)
+    if path and any(isinstance(k, str) and _inside(path, k) for k in policy.keep_fp32):
+        return f"module `{path}` is already kept in fp32"
+    if not path and not isinstance(decider.target, torch._ops.OpOverload):
+        return "the op is not an ATen op a policy can name"
+    return None
+
+
+def _search_fix(policy: Policy, modules: list[str], ops: list[torch._ops.OpOverload],
+                check: Callable[[Policy], _Probe]
+                ) -> tuple[Policy, list[str], list[torch._ops.OpOverload], bool, list[str]]:
+    """Add to ``modules``/``ops`` until the whole model runs finite, at most :data:`_MAX_ROUNDS`
+    policies. When the next inf/NaN is in another module, the innermost module enclosing it and
+    the last one kept is preferred (one fp32 region instead of several); at the root, the module
+    is added. Returns the policy, what it adds, whether it is verified, and the steps, in words."""
+    steps: list[str] = []
+    for _ in range(_MAX_ROUNDS):
+        candidate = _with_fp32(policy, modules, ops)
+        again = check(candidate)
+        hit = again.forward_hit or again.backward_hit
+        if hit is None:
+            return candidate, modules, ops, True, steps
+        phase = "forward" if again.forward_hit is not None else "backward"
+        kept = _kept_text(modules, ops)
+        why = _why_not_fixable(hit, phase, candidate)
+        if why is not None:
+            steps.append(f"with {policy_code(candidate)} the next inf/NaN is in the "
+                         f"{_where(hit, phase)}: {why}, so keeping more in fp32 does not help; "
+                         "run find_nonfinite with that policy")
+            return candidate, modules, ops, False, steps
+        steps.append(f"keeping {kept} alone is not enough (next inf/NaN in the "
+                     f"{_where(hit, phase)})")
+        new_modules, new_ops = _kept_in_fp32(_deciding_node(hit["node"]))
+        if new_modules and modules:
+            enclosing = _common_module(modules[-1], new_modules[0])
+            if enclosing:
+                new_modules = [enclosing]
+                modules = [m for m in modules if not _inside(m, enclosing)]
+        modules, ops = modules + new_modules, ops + new_ops
+    candidate = _with_fp32(policy, modules, ops)
+    steps.append(f"gave up after {_MAX_ROUNDS} policies; run find_nonfinite with "
+                 f"{policy_code(candidate)} to go on")
+    return candidate, modules, ops, False, steps
+
+
+def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict[str, str]
+                      ) -> tuple[torch.fx.Node, str] | None:
+    """Fill in the forward hit; return the node to keep in fp32 and what was checked, or None
+    when keeping something in fp32 is not the fix."""
     node: torch.fx.Node = hit["node"]
     out = hit["out"]
     report.phase = "forward"
@@ -349,7 +475,7 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
         report.op = "input"
         report.reason = (f"the graph input `{name}` already holds inf/NaN before any op runs "
                          "(a bad input batch, or parameters broken by an earlier step)")
-        return
+        return None
     report.op = op_label(node)
     report.inputs = [(_arg_label(a, labels),
                       f"{dtype_name(next((t.dtype for t in tensors_of(v)), None))} "
@@ -360,33 +486,21 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
     if node.meta.get("amp_fx_cast") != "inserted" and is_cast(node):
         report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
                              "its input does not fit the target dtype; drop it or clamp first")
-        return
+        return None
     decider = _deciding_node(node)
     if report.fp32_finite is False:
         report.suggestion = ("computing this op in fp32 gives inf/NaN too, so it is not a "
                              "mixed-precision problem: the fp32 model fails here as well "
                              "(check the inputs, the initialisation, the learning rate)")
-        return
-    subject, code = _suggest_keeping_in_fp32(report, policy, decider)
-    via = ("" if decider is node
-           else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
+        return None
     checked = ("with its inputs in fp32 the op gives a finite output"
                if report.fp32_finite else "the op could not be re-run in fp32 to check")
-    report.suggestion = f"keep {subject} in fp32{via}: {code}; {checked}"
+    return decider, checked
 
 
-def _suggest_keeping_in_fp32(report: NonfiniteReport, policy: Policy,
-                             decider: torch.fx.Node) -> tuple[str, str]:
-    """Record the policy that keeps ``decider`` in fp32 on the report; return how to name what it
-    keeps (module or op) and the policy as code."""
-    new, code = _merge(policy, decider)
-    report.suggested_policy = new
-    report.suggestion_code = code
-    dp, _ = module_of(decider)
-    return (f"module `{dp}`" if dp else f"op {op_label(decider)}"), code
-
-
-def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Policy) -> None:
+def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], _labels: dict[str, str]
+                       ) -> tuple[torch.fx.Node, str] | None:
+    """Fill in the backward hit; as :func:`_describe_forward`."""
     node: torch.fx.Node = hit["node"]
     grad: torch.Tensor = hit["grad"]
     report.phase = "backward"
@@ -404,8 +518,7 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], policy: Pol
     if not low:
         report.suggestion = ("the gradient is non-finite in fp32 too: not a precision problem of "
                              "this op (check the loss and the loss scale)")
-        return
-    subject, code = _suggest_keeping_in_fp32(report, policy, decider)
-    report.suggestion = (f"keep {subject} in fp32 so this gradient is fp32: {code}; or lower the "
-                         "loss scale (with a GradScaler an occasional inf gradient is expected: "
-                         "the step is skipped and the scale backs off; worry only when it recurs)")
+        return None
+    return decider, ("so this gradient is fp32; or lower the loss scale (with a GradScaler an "
+                     "occasional inf gradient is expected: the step is skipped and the scale "
+                     "backs off; worry only when it recurs)")
