@@ -155,3 +155,26 @@ class NestedOverflow(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.norm(self.block(x)))
+
+
+class BreakInside(nn.Module):
+    """A graph break inside a submodule: Dynamo compiles ``model.forward`` as its own frame, where
+    ``self`` is ``model`` (issue 8's Wrapper/Inner)."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.head(torch.relu(self.a(x)))
+            torch._dynamo.graph_break()
+            return h
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = self.Inner()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)

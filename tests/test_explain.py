@@ -10,7 +10,7 @@ import torch.fx
 
 import amp_fx
 from amp_fx.inspect import _graphviz
-from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
+from tests._inspect_models import BNNet, BreakInside, RoundTrip, TwoLayer, seeded
 from tests.zoo import ZOO
 
 EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
@@ -191,3 +191,37 @@ def test_dot_and_svg(tmp_path, monkeypatch):
     with pytest.raises(amp_fx.GraphvizNotFound, match="apt-get install graphviz") as info:
         ex.to_svg(tmp_path / "h.svg")
     assert info.value.dot_path.read_text() == dot
+
+
+def _root_names(model: torch.nn.Module, *args: torch.Tensor) -> set[str]:
+    """The reference: the root module's parameter names and its forward's argument names."""
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)
+    return {n for n, _ in model.named_parameters()} | set(params[:len(args)])
+
+
+@pytest.mark.parametrize("build", [
+    lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+    lambda: torch.nn.Linear(4, 2),
+    BreakInside.Inner,  # a user module: Dynamo's frame is its forward
+])
+def test_inputs_named_as_the_root_module_names_them(build):
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(3, 4 if not isinstance(model, BreakInside.Inner) else 8)
+    expected = _root_names(model, x)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    assert {n.label for n in ex.nodes(0) if n.kind == "input"} == expected
+    # a compiled model explained from its records names them alike
+    compiled = amp_fx.compile(model, dtype="bf16", backend="eager")
+    compiled(x)
+    assert {n.label for n in amp_fx.explain(compiled).nodes(0) if n.kind == "input"} == expected
+
+
+def test_inputs_named_under_the_root_across_a_graph_break_in_a_submodule():
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    labels = {n.label for n in ex.nodes(0) if n.kind == "input"}
+    assert labels == _root_names(model, x)  # model.a.weight, not a.weight (the frame's names)

@@ -142,3 +142,16 @@ def test_one_module_not_enough_prefers_the_enclosing_module(build, expected):
     assert report.suggested_policy.keep_fp32 == expected
     assert "alone is not enough" in report.verification
     assert not amp_fx.find_nonfinite(model, x, dtype="fp16", policy=report.suggested_policy).found
+
+
+def test_names_are_the_root_modules():
+    """nn.Sequential: the inputs are `input` (its forward's argument) and `0.weight`, as in
+    model.named_parameters(), not Dynamo's L['args'][0] / L['fn']._modules['0']..."""
+    seq, x = chain_overflow(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    report = amp_fx.find_nonfinite(seq, x, dtype="fp16", verify=False)
+    import inspect
+
+    arg = next(iter(inspect.signature(seq.forward).parameters))
+    expected = [arg] + [n for n, _ in seq[0].named_parameters(prefix="0")]
+    assert [name.split(" ")[0] for name, _ in report.inputs] == expected
+    assert "L[" not in str(report)

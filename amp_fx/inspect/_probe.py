@@ -5,7 +5,9 @@ re-run a recorded graph. How the model is run lives in :mod:`amp_fx.inspect._run
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,17 +93,38 @@ class ValueInterpreter(torch.fx.Interpreter):
         super().__init__(gm, garbage_collect_values=False)
 
 
-def input_labels(record: GraphRecord) -> dict[str, str]:
-    """Placeholder name in the ATen graphs -> what the user calls it (``fc1.weight``, ``x``)."""
+def input_labels(record: GraphRecord, forward: Callable[..., Any] | None = None) -> dict[str, str]:
+    """Placeholder name in the ATen graphs -> what the user calls it (``fc1.weight``, ``x``), read
+    from Dynamo's source names. ``forward`` (the model's forward, or the function) names the
+    positional arguments Dynamo only numbers (``L['args'][0]`` when it enters through
+    ``nn.Module.__call__``, as for ``nn.Sequential`` and ``nn.Linear``).
+
+    Names are relative to the frame Dynamo compiled; the inspection tools name inputs by
+    identity instead where they ran the model (:meth:`~amp_fx.inspect._runner.AmpRun.labels`).
+    """
     dyn = [n for n in record.dynamo_graph.graph.nodes if n.op == "placeholder"]
     ours = [n for n in record.captured.graph.nodes if n.op == "placeholder"]
-    labels = {}
-    for mine, theirs in zip(ours, dyn):
-        labels[mine.name] = _source_label(theirs)
-    return labels
+    positional = _positional_names(forward)
+    return {mine.name: _source_label(theirs, positional) for mine, theirs in zip(ours, dyn)}
 
 
-def _source_label(node: torch.fx.Node) -> str:
+def _positional_names(forward: Callable[..., Any] | None) -> list[str]:
+    if forward is None:
+        return []
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+_ROOTS = ("L['self']", "L['fn']", "G['")
+"""Dynamo source prefixes of module state: the frame's module (``self``, or ``fn`` when Dynamo
+enters through ``nn.Module.__call__``) and globals."""
+
+
+def _source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:
     from amp_fx.capture import module_path
 
     source = getattr(node, "_dynamo_source", None)
@@ -110,14 +133,22 @@ def _source_label(node: torch.fx.Node) -> str:
     try:
         name = source.name
         text = name() if callable(name) else str(name)
-    except Exception:
+    except Exception:  # a source kind without a printable name: the placeholder's name will do
         return node.name
-    if text.startswith("L['self']") or text.startswith("G['"):
+    if text.startswith(_ROOTS):
         path = module_path(text)
         parts = [p for p in path.split(".") if p not in ("_parameters", "_buffers")]
         return ".".join(parts) or node.name
-    if text.startswith("L['") and text.endswith("']") and text.count("'") == 2:
-        return text[3:-2]
+    m = re.fullmatch(r"L\['args'\]\[(\d+)\](.*)", text)
+    if m is not None:
+        i = int(m.group(1))
+        return (positional[i] if i < len(positional) else f"args[{i}]") + m.group(2)
+    m = re.fullmatch(r"L\['kwargs'\]\['([^']*)'\](.*)", text)
+    if m is not None:
+        return m.group(1) + m.group(2)
+    m = re.fullmatch(r"L\['([^']*)'\](.*)", text)
+    if m is not None:
+        return m.group(1) + m.group(2)
     return text
 
 

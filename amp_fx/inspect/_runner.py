@@ -33,7 +33,7 @@ from amp_fx._backends import Backend, backend_name, resolve_backend
 from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
-from amp_fx.inspect._probe import describe_value, tensors_of
+from amp_fx.inspect._probe import describe_value, input_labels, tensors_of
 from amp_fx.policy import Policy
 
 __all__: list[str] = []
@@ -227,11 +227,13 @@ class AmpRun:
     recorder: InputRecorder
     result: Any
     """What the tool's ``then`` returned (the model's output by default)."""
+    forward: Callable[..., Any] | None = None
 
     def labels(self, record: GraphRecord) -> dict[str, str]:
-        from amp_fx.inspect._probe import input_labels
-
-        return {**input_labels(record), **self.recorder.labels_for(record)}
+        """Placeholder name -> what the user calls the tensor: parameters and buffers by their
+        name under the root module (``0.weight``, whatever frame Dynamo compiled), inputs by the
+        forward's argument names; Dynamo's source names for anything else."""
+        return {**input_labels(record, self.forward), **self.recorder.labels_for(record)}
 
 
 def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
@@ -262,7 +264,8 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
         except Exception as e:
             raise amp_failure(e, model_or_fn, call, tool=tool, dtype=dtype,
                               backend=downstream if isinstance(downstream, str) else None) from e
-    return AmpRun(compiled, list(records(compiled)), recorder, result)
+    forward = target.forward if isinstance(target, torch.nn.Module) else target
+    return AmpRun(compiled, list(records(compiled)), recorder, result, forward)
 
 
 def _first_line(e: BaseException) -> str:

@@ -49,7 +49,6 @@ from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
     ValueInterpreter,
     clone_inputs,
-    input_labels,
     leaf_flags,
     module_of,
     op_label,
@@ -551,18 +550,19 @@ def compare(
                 name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
                 _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
                 _nonfinite(a), _nonfinite(e)))
-    _explain_cross_graph_grads(report, recs)
+    _explain_cross_graph_grads(report, [run.labels(r) for r in recs], recs)
     return report
 
 
-def _explain_cross_graph_grads(report: CompareReport, recs: Sequence[GraphRecord]) -> None:
+def _explain_cross_graph_grads(report: CompareReport, labels: Sequence[dict[str, str]],
+                               recs: Sequence[GraphRecord]) -> None:
     """Name the known cause of a gradient difference when every op agrees: a weight used in
     several graphs (on both sides of a graph break)."""
     if not all(o.agree for o in report.ops):
         return
     graphs_of: dict[str, list[int]] = {}
-    for r in recs:
-        for label in input_labels(r).values():
+    for r, names in zip(recs, labels):
+        for label in names.values():
             graphs_of.setdefault(label, []).append(r.index)
     for g in report.grads:
         where = graphs_of.get(g.name, [])

@@ -238,8 +238,11 @@ class Explanation:
 
     def __init__(self, records: Sequence[GraphRecord], *, notes: Sequence[str] = (),
                  inputs: Sequence[list[Any] | None] | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None,
+                 labels: Sequence[dict[str, str]] | None = None) -> None:
         self.records = list(records)
+        self._labels = (list(labels) if labels is not None
+                        else [input_labels(r) for r in self.records])
         self.notes = list(notes)
         self.policy = policy
         self._fp32_cache: dict[int, dict[str, Any] | None] = {}
@@ -269,7 +272,7 @@ class Explanation:
         captured graph as it was before the passes."""
         out = []
         for r in self.records if graph is None else [self.records[graph]]:
-            labels = input_labels(r)
+            labels = self._labels[r.index]
             if not before:
                 run = self._runtime(r.index)
                 out += [_node_info(r.index, n, labels) if run is None or n.name not in run
@@ -394,7 +397,7 @@ class Explanation:
         its inputs."""
         r = self.records[graph]
         after = {n.name: n for n in r.rewritten.graph.nodes}
-        labels = input_labels(r)
+        labels = self._labels[graph]
         fp32 = self._fp32(r) or {}
         rows = []
         for n in r.captured.graph.nodes:
@@ -488,7 +491,11 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
                              "captured; call it once, or pass example inputs")
         backend = getattr(model_or_fn, "_amp_fx_backend", None)
-        return Explanation(recs, policy=getattr(backend, "policy", None))
+        original = getattr(model_or_fn, "original_module", None)
+        forward = original.forward if original is not None else getattr(
+            model_or_fn, "__wrapped__", None)
+        return Explanation(recs, policy=getattr(backend, "policy", None),
+                           labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
         backend = model_or_fn._amp_fx_backend
         dtype, policy, fold = backend.dtype, backend.policy, backend.fold
@@ -502,4 +509,5 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
     run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
                   downstream="eager", fold=fold)
     return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
-                       policy=policy if policy is not None else Policy())
+                       policy=policy if policy is not None else Policy(),
+                       labels=[run.labels(r) for r in run.records])

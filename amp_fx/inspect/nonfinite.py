@@ -33,14 +33,13 @@ from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
     all_finite,
     format_range,
-    input_labels,
     is_cast,
     module_of,
     op_label,
     tensor_range,
     tensors_of,
 )
-from amp_fx.inspect._runner import Call, run_amp, run_eager_checked
+from amp_fx.inspect._runner import AmpRun, Call, run_amp, run_eager_checked
 from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
@@ -281,7 +280,7 @@ def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.N
 
 def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
                backward: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
-               loss_scale: float) -> tuple[_Probe, list[str]]:
+               loss_scale: float) -> tuple[_Probe, list[str], AmpRun]:
     notes: list[str] = []
     probe = _Probe(lower, backward)
 
@@ -307,7 +306,7 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
             hit["record"] = next(r for r in run.records if r.rewritten is hit.pop("graph"))
     if not run.records:
         notes.append("no ops were captured, so there was nothing to check")
-    return probe, notes
+    return probe, notes, run
 
 
 def find_nonfinite(
@@ -349,14 +348,15 @@ def find_nonfinite(
     policy = Policy() if policy is None else policy
     call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="find_nonfinite")
-    probe, notes = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn, loss_scale)
+    probe, notes, run = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn,
+                                   loss_scale)
     report = NonfiniteReport(dtype=lower, notes=notes)
     hit = probe.forward_hit or probe.backward_hit
     if hit is None:
         return report
     record: GraphRecord = hit["record"]
     node: torch.fx.Node = hit["node"]
-    labels = input_labels(record)
+    labels = run.labels(record)
     path, mtype = module_of(node)
     report.found = True
     report.graph = record.index
@@ -372,8 +372,8 @@ def find_nonfinite(
     steps: list[str] = []
     if verify:
         def check(candidate: Policy) -> _Probe:
-            again, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn,
-                                  loss_scale)
+            again, _, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn,
+                                     loss_scale)
             return again
         report.suggested_policy, modules, ops, report.verified, steps = _search_fix(
             policy, modules, ops, check)
