@@ -229,3 +229,23 @@ def test_verdict_counts_are_pluralised():
     report = amp_fx.compare(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
     assert report.verdict() == ("OK: amp_fx agrees with eager torch.autocast (bf16) on 1 op, "
                                 "1 output and 2 gradients (bitwise)")
+
+
+def test_grads_asked_but_none_compared_is_said(monkeypatch):
+    """grads=True on a function (no parameters): compare says it compared no gradient; strict
+    mode makes that an error."""
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+
+    def fn(x):
+        return x @ w
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(amp_fx.AmpFxWarning, match="grads=True, but no gradient was compared"):
+        report = amp_fx.compare(fn, x, dtype="bf16")
+    assert report.ok and not report.grads
+    assert any("no gradient was compared: it is a function" in n for n in report.notes)
+    assert amp_fx.compare(fn, x, dtype="bf16", grads=False).ok  # negative twin: nothing to say
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    with pytest.raises(amp_fx.AmpFxError, match="no gradient was compared"):
+        amp_fx.compare(fn, x, dtype="bf16")

@@ -10,7 +10,7 @@ import torch.fx
 
 import amp_fx
 from amp_fx.inspect import _graphviz
-from tests._inspect_models import BNNet, BreakInside, RoundTrip, TwoLayer, seeded
+from tests._inspect_models import AutocastMask, BNNet, BreakInside, RoundTrip, TwoLayer, seeded
 from tests.zoo import ZOO
 
 EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
@@ -225,3 +225,25 @@ def test_inputs_named_under_the_root_across_a_graph_break_in_a_submodule():
     ex = amp_fx.explain(model, x, dtype="bf16")
     labels = {n.label for n in ex.nodes(0) if n.kind == "input"}
     assert labels == _root_names(model, x)  # model.a.weight, not a.weight (the frame's names)
+
+
+def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):
+    """The 'without amp' dtypes come from the captured graph run without autocast; a mask made
+    with dtype=q.dtype under autocast stops it (as in HF T5). explain says so instead of showing
+    blanks, and strict mode makes it an error."""
+    model, x = seeded(AutocastMask, 2, 4, 8)
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    with pytest.warns(amp_fx.AmpFxWarning, match="graph 0's dtypes without amp are not shown"):
+        text = str(ex)
+    assert "note: graph 0's dtypes without amp are not shown" in text
+    assert "attn_mask" in text
+    # the rewritten graph is still explained: sdpa runs in bf16 as under eager autocast
+    sdpa = next(n for n in ex.nodes(0) if n.op == "aten.scaled_dot_product_attention")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = model.qkv(x).chunk(3, -1)[0]
+    assert sdpa.dtype is q.dtype is torch.bfloat16
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    strict = amp_fx.explain(model, x, dtype="bf16")
+    with pytest.raises(amp_fx.AmpFxError, match="dtypes without amp are not shown"):
+        str(strict)

@@ -45,6 +45,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from amp_fx._backends import Backend, backend_name
 from amp_fx._dtype_names import dtype_name
+from amp_fx._report import did_less
 from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -550,6 +551,15 @@ def compare(
                 name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
                 _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
                 _nonfinite(a), _nonfinite(e)))
+        if not report.grads:
+            why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
+                   if not isinstance(model_or_fn, torch.nn.Module) else
+                   "no parameter got a gradient (no floating output requires grad, or loss_fn "
+                   "does not depend on the parameters)")
+            message = (f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass "
+                       "grads=False to compare outputs only")
+            report.notes.append(message.removeprefix("amp_fx.compare: "))
+            did_less(("compare", "no grads", why), message)
     _explain_cross_graph_grads(report, [run.labels(r) for r in recs], recs)
     return report
 

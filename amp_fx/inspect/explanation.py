@@ -29,6 +29,7 @@ from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
 from amp_fx._dtype_names import dtype_name
+from amp_fx._report import did_less
 from amp_fx.backend import GraphRecord
 from amp_fx.errors import GraphvizNotFound
 from amp_fx.inspect._graphviz import build_dot, write_svg
@@ -179,20 +180,22 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
         autocast_dtype=node.meta.get("amp_fx_autocast_dtype"))
 
 
-def _fp32_values(record: GraphRecord) -> dict[str, Any] | None:
+def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
     """The captured graph's values as your program computes them without any autocast: the graph
-    run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture)."""
+    run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture); or
+    None and why not."""
     vals = [n.meta.get("val") for n in record.captured.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
-        return None
+        return None, "its inputs carry no fake tensors"
+    interp = ValueInterpreter(record.captured)
     try:
         with mode, torch.no_grad():
-            interp = ValueInterpreter(record.captured)
             interp.run(*vals)
-    except Exception:  # a graph fake tensors cannot run (e.g. data-dependent): show no dtypes
-        return None
-    return {n.name: v for n, v in interp.env.items()}
+    except Exception as e:  # e.g. data-dependent shapes, or a dtype read under autocast
+        text = str(e).strip()
+        return None, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    return {n.name: v for n, v in interp.env.items()}, ""
 
 
 def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
@@ -286,7 +289,16 @@ class Explanation:
 
     def _fp32(self, record: GraphRecord) -> dict[str, Any] | None:
         if record.index not in self._fp32_cache:
-            self._fp32_cache[record.index] = _fp32_values(record)
+            values, why = _fp32_values(record)
+            self._fp32_cache[record.index] = values
+            if values is None:
+                message = (f"amp_fx.explain: graph {record.index}'s dtypes without amp are not "
+                           f"shown (the 'without amp' column and before=True): the captured graph "
+                           f"does not run without autocast ({why}); typically a dtype your code "
+                           "read under autocast is fixed in the graph. The rewritten graph is "
+                           "explained in full")
+                self.notes.append(message.removeprefix("amp_fx.explain: "))
+                did_less(("explain", "no fp32 view", why), message)
         return self._fp32_cache[record.index]
 
     def dtypes(self, graph: int, *, before: bool = False) -> dict[str, torch.dtype | None]:
@@ -361,6 +373,8 @@ class Explanation:
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
+        for r in self.records:
+            self._fp32(r)  # its notes belong here
         lines = []
         if self.records:
             lines.append(tabulate(self.summary_rows(), headers="keys"))
