@@ -155,3 +155,22 @@ def test_names_are_the_root_modules():
     expected = [arg] + [n for n, _ in seq[0].named_parameters(prefix="0")]
     assert [name.split(" ")[0] for name, _ in report.inputs] == expected
     assert "L[" not in str(report)
+
+
+def test_backward_asked_but_not_checked_is_said(monkeypatch):
+    """backward=True on a model whose output does not require grad: said once, an error in
+    strict mode."""
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    model, x = seeded(TwoLayer, 3, 4)
+
+    def no_grad_loss(out):
+        return out.detach().float().sum()
+
+    with pytest.warns(amp_fx.AmpFxWarning, match="backward=True, but the backward was not checked"):
+        report = amp_fx.find_nonfinite(model, x, dtype="fp16", loss_fn=no_grad_loss)
+    assert not report.found and "every gradient" not in str(report)
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    with pytest.raises(amp_fx.AmpFxError, match="backward was not checked"):
+        amp_fx.find_nonfinite(model, x, dtype="fp16", loss_fn=no_grad_loss)
+    # negative twin: backward=False asks for nothing more
+    assert not amp_fx.find_nonfinite(model, x, dtype="fp16", backward=False).found

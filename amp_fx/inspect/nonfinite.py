@@ -29,6 +29,7 @@ import torch.fx
 from tabulate import tabulate
 
 from amp_fx._dtype_names import dtype_name
+from amp_fx._report import did_less
 from amp_fx.backend import GraphRecord
 from amp_fx.inspect._probe import (
     all_finite,
@@ -296,6 +297,10 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
                 loss = sum(t.float().sum() for t in floats) if floats else None
             if loss is None or not getattr(loss, "requires_grad", False):
                 notes.append("backward skipped: the output does not require grad")
+                did_less(("find_nonfinite", "backward skipped"),
+                         "amp_fx.find_nonfinite: backward=True, but the backward was not checked: "
+                         "the output (or loss_fn's loss) does not require grad; pass a loss_fn "
+                         "that depends on the parameters, or backward=False")
             else:
                 (loss * loss_scale).backward()
 
