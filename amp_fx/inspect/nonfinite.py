@@ -524,6 +524,6 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], _labels: di
         report.suggestion = ("the gradient is non-finite in fp32 too: not a precision problem of "
                              "this op (check the loss and the loss scale)")
         return None
-    return decider, ("so this gradient is fp32; or lower the loss scale (with a GradScaler an "
-                     "occasional inf gradient is expected: the step is skipped and the scale "
-                     "backs off; worry only when it recurs)")
+    return decider, ("then this gradient is computed in fp32; or lower the loss scale (with a "
+                     "GradScaler an occasional inf gradient is expected: the step is skipped and "
+                     "the scale backs off; worry only when it recurs)")
