@@ -14,6 +14,7 @@ from amp_fx.passes import fold_casts as fold_module
 from tests._inspect_models import (
     AutocastMask,
     BNNet,
+    BreakInside,
     KeywordLM,
     Overflowing,
     TwoLayer,
@@ -249,3 +250,14 @@ def test_grads_asked_but_none_compared_is_said(monkeypatch):
     monkeypatch.setenv("AMP_FX_STRICT", "1")
     with pytest.raises(amp_fx.AmpFxError, match="no gradient was compared"):
         amp_fx.compare(fn, x, dtype="bf16")
+
+
+def test_graph_break_inside_a_submodule_names_modules_under_the_root():
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8)
+    report = amp_fx.compare(model, x, dtype="bf16")
+    names = dict(model.named_modules())
+    modules = [o.module for o in report.ops]
+    # the reference: each op's module found by the op it is (two linears, a relu between)
+    assert modules == ["model.a", "model", "model.head"]
+    assert all(m in names for m in modules)

@@ -225,6 +225,10 @@ def test_inputs_named_under_the_root_across_a_graph_break_in_a_submodule():
     ex = amp_fx.explain(model, x, dtype="bf16")
     labels = {n.label for n in ex.nodes(0) if n.kind == "input"}
     assert labels == _root_names(model, x)  # model.a.weight, not a.weight (the frame's names)
+    linears = [n.module for n in ex.nodes(0) if n.op == "aten.linear"]
+    assert linears == ["model.a", "model.head"]  # modules too, as model.named_modules() has them
+    assert all(dict(model.named_modules())[m] is model.model.get_submodule(m.split(".", 1)[1])
+               for m in linears)
 
 
 def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import amp_fx
 from tests._inspect_models import (
     BNNet,
+    BreakInside,
     ExpOverflow,
     GradOverflow,
     KeywordLM,
@@ -174,3 +175,17 @@ def test_backward_asked_but_not_checked_is_said(monkeypatch):
         amp_fx.find_nonfinite(model, x, dtype="fp16", loss_fn=no_grad_loss)
     # negative twin: backward=False asks for nothing more
     assert not amp_fx.find_nonfinite(model, x, dtype="fp16", backward=False).found
+
+
+def test_graph_break_inside_a_submodule_names_modules_under_the_root():
+    """Dynamo compiles model.forward as its own frame after the break; the report and its fix
+    name `model.a` (a module of the model passed), which amp_fx.compile accepts."""
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.model.a.weight.mul_(1e5)
+    assert torch.isinf(model.model.a(x).half()).any()  # the planted overflow, checked here
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert (report.module_path, report.module_type) == ("model.a", "Linear")
+    assert report.suggested_policy.keep_fp32 == ("model.a",)
+    assert dict(model.named_modules())["model.a"] is model.model.a

@@ -105,7 +105,7 @@ def input_labels(record: GraphRecord, forward: Callable[..., Any] | None = None)
     dyn = [n for n in record.dynamo_graph.graph.nodes if n.op == "placeholder"]
     ours = [n for n in record.captured.graph.nodes if n.op == "placeholder"]
     positional = _positional_names(forward)
-    return {mine.name: _source_label(theirs, positional) for mine, theirs in zip(ours, dyn)}
+    return {mine.name: source_label(theirs, positional) for mine, theirs in zip(ours, dyn)}
 
 
 def _positional_names(forward: Callable[..., Any] | None) -> list[str]:
@@ -124,16 +124,25 @@ _ROOTS = ("L['self']", "L['fn']", "G['")
 enters through ``nn.Module.__call__``) and globals."""
 
 
-def _source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:
-    from amp_fx.capture import module_path
-
+def source_text(node: torch.fx.Node) -> str:
+    """Dynamo's name for where a graph input comes from (``L['self'].fc._parameters['weight']``);
+    empty when it has none."""
     source = getattr(node, "_dynamo_source", None)
     if source is None:
-        return node.name
+        return ""
     try:
         name = source.name
-        text = name() if callable(name) else str(name)
-    except Exception:  # a source kind without a printable name: the placeholder's name will do
+        return name() if callable(name) else str(name)
+    except Exception:  # a source kind without a printable name
+        return ""
+
+
+def source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:
+    """What the user calls a graph input, from Dynamo's source name (see :func:`input_labels`)."""
+    from amp_fx.capture import module_path
+
+    text = source_text(node)
+    if not text:
         return node.name
     if text.startswith(_ROOTS):
         path = module_path(text)

@@ -33,7 +33,14 @@ from amp_fx._backends import Backend, backend_name, resolve_backend
 from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
-from amp_fx.inspect._probe import describe_value, input_labels, tensors_of
+from amp_fx.inspect._probe import (
+    describe_value,
+    input_labels,
+    module_of,
+    source_label,
+    source_text,
+    tensors_of,
+)
 from amp_fx.policy import Policy
 
 __all__: list[str] = []
@@ -228,6 +235,32 @@ class AmpRun:
     result: Any
     """What the tool's ``then`` returned (the model's output by default)."""
     forward: Callable[..., Any] | None = None
+    model: Any = None
+    """The private copy that was compiled (its module names are the root's)."""
+    _prefixes: dict[int, str] = field(default_factory=dict)
+
+    def module_of(self, record: GraphRecord, node: torch.fx.Node) -> tuple[str, str]:
+        """(module path under the root, type name) of a node of ``record``.
+
+        Dynamo names modules relative to the frame it compiled; after a graph break inside a
+        submodule, that frame is the submodule's forward. The frame's name under the root is read
+        off its parameters (Dynamo's name against the name found by identity) and put in front,
+        where the result is a module of the root; otherwise the path is kept as it is.
+        """
+        path, mtype = module_of(node)
+        prefix = self._prefix(record)
+        if not prefix or not isinstance(self.model, torch.nn.Module):
+            return path, mtype
+        modules = dict(self.model.named_modules())
+        full = prefix + path if path else prefix.rstrip(".")
+        if full in modules:
+            return full, type(modules[full]).__name__
+        return path, mtype
+
+    def _prefix(self, record: GraphRecord) -> str:
+        if record.index not in self._prefixes:
+            self._prefixes[record.index] = _frame_prefix(record, self.recorder.labels_for(record))
+        return self._prefixes[record.index]
 
     def labels(self, record: GraphRecord) -> dict[str, str]:
         """Placeholder name -> what the user calls the tensor: parameters and buffers by their
@@ -265,7 +298,22 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
             raise amp_failure(e, model_or_fn, call, tool=tool, dtype=dtype,
                               backend=downstream if isinstance(downstream, str) else None) from e
     forward = target.forward if isinstance(target, torch.nn.Module) else target
-    return AmpRun(compiled, list(records(compiled)), recorder, result, forward)
+    return AmpRun(compiled, list(records(compiled)), recorder, result, forward, target)
+
+
+def _frame_prefix(record: GraphRecord, by_identity: dict[str, str]) -> str:
+    """``model.`` when Dynamo's frame ``self`` is the root's submodule ``model`` (a parameter
+    Dynamo calls ``a.weight`` is ``model.a.weight`` by identity); empty for the root."""
+    dyn = [n for n in record.dynamo_graph.graph.nodes if n.op == "placeholder"]
+    ours = [n for n in record.captured.graph.nodes if n.op == "placeholder"]
+    for mine, theirs in zip(ours, dyn):
+        full = by_identity.get(mine.name)
+        if full is None or not source_text(theirs).startswith("L['self']"):
+            continue
+        relative = source_label(theirs)
+        if full.endswith("." + relative):
+            return full[:len(full) - len(relative)]
+    return ""
 
 
 def _first_line(e: BaseException) -> str:

@@ -51,11 +51,10 @@ from amp_fx.inspect._probe import (
     ValueInterpreter,
     clone_inputs,
     leaf_flags,
-    module_of,
     op_label,
     tensors_of,
 )
-from amp_fx.inspect._runner import SEED, Call, private_copy, run_amp, run_eager_checked
+from amp_fx.inspect._runner import SEED, AmpRun, Call, private_copy, run_amp, run_eager_checked
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]
@@ -358,8 +357,8 @@ def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report
         return ref
 
 
-def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport
-                   ) -> None:
+def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport,
+                   run: AmpRun) -> None:
     flags = leaf_flags(record)
     try:
         amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
@@ -376,7 +375,7 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
-        path, _ = module_of(node)
+        path, _ = run.module_of(record, node)
         new = rewritten.get(node.name)
         e_val = eager[node.name]
         if new is None:
@@ -507,7 +506,7 @@ def compare(
         if inputs is None:
             report.notes.append(f"graph {r.index} was compiled but not called; not compared")
             continue
-        _compare_graph(r, inputs, exact, report)
+        _compare_graph(r, inputs, exact, report, run)
     if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype
                         for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")

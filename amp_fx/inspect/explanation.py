@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,10 +158,11 @@ def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
 
 
 def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
-               val: Any = None, *, use_meta: bool = True) -> NodeInfo:
+               val: Any = None, *, use_meta: bool = True,
+               where: tuple[str, str] | None = None) -> NodeInfo:
     if use_meta:
         val = node.meta.get("val")
-    path, mtype = module_of(node)
+    path, mtype = module_of(node) if where is None else where
     kind = {"placeholder": "input", "get_attr": "constant", "output": "output"}.get(node.op, "op")
     cast = None
     if is_cast(node):
@@ -242,8 +243,11 @@ class Explanation:
     def __init__(self, records: Sequence[GraphRecord], *, notes: Sequence[str] = (),
                  inputs: Sequence[list[Any] | None] | None = None,
                  policy: Policy | None = None,
-                 labels: Sequence[dict[str, str]] | None = None) -> None:
+                 labels: Sequence[dict[str, str]] | None = None,
+                 module_of: Callable[[GraphRecord, torch.fx.Node], tuple[str, str]] | None = None
+                 ) -> None:
         self.records = list(records)
+        self._where = module_of
         self._labels = (list(labels) if labels is not None
                         else [input_labels(r) for r in self.records])
         self.notes = list(notes)
@@ -278,14 +282,20 @@ class Explanation:
             labels = self._labels[r.index]
             if not before:
                 run = self._runtime(r.index)
-                out += [_node_info(r.index, n, labels) if run is None or n.name not in run
-                        else _node_info(r.index, n, labels, run[n.name], use_meta=False)
+                out += [_node_info(r.index, n, labels, where=self._module(r, n))
+                        if run is None or n.name not in run
+                        else _node_info(r.index, n, labels, run[n.name], use_meta=False,
+                                        where=self._module(r, n))
                         for n in r.rewritten.graph.nodes]
                 continue
             vals = self._fp32(r)
-            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False)
+            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False,
+                               where=self._module(r, n))
                     for n in r.captured.graph.nodes]
         return out
+
+    def _module(self, record: GraphRecord, node: torch.fx.Node) -> tuple[str, str]:
+        return module_of(node) if self._where is None else self._where(record, node)
 
     def _fp32(self, record: GraphRecord) -> dict[str, Any] | None:
         if record.index not in self._fp32_cache:
@@ -421,7 +431,7 @@ class Explanation:
             before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
             eager = dtype_name(_autocast_dtype(n))
             if new is None:
-                rows.append([n.name, op_label(n), module_of(n)[0], before_dt, eager,
+                rows.append([n.name, op_label(n), self._module(r, n)[0], before_dt, eager,
                              "(folded away)", ""])
                 continue
             casts = []
@@ -430,7 +440,7 @@ class Explanation:
                     src = a.args[0]
                     casts.append(f"{labels.get(src.name, src.name)}->"
                                  f"{dtype_name(value_dtype(a.meta.get('val')))}")
-            path, _ = module_of(n)
+            path, _ = self._module(r, n)
             rows.append([n.name, op_label(n), path, before_dt, eager,
                          dtype_name(value_dtype(new.meta.get("val"))), ", ".join(casts)])
         return (f"graph {graph}: before -> after\n"
@@ -524,4 +534,4 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
                   downstream="eager", fold=fold)
     return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
                        policy=policy if policy is not None else Policy(),
-                       labels=[run.labels(r) for r in run.records])
+                       labels=[run.labels(r) for r in run.records], module_of=run.module_of)

@@ -35,7 +35,6 @@ from amp_fx.inspect._probe import (
     all_finite,
     format_range,
     is_cast,
-    module_of,
     op_label,
     tensor_range,
     tensors_of,
@@ -309,6 +308,7 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
     for hit in (probe.forward_hit, probe.backward_hit):
         if hit is not None:
             hit["record"] = next(r for r in run.records if r.rewritten is hit.pop("graph"))
+            hit["run"] = run
     if not run.records:
         notes.append("no ops were captured, so there was nothing to check")
     return probe, notes, run
@@ -362,7 +362,7 @@ def find_nonfinite(
     record: GraphRecord = hit["record"]
     node: torch.fx.Node = hit["node"]
     labels = run.labels(record)
-    path, mtype = module_of(node)
+    path, mtype = run.module_of(record, node)
     report.found = True
     report.graph = record.index
     report.node = node.name
@@ -372,7 +372,7 @@ def find_nonfinite(
     if first is None:
         return report
     decider, tail = first
-    modules, ops = _kept_in_fp32(decider)
+    modules, ops = _kept_in_fp32(hit, decider)
     report.suggested_policy = _with_fp32(policy, modules, ops)
     steps: list[str] = []
     if verify:
@@ -397,15 +397,21 @@ _MAX_ROUNDS = 4
 """Policies tried before giving up: each round adds one module (or widens to the enclosing one)."""
 
 
-def _kept_in_fp32(node: torch.fx.Node) -> tuple[list[str], list[torch._ops.OpOverload]]:
+def _module_of(hit: dict[str, Any], node: torch.fx.Node) -> str:
+    """The path under the root module of ``node``, a node of the graph ``hit`` was found in."""
+    return hit["run"].module_of(hit["record"], node)[0]
+
+
+def _kept_in_fp32(hit: dict[str, Any], node: torch.fx.Node
+                  ) -> tuple[list[str], list[torch._ops.OpOverload]]:
     """What keeps ``node`` in fp32: its innermost module, or for a top-level op the op itself."""
-    path, _ = module_of(node)
+    path = _module_of(hit, node)
     return ([path], []) if path else ([], [node.target])
 
 
 def _where(hit: dict[str, Any], phase: str) -> str:
     n = hit["node"]
-    p, _ = module_of(n)
+    p = _module_of(hit, n)
     return f"{phase} at {n.name} ({op_label(n)}{', module `' + p + '`' if p else ''})"
 
 
@@ -421,8 +427,14 @@ def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | N
     if phase == "backward" and hit["grad"].dtype not in (torch.float16, torch.bfloat16):
         return "the gradient is not finite in fp32 either"
     decider = _deciding_node(node)
-    path, _ = module_of(decider)
+    path = _module_of(hit, decider)
     if path and any(isinstance(k, str) and _inside(path, k) for k in policy.keep_fp32):
+        low = (hit["grad"].dtype if phase == "backward"
+               else next((t.dtype for t in tensors_of(hit["out"]) if t.is_floating_point()), None))
+        if low in (torch.float16, torch.bfloat16):
+            return (f"module `{path}` is kept in fp32 by the policy, yet this op ran in "
+                    f"{dtype_name(low)}: amp_fx did not apply the policy here (a bug: please "
+                    "report it with this model)")
         return f"module `{path}` is already kept in fp32"
     if not path and not isinstance(decider.target, torch._ops.OpOverload):
         return "the op is not an ATen op a policy can name"
@@ -453,7 +465,7 @@ def _search_fix(policy: Policy, modules: list[str], ops: list[torch._ops.OpOverl
             return candidate, modules, ops, False, steps
         steps.append(f"keeping {kept} alone is not enough (next inf/NaN in the "
                      f"{_where(hit, phase)})")
-        new_modules, new_ops = _kept_in_fp32(_deciding_node(hit["node"]))
+        new_modules, new_ops = _kept_in_fp32(hit, _deciding_node(hit["node"]))
         if new_modules and modules:
             enclosing = _common_module(modules[-1], new_modules[0])
             if enclosing:
