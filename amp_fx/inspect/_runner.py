@@ -238,6 +238,7 @@ class AmpRun:
     model: Any = None
     """The private copy that was compiled (its module names are the root's)."""
     _prefixes: dict[int, str] = field(default_factory=dict)
+    _modules: dict[str, torch.nn.Module] | None = None
 
     def module_of(self, record: GraphRecord, node: torch.fx.Node) -> tuple[str, str]:
         """(module path under the root, type name) of a node of ``record``.
@@ -251,7 +252,9 @@ class AmpRun:
         prefix = self._prefix(record)
         if not prefix or not isinstance(self.model, torch.nn.Module):
             return path, mtype
-        modules = dict(self.model.named_modules())
+        if self._modules is None:
+            self._modules = dict(self.model.named_modules())
+        modules = self._modules
         full = prefix + path if path else prefix.rstrip(".")
         if full in modules:
             return full, type(modules[full]).__name__
