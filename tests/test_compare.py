@@ -11,6 +11,7 @@ import amp_fx
 from amp_fx import AmpRunError
 from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
+from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import (
     AutocastMask,
     BNNet,
@@ -21,7 +22,6 @@ from tests._inspect_models import (
     keyword_batch,
     seeded,
 )
-from tests.zoo import ZOO
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
 # fp16 LSTM kernels: eager autocast itself fails (see test_eager_autocast_failure_is_explained)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_fx
+from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import (
     BNNet,
     BreakInside,
@@ -21,7 +22,6 @@ from tests._inspect_models import (
     keyword_batch,
     seeded,
 )
-from tests.zoo import ZOO
 
 
 def test_forward_overflow_names_the_linear():
