@@ -63,22 +63,22 @@ def numel_or_none(t: torch.Tensor) -> int | None:
         return None
 
 
+def clone_tensor(t: torch.Tensor, *, to: torch.dtype | None = None,
+                 requires_grad: bool = False) -> torch.Tensor:
+    """A fresh leaf with ``t``'s values: floating values converted ``to`` a dtype when given;
+    requiring grad when asked and the dtype can."""
+    c = t.detach().clone()
+    if to is not None and c.is_floating_point():
+        c = c.to(to)
+    return c.requires_grad_(requires_grad and (c.is_floating_point() or c.is_complex()))
+
+
 def clone_inputs(inputs: Sequence[Any], leaf_flags: Sequence[bool] | None = None,
                  *, to: torch.dtype | None = None) -> list[Any]:
     """Fresh copies of recorded graph inputs; leaves that required grad become fresh leaves again
     (eager autocast's cast cache applies to them), floating tensors optionally converted ``to``."""
-    out = []
-    for i, a in enumerate(inputs):
-        if isinstance(a, torch.Tensor):
-            c = a.detach().clone()
-            if to is not None and c.is_floating_point():
-                c = c.to(to)
-            if leaf_flags is not None and leaf_flags[i] and c.is_floating_point():
-                c.requires_grad_(True)
-            out.append(c)
-        else:
-            out.append(a)
-    return out
+    return [clone_tensor(a, to=to, requires_grad=leaf_flags is not None and leaf_flags[i])
+            if isinstance(a, torch.Tensor) else a for i, a in enumerate(inputs)]
 
 
 def leaf_flags(record: GraphRecord) -> list[bool]:

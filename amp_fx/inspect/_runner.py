@@ -34,6 +34,7 @@ from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.inspect._probe import (
+    clone_tensor,
     describe_value,
     input_labels,
     module_of,
@@ -63,11 +64,7 @@ class Call:
         floating tensors converted ``to`` a dtype when given."""
         def cp(a: Any) -> Any:
             if isinstance(a, torch.Tensor):
-                c = a.detach().clone()
-                if to is not None and c.is_floating_point():
-                    c = c.to(to)
-                return c.requires_grad_(a.requires_grad and (c.is_floating_point()
-                                                            or c.is_complex()))
+                return clone_tensor(a, to=to, requires_grad=a.requires_grad)
             if isinstance(a, tuple) and hasattr(a, "_fields"):  # a namedtuple
                 return type(a)(*(cp(x) for x in a))
             if isinstance(a, (list, tuple)):

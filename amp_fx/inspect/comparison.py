@@ -527,12 +527,14 @@ def compare(
 
     e_outs, a_outs = _named_outputs(eager_out), _named_outputs(amp_out)
     r_outs = dict(_named_outputs(ref_out)) if ref_out is not None else {}
-    for (name, e), (_, a) in zip(e_outs, a_outs):
-        r = r_outs.get(name)
-        report.outputs.append(ValueComparison(
+    def value(name: str, e: Any, a: Any, r: Any) -> ValueComparison:
+        return ValueComparison(
             name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
             _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
-            _nonfinite(a), _nonfinite(e)))
+            _nonfinite(a), _nonfinite(e))
+
+    for (name, e), (_, a) in zip(e_outs, a_outs):
+        report.outputs.append(value(name, e, a, r_outs.get(name)))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
         report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
@@ -545,11 +547,7 @@ def compare(
                     name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
                     False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
                 continue
-            r = ref_grads.get(name)
-            report.grads.append(ValueComparison(
-                name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-                _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
-                _nonfinite(a), _nonfinite(e)))
+            report.grads.append(value(name, e, a, ref_grads.get(name)))
         if not report.grads:
             why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
                    if not isinstance(model_or_fn, torch.nn.Module) else
