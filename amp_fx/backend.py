@@ -24,6 +24,8 @@ from tabulate import tabulate
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from amp_fx._backends import Backend, backend_name, resolve_backend
+from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
 from amp_fx.errors import AmpFxError
@@ -35,9 +37,6 @@ from amp_fx.policy import CastClass, Policy, _module_matches
 __all__ = ["AmpBackend", "GraphRecord", "PIPELINE", "Stage"]
 
 log = logging.getLogger(__name__)
-
-Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
-
 
 @dataclass
 class GraphRecord:
@@ -63,7 +62,7 @@ class GraphRecord:
 
     def summary_rows(self) -> list[list[object]]:
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
-        return [[self.index, self.device_type, str(self.dtype).replace("torch.", ""), ops,
+        return [[self.index, self.device_type, dtype_name(self.dtype), ops,
                  self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
                  ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
                  self.casts]]
@@ -95,16 +94,6 @@ def check_backend(backend: object) -> None:
         raise ValueError(f"amp_fx: unknown backend {backend!r}; torch.compile knows {sorted(known)}")
 
 
-def _downstream(backend: str | Backend, inductor_config: dict[str, Any]) -> Backend:
-    if callable(backend):
-        return backend
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, config_patches=dict(inductor_config))
-    return torch._dynamo.lookup_backend(backend)
-
-
 class AmpBackend:
     """A torch.compile backend that rewrites each graph for mixed precision, then delegates.
 
@@ -119,8 +108,8 @@ class AmpBackend:
         self.fold = fold
         self.backend = backend
         self.inductor_config = dict(inductor_config or {})
-        self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-        self._downstream = _downstream(backend, self.inductor_config)
+        self.backend_name = backend_name(backend)
+        self._downstream = resolve_backend(backend, inductor_config=self.inductor_config)
         self.root = root
         """The module the user compiled: every module path in the graphs is a name under it."""
         self.reporter = reporter if reporter is not None else Reporter()
@@ -224,7 +213,7 @@ class AmpBackend:
                     "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
                     "them in %s (more accurate, not bitwise)", name,
-                    str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+                    dtype_name(self.dtype), dtype_name(self.dtype))
 
 
     # --- what was asked against what was done ------------------------------------------------
