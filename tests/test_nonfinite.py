@@ -178,8 +178,10 @@ def test_backward_asked_but_not_checked_is_said(monkeypatch):
 
 
 def test_graph_break_inside_a_submodule_names_modules_under_the_root():
-    """Dynamo compiles model.forward as its own frame after the break; the report and its fix
-    name `model.a` (a module of the model passed), which amp_fx.compile accepts."""
+    """Dynamo compiles model.forward as its own frame after the break; the report names `model.a`
+    and the fix `model` (modules of the model passed, which amp_fx.compile accepts). `model.a`
+    alone is not enough: its fp32 output still overflows at the fp16 cast into `model.head`, which
+    the verification sees now that keep_fp32 names resolve in that frame (issue 8, item 1)."""
     torch.manual_seed(0)
     model, x = BreakInside(), torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -187,5 +189,6 @@ def test_graph_break_inside_a_submodule_names_modules_under_the_root():
     assert torch.isinf(model.model.a(x).half()).any()  # the planted overflow, checked here
     report = amp_fx.find_nonfinite(model, x, dtype="fp16")
     assert (report.module_path, report.module_type) == ("model.a", "Linear")
-    assert report.suggested_policy.keep_fp32 == ("model.a",)
-    assert dict(model.named_modules())["model.a"] is model.model.a
+    assert report.suggested_policy.keep_fp32 == ("model",)
+    assert report.verified and "`model.a` alone is not enough" in report.verification
+    assert dict(model.named_modules())["model"] is model.model
