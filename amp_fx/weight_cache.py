@@ -126,9 +126,9 @@ class WeightCache:
     ``hits`` the forwards that reused a copy; both are host counters.
     """
 
-    def __init__(self, *, module: torch.nn.Module | None = None, strict: bool | None = None) -> None:
+    def __init__(self, *, module: torch.nn.Module | None = None, reporter: Reporter | None = None) -> None:
         self._module = weakref.ref(module) if module is not None else None
-        self._reporter = Reporter(strict)
+        self._reporter = reporter if reporter is not None else Reporter()
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
         self._forward = _ForwardState()
         self.refreshes = 0
