@@ -32,11 +32,9 @@ import argparse
 import functools
 import gc
 import math
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,11 +44,10 @@ from torch import Tensor, nn
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import amp_fx  # noqa: E402
-from amp_fx._step_reference import eager_amp_step  # noqa: E402
-from amp_fx.scaler import GradScaler, ScalerMode  # noqa: E402
-from bench._common import machine_lines, percentile  # noqa: E402
+import amp_fx
+from amp_fx.scaler import GradScaler, ScalerMode
+from amp_fx.testing import eager_amp_step
+from amp_fx.testing.bench import machine_lines, percentile
 
 DTYPE = torch.bfloat16
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.copy.default, torch.ops.aten.copy_.default)

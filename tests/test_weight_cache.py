@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,27 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx._step_reference import eager_amp_step
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ZOO, eager_autocast_step, step
+from amp_fx.testing import assert_bitwise, eager_amp_step
+from amp_fx.testing.zoo import ZOO, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def assert_bitwise(actual: Tensor | None, expected: Tensor | None, what: str) -> None:
-    """Same dtype, shape and bits (NaN payloads and -0.0 count)."""
-    assert (actual is None) == (expected is None), what
-    if actual is None or expected is None:
-        return
-    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), what
-    a, e = actual.detach().contiguous(), expected.detach().contiguous()
-    if a.dtype in _INT_VIEW:
-        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
-    assert torch.equal(a, e), f"{what} differs from eager autocast"
 
 
 def assert_copies_fresh(cache: Any, model: nn.Module, dtype: torch.dtype, *, all_valid: bool = False) -> None:
@@ -112,22 +95,25 @@ def test_without_cache_the_three_graph_weight_is_not_bitwise() -> None:
     model does exercise the cross-graph summation that the cache fixes)."""
     model, inputs, loss_fn = _three_graphs()
     expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
-    actual = step(amp_fx.compile(model, dtype=torch.bfloat16, backend="aot_eager"), model, inputs, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend="aot_eager", strict=False)
+        actual = step(compiled, model, inputs, loss_fn)
     assert not torch.equal(actual.grads["fc.weight"], expected.grads["fc.weight"])
 
 
-def test_weight_used_twice_before_a_break_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_used_twice_before_a_break_is_reported() -> None:
     """The one case the cache cannot make bitwise (see ThreeGraphs) is said out loud, once,
     naming the weight; strict mode raises."""
     model, inputs, loss_fn = _three_graphs(early_twice=True)
-    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend="aot_eager", weight_cache=True)
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend="aot_eager", weight_cache=True, strict=False)
     with pytest.warns(AmpFxWarning, match=r"fc\.weight is used 2 times in one graph and again after a graph break"):
         step(compiled, model, inputs, loss_fn)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compiled(*inputs)  # once per weight, not per forward
-    monkeypatch.setenv("AMP_FX_STRICT", "1")
-    strict = amp_fx.compile(copy.deepcopy(model), dtype=torch.bfloat16, backend="aot_eager", weight_cache=True)
+    strict = amp_fx.compile(copy.deepcopy(model), dtype=torch.bfloat16, backend="aot_eager", weight_cache=True,
+                            strict=True)
     with pytest.raises(AmpFxError, match="used 2 times"):
         strict(*inputs)
 
@@ -389,15 +375,15 @@ def test_invalidate_after_data_edit() -> None:
 # --- options ----------------------------------------------------------------------------------
 
 
-def test_cast_cache_off_turns_weight_cache_off_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cast_cache_off_turns_weight_cache_off_and_says_so() -> None:
     policy = amp_fx.Policy(cast_cache=False)
     with pytest.warns(AmpFxWarning, match="weight_cache=True needs the shared leaf cast"):
         compiled = amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy,
-                                  weight_cache=True)
+                                  weight_cache=True, strict=False)
     assert compiled.amp_fx_weight_cache is None
-    monkeypatch.setenv("AMP_FX_STRICT", "1")
     with pytest.raises(AmpFxError, match="weight_cache=True needs"):
-        amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy, weight_cache=True)
+        amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy, weight_cache=True,
+                       strict=True)
 
 
 def test_weight_cache_must_be_bool() -> None:
