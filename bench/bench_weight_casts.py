@@ -328,14 +328,20 @@ def _held_bytes(model: nn.Module, opt: torch.optim.Optimizer, cache: Any) -> int
 
 
 def _peak_transient(fn: Callable[[], None]) -> int:
+    """The largest number of bytes allocated during ``fn`` beyond what was live before it (the
+    profiler's memory timeline: tensors created and destroyed, CPU allocator included)."""
     from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
         fn()
-    events = sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start)
     now = peak = 0
-    for e in events:
-        now += e.cpu_memory_usage
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action is Action.CREATE:
+            now += size
+        elif action is Action.DESTROY:
+            now -= size
         peak = max(peak, now)
     return peak
 
@@ -410,6 +416,7 @@ def main() -> None:
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--accumulate", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--check-fusion", action="store_true", help="inspect inductor's finish graph")
+    parser.add_argument("--memory-only", action="store_true", help="amp_fx without/with the cache: memory")
     args = parser.parse_args()
     dims = (dict(vocab=256, d=128, layers=2, heads=4, seq=4) if args.quick
             else dict(vocab=256, d=512, layers=6, heads=8, seq=4))
@@ -420,6 +427,18 @@ def main() -> None:
     time_headers = ["model", "accumulate", "variant", "median ms", "time / no cache", "p10", "p90",
                     "held between steps MiB", "peak MiB"]
     for kind in MODELS if args.model == "all" else [args.model]:
+        if args.memory_only:
+            for accumulate in args.accumulate:
+                batch = _batches(4 * accumulate, dims)
+                torch._dynamo.reset()
+                variants = {}
+                for name in ("amp_fx", "amp_fx + weight cache"):
+                    variants[name] = Variant(name, _build(name, kind, **dims), accumulate, CastBytes())
+                    for x, y in batch[: 3 * accumulate]:
+                        variants[name].step(x, y)
+                print(tabulate(time_and_memory(kind, variants, accumulate, batch, 1), headers=time_headers),
+                      flush=True)
+            continue
         n_params = sum(p.numel() for p in _build("count", kind, **dims).parameters())
         for accumulate in args.accumulate:
             batch = _batches(4 * accumulate, dims)
