@@ -12,6 +12,7 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._dist.capture import distributed_units, unit_call
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
 from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
@@ -92,7 +93,10 @@ class AmpCompiledModule(torch.nn.Module):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
-        self.__dict__["_amp_fx_forward"] = _amp_call(module, backend, compile_kwargs)
+        units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
+        self.__dict__["_amp_fx_forward"] = (
+            _amp_call(module, backend, compile_kwargs) if units is None
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype))
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,209 @@
+"""What each rank runs for tests/test_distributed_*.py (imported by the spawned ranks by name).
+
+Every function here is ``fn(rank, world_size, ...) -> dict`` for ``amp_fx._dist.testing.run_ranks``
+and returns tensors; the comparisons (bitwise against the eager reference, equal across ranks)
+happen in the test process, so a failure is an ordinary pytest assertion.
+
+One training recipe, run by the reference (eager DDP or FSDP2 + ``torch.autocast`` + torch's
+scaler) and by amp_fx (compiled model + ``amp_fx.GradScaler``) alike: SGD with momentum, MSE
+loss in fp32, ``growth_interval=2`` so the scale grows as well as backs off, and overflows
+planted at fixed steps (see ``_plant_batch`` and ``_plant_grad``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+STEPS = 8
+# (step, rank) pairs whose batch gets a non-finite element, so only that rank's local loss
+# and gradients are non-finite before the gradients are reduced.
+INF_BATCH = {(2, 1): math.inf, (5, 0): math.nan}
+# (step, rank): an inf written into one element of the rank's *local shard* of the first
+# layer's weight gradient, after backward. With sharded gradients no other rank sees it.
+INF_GRAD = {(3, 0)}
+
+
+class TwoLayer(nn.Module):
+    """A user-defined module (Dynamo starts frames in it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def make_model(kind: str) -> nn.Module:
+    """The same initial weights on every rank and in every run."""
+    torch.manual_seed(0)
+    if kind == "seq":  # torch.nn classes only: Dynamo starts no frame in them
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return TwoLayer()
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 8, generator=g)
+    y = torch.randn(4, 4, generator=g)
+    bad = INF_BATCH.get((step, rank))
+    if bad is not None:
+        x[0, 0] = bad
+    return x, y
+
+
+def _plant_grad(model: nn.Module, rank: int, step: int) -> None:
+    if (step, rank) not in INF_GRAD:
+        return
+    grad = next(model.parameters()).grad
+    local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+    with torch.no_grad():
+        local.view(-1)[0] = math.inf
+
+
+def _scale_of(scaler: Any) -> torch.Tensor:
+    return scaler._scale.detach().clone().reshape(())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
+           rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool) -> dict[str, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, scales = [], []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        if autocast_dtype is None:
+            loss = F.mse_loss(forward(x).float(), y)
+        else:
+            with torch.autocast("cpu", dtype=autocast_dtype):
+                loss = F.mse_loss(forward(x).float(), y)
+        scaler.scale(loss).backward()
+        if plant_grads:
+            _plant_grad(model, rank, step)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())
+        scales.append(_scale_of(scaler))
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
+            "params": [_local(p) for p in model.parameters()]}
+
+
+def _linears_captured(compiled: Any) -> int:
+    return sum(1 for r in amp_fx.records(compiled) for n in r.captured.graph.nodes
+               if n.target is torch.ops.aten.linear.default)
+
+
+# ----------------------------------------------------------------------------------------- DDP
+def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str) -> dict[str, Any]:
+    """``form``: "eager" (DDP + autocast + torch.amp.GradScaler), "inner" (DDP(amp_fx.compile(m))),
+    "outer" (amp_fx.compile(DDP(m))); both amp_fx forms with amp_fx.GradScaler."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    low = DTYPES[dtype]
+    model = make_model(kind)
+    if form == "eager":
+        ddp = DDP(model)
+        out = _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, low,
+                     plant_grads=False)
+        out["linears"] = 0
+        return out
+    if form == "inner":
+        compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+        wrapped: nn.Module = DDP(compiled)
+    else:
+        wrapped = compiled = amp_fx.compile(DDP(model), dtype=dtype, backend="aot_eager")
+    collectives = _CountAllReduce()
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2)
+    with collectives.in_scaler(scaler):
+        out = _train(model, wrapped, scaler, rank, None, plant_grads=False)
+    out["linears"] = _linears_captured(compiled)
+    out["scaler_collectives"] = collectives.count
+    return out
+
+
+# ---------------------------------------------------------------------------------------- FSDP2
+def _shard(model: nn.Module, mp_policy: Any = None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
+             param_dtype: str | None = None) -> dict[str, Any]:
+    """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
+    (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
+    MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    low = DTYPES[dtype]
+    mp = None if param_dtype is None else MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    model = _shard(make_model(kind), mp)
+    if form == "eager":
+        out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
+                     plant_grads=True)
+        out["linears"] = 0
+        return out
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+    collectives = _CountAllReduce()
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2)
+    with collectives.in_scaler(scaler):
+        out = _train(model, compiled, scaler, rank, None, plant_grads=True)
+    out["linears"] = _linears_captured(compiled)
+    out["scaler_collectives"] = collectives.count
+    return out
+
+
+class _CountAllReduce:
+    """Counts ``dist.all_reduce`` calls made inside the scaler's methods (unscale_, step, update)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def in_scaler(self, scaler: Any) -> Any:
+        import contextlib
+
+        counter = self
+        real = dist.all_reduce
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            counter.count += 1
+            return real(*args, **kwargs)
+
+        def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                dist.all_reduce = counting
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    dist.all_reduce = real
+            return inner
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            for name in ("unscale_", "step", "update"):
+                setattr(scaler, name, wrap(getattr(scaler, name)))
+            yield
+
+        return ctx()
