@@ -207,3 +207,36 @@ class _CountAllReduce:
             yield
 
         return ctx()
+
+
+# --------------------------------------------------------------------------- one spawn per file
+# Starting ranks costs seconds (imports, process group); each test file spawns once and runs
+# every case in it, keyed by its parameters. torch._dynamo.reset() between cases: every case
+# compiles from scratch, as in a fresh process.
+def ddp_all(rank: int, world_size: int) -> dict[tuple[str, ...], dict[str, Any]]:
+    results = {}
+    for dtype in DTYPES:
+        for kind, form in (("seq", "eager"), ("seq", "inner"), ("seq", "outer"), ("custom", "outer")):
+            torch._dynamo.reset()
+            results[(dtype, kind, form)] = ddp_run(rank, world_size, dtype, kind, form)
+    return results
+
+
+def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+    results = {}
+    for dtype in DTYPES:
+        for kind, form in (("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")):
+            torch._dynamo.reset()
+            results[(dtype, kind, form)] = fsdp_run(rank, world_size, dtype, kind, form)
+    # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
+    # shard is seen by rank 0 only.
+    from amp_fx._dist import found_inf
+
+    torch._dynamo.reset()
+    real = found_inf.ShardedGrads.combine_found_inf_
+    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale: None
+    try:
+        results[("fp16", "seq", "amp_fx", "no_combine")] = fsdp_run(rank, world_size, "fp16", "seq", "amp_fx")
+    finally:
+        found_inf.ShardedGrads.combine_found_inf_ = real
+    return results

@@ -1,0 +1,60 @@
+"""amp_fx under DistributedDataParallel: 2 gloo ranks on 127.0.0.1, bitwise with eager DDP.
+
+Reference: eager ``DDP(model)`` + ``torch.autocast`` + ``torch.amp.GradScaler``. amp_fx, both
+wrappings: ``DDP(amp_fx.compile(model))`` and ``amp_fx.compile(DDP(model))``, with
+``amp_fx.GradScaler``, backend aot_eager. 8 steps of SGD with momentum, overflows planted in one
+rank's batch only (``_dist_cases.INF_BATCH``): DDP's all-reduce spreads them, every rank skips.
+The model is an ``nn.Sequential`` (torch.nn classes only, where ``torch.compile(DDP(m))`` captures
+nothing) and, for the outer form, a user-defined module too. All cases run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_asserts import assert_bitwise, skipped_steps
+from _dist_cases import DTYPES, INF_BATCH, ddp_all
+
+from amp_fx._dist.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo")
+
+FORMS = [("seq", "inner"), ("seq", "outer"), ("custom", "outer")]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(ddp_all)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("kind", "form"), FORMS)
+def test_ddp_bitwise_with_eager_ddp_autocast_and_torch_scaler(ranks, dtype, kind, form):
+    for rank, res in enumerate(ranks):
+        assert_bitwise(res[(dtype, kind, form)], res[(dtype, "seq", "eager")],
+                       f"rank {rank}, {dtype}, {kind}, {form}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("kind", "form"), [("seq", "eager"), *FORMS])
+def test_ddp_one_rank_overflow_skips_on_every_rank(ranks, dtype, kind, form):
+    planted = sorted({step for step, _ in INF_BATCH})
+    runs = [res[(dtype, kind, form)] for res in ranks]
+    for rank, run in enumerate(runs):
+        assert skipped_steps(run) == planted, f"rank {rank}"
+        torch.testing.assert_close(run["scales"], runs[0]["scales"], rtol=0, atol=0)
+        for p, p0 in zip(run["params"], runs[0]["params"], strict=True):
+            torch.testing.assert_close(p, p0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("kind", "form"), FORMS)
+def test_ddp_graphs_captured_and_no_scaler_collective(ranks, dtype, kind, form):
+    for res in ranks:
+        run = res[(dtype, kind, form)]
+        # Both Linear layers ran in a captured graph (not as eager autocast).
+        assert run["linears"] == 2
+        # Replicated (all-reduced) gradients need no extra collective for the found-inf flag.
+        assert run["scaler_collectives"] == 0

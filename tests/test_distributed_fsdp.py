@@ -1,0 +1,64 @@
+"""amp_fx under FSDP2 (``fully_shard`` per Linear and on the root): 2 gloo ranks, bitwise with eager.
+
+Reference: the eager sharded model + ``torch.autocast`` + FSDP's ``ShardedGradScaler``. amp_fx:
+``amp_fx.compile(sharded_model, backend="aot_eager")`` + ``amp_fx.GradScaler``. 8 steps, with
+overflows in one rank's batch (``INF_BATCH``) and an inf written into one element of rank 0's
+*local shard* of a weight gradient (``INF_GRAD``), which no other rank holds: every rank must
+skip that step, as with ShardedGradScaler. The negative twin runs amp_fx with the cross-rank
+combination switched off and shows the ranks diverge. All cases run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_asserts import assert_bitwise, skipped_steps
+from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, STEPS, fsdp_all
+
+from amp_fx._dist.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo")
+
+KINDS = ["seq", "custom"]
+PLANTED = sorted({step for step, _ in INF_BATCH} | {step for step, _ in INF_GRAD})
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(fsdp_all)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_bitwise_with_eager_fsdp2_autocast_and_sharded_scaler(ranks, dtype, kind):
+    for rank, res in enumerate(ranks):
+        assert_bitwise(res[(dtype, kind, "amp_fx")], res[(dtype, "seq", "eager")],
+                       f"rank {rank}, {dtype}, {kind}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("kind", "form"), [("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")])
+def test_fsdp2_inf_in_one_ranks_shard_skips_on_every_rank(ranks, dtype, kind, form):
+    runs = [res[(dtype, kind, form)] for res in ranks]
+    for rank, run in enumerate(runs):
+        assert skipped_steps(run) == PLANTED, f"rank {rank}"
+        torch.testing.assert_close(run["scales"], runs[0]["scales"], rtol=0, atol=0)
+
+
+def test_fsdp2_without_cross_rank_flag_the_ranks_diverge(ranks):
+    """The planted gradient inf is in rank 0's shard only: proof that the test above can fail."""
+    rank0, rank1 = (res[("fp16", "seq", "amp_fx", "no_combine")] for res in ranks)
+    grad_step = next(step for step, rank in INF_GRAD if rank == 0)
+    assert grad_step in skipped_steps(rank0)
+    assert grad_step not in skipped_steps(rank1)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_graphs_captured_and_one_scaler_collective_per_step(ranks, dtype, kind):
+    for res in ranks:
+        run = res[(dtype, kind, "amp_fx")]
+        assert run["linears"] == 2  # both sharded Linear layers ran in captured graphs
+        assert run["scaler_collectives"] == STEPS
