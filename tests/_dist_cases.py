@@ -228,6 +228,13 @@ def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]
         for kind, form in (("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")):
             torch._dynamo.reset()
             results[(dtype, kind, form)] = fsdp_run(rank, world_size, dtype, kind, form)
+    # FSDP2's MixedPrecisionPolicy with param_dtype equal to the compute dtype.
+    for dtype in DTYPES:
+        for form in ("eager", "amp_fx"):
+            torch._dynamo.reset()
+            results[(dtype, "seq", form, "param_dtype")] = fsdp_run(
+                rank, world_size, dtype, "seq", form, param_dtype=dtype)
+    results["mismatch_error"] = _mismatched_param_dtype_error()
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
     # shard is seen by rank 0 only.
     from amp_fx._dist import found_inf
@@ -240,3 +247,14 @@ def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]
     finally:
         found_inf.ShardedGrads.combine_found_inf_ = real
     return results
+
+
+def _mismatched_param_dtype_error() -> str:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _shard(make_model("seq"), MixedPrecisionPolicy(param_dtype=torch.float16))
+    try:
+        amp_fx.compile(model, dtype="bf16", backend="aot_eager")
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -62,3 +62,20 @@ def test_fsdp2_graphs_captured_and_one_scaler_collective_per_step(ranks, dtype, 
         run = res[(dtype, kind, "amp_fx")]
         assert run["linears"] == 2  # both sharded Linear layers ran in captured graphs
         assert run["scaler_collectives"] == STEPS
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fsdp2_mixed_precision_policy_param_dtype_bitwise_with_eager(ranks, dtype):
+    """MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32): FSDP2 gathers low-precision
+    weights, amp_fx casts compute; bitwise with eager FSDP2 under the same policy + autocast."""
+    for rank, res in enumerate(ranks):
+        got, want = res[(dtype, "seq", "amp_fx", "param_dtype")], res[(dtype, "seq", "eager", "param_dtype")]
+        assert_bitwise(got, want, f"rank {rank}, {dtype}")
+        assert got["linears"] == 2
+        assert skipped_steps(got) == PLANTED
+
+
+def test_fsdp2_mixed_precision_policy_other_param_dtype_is_refused(ranks):
+    for res in ranks:
+        message = res["mismatch_error"]
+        assert "param_dtype=torch.float16" in message and "dtype=torch.bfloat16" in message

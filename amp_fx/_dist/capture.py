@@ -109,6 +109,7 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
     call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
     unwrapped); it is called once, so every unit of the model shares it.
     """
+    _check_fsdp_mixed_precision(units, dtype)
     compiled = compile_fn(_fresh_unit_forward())
     device_type = _device_type(module)
 
@@ -120,6 +121,37 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
                 return module(*args, **kwargs)
 
     return call
+
+
+def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype) -> None:
+    """How FSDP2's ``MixedPrecisionPolicy`` composes with amp_fx: FSDP2 casts storage and
+    communication, amp_fx casts compute.
+
+    * ``param_dtype=None`` (or float32): parameters are gathered in fp32 and amp_fx casts them
+      for each op as eager autocast does.
+    * ``param_dtype`` equal to amp_fx's dtype: parameters are gathered already in low precision
+      (half the all-gather bytes); amp_fx's casts of them fold away, and ops autocast runs in
+      fp32 still get fp32 inputs. Bitwise with eager FSDP2 + the same policy + autocast.
+    * any other ``param_dtype`` is refused: every weight would be rounded to one low-precision
+      format by FSDP2 and then to the other by the autocast policy.
+
+    ``reduce_dtype`` and ``output_dtype`` are FSDP2's business and compose unchanged.
+    """
+    fsdp = _fsdp_module_type()
+    if fsdp is None:
+        return
+    for unit in units:
+        if not isinstance(unit, fsdp):
+            continue
+        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]
+        if param_dtype in (None, torch.float32, dtype):
+            continue
+        raise ValueError(
+            f"amp_fx: {type(unit).__name__} was sharded with MixedPrecisionPolicy(param_dtype="
+            f"{param_dtype}) but amp_fx.compile was given dtype={dtype}: each weight would be "
+            f"rounded to {param_dtype} by FSDP2, then to {dtype} by the autocast policy. Use "
+            f"param_dtype={dtype} (low-precision all-gather) or param_dtype=None (fp32 storage, "
+            "amp_fx casts for compute)")
 
 
 def _device_type(module: torch.nn.Module) -> str:
