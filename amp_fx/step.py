@@ -57,6 +57,7 @@ import torch
 import torch._dynamo
 
 import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
+from amp_fx._dist.step import refuse_distributed_step
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
@@ -489,6 +490,7 @@ def compile_step(
     lower = resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
+    refuse_distributed_step(model)  # DDP / FSDP2: a clear error instead of Dynamo's
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

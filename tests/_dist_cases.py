@@ -12,6 +12,7 @@ planted at fixed steps (see ``_plant_batch`` and ``_plant_grad``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -53,12 +54,12 @@ def make_model(kind: str) -> nn.Module:
     return TwoLayer()
 
 
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def _batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     x = torch.randn(4, 8, generator=g)
     y = torch.randn(4, 4, generator=g)
     bad = INF_BATCH.get((step, rank))
-    if bad is not None:
+    if bad is not None and micro == 0:  # with accumulation: inside the no-sync part of the window
         x[0, 0] = bad
     return x, y
 
@@ -81,26 +82,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
-           rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool) -> dict[str, Any]:
+           rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
+           accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
+           clip: float | None = None) -> dict[str, Any]:
+    """STEPS optimizer steps of ``accumulate`` micro-batches each; all but the last micro-batch
+    of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, scales = [], []
+    losses, scales, norms = [], [], []
     for step in range(STEPS):
-        x, y = _batch(rank, step)
-        if autocast_dtype is None:
-            loss = F.mse_loss(forward(x).float(), y)
-        else:
-            with torch.autocast("cpu", dtype=autocast_dtype):
-                loss = F.mse_loss(forward(x).float(), y)
-        scaler.scale(loss).backward()
+        for micro in range(accumulate):
+            x, y = _batch(rank, step, micro)
+            sync = micro == accumulate - 1
+            ctx = contextlib.nullcontext() if sync or no_sync is None else no_sync()
+            with ctx:
+                if autocast_dtype is None:
+                    loss = F.mse_loss(forward(x).float(), y)
+                else:
+                    with torch.autocast("cpu", dtype=autocast_dtype):
+                        loss = F.mse_loss(forward(x).float(), y)
+                scaler.scale(loss / accumulate).backward()
+            losses.append(loss.detach().clone())
         if plant_grads:
             _plant_grad(model, rank, step)
+        if clip is not None:
+            scaler.unscale_(opt)
+            norms.append(_local(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
         scales.append(_scale_of(scaler))
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
-            "params": [_local(p) for p in model.parameters()]}
+    out = {"losses": torch.stack(losses), "scales": torch.stack(scales),
+           "params": [_local(p) for p in model.parameters()]}
+    if norms:
+        out["norms"] = torch.stack(norms)
+    return out
 
 
 def _linears_captured(compiled: Any) -> int:
@@ -108,29 +123,39 @@ def _linears_captured(compiled: Any) -> int:
                if n.target is torch.ops.aten.linear.default)
 
 
+RECIPES = {
+    "plain": {},
+    # Two micro-batches per step (the first under no-sync), clipping to a global norm of 1.
+    "accum_clip": {"accumulate": 2, "clip": 1.0},
+}
+
+
 # ----------------------------------------------------------------------------------------- DDP
-def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str) -> dict[str, Any]:
+def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
+            recipe: str = "plain") -> dict[str, Any]:
     """``form``: "eager" (DDP + autocast + torch.amp.GradScaler), "inner" (DDP(amp_fx.compile(m))),
     "outer" (amp_fx.compile(DDP(m))); both amp_fx forms with amp_fx.GradScaler."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     low = DTYPES[dtype]
     model = make_model(kind)
+    options = RECIPES[recipe]
     if form == "eager":
         ddp = DDP(model)
         out = _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, low,
-                     plant_grads=False)
+                     plant_grads=False, no_sync=ddp.no_sync, **options)
         out["linears"] = 0
         return out
     if form == "inner":
         compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
-        wrapped: nn.Module = DDP(compiled)
+        wrapped: Any = DDP(compiled)
     else:
         wrapped = compiled = amp_fx.compile(DDP(model), dtype=dtype, backend="aot_eager")
     collectives = _CountAllReduce()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2)
     with collectives.in_scaler(scaler):
-        out = _train(model, wrapped, scaler, rank, None, plant_grads=False)
+        out = _train(model, wrapped, scaler, rank, None, plant_grads=False,
+                     no_sync=wrapped.no_sync, **options)
     out["linears"] = _linears_captured(compiled)
     out["scaler_collectives"] = collectives.count
     return out
@@ -148,8 +173,20 @@ def _shard(model: nn.Module, mp_policy: Any = None) -> nn.Module:
     return model
 
 
+def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
+    """FSDP2's equivalent of DDP's no_sync: no reduce-scatter of the gradients."""
+    @contextlib.contextmanager
+    def no_sync() -> Any:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    return no_sync
+
+
 def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
-             param_dtype: str | None = None) -> dict[str, Any]:
+             param_dtype: str | None = None, recipe: str = "plain") -> dict[str, Any]:
     """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
     (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
     MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32."""
@@ -160,19 +197,30 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     mp = None if param_dtype is None else MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
     model = _shard(make_model(kind), mp)
+    options = RECIPES[recipe]
     if form == "eager":
         out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
-                     plant_grads=True)
+                     plant_grads=True, no_sync=_fsdp_no_sync(model), **options)
         out["linears"] = 0
         return out
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
     collectives = _CountAllReduce()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2)
     with collectives.in_scaler(scaler):
-        out = _train(model, compiled, scaler, rank, None, plant_grads=True)
+        out = _train(model, compiled, scaler, rank, None, plant_grads=True,
+                     no_sync=_fsdp_no_sync(model), **options)
     out["linears"] = _linears_captured(compiled)
     out["scaler_collectives"] = collectives.count
     return out
+
+
+def compile_step_error(model: nn.Module) -> str:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        amp_fx.compile_step(model, opt, F.mse_loss, dtype="fp16", backend="aot_eager")
+    except NotImplementedError as e:
+        return str(e)
+    return ""
 
 
 class _CountAllReduce:
@@ -219,6 +267,13 @@ def ddp_all(rank: int, world_size: int) -> dict[tuple[str, ...], dict[str, Any]]
         for kind, form in (("seq", "eager"), ("seq", "inner"), ("seq", "outer"), ("custom", "outer")):
             torch._dynamo.reset()
             results[(dtype, kind, form)] = ddp_run(rank, world_size, dtype, kind, form)
+    for form in ("eager", "inner", "outer"):
+        torch._dynamo.reset()
+        results[("fp16", "seq", form, "accum_clip")] = ddp_run(
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results["compile_step_error"] = compile_step_error(DDP(make_model("seq")))
     return results
 
 
@@ -235,6 +290,11 @@ def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]
             results[(dtype, "seq", form, "param_dtype")] = fsdp_run(
                 rank, world_size, dtype, "seq", form, param_dtype=dtype)
     results["mismatch_error"] = _mismatched_param_dtype_error()
+    for form in ("eager", "amp_fx"):
+        torch._dynamo.reset()
+        results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+    results["compile_step_error"] = compile_step_error(_shard(make_model("seq")))
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
     # shard is seen by rank 0 only.
     from amp_fx._dist import found_inf

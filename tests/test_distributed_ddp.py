@@ -58,3 +58,24 @@ def test_ddp_graphs_captured_and_no_scaler_collective(ranks, dtype, kind, form):
         assert run["linears"] == 2
         # Replicated (all-reduced) gradients need no extra collective for the found-inf flag.
         assert run["scaler_collectives"] == 0
+
+
+@pytest.mark.parametrize("form", ["inner", "outer"])
+def test_ddp_accumulation_with_no_sync_and_clipping_bitwise(ranks, form):
+    """Two micro-batches per step, the first under ``no_sync()`` (for amp_fx.compile(DDP(m)) the
+    compiled module forwards ``no_sync`` to DDP), unscale_ + clip_grad_norm_(1.0); the inf in one
+    rank's batch sits in the no-sync micro-batch and reaches the other rank with the next
+    all-reduce. Bitwise with the eager recipe, every rank skips the same steps."""
+    planted = sorted({step for step, _ in INF_BATCH})
+    for rank, res in enumerate(ranks):
+        got, want = res[("fp16", "seq", form, "accum_clip")], res[("fp16", "seq", "eager", "accum_clip")]
+        assert_bitwise(got, want, f"rank {rank}, {form}")
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=0, atol=0, equal_nan=True)
+        assert skipped_steps(got) == planted
+        assert got["scaler_collectives"] == 0
+
+
+def test_compile_step_on_ddp_is_refused_clearly(ranks):
+    for res in ranks:
+        assert "DistributedDataParallel" in res["compile_step_error"]
+        assert "amp_fx.compile(model)" in res["compile_step_error"]

@@ -79,3 +79,21 @@ def test_fsdp2_mixed_precision_policy_other_param_dtype_is_refused(ranks):
     for res in ranks:
         message = res["mismatch_error"]
         assert "param_dtype=torch.float16" in message and "dtype=torch.bfloat16" in message
+
+
+def test_fsdp2_accumulation_without_gradient_sync_and_global_clipping_bitwise(ranks):
+    """Two micro-batches per step, the first under ``set_requires_gradient_sync(False)``, then
+    unscale_ + clip_grad_norm_(1.0) over the DTensor gradients (the global norm across shards);
+    bitwise with eager FSDP2 + ShardedGradScaler, norms included."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("fp16", "seq", "amp_fx", "accum_clip")], res[("fp16", "seq", "eager", "accum_clip")]
+        assert_bitwise(got, want, f"rank {rank}")
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=0, atol=0, equal_nan=True)
+        assert skipped_steps(got) == PLANTED
+        assert got["scaler_collectives"] == STEPS  # unscale_ once per step, its one all-reduce
+
+
+def test_compile_step_on_fsdp2_is_refused_clearly(ranks):
+    for res in ranks:
+        assert "fully_shard" in res["compile_step_error"]
+        assert "amp_fx.compile(model)" in res["compile_step_error"]
