@@ -84,12 +84,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
            rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
            accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
-           clip: float | None = None) -> dict[str, Any]:
-    """STEPS optimizer steps of ``accumulate`` micro-batches each; all but the last micro-batch
-    of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+           clip: float | None = None, opt: Any = None, steps: range = range(STEPS)) -> dict[str, Any]:
+    """Optimizer steps ``steps`` of ``accumulate`` micro-batches each; all but the last
+    micro-batch of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync). ``opt``: SGD with momentum unless given."""
+    opt = opt if opt is not None else _sgd(model)
     losses, scales, norms = [], [], []
-    for step in range(STEPS):
+    for step in steps:
         for micro in range(accumulate):
             x, y = _batch(rank, step, micro)
             sync = micro == accumulate - 1
@@ -116,6 +117,10 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
     if norms:
         out["norms"] = torch.stack(norms)
     return out
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
 def _linears_captured(compiled: Any) -> int:
@@ -214,6 +219,40 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     return out
 
 
+def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    """amp_fx on FSDP2, fp16: 8 steps straight, against 4 steps, a torch.distributed.checkpoint
+    save (model and optimizer as sharded state dicts, the scaler's state as an object), a fresh
+    model/optimizer/scaler loading it, and 4 more steps. Overflows as in the other runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+        model = _shard(make_model("seq"))
+        compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager")
+        return model, compiled, _sgd(model), amp_fx.GradScaler("cpu", growth_interval=2)
+
+    def run(parts: tuple[Any, ...], steps: range) -> dict[str, Any]:
+        model, compiled, opt, scaler = parts
+        return _train(model, compiled, scaler, rank, None, plant_grads=True, opt=opt, steps=steps)
+
+    straight = run(build(), range(STEPS))
+    first = build()
+    head = run(first, range(STEPS // 2))
+    model_sd, optim_sd = get_state_dict(first[0], first[2])
+    dcp.save({"model": model_sd, "optim": optim_sd, "scaler": first[3].state_dict()},
+             checkpoint_id=checkpoint_dir)
+    second = build()
+    model_sd, optim_sd = get_state_dict(second[0], second[2])
+    state = {"model": model_sd, "optim": optim_sd, "scaler": second[3].state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    set_state_dict(second[0], second[2], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    second[3].load_state_dict(state["scaler"])
+    tail = run(second, range(STEPS // 2, STEPS))
+    resumed = {"losses": torch.cat([head["losses"], tail["losses"]]),
+               "scales": torch.cat([head["scales"], tail["scales"]]), "params": tail["params"]}
+    return {"straight": straight, "resumed": resumed}
+
+
 def compile_step_error(model: nn.Module) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
@@ -261,8 +300,8 @@ class _CountAllReduce:
 # Starting ranks costs seconds (imports, process group); each test file spawns once and runs
 # every case in it, keyed by its parameters. torch._dynamo.reset() between cases: every case
 # compiles from scratch, as in a fresh process.
-def ddp_all(rank: int, world_size: int) -> dict[tuple[str, ...], dict[str, Any]]:
-    results = {}
+def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
     for dtype in DTYPES:
         for kind, form in (("seq", "eager"), ("seq", "inner"), ("seq", "outer"), ("custom", "outer")):
             torch._dynamo.reset()
@@ -277,8 +316,8 @@ def ddp_all(rank: int, world_size: int) -> dict[tuple[str, ...], dict[str, Any]]
     return results
 
 
-def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]]:
-    results = {}
+def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
     for dtype in DTYPES:
         for kind, form in (("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")):
             torch._dynamo.reset()
@@ -295,6 +334,8 @@ def fsdp_all(rank: int, world_size: int) -> dict[tuple[Any, ...], dict[str, Any]
         results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
             rank, world_size, "fp16", "seq", form, recipe="accum_clip")
     results["compile_step_error"] = compile_step_error(_shard(make_model("seq")))
+    torch._dynamo.reset()
+    results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
     # shard is seen by rank 0 only.
     from amp_fx._dist import found_inf

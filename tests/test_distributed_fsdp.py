@@ -5,7 +5,9 @@ Reference: the eager sharded model + ``torch.autocast`` + FSDP's ``ShardedGradSc
 overflows in one rank's batch (``INF_BATCH``) and an inf written into one element of rank 0's
 *local shard* of a weight gradient (``INF_GRAD``), which no other rank holds: every rank must
 skip that step, as with ShardedGradScaler. The negative twin runs amp_fx with the cross-rank
-combination switched off and shows the ranks diverge. All cases run in one spawn.
+combination switched off and shows the ranks diverge. Also: FSDP2's MixedPrecisionPolicy,
+accumulation without gradient sync plus global-norm clipping, resume from a distributed
+checkpoint, and compile_step's refusal. All cases run in one spawn.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ PLANTED = sorted({step for step, _ in INF_BATCH} | {step for step, _ in INF_GRAD
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(fsdp_all)
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_ranks(fsdp_all, str(tmp_path_factory.mktemp("dcp") / "checkpoint"))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -97,3 +99,10 @@ def test_compile_step_on_fsdp2_is_refused_clearly(ranks):
     for res in ranks:
         assert "fully_shard" in res["compile_step_error"]
         assert "amp_fx.compile(model)" in res["compile_step_error"]
+
+
+def test_fsdp2_resume_from_distributed_checkpoint_bitwise(ranks):
+    """Save model, optimizer (sharded, torch.distributed.checkpoint) and scaler state after 4 of
+    8 steps, load into fresh objects, continue: the same losses, scales and shards bit for bit."""
+    for rank, res in enumerate(ranks):
+        assert_bitwise(res["resume"]["resumed"], res["resume"]["straight"], f"rank {rank}")
