@@ -55,7 +55,10 @@ def _shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Callable[[torch.Tensor, torch.Tensor], None]]]]:
+StepFn = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], StepFn]]]:
     """name -> (baseline name, builder of a step function)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     from torch.nn.parallel import DistributedDataParallel as DDP
