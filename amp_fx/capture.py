@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
 
-log = logging.getLogger("amp_fx")
+log = logging.getLogger(__name__)
 
 __all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 

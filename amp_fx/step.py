@@ -66,7 +66,7 @@ from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
-logger = logging.getLogger("amp_fx")
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[..., torch.Tensor]
 

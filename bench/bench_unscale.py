@@ -17,19 +17,16 @@ it never reaches, so it multiplies by 1.0 as it always does (it clamps instead o
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-import triton
-from _common import percentile  # bench/ is sys.path[0] when run as a script
 from tabulate import tabulate
 
 from amp_fx.kernels import unscale_check_, unscale_check_norm_
-from amp_fx.kernels.reference import reference_unscale_check_, torch_unscale_then_clip_
+from amp_fx.testing.bench import machine_lines, percentile
+from amp_fx.testing.unscale_reference import reference_unscale_check_, torch_unscale_then_clip_
 
 _BYTES_PER_ELEMENT = 8  # fp32 read + write
 _TARGET_CHECK = 0.95  # issue: unscale+check at >= 0.95 of the _foreach_mul_ ceiling
@@ -93,14 +90,7 @@ def main() -> None:
             ]
         )
 
-    print(
-        f"torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"
-    )
-    print(
-        f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-        f"load average {os.getloadavg()[0]:.1f} (other processes skew every row alike)"
-    )
+    print(*machine_lines(), sep="\n")
     print(
         f"{args.tensors} fp32 gradients x {args.numel} elements, {args.reps} repetitions after "
         f"{args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element"

@@ -1,6 +1,6 @@
 """amp_fx.compile_step against torch's eager AMP recipe (autocast + torch.amp.GradScaler).
 
-Every numerical test runs the reference loop (amp_fx._step_reference.eager_amp_step) on an
+Every numerical test runs the reference loop (amp_fx.testing.eager_amp_step) on an
 identical copy of the model in the same test. Overflows are injected by planting a value in an
 input batch: 1e6 makes the fp16 matmul overflow (|x| * |w| * 8 inputs > 65504), inf poisons
 fp16 and bf16 alike. The backend ladder: aot_eager must be bit for bit; inductor within a
@@ -20,21 +20,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import amp_fx
-from amp_fx._step_reference import HostSyncCounter, eager_amp_step
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import GradNorm, compile_step
-
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-             torch.float64: torch.int64}
-
-
-def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Same dtype, shape and bit pattern (NaN payloads and -0.0 count)."""
-    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), what
-    a, e = actual.detach().contiguous(), expected.detach().contiguous()
-    if a.dtype in _INT_VIEW:
-        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
-    assert torch.equal(a, e), f"{what}: {actual} != {expected}"
+from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
