@@ -20,21 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_lines  # noqa: E402
-
-import amp_fx  # noqa: E402
-from amp_fx._dist.testing import run_ranks  # noqa: E402
+import amp_fx
+from amp_fx.testing.bench import machine_lines
+from amp_fx.testing.distributed import run_ranks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -6,15 +6,15 @@ from typing import Any
 
 import torch
 
+from amp_fx.testing import assert_bitwise
 
-def assert_bitwise(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    """Losses, scales and the rank's parameters (its shards, under FSDP2) equal bit for bit."""
-    for key in ("losses", "scales"):
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m, k=key: f"{what}: {k} differ: {m}")
-    for i, (g, w) in enumerate(zip(got["params"], want["params"], strict=True)):
-        torch.testing.assert_close(g, w, rtol=0, atol=0,
-                                   msg=lambda m, i=i: f"{what}: parameter {i} differs: {m}")
+
+def assert_same_run(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Losses, scales, clipping norms and the rank's parameters (its shards, under FSDP2)
+    equal bit for bit (NaN payloads included)."""
+    for key in ("losses", "scales", "norms", "params"):
+        if key in want:
+            assert_bitwise(got[key], want[key], f"{what}: {key}")
 
 
 def skipped_steps(result: dict[str, Any]) -> list[int]:

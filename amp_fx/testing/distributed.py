@@ -1,4 +1,4 @@
-"""Helpers shared by the distributed tests and benchmarks: launch ranks on one machine.
+"""Launch gloo ranks on one machine, for the distributed tests and benchmarks.
 
 ``run_ranks(fn, *args)`` starts ``world_size`` processes (``torch.multiprocessing.spawn``), each
 joining a gloo process group on 127.0.0.1 at a free port, runs ``fn(rank, world_size, *args)``
