@@ -57,7 +57,7 @@ import torch
 import torch._dynamo
 
 import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
-from amp_fx._dist.step import refuse_distributed_step
+from amp_fx._dist.step import distributed_forward, refuse_distributed_step
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
@@ -160,8 +160,11 @@ class CompiledStep:
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
         self._compiled_finishes = 0
-        self._forward = amp_compile(self._forward_loss, dtype=config.dtype, policy=policy,
-                                    backend=backend, fullgraph=True, dynamic=dynamic)
+        self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
+            self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
+                                                      dynamic=dynamic),
+        ) or amp_compile(self._forward_loss, dtype=config.dtype, policy=policy,
+                         backend=backend, fullgraph=True, dynamic=dynamic)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
@@ -490,7 +493,7 @@ def compile_step(
     lower = resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
-    refuse_distributed_step(model)  # DDP / FSDP2: a clear error instead of Dynamo's
+    refuse_distributed_step(model)  # FSDP2: a clear error instead of Dynamo's
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -253,6 +253,37 @@ def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, An
     return {"straight": straight, "resumed": resumed}
 
 
+def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
+    """``amp_fx.compile_step(DDP(model), ...)``, fp16, the same recipe as ``ddp_run``'s eager form
+    (accumulation windows under no_sync, clipping with clip_grad_norm_'s formula). Counts host
+    reads and newly compiled graphs from step 2 on (step 0 is the eager warm-up)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from amp_fx.testing import HostSyncCounter
+
+    model = make_model("seq")
+    options = RECIPES[recipe]
+    accumulate = options.get("accumulate", 1)
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+    step = amp_fx.compile_step(DDP(model), _sgd(model), lambda out, y: F.mse_loss(out.float(), y),
+                               dtype="fp16", scaler=scaler, max_grad_norm=options.get("clip"),
+                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
+    losses, scales, host_reads, graphs_after_warm_up = [], [], 0, 0
+    for i in range(STEPS):
+        counter = HostSyncCounter()
+        graphs = step.graphs_compiled
+        with counter:
+            for micro in range(accumulate):
+                losses.append(step(*_batch(rank, i, micro)).detach().clone())
+        if i >= 2:
+            host_reads += counter.count
+            graphs_after_warm_up += step.graphs_compiled - graphs
+        scales.append(_scale_of(scaler))
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
+            "params": [_local(p) for p in model.parameters()], "host_reads": host_reads,
+            "graphs_after_warm_up": graphs_after_warm_up, "linears": _linears_captured(step._forward)}
+
+
 def compile_step_error(model: nn.Module) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
@@ -306,13 +337,14 @@ def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
         for kind, form in (("seq", "eager"), ("seq", "inner"), ("seq", "outer"), ("custom", "outer")):
             torch._dynamo.reset()
             results[(dtype, kind, form)] = ddp_run(rank, world_size, dtype, kind, form)
+    results[("fp16", "seq", "eager", "plain")] = results[("fp16", "seq", "eager")]
     for form in ("eager", "inner", "outer"):
         torch._dynamo.reset()
         results[("fp16", "seq", form, "accum_clip")] = ddp_run(
             rank, world_size, "fp16", "seq", form, recipe="accum_clip")
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    results["compile_step_error"] = compile_step_error(DDP(make_model("seq")))
+    for recipe in RECIPES:
+        torch._dynamo.reset()
+        results[("fp16", "seq", "step", recipe)] = ddp_step_run(rank, world_size, recipe)
     return results
 
 
