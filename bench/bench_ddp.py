@@ -7,13 +7,14 @@ MLP on the same batches; rounds are interleaved (one round = ``--steps`` steps o
 configuration in turn) so that load on a shared machine hits all of them alike. Printed per
 configuration, by rank 0: the median step time as a ratio to its eager baseline (DDP rows to
 eager DDP, FSDP2 rows to eager FSDP2) with the spread of the per-round ratios, and from one
-profiled round: gloo collectives per step and host reads of a device value
-(``aten::_local_scalar_dense``) per step. Only ratios are printed: absolute CPU times say nothing
+profiled round: gloo collectives per step, and host reads of a tensor value per step as the
+tests count them (``amp_fx.testing.HostSyncCounter``: reads by the code under test, not reads a
+CPU kernel makes of its own CPU memory). Only ratios are printed: absolute CPU times say nothing
 about a GPU. On CPU the "device" is the host, so a host read costs little here; on GPUs each is
 a stream synchronisation.
 
-compile_step does not support DDP/FSDP2 models yet (it refuses them); the amp_fx rows are
-``amp_fx.compile`` + ``amp_fx.GradScaler``, with ``StepMode.MASKED`` where no host read is wanted.
+The amp_fx rows are ``amp_fx.compile`` + ``amp_fx.GradScaler`` (``StepMode.MASKED`` where no host
+read is wanted), and ``amp_fx.compile_step`` on the DDP model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.testing import HostSyncCounter
 from amp_fx.testing.bench import machine_lines
 from amp_fx.testing.distributed import run_ranks
 
@@ -88,6 +90,16 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
             return recipe(m, ddp, amp_fx.GradScaler("cpu", step_mode=step_mode), False)
         return build
 
+    def step_ddp() -> Callable[..., None]:
+        m = _model()
+        step = amp_fx.compile_step(DDP(m), torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+                                   lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
+                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED))
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            step(x, y)
+        return run
+
     def eager_fsdp() -> Callable[..., None]:
         m = _shard(_model())
         return recipe(m, m, ShardedGradScaler("cpu"), True)
@@ -103,6 +115,7 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
             "eager DDP + autocast + torch.amp.GradScaler", amp_ddp(amp_fx.StepMode.HOST_SYNC)),
         "DDP(amp_fx.compile(m)) + GradScaler(MASKED)": (
             "eager DDP + autocast + torch.amp.GradScaler", amp_ddp(amp_fx.StepMode.MASKED)),
+        "amp_fx.compile_step(DDP(m))": ("eager DDP + autocast + torch.amp.GradScaler", step_ddp),
         "eager FSDP2 + autocast + ShardedGradScaler": ("", eager_fsdp),
         "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": (
             "eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),
@@ -130,9 +143,11 @@ def _bench(rank: int, world_size: int, dtype: str, backend: str, rounds: int, st
         with torch.profiler.profile() as prof:
             for x, y in batches:
                 fn(x, y)
-        events = [e.name for e in prof.events()]
-        counts[name] = (sum(n.startswith("gloo:") for n in events) / steps,
-                        sum(n == "aten::_local_scalar_dense" for n in events) / steps)
+        collectives = sum(e.name.startswith("gloo:") for e in prof.events())
+        with HostSyncCounter() as reads:  # the tests' counter: outermost host reads only
+            for x, y in batches:
+                fn(x, y)
+        counts[name] = (collectives / steps, reads.count / steps)
     return {"times": times, "counts": counts,
             "baselines": {name: base for name, (base, _) in configs.items()}}
 
