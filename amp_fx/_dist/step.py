@@ -65,11 +65,11 @@ def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module],
     first = next(ddp.parameters(), None)
     device_type = "cuda" if first is not None and first.is_cuda else "cpu"
 
-    def forward(scale: torch.Tensor, *batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         last_of_window = step.micro_step == step.config.accumulate - 1
         sync = contextlib.nullcontext() if last_of_window else ddp.no_sync()
         with sync, torch.autocast(device_type, dtype=step.config.dtype):
-            return forward_loss(view, scale, *batch)
+            return forward_loss(view, scale, *batch, **model_kwargs)
 
     forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
     return forward
