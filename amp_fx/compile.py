@@ -96,7 +96,8 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         self.__dict__["_amp_fx_forward"] = (
             _amp_call(module, backend, compile_kwargs) if units is None
-            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype))
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype,
+                           backend.policy))
         self.training = module.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -284,6 +284,32 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
             "graphs_after_warm_up": graphs_after_warm_up, "linears": _linears_captured(step._forward)}
 
 
+def keep_fp32_names_report(wrap: Callable[[nn.Module], nn.Module], name: str) -> dict[str, Any]:
+    """What amp_fx.compile says about Policy.keep_fp32 names on a DDP/FSDP2 model: the warning,
+    the strict-mode error, and (negative twin) no warning for an entry given by type."""
+    import warnings
+
+    from amp_fx import AmpFxError, AmpFxWarning
+
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(nn.ReLU,)))
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]
+    import os
+
+    os.environ["AMP_FX_STRICT"] = "1"  # strict mode for the whole process, as a test suite sets it
+    try:
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
+        out["strict"] = ""
+    except AmpFxError as e:
+        out["strict"] = str(e)
+    finally:
+        del os.environ["AMP_FX_STRICT"]
+    return out
+
+
 def compile_step_error(model: nn.Module) -> str:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
@@ -345,6 +371,12 @@ def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
     for recipe in RECIPES:
         torch._dynamo.reset()
         results[("fp16", "seq", "step", recipe)] = ddp_step_run(rank, world_size, recipe)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results["keep_fp32_names"] = keep_fp32_names_report(DDP, "module.2")
+    # The form the warning names: names relative to the compiled module apply.
+    inner = DDP(amp_fx.compile(make_model("seq"), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=("2",))))
+    results["inner_keep_fp32_dtype"] = inner(torch.randn(2, 8)).dtype
     return results
 
 
@@ -366,6 +398,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
         results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
             rank, world_size, "fp16", "seq", form, recipe="accum_clip")
     results["compile_step_error"] = compile_step_error(_shard(make_model("seq")))
+    results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
     torch._dynamo.reset()
     results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's

@@ -89,3 +89,18 @@ def test_compile_step_on_ddp_bitwise_sync_free_and_no_recompiles(ranks, recipe):
         assert got["host_reads"] == 0
         assert got["graphs_after_warm_up"] == 0
         assert got["linears"] == 2
+
+
+def test_keep_fp32_names_on_ddp_are_reported_not_silently_ignored(ranks):
+    """Names are not mapped onto the separately compiled units yet: amp_fx says so (a warning,
+    an error in strict mode), and says nothing for an entry given by type."""
+    for res in ranks:
+        report = res["keep_fp32_names"]
+        assert len(report["warnings"]) == 1, report["warnings"]
+        assert "module.2" in report["warnings"][0] and "DDP(amp_fx.compile(model, policy=...))" in report["warnings"][0]
+        assert "module.2" in report["strict"]
+
+
+def test_keep_fp32_names_apply_in_the_inner_form(ranks):
+    for res in ranks:
+        assert res["inner_keep_fp32_dtype"] == torch.float32

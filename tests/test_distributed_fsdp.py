@@ -106,3 +106,13 @@ def test_fsdp2_resume_from_distributed_checkpoint_bitwise(ranks):
     8 steps, load into fresh objects, continue: the same losses, scales and shards bit for bit."""
     for rank, res in enumerate(ranks):
         assert_same_run(res["resume"]["resumed"], res["resume"]["straight"], f"rank {rank}")
+
+
+def test_keep_fp32_names_on_fsdp2_are_reported_not_silently_ignored(ranks):
+    """Names are not mapped onto the separately compiled units yet: amp_fx says so (a warning,
+    an error in strict mode), and says nothing for an entry given by type."""
+    for res in ranks:
+        report = res["keep_fp32_names"]
+        assert len(report["warnings"]) == 1, report["warnings"]
+        assert "'2'" in report["warnings"][0] and "by type" in report["warnings"][0]
+        assert "'2'" in report["strict"]
