@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 import time
 import weakref
@@ -24,6 +23,8 @@ from tabulate import tabulate
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from amp_fx._backends import Backend, backend_name, resolve_backend
+from amp_fx._dtype_names import dtype_name
 from amp_fx.capture import capture, is_cacheable_leaf, module_path
 from amp_fx.errors import AmpFxError
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
@@ -33,9 +34,6 @@ from amp_fx.policy import Policy
 __all__ = ["AmpBackend", "GraphRecord"]
 
 log = logging.getLogger(__name__)
-
-Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
-
 
 @dataclass
 class GraphRecord:
@@ -61,7 +59,7 @@ class GraphRecord:
 
     def summary_rows(self) -> list[list[object]]:
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
-        return [[self.index, self.device_type, str(self.dtype).replace("torch.", ""), ops,
+        return [[self.index, self.device_type, dtype_name(self.dtype), ops,
                  self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
                  ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
                  self.casts]]
@@ -80,16 +78,6 @@ def summarize(records: Sequence[GraphRecord]) -> str:
     return tabulate(rows, headers=_HEADERS)
 
 
-def _downstream(backend: str | Backend, inductor_config: dict[str, Any]) -> Backend:
-    if callable(backend):
-        return backend
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, config_patches=dict(inductor_config))
-    return torch._dynamo.lookup_backend(backend)
-
-
 class AmpBackend:
     """A torch.compile backend that rewrites each graph for mixed precision, then delegates.
 
@@ -101,8 +89,8 @@ class AmpBackend:
         self.dtype = dtype
         self.policy = policy
         self.fold = fold
-        self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-        self._downstream = _downstream(backend, inductor_config or {})
+        self.backend_name = backend_name(backend)
+        self._downstream = resolve_backend(backend, inductor_config=inductor_config)
         self.records: list[GraphRecord] = []
         # id(leaf tensor) -> (weakref to it, Dynamo frame ids whose graphs cast it with the cache)
         self._cached_leaf_frames: dict[int, tuple[weakref.ref[torch.Tensor], set[int]]] = {}
@@ -205,7 +193,7 @@ class AmpBackend:
                     "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
                     "them in %s (more accurate, not bitwise)", name,
-                    str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+                    dtype_name(self.dtype), dtype_name(self.dtype))
 
 
 @contextlib.contextmanager
