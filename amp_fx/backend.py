@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import logging
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -346,9 +347,17 @@ class _RootNames:
             tx = InstructionTranslator.current_tx()
             self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
                           "getattr": getattr}
+            first = _frame_self_name(tx.f_code)
         except Exception:  # not called from Dynamo (a test calling the backend directly)
-            self.scope = None
+            self.scope, first = None, None
         self._modules = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        # The frame's own module (its first argument, ``self``) when it is a submodule of the
+        # root: Dynamo records only the modules called inside the frame, so the ops the frame runs
+        # itself would otherwise belong to no module (a graph break inside a submodule, or a
+        # DDP/FSDP2 unit compiled on its own).
+        own = self.scope["L"].get(first) if self.scope is not None and first else None
+        own_name = self._modules.get(id(own)) if isinstance(own, torch.nn.Module) else None
+        self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
         self._cache: dict[str, str | None] = {}
@@ -360,9 +369,20 @@ class _RootNames:
             try:
                 obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
             except Exception:
-                obj = None
+                obj = self._walk(source)
             self._cache[source] = table.get(id(obj)) if obj is not None else None
         return self._cache[source]
+
+    def _walk(self, source: str) -> object | None:
+        """``L['module'].2``: Dynamo's module paths are not always Python (an nn.Sequential's
+        child is written ``.2``); walk them attribute by attribute from the frame's local."""
+        match = re.fullmatch(r"L\['(\w+)'\]((?:\.\w+)*)", source)
+        if match is None or self.scope is None:
+            return None
+        obj = self.scope["L"].get(match.group(1))
+        for part in filter(None, match.group(2).split(".")):
+            obj = getattr(obj, part, None)
+        return obj
 
     def rename_module_stacks(self, gm: torch.fx.GraphModule) -> None:
         """Rewrite each node's ``nn_module_stack`` sources to names under the root, where found."""
@@ -370,6 +390,8 @@ class _RootNames:
             return
         for node in gm.graph.nodes:
             stack = node.meta.get("nn_module_stack")
+            if self.frame_module is not None and node.op in ("call_function", "call_method", "call_module"):
+                stack = {"amp_fx_frame_module": self.frame_module, **(stack or {})}
             if not stack:
                 continue
             renamed = {}
@@ -380,6 +402,26 @@ class _RootNames:
 
     def tensor_name(self, tensor: object) -> str | None:
         return self._tensors.get(id(tensor)) if self.root is not None else None
+
+
+def _frame_self_name(code: Any) -> str | None:
+    """The name of the first argument (``self``) of the function a Dynamo frame belongs to.
+
+    A frame resumed after a graph break runs a generated function whose arguments are Dynamo's
+    own first; its original code is found through Dynamo's resume-function metadata (a private
+    table; when a torch version lacks it, the frame's own module is simply not added).
+    """
+    try:
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+
+        meta = ContinueExecutionCache.generated_code_metadata
+        for _ in range(8):  # resumed frames of resumed frames, bounded
+            if code not in meta:
+                break
+            code = meta[code].code
+    except Exception:
+        pass
+    return code.co_varnames[0] if code.co_argcount else None
 
 
 def _source_name(node: torch.fx.Node) -> str:

@@ -130,8 +130,7 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         self.__dict__["_amp_fx_forward"] = (
             _amp_call(module, backend, compile_kwargs) if units is None
-            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype,
-                           backend.policy))
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
