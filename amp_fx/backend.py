@@ -60,8 +60,10 @@ class GraphRecord:
                    if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
 
     def summary_rows(self) -> list[list[object]]:
+        from amp_fx._probe import short_dtype  # _probe imports this module
+
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
-        return [[self.index, self.device_type, str(self.dtype).replace("torch.", ""), ops,
+        return [[self.index, self.device_type, short_dtype(self.dtype), ops,
                  self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
                  ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
                  self.casts]]

@@ -306,3 +306,29 @@ def test_policy_can_move_a_banned_op(dtype: torch.dtype) -> None:
                              fake_mode=_CUDA_MODE)
         out = gm(x, y)
     assert (out.dtype, out.shape) == (reference.dtype, reference.shape)
+
+
+# --- the tables follow the installed torch (2.11 to 2.15) -----------------------------------------
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_entries_the_installed_torch_lacks_are_declared_version_dependent(device_type: str) -> None:
+    """DEFAULT_TABLES keeps the listed entries the installed torch registers. Any listed entry it
+    does not register must be one VERSION_DEPENDENT names (with the versions that have it), so a
+    torch that silently drops an op from autocast fails here instead of shrinking the table."""
+    from amp_fx.policy import DEFAULT_TABLES, LISTED_TABLES, VERSION_DEPENDENT
+
+    dropped = set(LISTED_TABLES[device_type]) - set(DEFAULT_TABLES[device_type])
+    undeclared = sorted(op for op in dropped if (device_type, op) not in VERSION_DEPENDENT)
+    assert not undeclared, (
+        f"torch {torch.__version__} does not register {undeclared} at Autocast{device_type.upper()}; "
+        "if that is a new torch's change, add them to amp_fx.policy.VERSION_DEPENDENT")
+    for name, cls in DEFAULT_TABLES[device_type].items():
+        assert LISTED_TABLES[device_type][name] is cls, name
+
+
+def test_version_dependent_names_only_listed_entries() -> None:
+    from amp_fx.policy import LISTED_TABLES, VERSION_DEPENDENT
+
+    stale = sorted(key for key in VERSION_DEPENDENT if key[1] not in LISTED_TABLES[key[0]])
+    assert not stale, f"VERSION_DEPENDENT names entries no table lists: {stale}"

@@ -147,6 +147,7 @@ def _unscale_check_kernel(
     partial_ptr,
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     COMPUTE_NORM: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -163,7 +164,8 @@ def _unscale_check_kernel(
             the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
             Unused otherwise (any tensor may be passed).
 
-    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). ALIGNED promises that
+    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). CHUNK is the
+    launcher's chunk size (the longest a row's chunk can be), a multiple of BLOCK. ALIGNED promises that
     every chunk address is a multiple of 16 bytes, which lets full tiles use 16-byte vector
     accesses (checked on the host; an address loaded from memory has no known alignment).
 
@@ -180,17 +182,20 @@ def _unscale_check_kernel(
     inv_scale = tl.load(inv_scale_ptr)
     nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    n_full = n - n % BLOCK
-    for start in range(0, n_full, BLOCK):
+    # The loop bounds are constexpr and the chunk's length only picks the branch: a bound
+    # loaded from memory would be fine compiled, but Triton 3.6's interpreter cannot turn it
+    # into a Python int under numpy >= 2.4 (its __index__ calls int() on a 1-element array).
+    # A program past its chunk's end runs only the two comparisons, a few cycles per tile.
+    for start in range(0, CHUNK, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        nonfinite, sum_sq = _unscale_tile(
-            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, False
-        )
-    if n_full < n:
-        offsets = n_full + tl.arange(0, BLOCK)
-        nonfinite, sum_sq = _unscale_tile(
-            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, True
-        )
+        if start + BLOCK <= n:
+            nonfinite, sum_sq = _unscale_tile(
+                ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, False
+            )
+        elif start < n:
+            nonfinite, sum_sq = _unscale_tile(
+                ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, True
+            )
     if tl.max(nonfinite, axis=0) > 0:
         tl.atomic_max(found_inf_ptr, 1.0)
     if COMPUTE_NORM:
@@ -291,6 +296,7 @@ def launch_unscale_check(
         partials,
         ELEM=_TORCH_TO_TL[dtype],
         BLOCK=block,
+        CHUNK=chunk,
         COMPUTE_NORM=compute_norm,
         ALIGNED=all(t.data_ptr() % 16 == 0 for t in flat),
         num_warps=NUM_WARPS,
