@@ -5,8 +5,9 @@ each element is read once, checked for inf/NaN, multiplied by the inverse scale 
 back to the gradient dtype and written once; optionally its square (from the value as stored)
 is accumulated in fp32 so gradient clipping needs no second read.
 
-The gradients are described to the kernel by a *chunk table* built on the host for each call,
-like the chunk lists of PyTorch's ``multi_tensor_apply``: every tensor is cut into chunks of at
+The gradients are described to the kernel by a *chunk table* built on the host (and kept on
+the device for the next call with the same gradients), like the chunk lists of PyTorch's
+``multi_tensor_apply``: every tensor is cut into chunks of at
 most ``chunk`` elements and each chunk becomes one row ``(address of its first element, number
 of elements)`` and one Triton program. Addresses and counts are int64, so tensors with more than
 2^31 elements are fine; the per-program offsets are < ``chunk`` and fit in int32.
@@ -31,6 +32,8 @@ available to measure them.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 import triton
@@ -218,28 +221,60 @@ def _is_dense_block(t: torch.Tensor) -> bool:
     return True
 
 
-def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
-    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
-    element_size = flat[0].element_size()
-    addresses = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64)
-    numels = torch.tensor([t.numel() for t in flat], dtype=torch.int64)
-    chunks_per_tensor = (numels + chunk - 1) // chunk
-    owner = torch.repeat_interleave(torch.arange(len(flat)), chunks_per_tensor)
+def _chunk_table_host(
+    addresses: list[int], numels: list[int], element_size: int, chunk: int
+) -> torch.Tensor:
+    """The int64 [n_chunks, 2] table (chunk address, chunk length), built on the host."""
+    addresses_t = torch.tensor(addresses, dtype=torch.int64)
+    numels_t = torch.tensor(numels, dtype=torch.int64)
+    chunks_per_tensor = (numels_t + chunk - 1) // chunk
+    owner = torch.repeat_interleave(torch.arange(len(addresses)), chunks_per_tensor)
     first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
     index_in_tensor = torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]
     start = index_in_tensor * chunk
-    table = torch.stack(
+    return torch.stack(
         [
-            addresses[owner] + start * element_size,
-            torch.clamp(numels[owner] - start, max=chunk),
+            addresses_t[owner] + start * element_size,
+            torch.clamp(numels_t[owner] - start, max=chunk),
         ],
         dim=1,
     )
+
+
+# Device tables by what they hold: (device, element size, chunk, addresses, numels). The table
+# is a function of that key alone, so a hit is always right, even for new tensors at old
+# addresses. Training steps repeat the same gradients, so after the first step no table is built
+# or copied to the device again. Each entry keeps its pinned host copy too: a copy queued
+# while a CUDA graph was captured re-reads that buffer at every replay, so it must stay intact.
+# Entries made during a capture are never evicted for the same reason.
+_TABLES: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_CAPTURED_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TABLES = 64
+
+
+def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
+    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
+    element_size = flat[0].element_size()
+    addresses = [t.data_ptr() for t in flat]
+    numels = [t.numel() for t in flat]
     if device.type == "cpu":
-        return table
-    # Pinned + non_blocking: the copy is queued on the current stream without a host sync, and
-    # the caching host allocator keeps the pinned buffer alive until the copy has run.
-    return table.pin_memory().to(device, non_blocking=True)
+        return _chunk_table_host(addresses, numels, element_size, chunk)
+    key = (device, element_size, chunk, tuple(addresses), tuple(numels))
+    hit = _CAPTURED_TABLES.get(key) or _TABLES.get(key)
+    if hit is not None:
+        if key in _TABLES:
+            _TABLES.move_to_end(key)
+        return hit[1]
+    host = _chunk_table_host(addresses, numels, element_size, chunk).pin_memory()
+    # Pinned + non_blocking: the copy is queued on the current stream without a host sync.
+    table = host.to(device, non_blocking=True)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES[key] = (host, table)
+    else:
+        _TABLES[key] = (host, table)
+        if len(_TABLES) > _MAX_TABLES:
+            _TABLES.popitem(last=False)
+    return table
 
 
 def launch_unscale_check(
