@@ -7,11 +7,13 @@ than by its version string; each function says which versions take which branch 
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
 from functools import cache
+from typing import Any
 
 import torch
 
-__all__ = ["autocast_registrations"]
+__all__ = ["autocast_registrations", "current_decomposition_table"]
 
 
 @cache
@@ -26,3 +28,18 @@ def autocast_registrations(dispatch_key: str) -> frozenset[str]:
     ``aten::_cudnn_rnn`` on CUDA.
     """
     return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key))
+
+
+def current_decomposition_table() -> MutableMapping[Any, Callable[..., Any]]:
+    """The decomposition table of the ``make_fx`` trace running now (the dict itself, mutable).
+
+    2.13 and 2.15 keep it on the active proxy mode (``ProxyTorchDispatchMode.decomposition_table``);
+    2.11 keeps it in the module global ``proxy_tensor.CURRENT_DECOMPOSITION_TABLE``, which
+    ``make_fx`` points at the table it was given.
+    """
+    from torch.fx.experimental import proxy_tensor
+
+    table = getattr(proxy_tensor.get_proxy_mode(), "decomposition_table", None)
+    if table is None:
+        table = proxy_tensor.CURRENT_DECOMPOSITION_TABLE
+    return table
