@@ -150,7 +150,7 @@ def _unscale_check_kernel(
     partial_ptr,
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    SPAN: tl.constexpr,
     COMPUTE_NORM: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -167,8 +167,8 @@ def _unscale_check_kernel(
             the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
             Unused otherwise (any tensor may be passed).
 
-    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). CHUNK is the
-    launcher's chunk size (the longest a row's chunk can be), a multiple of BLOCK. ALIGNED promises that
+    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). SPAN bounds the
+    tile loop: a power of two, at least BLOCK, and at least the longest chunk in the table. ALIGNED promises that
     every chunk address is a multiple of 16 bytes, which lets full tiles use 16-byte vector
     accesses (checked on the host; an address loaded from memory has no known alignment).
 
@@ -189,7 +189,7 @@ def _unscale_check_kernel(
     # loaded from memory would be fine compiled, but Triton 3.6's interpreter cannot turn it
     # into a Python int under numpy >= 2.4 (its __index__ calls int() on a 1-element array).
     # A program past its chunk's end runs only the two comparisons, a few cycles per tile.
-    for start in range(0, CHUNK, BLOCK):
+    for start in range(0, SPAN, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
             nonfinite, sum_sq = _unscale_tile(
@@ -277,6 +277,16 @@ def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> 
     return table
 
 
+def _span(flat: list[torch.Tensor], block: int, chunk: int) -> int:
+    """The kernel's SPAN: the longest chunk rounded up to a power of two (and to ``block``).
+
+    Rounding keeps the number of compiled variants at log2(chunk / block) + 1 (7 by default)
+    while a list of small tensors loops over one tile instead of chunk / block = 64.
+    """
+    longest = min(chunk, max(t.numel() for t in flat))
+    return max(block, 1 << (longest - 1).bit_length())
+
+
 def launch_unscale_check(
     grads: list[torch.Tensor],
     found_inf: torch.Tensor,
@@ -331,7 +341,7 @@ def launch_unscale_check(
         partials,
         ELEM=_TORCH_TO_TL[dtype],
         BLOCK=block,
-        CHUNK=chunk,
+        SPAN=_span(flat, block, chunk),
         COMPUTE_NORM=compute_norm,
         ALIGNED=all(t.data_ptr() % 16 == 0 for t in flat),
         num_warps=NUM_WARPS,
