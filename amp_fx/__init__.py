@@ -3,6 +3,8 @@
     model = amp_fx.compile(model, dtype="bf16")
 """
 
+import logging
+
 from amp_fx.compare import CompareReport, compare
 from amp_fx.compile import AmpCompiledModule, compile, records
 from amp_fx.errors import AmpFxError, AmpFxWarning
@@ -17,3 +19,8 @@ __all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "Am
            "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm",
            "GradScaler", "ScalerMode", "StepMode"]
 __version__ = "0.1.0"
+
+# Every module logs to logging.getLogger(__name__), a child of this logger. A library adds only a
+# NullHandler (Python's logging HOWTO): where to send records is the application's choice, and
+# without one logging's last-resort handler no longer prints amp_fx's records to stderr.
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -32,7 +32,7 @@ from amp_fx.policy import Policy
 
 __all__ = ["AmpBackend", "GraphRecord"]
 
-log = logging.getLogger("amp_fx")
+log = logging.getLogger(__name__)
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 

@@ -52,7 +52,7 @@ from amp_fx._compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
 
-log = logging.getLogger("amp_fx")
+log = logging.getLogger(__name__)
 
 __all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
 

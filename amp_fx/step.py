@@ -10,6 +10,8 @@ that reads no tensor value:
 1. **forward + loss** (``amp_fx.compile`` of ``loss_fn(model(*inputs), *targets)``, so the
    loss is computed under the same autocast policy as the model, as in torch's AMP recipe),
    returning the loss and the loss multiplied by the scale. AOTAutograd compiles its backward.
+   Keyword arguments of ``step`` go to the model. Graph breaks are allowed here (a logger call
+   in a Hugging Face forward): each piece is compiled and rewritten.
 2. **backward**: ``scaled_loss.backward()`` runs AOTAutograd's compiled backward graph; the
    gradients accumulate into ``.grad`` as in eager.
 3. **finish** (``torch.compile(fullgraph=True)``, once per accumulation window): the fused
@@ -32,8 +34,8 @@ Why three pieces and not one graph: Dynamo graph-breaks on ``Tensor.backward()``
 wrapper calls ``torch._dynamo.graph_break()`` and fused optimizers are ``compiler.disable``-d, so
 ``torch.compile`` of the whole recipe breaks 7 times (bench/bench_step.py prints the list).
 Compiled autograd and the experimental ``torch._dynamo.config.trace_autograd_ops`` could put the
-backward in the same graph; they were not measured for this version. The pieces here are each
-a full graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
+backward in the same graph; they were not measured for this version. The finish is a full
+graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
 for CUDA graphs and throughput is that nothing between them reads the device, which this module
 guarantees and ``tests/test_step.py`` proves with the profiler.
 
@@ -41,31 +43,41 @@ Warm-up: until every parameter of the optimizer has optimizer state (normally th
 the finish runs eagerly through ``amp_fx.GradScaler`` (``unscale_``, ``clip_grad_norm_``,
 ``step``, ``update``) which may read found_inf once on the host: a first step that creates
 state cannot be undone on the device (torch's fused SGD would even leave its momentum buffers
-uninitialised). From then on no step reads a device value on the host.
+uninitialised). From then on no step reads a device value on the host. The finish also runs
+eagerly (masked by the scaler, still sync-free) once a hyperparameter other than ``lr`` changes
+between steps (see ``CompiledStep._follow_hyperparameters``).
+
+The loss-scale rules the finish applies (inverse scale and its guard, scale update, masked
+restore) are ``amp_fx.scaler.rules`` and ``amp_fx.scaler.snapshot``: the same functions
+``GradScaler`` calls. Each step compiles its own copy of its code objects, so it owns its
+Dynamo cache entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch._dynamo
 
-import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
+from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.policy import Policy, resolve_dtype
-from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
+from amp_fx.scaler.snapshot import copy_state, restore_where_, same_value, unique_params
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
-logger = logging.getLogger("amp_fx")
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -73,11 +85,15 @@ LossFn = Callable[..., torch.Tensor]
 class GradNorm(enum.Enum):
     """How the total gradient norm for clipping is computed.
 
-    * ``FUSED``: ``torch.ops.amp_fx.unscale_check_norm_`` returns the sum of squares in the same
-      pass that unscales (one read of the gradients fewer). Accumulated in fp32 with partial
-      sums in fp64, so it can differ from ``clip_grad_norm_``'s norm in the last bits.
-    * ``TORCH``: ``clip_grad_norm_``'s own formula (``_foreach_norm``, then the norm of the
-      norms) after the fused unscale: bit for bit torch's clipping.
+    * ``TORCH`` (the default): ``clip_grad_norm_``'s own formula (``_foreach_norm``, then the
+      norm of the norms) after the fused unscale: bit for bit torch's clipping, so the step is
+      bit for bit the eager recipe (``unscale_`` + ``clip_grad_norm_``).
+    * ``FUSED`` (opt-in, faster): ``torch.ops.amp_fx.unscale_check_norm_`` returns the sum of
+      squares in the same pass that unscales (one read of the gradients fewer: 16 instead of 20
+      bytes per fp32 element with the clip multiply). What it gives up: the sum is accumulated
+      in fp32 with partial sums in fp64, in another order than ``clip_grad_norm_``, so the norm,
+      and with it every clipped step, can differ from the eager recipe in the last bits (a few
+      fp32 ulps per step; ``tests/test_step.py`` pins 2^-20 relative to the parameters' movement).
     """
 
     FUSED = "fused"
@@ -109,15 +125,20 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
     return inspect.unwrap(type(optimizer).step)
 
 
-def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    params: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` bound to a function with its own copy of the code object.
+
+    Dynamo keeps its cache entries (at most ``recompile_limit``, 8) per code object. Compiling the
+    bound methods of ``CompiledStep`` directly would make every step in the process share one
+    code object, so the 9th step would hit the limit; a copied code object gives each step its
+    own entries.
+    """
+    fn = method.__func__  # type: ignore[attr-defined]
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    own.__qualname__ = fn.__qualname__
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
 
 
 class _CountingBackend:
@@ -148,32 +169,40 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  config: _Config, scaler: GradScaler, backend: str | Backend, policy: Policy | None,
-                 dynamic: bool | None) -> None:
+                 dynamic: bool | None, strict: bool | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.config = config
         self.scaler = scaler
-        self._params = _unique_params(optimizer)
+        self._params = unique_params(optimizer)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
-        self._compiled_finishes = 0
-        self._forward = amp_compile(self._forward_loss, dtype=config.dtype, policy=policy,
-                                    backend=backend, fullgraph=True, dynamic=dynamic)
+        self._report = Reporter(strict)
+        # A recompile of the finish that amp_fx caused itself (the first compile, an lr that
+        # became a tensor) is expected; any other is reported.
+        self._expect_recompile = True
+        # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
+        # splits the forward into graphs, each rewritten, with no host sync between them.
+        self._forward = amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
+                                    backend=backend, dynamic=dynamic)
         self._finish_backend = _CountingBackend(backend)
-        self._finish = torch.compile(self._finish_impl, backend=self._finish_backend,
+        self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
-        self._seen_lrs = self._float_lrs()
+        self._seen_groups = _group_values(optimizer)
+        # Per param_group index: the device tensor that carries a scheduled float lr into the
+        # compiled finish (filled from the float before each step).
+        self._lr_tensors: dict[int, torch.Tensor] = {}
+        # A hyperparameter other than lr changed between steps: the optimizer steps eagerly.
+        self._eager_optimizer = False
         self._warmed_up = False
 
     # ------------------------------------------------------------------ public state
     @property
     def scale(self) -> torch.Tensor:
         """The current loss scale (0-dim float32 on the device; 1.0 in check-only mode)."""
-        self._ensure_scale()
-        assert self.scaler._scale is not None
-        return self.scaler._scale
+        return self._scale_state()[0].scale
 
     @property
     def last_step_skipped(self) -> torch.Tensor:
@@ -212,18 +241,13 @@ class CompiledStep:
         self.scaler.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ the step
-    def __call__(self, *batch: Any) -> torch.Tensor:
+    def __call__(self, *batch: Any, **model_kwargs: Any) -> torch.Tensor:
         n = self.config.n_inputs
-        if len(batch) < n:
+        if len(batch) < n and not model_kwargs:
             raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
                             f"{len(batch)} argument(s)")
-        scale = self._ensure_scale(batch)
-        loss, scaled = self._forward(scale, *batch)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-            what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
-                    else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}")
-            raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}; "
-                             "reduce it (e.g. .mean()) in loss_fn")
+        scale = self._scale_state()[0].scale
+        loss, scaled = self._forward(scale, *batch, **model_kwargs)
         scaled.backward()
         self._micro_step += 1
         if self._micro_step == self.config.accumulate:
@@ -231,16 +255,15 @@ class CompiledStep:
             self._optimizer_step()
         return loss
 
-    def _ensure_scale(self, batch: Sequence[Any] = ()) -> torch.Tensor:
-        if self.scaler._scale is None:
-            device = self._params[0].device if self._params else torch.device("cpu")
-            self.scaler.scale(torch.zeros((), device=device))  # creates the scaler's device state
-        assert self.scaler._scale is not None
-        return self.scaler._scale
+    def _scale_state(self) -> tuple[rules.ScaleState, rules.ScaleRule]:
+        """The scaler's device state (created on the parameters' device) and update rule."""
+        return self.scaler.loss_scale_state(self._params[0].device)
 
-    def _forward_loss(self, scale: torch.Tensor, *batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_loss(self, scale: torch.Tensor, *batch: Any, **model_kwargs: Any
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.config.n_inputs
-        loss = self.loss_fn(self.model(*batch[:n]), *batch[n:])
+        loss = self.loss_fn(self.model(*batch[:n], **model_kwargs), *batch[n:])
+        _check_loss(loss)  # before the loss is used: a None loss must not reach the tracer's ops
         scaled = loss
         if self.config.accumulate > 1:
             scaled = scaled / self.config.accumulate  # torch's recipe: gradients are the window mean
@@ -248,32 +271,65 @@ class CompiledStep:
             scaled = scaled * scale
         return loss.detach(), scaled
 
-    def _float_lrs(self) -> list[float | None]:
-        return [g["lr"] if isinstance(g.get("lr"), float) else None for g in self.optimizer.param_groups]
+    def _follow_hyperparameters(self) -> None:
+        """React to hyperparameters that changed since the last step (an LR or momentum scheduler).
 
-    def _wrap_changed_lrs(self) -> None:
-        """Turn a float ``lr`` that changed (an LR scheduler) into a 0-dim tensor, once.
-
-        Dynamo specialises the traced step on a float ``lr``, so every new value would recompile
-        the optimizer part. A tensor ``lr`` is a graph input and LR schedulers update it in place
-        (``fill_``), as torch recommends for compiled optimizers. Constant float learning rates
-        are left alone: they keep the eager optimizer's arithmetic (``add_(g, alpha=-lr)``).
-        float64 keeps the Python float's value; the optimizer casts it where it is used.
+        Dynamo specialises the traced optimizer step on every float hyperparameter it reads, so
+        each new value would recompile the finish (and, past Dynamo's recompile limit, fail).
+        * A float ``lr`` that changed is carried into the compiled finish as a 0-dim float32
+          device tensor from then on (every torch optimizer takes a tensor lr, as torch
+          recommends for compiled optimizers; float32 because the kernels round a Python lr to
+          it anyway, and a float64 lr makes the traced non-fused Adam read it on the host),
+          filled from the float before each step; the param_group keeps the user's float.
+          Constant float learning rates are left alone: they keep the eager optimizer's
+          arithmetic (``add_(g, alpha=-lr)``).
+        * Any other hyperparameter that changed (OneCycleLR's ``betas``/``momentum``) cannot be
+          a tensor in every optimizer (SGD branches on ``momentum != 0``; foreach Adam refuses a
+          tensor beta1), so the optimizer step then runs eagerly, masked by the scaler.
+        Fused optimizers step eagerly anyway: nothing to do for them.
         """
-        if self._fused:
-            return  # fused optimizers step eagerly: a float lr never recompiles anything
-        lrs = self._float_lrs()
-        if len(lrs) != len(self._seen_lrs):
-            self._seen_lrs = lrs
+        now = _group_values(self.optimizer)
+        before, self._seen_groups = self._seen_groups, now
+        if self._fused or len(now) != len(before):
             return
-        for i, (group, now, before) in enumerate(zip(self.optimizer.param_groups, lrs, self._seen_lrs)):
-            if now is not None and before is not None and now != before:
-                device = group["params"][0].device if group["params"] else torch.device("cpu")
-                group["lr"] = torch.tensor(now, dtype=torch.float64, device=device)
-                logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); it is now a "
-                            "0-dim tensor so that the compiled step does not recompile for each value",
-                            i, before, now)
-        self._seen_lrs = self._float_lrs()
+        for i, (after_g, before_g) in enumerate(zip(now, before)):
+            for key, value in after_g.items():
+                if key not in before_g or same_value(before_g[key], value):
+                    continue
+                if key == "lr" and isinstance(value, float):
+                    if i not in self._lr_tensors:
+                        group = self.optimizer.param_groups[i]
+                        device = group["params"][0].device if group["params"] else self._params[0].device
+                        self._lr_tensors[i] = torch.zeros((), dtype=torch.float32, device=device)
+                        self._expect_recompile = True
+                        logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
+                                    "compiled step takes it as a device tensor from now on, so that it "
+                                    "does not recompile for each value", i, before_g[key], value)
+                elif not self._eager_optimizer:
+                    self._eager_optimizer = True
+                    self._report.did_less(
+                        "hyperparameter changed",
+                        f"amp_fx.compile_step: param_groups[{i}][{key!r}] changed between steps "
+                        f"({before_g[key]!r} -> {value!r}), e.g. by a scheduler (OneCycleLR's "
+                        f"cycle_momentum); the compiled graph would recompile for every value, so the "
+                        f"{type(self.optimizer).__name__} step now runs eagerly (masked by the scaler: "
+                        "no host sync, bitwise the eager recipe). To keep it compiled, keep "
+                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)) or use a "
+                        "fused=True optimizer.", stacklevel=5)
+
+    @contextlib.contextmanager
+    def _lrs_as_tensors(self) -> Iterator[None]:
+        """Inside: scheduled float lrs are their device tensors; after: the user's floats again."""
+        groups = self.optimizer.param_groups
+        floats = {i: groups[i]["lr"] for i in self._lr_tensors}
+        try:
+            for i, t in self._lr_tensors.items():
+                t.fill_(floats[i])  # a host-to-device write of a Python float: no sync
+                groups[i]["lr"] = t
+            yield
+        finally:
+            for i, lr in floats.items():
+                groups[i]["lr"] = lr
 
     def _needs_warm_up(self) -> bool:
         """Until one eager step was taken, while some parameter has no optimizer state.
@@ -288,14 +344,17 @@ class CompiledStep:
 
     def _optimizer_step(self) -> None:
         opt = self.optimizer
-        self._wrap_changed_lrs()
+        self._follow_hyperparameters()
         if self._needs_warm_up():
-            self._eager_finish()
+            self._eager_finish(warm_up=True)
+        elif self._eager_optimizer:
+            self._eager_finish(warm_up=False)
         else:
             before = self._finish_backend.graphs
             with torch.no_grad():
                 self._run_pre_hooks()
-                flags = self._finish()
+                with self._lrs_as_tensors():
+                    flags = self._finish(*self._scale_state())
                 if self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -307,12 +366,14 @@ class CompiledStep:
                         del opt.found_inf  # type: ignore[attr-defined]
                 else:
                     self._run_post_hooks()
-            if self._finish_backend.graphs != before:
-                self._compiled_finishes += 1
-                if self._compiled_finishes > 1:
-                    logger.warning("amp_fx.compile_step: the optimizer part recompiled (%d graphs so far); "
-                                   "something it guards on changed (param groups, a float hyperparameter, "
-                                   "gradients present)", self._finish_backend.graphs)
+            if self._finish_backend.graphs != before and not self._expect_recompile:
+                self._report.did_less(
+                    "finish recompiled",
+                    f"amp_fx.compile_step: the optimizer part recompiled ({self._finish_backend.graphs} graphs so "
+                    "far): something it guards on changed between steps (the param groups, a hyperparameter "
+                    "set to a new object, which parameters have gradients). Each recompile costs compile "
+                    "time, and Dynamo stops compiling after 8; keep them fixed between steps.", stacklevel=4)
+            self._expect_recompile = False
         opt.zero_grad()
 
     def _run_pre_hooks(self) -> None:
@@ -334,35 +395,29 @@ class CompiledStep:
         for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
             hook(opt, (), {})
 
-    def _eager_finish(self) -> None:
-        """The warm-up step: amp_fx.GradScaler's eager path (may read found_inf on the host)."""
+    def _eager_finish(self, *, warm_up: bool) -> None:
+        """amp_fx.GradScaler's eager path: the warm-up step (may read found_inf on the host), and
+        the optimizer step once a hyperparameter other than lr is scheduled (masked, no sync)."""
         scaler, opt = self.scaler, self.optimizer
         if self.config.max_grad_norm is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
         scaler.step(opt)
         scaler.update()
-        self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
+        if warm_up:
+            self._warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
 
     # ------------------------------------------------------------------ the compiled finish
-    def _finish_impl(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        scaler = self.scaler
-        scale = scaler._scale
-        assert scale is not None
+    def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
+                     ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
         grads = [p.grad for p in self._params if p.grad is not None]
-        if scaler._mode is ScalerMode.DYNAMIC:
-            # torch's inv_scale; a scale with no finite reciprocal counts as an overflow (see scaler).
-            inv_scale = scale.double().reciprocal().float()
-            found_inf = (~torch.isfinite(inv_scale)).to(torch.float32)
-        else:
-            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-            found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         max_norm = self.config.max_grad_norm
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale))
-            grad_scale = scale.clone()
+            grad_scale = state.scale.clone()
         elif max_norm is None:
             unscale_check_(grads, found_inf, inv_scale)
         else:
@@ -378,39 +433,34 @@ class CompiledStep:
             torch._foreach_mul_(grads, torch.clamp(clip_coef, max=1.0))
         if not self._fused:
             self._masked_step(found_inf)
-        self._update_scale(found_inf)
+        rules.update_scale_(state, rule, found_inf)
+        rules.record_step_(state, found_inf)
         if self._fused:
             return grad_scale, found_inf
         return None
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
-        opt = self.optimizer
-        saved_params = [p.detach().clone() for p in self._params]
-        saved_state: list[list[tuple[str, torch.Tensor]]] = []
-        for p in self._params:
-            entry = opt.state.get(p)  # .get: indexing the defaultdict would add entries (and a recompile)
-            saved_state.append([] if entry is None else
-                               [(k, v.clone()) for k, v in entry.items() if isinstance(v, torch.Tensor)])
-        self._raw_step(opt)
-        skip = found_inf != 0
-        for p, old in zip(self._params, saved_params):
-            p.copy_(torch.where(skip, old, p))
-        for p, saved in zip(self._params, saved_state):
-            if not saved:
-                continue
-            entry = opt.state[p]
-            for k, old in saved:
-                entry[k].copy_(torch.where(skip, old, entry[k]))
+        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot)."""
+        saved_params, saved_state = copy_state(self.optimizer, self._params)
+        self._raw_step(self.optimizer)
+        restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        s = self.scaler
-        if s._mode is ScalerMode.DYNAMIC:
-            torch.ops.amp_fx.update_scale_(
-                s._scale, s._growth_tracker, s._hysteresis_tracker, found_inf, s._growth_factor,
-                s._backoff_factor, s._growth_interval, s._min_scale, s._max_scale, s._hysteresis,
-                s._consecutive_hysteresis)
-        s._last_found_inf.copy_(found_inf)
-        s._skipped_steps.add_((found_inf != 0).to(torch.int64))
+
+def _group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param_group's entries but its params (the objects, not copies)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _check_loss(loss: object) -> None:
+    """loss_fn's result must be a floating-point 0-dim tensor (checked while tracing: the check
+    reads metadata only; a failing one breaks the graph and raises in eager)."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return
+    what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
+            else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}")
+    hint = (" (a Hugging Face model returns loss=None when no labels are passed)" if loss is None
+            else "; reduce it (e.g. .mean()) in loss_fn")
+    raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}{hint}")
 
 
 def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
@@ -421,12 +471,12 @@ def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
 
 def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     model_params = {id(p) for p in model.parameters()}
-    foreign = [i for i, p in enumerate(_unique_params(optimizer)) if id(p) not in model_params]
+    foreign = [i for i, p in enumerate(unique_params(optimizer)) if id(p) not in model_params]
     if foreign:
         raise ValueError(f"amp_fx.compile_step: the optimizer holds {len(foreign)} parameter(s) that are not "
                          f"parameters of the model (positions {foreign[:5]} in its param_groups); build the "
                          "optimizer on model.parameters()")
-    in_opt = {id(p) for p in _unique_params(optimizer)}
+    in_opt = {id(p) for p in unique_params(optimizer)}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
     if missing:
         logger.warning("amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
@@ -441,12 +491,13 @@ def compile_step(
     dtype: str | torch.dtype = "fp16",
     scaler: GradScaler | None = None,
     max_grad_norm: float | None = None,
-    grad_norm: GradNorm = GradNorm.FUSED,
+    grad_norm: GradNorm = GradNorm.TORCH,
     accumulate: int = 1,
     n_inputs: int = 1,
     backend: str | Backend = "inductor",
     policy: Policy | None = None,
     dynamic: bool | None = None,
+    strict: bool | None = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -468,7 +519,9 @@ def compile_step(
             (default: torch's defaults for fp16, ``ScalerMode.CHECK_ONLY`` for bf16).
         max_grad_norm: clip the unscaled gradients to this total L2 norm (``clip_grad_norm_``'s
             rule, on the device).
-        grad_norm: how the norm for clipping is computed (see :class:`GradNorm`).
+        grad_norm: how the norm for clipping is computed: ``GradNorm.TORCH`` (default, bitwise
+            ``clip_grad_norm_``) or ``GradNorm.FUSED`` (one pass fewer over the gradients, not
+            bitwise: see :class:`GradNorm`).
         accumulate: micro-batches per optimizer step. Call ``step`` once per micro-batch; the
             loss is divided by ``accumulate`` before the backward (torch's recipe), the scale is
             fixed within a window, and unscale/check/step/update run at its end.
@@ -479,6 +532,10 @@ def compile_step(
         policy: amp_fx autocast policy overrides.
         dynamic: passed to ``torch.compile`` for the forward (None: Dynamo's automatic dynamic
             shapes; a batch shape that changes recompiles once, then runs dynamic).
+        strict: turn each warning that the step did less than asked (an ``AmpFxWarning``: the
+            optimizer step running eagerly because a hyperparameter is scheduled, the optimizer
+            part recompiling) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
+            variable decides.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -497,7 +554,7 @@ def compile_step(
     config = _Config(dtype=lower, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
                      n_inputs=n_inputs)
     _check_params(model, optimizer)
-    params = _unique_params(optimizer)
+    params = unique_params(optimizer)
     if not params:
         raise ValueError("amp_fx.compile_step: the optimizer has no parameters")
     devices = {p.device for p in params}
@@ -517,4 +574,4 @@ def compile_step(
            if not isinstance(v, list)):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
     return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, backend=backend,
-                        policy=policy, dynamic=dynamic)
+                        policy=policy, dynamic=dynamic, strict=strict)

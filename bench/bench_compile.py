@@ -3,7 +3,7 @@
     python bench/bench_compile.py                          # bf16, backends aot_eager and inductor
     python bench/bench_compile.py --dtypes bf16 fp16 --steps 50
 
-The model is the tests' small causal transformer LM (``tests/zoo.py: transformer_lm``: SDPA blocks,
+The model is the tests' small causal transformer LM (``amp_fx.testing.zoo.transformer_lm``: SDPA blocks,
 LayerNorm, GELU MLP, tied embedding head; 2 layers, d_model 64, seq 32, batch 4 by default).
 
 * compile: wall time of the first forward+backward after ``torch._dynamo.reset()``, for
@@ -39,7 +39,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -48,11 +47,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.testing import zoo
+from amp_fx.testing.bench import machine_lines, percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import import_zoo, machine_lines, percentile
-
-zoo = import_zoo()
 LossFn = Callable[[object], Tensor]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -2,7 +2,7 @@
 
 Three ways to run the same step (same model, data, dtype, AdamW, dynamic loss scaling):
 
-* ``eager``: ``torch.autocast`` + ``torch.amp.GradScaler`` (amp_fx._step_reference.eager_amp_step,
+* ``eager``: ``torch.autocast`` + ``torch.amp.GradScaler`` (amp_fx.testing.eager_amp_step,
   the reference the tests use);
 * ``torch.compile(model)``: the same recipe with the model compiled by inductor;
 * ``amp_fx.compile_step``: the whole step compiled (inductor);
@@ -10,7 +10,7 @@ Three ways to run the same step (same model, data, dtype, AdamW, dynamic loss sc
   because the step reads nothing on the host).
 
 For each: median, p10 and p90 of the step time, as ratios to eager's median; host reads of tensor
-values per step (amp_fx._step_reference.HostSyncCounter: reads made by the step's code, and apart
+values per step (amp_fx.testing.HostSyncCounter: reads made by the step's code, and apart
 from them reads inside CPU kernels of fused optimizers); graph breaks per step after warm-up;
 and, for the record, the graph breaks torch.compile meets when asked to compile the whole eager
 recipe (the reason compile_step exists).
@@ -22,8 +22,6 @@ recipe (the reason compile_step exists).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,8 +33,9 @@ from tabulate import tabulate
 from torch._dynamo.utils import counters
 
 import amp_fx
-from amp_fx._step_reference import HostSyncCounter, eager_amp_step
 from amp_fx.policy import resolve_dtype
+from amp_fx.testing import HostSyncCounter, eager_amp_step
+from amp_fx.testing.bench import machine_lines, percentile
 
 
 class TinyTransformer(torch.nn.Module):
@@ -54,11 +53,6 @@ class TinyTransformer(torch.nn.Module):
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def _sync(device: torch.device) -> None:
@@ -196,15 +190,13 @@ def main() -> None:
         rows.append([name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / base:.2f}",
                      f"{percentile(t, 0.1) / base:.2f}", f"{percentile(t, 0.9) / base:.2f}",
                      f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['warmup_s']:.0f}"])
-    print(f"torch {torch.__version__}, {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"cpu_count={os.cpu_count()}, threads={torch.get_num_threads()}")
+    print(*machine_lines(), sep="\n")
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each step timed "
               "from a synchronized device to a synchronized device")
     print(f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
           f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
-          f"{args.steps} timed steps after {args.warmup} warm-up, variants interleaved; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"{args.steps} timed steps after {args.warmup} warm-up, variants interleaved")
     print(tabulate(rows, headers=["variant", "median ms", "median/eager", "p10/eager", "p90/eager",
                                   "host reads/step", "reads in CPU kernels/step", "graph breaks/step",
                                   "warm-up s (compile)"]))

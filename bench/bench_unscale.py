@@ -23,17 +23,16 @@ it never reaches, so it multiplies by 1.0 as it always does (it clamps instead o
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from _common import machine_lines, percentile  # bench/ is sys.path[0] when run as a script
 from tabulate import tabulate
 
 from amp_fx.kernels import unscale_check_, unscale_check_norm_
-from amp_fx.kernels.reference import reference_unscale_check_, torch_unscale_then_clip_
+from amp_fx.testing.bench import machine_lines, percentile
+from amp_fx.testing.unscale_reference import reference_unscale_check_, torch_unscale_then_clip_
 
 _BYTES_PER_ELEMENT = 8  # fp32 read + write
 # Targets (issue 9 and before): on a GPU, unscale+check at >= 0.9 of a device-to-device copy and
@@ -160,12 +159,9 @@ def main() -> None:
         rows.append([name, f"{statistics.median(ts) * 1e3:.2f}", f"{percentile(gbps, 0.1):.1f}",
                      f"{percentile(gbps, 0.5):.1f}", f"{percentile(gbps, 0.9):.1f}", _fmt(r[name])])
 
-    for line in machine_lines():
-        print(line)
+    print(*machine_lines(), sep="\n")
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
-    print(f"load average {os.getloadavg()[0]:.1f} (ratios are taken within a repetition, so load "
-          "that hits every method alike cancels; load that comes and goes widens the spread)")
     print(f"{args.tensors} fp32 gradients x {numel} elements on {device.type}, {reps} repetitions "
           f"(interleaved) after {args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element")
     print(tabulate(rows, headers=["method", "median ms", "p10 GB/s", "p50 GB/s", "p90 GB/s",

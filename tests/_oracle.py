@@ -8,8 +8,9 @@ its rewritten graph then runs on the real tensors, so values can be compared bit
 
 CUDA on a CPU-only build: tensors created with ``device="cuda"`` inside a ``FakeTensorMode`` are
 fake CUDA tensors, and switching autocast on for "cuda" by hand (:func:`cuda_autocast`) runs the
-real AutocastCUDA kernels on them (shared/DESIGN.md, "The CUDA policy on a CPU-only machine").
-Only dtypes and shapes can be compared there.
+real AutocastCUDA kernels on them: ``torch.autocast("cuda")`` would disable itself without a CUDA
+device, setting the state by hand does not. A few entries of torch's CUDA table (e.g. gru_cell)
+still need real CUDA. Only dtypes and shapes can be compared there.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import torch
 import amp_fx
 from amp_fx._probe import AmpRunError, module_of
 from amp_fx.passes import fold_casts as fold_module
+from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import BNNet, TwoLayer, seeded
-from tests.zoo import ZOO
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
 # fp16 LSTM kernels: eager autocast itself fails (see test_eager_autocast_failure_is_explained)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx import CastClass, Policy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import MLP, ZOO, eager_autocast_step, step
+from amp_fx.testing.zoo import MLP, ZOO, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BACKEND = "aot_eager"  # the bitwise rung of the ladder, and the fastest one that traces to ATen

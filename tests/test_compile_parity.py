@@ -4,18 +4,16 @@ Every test builds one seeded model, deep-copies it before compiling, and runs th
 ``torch.autocast("cpu", dtype)`` in the same test: the reference is computed, never stored.
 
 * ``aot_eager`` and ``eager``: outputs, every parameter's ``.grad`` and every buffer (BatchNorm's
-  running stats) must be bitwise equal (``assert_close(atol=0, rtol=0)``, dtypes included).
+  running stats) must be bitwise equal (``amp_fx.testing.assert_bitwise``: dtypes included).
 * ``inductor``: within a tolerance derived below (fused kernels keep intermediates in fp32).
 """
 
 from __future__ import annotations
 
 import copy
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +23,8 @@ import torch._inductor.config
 from torch import Tensor, nn
 
 import amp_fx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zoo import ZOO, LossFn, StepResult, ZooEntry, eager_autocast_step, step
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.zoo import ZOO, LossFn, StepResult, ZooEntry, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -82,21 +79,6 @@ def run_pair(entry: ZooEntry, dtype: torch.dtype, **compile_kwargs: object
         _skip_if_backend_fails_without_amp_fx(entry, str(compile_kwargs.get("backend")), e)
         raise
     return actual, expected, compiled
-
-
-def assert_bitwise(actual: StepResult, expected: StepResult) -> None:
-    torch.testing.assert_close(actual.out, expected.out, atol=0, rtol=0, msg=_msg("output"))
-    torch.testing.assert_close(actual.loss, expected.loss, atol=0, rtol=0, msg=_msg("loss"))
-    assert actual.grads.keys() == expected.grads.keys()
-    for name, g in expected.grads.items():
-        if g is None:
-            assert actual.grads[name] is None, f"{name}.grad: eager has none, amp_fx has one"
-            continue
-        assert actual.grads[name] is not None, f"{name}.grad: eager has one, amp_fx has none"
-        torch.testing.assert_close(actual.grads[name], g, atol=0, rtol=0, msg=_msg(f"{name}.grad"))
-    for name, b in expected.buffers.items():
-        torch.testing.assert_close(actual.buffers[name], b, atol=0, rtol=0,
-                                   msg=_msg(f"buffer {name}"))
 
 
 def _msg(what: str) -> Callable[[str], str]:
@@ -154,7 +136,7 @@ def test_zoo_loss_is_autocast_neutral(name: str, dtype: torch.dtype) -> None:
 def test_aot_eager_bitwise(name: str, dtype: torch.dtype) -> None:
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="aot_eager")
     _assert_every_graph_rewritten(compiled)
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -165,7 +147,7 @@ def test_aot_eager_bitwise_without_folding(name: str, dtype: torch.dtype) -> Non
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="aot_eager", fold=False)
     assert all(r.folded.total == 0 for r in compiled.amp_fx_records)
     _assert_every_graph_rewritten(compiled)
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -202,7 +184,7 @@ def test_rnn_skipped_by_dynamo_by_default_runs_under_eager_autocast(name: str) -
     for record in compiled.amp_fx_records:
         traced = [str(n.target) for n in record.captured.graph.nodes if n.op == "call_function"]
         assert not [t for t in traced if "lstm" in t or "gru" in t or "rnn" in t], traced
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 # --- eager backend: bitwise -------------------------------------------------------------------
@@ -215,7 +197,7 @@ def test_eager_backend_bitwise(name: str, dtype: torch.dtype) -> None:
     only rung for an LSTM, where aot_eager fails without amp_fx too)."""
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="eager")
     _assert_every_graph_rewritten(compiled)
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 # --- inductor: a derived tolerance ------------------------------------------------------------
@@ -285,7 +267,8 @@ def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     dtype = torch.bfloat16
     default, expected = _inductor_pair(name, dtype, emulate=False)
     emulated, expected_again = _inductor_pair(name, dtype, emulate=True)
-    assert_bitwise(expected_again, expected)  # the eager reference is deterministic
+    # The eager reference is deterministic.
+    assert_bitwise(expected_again, expected, "eager autocast run twice")
     torch.testing.assert_close(emulated.out, expected.out, atol=0, rtol=0)
     for n, g in expected.grads.items():
         # 1 ulp of the low dtype: ulp(x) <= eps * |x| for normal x, hence rtol=eps, atol=0.
@@ -368,14 +351,15 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype) -> No
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(
         dtype: torch.dtype) -> None:
-    """DESIGN.md: torch.compile + ambient autocast differs from eager on weights used in several
-    places. Measured: it is the weights used by *two low-precision ops* (``block`` applied twice)
-    that differ, since AOTAutograd traces each autocast cast separately and their gradients add
-    up in fp32; the embedding tie (a gather, which autocast leaves in fp32, plus one matmul) is
-    bitwise. amp_fx shares one cast per leaf, as eager's cast cache does, and is bitwise."""
+    """torch.compile under an ambient autocast differs from eager on weights used in several
+    places (the second half of this test checks it). Measured: it is the weights used by *two
+    low-precision ops* (``block`` applied twice) that differ, since AOTAutograd traces each
+    autocast cast separately and their gradients add up in fp32; the embedding tie (a gather,
+    which autocast leaves in fp32, plus one matmul) is bitwise. amp_fx shares one cast per leaf,
+    as eager's cast cache does, and is bitwise."""
     entry = ZOO["tied_embedding"]
     actual, expected, _ = run_pair(entry, dtype, backend="aot_eager")
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
     torch._dynamo.reset()
     model, inputs, loss_fn = entry.build()
@@ -385,7 +369,7 @@ def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(
     loss.backward()
     plain = {n: p.grad for n, p in model.named_parameters()}
     differs = {n for n, g in expected.grads.items() if not torch.equal(plain[n], g)}
-    assert "block.weight" in differs, "torch.compile+autocast became bitwise: update DESIGN.md"
+    assert "block.weight" in differs, "torch.compile+autocast became bitwise: this docstring is out of date"
     assert differs <= {"block.weight", "block.bias"}, differs
     assert torch.equal(plain["emb.weight"], expected.grads["emb.weight"])
 
@@ -429,7 +413,7 @@ def test_autocast_disabled_region_inside_forward() -> None:
     entry = ZooEntry("autocast_off_inside", lambda: (model, (torch.randn(2, 8),), _sum))
     actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
     assert expected.out.dtype == torch.float32
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 def test_nested_autocast_region_uses_its_own_dtype() -> None:
@@ -437,7 +421,7 @@ def test_nested_autocast_region_uses_its_own_dtype() -> None:
     entry = ZooEntry("nested_fp16_inside", lambda: (model, (torch.randn(2, 8),), _sum))
     actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
     assert expected.out.dtype == torch.float16
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
 def _twice(x: Tensor, w: Tensor) -> Tensor:

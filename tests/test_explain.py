@@ -10,8 +10,8 @@ import torch.fx
 
 import amp_fx
 from amp_fx import _graphviz
+from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
-from tests.zoo import ZOO
 
 EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
                "graph_break_branch", "classifier_loss", "tied_embedding"]

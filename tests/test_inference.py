@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from zoo import ZOO
 
 import amp_fx
+from amp_fx.testing.zoo import ZOO
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn_bn", "rmsnorm", "classifier_loss"])

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import amp_fx
+from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import BNNet, ExpOverflow, GradOverflow, Overflowing, TwoLayer, seeded
-from tests.zoo import ZOO
 
 
 def test_forward_overflow_names_the_linear():

@@ -21,41 +21,9 @@ import pytest
 import torch
 
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.testing import assert_bitwise
 
 # ----------------------------------------------------------------------------- helpers
-_INT_VIEW = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.float16: torch.int16,
-    torch.bfloat16: torch.int16,
-}
-
-
-def assert_bitwise(actual: Any, expected: Any, what: str = "") -> None:
-    """Same type, dtype, shape and bits (so -0.0 != 0.0 and NaN payloads count)."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), what
-        assert (actual.dtype, actual.shape, actual.device) == (
-            expected.dtype,
-            expected.shape,
-            expected.device,
-        ), what
-        a, e = actual.detach().contiguous(), expected.detach().contiguous()
-        if a.dtype in _INT_VIEW:
-            a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
-        assert torch.equal(a, e), f"{what}: {actual} != {expected}"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and actual.keys() == expected.keys(), what
-        for k in expected:
-            assert_bitwise(actual[k], expected[k], f"{what}[{k!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert type(actual) is type(expected) and len(actual) == len(expected), what
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_bitwise(a, e, f"{what}[{i}]")
-    else:
-        assert type(actual) is type(expected) and actual == expected, (
-            f"{what}: {actual!r} != {expected!r}"
-        )
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

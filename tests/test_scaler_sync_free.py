@@ -4,8 +4,8 @@ scaler on the same inputs, so that the difference (or the equality) is what is a
 
 from __future__ import annotations
 
-import logging
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -13,6 +13,7 @@ import torch
 from test_scaler import OPTIMIZERS, assert_bitwise, make_data, make_model, run_script, train_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 
 # The ops through which a tensor's value reaches the host: .item(), float(t), int(t), bool(t),
@@ -130,11 +131,9 @@ class IntStepSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"] / state["step"])
 
 
-def test_masked_step_with_python_state_falls_back_to_a_host_read(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_masked_step_with_python_state_falls_back_to_a_host_read() -> None:
     """Non-tensor state cannot be selected on the device: the step reads found_inf on the host
-    (warning once) and stays exactly torch's result."""
+    (an AmpFxWarning, once) and stays exactly torch's result."""
     poison = {2: math.inf, 3: math.inf, 6: math.nan}
     results = []
     for scaler in (
@@ -143,19 +142,31 @@ def test_masked_step_with_python_state_falls_back_to_a_host_read(
     ):
         model = make_model()
         opt = IntStepSGD(model.parameters(), lr=0.1)
-        with caplog.at_level(logging.WARNING, logger="amp_fx"):
-            caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for i, batch in enumerate(make_data(8)):
                 train_step(scaler, model, opt, batch, poison.get(i))
-        warnings = [r for r in caplog.records if "non-tensor state 'step'" in r.getMessage()]
+        said = [w for w in caught if issubclass(w.category, AmpFxWarning)
+                and "non-tensor state 'step'" in str(w.message)]
         results.append(
             (
                 [p.detach().clone() for p in model.parameters()],
                 [opt.state[p]["step"] for p in model.parameters()],
             )
         )
-    assert len(warnings) == 1
+    assert len(said) == 1
     assert_bitwise(results[1], results[0])
+
+
+def test_masked_step_host_read_is_an_error_in_strict_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    scaler = GradScaler("cpu", step_mode=StepMode.MASKED)
+    model = make_model()
+    opt = IntStepSGD(model.parameters(), lr=0.1)
+    batches = make_data(2)
+    train_step(scaler, model, opt, batches[0], None)  # creates the state: expected, not reported
+    with pytest.raises(AmpFxError, match="non-tensor state 'step'.*reads found_inf on the host"):
+        train_step(scaler, model, opt, batches[1], None)
 
 
 def test_found_inf_is_exactly_zero_or_one() -> None:

@@ -1,6 +1,6 @@
 """amp_fx.compile_step against torch's eager AMP recipe (autocast + torch.amp.GradScaler).
 
-Every numerical test runs the reference loop (amp_fx._step_reference.eager_amp_step) on an
+Every numerical test runs the reference loop (amp_fx.testing.eager_amp_step) on an
 identical copy of the model in the same test. Overflows are injected by planting a value in an
 input batch: 1e6 makes the fp16 matmul overflow (|x| * |w| * 8 inputs > 65504), inf poisons
 fp16 and bf16 alike. The backend ladder: aot_eager must be bit for bit; inductor within a
@@ -10,6 +10,7 @@ derived tolerance (see ``inductor_tolerance``).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,21 +21,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import amp_fx
-from amp_fx._step_reference import HostSyncCounter, eager_amp_step
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import GradNorm, compile_step
-
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-             torch.float64: torch.int64}
-
-
-def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Same dtype, shape and bit pattern (NaN payloads and -0.0 count)."""
-    assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), what
-    a, e = actual.detach().contiguous(), expected.detach().contiguous()
-    if a.dtype in _INT_VIEW:
-        a, e = a.view(_INT_VIEW[a.dtype]), e.view(_INT_VIEW[e.dtype])
-    assert torch.equal(a, e), f"{what}: {actual} != {expected}"
+from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -49,6 +38,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
     "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.05),  # keeps no optimizer state
 }
 
@@ -108,14 +98,17 @@ def cumulative_movement(ref: dict[str, list[torch.Tensor]]) -> list[torch.Tensor
 
 
 def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None,
-             grad_norm: GradNorm, backend: str, poison: dict[int, float], n: int
+             grad_norm: GradNorm | None, backend: str, poison: dict[int, float], n: int
              ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
+    """compile_step and the eager recipe on identical models and batches; ``grad_norm`` None:
+    compile_step's default."""
     ours_scaler, ref_scaler = scalers(dtype)
     model, ref_model = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     loss_fn = torch.nn.functional.mse_loss
+    options = {} if grad_norm is None else {"grad_norm": grad_norm}
     step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
-                        grad_norm=grad_norm, accumulate=accumulate, backend=backend)
+                        accumulate=accumulate, backend=backend, **options)
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
                               max_grad_norm=clip)
     batches = make_batches(n, poison)
@@ -160,6 +153,17 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
         assert len(set(s.item() for s in ref["scale"])) >= 3
 
 
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
+def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
+    """The README's example (max_grad_norm, no grad_norm given) reproduces unscale_ +
+    clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
+    ours, ref, _ = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=0.05,
+                            grad_norm=None, backend="aot_eager", poison=FP16_POISON, n=8)
+    for key in ("loss", "scale", "params"):
+        for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
+            assert_bitwise(a, e, f"{key}[{i}]")
+
+
 def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> None:
     """GradNorm.FUSED sums squares in one pass (fp32 pieces combined in fp64) instead of
     clip_grad_norm_'s norm of per-tensor norms: the norm differs by a few fp32 ulps, so the
@@ -172,6 +176,30 @@ def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> No
     for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
         bound = 2**-20 * moved + 2**-24 * e.abs()
         assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
+
+
+# Non-fused Adam/AdamW traced by Dynamo take the step counter as a tensor: the bias corrections
+# 1 - beta**t are computed in fp32 instead of Python's fp64, off by up to 2^-24 / (1 - beta2**t)
+# relative (2^-14 at t=1 with beta2=0.999; halved by the sqrt), so the first compiled update is
+# off by a few 2^-17 relative. The parameters then differ in their last bits, which can flip an
+# fp16 rounding in the next forward or backward: a gradient element off by half an fp16 ulp
+# (2^-11 relative), doubled because the errors of a matmul's two operands add; Adam's update
+# m / sqrt(v) inherits that to first order. Bound: 2^-10 of each parameter's cumulative
+# movement (measured worst over 10 steps with overflows: 2^-12.5).
+ADAM_TRACED_RTOL = 2**-10
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "adamw"])
+def test_non_fused_adam_differs_from_eager_within_the_stated_bound(opt_name: str) -> None:
+    ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=None, grad_norm=None,
+                               backend="aot_eager", poison=FP16_POISON, n=10)
+    for i, (a, e) in enumerate(zip(ours["scale"], ref["scale"], strict=True)):
+        assert_bitwise(a, e, f"scale[{i}]")
+    assert_bitwise(ours["params"][0], ref["params"][0], "params[0]")  # the eager warm-up step
+    for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
+        bound = ADAM_TRACED_RTOL * moved + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
+    assert int(step.skipped_steps) == len(FP16_POISON)
 
 
 # Inductor keeps a fused kernel's intermediates in fp32 (no fp16 round trip between ops), so a
@@ -253,7 +281,32 @@ def test_sync_detector_sees_torch_scalers_host_sync() -> None:
     assert sum(counters["graph_break"].values()) >= 1
 
 
+def _no_amp_fx_warnings() -> Any:
+    """Inside: an AmpFxWarning or a warning logged by amp_fx fails the test."""
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def cm() -> Any:
+        class Fail(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                raise AssertionError(f"amp_fx logged a warning: {record.getMessage()}")
+
+        handler = Fail(level=logging.WARNING)
+        logging.getLogger("amp_fx").addHandler(handler)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", amp_fx.AmpFxWarning)
+                yield
+        finally:
+            logging.getLogger("amp_fx").removeHandler(handler)
+
+    return cm()
+
+
 def test_lr_scheduler_keeps_working_without_recompiles() -> None:
+    """The README's pattern: a scheduler changing lr compiles once more, silently (the lr is then a
+    device tensor inside the step), and users still read a float lr from param_groups."""
     model, ref_model = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref_model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
@@ -263,13 +316,15 @@ def test_lr_scheduler_keeps_working_without_recompiles() -> None:
                               dtype=torch.float16)
     batches = make_batches(8, {4: 1e6})
     graphs_after = []
-    for x, y in batches:
-        step(x, y)
-        ref_step(x, y)
-        sched.step()
-        ref_sched.step()
-        graphs_after.append(step.graphs_compiled)
-        assert float(opt.param_groups[0]["lr"]) == ref_opt.param_groups[0]["lr"]
+    with _no_amp_fx_warnings():
+        for x, y in batches:
+            step(x, y)
+            ref_step(x, y)
+            sched.step()
+            ref_sched.step()
+            graphs_after.append(step.graphs_compiled)
+            lr = opt.param_groups[0]["lr"]
+            assert type(lr) is float and lr == ref_opt.param_groups[0]["lr"]
     # Warm-up (eager), the first compiled step and the one recompile when the float lr becomes a
     # tensor; then none. The skip is visible to a scheduler that wants it, on the device.
     assert len(set(graphs_after[3:])) == 1, graphs_after
@@ -278,6 +333,65 @@ def test_lr_scheduler_keeps_working_without_recompiles() -> None:
     # alpha): 2^-20 relative per update (a few fp32 ulps), against the movement of the reference.
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=2**-18, atol=1e-7)
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd_momentum"])
+def test_one_cycle_lr_default_neither_recompiles_nor_fails(opt_name: str) -> None:
+    """OneCycleLR also schedules betas (Adam) or momentum (SGD), which the optimizer cannot take as
+    device tensors: the optimizer then steps eagerly, masked (said once), bitwise the eager recipe
+    over more steps than Dynamo's recompile limit (8)."""
+    n = 12
+    model, ref_model = make_model(), make_model()
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=n)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.01, total_steps=n)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
+    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
+                              dtype=torch.float16)
+    with pytest.warns(amp_fx.AmpFxWarning, match=r"param_groups\[0\]\['(betas|momentum)'\] changed") as said:
+        for i, (x, y) in enumerate(make_batches(n, {4: 1e6})):
+            assert_bitwise(step(x, y), ref_step(x, y), f"loss[{i}]")
+            sched.step()
+            ref_sched.step()
+            assert type(opt.param_groups[0]["lr"]) is float
+    assert len([w for w in said if issubclass(w.category, amp_fx.AmpFxWarning)]) == 1
+    assert step.graphs_compiled <= 2  # the forward; the finish never needed compiling
+    assert_bitwise(flat_params(model), flat_params(ref_model), "params")
+    assert int(step.skipped_steps) == 1
+
+
+def test_scheduled_lr_and_momentum_without_cycling_stay_compiled_and_sync_free() -> None:
+    """OneCycleLR(cycle_momentum=False) changes lr only: compiled, one expected recompile, silent."""
+    n = 12
+    model = make_model()
+    opt = OPTIMIZERS["adam"](model.parameters())
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=n + 3, cycle_momentum=False)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager", strict=True)
+    batches = make_batches(n, {6: 1e6})
+    with _no_amp_fx_warnings():
+        for x, y in batches[:4]:
+            step(x, y)
+            sched.step()
+        graphs = step.graphs_compiled
+        with HostSyncCounter() as syncs:
+            for x, y in batches[4:]:
+                step(x, y)
+                sched.step()
+    assert syncs.count == 0, syncs.names
+    assert step.graphs_compiled == graphs
+    assert int(step.skipped_steps) == 1
+
+
+def test_strict_mode_makes_an_eager_optimizer_step_an_error() -> None:
+    model = make_model()
+    opt = OPTIMIZERS["sgd_momentum"](model.parameters())
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=5)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager", strict=True)
+    x, y = make_batches(1, {})[0]
+    step(x, y)
+    sched.step()
+    with pytest.raises(amp_fx.AmpFxError, match=r"\['momentum'\] changed.*cycle_momentum=False"):
+        step(x, y)
 
 
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_momentum"])
@@ -365,3 +479,77 @@ def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type[Except
 
 def test_public_api() -> None:
     assert amp_fx.compile_step is compile_step and "compile_step" in amp_fx.__all__
+
+
+# ------------------------------------------------------------------------- usage patterns
+def test_ten_compile_steps_in_one_process_each_own_their_cache_entries() -> None:
+    """Dynamo keeps 8 cache entries per code object: every step must compile its own graphs
+    (once all steps shared one code object and the 9th step raised FailOnRecompileLimitHit)."""
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for i in range(10):
+        torch.manual_seed(i)
+        model = torch.nn.Linear(4, 2)
+        ref_model = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref_model))
+        # A scale at which the fp16 gradients do not overflow, so that the second step is compiled.
+        scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
+        step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend="eager")
+        ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
+                                  torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+        for _ in range(2):  # a warm-up step, then a compiled one
+            assert_bitwise(step(x, y), ref_step(x, y), f"step {i}: loss")
+        assert len(step._forward.amp_fx_records) >= 1 and step._finish_backend.graphs == 1, f"step {i}"
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"step {i}: params")
+
+
+class _HFStyleOutput(dict):  # what transformers' ModelOutput is: a dict with attributes
+    __getattr__ = dict.get
+
+
+class _HFStyleLM(torch.nn.Module):
+    """Called as HF models are (keywords, loss inside, None without labels), with a logger call
+    in forward that Dynamo cannot trace (transformers' ``logger.warning_once``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> _HFStyleOutput:
+        logging.getLogger("amp_fx.tests.hf_style").debug("loss_type=None")  # a graph break
+        logits = self.head(self.emb(input_ids))
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return _HFStyleOutput(loss=loss, logits=logits)
+
+
+def _hf_batches(n: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.randint(0, 16, (2, 5), generator=g),
+             "labels": torch.randint(0, 16, (2, 5), generator=g)} for _ in range(n)]
+
+
+def test_keyword_inputs_and_graph_breaks_in_the_forward_hf_style() -> None:
+    model, ref_model = _HFStyleLM(), _HFStyleLM()
+    opt, ref_opt = OPTIMIZERS["adamw_fused"](model.parameters()), OPTIMIZERS["adamw_fused"](ref_model.parameters())
+    step = compile_step(model, opt, lambda out: out.loss, backend="aot_eager")
+    ref_scaler = torch.amp.GradScaler("cpu")
+    for i, batch in enumerate(_hf_batches(3)):
+        loss = step(**batch)
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = ref_model(**batch).loss
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        assert_bitwise(loss, ref_loss.detach(), f"loss[{i}]")
+    assert_bitwise(flat_params(model), flat_params(ref_model), "params")
+    assert sum(counters["graph_break"].values()) >= 1  # the logger call did break the graph
+
+
+def test_loss_fn_returning_none_is_amp_fx_error() -> None:
+    model = _HFStyleLM()
+    step = compile_step(model, OPTIMIZERS["adamw_fused"](model.parameters()), lambda out: out.loss,
+                        backend="aot_eager")
+    batch = _hf_batches(1)[0]
+    with pytest.raises(ValueError, match=r"loss_fn must return a floating-point scalar.*got a NoneType.*no labels"):
+        step(input_ids=batch["input_ids"])

@@ -39,7 +39,7 @@ from amp_fx.kernels import cpu_unscale, triton_unscale
 
 __all__ = ["unscale_check_", "unscale_check_norm_"]
 
-logger = logging.getLogger("amp_fx")
+logger = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parents[1]
-# The helpers these tests reuse live beside the CPU tests: tests/zoo.py, tests/test_*.py and
-# tests/kernels/_unscale_*.py.
+# Besides amp_fx.testing, these tests reuse helpers that live beside the CPU tests:
+# tests/test_*.py and tests/kernels/_unscale_*.py.
 for _path in (TESTS, TESTS / "kernels"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))

@@ -24,12 +24,12 @@ from test_compile_parity import (
     _dynamo_config,
     _msg,
     _zoo_params,
-    assert_bitwise,
 )
 from torch import Tensor, nn
-from zoo import ZOO, LossFn, StepResult, _collect, step
 
 import amp_fx
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.zoo import ZOO, LossFn, StepResult, _collect, step
 
 pytestmark = GPU_TIER
 
@@ -47,7 +47,7 @@ def _on_cuda(model: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[nn.Module, t
 
 def _eager_cuda_step(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
                      dtype: torch.dtype) -> StepResult:
-    """zoo.eager_autocast_step with ``torch.autocast("cuda")``."""
+    """amp_fx.testing.zoo.eager_autocast_step with ``torch.autocast("cuda")``."""
     with torch.autocast("cuda", dtype=dtype):
         out = model(*inputs)
         loss = loss_fn(out)
@@ -74,7 +74,7 @@ def test_cuda_aot_eager_bitwise(name: str, dtype: torch.dtype) -> None:
     actual, expected, compiled = _cuda_pair(name, dtype, "aot_eager")
     _assert_every_graph_rewritten(compiled)
     assert all(r.device_type == "cuda" for r in compiled.amp_fx_records)
-    assert_bitwise(actual, expected)
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast on CUDA")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -21,7 +21,6 @@ from test_step import (
     BF16_POISON,
     FP16_POISON,
     OPTIMIZERS,
-    assert_bitwise,
     assert_steps_are_sync_free,
     flat_params,
     make_batches,
@@ -29,9 +28,9 @@ from test_step import (
     run,
 )
 
-from amp_fx._step_reference import eager_amp_step
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import GradNorm, compile_step
+from amp_fx.testing import assert_bitwise, eager_amp_step
 
 pytestmark = GPU_TIER
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
     raise SystemExit("run with TRITON_INTERPRET=1 in the environment, before triton is imported")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+# Run as a script, this file's folder is sys.path[0]: _unscale_cases imports without a path edit.
 import _unscale_cases  # noqa: E402
 import torch  # noqa: E402
 

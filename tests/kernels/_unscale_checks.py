@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from amp_fx.kernels.reference import reference_sum_of_squares_fp64, reference_unscale_check_
+from amp_fx.testing.unscale_reference import reference_sum_of_squares_fp64, reference_unscale_check_
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 

@@ -13,7 +13,7 @@ from _unscale_cases import Case, all_cases
 from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close
 
 from amp_fx.kernels import cpu_unscale, triton_unscale, unscale, unscale_check_, unscale_check_norm_
-from amp_fx.kernels.reference import reference_sum_of_squares_fp64
+from amp_fx.testing.unscale_reference import reference_sum_of_squares_fp64
 
 _CASES = all_cases()
 

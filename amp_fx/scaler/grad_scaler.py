@@ -30,20 +30,22 @@ without a sync until the caller reads them.
 from __future__ import annotations
 
 import enum
-import functools
 import inspect
 import logging
 import math
 import warnings
 import weakref
 from collections import abc, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast, overload
 
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
+from amp_fx._report import Reporter
+from amp_fx.kernels.fallback import unscale_check_any_dtype_
+from amp_fx.scaler import rules
+from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot
 
 __all__ = ["GradScaler", "ScalerMode", "StepMode"]
 
@@ -52,7 +54,6 @@ logger = logging.getLogger(__name__)
 # Extra state_dict entries live under this one key: torch's load_state_dict reads only the
 # five keys it writes, so a state_dict of ours loads into torch's scaler unchanged.
 _STATE_KEY = "amp_fx"
-_STATE_CREATED = "optimizer state was created"
 
 
 class ScalerMode(enum.Enum):
@@ -97,194 +98,6 @@ class StepMode(enum.Enum):
 
     HOST_SYNC = "host_sync"
     MASKED = "masked"
-
-
-# --------------------------------------------------------------------------------------------
-# Unscale kernel: amp_fx.kernels.unscale's fused check+unscale (the semantics of
-# torch._amp_foreach_non_finite_check_and_unscale_, bit for bit) for the dtypes it takes;
-# torch's own kernel for the rest (float64: torch's scaler accepts it) and whenever the
-# amp_fx kernels cannot be imported.
-# --------------------------------------------------------------------------------------------
-_UnscaleFn = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
-_FUSED_UNSCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
-
-
-def _torch_unscale_check_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
-    per_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        per_dtype[g.dtype].append(g)
-    for group in per_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
-
-
-@functools.cache
-def _fused_unscale_kernel() -> _UnscaleFn | None:
-    try:
-        from amp_fx.kernels.unscale import unscale_check_
-    except ImportError:
-        logger.warning("amp_fx.kernels.unscale could not be imported; using torch's unscale kernel")
-        return None
-    return cast(_UnscaleFn, unscale_check_)
-
-
-def _unscale_check_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
-    """Check and unscale gradients of one device in place (see ``_unscale_grads_``)."""
-    fused = _fused_unscale_kernel()
-    if fused is None:
-        _torch_unscale_check_(grads, found_inf, inv_scale)
-        return
-    ours = [g for g in grads if g.dtype in _FUSED_UNSCALE_DTYPES]
-    rest = [g for g in grads if g.dtype not in _FUSED_UNSCALE_DTYPES]
-    if ours:
-        fused(ours, found_inf, inv_scale)
-    if rest:
-        _torch_unscale_check_(rest, found_inf, inv_scale)
-
-
-# --------------------------------------------------------------------------------------------
-# Masked step helpers.
-# --------------------------------------------------------------------------------------------
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # A non_blocking device-to-host copy returns before the data lands, and the CPU op that
-    # reads it next would race with it; only copies to an accelerator may be asynchronous.
-    return t.to(device=device, non_blocking=device.type != "cpu", copy=True)
-
-
-def _combine_found_inf(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Combine per-device flags with max, not sum: the result stays exactly 0.0 or 1.0.
-
-    torch sums them; with grads on two devices that can give 2.0, which fused optimizer
-    kernels (they skip only when found_inf == 1.0) would not treat as a skip.
-    """
-    combined = _to_device(flags[0], device)  # a copy: the per-device flags stay as they are
-    for f in flags[1:]:
-        combined = torch.maximum(combined, f if f.device == device else _to_device(f, device))
-    return combined
-
-
-def _same_value(before: Any, after: Any) -> bool:
-    """Whether a non-tensor state value is unchanged, without reading any tensor's value.
-
-    Identity first (an untouched entry), then equality for plain scalars and tuples of them
-    (``state["step"] += 1`` on a Python int rebinds it). A mutable object changed in place
-    keeps its identity and is not detected.
-    """
-    if before is after:
-        return True
-    if isinstance(before, (tuple, list)) and isinstance(after, (tuple, list)):
-        return len(before) == len(after) and all(map(_same_value, before, after))
-    scalars = (bool, int, float, complex, str, type(None))
-    return isinstance(before, scalars) and isinstance(after, scalars) and before == after
-
-
-class _Snapshot:
-    """Copies of an optimizer's parameters and state, to undo a step on the device.
-
-    Holds one clone of every parameter in ``optimizer.param_groups`` and of every tensor in
-    ``optimizer.state`` for them; that is the memory cost of ``StepMode.MASKED``.
-    Structure (which state entries exist, non-tensor values, param-group hyperparameters)
-    is recorded too: a step that changes it cannot be undone on the device and needs the
-    flag on the host.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self.params: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
-        with torch.no_grad():
-            self.saved_params = [p.detach().clone() for p in self.params]
-            # state entry per param: None if absent, else {key: (live object, saved copy)}.
-            self.state: list[dict[str, tuple[Any, Any]] | None] = []
-            for p in self.params:
-                entry = optimizer.state.get(p)  # .get: the defaultdict must not grow here
-                if entry is None:
-                    self.state.append(None)
-                    continue
-                self.state.append(
-                    {
-                        k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                        for k, v in entry.items()
-                    }
-                )
-        self.groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-        ]
-
-    def needs_host_decision(self) -> str | None:
-        """Why the step just taken cannot be undone on the device, or None if it can."""
-        opt = self.optimizer
-        for p, before in zip(self.params, self.state):
-            after = opt.state.get(p)
-            if before is None:
-                if after:
-                    return _STATE_CREATED
-                continue
-            if after is None or after.keys() != before.keys():
-                return "optimizer state keys changed"
-            for k, (live, _) in before.items():
-                now = after[k]
-                if isinstance(live, torch.Tensor):
-                    if not isinstance(now, torch.Tensor) or (
-                        now is not live
-                        and (now.shape, now.dtype, now.device)
-                        != (live.shape, live.dtype, live.device)
-                    ):
-                        return f"state tensor {k!r} was replaced by one of another kind"
-                elif not _same_value(live, now):
-                    return f"non-tensor state {k!r} changed ({live!r} -> {now!r})"
-        for g, before_g in zip(opt.param_groups, self.groups):
-            for k, v in before_g.items():
-                if k not in g or not _same_value(v, g[k]):
-                    return f"param_group entry {k!r} changed"
-        return None
-
-    def restore_where(self, found_inf: torch.Tensor) -> None:
-        """Put back the saved values where ``found_inf`` is non-zero, on the device."""
-        masks = _MultiDeviceReplicator(found_inf != 0)
-        state = self.optimizer.state
-        with torch.no_grad():
-            for p, old in zip(self.params, self.saved_params):
-                torch.where(masks.get(p.device), old, p, out=p)
-            for p, before in zip(self.params, self.state):
-                if before is None:
-                    continue
-                entry = state[p]
-                for k, (live, old) in before.items():
-                    if not isinstance(live, torch.Tensor):
-                        continue
-                    now = entry[k]
-                    if now is live:
-                        torch.where(masks.get(now.device), old, now, out=now)
-                    else:  # the optimizer rebound the key to a new tensor of the same kind
-                        entry[k] = torch.where(masks.get(now.device), old, now)
-
-    def restore_all(self) -> None:
-        """Undo the step completely (after the flag was read on the host)."""
-        state = self.optimizer.state
-        with torch.no_grad():
-            for p, old in zip(self.params, self.saved_params):
-                p.copy_(old)
-            for p, before in zip(self.params, self.state):
-                if before is None:
-                    state.pop(p, None)
-                    continue
-                entry = state[p]
-                entry.clear()
-                for k, (live, old) in before.items():
-                    if isinstance(live, torch.Tensor):
-                        live.copy_(old)
-                    entry[k] = live
-        for g, before_g in zip(self.optimizer.param_groups, self.groups):
-            g.update(before_g)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -394,8 +207,9 @@ class GradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._skipped_steps: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
-        # Optimizers (by id) already warned about a host sync in the masked step.
-        self._warned_sync: set[int] = set()
+        # Says once per optimizer that a masked step reads the flag on the host (AMP_FX_STRICT
+        # turns that into an error).
+        self._report = Reporter()
         # Self-scaling optimizers that have taken a real step through this scaler.
         self._stepped_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -461,22 +275,42 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
 
     def _inv_scale_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``inv_scale`` as torch computes it, and a found_inf initialised to "inv_scale is
-        not finite": a collapsed scale then skips the step (torch's kernel checks the scaled
-        gradient before multiplying, so ``0 * inf = NaN`` would pass)."""
-        scale = self._scale
-        assert scale is not None
-        if self._mode is ScalerMode.CHECK_ONLY:
-            one = torch.ones((), dtype=torch.float32, device=scale.device)
-            return one, torch.zeros((), dtype=torch.float32, device=scale.device)
-        # FP32 division can be imprecise for certain compile options, so torch carries out the
-        # reciprocal in FP64 (not on MPS, which has no FP64).
-        if scale.device != torch.device("mps:0"):
-            inv_scale = scale.double().reciprocal().float()
-        else:
-            inv_scale = scale.reciprocal()
-        found_inf = (~torch.isfinite(inv_scale)).to(torch.float32)
-        return inv_scale, found_inf
+        """``inv_scale`` and a found_inf that flags a scale with no finite reciprocal
+        (``rules.inv_scale_and_guard``)."""
+        assert self._scale is not None
+        return rules.inv_scale_and_guard(self._scale, dynamic=self._mode is ScalerMode.DYNAMIC)
+
+    def _rule(self) -> rules.ScaleRule:
+        return rules.ScaleRule(
+            dynamic=self._mode is ScalerMode.DYNAMIC,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            growth_interval=self._growth_interval,
+            min_scale=self._min_scale,
+            max_scale=self._max_scale,
+            hysteresis=self._hysteresis,
+            consecutive_hysteresis=self._consecutive_hysteresis,
+        )
+
+    def loss_scale_state(self, device: torch.device) -> tuple[rules.ScaleState, rules.ScaleRule]:
+        """The device state and the update rule, for code that applies ``amp_fx.scaler.rules``
+        itself (``compile_step``'s compiled finish). Creates the state on ``device`` if no
+        ``scale()`` has yet; the tensors are the scaler's own, updated in place."""
+        if not self._enabled:
+            raise RuntimeError("amp_fx: loss_scale_state() of a disabled GradScaler")
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        assert self._scale is not None and self._growth_tracker is not None
+        assert self._hysteresis_tracker is not None and self._skipped_steps is not None
+        assert self._last_found_inf is not None
+        state = rules.ScaleState(
+            scale=self._scale,
+            growth_tracker=self._growth_tracker,
+            hysteresis_tracker=self._hysteresis_tracker,
+            skipped_steps=self._skipped_steps,
+            last_found_inf=self._last_found_inf,
+        )
+        return state, self._rule()
 
     # ---------------------------------------------------------------- scale
     @overload
@@ -569,7 +403,7 @@ class GradScaler(torch.amp.GradScaler):
                     per_device_grads[to_unscale.device].append(to_unscale)
 
             for device, grads in per_device_grads.items():
-                _unscale_check_(
+                unscale_check_any_dtype_(
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                 )
 
@@ -643,10 +477,10 @@ class GradScaler(torch.amp.GradScaler):
         **kwargs: Any,
     ) -> Any:
         assert self._scale is not None
-        found_inf = _combine_found_inf(
+        found_inf = rules.combine_found_inf(
             list(optimizer_state["found_inf_per_device"].values()), self._scale.device
         )
-        snapshot = _Snapshot(optimizer)
+        snapshot = Snapshot(optimizer)
         retval = optimizer.step(*args, **kwargs)
         reason = snapshot.needs_host_decision()
         if reason is None and found_inf.device.type != "cpu":
@@ -666,18 +500,20 @@ class GradScaler(torch.amp.GradScaler):
         # The step changed something that cannot be selected on the device, so decide on the
         # host this once. Lazily created state (every optimizer's first step) is expected and
         # logged at debug level; anything else would sync on every step, so say so once.
-        if reason == _STATE_CREATED:
+        if reason == STATE_CREATED:
             logger.debug(
                 "masked step of %s reads found_inf on the host: %s",
                 type(optimizer).__name__,
                 reason,
             )
-        elif id(optimizer) not in self._warned_sync:
-            self._warned_sync.add(id(optimizer))
-            logger.warning(
-                "masked step of %s reads found_inf on the host (a sync): %s",
-                type(optimizer).__name__,
-                reason,
+        else:
+            self._report.did_less(
+                ("masked step host read", id(optimizer)),
+                f"amp_fx.GradScaler(step_mode=StepMode.MASKED): the step of "
+                f"{type(optimizer).__name__} cannot be undone on the device ({reason}), so it reads "
+                "found_inf on the host (a sync) each step. Use a fused=True or capturable=True "
+                "optimizer, or keep its state and hyperparameters as device tensors.",
+                stacklevel=4,
             )
         if found_inf.item():
             snapshot.restore_all()
@@ -747,8 +583,13 @@ class GradScaler(torch.amp.GradScaler):
             scale = self._get_scale_async()
             if scale is None:
                 raise AssertionError("_get_scale_async returned None")
-            found_inf = _combine_found_inf(
-                list(optimizer_state["found_inf_per_device"].values()), scale.device
+            flags = list(optimizer_state["found_inf_per_device"].values())
+            # No gradients, no flags: torch passes found_inf=0 and its update() then raises
+            # "No inf checks were recorded prior to update."; so does ours.
+            found_inf = (
+                rules.combine_found_inf(flags, scale.device)
+                if flags
+                else torch.zeros((), dtype=torch.float32, device=scale.device)
             )
             # Product of the scales if the user already set optimizer.grad_scale (as torch).
             optimizer.grad_scale = (  # type: ignore[attr-defined]
@@ -806,13 +647,15 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        assert self._hysteresis_tracker is not None
+        state, rule = self.loss_scale_state(_scale.device)
         found_infs = [
             found_inf
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
-        found_inf_combined = _combine_found_inf(found_infs, _scale.device) if found_infs else None
+        found_inf_combined = (
+            rules.combine_found_inf(found_infs, _scale.device) if found_infs else None
+        )
 
         if new_scale is not None:
             if self._mode is ScalerMode.CHECK_ONLY:
@@ -836,25 +679,10 @@ class GradScaler(torch.amp.GradScaler):
         else:
             if found_inf_combined is None:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            if self._mode is ScalerMode.DYNAMIC:
-                torch.ops.amp_fx.update_scale_(
-                    _scale,
-                    _growth_tracker,
-                    self._hysteresis_tracker,
-                    found_inf_combined,
-                    self._growth_factor,
-                    self._backoff_factor,
-                    self._growth_interval,
-                    self._min_scale,
-                    self._max_scale,
-                    self._hysteresis,
-                    self._consecutive_hysteresis,
-                )
+            rules.update_scale_(state, rule, found_inf_combined)
 
         if found_inf_combined is not None:
-            assert self._skipped_steps is not None and self._last_found_inf is not None
-            self._last_found_inf.copy_(found_inf_combined)
-            self._skipped_steps.add_((found_inf_combined != 0).to(torch.int64))
+            rules.record_step_(state, found_inf_combined)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters
@@ -1010,6 +838,8 @@ class GradScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["_stepped_optimizers"] = weakref.WeakSet()
+        state.setdefault("_report", Reporter())  # pickled before the reporter existed
+        state.pop("_warned_sync", None)
         self.__dict__.update(state)
 
 

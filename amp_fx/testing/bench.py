@@ -1,0 +1,40 @@
+"""What every benchmark computes and prints: percentiles of its timings, the machine and versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+__all__ = ["machine_lines", "percentile"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 1]: numpy's default method, so ``q=0.5`` is the
+    median (``statistics.median``) that the tables put beside it. Nearest rank, rounded, is not:
+    ``round`` goes to the even rank on ties, so p50 of 4 values would be the 3rd and p90 of 6 the
+    5th, not a point between two samples."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"percentile: q={q} is not in [0, 1]")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def machine_lines() -> list[str]:
+    """Versions, machine and load, printed above every table."""
+    import triton
+
+    return [
+        (f"torch {torch.__version__}, triton {triton.__version__}, "
+         f"python {platform.python_version()}"),
+        (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+         f"load average {os.getloadavg()[0]:.1f} (other processes skew every variant alike)"),
+    ]
+
