@@ -11,6 +11,7 @@ Every test builds one seeded model, deep-copies it before compiling, and runs th
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -258,12 +259,32 @@ def test_inductor_within_excess_precision_tolerance(name: str, dtype: torch.dtyp
         torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=atol, msg=_msg(f"{n}.grad"))
 
 
+@functools.cache
+def _inductor_emulates_precision_casts() -> bool:
+    """Feature test: does emulate_precision_casts change what CPU inductor computes for a fused
+    bf16 pointwise chain? Yes on torch 2.13 and later; 2.11's CPU code generation ignores it."""
+    def chain(x: Tensor) -> Tensor:
+        return nn.functional.gelu(x * 1.7 + 0.3) * x
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    outs = []
+    for emulate in (False, True):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(emulate_precision_casts=emulate):
+            outs.append(torch.compile(chain, backend="inductor")(x))
+    torch._dynamo.reset()
+    return not torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("name", _INDUCTOR_MODELS)
 def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     """With emulate_precision_casts inductor rounds fused intermediates as eager does. Measured
     here: outputs become bitwise, and what is left of the gradient gap is reduction order (bias
     and RMSNorm-weight gradients sum in another order), at most 1 ulp of the low dtype per
     element; every gradient error is far below the default's."""
+    if not _inductor_emulates_precision_casts():
+        pytest.skip(f"torch {torch.__version__}'s CPU inductor ignores emulate_precision_casts "
+                    "(a fused bf16 chain compiles to the same values with it on and off)")
     dtype = torch.bfloat16
     default, expected = _inductor_pair(name, dtype, emulate=False)
     emulated, expected_again = _inductor_pair(name, dtype, emulate=True)
