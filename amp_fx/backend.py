@@ -24,18 +24,19 @@ from tabulate import tabulate
 from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from amp_fx.capture import capture, is_cacheable_leaf, module_path
+from amp_fx._backends import Backend, backend_name, resolve_backend
+from amp_fx._dtype_names import dtype_name
+from amp_fx._report import Reporter
+from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
 from amp_fx.errors import AmpFxError
+from amp_fx.passes import meta
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
-from amp_fx.policy import Policy
+from amp_fx.policy import CastClass, Policy, _module_matches
 
-__all__ = ["AmpBackend", "GraphRecord"]
+__all__ = ["AmpBackend", "GraphRecord", "PIPELINE", "Stage"]
 
 log = logging.getLogger(__name__)
-
-Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
-
 
 @dataclass
 class GraphRecord:
@@ -60,10 +61,8 @@ class GraphRecord:
                    if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
 
     def summary_rows(self) -> list[list[object]]:
-        from amp_fx._probe import short_dtype  # _probe imports this module
-
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
-        return [[self.index, self.device_type, short_dtype(self.dtype), ops,
+        return [[self.index, self.device_type, dtype_name(self.dtype), ops,
                  self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
                  ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
                  self.casts]]
@@ -82,14 +81,17 @@ def summarize(records: Sequence[GraphRecord]) -> str:
     return tabulate(rows, headers=_HEADERS)
 
 
-def _downstream(backend: str | Backend, inductor_config: dict[str, Any]) -> Backend:
+def check_backend(backend: object) -> None:
+    """Raise at ``compile()`` time for a backend torch.compile would only reject at the first call."""
     if callable(backend):
-        return backend
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return functools.partial(compile_fx, config_patches=dict(inductor_config))
-    return torch._dynamo.lookup_backend(backend)
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"amp_fx: backend must be a torch.compile backend name (a str such as "
+                        f"'inductor', 'aot_eager', 'eager') or a callable, got {backend!r} "
+                        f"({type(backend).__name__})")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"amp_fx: unknown backend {backend!r}; torch.compile knows {sorted(known)}")
 
 
 class AmpBackend:
@@ -99,13 +101,22 @@ class AmpBackend:
     """
 
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
-                 fold: bool = True, inductor_config: dict[str, Any] | None = None) -> None:
+                 fold: bool = True, inductor_config: dict[str, Any] | None = None,
+                 root: torch.nn.Module | None = None, reporter: Reporter | None = None) -> None:
         self.dtype = dtype
         self.policy = policy
         self.fold = fold
-        self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
-        self._downstream = _downstream(backend, inductor_config or {})
+        self.backend = backend
+        self.inductor_config = dict(inductor_config or {})
+        self.backend_name = backend_name(backend)
+        self._downstream = resolve_backend(backend, inductor_config=self.inductor_config)
+        self.root = root
+        """The module the user compiled: every module path in the graphs is a name under it."""
+        self.reporter = reporter if reporter is not None else Reporter()
+        """Where this backend's shortfalls go (one per compiled model, shared by its siblings)."""
         self.records: list[GraphRecord] = []
+        self.runs = _RunCount()
+        """How many times a graph of this backend (or a sibling) has run."""
         # id(leaf tensor) -> (weakref to it, Dynamo frame ids whose graphs cast it with the cache)
         self._cached_leaf_frames: dict[int, tuple[weakref.ref[torch.Tensor], set[int]]] = {}
 
@@ -126,30 +137,21 @@ class AmpBackend:
                 fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
             else:
                 fake_args.append(node.meta.get("example_value", real))
-        leaf_flags = [is_cacheable_leaf(r) for r in example_inputs]
-        device_type = graph_device_type(fake_args)
-        timings: dict[str, float] = {}
-
+        work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
+                          device_type=graph_device_type(fake_args),
+                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs])
         index = len(self.records)
-        t0 = time.perf_counter()
-        with fake_mode, _naming_failures("capture", index):
-            captured = capture(gm, fake_args, policy=self.policy, device_type=device_type,
-                               dtype=self.dtype, leaf_flags=leaf_flags)
-        before = _copy_graph_module(captured)
-        t1 = time.perf_counter()
-        with _naming_failures("insert_casts", index):
-            rewritten, inserted = insert_casts(captured, policy=self.policy, device_type=device_type,
-                                               dtype=self.dtype, fake_mode=fake_mode)
-        t2 = time.perf_counter()
-        folded = FoldRecord()
-        if self.fold:
-            with _naming_failures("fold_casts", index):
-                rewritten, folded = fold_casts(rewritten)
-        t3 = time.perf_counter()
-        timings.update(capture=t1 - t0, insert_casts=t2 - t1, fold_casts=t3 - t2)
-        record = GraphRecord(index=index, device_type=device_type, dtype=self.dtype,
-                             dynamo_graph=gm, captured=before, rewritten=rewritten,
-                             inserted=inserted, folded=folded, pass_seconds=timings)
+        timings: dict[str, float] = {}
+        done: list[str] = []
+        for stage in PIPELINE:
+            if not stage.enabled(self):
+                timings[stage.name] = 0.0
+                continue
+            with _running(stage.name, index, done, timings):
+                stage.run(self, work)
+        record = GraphRecord(index=index, device_type=work.device_type, dtype=self.dtype,
+                             dynamo_graph=gm, captured=work.captured, rewritten=work.gm,
+                             inserted=work.inserted, folded=work.folded, pass_seconds=timings)
         log.debug("amp_fx graph %d:\n%s", record.index, record)
         return record
 
@@ -158,22 +160,30 @@ class AmpBackend:
         # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
         # are explicit, so autocast is off while we capture, while the downstream backend traces,
         # and while the compiled graph runs: nothing is cast twice.
+        names = _RootNames(self.root)
+        names.rename_module_stacks(gm)
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
-            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs)
+            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
             compiled = self._downstream(record.rewritten, example_inputs)
+        runs = self.runs
 
         def run_without_autocast(*args: Any) -> Any:
+            runs.count += 1
             with torch._C._DisableAutocast():
-                return compiled(*args)
+                out = compiled(*args)
+            if torch.is_grad_enabled():
+                _refuse_double_backward(out)
+            return out
 
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run_without_autocast
 
 
     def _warn_on_leaf_casts_split_by_graph_breaks(
-        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+        names: _RootNames,
     ) -> None:
         """Warn once per weight whose uses a graph break splits (see README, Known differences).
 
@@ -187,7 +197,7 @@ class AmpBackend:
         theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         position = {n: i for i, n in enumerate(ours)}
         for node in record.rewritten.graph.nodes:
-            if not node.meta.get("amp_fx_cached") or node.args[0] not in position:
+            if not node.meta.get(meta.CACHED) or node.args[0] not in position:
                 continue
             i = position[node.args[0]]
             tensor = example_inputs[i]
@@ -198,30 +208,258 @@ class AmpBackend:
             seen = len(frames)
             frames.add(frame)
             if seen == 1 and len(frames) == 2:
-                source = getattr(theirs[i], "_dynamo_source", None)
-                text = getattr(source, "name", None)
-                text = text() if callable(text) else text
-                name = ".".join(p for p in module_path(text).split(".")
-                                if p not in ("_parameters", "_buffers")) if text else theirs[i].name
+                name = names.tensor_name(tensor) or _source_name(theirs[i])
                 log.warning(
                     "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
                     "itself, so its gradient contributions add up in fp32 where eager autocast adds "
                     "them in %s (more accurate, not bitwise)", name,
-                    str(self.dtype).replace("torch.", ""), str(self.dtype).replace("torch.", ""))
+                    dtype_name(self.dtype), dtype_name(self.dtype))
+
+
+    # --- what was asked against what was done ------------------------------------------------
+
+    def report_unused_policy(self) -> None:
+        """Report each policy entry that decided no op of the graphs captured so far.
+
+        A ``keep_fp32`` entry matches an op inside a module it selects; an ``op_classes`` entry
+        matches an op it names. Called after a compiled model's first call.
+        """
+        nodes = [n for r in self.records for n in r.captured.graph.nodes if n.op == "call_function"]
+        stacks = {module_stack(n) for n in nodes}
+        ops = {n.target.name() for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
+        for sel in self.policy.keep_fp32:
+            if any(_module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+                continue
+            label = repr(sel) if isinstance(sel, str) else sel.__name__
+            self.reporter.did_less(("keep_fp32", label), (
+                f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
+                f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
+                f"for it. Name a module that runs ops (names are under the module passed to "
+                f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
+        for label, op_names, cls in self.policy.op_entries:
+            if ops.intersection(op_names) or _unobservable(op_names, cls):
+                continue
+            self.reporter.did_less(("op_classes", label), (
+                f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
+                f"op in the graphs captured on the first call (the model does not call "
+                f"{', '.join(op_names)}), so it changed nothing. Check the op name and overload "
+                f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+    def report_no_graph(self, target: object) -> None:
+        """Report a call of a compiled model or function that captured and ran no graph."""
+        what = type(target).__name__ if isinstance(target, torch.nn.Module) else \
+            getattr(target, "__qualname__", repr(target))
+        fix = _wrapper_fix(target) or (
+            "Dynamo skipped or gave up on every frame of the call (TORCH_LOGS=graph_breaks,"
+            "recompiles says why); compile the module that does the work, or run it under "
+            "torch.autocast if it cannot be compiled.")
+        self.reporter.did_less(("no_graph",), (
+            f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
+            f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
+
+
+class _RunCount:
+    """A counter shared by a backend and its siblings (a copy shares the object)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _wrapper_fix(target: object) -> str | None:
+    """What to do instead when ``target`` is a distributed wrapper Dynamo does not compile through."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if isinstance(target, DistributedDataParallel):
+        return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
+                "the model inside it instead: DDP(amp_fx.compile(model)).")
+    fsdp_types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        fsdp_types = [FSDPModule, FullyShardedDataParallel]
+    except ImportError:  # pragma: no cover
+        pass
+    if fsdp_types and isinstance(target, tuple(fsdp_types)):
+        return (f"Dynamo captures nothing through this FSDP-sharded {type(target).__name__}; it "
+                "trains as eager FSDP under autocast. Compile the unsharded model's layers with "
+                "amp_fx.compile before sharding them, or run the model under torch.autocast.")
+    return None
+
+
+def _unobservable(op_names: Sequence[str], cls: CastClass) -> bool:
+    """An entry that moves composite ops to NONE lets them decompose: the op itself never appears."""
+    registered = _composite_ops()
+    return cls is CastClass.NONE and all(n in registered for n in op_names)
+
+
+@functools.cache
+def _composite_ops() -> frozenset[str]:
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+
+
+_DOUBLE_BACKWARD = ("amp_fx: a backward with create_graph=True (double backward, as in a gradient "
+                    "penalty) reached a graph compiled through AOTAutograd (backend='aot_eager' or "
+                    "'inductor'), which cannot differentiate its own backward. Compile this model "
+                    "with amp_fx.compile(..., backend='eager'): its casts stay explicit, it supports "
+                    "double backward and is bitwise with eager autocast (GradScaler included).")
+
+
+def _refuse_double_backward(out: Any) -> None:
+    """Hook the outputs of an AOTAutograd graph so that a create_graph backward raises amp_fx's
+    error at once, instead of torch's at the second backward."""
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+            continue
+        node = t.grad_fn
+        if "CompiledFunction" not in type(node).__name__:
+            parents = [f for f, _ in node.next_functions if f is not None]
+            if not any("CompiledFunction" in type(f).__name__ for f in parents):
+                continue
+        t.register_hook(_raise_if_creating_graph)
+
+
+def _raise_if_creating_graph(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():
+        raise AmpFxError(_DOUBLE_BACKWARD)
+
+
+class _RootNames:
+    """Names under the compiled root module for the objects a Dynamo frame reaches.
+
+    Dynamo names modules and parameters by the expression that reaches them from the frame it
+    compiles (``L['self'].head``). That frame is not always the root's: after a graph break inside
+    a submodule, Dynamo compiles the submodule's forward as a frame of its own, whose ``self`` is
+    the submodule. The expression is evaluated against the frame's real locals, and the object it
+    reaches is named by identity, as the root's ``named_modules()``/``named_parameters()`` name it.
+    """
+
+    def __init__(self, root: torch.nn.Module | None) -> None:
+        self.root = root
+        self.scope: dict[str, Any] | None = None
+        if root is None:
+            return
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+
+            tx = InstructionTranslator.current_tx()
+            self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
+                          "getattr": getattr}
+        except Exception:  # not called from Dynamo (a test calling the backend directly)
+            self.scope = None
+        self._modules = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
+                                              *root.named_buffers(remove_duplicate=False))}
+        self._cache: dict[str, str | None] = {}
+
+    def _resolve(self, source: str, table: dict[int, str]) -> str | None:
+        if self.scope is None:
+            return None
+        if source not in self._cache:
+            try:
+                obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
+            except Exception:
+                obj = None
+            self._cache[source] = table.get(id(obj)) if obj is not None else None
+        return self._cache[source]
+
+    def rename_module_stacks(self, gm: torch.fx.GraphModule) -> None:
+        """Rewrite each node's ``nn_module_stack`` sources to names under the root, where found."""
+        if self.scope is None:
+            return
+        for node in gm.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if not stack:
+                continue
+            renamed = {}
+            for key, value in stack.items():
+                name = self._resolve(value[0], self._modules) if isinstance(value[0], str) else None
+                renamed[key] = (name, *value[1:]) if name is not None else value
+            node.meta["nn_module_stack"] = renamed
+
+    def tensor_name(self, tensor: object) -> str | None:
+        return self._tensors.get(id(tensor)) if self.root is not None else None
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    source = getattr(node, "_dynamo_source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else text
+    if not text:
+        return node.name
+    return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
+
+
+# --- the pipeline -------------------------------------------------------------------------------
+
+
+@dataclass
+class _GraphWork:
+    """What flows through the pipeline for one Dynamo graph; each stage fills in its part."""
+
+    gm: torch.fx.GraphModule
+    """Dynamo's graph; after capture the ATen graph, which the passes rewrite in place."""
+    fake_args: list[Any]
+    fake_mode: FakeTensorMode
+    device_type: str
+    leaf_flags: list[bool]
+    captured: torch.fx.GraphModule | None = None
+    """A copy of the ATen graph before the passes (for inspection)."""
+    inserted: InsertRecord = field(default_factory=InsertRecord)
+    folded: FoldRecord = field(default_factory=FoldRecord)
+
+
+def _capture(backend: AmpBackend, work: _GraphWork) -> None:
+    with work.fake_mode:
+        work.gm = capture(work.gm, work.fake_args, policy=backend.policy,
+                          device_type=work.device_type, dtype=backend.dtype,
+                          leaf_flags=work.leaf_flags)
+    work.captured = _copy_graph_module(work.gm)
+
+
+def _insert_casts(backend: AmpBackend, work: _GraphWork) -> None:
+    work.gm, work.inserted = insert_casts(work.gm, policy=backend.policy,
+                                          device_type=work.device_type, dtype=backend.dtype,
+                                          fake_mode=work.fake_mode)
+
+
+def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
+    work.gm, work.folded = fold_casts(work.gm)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: its name (in timings, logs and errors) and what it runs."""
+
+    name: str
+    run: Callable[[AmpBackend, _GraphWork], None]
+    enabled: Callable[[AmpBackend], bool] = lambda backend: True
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("capture", _capture),
+    Stage("insert_casts", _insert_casts),
+    Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
+)
+"""What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
 
 
 @contextlib.contextmanager
-def _naming_failures(stage: str, index: int) -> Iterator[None]:
-    """Name the stage (and the passes before it) when one fails with an unexpected error."""
-    stages = ["capture", "insert_casts", "fold_casts"]
+def _running(stage: str, index: int, done: list[str], timings: dict[str, float]) -> Iterator[None]:
+    """Time and log one stage; name it (and the stages run before it) when it fails unexpectedly."""
+    t0 = time.perf_counter()
     try:
         yield
     except AmpFxError:
         raise
     except Exception as e:
-        done = ", ".join(stages[: stages.index(stage)]) or "none"
-        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {done}): "
+        before = ", ".join(done) or "none"
+        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {before}): "
                          f"{type(e).__name__}: {e}") from e
+    timings[stage] = time.perf_counter() - t0
+    done.append(stage)
+    log.debug("amp_fx graph %d: %s took %.1f ms", index, stage, 1e3 * timings[stage])
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

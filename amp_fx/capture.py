@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from amp_fx._compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name
+from amp_fx.passes import meta
+from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name, banned_message
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,11 @@ def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
     return decomp
 
 
-def _refuse_banned(op: torch._ops.OpOverload) -> Callable[..., Any]:
+def _refuse_banned(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
+    message = banned_message(op.name(), policy, device_type)
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AmpFxError(
-            f"amp_fx: {op.name()} is unsafe to autocast (banned by the policy, as in eager "
-            "autocast): torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
-            "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
-            "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+        raise AmpFxError(message)
 
     return refuse
 
@@ -121,7 +120,7 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
             table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
     for name, cls in claimed.items():
         if cls is CastClass.BANNED:
-            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name))
+            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name), policy, device_type)
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue
@@ -155,6 +154,12 @@ def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Ten
     return input * noise
 
 
+# Private in torch; present in 2.13 (proxy_tensor.py). Without it, Functions that change the
+# autocast state themselves would be recorded with autocast's dtypes (see _record_opaque).
+_without_pre_dispatch_function_mode = getattr(
+    torch.fx.experimental.proxy_tensor, "_temp_remove_pre_dispatch_torch_function_mode",
+    contextlib.nullcontext)
+
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
 
 
@@ -176,7 +181,12 @@ def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     """Record ``fn(*args, **kwargs)`` as one node of the graph being traced, without tracing into
     it; its example outputs are computed with tracing off."""
     tracer = get_proxy_mode().tracer
-    with disable_proxy_modes_tracing():
+    # Pre-dispatch tracing also intercepts torch.autocast's enter/exit at the torch-function
+    # level (recording them instead of running them); the body of a custom Function decorated
+    # with custom_fwd(cast_inputs=...) opens torch.autocast(enabled=False), so with that mode
+    # left on, its ops would be computed under autocast and its output recorded in the low
+    # dtype while it is fp32 at run time.
+    with disable_proxy_modes_tracing(), _without_pre_dispatch_function_mode():
         example_out = fn(*args, **kwargs)
     for a in args:
         if isinstance(a, torch.nn.Module):
@@ -279,10 +289,10 @@ def capture(
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            node.meta["amp_fx_autocast_dtype"] = val.dtype
+            node.meta[meta.AUTOCAST_DTYPE] = val.dtype
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, is_leaf in zip(placeholders, leaf_flags, strict=True):
-        node.meta["amp_fx_leaf"] = is_leaf
+        node.meta[meta.LEAF] = is_leaf
     return gm
 
 

@@ -109,11 +109,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _keep_fp32_hint(report: Any, args: argparse.Namespace) -> str:
+    """The suggested fix as this command's flags (keep_fp32 names; op classes have no flag)."""
+    fix = report.suggested_policy
+    if fix is None:
+        return ""
+    names = [k for k in fix.keep_fp32 if isinstance(k, str)]
+    lines = []
+    if names and not fix.op_classes:
+        flags = " ".join(f"--keep-fp32 {n}" for n in names)
+        lines.append(f"hint: check the fix with: amp-fx find-nonfinite {args.target} "
+                     f"--dtype {args.dtype} {flags}")
+    if fix.op_classes:
+        lines.append("hint: the fix moves ops to fp32 (op_classes), which has no command-line flag: "
+                     "pass policy=... to amp_fx.find_nonfinite in Python")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import amp_fx
-    from amp_fx._graphviz import GraphvizNotFound
-    from amp_fx._probe import AmpRunError, EagerError
+    from amp_fx.errors import AmpRunError, EagerError, GraphvizNotFound
 
     try:
         model, inputs = load_target(args.target)
@@ -139,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,
                                        backward=not args.no_backward, loss_scale=args.loss_scale)
         print(report)
+        hint = _keep_fp32_hint(report, args)
+        if hint:
+            print(hint)
         return 1 if report.found else 0
     except EagerError as e:
         cause = e.__cause__

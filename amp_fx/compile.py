@@ -12,7 +12,11 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
-from amp_fx.backend import AmpBackend, Backend, GraphRecord, summarize
+from amp_fx._devices import autocast_device_type, check_supported
+from amp_fx._dist.capture import distributed_units, unit_call
+from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
+from amp_fx._report import Reporter
+from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
 from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
@@ -23,13 +27,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _module_device_type(module: torch.nn.Module) -> str:
-    """The device type of the module's first parameter (or buffer); cpu if it has none.
+    """The autocast device of the module's first parameter (or buffer); cpu if it has none.
 
     Only the first: walking every submodule on each call costs more than the call itself for
     small models, and a module split across cpu and cuda is not something autocast handles.
     """
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return "cuda" if first is not None and first.is_cuda else "cpu"
+    return autocast_device_type([first] if first is not None else [])
 
 
 def _amp_call(target: Callable[..., Any], backend: AmpBackend,
@@ -42,39 +46,69 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
     own fake propagation sees autocast's dtypes, so Python code that reads ``x.dtype`` (e.g.
     ``h.to(x.dtype)`` in an RMSNorm) is specialised to the dtype the tensor has at run time.
 
+    Dynamo compiles a code object of this target's own (see :mod:`amp_fx._fresh_code`), so its
+    cache entries are this target's alone and the 9th compiled model compiles like the first.
+
     Whether a tensor argument is a leaf that requires grad decides whether its cast is shared
     (eager autocast's cast cache), and Dynamo does not guard on leafness: each pattern of leaf
     arguments gets its own compiled callable, with a backend that shares the records.
     amp_fx's own errors are re-raised unwrapped from Dynamo's BackendCompilerFailed.
+
+    After each call, what was done is checked against what was asked (through the backend's
+    reporter): a call that ran no graph is reported, and after the first call that captured
+    graphs, each policy entry that matched no op.
     """
-    compiled_by_leaves: dict[tuple[bool, ...], Callable[..., Any]] = {}
+    compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
+    own_call = fresh_callable(target)
+    # A module is compiled from a copy of its own forward where calling it is calling forward
+    # (no hooks): Dynamo's names are then those of torch.compile(module) (L['x'], not L['args'][0]).
+    own_forward = fresh_forward(target) if isinstance(target, torch.nn.Module) else None
+    policy_checked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal policy_checked
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        leaves = tuple(is_cacheable_leaf(t) for t in tensors)
-        if any(t.is_cuda for t in tensors):
-            device_type = "cuda"
-        elif isinstance(target, torch.nn.Module):
-            device_type = _module_device_type(target)
-        else:
-            device_type = "cpu"
+        direct = own_forward is not None and calls_forward_only(target)
+        leaves = (direct, *(is_cacheable_leaf(t) for t in tensors))
+        device_type = autocast_device_type(tensors, default="")
+        if device_type in ("", "cpu") and isinstance(target, torch.nn.Module):
+            device_type = _module_device_type(target)  # a cuda model called with cpu inputs
+        device_type = device_type or "cpu"
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
-            compiled = compiled_by_leaves[leaves] = torch.compile(target, backend=sibling,
-                                                                  **compile_kwargs)
+            compiled = compiled_by_leaves[leaves] = torch.compile(
+                own_forward if direct else own_call, backend=sibling, **compile_kwargs)
+        runs = backend.runs.count
         try:
             with torch.autocast(device_type, dtype=backend.dtype):
-                return compiled(*args, **kwargs)
+                out = compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from None
             raise
+        if torch.compiler.is_compiling():
+            return out  # traced by an enclosing torch.compile: nothing ran yet
+        if backend.runs.count == runs:
+            if _computed_floats(out, tensors):
+                backend.report_no_graph(target)
+        elif not policy_checked:
+            policy_checked = True
+            backend.report_unused_policy()
+        return out
 
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
     return call
+
+
+def _computed_floats(out: Any, inputs: list[torch.Tensor]) -> bool:
+    """Whether a call returned a floating-point tensor it computed (not one of its inputs): a
+    call that returns its input or only integers had nothing for amp_fx to compile."""
+    given = {id(t) for t in inputs}
+    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in given
+               for t in tree_flatten(out)[0])
 
 
 class AmpCompiledModule(torch.nn.Module):
@@ -92,8 +126,25 @@ class AmpCompiledModule(torch.nn.Module):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
-        self.__dict__["_amp_fx_forward"] = _amp_call(module, backend, compile_kwargs)
+        self.__dict__["_amp_fx_compile_kwargs"] = dict(compile_kwargs)
+        units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
+        self.__dict__["_amp_fx_forward"] = (
+            _amp_call(module, backend, compile_kwargs) if units is None
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype,
+                           backend.policy))
         self.training = module.training
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
+        # The compiled callables do not copy or pickle: a copy is the original module (copied
+        # by deepcopy, pickled by pickle/torch.save) compiled again with the same options, with
+        # no records until it first runs. Its state is independent of this module's.
+        backend = self._amp_fx_backend
+        options = {"dtype": backend.dtype, "policy": backend.policy, "backend": backend.backend,
+                   "fold": backend.fold, "strict": backend.reporter.strict,
+                   **self._amp_fx_compile_kwargs}
+        if backend.inductor_config:
+            options["options"] = dict(backend.inductor_config)
+        return (_recompile, (self._amp_fx_original, options, self.training))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._amp_fx_forward(*args, **kwargs)
@@ -139,6 +190,23 @@ def _check_keep_fp32(policy: Policy, model: object) -> None:
                              f"{type(model).__name__} does not have{hint}")
 
 
+def _recompile(module: torch.nn.Module, options: dict[str, Any], training: bool) -> AmpCompiledModule:
+    compiled = compile(module, **options)
+    compiled.train(training)
+    return compiled
+
+
+def _unwrap_compiled(model: object) -> object:
+    """The module under an ``amp_fx.compile`` or ``torch.compile`` wrapper (names are its names)."""
+    while True:
+        if isinstance(model, AmpCompiledModule):
+            model = model.original_module
+        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def compile(
     model_or_fn: F,
     *,
@@ -146,6 +214,7 @@ def compile(
     policy: Policy | None = None,
     backend: str | Backend = "inductor",
     fold: bool = True,
+    strict: bool | None = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -158,11 +227,16 @@ def compile(
         backend: any torch.compile backend ("inductor", "aot_eager", "eager", or a callable);
             amp_fx rewrites each captured graph, then hands it on.
         fold: run the value-preserving cast-folding pass.
+        strict: raise :class:`AmpFxError` where amp_fx would warn that it did less than asked
+            (a call that ran no graph, a policy entry that matched no op). ``None`` reads the
+            ``AMP_FX_STRICT`` environment variable when ``compile`` is called.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
     Returns:
         For a module, an :class:`AmpCompiledModule` sharing the module's parameters, buffers and
-        state_dict keys; for a function, the compiled function.
+        state_dict keys; for a function, the compiled function. A module already wrapped by
+        ``amp_fx.compile`` or ``torch.compile`` is unwrapped first: the module under it is
+        compiled with these options, and module names are its names.
 
     Example:
         >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="bf16", backend="aot_eager")
@@ -173,13 +247,17 @@ def compile(
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
         raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(policy).__name__}")
+    reporter = Reporter(strict)
+    check_backend(backend)
     inductor_config = _inductor_config(backend, torch_compile_kwargs)
     if not callable(model_or_fn):
         raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
                         f"{type(model_or_fn).__name__}")
+    model_or_fn = _unwrap_compiled(model_or_fn)  # type: ignore[assignment]
     _check_keep_fp32(policy, model_or_fn)
+    root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
-                             inductor_config=inductor_config)
+                             inductor_config=inductor_config, root=root, reporter=reporter)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
@@ -200,9 +278,7 @@ def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _check_devices(module: torch.nn.Module) -> None:
     for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"amp_fx: {name} is on device {t.device}, which amp_fx has no autocast "
-                             "policy for; supported device types are 'cpu' and 'cuda'")
+        check_supported(t.device.type, name)
 
 
 def records(compiled: object) -> list[GraphRecord]:

@@ -262,18 +262,26 @@ class Policy:
     op_classes: Mapping[OpLike, CastClass] = field(default_factory=dict)
     keep_fp32: Sequence[ModuleSelector] = ()
     cast_cache: bool = True
+    op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(
+        init=False, repr=False, compare=False)
+    """The entries of ``op_classes`` as given: (label, overload names, class), in order. Labels
+    name the entry in messages ("aten.linear" for the user's "aten.linear")."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.op_classes, Mapping):
             raise TypeError(f"amp_fx: Policy.op_classes must be a mapping, got {self.op_classes!r}")
         resolved: dict[str, CastClass] = {}
+        entries = []
         for op, cls in self.op_classes.items():
             if not isinstance(cls, CastClass):
                 raise TypeError(f"amp_fx: Policy.op_classes[{op!r}] must be a CastClass, got {cls!r}")
-            for name in _normalize_op(op):
+            names = _normalize_op(op)
+            for name in names:
                 _check_class_fits(name, cls)
                 resolved[name] = cls
+            entries.append((_op_label(op), names, cls))
         object.__setattr__(self, "op_classes", MappingProxyType(dict(sorted(resolved.items()))))
+        object.__setattr__(self, "op_entries", tuple(entries))
         if isinstance(self.keep_fp32, (str, type)):
             object.__setattr__(self, "keep_fp32", (self.keep_fp32,))
         keep = tuple(self.keep_fp32)
@@ -287,6 +295,19 @@ class Policy:
 
     def __hash__(self) -> int:
         return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache))
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # The read-only mappings do not pickle; the entries as given rebuild an equal policy
+        # (copy.deepcopy, pickle and torch.save all go through here).
+        return (Policy, ({label: cls for label, _, cls in self.op_entries}, self.keep_fp32,
+                         self.cast_cache))
+
+    def entry_for(self, op_name: str) -> str | None:
+        """The label of the ``op_classes`` entry that decides ``op_name`` ("aten::linear"), if any."""
+        for label, names, _ in reversed(self.op_entries):
+            if op_name in names:
+                return label
+        return None
 
     def table(self, device_type: str) -> Mapping[str, CastClass]:
         """The effective op table for a device type: torch's defaults with this policy applied."""
@@ -315,6 +336,34 @@ class Policy:
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
+
+
+def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
+    """Why amp_fx refuses ``op_name`` ("aten::linear"): the user's policy entry, or torch's table."""
+    short = op_name.replace("::", ".")
+    bce = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+           "use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss.")
+    label = policy.entry_for(op_name)
+    if label is not None and policy.op_classes.get(op_name) is CastClass.BANNED:
+        return (f"amp_fx: {short} is banned by your policy: the entry "
+                f"Policy(op_classes={{{label!r}: CastClass.BANNED}}) makes amp_fx refuse every call "
+                f"of it. Drop the entry or give it another CastClass to run the op."
+                + (f" ({bce})" if op_name == "aten::binary_cross_entropy" else ""))
+    if op_name == "aten::binary_cross_entropy":
+        advice = f"{bce} Or move the op with Policy(op_classes=...)."
+    else:
+        advice = "Move the op to another class with Policy(op_classes=...) if it is safe."
+    return (f"amp_fx: {short} is unsafe to autocast on {device_type} (banned by eager autocast's "
+            f"{device_type} table, and so by amp_fx): {advice}")
+
+
+def _op_label(op: OpLike) -> str:
+    """The user's spelling of an op entry, one that :func:`_normalize_op` maps back to it."""
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    return op
 
 
 def _label(cls: CastClass) -> str:

@@ -83,3 +83,98 @@ def seeded(cls: type[nn.Module], *shape: int) -> tuple[nn.Module, Tensor]:
     torch.manual_seed(0)
     model = cls()
     return model, torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+class KeywordLM(nn.Module):
+    """A stand-in for a Hugging Face model: called as ``model(input_ids=..., labels=...)``,
+    returns a dict with ``logits`` and, given labels, ``loss``."""
+
+    def __init__(self, vocab: int = 11, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None) -> dict[str, Tensor]:
+        h = self.norm(self.fc(self.embed(input_ids)))
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
+        out = {"logits": self.head(h)}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(out["logits"].flatten(0, 1).float(), labels.flatten())
+        return out
+
+
+def keyword_batch(vocab: int = 11) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 5), generator=gen)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    return {"input_ids": ids, "attention_mask": mask,
+            "labels": torch.randint(0, vocab, (2, 5), generator=gen)}
+
+
+class AutocastMask(nn.Module):
+    """Like HF T5's attention: the mask is made with ``dtype=q.dtype`` while autocast is on, so
+    the captured graph holds a bf16/fp16 mask that no longer matches q when run without autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        n = x.shape[1]
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        mask = torch.zeros(n, n, dtype=q.dtype).masked_fill(future, torch.finfo(q.dtype).min)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def chain_overflow() -> nn.Sequential:
+    """``0``'s fp16 output overflows; kept in fp32, its output (~1e5) overflows the fp16 cast of
+    ``1``'s input; the LayerNorm ``2`` brings values back to ~1. Keeping both fixes it."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    with torch.no_grad():
+        seq[0].weight.mul_(1e5)
+    return seq
+
+
+class NestedOverflow(nn.Module):
+    """``chain_overflow``'s two layers inside one submodule, ``block``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        seq = chain_overflow()
+        self.block = seq[:2]
+        self.norm = seq[2]
+        self.head = seq[3]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.block(x)))
+
+
+class BreakInside(nn.Module):
+    """A graph break inside a submodule: Dynamo compiles ``model.forward`` as its own frame, where
+    ``self`` is ``model`` (issue 8's Wrapper/Inner)."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.head(torch.relu(self.a(x)))
+            torch._dynamo.graph_break()
+            return h
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = self.Inner()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)

@@ -13,27 +13,28 @@ import amp_fx
 from amp_fx.capture import module_path
 
 
-def _train_step_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype):
-    """One forward+backward of eager autocast and of amp_fx (aot_eager) on copies of ``model``,
-    from the same RNG state; asserts outputs and every gradient bitwise equal; returns the
-    compiled module."""
+def _train_step_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype,
+                              backend: str = "aot_eager", tol: float = 0.0):
+    """One forward+backward of eager autocast and of amp_fx on copies of ``model``, from the same
+    RNG state; asserts outputs and every gradient equal (bitwise unless ``tol``, a relative and
+    absolute tolerance, is given); returns the compiled module."""
     eager, ours = copy.deepcopy(model), copy.deepcopy(model)
     torch.manual_seed(1)
     with torch.autocast("cpu", dtype):
         ref = eager(x)
     ref.float().sum().backward()
-    compiled = amp_fx.compile(ours, dtype=dtype, backend="aot_eager")
+    compiled = amp_fx.compile(ours, dtype=dtype, backend=backend)
     torch.manual_seed(1)
     out = compiled(x)
     out.float().sum().backward()
     assert out.dtype == ref.dtype
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
         if q.grad is None:
             assert p.grad is None, name
         else:
             assert p.grad is not None, name
-            torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
+            torch.testing.assert_close(p.grad, q.grad, atol=tol, rtol=tol, msg=name)
     return compiled
 
 
@@ -108,6 +109,99 @@ def test_custom_autograd_function_keeps_its_backward_and_is_bitwise(dtype):
     # backward: gradients of everything before it would silently be None.
     torch.manual_seed(0)
     _train_step_against_eager(WithFunction(), torch.randn(4, 8), dtype)
+
+
+class _Fp32MatmulCastInputs(torch.autograd.Function):
+    """custom_fwd(cast_inputs=float32): eager casts the inputs to fp32 and turns autocast off for
+    the forward, so mm runs in fp32 and the Function returns fp32 under autocast."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return torch.mm(grad, w.t()), torch.mm(x.t(), grad)
+
+
+class _MatmulCustomFwd(torch.autograd.Function):
+    """custom_fwd without cast_inputs: the forward runs under the caller's autocast (mm in the low
+    dtype), and custom_bwd runs the backward under the same autocast state."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return torch.mm(grad, w.t().to(grad.dtype)).to(x.dtype), torch.mm(x.t().to(grad.dtype), grad)
+
+
+class _Fp32MatmulAutocastOff(torch.autograd.Function):
+    """A forward that opens torch.autocast(enabled=False) itself and computes in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.autocast("cpu", enabled=False):
+            return torch.mm(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        gx = torch.mm(grad.float(), w.float().t()).to(x.dtype)
+        return gx, torch.mm(x.float().t(), grad.float()).to(w.dtype)
+
+
+_FUNCTIONS = {"custom_fwd_cast_inputs": _Fp32MatmulCastInputs, "custom_fwd": _MatmulCustomFwd,
+              "autocast_off_in_forward": _Fp32MatmulAutocastOff}
+
+
+class WithAutocastFunction(nn.Module):
+    """An autocast op before and after the Function: the linear after it must be cast as eager
+    casts it, which needs the dtype the Function really returns (fp32 for two of the three)."""
+
+    def __init__(self, fn: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.a = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.fn.apply(self.a(x), self.w).relu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("fn", sorted(_FUNCTIONS))
+def test_function_changing_autocast_state_is_bitwise(fn, dtype):
+    torch.manual_seed(0)
+    compiled = _train_step_against_eager(WithAutocastFunction(_FUNCTIONS[fn]), torch.randn(4, 8), dtype)
+    hop = next(n for r in compiled.amp_fx_records for n in r.captured.graph.nodes
+               if n.op == "call_function" and n.target.__name__ == "autocast_hop")
+    returned = hop.meta["val"][0].dtype
+    assert returned == (dtype if fn == "custom_fwd" else torch.float32)
+
+
+# Inductor fuses the fp32 ops around the Function (relu, the bias add) with the rounding to
+# bf16/fp16 and keeps them in fp32 (excess precision), so values differ by up to a few ulps of
+# the low dtype: bf16's eps is 2**-7, fp16's 2**-10; 4 eps relative covers a sum of 8 products.
+_INDUCTOR_TOL = {torch.bfloat16: 4 * 2.0**-7, torch.float16: 4 * 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_function_with_cast_inputs_under_inductor(dtype):
+    torch.manual_seed(0)
+    _train_step_against_eager(WithAutocastFunction(_Fp32MatmulCastInputs), torch.randn(4, 8), dtype,
+                              backend="inductor", tol=_INDUCTOR_TOL[dtype])
 
 
 class WithCond(nn.Module):

@@ -38,6 +38,7 @@ def test_find_nonfinite(capsys):
     assert main(["find-nonfinite", f"{EXAMPLE}:build_overflowing"]) == 1
     out = capsys.readouterr().out
     assert "module `up`" in out and 'Policy(keep_fp32=("up",))' in out
+    assert f"amp-fx find-nonfinite {EXAMPLE}:build_overflowing --dtype fp16 --keep-fp32 up" in out
     assert main(["find-nonfinite", f"{EXAMPLE}:build"]) == 0
 
 

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import amp_fx
-from amp_fx._probe import AmpRunError, module_of
+from amp_fx import AmpRunError
+from amp_fx.inspect._probe import module_of
 from amp_fx.passes import fold_casts as fold_module
 from amp_fx.testing.zoo import ZOO
-from tests._inspect_models import BNNet, TwoLayer, seeded
+from tests._inspect_models import (
+    AutocastMask,
+    BNNet,
+    BreakInside,
+    KeywordLM,
+    Overflowing,
+    TwoLayer,
+    keyword_batch,
+    seeded,
+)
 
 # graph_break: its gradient difference is asserted in its own test below; lstm on a CPU without
 # fp16 LSTM kernels: eager autocast itself fails (see test_eager_autocast_failure_is_explained)
@@ -151,3 +163,101 @@ def test_eager_autocast_failure_is_explained():
             amp_fx.compare(model, *inputs, dtype="fp16")
     else:
         pytest.skip("this CPU has fp16 LSTM kernels: eager autocast runs")
+
+
+def _loss_of(out):
+    return out["loss"]
+
+
+@pytest.mark.parametrize("split", ["keywords", "positional_and_keywords"])
+def test_keyword_call_form(split):
+    """compare takes the model's own call form: model(input_ids=..., labels=...) as HF models."""
+    torch.manual_seed(0)
+    model, batch = KeywordLM(), keyword_batch()
+    if split == "keywords":
+        args, kwargs = (), batch
+    else:
+        args, kwargs = (batch["input_ids"],), {k: v for k, v in batch.items() if k != "input_ids"}
+    report = amp_fx.compare(model, *args, dtype="bf16", loss_fn=_loss_of, **kwargs)
+    assert report.exact and report.ok, str(report)
+    assert sorted(v.name for v in report.outputs) == ["output['logits']", "output['loss']"]
+    # the parameters that get a gradient, found here by a plain eager backward with the same call
+    model(*args, **kwargs)["loss"].backward()
+    assert [g.name for g in report.grads] == [n for n, p in model.named_parameters()
+                                              if p.grad is not None]
+    # the keyword input is used: without the mask the logits differ (a planted, checked effect)
+    unmasked = amp_fx.compare(model, batch["input_ids"], dtype="bf16", grads=False)
+    assert unmasked.ops != report.ops
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_graph_constant_with_autocast_dtype_is_reported_not_raised(dtype):
+    """HF T5's case: the op-by-op reference (the captured graph without autocast) cannot run, since
+    a mask's dtype was read under autocast; compare still compares amp_fx with eager autocast."""
+    model, x = seeded(AutocastMask, 2, 4, 8)
+    lower = torch.bfloat16 if dtype == "bf16" else torch.float16
+    with torch.autocast("cpu", dtype=lower):
+        model(x)  # eager autocast runs it
+    report = amp_fx.compare(model, x, dtype=dtype)
+    assert report.exact and report.ok, str(report)
+    assert any("graph 0 has no op-by-op reference" in n and "attn_mask" in n for n in report.notes)
+    sdpa = next(o for o in report.ops if o.op == "aten.scaled_dot_product_attention")
+    assert sdpa.agree and math.isnan(sdpa.error_vs_reference.abs)
+    # the end-to-end reference runs the model itself in float64
+    assert all(v.error_vs_reference is not None for v in (*report.outputs, *report.grads))
+
+
+def test_agreeing_on_nonfinite_values_is_flagged():
+    """Both sides overflow alike (agreement is right) but the verdict line says so."""
+    model, x = seeded(Overflowing, 3, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        eager = model(x)  # the planted overflow, checked here: eager autocast gives NaN too
+    assert torch.isnan(eager).any()
+    report = amp_fx.compare(model, x, dtype="fp16")
+    assert report.ok
+    verdict = str(report).splitlines()[0]
+    assert verdict.startswith("OK: ") and "NOT FINITE: output holds " in verdict
+    assert "(amp_fx and eager)" in verdict and "amp_fx.find_nonfinite" in verdict
+    assert any(t.startswith("gradient of up.weight holds") for t in report.nonfinite)
+    # negative twin: a healthy model is not flagged
+    healthy, y = seeded(TwoLayer, 3, 4)
+    clean = amp_fx.compare(healthy, y, dtype="fp16")
+    assert clean.ok and not clean.nonfinite and "NOT FINITE" not in str(clean)
+
+
+def test_verdict_counts_are_pluralised():
+    torch.manual_seed(0)
+    report = amp_fx.compare(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
+    assert report.verdict() == ("OK: amp_fx agrees with eager torch.autocast (bf16) on 1 op, "
+                                "1 output and 2 gradients (bitwise)")
+
+
+def test_grads_asked_but_none_compared_is_said(monkeypatch):
+    """grads=True on a function (no parameters): compare says it compared no gradient; strict
+    mode makes that an error."""
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    w = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+
+    def fn(x):
+        return x @ w
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(amp_fx.AmpFxWarning, match="grads=True, but no gradient was compared"):
+        report = amp_fx.compare(fn, x, dtype="bf16")
+    assert report.ok and not report.grads
+    assert any("no gradient was compared: it is a function" in n for n in report.notes)
+    assert amp_fx.compare(fn, x, dtype="bf16", grads=False).ok  # negative twin: nothing to say
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    with pytest.raises(amp_fx.AmpFxError, match="no gradient was compared"):
+        amp_fx.compare(fn, x, dtype="bf16")
+
+
+def test_graph_break_inside_a_submodule_names_modules_under_the_root():
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8)
+    report = amp_fx.compare(model, x, dtype="bf16")
+    names = dict(model.named_modules())
+    modules = [o.module for o in report.ops]
+    # the reference: each op's module found by the op it is (two linears, a relu between)
+    assert modules == ["model.a", "model", "model.head"]
+    assert all(m in names for m in modules)

@@ -242,3 +242,96 @@ def test_binary_cross_entropy_runs_in_fp32_as_on_cpu_eager(dtype: torch.dtype) -
     decisions = [n.meta.get("amp_fx_decision") for n in graph.nodes
                  if n.target is torch.ops.aten.binary_cross_entropy.default]
     assert [d.cast_class for d in decisions] == [CastClass.FP32]
+
+
+# --- a banned op names itself and the policy entry (issue 8, item 11) ---------------------------
+
+
+def test_user_banned_op_names_the_op_and_the_policy_entry() -> None:
+    model = MLP()
+    policy = Policy(op_classes={"aten.linear": CastClass.BANNED})
+    compiled = amp_fx.compile(model, backend=BACKEND, policy=policy)
+    with pytest.raises(amp_fx.AmpFxError) as info:
+        compiled(torch.randn(2, 16))
+    message = str(info.value)
+    assert "aten.linear is banned by your policy" in message
+    assert "Policy(op_classes={'aten.linear': CastClass.BANNED})" in message
+    assert "binary_cross_entropy" not in message
+
+
+def test_torch_banned_op_keeps_the_bce_advice() -> None:
+    from amp_fx.policy import banned_message
+
+    message = banned_message("aten::binary_cross_entropy", Policy(), "cuda")
+    assert "binary_cross_entropy_with_logits" in message and "cuda" in message
+
+
+# --- backend validated at compile() (item 12) -------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (3, TypeError, r"backend must be .* got 3 \(int\)"),
+    (None, TypeError, r"backend must be .* got None"),
+    ("not_a_backend", ValueError, r"unknown backend 'not_a_backend'.*aot_eager"),
+])
+def test_bad_backend_raises_at_compile(bad: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        amp_fx.compile(MLP(), backend=bad)  # type: ignore[arg-type]
+
+
+# --- copy.deepcopy, pickle, torch.save (item 13) ----------------------------------------------
+
+
+def _pickle_copy(obj: object) -> object:
+    import pickle
+
+    return pickle.loads(pickle.dumps(obj))
+
+
+def _torch_save_copy(obj: object) -> object:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+_COPIES = {"deepcopy": copy.deepcopy, "pickle": _pickle_copy, "torch_save": _torch_save_copy}
+
+
+@pytest.mark.parametrize("how", sorted(_COPIES))
+def test_policy_copies_equal(how: str) -> None:
+    policy = Policy(op_classes={torch.ops.aten.linear.default: CastClass.FP32,
+                                torch.ops.aten.layer_norm: CastClass.FP32,
+                                "aten.conv2d": CastClass.LOWER_PRECISION_FP},
+                    keep_fp32=("fc1", nn.LayerNorm), cast_cache=False)
+    copied = _COPIES[how](policy)
+    assert copied == policy and hash(copied) == hash(policy)
+    assert copied.op_entries == policy.op_entries
+
+
+@pytest.mark.parametrize("how", sorted(_COPIES))
+def test_compiled_module_copies_compute_the_same_and_are_independent(how: str) -> None:
+    model, inputs, loss_fn = ZOO["mlp"].build()
+    policy = Policy(keep_fp32=("fc3",))
+    compiled = amp_fx.compile(model, dtype="fp16", backend=BACKEND, policy=policy)
+    compiled(*inputs)  # copies after the first call too (compiled state is not copied)
+    copied = _COPIES[how](compiled)
+    assert isinstance(copied, amp_fx.AmpCompiledModule)
+    assert copied.amp_fx_records == [] and copied._amp_fx_backend.policy == policy
+    assert copied._amp_fx_backend.dtype == torch.float16
+    for (name, p), (_, q) in zip(compiled.named_parameters(), copied.named_parameters()):
+        assert p is not q and p.data_ptr() != q.data_ptr(), name
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    expected = step(compiled, model, inputs, loss_fn)
+    actual = step(copied, copied.original_module, inputs, loss_fn)
+    torch.testing.assert_close(actual.out, expected.out, atol=0, rtol=0)
+    assert actual.out.dtype == torch.float32  # fc3 kept in fp32 in the copy too
+    for name, g in expected.grads.items():
+        torch.testing.assert_close(actual.grads[name], g, atol=0, rtol=0, msg=name)
+    # Independent: changing the copy leaves the original alone.
+    with torch.no_grad():
+        copied.original_module.fc1.weight.add_(1.0)
+    assert not torch.equal(copied.original_module.fc1.weight, model.fc1.weight)
+    assert copied.amp_fx_records and copied._amp_fx_backend is not compiled._amp_fx_backend

@@ -9,9 +9,9 @@ import torch
 import torch.fx
 
 import amp_fx
-from amp_fx import _graphviz
+from amp_fx.inspect import _graphviz
 from amp_fx.testing.zoo import ZOO
-from tests._inspect_models import BNNet, RoundTrip, TwoLayer, seeded
+from tests._inspect_models import AutocastMask, BNNet, BreakInside, RoundTrip, TwoLayer, seeded
 
 EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
                "graph_break_branch", "classifier_loss", "tied_embedding"]
@@ -23,7 +23,7 @@ KNOWN_META_MISMATCH = "(aten.native_batch_norm): meta "
 
 
 def _meta_dtype(n: torch.fx.Node) -> torch.dtype | None:
-    from amp_fx._probe import value_dtype
+    from amp_fx.inspect._probe import value_dtype
 
     return value_dtype(n.meta.get("val")) if n.op != "output" else None
 
@@ -191,3 +191,63 @@ def test_dot_and_svg(tmp_path, monkeypatch):
     with pytest.raises(amp_fx.GraphvizNotFound, match="apt-get install graphviz") as info:
         ex.to_svg(tmp_path / "h.svg")
     assert info.value.dot_path.read_text() == dot
+
+
+def _root_names(model: torch.nn.Module, *args: torch.Tensor) -> set[str]:
+    """The reference: the root module's parameter names and its forward's argument names."""
+    import inspect
+
+    params = list(inspect.signature(model.forward).parameters)
+    return {n for n, _ in model.named_parameters()} | set(params[:len(args)])
+
+
+@pytest.mark.parametrize("build", [
+    lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+    lambda: torch.nn.Linear(4, 2),
+    BreakInside.Inner,  # a user module: Dynamo's frame is its forward
+])
+def test_inputs_named_as_the_root_module_names_them(build):
+    torch.manual_seed(0)
+    model = build()
+    x = torch.randn(3, 4 if not isinstance(model, BreakInside.Inner) else 8)
+    expected = _root_names(model, x)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    assert {n.label for n in ex.nodes(0) if n.kind == "input"} == expected
+    # a compiled model explained from its records names them alike
+    compiled = amp_fx.compile(model, dtype="bf16", backend="eager")
+    compiled(x)
+    assert {n.label for n in amp_fx.explain(compiled).nodes(0) if n.kind == "input"} == expected
+
+
+def test_inputs_named_under_the_root_across_a_graph_break_in_a_submodule():
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    labels = {n.label for n in ex.nodes(0) if n.kind == "input"}
+    assert labels == _root_names(model, x)  # model.a.weight, not a.weight (the frame's names)
+    linears = [n.module for n in ex.nodes(0) if n.op == "aten.linear"]
+    assert linears == ["model.a", "model.head"]  # modules too, as model.named_modules() has them
+    assert all(dict(model.named_modules())[m] is model.model.get_submodule(m.split(".", 1)[1])
+               for m in linears)
+
+
+def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):
+    """The 'without amp' dtypes come from the captured graph run without autocast; a mask made
+    with dtype=q.dtype under autocast stops it (as in HF T5). explain says so instead of showing
+    blanks, and strict mode makes it an error."""
+    model, x = seeded(AutocastMask, 2, 4, 8)
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    ex = amp_fx.explain(model, x, dtype="bf16")
+    with pytest.warns(amp_fx.AmpFxWarning, match="graph 0's dtypes without amp are not shown"):
+        text = str(ex)
+    assert "note: graph 0's dtypes without amp are not shown" in text
+    assert "attn_mask" in text
+    # the rewritten graph is still explained: sdpa runs in bf16 as under eager autocast
+    sdpa = next(n for n in ex.nodes(0) if n.op == "aten.scaled_dot_product_attention")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q = model.qkv(x).chunk(3, -1)[0]
+    assert sdpa.dtype is q.dtype is torch.bfloat16
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    strict = amp_fx.explain(model, x, dtype="bf16")
+    with pytest.raises(amp_fx.AmpFxError, match="dtypes without amp are not shown"):
+        str(strict)

@@ -9,7 +9,19 @@ import torch.nn.functional as F
 
 import amp_fx
 from amp_fx.testing.zoo import ZOO
-from tests._inspect_models import BNNet, ExpOverflow, GradOverflow, Overflowing, TwoLayer, seeded
+from tests._inspect_models import (
+    BNNet,
+    BreakInside,
+    ExpOverflow,
+    GradOverflow,
+    KeywordLM,
+    NestedOverflow,
+    Overflowing,
+    TwoLayer,
+    chain_overflow,
+    keyword_batch,
+    seeded,
+)
 
 
 def test_forward_overflow_names_the_linear():
@@ -88,3 +100,95 @@ def test_user_model_untouched():
     amp_fx.find_nonfinite(model, x)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_keyword_call_form():
+    """find_nonfinite takes model(input_ids=..., labels=...) as HF models are called."""
+    torch.manual_seed(0)
+    model, batch = KeywordLM(), keyword_batch()
+    with torch.no_grad():
+        model.fc.weight.mul_(1e5)  # fc's output exceeds fp16's max; the LayerNorm after it does not
+    # the planted overflow, checked here in plain fp16
+    h = model.embed(batch["input_ids"]).half()
+    assert torch.isinf(F.linear(h, model.fc.weight.half(), model.fc.bias.half())).any()
+    report = amp_fx.find_nonfinite(model, dtype="fp16", loss_fn=lambda o: o["loss"], **batch)
+    assert report.found and report.phase == "forward"
+    assert (report.op, report.module_path) == ("aten.linear", "fc")
+    assert report.verified is True
+    assert not amp_fx.find_nonfinite(model, dtype="fp16", policy=report.suggested_policy,
+                                     loss_fn=lambda o: o["loss"], **batch).found
+
+
+def test_fix_is_cumulative_with_what_the_user_kept():
+    seq, x = chain_overflow(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    kept_0 = amp_fx.Policy(keep_fp32=("0",))
+    report = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=kept_0)
+    assert report.found and report.module_path == "1"
+    assert report.suggestion_code == 'Policy(keep_fp32=("0", "1"))'
+    assert report.suggested_policy.keep_fp32 == ("0", "1") and report.verified is True
+    # the planted dependency, checked here: `1` alone still overflows at `0`
+    alone = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=amp_fx.Policy(keep_fp32=("1",)),
+                                  verify=False)
+    assert alone.found and alone.module_path == "0"
+
+
+@pytest.mark.parametrize("build, expected", [
+    (NestedOverflow, ("block",)),   # `block.0` is not enough; `block` encloses it and `block.1`
+    (chain_overflow, ("0", "1")),   # `0` and `1` share only the root: both are listed
+])
+def test_one_module_not_enough_prefers_the_enclosing_module(build, expected):
+    model, x = build(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert report.found and report.verified is True
+    assert report.suggested_policy.keep_fp32 == expected
+    assert "alone is not enough" in report.verification
+    assert not amp_fx.find_nonfinite(model, x, dtype="fp16", policy=report.suggested_policy).found
+
+
+def test_names_are_the_root_modules():
+    """nn.Sequential: the inputs are `input` (its forward's argument) and `0.weight`, as in
+    model.named_parameters(), not Dynamo's L['args'][0] / L['fn']._modules['0']..."""
+    seq, x = chain_overflow(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    report = amp_fx.find_nonfinite(seq, x, dtype="fp16", verify=False)
+    import inspect
+
+    arg = next(iter(inspect.signature(seq.forward).parameters))
+    expected = [arg] + [n for n, _ in seq[0].named_parameters(prefix="0")]
+    assert [name.split(" ")[0] for name, _ in report.inputs] == expected
+    assert "L[" not in str(report)
+
+
+def test_backward_asked_but_not_checked_is_said(monkeypatch):
+    """backward=True on a model whose output does not require grad: said once, an error in
+    strict mode."""
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    model, x = seeded(TwoLayer, 3, 4)
+
+    def no_grad_loss(out):
+        return out.detach().float().sum()
+
+    with pytest.warns(amp_fx.AmpFxWarning, match="backward=True, but the backward was not checked"):
+        report = amp_fx.find_nonfinite(model, x, dtype="fp16", loss_fn=no_grad_loss)
+    assert not report.found and "every gradient" not in str(report)
+    monkeypatch.setenv("AMP_FX_STRICT", "1")
+    with pytest.raises(amp_fx.AmpFxError, match="backward was not checked"):
+        amp_fx.find_nonfinite(model, x, dtype="fp16", loss_fn=no_grad_loss)
+    # negative twin: backward=False asks for nothing more
+    assert not amp_fx.find_nonfinite(model, x, dtype="fp16", backward=False).found
+
+
+def test_graph_break_inside_a_submodule_names_modules_under_the_root():
+    """Dynamo compiles model.forward as its own frame after the break; the report names `model.a`
+    and the fix `model` (modules of the model passed, which amp_fx.compile accepts). `model.a`
+    alone is not enough: its fp32 output still overflows at the fp16 cast into `model.head`, which
+    the verification sees now that keep_fp32 names resolve in that frame (issue 8, item 1)."""
+    torch.manual_seed(0)
+    model, x = BreakInside(), torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.model.a.weight.mul_(1e5)
+    assert torch.isinf(model.model.a(x).half()).any()  # the planted overflow, checked here
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert (report.module_path, report.module_type) == ("model.a", "Linear")
+    assert report.suggested_policy.keep_fp32 == ("model",)
+    assert report.verified and "`model.a` alone is not enough" in report.verification
+    assert dict(model.named_modules())["model"] is model.model

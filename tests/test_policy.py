@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from amp_fx import CastClass, Policy
+from amp_fx._devices import DEVICES
 from amp_fx.policy import DEFAULT_TABLES, resolve_dtype
 
 aten = torch.ops.aten
 
-_DISPATCH_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_DISPATCH_KEYS = {d.type: d.dispatch_key for d in DEVICES.values()}
 
 
 # --- (a) the default tables are torch's autocast registrations, overload for overload -----------

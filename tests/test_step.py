@@ -345,7 +345,8 @@ def test_one_cycle_lr_default_neither_recompiles_nor_fails(opt_name: str) -> Non
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=n)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.01, total_steps=n)
-    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager",
+                        strict=False)  # the warning is under test (the suite runs strict)
     ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
                               dtype=torch.float16)
     with pytest.warns(amp_fx.AmpFxWarning, match=r"param_groups\[0\]\['(betas|momentum)'\] changed") as said:

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from amp_fx.passes import meta
+
 __all__ = ["fold_casts", "FoldRecord", "RULES", "is_pure_cast", "covers"]
 
 CAST_OP = torch.ops.aten._to_copy.default
@@ -163,14 +165,14 @@ def fold_casts(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, FoldReco
                 if replacement is None:
                     continue
                 record.by_rule[name] += 1
-                folded = [*node.meta.get("amp_fx_folded", ()), name]
+                folded = [*node.meta.get(meta.FOLDED, ()), name]
                 if replacement is not node:
-                    replacement.meta["amp_fx_folded"] = [
-                        *replacement.meta.get("amp_fx_folded", ()), *folded]
+                    replacement.meta[meta.FOLDED] = [
+                        *replacement.meta.get(meta.FOLDED, ()), *folded]
                     node.replace_all_uses_with(replacement)
                     gm.graph.erase_node(node)
                 else:
-                    node.meta["amp_fx_folded"] = folded
+                    node.meta[meta.FOLDED] = folded
                 changed = True
                 break
         for node in reversed(list(gm.graph.nodes)):

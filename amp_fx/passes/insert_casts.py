@@ -19,8 +19,11 @@ Guarantees:
       ops that mutate or alias an input are never given a cast copy of that input;
     * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
       has at run time; each op node gets ``meta["amp_fx_decision"]`` (its cast class and the rule
-      that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``; values whose
-      dtype differs from the one eager autocast gives them are listed in the record;
+      that chose it) and each inserted cast ``meta["amp_fx_cast"] = "inserted"``,
+      ``meta["amp_fx_cast_reason"]`` (the reason of the decision that asked for it) and
+      ``meta["amp_fx_cached"]`` (True where the cast is the shared cast of a leaf); values whose
+      dtype differs from the one eager autocast gives them are listed in the record (keys:
+      :mod:`amp_fx.passes.meta`);
     * the graph lints.
 
 Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
@@ -52,9 +55,19 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from amp_fx._devices import autocast_device_type
 from amp_fx.capture import module_stack
 from amp_fx.errors import AmpFxError
-from amp_fx.policy import APPEND_DTYPE_REDISPATCH, DEFAULT_TABLES, CastClass, Decision, Policy, _op_from_name
+from amp_fx.passes import meta
+from amp_fx.policy import (
+    APPEND_DTYPE_REDISPATCH,
+    DEFAULT_TABLES,
+    CastClass,
+    Decision,
+    Policy,
+    _op_from_name,
+    banned_message,
+)
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
 
@@ -107,7 +120,7 @@ class _Rewriter:
         """at::autocast::cached_cast for one tensor-valued node (eligibility checked by caller)."""
         val = _val(arg)
         cacheable = (self.policy.cast_cache and to == self.lower and val.dtype == torch.float32
-                     and arg.op == "placeholder" and arg.meta.get("amp_fx_leaf", False))
+                     and arg.op == "placeholder" and arg.meta.get(meta.LEAF, False))
         if cacheable and (arg, to) in self.cache:
             self.record.casts_shared += 1
             return self.cache[arg, to]
@@ -116,9 +129,9 @@ class _Rewriter:
         with self.fake_mode:
             node.meta["val"] = CAST_OP(val, dtype=to)
         node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-        node.meta["amp_fx_cast"] = "inserted"
-        node.meta["amp_fx_cast_reason"] = why
-        node.meta["amp_fx_cached"] = cacheable
+        node.meta[meta.CAST] = meta.CAST_INSERTED
+        node.meta[meta.CAST_REASON] = why
+        node.meta[meta.CACHED] = cacheable
         self.record.casts_inserted += 1
         if cacheable:
             self.cache[arg, to] = node
@@ -168,11 +181,8 @@ class _Rewriter:
         elif cls is CastClass.FP32_APPEND_DTYPE:
             self.append_dtype(node)
         elif cls is CastClass.BANNED:
-            raise AmpFxError(
-                f"amp_fx: {node.target} is unsafe to autocast ({decision.reason}), as in eager "
-                "autocast: torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
-                "to autocast. Use torch.nn.functional.binary_cross_entropy_with_logits or "
-                "torch.nn.BCEWithLogitsLoss, or move the op with Policy(op_classes=...).")
+            raise AmpFxError(f"{banned_message(node.target.name(), self.policy, self.device_type)} "
+                             f"(at {node.format_node()})")
 
     def set_opt_dtype(self, node: torch.fx.Node) -> None:
         if not node.args or not _eligible(_val(node.args[0]), self.device_type):
@@ -214,7 +224,7 @@ class _Rewriter:
         kwargs = tree_map(self.value, node.kwargs)
         with self.fake_mode:
             node.meta["val"] = val = node.target(*args, **kwargs)
-        expected = node.meta.get("amp_fx_autocast_dtype")
+        expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
             self.record.autocast_mismatches.append(
                 f"{node.name}: {str(val.dtype).replace('torch.', '')} "
@@ -273,7 +283,7 @@ class _Rewriter:
         call = (node.target, node.args, dict(node.kwargs))
         if isinstance(node.target, torch._ops.OpOverload):
             decision = self.decide(node)
-            node.meta["amp_fx_decision"] = decision
+            node.meta[meta.DECISION] = decision
             self.record.ops_by_class[decision.cast_class.value] += 1
             self.apply(node, decision)
         rewritten = call != (node.target, node.args, dict(node.kwargs))
@@ -286,7 +296,7 @@ class _Rewriter:
 
     def decide(self, node: torch.fx.Node) -> Decision:
         op = node.target
-        if node.meta.get("amp_fx_cast") == "inserted":
+        if node.meta.get(meta.CAST) == meta.CAST_INSERTED:
             return Decision(CastClass.NONE, "cast inserted by amp_fx")
         enabled, dtype = self.regions[-1]
         if not enabled:
@@ -335,12 +345,5 @@ def insert_casts(
 
 
 def graph_device_type(vals: Sequence[Any]) -> str:
-    """The autocast device type for a graph: cuda if any input is on cuda, else cpu."""
-    types = {v.device.type for v in vals if isinstance(v, torch.Tensor)}
-    unsupported = types - {"cpu", "cuda"}
-    if unsupported:
-        raise ValueError(
-            f"amp_fx: the model's tensors are on {sorted(unsupported)}, a device amp_fx has no "
-            "autocast policy for; supported device types are 'cpu' and 'cuda'")
-    return "cuda" if "cuda" in types else "cpu"
-
+    """The autocast device type for a graph (the rule in :func:`amp_fx._devices.autocast_device_type`)."""
+    return autocast_device_type(vals)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,27 +28,25 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
-from amp_fx._graphviz import GraphvizNotFound, build_dot, write_svg
-from amp_fx._probe import (
-    InputRecorder,
+from amp_fx._dtype_names import dtype_name
+from amp_fx._report import did_less
+from amp_fx.backend import GraphRecord
+from amp_fx.errors import GraphvizNotFound
+from amp_fx.inspect._graphviz import build_dot, write_svg
+from amp_fx.inspect._probe import (
     ValueInterpreter,
-    amp_failure,
     clone_inputs,
-    copy_args,
     describe_value,
     input_labels,
+    is_cast,
     leaf_flags,
-    many_recompiles,
     module_of,
     numel_or_none,
     op_label,
-    private_copy,
-    run_eager_checked,
-    short_dtype,
+    tensors_of,
     value_dtype,
 )
-from amp_fx.backend import GraphRecord
-from amp_fx.passes.insert_casts import CAST_OP, AmpFxError
+from amp_fx.inspect._runner import Call, run_amp, run_eager_checked
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -88,11 +86,7 @@ class NodeInfo:
 
     @property
     def dtype_name(self) -> str:
-        return short_dtype(self.dtype)
-
-
-def _is_cast(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is CAST_OP
+        return dtype_name(self.dtype)
 
 
 def _eligible_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
@@ -119,11 +113,11 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
     decision = node.meta.get("amp_fx_decision")
-    out = short_dtype(value_dtype(node.meta.get("val")))
+    out = dtype_name(value_dtype(node.meta.get("val")))
     if decision is None:
         return "python op (not a tensor op)" if node.op == "call_function" else ""
-    if _is_cast(node) and decision.cast_class is CastClass.NONE:
-        return f"cast in your code (to {short_dtype(node.kwargs.get('dtype'))}); not autocast"
+    if is_cast(node) and decision.cast_class is CastClass.NONE:
+        return f"cast in your code (to {dtype_name(node.kwargs.get('dtype'))}); not autocast"
     reason = decision.reason
     if decision.cast_class is CastClass.NONE and "not autocast" in reason:
         ins = _eligible_dtypes(node)
@@ -132,8 +126,8 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
                 return reason
             return f"{reason}; no floating input: {out} from its arguments"
         if len(ins) == 1:
-            return f"{reason} ({short_dtype(ins[0])})"
-        return (f"{reason} ({', '.join(short_dtype(d) for d in ins)}) and gives {out}")
+            return f"{reason} ({dtype_name(ins[0])})"
+        return (f"{reason} ({', '.join(dtype_name(d) for d in ins)}) and gives {out}")
     if decision.cast_class is CastClass.PROMOTE:
         return f"{reason}: widest input gives {out}"
     return reason
@@ -156,7 +150,7 @@ def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
             inner = ", ".join(fmt(x) for x in a)
             return f"[{inner}]"
         if isinstance(a, torch.dtype):
-            return short_dtype(a)
+            return dtype_name(a)
         return repr(a)
     parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
     text = ", ".join(parts)
@@ -164,13 +158,14 @@ def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
 
 
 def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
-               val: Any = None, *, use_meta: bool = True) -> NodeInfo:
+               val: Any = None, *, use_meta: bool = True,
+               where: tuple[str, str] | None = None) -> NodeInfo:
     if use_meta:
         val = node.meta.get("val")
-    path, mtype = module_of(node)
+    path, mtype = module_of(node) if where is None else where
     kind = {"placeholder": "input", "get_attr": "constant", "output": "output"}.get(node.op, "op")
     cast = None
-    if _is_cast(node):
+    if is_cast(node):
         kind = "cast"
         cast = "inserted" if node.meta.get("amp_fx_cast") == "inserted" else "user"
     elif node.target is operator.getitem:
@@ -186,20 +181,22 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
         autocast_dtype=node.meta.get("amp_fx_autocast_dtype"))
 
 
-def _fp32_values(record: GraphRecord) -> dict[str, Any] | None:
+def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
     """The captured graph's values as your program computes them without any autocast: the graph
-    run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture)."""
+    run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture); or
+    None and why not."""
     vals = [n.meta.get("val") for n in record.captured.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
-        return None
+        return None, "its inputs carry no fake tensors"
+    interp = ValueInterpreter(record.captured)
     try:
         with mode, torch.no_grad():
-            interp = ValueInterpreter(record.captured)
             interp.run(*vals)
-    except Exception:  # a graph fake tensors cannot run (e.g. data-dependent): show no dtypes
-        return None
-    return {n.name: v for n, v in interp.env.items()}
+    except Exception as e:  # e.g. data-dependent shapes, or a dtype read under autocast
+        text = str(e).strip()
+        return None, f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    return {n.name: v for n, v in interp.env.items()}, ""
 
 
 def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
@@ -209,7 +206,7 @@ def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
     """
     total = 0
     for n in gm.graph.nodes:
-        if not _is_cast(n):
+        if not is_cast(n):
             continue
         src, dst = n.args[0].meta.get("val"), n.meta.get("val")
         if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
@@ -245,8 +242,14 @@ class Explanation:
 
     def __init__(self, records: Sequence[GraphRecord], *, notes: Sequence[str] = (),
                  inputs: Sequence[list[Any] | None] | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None,
+                 labels: Sequence[dict[str, str]] | None = None,
+                 module_of: Callable[[GraphRecord, torch.fx.Node], tuple[str, str]] | None = None
+                 ) -> None:
         self.records = list(records)
+        self._where = module_of
+        self._labels = (list(labels) if labels is not None
+                        else [input_labels(r) for r in self.records])
         self.notes = list(notes)
         self.policy = policy
         self._fp32_cache: dict[int, dict[str, Any] | None] = {}
@@ -276,21 +279,36 @@ class Explanation:
         captured graph as it was before the passes."""
         out = []
         for r in self.records if graph is None else [self.records[graph]]:
-            labels = input_labels(r)
+            labels = self._labels[r.index]
             if not before:
                 run = self._runtime(r.index)
-                out += [_node_info(r.index, n, labels) if run is None or n.name not in run
-                        else _node_info(r.index, n, labels, run[n.name], use_meta=False)
+                out += [_node_info(r.index, n, labels, where=self._module(r, n))
+                        if run is None or n.name not in run
+                        else _node_info(r.index, n, labels, run[n.name], use_meta=False,
+                                        where=self._module(r, n))
                         for n in r.rewritten.graph.nodes]
                 continue
             vals = self._fp32(r)
-            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False)
+            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False,
+                               where=self._module(r, n))
                     for n in r.captured.graph.nodes]
         return out
 
+    def _module(self, record: GraphRecord, node: torch.fx.Node) -> tuple[str, str]:
+        return module_of(node) if self._where is None else self._where(record, node)
+
     def _fp32(self, record: GraphRecord) -> dict[str, Any] | None:
         if record.index not in self._fp32_cache:
-            self._fp32_cache[record.index] = _fp32_values(record)
+            values, why = _fp32_values(record)
+            self._fp32_cache[record.index] = values
+            if values is None:
+                message = (f"amp_fx.explain: graph {record.index}'s dtypes without amp are not "
+                           f"shown (the 'without amp' column and before=True): the captured graph "
+                           f"does not run without autocast ({why}); typically a dtype your code "
+                           "read under autocast is fixed in the graph. The rewritten graph is "
+                           "explained in full")
+                self.notes.append(message.removeprefix("amp_fx.explain: "))
+                did_less(("explain", "no fp32 view", why), message)
         return self._fp32_cache[record.index]
 
     def dtypes(self, graph: int, *, before: bool = False) -> dict[str, torch.dtype | None]:
@@ -318,8 +336,8 @@ class Explanation:
                 meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
                 if meta != real:
                     op = op_label(n.args[0] if n.target is operator.getitem else n)
-                    out.append(f"{n.name} ({op}): meta {short_dtype(meta)}, "
-                               f"runs as {short_dtype(real)}")
+                    out.append(f"{n.name} ({op}): meta {dtype_name(meta)}, "
+                               f"runs as {dtype_name(real)}")
         return out
 
     def _runtime(self, graph: int) -> dict[str, Any] | None:
@@ -346,12 +364,12 @@ class Explanation:
     def summary_rows(self) -> list[dict[str, Any]]:
         rows = []
         for r in self.records:
-            ops = [n for n in _op_nodes(r.rewritten) if not _is_cast(n)]
-            per_dtype = Counter(short_dtype(value_dtype(n.meta.get("val"))) for n in ops)
+            ops = [n for n in _op_nodes(r.rewritten) if not is_cast(n)]
+            per_dtype = Counter(dtype_name(value_dtype(n.meta.get("val"))) for n in ops)
             rows.append({
                 "graph": r.index,
                 "device": r.device_type,
-                "dtype": short_dtype(r.dtype),
+                "dtype": dtype_name(r.dtype),
                 "ops": len(ops),
                 "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
                 "casts inserted": r.inserted.casts_inserted,
@@ -365,6 +383,8 @@ class Explanation:
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
+        for r in self.records:
+            self._fp32(r)  # its notes belong here
         lines = []
         if self.records:
             lines.append(tabulate(self.summary_rows(), headers="keys"))
@@ -392,7 +412,7 @@ class Explanation:
             rows.append([mark, n.name, what, n.value, module, n.rule])
         r = self.records[graph]
         title = (f"graph {graph} {'before' if before else 'after'} the passes "
-                 f"({r.device_type}, {short_dtype(r.dtype)})")
+                 f"({r.device_type}, {dtype_name(r.dtype)})")
         return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module",
                                                       "dtype decided by"])
 
@@ -401,35 +421,35 @@ class Explanation:
         its inputs."""
         r = self.records[graph]
         after = {n.name: n for n in r.rewritten.graph.nodes}
-        labels = input_labels(r)
+        labels = self._labels[graph]
         fp32 = self._fp32(r) or {}
         rows = []
         for n in r.captured.graph.nodes:
             if n.op != "call_function" or n.target is operator.getitem:
                 continue
             new = after.get(n.name)
-            before_dt = short_dtype(value_dtype(fp32.get(n.name))) if fp32 else "?"
-            eager = short_dtype(_autocast_dtype(n))
+            before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
+            eager = dtype_name(_autocast_dtype(n))
             if new is None:
-                rows.append([n.name, op_label(n), module_of(n)[0], before_dt, eager,
+                rows.append([n.name, op_label(n), self._module(r, n)[0], before_dt, eager,
                              "(folded away)", ""])
                 continue
             casts = []
             for a in new.all_input_nodes:
-                if _is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
+                if is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
                     src = a.args[0]
                     casts.append(f"{labels.get(src.name, src.name)}->"
-                                 f"{short_dtype(value_dtype(a.meta.get('val')))}")
-            path, _ = module_of(n)
+                                 f"{dtype_name(value_dtype(a.meta.get('val')))}")
+            path, _ = self._module(r, n)
             rows.append([n.name, op_label(n), path, before_dt, eager,
-                         short_dtype(value_dtype(new.meta.get("val"))), ", ".join(casts)])
+                         dtype_name(value_dtype(new.meta.get("val"))), ", ".join(casts)])
         return (f"graph {graph}: before -> after\n"
                 + tabulate(rows, headers=["node", "op", "module", "without amp", "eager autocast",
                                           "amp_fx", "casts on inputs"]))
 
     def __str__(self) -> str:
         parts = [f"amp_fx.explain: {len(self.records)} graph(s)"
-                 + (f", {short_dtype(self.records[0].dtype)}" if self.records else ""),
+                 + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
                  self.summary()]
         for r in self.records:
             parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
@@ -451,7 +471,7 @@ class Explanation:
             graphs.append((r.index, nodes, edges))
         title = "amp_fx " + ("before the passes" if before else "after the passes")
         if self.records:
-            title += f" ({short_dtype(self.records[0].dtype)})"
+            title += f" ({dtype_name(self.records[0].dtype)})"
         text = build_dot(graphs, title=title)
         if path is not None:
             Path(path).write_text(text)
@@ -465,8 +485,6 @@ class Explanation:
 
 
 def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
-    from amp_fx._probe import tensors_of
-
     ts = tensors_of(node.meta.get("val"))
     floats = [t for t in ts if t.is_floating_point()]
     return floats[0] if floats else (ts[0] if ts else None)
@@ -497,7 +515,11 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
                              "captured; call it once, or pass example inputs")
         backend = getattr(model_or_fn, "_amp_fx_backend", None)
-        return Explanation(recs, policy=getattr(backend, "policy", None))
+        original = getattr(model_or_fn, "original_module", None)
+        forward = original.forward if original is not None else getattr(
+            model_or_fn, "__wrapped__", None)
+        return Explanation(recs, policy=getattr(backend, "policy", None),
+                           labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
         backend = model_or_fn._amp_fx_backend
         dtype, policy, fold = backend.dtype, backend.policy, backend.fold
@@ -506,20 +528,10 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
         raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
                         "returned) with inputs, or the compiled one without inputs")
     lower = resolve_dtype(dtype)
-    run_eager_checked(model_or_fn, args, kwargs, tool="explain")
-    recorder = InputRecorder("eager")
-    from amp_fx.compile import compile as amp_compile
-
-    with many_recompiles():
-        compiled = amp_compile(private_copy(model_or_fn), dtype=lower, policy=policy,
-                               backend=recorder, fold=fold)
-        a, k = copy_args(args, kwargs)
-        try:
-            compiled(*a, **k)
-        except (AmpFxError, ValueError):
-            raise
-        except Exception as e:
-            raise amp_failure(e, model_or_fn, args, kwargs, tool="explain", dtype=lower) from e
-    recs = list(records(compiled))
-    return Explanation(recs, inputs=[recorder.inputs_for(r) for r in recs],
-                       policy=policy if policy is not None else Policy())
+    call = Call(args, kwargs)
+    run_eager_checked(model_or_fn, call, tool="explain")
+    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
+                  downstream="eager", fold=fold)
+    return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
+                       policy=policy if policy is not None else Policy(),
+                       labels=[run.labels(r) for r in run.records], module_of=run.module_of)

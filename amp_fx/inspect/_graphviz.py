@@ -10,12 +10,31 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from amp_fx.inspection import NodeInfo
+from amp_fx.errors import GraphvizNotFound
 
-__all__ = ["GraphvizNotFound"]
+__all__: list[str] = []
+
+
+class DotNode(Protocol):
+    """What a picture shows of a node (``explanation.NodeInfo`` has these fields); a protocol so
+    that this module needs nothing from the tools that draw with it."""
+
+    name: str
+    kind: str
+    op: str
+    value: str
+    module: str
+    rule: str
+    cast: str | None
+    cached: bool
+    folded: tuple[str, ...]
+    label: str
+
+    @property
+    def dtype_name(self) -> str: ...
+
 
 # Fill colour per dtype name: a ColorBrewer qualitative palette, fp32 cool, lower precision warm.
 DTYPE_COLORS = {
@@ -25,19 +44,6 @@ DTYPE_COLORS = {
 INT_COLOR = "#d9d9d9"
 INSERTED_CAST_BORDER = "#d62728"
 USER_CAST_BORDER = "#555555"
-
-
-class GraphvizNotFound(RuntimeError):
-    """Graphviz's ``dot`` program is not on PATH; the DOT file was written instead of the SVG."""
-
-    def __init__(self, dot_path: Path, svg_path: Path) -> None:
-        self.dot_path = dot_path
-        self.svg_path = svg_path
-        super().__init__(
-            f"amp_fx: Graphviz's `dot` program is not installed, so no SVG was made; the graph was "
-            f"written as DOT to {dot_path}. Install Graphviz (`apt-get install graphviz`, "
-            f"`conda install graphviz` or `brew install graphviz`), then run "
-            f"`dot -Tsvg {dot_path} -o {svg_path}`, or paste the DOT text into a Graphviz viewer.")
 
 
 def _q(text: str) -> str:
@@ -50,7 +56,7 @@ def _color(dtype_name: str) -> str:
     return INT_COLOR
 
 
-def build_dot(graphs: Sequence[tuple[int, Sequence[NodeInfo], Sequence[tuple[str, str]]]],
+def build_dot(graphs: Sequence[tuple[int, Sequence[DotNode], Sequence[tuple[str, str]]]],
               *, title: str) -> str:
     """One cluster per graph; ``graphs`` holds (index, nodes, edges as (src name, dst name))."""
     lines = ["digraph amp_fx {", f"  label={_q(title)}; labelloc=t; fontname=Helvetica;",

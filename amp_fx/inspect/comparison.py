@@ -41,32 +41,25 @@ from typing import Any
 import torch
 import torch.fx
 from tabulate import tabulate
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from amp_fx._probe import (
-    InputRecorder,
+from amp_fx._backends import Backend, backend_name
+from amp_fx._dtype_names import dtype_name
+from amp_fx._report import did_less
+from amp_fx.backend import GraphRecord
+from amp_fx.inspect._probe import (
     ValueInterpreter,
-    amp_failure,
     clone_inputs,
-    copy_args,
-    input_labels,
     leaf_flags,
-    many_recompiles,
-    module_of,
     op_label,
-    private_copy,
-    run_eager_checked,
-    short_dtype,
     tensors_of,
 )
-from amp_fx.backend import Backend, GraphRecord
-from amp_fx.passes.insert_casts import AmpFxError
+from amp_fx.inspect._runner import SEED, AmpRun, Call, private_copy, run_amp, run_eager_checked
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]
 
 _EXACT_BACKENDS = ("eager", "aot_eager")
-_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +117,7 @@ def _dtypes(value: Any) -> str:
     ts = tensors_of(value)
     if not ts:
         return "-"
-    names = [short_dtype(t.dtype) for t in ts]
+    names = [dtype_name(t.dtype) for t in ts]
     return names[0] if len(set(names)) == 1 else "(" + ", ".join(names) + ")"
 
 
@@ -165,6 +158,34 @@ class ValueComparison:
     error_vs_eager: Error
     error_vs_reference: Error | None
     eager_error_vs_reference: Error | None
+    amp_nonfinite: str = ""
+    """What amp_fx's value holds that is not finite: ``inf``, ``NaN``, ``inf, NaN``, or empty."""
+    eager_nonfinite: str = ""
+    """The same for eager autocast's value."""
+
+    def nonfinite_text(self, kind: str) -> str:
+        """``output holds inf (amp_fx and eager)``, ``gradient of fc.weight holds NaN with eager``
+        (``kind`` is ``output`` or ``gradient``); empty when both sides are finite."""
+        if not (self.amp_nonfinite or self.eager_nonfinite):
+            return ""
+        what = self.name if kind == "output" else f"gradient of {self.name}"
+        if self.amp_nonfinite == self.eager_nonfinite:
+            return f"{what} holds {self.amp_nonfinite} (amp_fx and eager)"
+        sides = [f"{self.amp_nonfinite} with amp_fx" if self.amp_nonfinite else "",
+                 f"{self.eager_nonfinite} with eager" if self.eager_nonfinite else ""]
+        return f"{what} holds " + ", ".join(x for x in sides if x)
+
+
+def _nonfinite(value: Any) -> str:
+    """``inf``, ``NaN`` or ``inf, NaN`` for what the value's floating tensors hold; empty if finite."""
+    ts = [t.detach() for t in tensors_of(value) if t.is_floating_point() or t.is_complex()]
+    kinds = [k for k, test in (("inf", torch.isinf), ("NaN", torch.isnan))
+             if any(bool(test(t).any()) for t in ts)]
+    return ", ".join(kinds)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 @dataclass
@@ -184,6 +205,12 @@ class CompareReport:
     def ok(self) -> bool:
         return (all(o.agree for o in self.ops) and all(v.agree for v in self.outputs)
                 and all(v.agree for v in self.grads))
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """Outputs and gradients that hold inf or NaN, on either side, in words."""
+        return [t for kind, vs in (("output", self.outputs), ("gradient", self.grads)) for v in vs
+                for t in [v.nonfinite_text(kind)] if t]
 
     @property
     def first_divergence(self) -> OpComparison | None:
@@ -214,12 +241,19 @@ class CompareReport:
     def verdict(self) -> str:
         mode = ("bitwise" if self.exact
                 else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})")
+        bad_values = self.nonfinite
+        flag = ""
+        if bad_values:
+            shown = "; ".join(bad_values[:4]) + ("; ..." if len(bad_values) > 4 else "")
+            flag = (f"; NOT FINITE: {shown} (agreement is not health: amp_fx.find_nonfinite "
+                    "names the first op)")
         if self.ok:
-            return (f"OK: amp_fx agrees with eager torch.autocast ({short_dtype(self.dtype)}) on "
-                    f"{sum(o.status != 'folded' for o in self.ops)} ops, {len(self.outputs)} "
-                    f"outputs and {len(self.grads)} gradients ({mode})")
+            ops = sum(o.status != "folded" for o in self.ops)
+            return (f"OK: amp_fx agrees with eager torch.autocast ({dtype_name(self.dtype)}) on "
+                    f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
+                    f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}")
         first = self.first_divergence
-        lines = [f"DIFFERS from eager torch.autocast ({short_dtype(self.dtype)}, {mode})"]
+        lines = [f"DIFFERS from eager torch.autocast ({dtype_name(self.dtype)}, {mode}){flag}"]
         if first is not None:
             what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
                     if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
@@ -266,39 +300,82 @@ def _rule_of(node: torch.fx.Node | None) -> str:
     return d.reason if d is not None else ""
 
 
+class _GraphRunError(Exception):
+    """A recorded graph failed when re-run op by op; names the node."""
+
+    def __init__(self, node: torch.fx.Node | None, error: BaseException) -> None:
+        self.node, self.error = node, error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        at = f" at {node.name} ({op_label(node)})" if node is not None else ""
+        super().__init__(f"{type(error).__name__}{at}: {first}")
+
+
 def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, torch.dtype] | None
          ) -> dict[str, Any]:
     interp = ValueInterpreter(gm)
+    current: list[torch.fx.Node] = []
+    run_node = interp.run_node
+
+    def tracked(n: torch.fx.Node) -> Any:
+        current[:] = [n]
+        return run_node(n)
+
+    interp.run_node = tracked  # type: ignore[method-assign]
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(_SEED)
-        if autocast is not None:
-            with torch.autocast(autocast[0], dtype=autocast[1]):
+        torch.manual_seed(SEED)
+        try:
+            if autocast is not None:
+                with torch.autocast(autocast[0], dtype=autocast[1]):
+                    interp.run(*inputs)
+            else:
                 interp.run(*inputs)
-        else:
-            interp.run(*inputs)
+        except Exception as e:
+            raise _GraphRunError(current[0] if current else None, e) from e
     return {n.name: v for n, v in interp.env.items()}
 
 
-def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport
-                   ) -> None:
-    flags = leaf_flags(record)
-    amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
-    eager = _run(record.captured, clone_inputs(inputs, flags),
-                 autocast=(record.device_type, record.dtype))
+def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report: CompareReport
+               ) -> dict[str, Any]:
+    """The captured graph without autocast, in float64, else float32; empty when it cannot run
+    without autocast at all (noted)."""
     try:
-        ref = _run(record.captured, clone_inputs(inputs, flags, to=torch.float64), autocast=None)
-    except Exception as e:
+        return _run(record.captured, clone_inputs(inputs, flags, to=torch.float64), autocast=None)
+    except _GraphRunError as e64:
+        try:
+            ref = _run(record.captured, clone_inputs(inputs, flags), autocast=None)
+        except _GraphRunError as e32:
+            report.notes.append(
+                f"graph {record.index} has no op-by-op reference: without autocast it fails "
+                f"({e32}). A dtype your code read while autocast was on is fixed in the captured "
+                "graph (e.g. a mask made with dtype=q.dtype, q an autocast output), so it no "
+                "longer matches when the graph runs in fp32; amp_fx and eager autocast are still "
+                "compared op by op, and the end-to-end reference runs your model itself")
+            return {}
         report.reference_dtype = "fp32"
-        report.notes.append(f"graph {record.index} cannot run in float64 ({type(e).__name__}); "
-                            "its reference is float32")
-        ref = _run(record.captured, clone_inputs(inputs, flags), autocast=None)
+        report.notes.append(f"graph {record.index} cannot run in float64 ({e64}); its reference "
+                            "is float32")
+        return ref
+
+
+def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport,
+                   run: AmpRun) -> None:
+    flags = leaf_flags(record)
+    try:
+        amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
+        eager = _run(record.captured, clone_inputs(inputs, flags),
+                     autocast=(record.device_type, record.dtype))
+    except _GraphRunError as e:
+        report.notes.append(f"graph {record.index} not compared op by op: re-running it on its "
+                            f"recorded inputs fails ({e}); the end-to-end comparison still runs")
+        return
+    ref = _reference(record, inputs, flags, report)
     rewritten = {n.name: n for n in record.rewritten.graph.nodes}
     for node in record.captured.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
-        path, _ = module_of(node)
+        path, _ = run.module_of(record, node)
         new = rewritten.get(node.name)
         e_val = eager[node.name]
         if new is None:
@@ -307,7 +384,7 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
                 Error(math.nan, math.nan), Error(math.nan, math.nan), Error(math.nan, math.nan),
                 "cast removed by fold_casts (value-preserving)", status="folded"))
             continue
-        a_val, r_val = amp[node.name], ref[node.name]
+        a_val, r_val = amp[node.name], ref.get(node.name)
         agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
         report.ops.append(OpComparison(
             record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
@@ -315,7 +392,7 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
 
 
 def _cotangents(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(_SEED + 1)
+    gen = torch.Generator().manual_seed(SEED + 1)
     return [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device) for o in outputs]
 
 
@@ -331,44 +408,50 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
 
 
 def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
-    leaves, _ = tree_flatten(out)
-    ts = [t for t in leaves if isinstance(t, torch.Tensor)]
-    if len(ts) == 1:
-        return [("output", ts[0])]
-    return [(f"output[{i}]", t) for i, t in enumerate(ts)]
+    """``output`` for a lone tensor, else ``output`` with the path: ``output[0]``,
+    ``output['logits']``."""
+    leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(out)[0]
+              if isinstance(t, torch.Tensor)]
+    if len(leaves) == 1:
+        return [("output", leaves[0][1])]
+    return [(f"output{path}", t) for path, t in leaves]
 
 
-def _device_type(model: Any, args: Sequence[Any]) -> str:
-    tensors = [t for t in tree_flatten(list(args))[0] if isinstance(t, torch.Tensor)]
-    if isinstance(model, torch.nn.Module):
-        tensors += list(model.parameters())
-    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+def _loss_and_backward(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, grads: bool
+                       ) -> Any:
+    """amp_fx's run: the loss and backward after the compiled model's forward; returns ``out``."""
+    loss = _loss(out, loss_fn)
+    if grads and loss is not None and loss.requires_grad:
+        loss.backward()
+    return out
 
 
-def _run_end_to_end(model: Any, args: Sequence[Any], *, autocast: tuple[str, torch.dtype] | None,
+def _grads_of(model: Any) -> dict[str, torch.Tensor]:
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype] | None,
                     grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
                     to: torch.dtype | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-    a, _ = copy_args(args, {})
-    if to is not None:
-        a = tuple(x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                  for x in a)
+    """Eager autocast's run (``autocast`` given) or the reference's: the loss ``loss_fn`` gives is
+    computed inside the autocast region, the default projection outside it."""
+    inputs = call.copy(to=to)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_SEED)
+        torch.manual_seed(SEED)
         if autocast is not None:
             with torch.autocast(autocast[0], dtype=autocast[1]):
-                out = model(*a)
+                out = inputs(model)
                 loss = _loss(out, loss_fn) if loss_fn is not None else None
         else:
-            out = model(*a)
+            out = inputs(model)
             loss = _loss(out, loss_fn) if loss_fn is not None else None
         if loss is None:
             loss = _loss(out, None)
         if grads and loss is not None and loss.requires_grad:
             loss.backward()
-    g = {}
-    if isinstance(model, torch.nn.Module):
-        g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return out, g
+    return out, _grads_of(model)
 
 
 def compare(
@@ -379,6 +462,7 @@ def compare(
     backend: str | Backend = "aot_eager",
     grads: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    **kwargs: Any,
 ) -> CompareReport:
     """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
 
@@ -390,40 +474,30 @@ def compare(
 
     Args:
         model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies).
-        *args: example inputs.
+        *args: example inputs, positional.
         dtype: "bf16" or "fp16" (and their aliases).
         policy: amp_fx's policy (differences it makes on purpose are reported as differences).
         backend: the downstream backend amp_fx hands its graphs to.
         grads: also compare the parameters' gradients.
         loss_fn: maps the output to the scalar to differentiate; by default a fixed random
             projection of every floating output. Eager computes it inside the autocast region.
+        **kwargs: example inputs by keyword, as the model takes them
+            (``compare(model, input_ids=ids, labels=labels)``).
 
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
     """
     lower = resolve_dtype(dtype)
-    backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "callable")
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
-    report = CompareReport(dtype=lower, backend=backend_name, exact=exact)
-    run_eager_checked(model_or_fn, args, {}, tool="compare")
-    device_type = _device_type(model_or_fn, args)
+    report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
+    call = Call(args, kwargs)
+    run_eager_checked(model_or_fn, call, tool="compare")
+    device_type = call.device_type(model_or_fn)
 
-    from amp_fx.compile import compile as amp_compile
-    from amp_fx.compile import records
-
-    recorder = InputRecorder(backend)
-    amp_model = private_copy(model_or_fn)
-    with many_recompiles():
-        compiled = amp_compile(amp_model, dtype=lower, policy=policy, backend=recorder)
-        try:
-            amp_out, amp_grads = _run_end_to_end(compiled, args, autocast=None, grads=grads,
-                                                 loss_fn=loss_fn)
-        except (AmpFxError, ValueError):
-            raise
-        except Exception as e:
-            raise amp_failure(e, model_or_fn, args, {}, tool="compare", dtype=lower,
-                              backend=backend if isinstance(backend, str) else None) from e
-    recs = list(records(compiled))
+    run = run_amp(model_or_fn, call, tool="compare", dtype=lower, policy=policy,
+                  downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads))
+    amp_out, amp_grads = run.result, _grads_of(run.compiled)
+    recs, recorder = run.records, run.recorder
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
         report.notes.append("no ops were captured: the function does nothing torch.compile puts "
                             "in a graph, so there is nothing to compare op by op")
@@ -432,19 +506,19 @@ def compare(
         if inputs is None:
             report.notes.append(f"graph {r.index} was compiled but not called; not compared")
             continue
-        _compare_graph(r, inputs, exact, report)
+        _compare_graph(r, inputs, exact, report, run)
     if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype
                         for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
 
-    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), args,
+    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
                                              autocast=(device_type, lower), grads=grads,
                                              loss_fn=loss_fn)
     try:
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):
             ref_model = ref_model.double()
-        ref_out, ref_grads = _run_end_to_end(ref_model, args, autocast=None, grads=grads,
+        ref_out, ref_grads = _run_end_to_end(ref_model, call, autocast=None, grads=grads,
                                              loss_fn=loss_fn, to=torch.float64)
     except Exception as e:
         report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
@@ -453,11 +527,14 @@ def compare(
 
     e_outs, a_outs = _named_outputs(eager_out), _named_outputs(amp_out)
     r_outs = dict(_named_outputs(ref_out)) if ref_out is not None else {}
-    for (name, e), (_, a) in zip(e_outs, a_outs):
-        r = r_outs.get(name)
-        report.outputs.append(ValueComparison(
+    def value(name: str, e: Any, a: Any, r: Any) -> ValueComparison:
+        return ValueComparison(
             name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
+            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
+            _nonfinite(a), _nonfinite(e))
+
+    for (name, e), (_, a) in zip(e_outs, a_outs):
+        report.outputs.append(value(name, e, a, r_outs.get(name)))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
         report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
@@ -468,30 +545,37 @@ def compare(
             if e is None or a is None:
                 report.grads.append(ValueComparison(
                     name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
-                    False, Error(math.inf, math.inf), None, None))
+                    False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
                 continue
-            r = ref_grads.get(name)
-            report.grads.append(ValueComparison(
-                name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-                _error(a, r) if r is not None else None, _error(e, r) if r is not None else None))
-    _explain_cross_graph_grads(report, recs)
+            report.grads.append(value(name, e, a, ref_grads.get(name)))
+        if not report.grads:
+            why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
+                   if not isinstance(model_or_fn, torch.nn.Module) else
+                   "no parameter got a gradient (no floating output requires grad, or loss_fn "
+                   "does not depend on the parameters)")
+            message = (f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass "
+                       "grads=False to compare outputs only")
+            report.notes.append(message.removeprefix("amp_fx.compare: "))
+            did_less(("compare", "no grads", why), message)
+    _explain_cross_graph_grads(report, [run.labels(r) for r in recs], recs)
     return report
 
 
-def _explain_cross_graph_grads(report: CompareReport, recs: Sequence[GraphRecord]) -> None:
+def _explain_cross_graph_grads(report: CompareReport, labels: Sequence[dict[str, str]],
+                               recs: Sequence[GraphRecord]) -> None:
     """Name the known cause of a gradient difference when every op agrees: a weight used in
     several graphs (on both sides of a graph break)."""
     if not all(o.agree for o in report.ops):
         return
     graphs_of: dict[str, list[int]] = {}
-    for r in recs:
-        for label in input_labels(r).values():
+    for r, names in zip(recs, labels):
+        for label in names.values():
             graphs_of.setdefault(label, []).append(r.index)
     for g in report.grads:
         where = graphs_of.get(g.name, [])
         if not g.agree and len(where) > 1:
             report.notes.append(
                 f"{g.name} is used in graphs {', '.join(map(str, where))} (a graph break between "
-                f"its uses): eager autocast casts it to {short_dtype(report.dtype)} once for the "
+                f"its uses): eager autocast casts it to {dtype_name(report.dtype)} once for the "
                 "whole autocast region and sums its uses' gradients in that dtype; amp_fx casts "
                 "it once per graph, so the sum is in fp32 (compare the reference columns)")

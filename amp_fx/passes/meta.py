@@ -1,0 +1,48 @@
+"""The node-metadata keys amp_fx writes on FX nodes: one home, with who writes and who reads each.
+
+Passes record their decisions on the nodes they touch (habit 5 of STYLE.md: decisions are
+recorded where they are made), and the inspection tools read those records instead of
+recomputing them. Use these names, never the raw strings.
+
+=====================  ==============================  ==========================================
+key                    written by                      read by
+=====================  ==============================  ==========================================
+``AUTOCAST_DTYPE``     capture, every tensor node:     insert_casts (``autocast_mismatches``),
+                       the dtype eager autocast gives  inspection tools
+                       the value
+``LEAF``               capture, every placeholder:     insert_casts (which casts are shared, as
+                       a leaf tensor that requires     eager autocast's cast cache shares them),
+                       grad                            the probes of find_nonfinite
+``DECISION``           insert_casts, every ATen op:    explain, compare, find_nonfinite
+                       :class:`amp_fx.policy.Decision`
+``CAST``               insert_casts, every cast it     insert_casts (not re-decided), explain,
+                       inserts: ``CAST_INSERTED``      find_nonfinite
+``CAST_REASON``        insert_casts, every cast it     explain
+                       inserts: the decision's reason
+``CACHED``             insert_casts, every cast it     the backend (a weight split by a graph
+                       inserts: shared by all uses     break is logged)
+                       of a leaf (cast cache)
+``FOLDED``             fold_casts, the node that       explain, the graph drawing
+                       stands for folded casts: rule
+                       names, in order
+=====================  ==============================  ==========================================
+
+Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
+it wherever dtypes change), ``nn_module_stack`` (the backend rewrites its paths to names under the
+compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by capture).
+"""
+
+from __future__ import annotations
+
+__all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
+           "FOLDED"]
+
+AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
+LEAF = "amp_fx_leaf"
+DECISION = "amp_fx_decision"
+CAST = "amp_fx_cast"
+CAST_INSERTED = "inserted"
+"""The value of ``CAST`` on casts amp_fx inserted (casts the model wrote itself have no ``CAST``)."""
+CAST_REASON = "amp_fx_cast_reason"
+CACHED = "amp_fx_cached"
+FOLDED = "amp_fx_folded"
