@@ -60,6 +60,7 @@ import enum
 import inspect
 import logging
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from amp_fx._backends import resolve_backend
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
@@ -145,14 +147,7 @@ class _CountingBackend:
     """A torch.compile backend that delegates and counts the graphs it compiles."""
 
     def __init__(self, backend: str | Backend) -> None:
-        if callable(backend):
-            self._inner: Backend = backend
-        elif backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            self._inner = compile_fx
-        else:
-            self._inner = torch._dynamo.lookup_backend(backend)
+        self._inner: Backend = resolve_backend(backend)
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -186,7 +181,7 @@ class CompiledStep:
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
         self._forward = amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
-                                    backend=backend, dynamic=dynamic)
+                                    backend=backend, dynamic=dynamic, strict=strict)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
@@ -479,8 +474,12 @@ def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
     in_opt = {id(p) for p in unique_params(optimizer)}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
     if missing:
-        logger.warning("amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
-                       "gradients: %s", missing[:5])
+        # The user's own setup, not something amp_fx left undone: a UserWarning, never strict.
+        # stacklevel 3: the caller of compile_step.
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        warnings.warn(f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
+                      f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
+                      "optimizer or set requires_grad=False", UserWarning, stacklevel=3)
 
 
 def compile_step(
