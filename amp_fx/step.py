@@ -458,10 +458,10 @@ def _check_loss(loss: object) -> None:
     raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}{hint}")
 
 
-def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
+def _default_scaler(dtype: torch.dtype, device: torch.device, strict: bool | None) -> GradScaler:
     if dtype == torch.bfloat16:
-        return GradScaler(device.type, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED)
-    return GradScaler(device.type, step_mode=StepMode.MASKED)
+        return GradScaler(device.type, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED, strict=strict)
+    return GradScaler(device.type, step_mode=StepMode.MASKED, strict=strict)
 
 
 def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -533,7 +533,8 @@ def compile_step(
             shapes; a batch shape that changes recompiles once, then runs dynamic).
         strict: turn each warning that the step did less than asked (an ``AmpFxWarning``: the
             optimizer step running eagerly because a hyperparameter is scheduled, the optimizer
-            part recompiling) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
+            part recompiling, the forward's policy and graph reports, the default scaler's host
+            reads) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
             variable decides.
 
     Example:
@@ -561,7 +562,7 @@ def compile_step(
         raise ValueError(f"amp_fx.compile_step: parameters on several devices {sorted(map(str, devices))} "
                          "are not supported")
     if scaler is None:
-        scaler = _default_scaler(lower, params[0].device)
+        scaler = _default_scaler(lower, params[0].device, strict)
     elif not isinstance(scaler, GradScaler):
         raise TypeError("amp_fx.compile_step: scaler must be an amp_fx GradScaler; to continue from a "
                         "torch.amp.GradScaler, load its state: s = amp_fx.scaler.GradScaler('cpu'); "
