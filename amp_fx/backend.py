@@ -123,8 +123,14 @@ class AmpBackend:
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
-        (Dynamo keeps separate cache entries per backend object)."""
-        return copy.copy(self)
+        (Dynamo keeps separate cache entries per backend object).
+
+        A sibling compiles another entry point (another leaf pattern, hooks or not), whose graphs
+        repeat the model's whole forward: a weight in its graphs and in the first backend's is
+        not split by a graph break, so it tracks the frames that cast each weight on its own."""
+        other = copy.copy(self)
+        other._cached_leaf_frames = {}
+        return other
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
         """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""
