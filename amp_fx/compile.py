@@ -13,6 +13,7 @@ import torch._inductor
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._devices import autocast_device_type, check_supported
+from amp_fx._dist.capture import distributed_units, unit_call
 from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
@@ -126,7 +127,11 @@ class AmpCompiledModule(torch.nn.Module):
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
         self.__dict__["_amp_fx_compile_kwargs"] = dict(compile_kwargs)
-        self.__dict__["_amp_fx_forward"] = _amp_call(module, backend, compile_kwargs)
+        units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
+        self.__dict__["_amp_fx_forward"] = (
+            _amp_call(module, backend, compile_kwargs) if units is None
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype,
+                           backend.policy))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:

@@ -69,6 +69,7 @@ import torch
 import torch._dynamo
 
 from amp_fx._backends import resolve_backend
+from amp_fx._dist.step import distributed_forward, refuse_distributed_step
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
@@ -180,8 +181,11 @@ class CompiledStep:
         self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
-        self._forward = amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
-                                    backend=backend, dynamic=dynamic, strict=strict)
+        self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
+            self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
+                                                      dynamic=dynamic, strict=strict),
+        ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
+                         backend=backend, dynamic=dynamic, strict=strict)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
@@ -546,6 +550,7 @@ def compile_step(
     lower = resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
+    refuse_distributed_step(model)  # FSDP2: a clear error instead of Dynamo's
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -42,6 +42,7 @@ from typing import Any, cast, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
+from amp_fx._dist.found_inf import ShardedGrads
 from amp_fx._report import Reporter
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
 from amp_fx.scaler import rules
@@ -386,6 +387,7 @@ class GradScaler(torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        sharded = ShardedGrads()  # FSDP2: DTensor grads are unscaled through their local shard
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -405,12 +407,15 @@ class GradScaler(torch.amp.GradScaler):
                         to_unscale = param.grad._values()
                     else:
                         to_unscale = param.grad
+                    to_unscale = sharded.local(to_unscale)
                     per_device_grads[to_unscale.device].append(to_unscale)
 
             for device, grads in per_device_grads.items():
                 unscale_check_any_dtype_(
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                 )
+            # Sharded grads: one all-reduce of the flag across ranks; replicated: none.
+            sharded.combine_found_inf_(per_device_found_inf._per_device_tensors, inv_scale)
 
         return per_device_found_inf._per_device_tensors
 

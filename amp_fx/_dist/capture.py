@@ -1,0 +1,184 @@
+"""Capturing graphs of models wrapped by DDP or sharded by FSDP2.
+
+Why ``torch.compile`` of such a model can capture nothing (torch 2.13, checked with gloo on CPU):
+
+* ``DistributedDataParallel.forward`` calls the wrapped module inside ``_inside_ddp_forward``,
+  which torch marks ``_disable_dynamo``: Dynamo gives up on the frame there and the wrapped
+  module's forward runs as a frame of its own. When that module is a ``torch.nn`` class
+  (``nn.Sequential``, ``nn.Linear``) Dynamo never starts a frame in it, so nothing is captured
+  and the model runs as eager autocast. A user-defined module class is captured.
+* ``fully_shard`` puts its all-gather and reshard in module hooks that are ``_dynamo_disable``-d,
+  so Dynamo breaks at every sharded module's call. A ``torch.nn`` root (``nn.Sequential``) or
+  ``torch.nn`` layers are again never captured.
+
+What amp_fx does instead (the pattern torch's own FSDP2 recipes use: compile each sharded unit,
+run the hooks eagerly): the wrapper's ``__call__`` runs eagerly, so DDP's reducer and FSDP2's
+hooks do exactly what they do without amp_fx, and the ``forward`` of each *unit* is compiled:
+for DDP the wrapped module, for FSDP2 every module ``fully_shard`` was applied to, plus the root.
+During the call each unit's ``forward`` is replaced, on the instance and only for the duration
+of the call, by the compiled one; the model is left as it was. All units of one model share one
+compiled function (so units of one class share Dynamo cache entries) and one record list.
+
+Under DDP the compiled forward runs inside ``_inside_ddp_forward``, so Dynamo's DDPOptimizer
+splits the graph at DDP's bucket boundaries, exactly as for ``DDP(torch.compile(m))``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from amp_fx._report import did_less
+from amp_fx.policy import Policy
+
+__all__ = ["distributed_units", "unit_call"]
+
+
+def _fsdp_module_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch builds without FSDP2
+        return None
+    return FSDPModule
+
+
+def _is_ddp(module: torch.nn.Module) -> bool:
+    return (torch.distributed.is_available()
+            and isinstance(module, torch.nn.parallel.DistributedDataParallel))
+
+
+def distributed_units(module: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The modules whose ``forward`` amp_fx compiles, or None for a model without DDP/FSDP2.
+
+    DDP: the wrapped module (``ddp.module``). FSDP2: every module that ``fully_shard`` was
+    applied to, and the root, in ``named_modules`` order (root first).
+    """
+    if _is_ddp(module):
+        return [module.module]
+    fsdp = _fsdp_module_type()
+    if fsdp is None:
+        return None
+    sharded = [m for m in module.modules() if isinstance(m, fsdp)]
+    if not sharded:
+        return None
+    return sharded if sharded[0] is module else [module, *sharded]
+
+
+def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _fresh_unit_forward() -> Callable[..., Any]:
+    """A copy of ``_unit_forward`` with its own code object.
+
+    Dynamo keeps its cache entries (at most ``recompile_limit``) on the code object; a copy per
+    compiled model keeps one model's units from using up another's entries.
+    """
+    code = _unit_forward.__code__
+    code = code.replace(co_varnames=code.co_varnames)
+    fn = types.FunctionType(code, _unit_forward.__globals__, _unit_forward.__name__)
+    fn.__qualname__ = _unit_forward.__qualname__
+    return fn
+
+
+@contextmanager
+def _forwards_replaced(units: list[torch.nn.Module], compiled: Callable[..., Any]) -> Iterator[None]:
+    saved = [u.__dict__.get("forward") for u in units]
+    for u in units:
+        u.__dict__["forward"] = functools.partial(compiled, u)
+    try:
+        yield
+    finally:
+        for u, old in zip(units, saved):
+            if old is None:
+                u.__dict__.pop("forward", None)
+            else:
+                u.__dict__["forward"] = old
+
+
+def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
+              compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
+              dtype: torch.dtype, policy: Policy) -> Callable[..., Any]:
+    """The forward of a compiled DDP/FSDP2 model: ``module.__call__`` eagerly, units compiled.
+
+    ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
+    call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
+    unwrapped); it is called once, so every unit of the model shares it.
+    """
+    _check_fsdp_mixed_precision(units, dtype)
+    _report_unapplied_names(module, policy)
+    compiled = compile_fn(_fresh_unit_forward())
+    device_type = _device_type(module)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _forwards_replaced(units, compiled):
+            # The ambient autocast covers what runs between the units (DDP's and FSDP2's
+            # hooks, and code Dynamo leaves to eager) exactly as eager autocast would.
+            with torch.autocast(device_type, dtype=dtype):
+                return module(*args, **kwargs)
+
+    return call
+
+
+def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype) -> None:
+    """How FSDP2's ``MixedPrecisionPolicy`` composes with amp_fx: FSDP2 casts storage and
+    communication, amp_fx casts compute.
+
+    * ``param_dtype=None`` (or float32): parameters are gathered in fp32 and amp_fx casts them
+      for each op as eager autocast does.
+    * ``param_dtype`` equal to amp_fx's dtype: parameters are gathered already in low precision
+      (half the all-gather bytes); amp_fx's casts of them fold away, and ops autocast runs in
+      fp32 still get fp32 inputs. Bitwise with eager FSDP2 + the same policy + autocast.
+    * any other ``param_dtype`` is refused: every weight would be rounded to one low-precision
+      format by FSDP2 and then to the other by the autocast policy.
+
+    ``reduce_dtype`` and ``output_dtype`` are FSDP2's business and compose unchanged.
+    """
+    fsdp = _fsdp_module_type()
+    if fsdp is None:
+        return
+    for unit in units:
+        if not isinstance(unit, fsdp):
+            continue
+        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]
+        if param_dtype in (None, torch.float32, dtype):
+            continue
+        raise ValueError(
+            f"amp_fx: {type(unit).__name__} was sharded with MixedPrecisionPolicy(param_dtype="
+            f"{param_dtype}) but amp_fx.compile was given dtype={dtype}: each weight would be "
+            f"rounded to {param_dtype} by FSDP2, then to {dtype} by the autocast policy. Use "
+            f"param_dtype={dtype} (low-precision all-gather) or param_dtype=None (fp32 storage, "
+            "amp_fx casts for compute)")
+
+
+def _report_unapplied_names(module: torch.nn.Module, policy: Policy) -> None:
+    """Policy.keep_fp32 entries given by name are not applied inside the units yet.
+
+    Each unit's graphs see module paths relative to the unit, not to the model the user passed,
+    so a name such as ``"module.head"`` would silently match nothing. Entries given by module
+    type, and op overrides, are applied as usual.
+    """
+    names = [s for s in policy.keep_fp32 if isinstance(s, str)]
+    if not names:
+        return
+    fix = ("compile the wrapped module instead, DDP(amp_fx.compile(model, policy=...)), with names "
+           "relative to it" if _is_ddp(module) else
+           "select the modules by type instead, e.g. keep_fp32=(torch.nn.LayerNorm,)")
+    did_less(("keep_fp32 names under DDP/FSDP2", id(module)),
+             f"amp_fx: Policy.keep_fp32 names {names} are not applied to a model wrapped in DDP or "
+             f"sharded with FSDP2: amp_fx compiles each wrapped/sharded unit separately and does not "
+             f"map names onto the units yet, so these modules would run in low precision; {fix}")
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    for t in module.parameters():
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return "cuda" if local.is_cuda else "cpu"
+    return "cpu"

@@ -1,0 +1,53 @@
+"""Launch gloo ranks on one machine, for the distributed tests and benchmarks.
+
+``run_ranks(fn, *args)`` starts ``world_size`` processes (``torch.multiprocessing.spawn``), each
+joining a gloo process group on 127.0.0.1 at a free port, runs ``fn(rank, world_size, *args)``
+and returns what each rank returned (anything ``torch.save`` can write), rank 0 first. An
+exception in a rank is raised in the caller with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str,
+               fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # One thread per rank: the ranks share the machine's cores with each other.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo ranks; their return values."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args),
+                 nprocs=world_size, join=True)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]

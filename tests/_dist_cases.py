@@ -1,0 +1,426 @@
+"""What each rank runs for tests/test_distributed_*.py (imported by the spawned ranks by name).
+
+Every function here is ``fn(rank, world_size, ...) -> dict`` for ``amp_fx._dist.testing.run_ranks``
+and returns tensors; the comparisons (bitwise against the eager reference, equal across ranks)
+happen in the test process, so a failure is an ordinary pytest assertion.
+
+One training recipe, run by the reference (eager DDP or FSDP2 + ``torch.autocast`` + torch's
+scaler) and by amp_fx (compiled model + ``amp_fx.GradScaler``) alike: SGD with momentum, MSE
+loss in fp32, ``growth_interval=2`` so the scale grows as well as backs off, and overflows
+planted at fixed steps (see ``_plant_batch`` and ``_plant_grad``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+STEPS = 8
+# (step, rank) pairs whose batch gets a non-finite element, so only that rank's local loss
+# and gradients are non-finite before the gradients are reduced.
+INF_BATCH = {(2, 1): math.inf, (5, 0): math.nan}
+# (step, rank): an inf written into one element of the rank's *local shard* of the first
+# layer's weight gradient, after backward. With sharded gradients no other rank sees it.
+INF_GRAD = {(3, 0)}
+
+
+class TwoLayer(nn.Module):
+    """A user-defined module (Dynamo starts frames in it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def make_model(kind: str) -> nn.Module:
+    """The same initial weights on every rank and in every run."""
+    torch.manual_seed(0)
+    if kind == "seq":  # torch.nn classes only: Dynamo starts no frame in them
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return TwoLayer()
+
+
+def _batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randn(4, 8, generator=g)
+    y = torch.randn(4, 4, generator=g)
+    bad = INF_BATCH.get((step, rank))
+    if bad is not None and micro == 0:  # with accumulation: inside the no-sync part of the window
+        x[0, 0] = bad
+    return x, y
+
+
+def _plant_grad(model: nn.Module, rank: int, step: int) -> None:
+    if (step, rank) not in INF_GRAD:
+        return
+    grad = next(model.parameters()).grad
+    local = grad._local_tensor if hasattr(grad, "_local_tensor") else grad
+    with torch.no_grad():
+        local.view(-1)[0] = math.inf
+
+
+def _scale_of(scaler: Any) -> torch.Tensor:
+    return scaler._scale.detach().clone().reshape(())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
+           rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
+           accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
+           clip: float | None = None, opt: Any = None, steps: range = range(STEPS)) -> dict[str, Any]:
+    """Optimizer steps ``steps`` of ``accumulate`` micro-batches each; all but the last
+    micro-batch of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's
+    set_requires_gradient_sync). ``opt``: SGD with momentum unless given."""
+    opt = opt if opt is not None else _sgd(model)
+    losses, scales, norms = [], [], []
+    for step in steps:
+        for micro in range(accumulate):
+            x, y = _batch(rank, step, micro)
+            sync = micro == accumulate - 1
+            ctx = contextlib.nullcontext() if sync or no_sync is None else no_sync()
+            with ctx:
+                if autocast_dtype is None:
+                    loss = F.mse_loss(forward(x).float(), y)
+                else:
+                    with torch.autocast("cpu", dtype=autocast_dtype):
+                        loss = F.mse_loss(forward(x).float(), y)
+                scaler.scale(loss / accumulate).backward()
+            losses.append(loss.detach().clone())
+        if plant_grads:
+            _plant_grad(model, rank, step)
+        if clip is not None:
+            scaler.unscale_(opt)
+            norms.append(_local(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(_scale_of(scaler))
+    out = {"losses": torch.stack(losses), "scales": torch.stack(scales),
+           "params": [_local(p) for p in model.parameters()]}
+    if norms:
+        out["norms"] = torch.stack(norms)
+    return out
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _linears_captured(compiled: Any) -> int:
+    return sum(1 for r in amp_fx.records(compiled) for n in r.captured.graph.nodes
+               if n.target is torch.ops.aten.linear.default)
+
+
+RECIPES = {
+    "plain": {},
+    # Two micro-batches per step (the first under no-sync), clipping to a global norm of 1.
+    "accum_clip": {"accumulate": 2, "clip": 1.0},
+}
+
+
+# ----------------------------------------------------------------------------------------- DDP
+def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
+            recipe: str = "plain") -> dict[str, Any]:
+    """``form``: "eager" (DDP + autocast + torch.amp.GradScaler), "inner" (DDP(amp_fx.compile(m))),
+    "outer" (amp_fx.compile(DDP(m))); both amp_fx forms with amp_fx.GradScaler."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    low = DTYPES[dtype]
+    model = make_model(kind)
+    options = RECIPES[recipe]
+    if form == "eager":
+        ddp = DDP(model)
+        out = _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, low,
+                     plant_grads=False, no_sync=ddp.no_sync, **options)
+        out["linears"] = 0
+        return out
+    if form == "inner":
+        compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+        wrapped: Any = DDP(compiled)
+    else:
+        wrapped = compiled = amp_fx.compile(DDP(model), dtype=dtype, backend="aot_eager")
+    collectives = _CountAllReduce()
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2)
+    with collectives.in_scaler(scaler):
+        out = _train(model, wrapped, scaler, rank, None, plant_grads=False,
+                     no_sync=wrapped.no_sync, **options)
+    out["linears"] = _linears_captured(compiled)
+    out["scaler_collectives"] = collectives.count
+    return out
+
+
+# ---------------------------------------------------------------------------------------- FSDP2
+def _shard(model: nn.Module, mp_policy: Any = None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
+    """FSDP2's equivalent of DDP's no_sync: no reduce-scatter of the gradients."""
+    @contextlib.contextmanager
+    def no_sync() -> Any:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    return no_sync
+
+
+def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
+             param_dtype: str | None = None, recipe: str = "plain") -> dict[str, Any]:
+    """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
+    (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
+    MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    low = DTYPES[dtype]
+    mp = None if param_dtype is None else MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    model = _shard(make_model(kind), mp)
+    options = RECIPES[recipe]
+    if form == "eager":
+        out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
+                     plant_grads=True, no_sync=_fsdp_no_sync(model), **options)
+        out["linears"] = 0
+        return out
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+    collectives = _CountAllReduce()
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2)
+    with collectives.in_scaler(scaler):
+        out = _train(model, compiled, scaler, rank, None, plant_grads=True,
+                     no_sync=_fsdp_no_sync(model), **options)
+    out["linears"] = _linears_captured(compiled)
+    out["scaler_collectives"] = collectives.count
+    return out
+
+
+def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    """amp_fx on FSDP2, fp16: 8 steps straight, against 4 steps, a torch.distributed.checkpoint
+    save (model and optimizer as sharded state dicts, the scaler's state as an object), a fresh
+    model/optimizer/scaler loading it, and 4 more steps. Overflows as in the other runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+        model = _shard(make_model("seq"))
+        compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager")
+        return model, compiled, _sgd(model), amp_fx.GradScaler("cpu", growth_interval=2)
+
+    def run(parts: tuple[Any, ...], steps: range) -> dict[str, Any]:
+        model, compiled, opt, scaler = parts
+        return _train(model, compiled, scaler, rank, None, plant_grads=True, opt=opt, steps=steps)
+
+    straight = run(build(), range(STEPS))
+    first = build()
+    head = run(first, range(STEPS // 2))
+    model_sd, optim_sd = get_state_dict(first[0], first[2])
+    dcp.save({"model": model_sd, "optim": optim_sd, "scaler": first[3].state_dict()},
+             checkpoint_id=checkpoint_dir)
+    second = build()
+    model_sd, optim_sd = get_state_dict(second[0], second[2])
+    state = {"model": model_sd, "optim": optim_sd, "scaler": second[3].state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    set_state_dict(second[0], second[2], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    second[3].load_state_dict(state["scaler"])
+    tail = run(second, range(STEPS // 2, STEPS))
+    resumed = {"losses": torch.cat([head["losses"], tail["losses"]]),
+               "scales": torch.cat([head["scales"], tail["scales"]]), "params": tail["params"]}
+    return {"straight": straight, "resumed": resumed}
+
+
+def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
+    """``amp_fx.compile_step(DDP(model), ...)``, fp16, the same recipe as ``ddp_run``'s eager form
+    (accumulation windows under no_sync, clipping with clip_grad_norm_'s formula). Counts host
+    reads and newly compiled graphs from step 2 on (step 0 is the eager warm-up)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from amp_fx.testing import HostSyncCounter
+
+    model = make_model("seq")
+    options = RECIPES[recipe]
+    accumulate = options.get("accumulate", 1)
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+    step = amp_fx.compile_step(DDP(model), _sgd(model), lambda out, y: F.mse_loss(out.float(), y),
+                               dtype="fp16", scaler=scaler, max_grad_norm=options.get("clip"),
+                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
+    losses, scales, host_reads, graphs_after_warm_up = [], [], 0, 0
+    for i in range(STEPS):
+        counter = HostSyncCounter()
+        graphs = step.graphs_compiled
+        with counter:
+            for micro in range(accumulate):
+                losses.append(step(*_batch(rank, i, micro)).detach().clone())
+        if i >= 2:
+            host_reads += counter.count
+            graphs_after_warm_up += step.graphs_compiled - graphs
+        scales.append(_scale_of(scaler))
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
+            "params": [_local(p) for p in model.parameters()], "host_reads": host_reads,
+            "graphs_after_warm_up": graphs_after_warm_up, "linears": _linears_captured(step._forward)}
+
+
+def keep_fp32_names_report(wrap: Callable[[nn.Module], nn.Module], name: str) -> dict[str, Any]:
+    """What amp_fx.compile says about Policy.keep_fp32 names on a DDP/FSDP2 model: the warning,
+    the strict-mode error, and (negative twin) no warning for an entry given by type."""
+    import warnings
+
+    from amp_fx import AmpFxError, AmpFxWarning
+
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(nn.ReLU,)))
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]
+    import os
+
+    os.environ["AMP_FX_STRICT"] = "1"  # strict mode for the whole process, as a test suite sets it
+    try:
+        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
+        out["strict"] = ""
+    except AmpFxError as e:
+        out["strict"] = str(e)
+    finally:
+        del os.environ["AMP_FX_STRICT"]
+    return out
+
+
+def compile_step_error(model: nn.Module) -> str:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        amp_fx.compile_step(model, opt, F.mse_loss, dtype="fp16", backend="aot_eager")
+    except NotImplementedError as e:
+        return str(e)
+    return ""
+
+
+class _CountAllReduce:
+    """Counts ``dist.all_reduce`` calls made inside the scaler's methods (unscale_, step, update)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def in_scaler(self, scaler: Any) -> Any:
+        import contextlib
+
+        counter = self
+        real = dist.all_reduce
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            counter.count += 1
+            return real(*args, **kwargs)
+
+        def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                dist.all_reduce = counting
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    dist.all_reduce = real
+            return inner
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            for name in ("unscale_", "step", "update"):
+                setattr(scaler, name, wrap(getattr(scaler, name)))
+            yield
+
+        return ctx()
+
+
+# --------------------------------------------------------------------------- one spawn per file
+# Starting ranks costs seconds (imports, process group); each test file spawns once and runs
+# every case in it, keyed by its parameters. torch._dynamo.reset() between cases: every case
+# compiles from scratch, as in a fresh process.
+def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
+    for dtype in DTYPES:
+        for kind, form in (("seq", "eager"), ("seq", "inner"), ("seq", "outer"), ("custom", "outer")):
+            torch._dynamo.reset()
+            results[(dtype, kind, form)] = ddp_run(rank, world_size, dtype, kind, form)
+    results[("fp16", "seq", "eager", "plain")] = results[("fp16", "seq", "eager")]
+    for form in ("eager", "inner", "outer"):
+        torch._dynamo.reset()
+        results[("fp16", "seq", form, "accum_clip")] = ddp_run(
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+    for recipe in RECIPES:
+        torch._dynamo.reset()
+        results[("fp16", "seq", "step", recipe)] = ddp_step_run(rank, world_size, recipe)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results["keep_fp32_names"] = keep_fp32_names_report(DDP, "module.2")
+    # The form the warning names: names relative to the compiled module apply.
+    inner = DDP(amp_fx.compile(make_model("seq"), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=("2",))))
+    results["inner_keep_fp32_dtype"] = inner(torch.randn(2, 8)).dtype
+    return results
+
+
+def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
+    for dtype in DTYPES:
+        for kind, form in (("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")):
+            torch._dynamo.reset()
+            results[(dtype, kind, form)] = fsdp_run(rank, world_size, dtype, kind, form)
+    # FSDP2's MixedPrecisionPolicy with param_dtype equal to the compute dtype.
+    for dtype in DTYPES:
+        for form in ("eager", "amp_fx"):
+            torch._dynamo.reset()
+            results[(dtype, "seq", form, "param_dtype")] = fsdp_run(
+                rank, world_size, dtype, "seq", form, param_dtype=dtype)
+    results["mismatch_error"] = _mismatched_param_dtype_error()
+    for form in ("eager", "amp_fx"):
+        torch._dynamo.reset()
+        results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+    results["compile_step_error"] = compile_step_error(_shard(make_model("seq")))
+    results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
+    torch._dynamo.reset()
+    results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
+    # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
+    # shard is seen by rank 0 only.
+    from amp_fx._dist import found_inf
+
+    torch._dynamo.reset()
+    real = found_inf.ShardedGrads.combine_found_inf_
+    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale: None
+    try:
+        results[("fp16", "seq", "amp_fx", "no_combine")] = fsdp_run(rank, world_size, "fp16", "seq", "amp_fx")
+    finally:
+        found_inf.ShardedGrads.combine_found_inf_ = real
+    return results
+
+
+def _mismatched_param_dtype_error() -> str:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _shard(make_model("seq"), MixedPrecisionPolicy(param_dtype=torch.float16))
+    try:
+        amp_fx.compile(model, dtype="bf16", backend="aot_eager")
+    except ValueError as e:
+        return str(e)
+    return ""
