@@ -9,6 +9,7 @@ a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import logging
@@ -123,8 +124,14 @@ class AmpBackend:
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
-        (Dynamo keeps separate cache entries per backend object)."""
-        return copy.copy(self)
+        (Dynamo keeps separate cache entries per backend object).
+
+        A sibling compiles another entry point (another leaf pattern, hooks or not), whose graphs
+        repeat the model's whole forward: a weight in its graphs and in the first backend's is
+        not split by a graph break, so it tracks the frames that cast each weight on its own."""
+        other = copy.copy(self)
+        other._cached_leaf_frames = {}
+        return other
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
         """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""
@@ -166,7 +173,7 @@ class AmpBackend:
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
-            self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
+            self._report_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
             compiled = self._downstream(record.rewritten, example_inputs)
         runs = self.runs
 
@@ -182,11 +189,13 @@ class AmpBackend:
         return run_without_autocast
 
 
-    def _warn_on_leaf_casts_split_by_graph_breaks(
+    def _report_leaf_casts_split_by_graph_breaks(
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         names: _RootNames,
     ) -> None:
-        """Warn once per weight whose uses a graph break splits (see README, Known differences).
+        """Report once per weight whose uses a graph break splits (see README, Known differences):
+        an ``AmpFxWarning`` through the owner's reporter (an error in strict mode), unless the
+        caller notes splits itself (:func:`splits_noted_by_caller`).
 
         Eager autocast casts such a weight once per forward and its uses' gradients add up in the
         low dtype; each graph here casts it itself, so they add up in fp32. Recompiles of one
@@ -210,11 +219,16 @@ class AmpBackend:
             frames.add(frame)
             if seen == 1 and len(frames) == 2:
                 name = names.tensor_name(tensor) or _source_name(theirs[i])
-                log.warning(
-                    "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
-                    "itself, so its gradient contributions add up in fp32 where eager autocast adds "
-                    "them in %s (more accurate, not bitwise)", name,
-                    dtype_name(self.dtype), dtype_name(self.dtype))
+                low = dtype_name(self.dtype)
+                if _SPLITS_NOTED_BY_CALLER.get():
+                    log.debug("amp_fx: %s is used on both sides of a graph break", name)
+                else:
+                    self.reporter.did_less(("used across a graph break", name), (
+                        f"amp_fx: {name} is used on both sides of a graph break; each graph casts it "
+                        f"to {low} itself, so its gradient contributions add up in fp32 where eager "
+                        f"autocast adds them in {low} (more accurate, not bitwise). Remove the graph "
+                        f"break (TORCH_LOGS=graph_breaks says where it is) to match eager autocast bit "
+                        f"for bit."))
 
 
     # --- what was asked against what was done ------------------------------------------------
@@ -485,6 +499,25 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
 )
 """What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
+
+
+_SPLITS_NOTED_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "amp_fx_splits_noted_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def splits_noted_by_caller() -> Iterator[None]:
+    """Inside: a weight used on both sides of a graph break is not reported by the backend.
+
+    For the inspection tools, which compile a private copy to show how amp_fx differs from
+    eager autocast: the difference is what they report (``compare`` names such weights in its
+    notes), not a shortfall of the user's compiled model, so strict mode must not fail them.
+    """
+    token = _SPLITS_NOTED_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _SPLITS_NOTED_BY_CALLER.reset(token)
 
 
 @contextlib.contextmanager

@@ -227,7 +227,8 @@ def compile(
             amp_fx rewrites each captured graph, then hands it on.
         fold: run the value-preserving cast-folding pass.
         strict: raise :class:`AmpFxError` where amp_fx would warn that it did less than asked
-            (a call that ran no graph, a policy entry that matched no op). ``None`` reads the
+            (a call that ran no graph, a policy entry that matched no op, a weight used on both
+            sides of a graph break, whose gradient then differs from eager's). ``None`` reads the
             ``AMP_FX_STRICT`` environment variable when ``compile`` is called.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
