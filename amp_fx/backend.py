@@ -9,9 +9,11 @@ a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import logging
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -127,8 +129,14 @@ class AmpBackend:
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
-        (Dynamo keeps separate cache entries per backend object)."""
-        return copy.copy(self)
+        (Dynamo keeps separate cache entries per backend object).
+
+        A sibling compiles another entry point (another leaf pattern, hooks or not), whose graphs
+        repeat the model's whole forward: a weight in its graphs and in the first backend's is
+        not split by a graph break, so it tracks the frames that cast each weight on its own."""
+        other = copy.copy(self)
+        other._cached_leaf_frames = {}
+        return other
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
         """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""
@@ -175,7 +183,7 @@ class AmpBackend:
             if self.weight_cache is not None:
                 graph, inputs, lifted = lift_weight_casts(graph, inputs)
             else:
-                self._warn_on_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
+                self._report_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
             compiled = self._downstream(graph, inputs)
             if self.weight_cache is not None:
                 compiled = self.weight_cache.wrap(compiled, lifted)
@@ -193,11 +201,13 @@ class AmpBackend:
         return run_without_autocast
 
 
-    def _warn_on_leaf_casts_split_by_graph_breaks(
+    def _report_leaf_casts_split_by_graph_breaks(
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         names: _RootNames,
     ) -> None:
-        """Warn once per weight whose uses a graph break splits (see README, Known differences).
+        """Report once per weight whose uses a graph break splits (see README, Known differences):
+        an ``AmpFxWarning`` through the owner's reporter (an error in strict mode), unless the
+        caller notes splits itself (:func:`splits_noted_by_caller`).
 
         Eager autocast casts such a weight once per forward and its uses' gradients add up in the
         low dtype; each graph here casts it itself, so they add up in fp32. Recompiles of one
@@ -221,12 +231,16 @@ class AmpBackend:
             frames.add(frame)
             if seen == 1 and len(frames) == 2:
                 name = names.tensor_name(tensor) or _source_name(theirs[i])
-                log.warning(
-                    "amp_fx: %s is used on both sides of a graph break; each graph casts it to %s "
-                    "itself, so its gradient contributions add up in fp32 where eager autocast adds "
-                    "them in %s (more accurate, not bitwise; amp_fx.compile(..., weight_cache=True) shares one "
-                    "cast across graphs and is bitwise)", name,
-                    dtype_name(self.dtype), dtype_name(self.dtype))
+                low = dtype_name(self.dtype)
+                if _SPLITS_NOTED_BY_CALLER.get():
+                    log.debug("amp_fx: %s is used on both sides of a graph break", name)
+                else:
+                    self.reporter.did_less(("used across a graph break", name), (
+                        f"amp_fx: {name} is used on both sides of a graph break; each graph casts it "
+                        f"to {low} itself, so its gradient contributions add up in fp32 where eager "
+                        f"autocast adds them in {low} (more accurate, not bitwise). Remove the graph "
+                        f"break (TORCH_LOGS=graph_breaks says where it is) to match eager autocast bit "
+                        f"for bit."))
 
 
     # --- what was asked against what was done ------------------------------------------------
@@ -359,9 +373,17 @@ class _RootNames:
             tx = InstructionTranslator.current_tx()
             self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
                           "getattr": getattr}
+            first = _frame_self_name(tx.f_code)
         except Exception:  # not called from Dynamo (a test calling the backend directly)
-            self.scope = None
+            self.scope, first = None, None
         self._modules = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        # The frame's own module (its first argument, ``self``) when it is a submodule of the
+        # root: Dynamo records only the modules called inside the frame, so the ops the frame runs
+        # itself would otherwise belong to no module (a graph break inside a submodule, or a
+        # DDP/FSDP2 unit compiled on its own).
+        own = self.scope["L"].get(first) if self.scope is not None and first else None
+        own_name = self._modules.get(id(own)) if isinstance(own, torch.nn.Module) else None
+        self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
         self._cache: dict[str, str | None] = {}
@@ -373,9 +395,20 @@ class _RootNames:
             try:
                 obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
             except Exception:
-                obj = None
+                obj = self._walk(source)
             self._cache[source] = table.get(id(obj)) if obj is not None else None
         return self._cache[source]
+
+    def _walk(self, source: str) -> object | None:
+        """``L['module'].2``: Dynamo's module paths are not always Python (an nn.Sequential's
+        child is written ``.2``); walk them attribute by attribute from the frame's local."""
+        match = re.fullmatch(r"L\['(\w+)'\]((?:\.\w+)*)", source)
+        if match is None or self.scope is None:
+            return None
+        obj = self.scope["L"].get(match.group(1))
+        for part in filter(None, match.group(2).split(".")):
+            obj = getattr(obj, part, None)
+        return obj
 
     def rename_module_stacks(self, gm: torch.fx.GraphModule) -> None:
         """Rewrite each node's ``nn_module_stack`` sources to names under the root, where found."""
@@ -383,6 +416,8 @@ class _RootNames:
             return
         for node in gm.graph.nodes:
             stack = node.meta.get("nn_module_stack")
+            if self.frame_module is not None and node.op in ("call_function", "call_method", "call_module"):
+                stack = {"amp_fx_frame_module": self.frame_module, **(stack or {})}
             if not stack:
                 continue
             renamed = {}
@@ -393,6 +428,26 @@ class _RootNames:
 
     def tensor_name(self, tensor: object) -> str | None:
         return self._tensors.get(id(tensor)) if self.root is not None else None
+
+
+def _frame_self_name(code: Any) -> str | None:
+    """The name of the first argument (``self``) of the function a Dynamo frame belongs to.
+
+    A frame resumed after a graph break runs a generated function whose arguments are Dynamo's
+    own first; its original code is found through Dynamo's resume-function metadata (a private
+    table; when a torch version lacks it, the frame's own module is simply not added).
+    """
+    try:
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+
+        meta = ContinueExecutionCache.generated_code_metadata
+        for _ in range(8):  # resumed frames of resumed frames, bounded
+            if code not in meta:
+                break
+            code = meta[code].code
+    except Exception:
+        pass
+    return code.co_varnames[0] if code.co_argcount else None
 
 
 def _source_name(node: torch.fx.Node) -> str:
@@ -456,6 +511,25 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
 )
 """What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
+
+
+_SPLITS_NOTED_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "amp_fx_splits_noted_by_caller", default=False)
+
+
+@contextlib.contextmanager
+def splits_noted_by_caller() -> Iterator[None]:
+    """Inside: a weight used on both sides of a graph break is not reported by the backend.
+
+    For the inspection tools, which compile a private copy to show how amp_fx differs from
+    eager autocast: the difference is what they report (``compare`` names such weights in its
+    notes), not a shortfall of the user's compiled model, so strict mode must not fail them.
+    """
+    token = _SPLITS_NOTED_BY_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _SPLITS_NOTED_BY_CALLER.reset(token)
 
 
 @contextlib.contextmanager

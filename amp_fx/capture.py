@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
+from amp_fx._compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
 from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name, banned_message
@@ -93,7 +94,7 @@ def _record_without_autocast(op: torch._ops.OpOverload) -> Callable[..., Any]:
     torch's class while tracing (and raise, for a banned op the policy allows).
     """
     def record(*args: Any, **kwargs: Any) -> Any:
-        table = get_proxy_mode().decomposition_table
+        table = current_decomposition_table()
         entry = table.pop(op)  # so that calling op below records it instead of recursing here
         try:
             with torch._C._DisableAutocast():

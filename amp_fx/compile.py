@@ -132,8 +132,7 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         self.__dict__["_amp_fx_forward"] = (
             _amp_call(module, backend, compile_kwargs) if units is None
-            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype,
-                           backend.policy))
+            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
@@ -237,7 +236,8 @@ def compile(
             amp_fx rewrites each captured graph, then hands it on.
         fold: run the value-preserving cast-folding pass.
         strict: raise :class:`AmpFxError` where amp_fx would warn that it did less than asked
-            (a call that ran no graph, a policy entry that matched no op). ``None`` reads the
+            (a call that ran no graph, a policy entry that matched no op, a weight used on both
+            sides of a graph break, whose gradient then differs from eager's). ``None`` reads the
             ``AMP_FX_STRICT`` environment variable when ``compile`` is called.
         weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
             once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;

@@ -1,10 +1,10 @@
 """The autocast policy as data: cast classes, torch's op tables, and user overrides.
 
 ``CastClass`` mirrors ATen's ``at::autocast::CastPolicy`` (aten/src/ATen/autocast_mode.h) plus the
-banned ops. The default tables reproduce the registrations of torch 2.13's ``AutocastCPU`` and
-``AutocastCUDA`` dispatch keys overload for overload; ``tests/test_policy.py`` checks them against
-``torch._C._dispatch_get_registrations_for_dispatch_key`` so a torch upgrade that moves an op fails
-loudly instead of silently drifting from eager autocast.
+banned ops. The default tables reproduce the registrations of the installed torch's (2.11 to 2.15)
+``AutocastCPU`` and ``AutocastCUDA`` dispatch keys overload for overload; ``tests/test_policy.py``
+checks them against ``torch._C._dispatch_get_registrations_for_dispatch_key`` so a torch upgrade
+that moves an op fails loudly instead of silently drifting from eager autocast.
 
 A :class:`Policy` moves ops between classes and keeps chosen submodules in fp32:
 
@@ -24,6 +24,8 @@ from types import MappingProxyType
 from typing import Union
 
 import torch
+
+from amp_fx._compat import autocast_registrations
 
 __all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES"]
 
@@ -49,34 +51,40 @@ class CastClass(enum.Enum):
 
 OpLike = Union[str, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
 
-_LOWER = CastClass.LOWER_PRECISION_FP
-_FP32 = CastClass.FP32
-_SET = CastClass.FP32_SET_OPT_DTYPE
-_APPEND = CastClass.FP32_APPEND_DTYPE
-_PROMOTE = CastClass.PROMOTE
-
-
-def _table(**classes: str) -> Mapping[str, CastClass]:
-    out: dict[str, CastClass] = {}
+def _table(dispatch_key: str, **classes: str) -> tuple[Mapping[str, CastClass], Mapping[str, CastClass]]:
+    """(every entry listed, the entries the installed torch registers at ``dispatch_key``)."""
+    listed: dict[str, CastClass] = {}
     for cls_name, names in classes.items():
         for name in names.split():
-            out[f"aten::{name}"] = CastClass[cls_name]
-    return MappingProxyType(out)
+            listed[f"aten::{name}"] = CastClass[cls_name]
+    registered = autocast_registrations(dispatch_key)
+    installed = {name: cls for name, cls in listed.items() if name in registered}
+    return MappingProxyType(listed), MappingProxyType(installed)
 
 
+# The tables list every op that some supported torch (2.11 to 2.15) registers at its Autocast
+# dispatch key, with its class; DEFAULT_TABLES keeps the ones the installed torch registers
+# (amp_fx._compat.autocast_registrations: a feature test, not a version check). An op whose class
+# changed between versions would need two entries and a feature test of its own: none has.
+# VERSION_DEPENDENT names every entry that some supported torch does not register; an entry
+# missing from the installed torch and not named there fails tests/test_op_tables.py, and so
+# does an op the installed torch registers that is not listed.
+#
 # Overload names as the dispatcher spells them ("aten::conv2d" is the default overload).
-# Source: KERNEL_CPU registrations in aten/src/ATen/autocast_mode.cpp (torch 2.13).
-_CPU_TABLE = _table(
+# Source: KERNEL_CPU registrations in aten/src/ATen/autocast_mode.cpp, checked against the
+# dispatcher of 2.11, 2.13 and 2.15.
+_CPU_LISTED, _CPU_TABLE = _table(
+    "AutocastCPU",
     LOWER_PRECISION_FP="""
         conv1d conv1d.padding conv2d conv2d.padding conv3d conv3d.padding bmm mm linalg_vecdot
         baddbmm addmm _addmm_activation addbmm linear _convolution.deprecated matmul conv_tbc
         mkldnn_rnn_layer conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu
         scaled_dot_product_attention _native_multi_head_attention""",
     FP32="""
-        avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int quantile
-        quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d
-        _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex cholesky
-        cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
+        avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int prod.dim_Dimname
+        quantile quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist
+        grid_sampler_2d _grid_sampler_2d_cpu_fallback grid_sampler_3d trace view_as_complex
+        cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d
         max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
         replication_pad1d replication_pad2d replication_pad3d mse_loss cosine_embedding_loss
         nll_loss nll_loss2d hinge_embedding_loss poisson_nll_loss smooth_l1_loss
@@ -91,20 +99,21 @@ _CPU_TABLE = _table(
         linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd
         triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d
         multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig
-        linalg_eigh linalg_lstsq linalg_inv_ex""",
-    PROMOTE="stack cat index_copy",
+        linalg_eigh linalg_lstsq linalg_inv_ex linalg_matrix_sqrth""",
+    PROMOTE="stack cat index_copy index_copy.dimname",
 )
 
-# Source: AT_FORALL_* lists in aten/src/ATen/autocast_mode.h and the Autocast (CUDA)
-# registrations in autocast_mode.cpp (torch 2.13).
-_CUDA_TABLE = _table(
+# Source: AT_FORALL_* lists in aten/src/ATen/autocast_mode.h, the Autocast (CUDA) registrations
+# in autocast_mode.cpp and aten/src/ATen/cudnn/AutocastRNN.cpp, checked as above.
+_CUDA_LISTED, _CUDA_TABLE = _table(
+    "AutocastCUDA",
     LOWER_PRECISION_FP="""
         _convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d
         conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr matmul
         einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
         _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
         _scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution
-        cudnn_convolution_transpose""",
+        cudnn_convolution_transpose _cudnn_rnn""",
     FP32="""
         acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan
         pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm
@@ -115,24 +124,50 @@ _CUDA_TABLE = _table(
         dist pdist cdist renorm logsumexp upsample_nearest1d _upsample_nearest_exact1d
         upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d
         upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d
-        upsample_bicubic2d _upsample_bicubic2d_aa""",
+        upsample_bicubic2d _upsample_bicubic2d_aa linalg_matrix_sqrth""",
     FP32_SET_OPT_DTYPE="""
-        prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm
-        linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList""",
-    FP32_APPEND_DTYPE="norm.Scalar norm.ScalarOpt_dim",
+        prod prod.dim_int prod.dim_Dimname softmax.int softmax.Dimname log_softmax.int
+        log_softmax.Dimname cumprod cumprod.dimname cumsum cumsum.dimname linalg_vector_norm
+        linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList sum.dim_DimnameList""",
+    FP32_APPEND_DTYPE="norm.Scalar norm.ScalarOpt_dim norm.names_ScalarOpt_dim",
     PROMOTE="addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add",
     BANNED="binary_cross_entropy",
 )
 
+_DIMNAME = "Dimname overload: registered by 2.11, not by 2.13 or 2.15 (named tensors, which Dynamo does not trace)"
+VERSION_DEPENDENT: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("cpu", "aten::prod.dim_Dimname"): _DIMNAME,
+    ("cpu", "aten::index_copy.dimname"): _DIMNAME,
+    ("cpu", "aten::cholesky"): "registered by 2.11 and 2.13, not by 2.15",
+    ("cpu", "aten::qr"): "registered by 2.11 and 2.13, not by 2.15",
+    ("cpu", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
+    ("cuda", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
+    ("cuda", "aten::rms_norm"): "registered by 2.13 and 2.15, not by 2.11",
+    ("cuda", "aten::_cudnn_rnn"): (
+        "registered only by builds with cuDNN (the standard Linux wheels, not the CPU wheel); its "
+        "kernel also re-flattens the weights into one buffer, which changes no value"),
+    **{("cuda", f"aten::{name}"): _DIMNAME for name in (
+        "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
+        "cumsum.dimname", "sum.dim_DimnameList", "norm.names_ScalarOpt_dim")},
+})
+"""(device type, op) -> which torch versions or builds register it, for entries not in all."""
+
 DEFAULT_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType(
     {"cpu": _CPU_TABLE, "cuda": _CUDA_TABLE}
 )
-"""Eager autocast's op classes per device type, keyed by ``"aten::name[.overload]"``."""
+"""Eager autocast's op classes per device type for the installed torch, keyed by
+``"aten::name[.overload]"``."""
+
+LISTED_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType(
+    {"cpu": _CPU_LISTED, "cuda": _CUDA_LISTED}
+)
+"""Every entry of every supported torch, installed or not (for tests and tools)."""
 
 # fp32_append_dtype redispatch targets (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE).
 APPEND_DTYPE_REDISPATCH: Mapping[str, str] = MappingProxyType(
     {"aten::norm.Scalar": "aten::norm.ScalarOpt_dtype",
-     "aten::norm.ScalarOpt_dim": "aten::norm.ScalarOpt_dim_dtype"}
+     "aten::norm.ScalarOpt_dim": "aten::norm.ScalarOpt_dim_dtype",
+     "aten::norm.names_ScalarOpt_dim": "aten::norm.names_ScalarOpt_dim_dtype"}
 )
 
 _DTYPE_ALIASES: Mapping[object, torch.dtype] = MappingProxyType({

@@ -60,6 +60,7 @@ import enum
 import inspect
 import logging
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from amp_fx._backends import resolve_backend
 from amp_fx._dist.step import distributed_forward, refuse_distributed_step
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
@@ -147,14 +149,7 @@ class _CountingBackend:
     """A torch.compile backend that delegates and counts the graphs it compiles."""
 
     def __init__(self, backend: str | Backend) -> None:
-        if callable(backend):
-            self._inner: Backend = backend
-        elif backend == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            self._inner = compile_fx
-        else:
-            self._inner = torch._dynamo.lookup_backend(backend)
+        self._inner: Backend = resolve_backend(backend)
         self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -189,9 +184,9 @@ class CompiledStep:
         # splits the forward into graphs, each rewritten, with no host sync between them.
         self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
             self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
-                                                      dynamic=dynamic),
+                                                      dynamic=dynamic, strict=strict),
         ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
-                         backend=backend, dynamic=dynamic, weight_cache=weight_cache)
+                         backend=backend, dynamic=dynamic, strict=strict, weight_cache=weight_cache)
         # amp_fx/weight_cache.py: the low-precision copies are written with the update
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         if weight_cache and cache is None and (policy is None or policy.cast_cache):
@@ -487,10 +482,10 @@ def _check_loss(loss: object) -> None:
     raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}{hint}")
 
 
-def _default_scaler(dtype: torch.dtype, device: torch.device) -> GradScaler:
+def _default_scaler(dtype: torch.dtype, device: torch.device, strict: bool | None) -> GradScaler:
     if dtype == torch.bfloat16:
-        return GradScaler(device.type, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED)
-    return GradScaler(device.type, step_mode=StepMode.MASKED)
+        return GradScaler(device.type, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED, strict=strict)
+    return GradScaler(device.type, step_mode=StepMode.MASKED, strict=strict)
 
 
 def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -503,8 +498,12 @@ def _check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
     in_opt = {id(p) for p in unique_params(optimizer)}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
     if missing:
-        logger.warning("amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
-                       "gradients: %s", missing[:5])
+        # The user's own setup, not something amp_fx left undone: a UserWarning, never strict.
+        # stacklevel 3: the caller of compile_step.
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        warnings.warn(f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
+                      f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
+                      "optimizer or set requires_grad=False", UserWarning, stacklevel=3)
 
 
 def compile_step(
@@ -559,7 +558,8 @@ def compile_step(
             shapes; a batch shape that changes recompiles once, then runs dynamic).
         strict: turn each warning that the step did less than asked (an ``AmpFxWarning``: the
             optimizer step running eagerly because a hyperparameter is scheduled, the optimizer
-            part recompiling) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
+            part recompiling, the forward's policy and graph reports, the default scaler's host
+            reads) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
             variable decides.
         weight_cache: cast each fp32 parameter once per optimizer step, in the same pass that
             updates it (see ``amp_fx.weight_cache``), instead of once per micro-batch.
@@ -590,7 +590,7 @@ def compile_step(
         raise ValueError(f"amp_fx.compile_step: parameters on several devices {sorted(map(str, devices))} "
                          "are not supported")
     if scaler is None:
-        scaler = _default_scaler(lower, params[0].device)
+        scaler = _default_scaler(lower, params[0].device, strict)
     elif not isinstance(scaler, GradScaler):
         raise TypeError("amp_fx.compile_step: scaler must be an amp_fx GradScaler; to continue from a "
                         "torch.amp.GradScaler, load its state: s = amp_fx.scaler.GradScaler('cpu'); "

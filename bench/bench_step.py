@@ -5,7 +5,9 @@ Three ways to run the same step (same model, data, dtype, AdamW, dynamic loss sc
 * ``eager``: ``torch.autocast`` + ``torch.amp.GradScaler`` (amp_fx.testing.eager_amp_step,
   the reference the tests use);
 * ``torch.compile(model)``: the same recipe with the model compiled by inductor;
-* ``amp_fx.compile_step``: the whole step compiled (inductor).
+* ``amp_fx.compile_step``: the whole step compiled (inductor);
+* on CUDA also ``amp_fx.compile_step`` captured once as a CUDA graph and replayed (possible
+  because the step reads nothing on the host).
 
 For each: median, p10 and p90 of the step time, as ratios to eager's median; host reads of tensor
 values per step (amp_fx.testing.HostSyncCounter: reads made by the step's code, and apart
@@ -14,6 +16,7 @@ and, for the record, the graph breaks torch.compile meets when asked to compile 
 recipe (the reason compile_step exists).
 
     python bench/bench_step.py --steps 30 --d-model 64 --layers 2
+    python bench/bench_step.py --device cuda
 """
 
 from __future__ import annotations
@@ -52,8 +55,37 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_graphed(step: Callable[..., torch.Tensor], example: tuple[torch.Tensor, torch.Tensor],
+                 warmup: int = 3) -> Callable[..., torch.Tensor]:
+    """``step`` warmed up on a side stream, captured once as a CUDA graph, and replayed per call
+    with the inputs copied into the captured ones (torch.cuda.graphs' recipe)."""
+    static = [t.clone() for t in example]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(*static)
+
+    def replay(*inputs: torch.Tensor) -> torch.Tensor:
+        for dst, src in zip(static, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return loss
+
+    return replay
+
+
 def measure(steps: dict[str, Callable[..., torch.Tensor]], batches: list[tuple[torch.Tensor, torch.Tensor]],
-            warmup: int) -> dict[str, dict[str, Any]]:
+            warmup: int, device: torch.device) -> dict[str, dict[str, Any]]:
     """Time the variants interleaved, one step of each in turn, so that load from other processes
     on a shared machine falls on all of them alike; then count host reads and graph breaks."""
     results: dict[str, dict[str, Any]] = {name: {"times": []} for name in steps}
@@ -61,13 +93,16 @@ def measure(steps: dict[str, Callable[..., torch.Tensor]], batches: list[tuple[t
         t0 = time.perf_counter()
         for x, y in batches[:warmup]:
             step(x, y)
+        _sync(device)
         results[name]["warmup_s"] = time.perf_counter() - t0
     breaks = sum(counters["graph_break"].values())
     timed = batches[warmup:-3]
     for x, y in timed:
         for name, step in steps.items():
+            _sync(device)
             t0 = time.perf_counter()
             step(x, y)
+            _sync(device)
             results[name]["times"].append(time.perf_counter() - t0)
     breaks = (sum(counters["graph_break"].values()) - breaks) / len(timed)
     for name, step in steps.items():
@@ -81,6 +116,7 @@ def measure(steps: dict[str, Callable[..., torch.Tensor]], batches: list[tuple[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp16")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=32)
@@ -95,20 +131,23 @@ def main() -> None:
                              "AdamW's default implementation, which torch's GradScaler skips on the host")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_step: --device cuda, but torch.cuda.is_available() is False")
+    device = torch.device(args.device)
 
     g = torch.Generator().manual_seed(0)
     n = args.warmup + args.steps + 3
-    batches = [(torch.randint(args.vocab, (args.batch, args.seq), generator=g),
-                torch.randint(args.vocab, (args.batch, args.seq), generator=g)) for _ in range(n)]
+    batches = [(torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
+                torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device)) for _ in range(n)]
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
-        model = TinyTransformer(args.vocab, args.d_model, args.heads, args.layers)
+        model = TinyTransformer(args.vocab, args.d_model, args.heads, args.layers).to(device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused or None)
 
     def scaler() -> torch.amp.GradScaler:
         # check-only semantics for bf16 would need amp_fx's scaler; torch's scales either way.
-        return torch.amp.GradScaler("cpu")
+        return torch.amp.GradScaler(device.type)
 
     variants: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {}
 
@@ -125,10 +164,15 @@ def main() -> None:
         model, opt = fresh()
         return amp_fx.compile_step(model, opt, lm_loss, dtype=dtype, backend="inductor")
 
+    def graphed_step() -> Callable[..., torch.Tensor]:
+        return cuda_graphed(compile_step(), batches[0])
+
     variants = {"eager autocast + GradScaler": eager, "torch.compile(model) + GradScaler": compiled_model,
                 "amp_fx.compile_step": compile_step}
+    if device.type == "cuda":
+        variants["amp_fx.compile_step, CUDA graph"] = graphed_step
     torch._dynamo.reset()
-    results = measure({name: build() for name, build in variants.items()}, batches, args.warmup)
+    results = measure({name: build() for name, build in variants.items()}, batches, args.warmup, device)
 
     # What torch.compile makes of the whole eager recipe (Dynamo only: backend="eager").
     torch._dynamo.reset()
@@ -147,12 +191,19 @@ def main() -> None:
                      f"{percentile(t, 0.1) / base:.2f}", f"{percentile(t, 0.9) / base:.2f}",
                      f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['warmup_s']:.0f}"])
     print(*machine_lines(), sep="\n")
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each step timed "
+              "from a synchronized device to a synchronized device")
     print(f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
           f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
           f"{args.steps} timed steps after {args.warmup} warm-up, variants interleaved")
     print(tabulate(rows, headers=["variant", "median ms", "median/eager", "p10/eager", "p90/eager",
                                   "host reads/step", "reads in CPU kernels/step", "graph breaks/step",
                                   "warm-up s (compile)"]))
+    if "amp_fx.compile_step, CUDA graph" in results:
+        graphed = statistics.median(results["amp_fx.compile_step, CUDA graph"]["times"]) / base
+        print(f"CUDA-graphed compile_step: {graphed:.2f}x eager autocast + GradScaler's median step time "
+              f"(target < 1: {'met' if graphed < 1 else 'NOT met'})")
     reasons = sorted({key.splitlines()[0] + (": " + key.splitlines()[1].split("function `")[-1].split("`")[0]
                                              if "function `" in key else "")
                       for key in counters["graph_break"]})

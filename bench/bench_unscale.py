@@ -1,13 +1,19 @@
-"""Bandwidth of gradient unscale (+ norm) on this CPU: amp_fx against torch.
+"""Bandwidth of gradient unscale (+ norm): amp_fx against torch, on the CPU or a CUDA GPU.
 
-    python bench/bench_unscale.py            # 64 fp32 gradients of 1M elements (64M, 256 MiB)
-    python bench/bench_unscale.py --reps 5   # quicker, noisier
+    python bench/bench_unscale.py                 # CPU: 64 fp32 gradients of 1M elements (256 MiB)
+    python bench/bench_unscale.py --device cuda   # GPU: 64 fp32 gradients of 4M elements (256M, 1 GiB)
 
 Every method runs once per repetition, in turn, on the same gradients, so machine noise hits
-them alike; each row reports the median and the p10/p50/p90 percentiles over repetitions after
-warm-up. GB/s counts 8 bytes per fp32 element for every method (one read and one write: the
-useful traffic of an in-place unscale), so a method that reads the gradients more often shows
-as fewer GB/s. The ceiling is an in-place ``torch._foreach_mul_``: one read and one write.
+them alike. Each ratio is taken per repetition between methods that ran back to back, and the
+table gives its median with the p10-p90 spread. Rounds of repetitions go on until the spread of
+every ratio a target is judged on is small (p90 - p10 within 10 % of the median), or until
+``--max-reps``; if it never gets small, the verdict is "inconclusive: machine busy", not a number
+that load has moved.
+
+GB/s counts 8 bytes per fp32 element for every method (one read and one write: the useful
+traffic of an in-place unscale), so a method that reads the gradients more often shows as fewer
+GB/s. The references are an in-place ``torch._foreach_mul_`` (one read, one write: the ceiling of
+an in-place kernel) and, on CUDA, a device-to-device copy of the same bytes (one flat buffer).
 
 inv_scale alternates between 0.5 and 2.0 across repetitions so the multiply is real and the
 values neither underflow to (slow) subnormals nor overflow; ``clip_grad_norm_`` gets a max_norm
@@ -29,28 +35,81 @@ from amp_fx.testing.bench import machine_lines, percentile
 from amp_fx.testing.unscale_reference import reference_unscale_check_, torch_unscale_then_clip_
 
 _BYTES_PER_ELEMENT = 8  # fp32 read + write
-_TARGET_CHECK = 0.95  # issue: unscale+check at >= 0.95 of the _foreach_mul_ ceiling
-_TARGET_NORM_SPEEDUP = 1.8  # issue: unscale+check+norm >= 1.8x torch unscale_ + clip_grad_norm_
+# Targets (issue 9 and before): on a GPU, unscale+check at >= 0.9 of a device-to-device copy and
+# unscale+check+norm >= 2.5x unscale_ + clip_grad_norm_ (the byte count predicts 2.5x); on this
+# CPU, >= 0.95 of _foreach_mul_ and >= 1.8x.
+_TARGETS = {
+    "cuda": {"reference": "device-to-device copy", "check": 0.9, "norm_speedup": 2.5},
+    "cpu": {"reference": "in-place _foreach_mul_", "check": 0.95, "norm_speedup": 1.8},
+}
+_MAX_SPREAD = 0.10  # p90 - p10 of a judged ratio, relative to its median
+_ROUND = 7  # repetitions per round
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        def cuda_time(fn: Callable[[], object]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    return cpu_time
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), percentile(values, 0.1), percentile(values, 0.9)
+
+
+def _fmt(values: list[float]) -> str:
+    mid, lo, hi = _spread(values)
+    return f"{mid:.2f} ({lo:.2f}-{hi:.2f})"
+
+
+def _small(values: list[float]) -> bool:
+    mid, lo, hi = _spread(values)
+    return (hi - lo) <= _MAX_SPREAD * mid
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--numel", type=int, default=1 << 20, help="elements per tensor")
-    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--numel", type=int, default=None,
+                        help="elements per tensor (default: 1M on cpu, 4M on cuda)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--min-reps", type=int, default=14)
+    parser.add_argument("--max-reps", type=int, default=63)
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_unscale: --device cuda, but torch.cuda.is_available() is False")
+    device = torch.device(args.device)
+    numel = args.numel or (1 << 22 if device.type == "cuda" else 1 << 20)
+    targets = _TARGETS[device.type]
 
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.empty(args.numel)) for _ in range(args.tensors)]
+    params = [torch.nn.Parameter(torch.empty(numel, device=device)) for _ in range(args.tensors)]
     for p in params:
-        p.grad = torch.randn(args.numel)
+        p.grad = torch.randn(numel, device=device)
     grads = [p.grad for p in params]
-    found_inf = torch.zeros(())
-    inv = {0: torch.tensor(0.5), 1: torch.tensor(2.0)}
+    found_inf = torch.zeros((), device=device)
+    inv = {0: torch.tensor(0.5, device=device), 1: torch.tensor(2.0, device=device)}
 
     methods: dict[str, Callable[[torch.Tensor], object]] = {
-        "in-place _foreach_mul_ (ceiling)": lambda s: torch._foreach_mul_(grads, s),
+        "in-place _foreach_mul_": lambda s: torch._foreach_mul_(grads, s),
+    }
+    if device.type == "cuda":
+        flat_src = torch.randn(args.tensors * numel, device=device)
+        flat_dst = torch.empty_like(flat_src)
+        methods["device-to-device copy"] = lambda s: flat_dst.copy_(flat_src)
+    methods.update({
         "torch _amp_foreach_non_finite_check_and_unscale_": (
             lambda s: reference_unscale_check_(grads, found_inf, s)
         ),
@@ -63,58 +122,65 @@ def main() -> None:
             torch._foreach_norm(grads),
         ),
         "amp_fx unscale_check_norm_": lambda s: unscale_check_norm_(grads, found_inf, s),
-    }
+    })
+    reference = targets["reference"]
+    timed = _timer(device)
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for rep in range(args.warmup + args.reps):
-        for name, fn in methods.items():
-            start = time.perf_counter()
-            fn(inv[rep % 2])
-            elapsed = time.perf_counter() - start
-            if rep >= args.warmup:
-                times[name].append(elapsed)
+    for rep in range(args.warmup):
+        for fn in methods.values():
+            timed(lambda: fn(inv[rep % 2]))
+
+    def ratios() -> dict[str, list[float]]:
+        """Per repetition: x reference (reference time / method time), and the norm speedup."""
+        out = {name: [r / t for r, t in zip(times[reference], ts)] for name, ts in times.items()}
+        out["norm speedup"] = [c / n for c, n in zip(times["torch unscale_ + clip_grad_norm_"],
+                                                      times["amp_fx unscale_check_norm_"])]
+        return out
+
+    judged = ("amp_fx unscale_check_", "norm speedup")
+    reps = 0
+    while True:
+        for _ in range(_ROUND):
+            for name, fn in methods.items():
+                times[name].append(timed(lambda: fn(inv[reps % 2])))
+            reps += 1
+        r = ratios()
+        if reps >= args.min_reps and all(_small(r[k]) for k in judged):
+            break
+        if reps >= args.max_reps:
+            break
     assert found_inf.item() == 0.0, "randn gradients must not be flagged"
 
-    total_bytes = _BYTES_PER_ELEMENT * args.tensors * args.numel
-    ceiling = statistics.median(times["in-place _foreach_mul_ (ceiling)"])
+    total_bytes = _BYTES_PER_ELEMENT * args.tensors * numel
+    r = ratios()
     rows = []
     for name, ts in times.items():
         gbps = [total_bytes / t / 1e9 for t in ts]
-        rows.append(
-            [
-                name,
-                f"{statistics.median(ts) * 1e3:.1f}",
-                f"{percentile(gbps, 0.1):.1f}",
-                f"{percentile(gbps, 0.5):.1f}",
-                f"{percentile(gbps, 0.9):.1f}",
-                f"{ceiling / statistics.median(ts):.2f}",
-            ]
-        )
+        rows.append([name, f"{statistics.median(ts) * 1e3:.2f}", f"{percentile(gbps, 0.1):.1f}",
+                     f"{percentile(gbps, 0.5):.1f}", f"{percentile(gbps, 0.9):.1f}", _fmt(r[name])])
 
     print(*machine_lines(), sep="\n")
-    print(
-        f"{args.tensors} fp32 gradients x {args.numel} elements, {args.reps} repetitions after "
-        f"{args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element"
-    )
-    print(
-        tabulate(
-            rows,
-            headers=["method", "median ms", "p10 GB/s", "p50 GB/s", "p90 GB/s", "x ceiling"],
-            tablefmt="github",
-        )
-    )
-    check_ratio = ceiling / statistics.median(times["amp_fx unscale_check_"])
-    speedup = statistics.median(times["torch unscale_ + clip_grad_norm_"]) / statistics.median(
-        times["amp_fx unscale_check_norm_"]
-    )
-    print(
-        f"unscale+check at {check_ratio:.2f} of the ceiling (target >= {_TARGET_CHECK}): "
-        f"{'met' if check_ratio >= _TARGET_CHECK else 'NOT met'}"
-    )
-    print(
-        f"unscale+check+norm {speedup:.2f}x torch unscale_ + clip_grad_norm_ "
-        f"(target >= {_TARGET_NORM_SPEEDUP}x): "
-        f"{'met' if speedup >= _TARGET_NORM_SPEEDUP else 'NOT met'}"
-    )
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
+    print(f"{args.tensors} fp32 gradients x {numel} elements on {device.type}, {reps} repetitions "
+          f"(interleaved) after {args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element")
+    print(tabulate(rows, headers=["method", "median ms", "p10 GB/s", "p50 GB/s", "p90 GB/s",
+                                  f"x {reference}: median (p10-p90)"], tablefmt="github"))
+    busy = [k for k in judged if not _small(r[k])]
+    check_ratio = _spread(r["amp_fx unscale_check_"])[0]
+    speedup = _spread(r["norm speedup"])[0]
+
+    def verdict(ok: bool, key: str) -> str:
+        if key in busy:
+            return (f"inconclusive: machine busy (spread above {_MAX_SPREAD:.0%} of the median "
+                    f"after {reps} repetitions)")
+        return "met" if ok else "NOT met"
+
+    print(f"unscale+check at {_fmt(r['amp_fx unscale_check_'])} of the {reference} "
+          f"(target >= {targets['check']}): {verdict(check_ratio >= targets['check'], judged[0])}")
+    print(f"unscale+check+norm {_fmt(r['norm speedup'])}x torch unscale_ + clip_grad_norm_ "
+          f"(target >= {targets['norm_speedup']}x): "
+          f"{verdict(speedup >= targets['norm_speedup'], judged[1])}")
 
 
 if __name__ == "__main__":

@@ -285,28 +285,22 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
 
 
 def keep_fp32_names_report(wrap: Callable[[nn.Module], nn.Module], name: str) -> dict[str, Any]:
-    """What amp_fx.compile says about Policy.keep_fp32 names on a DDP/FSDP2 model: the warning,
-    the strict-mode error, and (negative twin) no warning for an entry given by type."""
+    """Policy.keep_fp32 given by name under the root the user passed (the DDP/FSDP2 model): the
+    named module runs in fp32 (its output dtype), and nothing is reported; the same model
+    without the entry (negative twin) gives a low-precision output."""
     import warnings
 
-    from amp_fx import AmpFxError, AmpFxWarning
+    from amp_fx import AmpFxWarning
 
     out: dict[str, Any] = {}
+    x = torch.randn(2, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
-        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(nn.ReLU,)))
+        kept = amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
+        out["kept_dtype"] = kept(x).dtype
+        plain = amp_fx.compile(wrap(make_model("seq")), backend="aot_eager")
+        out["plain_dtype"] = plain(x).dtype
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]
-    import os
-
-    os.environ["AMP_FX_STRICT"] = "1"  # strict mode for the whole process, as a test suite sets it
-    try:
-        amp_fx.compile(wrap(make_model("seq")), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=(name,)))
-        out["strict"] = ""
-    except AmpFxError as e:
-        out["strict"] = str(e)
-    finally:
-        del os.environ["AMP_FX_STRICT"]
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -265,16 +266,26 @@ class _SplitByBreak(nn.Module):
 
 
 @pytest.mark.parametrize("reuse", [True, False])
-def test_weight_split_by_a_graph_break_is_reported_once(reuse, caplog):
-    compiled = amp_fx.compile(_SplitByBreak(reuse), backend="aot_eager")
-    with caplog.at_level("WARNING", logger="amp_fx"):
-        for batch in (2, 3, 5):  # recompiles of the same frames are not splits
+def test_weight_split_by_a_graph_break_is_reported_once(reuse):
+    """An AmpFxWarning per split weight, once (a logged warning would be lost to the amp_fx
+    logger's NullHandler); recompiles of the same frames are not splits."""
+    compiled = amp_fx.compile(_SplitByBreak(reuse), backend="aot_eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (2, 3, 5):
             compiled(torch.randn(batch, 4))
-    warned = [r.getMessage() for r in caplog.records if "both sides of a graph break" in r.getMessage()]
+    warned = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
     if reuse:
         assert sorted(m.split()[1] for m in warned) == ["fc.bias", "fc.weight"]
+        assert all("both sides of a graph break" in m for m in warned)
     else:
         assert warned == []
+
+
+def test_weight_split_by_a_graph_break_is_an_error_in_strict_mode():
+    compiled = amp_fx.compile(_SplitByBreak(reuse=True), backend="aot_eager", strict=True)
+    with pytest.raises(amp_fx.AmpFxError, match=r"fc\.(weight|bias) is used on both sides of a graph break"):
+        compiled(torch.randn(2, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -108,11 +108,11 @@ def test_fsdp2_resume_from_distributed_checkpoint_bitwise(ranks):
         assert_same_run(res["resume"]["resumed"], res["resume"]["straight"], f"rank {rank}")
 
 
-def test_keep_fp32_names_on_fsdp2_are_reported_not_silently_ignored(ranks):
-    """Names are not mapped onto the separately compiled units yet: amp_fx says so (a warning,
-    an error in strict mode), and says nothing for an entry given by type."""
+def test_keep_fp32_names_under_the_root_apply_on_fsdp2(ranks):
+    """keep_fp32=("2",), a name under the wrapped model the user compiled, keeps that module
+    in fp32 inside the separately compiled units, and nothing is reported."""
     for res in ranks:
         report = res["keep_fp32_names"]
-        assert len(report["warnings"]) == 1, report["warnings"]
-        assert "'2'" in report["warnings"][0] and "by type" in report["warnings"][0]
-        assert "'2'" in report["strict"]
+        assert report["kept_dtype"] == torch.float32
+        assert report["plain_dtype"] != torch.float32
+        assert report["warnings"] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -59,8 +60,12 @@ def test_node_dtypes_match_rewritten_graph_and_runtime(name, dtype):
 
     seen: dict[int, dict[str, torch.dtype | None]] = {}
     model2, inputs2, _ = ZOO[name].build()
-    compiled = amp_fx.compile(model2, dtype=dtype, backend=_runtime_dtype_backend(seen))
-    compiled(*inputs2)
+    split = ZOO[name].split_params  # reported by amp_fx (an error in strict mode), not under test here
+    compiled = amp_fx.compile(model2, dtype=dtype, backend=_runtime_dtype_backend(seen),
+                              strict=False if split else None)
+    with (pytest.warns(amp_fx.AmpFxWarning, match="both sides of a graph break") if split
+          else contextlib.nullcontext()):
+        compiled(*inputs2)
     from_records = amp_fx.Explanation.from_records(amp_fx.records(compiled))
     assert len(seen) == len(ex.records)
     for r in ex.records:

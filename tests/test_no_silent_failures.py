@@ -174,6 +174,41 @@ def test_keep_fp32_name_is_a_name_under_the_root(wrapping: str, dtype: torch.dty
     assert kept == {None, "model.head"}
 
 
+class _ResumedInner(nn.Module):
+    """An op (the matmul) that the submodule's own frame runs after its graph break, outside any
+    child module: Dynamo records no module for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return h @ self.w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_keep_fp32_covers_ops_of_a_submodules_own_resumed_frame(dtype: torch.dtype) -> None:
+    """keep_fp32=("model",) keeps the matmul the submodule runs itself after its graph break
+    (its frame's ``self`` is the submodule): bitwise with eager autocast disabled in it."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("model", _ResumedInner())
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=dtype), torch.autocast("cpu", enabled=False):
+        expected = model(x)
+    compiled = amp_fx.compile(model, dtype=dtype, policy=Policy(keep_fp32=("model",)),
+                              backend=BACKEND, strict=True)
+    out = compiled(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    # negative twin: without the entry the matmul runs in low precision
+    plain = amp_fx.compile(model, dtype=dtype, backend=BACKEND, strict=True)
+    assert plain(x).dtype == dtype
+
+
 def test_frame_relative_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="'head'.*did you mean \\['model.head'\\]"):
         amp_fx.compile(_Wrapper(graph_break=True), backend=BACKEND,

@@ -554,3 +554,38 @@ def test_loss_fn_returning_none_is_amp_fx_error() -> None:
     batch = _hf_batches(1)[0]
     with pytest.raises(ValueError, match=r"loss_fn must return a floating-point scalar.*got a NoneType.*no labels"):
         step(input_ids=batch["input_ids"])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_argument_reaches_the_forward(strict: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_step(strict=...) decides for the forward's reports too, whatever the environment
+    says (a policy entry that matches no op is reported by the forward)."""
+    monkeypatch.setenv("AMP_FX_STRICT", "0" if strict else "1")
+    model = make_model()
+    policy = amp_fx.Policy(op_classes={"aten.conv2d": amp_fx.CastClass.FP32})
+    step = compile_step(model, OPTIMIZERS["sgd_plain"](model.parameters()), torch.nn.functional.mse_loss,
+                        backend="eager", policy=policy, strict=strict)
+    x, y = make_batches(1, {})[0]
+    if strict:
+        with pytest.raises(amp_fx.AmpFxError, match="'aten.conv2d' -> CastClass.FP32 matched no op"):
+            step(x, y)
+    else:
+        with pytest.warns(amp_fx.AmpFxWarning, match="'aten.conv2d' -> CastClass.FP32 matched no op"):
+            step(x, y)
+
+
+def test_trainable_parameters_outside_the_optimizer_are_a_user_warning() -> None:
+    """The user's setup, not amp_fx doing less: a UserWarning (not AmpFxWarning, so not strict)
+    naming the parameters; its twin, every parameter in the optimizer, warns nothing."""
+    import warnings
+
+    model = make_model()
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile_step(model, opt, torch.nn.functional.mse_loss, backend="eager")
+        compile_step(model, OPTIMIZERS["sgd_plain"](model.parameters()), torch.nn.functional.mse_loss,
+                     backend="eager")
+    assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]
+    assert "not in the optimizer" in str(caught[0].message)
+    assert "['1.weight', '1.bias', '3.weight', '3.bias']" in str(caught[0].message)

@@ -33,9 +33,6 @@ from typing import Any
 
 import torch
 
-from amp_fx._report import did_less
-from amp_fx.policy import Policy
-
 __all__ = ["distributed_units", "unit_call"]
 
 
@@ -105,7 +102,7 @@ def _forwards_replaced(units: list[torch.nn.Module], compiled: Callable[..., Any
 
 def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
               compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
-              dtype: torch.dtype, policy: Policy) -> Callable[..., Any]:
+              dtype: torch.dtype) -> Callable[..., Any]:
     """The forward of a compiled DDP/FSDP2 model: ``module.__call__`` eagerly, units compiled.
 
     ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
@@ -113,8 +110,11 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
     unwrapped); it is called once, so every unit of the model shares it.
     """
     _check_fsdp_mixed_precision(units, dtype)
-    _report_unapplied_names(module, policy)
-    compiled = compile_fn(_fresh_unit_forward())
+    # Dynamo would otherwise compile the wrapper's own frame as part of the enclosing unit's
+    # (after the graph break at FSDP2's hooks), where the unit is only ``args[0]``; skipping that
+    # one frame lets each unit's forward be compiled as a frame of its own, so its ops are
+    # attributed to the unit's name under the root (Policy.keep_fp32 by name).
+    compiled = torch._dynamo.disable(compile_fn(_fresh_unit_forward()), recursive=False)
     device_type = _device_type(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -156,25 +156,6 @@ def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype
             f"rounded to {param_dtype} by FSDP2, then to {dtype} by the autocast policy. Use "
             f"param_dtype={dtype} (low-precision all-gather) or param_dtype=None (fp32 storage, "
             "amp_fx casts for compute)")
-
-
-def _report_unapplied_names(module: torch.nn.Module, policy: Policy) -> None:
-    """Policy.keep_fp32 entries given by name are not applied inside the units yet.
-
-    Each unit's graphs see module paths relative to the unit, not to the model the user passed,
-    so a name such as ``"module.head"`` would silently match nothing. Entries given by module
-    type, and op overrides, are applied as usual.
-    """
-    names = [s for s in policy.keep_fp32 if isinstance(s, str)]
-    if not names:
-        return
-    fix = ("compile the wrapped module instead, DDP(amp_fx.compile(model, policy=...)), with names "
-           "relative to it" if _is_ddp(module) else
-           "select the modules by type instead, e.g. keep_fp32=(torch.nn.LayerNorm,)")
-    did_less(("keep_fp32 names under DDP/FSDP2", id(module)),
-             f"amp_fx: Policy.keep_fp32 names {names} are not applied to a model wrapped in DDP or "
-             f"sharded with FSDP2: amp_fx compiles each wrapped/sharded unit separately and does not "
-             f"map names onto the units yet, so these modules would run in low precision; {fix}")
 
 
 def _device_type(module: torch.nn.Module) -> str:

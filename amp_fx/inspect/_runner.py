@@ -31,7 +31,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from amp_fx._backends import Backend, backend_name, resolve_backend
 from amp_fx._dtype_names import dtype_name
-from amp_fx.backend import GraphRecord
+from amp_fx.backend import GraphRecord, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.inspect._probe import (
     clone_tensor,
@@ -286,7 +286,7 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
     inputs = call.copy()
     recorder = InputRecorder(downstream, names=tensor_names(target, inputs),
                              keep_inputs=keep_inputs)
-    with many_recompiles(), torch.random.fork_rng(devices=[]):
+    with many_recompiles(), torch.random.fork_rng(devices=[]), splits_noted_by_caller():
         torch.manual_seed(SEED)
         compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold)
         try:

@@ -5,8 +5,9 @@ each element is read once, checked for inf/NaN, multiplied by the inverse scale 
 back to the gradient dtype and written once; optionally its square (from the value as stored)
 is accumulated in fp32 so gradient clipping needs no second read.
 
-The gradients are described to the kernel by a *chunk table* built on the host for each call,
-like the chunk lists of PyTorch's ``multi_tensor_apply``: every tensor is cut into chunks of at
+The gradients are described to the kernel by a *chunk table* built on the host (and kept on
+the device for the next call with the same gradients), like the chunk lists of PyTorch's
+``multi_tensor_apply``: every tensor is cut into chunks of at
 most ``chunk`` elements and each chunk becomes one row ``(address of its first element, number
 of elements)`` and one Triton program. Addresses and counts are int64, so tensors with more than
 2^31 elements are fine; the per-program offsets are < ``chunk`` and fit in int32.
@@ -31,6 +32,8 @@ available to measure them.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 import triton
@@ -147,6 +150,7 @@ def _unscale_check_kernel(
     partial_ptr,
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPAN: tl.constexpr,
     COMPUTE_NORM: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
@@ -163,7 +167,8 @@ def _unscale_check_kernel(
             the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
             Unused otherwise (any tensor may be passed).
 
-    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). ALIGNED promises that
+    ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). SPAN bounds the
+    tile loop: a power of two, at least BLOCK, and at least the longest chunk in the table. ALIGNED promises that
     every chunk address is a multiple of 16 bytes, which lets full tiles use 16-byte vector
     accesses (checked on the host; an address loaded from memory has no known alignment).
 
@@ -180,17 +185,20 @@ def _unscale_check_kernel(
     inv_scale = tl.load(inv_scale_ptr)
     nonfinite = tl.zeros([BLOCK], dtype=tl.int32)
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    n_full = n - n % BLOCK
-    for start in range(0, n_full, BLOCK):
+    # The loop bounds are constexpr and the chunk's length only picks the branch: a bound
+    # loaded from memory would be fine compiled, but Triton 3.6's interpreter cannot turn it
+    # into a Python int under numpy >= 2.4 (its __index__ calls int() on a 1-element array).
+    # A program past its chunk's end runs only the two comparisons, a few cycles per tile.
+    for start in range(0, SPAN, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        nonfinite, sum_sq = _unscale_tile(
-            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, False
-        )
-    if n_full < n:
-        offsets = n_full + tl.arange(0, BLOCK)
-        nonfinite, sum_sq = _unscale_tile(
-            ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, True
-        )
+        if start + BLOCK <= n:
+            nonfinite, sum_sq = _unscale_tile(
+                ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, False
+            )
+        elif start < n:
+            nonfinite, sum_sq = _unscale_tile(
+                ptr, offsets, offsets < n, inv_scale, nonfinite, sum_sq, ELEM, COMPUTE_NORM, True
+            )
     if tl.max(nonfinite, axis=0) > 0:
         tl.atomic_max(found_inf_ptr, 1.0)
     if COMPUTE_NORM:
@@ -213,28 +221,70 @@ def _is_dense_block(t: torch.Tensor) -> bool:
     return True
 
 
-def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
-    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
-    element_size = flat[0].element_size()
-    addresses = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64)
-    numels = torch.tensor([t.numel() for t in flat], dtype=torch.int64)
-    chunks_per_tensor = (numels + chunk - 1) // chunk
-    owner = torch.repeat_interleave(torch.arange(len(flat)), chunks_per_tensor)
+def _chunk_table_host(
+    addresses: list[int], numels: list[int], element_size: int, chunk: int
+) -> torch.Tensor:
+    """The int64 [n_chunks, 2] table (chunk address, chunk length), built on the host."""
+    addresses_t = torch.tensor(addresses, dtype=torch.int64)
+    numels_t = torch.tensor(numels, dtype=torch.int64)
+    chunks_per_tensor = (numels_t + chunk - 1) // chunk
+    owner = torch.repeat_interleave(torch.arange(len(addresses)), chunks_per_tensor)
     first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
     index_in_tensor = torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]
     start = index_in_tensor * chunk
-    table = torch.stack(
+    return torch.stack(
         [
-            addresses[owner] + start * element_size,
-            torch.clamp(numels[owner] - start, max=chunk),
+            addresses_t[owner] + start * element_size,
+            torch.clamp(numels_t[owner] - start, max=chunk),
         ],
         dim=1,
     )
+
+
+# Device tables by what they hold: (device, element size, chunk, addresses, numels). The table
+# is a function of that key alone, so a hit is always right, even for new tensors at old
+# addresses. Training steps repeat the same gradients, so after the first step no table is built
+# or copied to the device again. Each entry keeps its pinned host copy too: a copy queued
+# while a CUDA graph was captured re-reads that buffer at every replay, so it must stay intact.
+# Entries made during a capture are never evicted for the same reason.
+_TABLES: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_CAPTURED_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TABLES = 64
+
+
+def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
+    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
+    element_size = flat[0].element_size()
+    addresses = [t.data_ptr() for t in flat]
+    numels = [t.numel() for t in flat]
     if device.type == "cpu":
-        return table
-    # Pinned + non_blocking: the copy is queued on the current stream without a host sync, and
-    # the caching host allocator keeps the pinned buffer alive until the copy has run.
-    return table.pin_memory().to(device, non_blocking=True)
+        return _chunk_table_host(addresses, numels, element_size, chunk)
+    key = (device, element_size, chunk, tuple(addresses), tuple(numels))
+    hit = _CAPTURED_TABLES.get(key) or _TABLES.get(key)
+    if hit is not None:
+        if key in _TABLES:
+            _TABLES.move_to_end(key)
+        return hit[1]
+    host = _chunk_table_host(addresses, numels, element_size, chunk).pin_memory()
+    # Pinned + non_blocking: the copy is queued on the current stream without a host sync.
+    table = host.to(device, non_blocking=True)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES[key] = (host, table)
+    else:
+        _TABLES[key] = (host, table)
+        if len(_TABLES) > _MAX_TABLES:
+            _TABLES.popitem(last=False)
+    return table
+
+
+def _span(flat: list[torch.Tensor], block: int, chunk: int) -> int:
+    """The kernel's SPAN: the longest chunk rounded up to a power of two (and to ``block``).
+
+    Rounding keeps the number of compiled variants at log2(chunk / block) + 1 (7 by default)
+    while a list of small tensors loops over one tile instead of chunk / block = 64.
+    """
+    longest = min(chunk, max(t.numel() for t in flat))
+    return max(block, 1 << (longest - 1).bit_length())
 
 
 def launch_unscale_check(
@@ -291,6 +341,7 @@ def launch_unscale_check(
         partials,
         ELEM=_TORCH_TO_TL[dtype],
         BLOCK=block,
+        SPAN=_span(flat, block, chunk),
         COMPUTE_NORM=compute_norm,
         ALIGNED=all(t.data_ptr() % 16 == 0 for t in flat),
         num_warps=NUM_WARPS,

@@ -56,6 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from amp_fx._devices import autocast_device_type
+from amp_fx._dtype_names import dtype_name
 from amp_fx.capture import module_stack
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
@@ -227,8 +228,7 @@ class _Rewriter:
         expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
             self.record.autocast_mismatches.append(
-                f"{node.name}: {str(val.dtype).replace('torch.', '')} "
-                f"(eager autocast: {str(expected).replace('torch.', '')})")
+                f"{node.name}: {dtype_name(val.dtype)} (eager autocast: {dtype_name(expected)})")
 
     def enter_region(self, node: torch.fx.Node) -> None:
         """A ``torch.autocast`` region the model opens: (device_type, dtype, enabled, cache)."""
@@ -306,7 +306,7 @@ class _Rewriter:
         if len(self.regions) > 1 and decision.cast_class is not CastClass.NONE:
             decision = dataclasses.replace(
                 decision, reason=f"{decision.reason}, in the model's torch.autocast region "
-                                 f"({str(dtype).replace('torch.', '')})")
+                                 f"({dtype_name(dtype)})")
         if decision.kept_module is not None:
             # A kept module runs its compute in fp32; views and in-place ops keep their inputs,
             # since a cast copy would break aliasing (a mutation would land on the copy).

@@ -126,6 +126,10 @@ class GradScaler(torch.amp.GradScaler):
             definition); 1 (default) backs off on every overflow, as torch does.
         consecutive_hysteresis: refill the hysteresis budget on every clean step, so only
             ``hysteresis`` overflows in a row back off (DeepSpeed's option).
+        strict: raise :class:`~amp_fx.errors.AmpFxError` where the scaler would warn that it did
+            less than asked (an ``AmpFxWarning``: a ``StepMode.MASKED`` step that has to read
+            found_inf on the host). ``None``: the ``AMP_FX_STRICT`` environment variable decides,
+            read when the scaler is created.
 
     Example::
 
@@ -159,6 +163,7 @@ class GradScaler(torch.amp.GradScaler):
         max_scale: float | None = None,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
+        strict: bool | None = None,
     ) -> None:
         # torch.amp.GradScaler.__init__ is deliberately not called: it would warn with a stack
         # level pointing into this file. The same attributes are set here instead.
@@ -208,9 +213,9 @@ class GradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._skipped_steps: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
-        # Says once per optimizer that a masked step reads the flag on the host (AMP_FX_STRICT
-        # turns that into an error).
-        self._report = Reporter()
+        # Says once per optimizer that a masked step reads the flag on the host (strict=True, or
+        # AMP_FX_STRICT when strict is None, turns that into an error).
+        self._report = Reporter(strict)
         # Self-scaling optimizers that have taken a real step through this scaler.
         self._stepped_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 

@@ -273,6 +273,10 @@ class ZooEntry:
     factory: Factory
     graph_breaks: int = 0
     """Graph breaks the model's own forward causes (``graph_break()``, data-dependent branches)."""
+    split_params: tuple[str, ...] = ()
+    """Parameters the forward uses on both sides of a graph break: amp_fx reports each (an
+    ``AmpFxWarning``, an error in strict mode), since their gradients add up in fp32 where eager
+    autocast adds them in the low dtype (README, Known differences)."""
     dynamo_config: tuple[tuple[str, object], ...] = ()
     """``torch._dynamo.config`` settings under which Dynamo captures the model at all: by default
     Dynamo skips any frame that calls nn.LSTM/nn.GRU and runs it in eager (``allow_rnn``)."""
@@ -366,7 +370,7 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("gru", _gru, dynamo_config=_ALLOW_RNN),
         ZooEntry("tied_embedding", _tied_embedding),
         ZooEntry("rmsnorm", _rmsnorm),
-        ZooEntry("graph_break", _graph_break, graph_breaks=1),
+        ZooEntry("graph_break", _graph_break, graph_breaks=1, split_params=("fc.bias", "fc.weight")),
         ZooEntry("graph_break_branch", _graph_break_branch, graph_breaks=1),
         ZooEntry("classifier_loss", _classifier_loss),
     )
