@@ -39,7 +39,7 @@ def _module_device_type(module: torch.nn.Module) -> str:
 
 
 def _amp_call(target: Callable[..., Any], backend: AmpBackend,
-              compile_kwargs: dict[str, Any]) -> Callable[..., Any]:
+              compile_kwargs: dict[str, Any], *, check: bool = True) -> Callable[..., Any]:
     """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
 
     The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
@@ -90,19 +90,44 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from None
             raise
-        if torch.compiler.is_compiling():
-            return out  # traced by an enclosing torch.compile: nothing ran yet
-        if backend.runs.count == runs:
-            if _computed_floats(out, tensors):
-                backend.report_no_graph(target)
-        elif not policy_checked:
-            policy_checked = True
-            backend.report_unused_policy()
+        if not check or torch.compiler.is_compiling():
+            return out  # checked by the caller, or traced by an enclosing torch.compile
+        policy_checked = _check_call(backend, target, runs, out, tensors, policy_checked)
         return out
 
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
     return call
+
+
+def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensors: list[torch.Tensor],
+                policy_checked: bool) -> bool:
+    """What one call did against what was asked: a call that ran no graph is reported, and after
+    the first call that ran graphs, each policy entry that matched no op. Returns whether the
+    policy has been checked."""
+    if backend.runs.count == runs:
+        if _computed_floats(out, tensors):
+            backend.report_no_graph(target)
+        return policy_checked
+    if not policy_checked:
+        backend.report_unused_policy()
+    return True
+
+
+def _checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend) -> Callable[..., Any]:
+    """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
+    of the policy's modules)."""
+    policy_checked = False
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        nonlocal policy_checked
+        runs = backend.runs.count
+        out = call(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        policy_checked = _check_call(backend, module, runs, out, tensors, policy_checked)
+        return out
+
+    return checked
 
 
 def _computed_floats(out: Any, inputs: list[torch.Tensor]) -> bool:
@@ -132,7 +157,8 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         self.__dict__["_amp_fx_forward"] = (
             _amp_call(module, backend, compile_kwargs) if units is None
-            else unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs), backend.dtype))
+            else _checked_units(unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs, check=False),
+                                          backend.dtype), module, backend))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
