@@ -31,7 +31,7 @@ Example:
     >>> lifted_gm, inputs, lifted = lift_weight_casts(torch.fx.GraphModule({}, g),
     ...                                               [torch.randn(2, 3), w])
     >>> lifted, [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
-    ([(1, torch.bfloat16, 1)], ['x', 'w', 'w_bfloat16'])
+    ([(1, torch.bfloat16, 1)], ['x', 'w', 'w_bf16'])
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from amp_fx._dtype_names import dtype_name
 
 __all__ = ["lift_weight_casts"]
 
@@ -85,7 +87,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         key = (cast.args[0], cast.kwargs["dtype"])
         if key not in new_inputs:
             with graph.inserting_after(placeholders[-1] if not new_inputs else list(new_inputs.values())[-1]):
-                ph = graph.placeholder(f"{cast.args[0].name}_{str(key[1]).replace('torch.', '')}")
+                ph = graph.placeholder(f"{cast.args[0].name}_{dtype_name(key[1])}")
             ph.meta["val"] = cast.meta.get("val")
             ph.meta["amp_fx_weight_cache"] = True
             new_inputs[key] = ph
