@@ -79,20 +79,21 @@ def _example(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ex.requires_grad_(weight.requires_grad)
 
 
-def _users_in_accumulation_order(cast: torch.fx.Node) -> list[torch.fx.Node]:
-    """``cast``'s users, latest first: the order in which eager autograd adds their gradient
-    contributions into the cast's buffer (it runs nodes in reverse creation order)."""
-    order = {n: i for i, n in enumerate(cast.graph.nodes)}
-    return sorted(cast.users, key=order.__getitem__, reverse=True)
+def _users_in_accumulation_order(casts: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The users of ``casts`` (one weight's casts to one dtype), latest first: the order in which
+    eager autograd adds their gradient contributions into the cast's buffer (it runs nodes in
+    reverse creation order)."""
+    order = {n: i for i, n in enumerate(casts[0].graph.nodes)}
+    return sorted({u: None for c in casts for u in c.users}, key=order.__getitem__, reverse=True)
 
 
-def _give_each_occurrence_its_input(user: torch.fx.Node, cast: torch.fx.Node,
+def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.fx.Node],
                                     make_input: Callable[[], torch.fx.Node]) -> None:
-    """Replace each occurrence of ``cast`` among ``user``'s inputs (args, then kwargs) by a new
+    """Replace each occurrence of ``casts`` among ``user``'s inputs (args, then kwargs) by a new
     input, in order: autograd adds one node's outputs into a buffer in that order."""
 
     def swap(n: torch.fx.Node) -> torch.fx.Node:
-        return make_input() if n is cast else n
+        return make_input() if n in casts else n
 
     user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
 
@@ -108,7 +109,6 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     casts = [n for n in graph.nodes if _liftable(n, position, example_inputs)]
     if not casts:
         return gm, list(example_inputs), []
-    frozen: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
     lifted: list[tuple[int, torch.dtype]] = []
     inputs = list(example_inputs)
     last = placeholders[-1]
@@ -128,16 +128,19 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         inputs.append(_example(example_inputs[i], dtype))
         return ph
 
+    by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
     for cast in casts:
-        src, dtype, val = cast.args[0], cast.kwargs["dtype"], cast.meta.get("val")
+        by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
+    for (src, dtype), same in by_weight.items():
+        make_input = functools.partial(new_input, src, dtype, same[0].meta.get("val"))
         if not inputs[position[src]].requires_grad:
-            key = (src, dtype)
-            if key not in frozen:
-                frozen[key] = new_input(src, dtype, val)
-            cast.replace_all_uses_with(frozen[key])
+            frozen = make_input()
+            for cast in same:
+                cast.replace_all_uses_with(frozen)
         else:
-            for user in _users_in_accumulation_order(cast):
-                _give_each_occurrence_its_input(user, cast, functools.partial(new_input, src, dtype, val))
-        graph.erase_node(cast)
+            for user in _users_in_accumulation_order(same):
+                _give_each_occurrence_its_input(user, same, make_input)
+        for cast in same:
+            graph.erase_node(cast)
     graph.lint()
     return torch.fx.GraphModule(gm, graph), inputs, lifted
