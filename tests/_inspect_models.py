@@ -180,27 +180,15 @@ class BreakInside(nn.Module):
         return self.model(x)
 
 
-class SplitInside(nn.Module):
-    """A graph break inside a submodule with ``model.a`` used on both sides of it: the split weights
-    are ``model.a.weight`` and ``model.a.bias`` under the root (Dynamo calls them ``a.weight``)."""
+class SplitInside(BreakInside):
+    """BreakInside with ``model.a`` used on both sides of the break: the split weights are
+    ``model.a.weight`` and ``model.a.bias`` under the root (Dynamo calls them ``a.weight``)."""
 
-    class Inner(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a = nn.Linear(8, 8)
-            self.head = nn.Linear(8, 4)
-
+    class Inner(BreakInside.Inner):
         def forward(self, x: Tensor) -> Tensor:
             h = torch.relu(self.a(x))
             torch._dynamo.graph_break()
             return self.head(self.a(h))
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = self.Inner()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model(x)
 
 
 SPLIT_CASES = ("graph_break", "graph_break_branch", "split_inside")
