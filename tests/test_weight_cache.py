@@ -27,6 +27,7 @@ from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 from amp_fx.testing.zoo import ZOO, eager_autocast_step, step
+from tests._parity import assert_within_excess_precision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -504,7 +505,7 @@ def test_frozen_weights_use_the_cache_without_gradients() -> None:
 @pytest.mark.parametrize("name", ["rmsnorm", "tied_break"])
 def test_inductor_within_the_excess_precision_tolerance(name: str) -> None:
     """Inductor takes the lifted inputs too; with the cache it stays within the tolerance derived
-    in test_compile_parity.py (outputs 1 eps, gradients 4 eps of their max magnitude).
+    in tests/_parity.py (outputs 1 eps, gradients 4 eps of their max magnitude).
     ``tied_break``: block's uses before the break come back as one gradient each from inductor's
     backward too, so inductor does not add them in fp32 (its excess precision) before eager's
     order does."""
@@ -515,8 +516,4 @@ def test_inductor_within_the_excess_precision_tolerance(name: str) -> None:
     actual = step(compiled, model, inputs, loss_fn)
     # rmsnorm: up, gate, down, out; tied_break: block.weight, block.bias, emb.weight
     assert compiled.amp_fx_weight_cache.refreshes == {"rmsnorm": 4, "tied_break": 3}[name]
-    eps = torch.finfo(dtype).eps
-    torch.testing.assert_close(actual.out, expected.out, rtol=0,
-                               atol=1.0 * eps * expected.out.float().abs().max().item())
-    for n, g in expected.grads.items():
-        torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=4.0 * eps * g.abs().max().item())
+    assert_within_excess_precision(actual, expected, dtype)
