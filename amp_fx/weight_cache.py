@@ -54,8 +54,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_fx._report import Reporter
-
 __all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -133,9 +131,7 @@ class WeightCache:
     ``hits`` the forwards that reused a copy; both are host counters.
     """
 
-    def __init__(self, *, module: torch.nn.Module | None = None, reporter: Reporter | None = None) -> None:
-        self._module = weakref.ref(module) if module is not None else None
-        self._reporter = reporter if reporter is not None else Reporter()
+    def __init__(self) -> None:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
         self._forward = _ForwardState()
         self.refreshes = 0
@@ -192,13 +188,6 @@ class WeightCache:
                                   _layout(weight))
         self.refreshes += 1
         return lowp
-
-    def _name_of(self, weight: torch.Tensor) -> str:
-        module = self._module() if self._module is not None else None
-        for name, p in (module.named_parameters() if module is not None else ()):
-            if p is weight:
-                return name
-        return f"a parameter of shape {tuple(weight.shape)}"
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, weights: Sequence[torch.Tensor] | None = None) -> None:
