@@ -73,6 +73,7 @@ from amp_fx._backends import resolve_backend
 from amp_fx._dist.step import distributed_forward, refuse_distributed_step
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
+from amp_fx.compile import _weight_cache_off_for_fsdp2
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.policy import Policy, resolve_dtype
@@ -197,18 +198,16 @@ class CompiledStep:
         self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
+        if weight_cache and _weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
+            weight_cache = False
         self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
             self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
-                                                      dynamic=dynamic, strict=strict),
+                                                      dynamic=dynamic, strict=strict, weight_cache=weight_cache),
         ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
                          backend=backend, dynamic=dynamic, strict=strict, weight_cache=weight_cache)
-        # amp_fx/weight_cache.py: the low-precision copies are written with the update
+        # amp_fx/weight_cache.py: the low-precision copies are written with the update (under
+        # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
-        if weight_cache and cache is None and (policy is None or policy.cast_cache):
-            self._report.did_less("weight_cache:distributed", (
-                "amp_fx.compile_step(weight_cache=True): the weight cache is not supported for a "
-                "DistributedDataParallel model yet; the step runs without it (each micro-batch casts "
-                "the weights). Drop weight_cache=True."), stacklevel=4)
         self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,

@@ -29,6 +29,12 @@ Not detectable cheaply, hence documented: in-place edits through ``param.data`` 
 counter, autograd's own checks miss them too) and fused kernels run outside a
 ``torch.optim.Optimizer``. Call :meth:`WeightCache.invalidate` after those.
 
+Not supported, hence refused (``amp_fx.compile._weight_cache_off_for_fsdp2``): FSDP2 models.
+FSDP2 all-gathers each parameter into the same unsharded tensor every forward without bumping its
+version counter, and its optimizer steps the sharded parameters. DDP is supported: every rank
+holds and updates whole fp32 parameters, and DDP's reducer hooks sit on their AccumulateGrad
+nodes, which :class:`_CachedCast`'s backward feeds as eager autocast's cast does.
+
 Inside ``compile_step`` the copy is written by the compiled finish graph right after the masked
 optimizer update (:meth:`WeightCache.pairs` / :meth:`WeightCache.revalidate`), and right after a
 fused optimizer's kernel, so the next forward casts nothing.
