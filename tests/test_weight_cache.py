@@ -25,7 +25,6 @@ import amp_fx
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 from amp_fx.testing.zoo import ZOO, eager_autocast_step, step
 from tests._parity import assert_within_excess_precision
 
@@ -259,10 +258,7 @@ def _scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
             torch.amp.GradScaler("cpu", growth_interval=3))
 
 
-@pytest.mark.parametrize("opt_name", [
-    pytest.param("sgd_momentum", marks=pytest.mark.xfail(compile_step_sgd_momentum_differs(),
-                                                         reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)),
-    "adamw_fused"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
 @pytest.mark.parametrize("accumulate", [1, 4])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_compile_step_trajectory_bitwise(dtype: torch.dtype, accumulate: int, opt_name: str) -> None:
