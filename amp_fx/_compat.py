@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch._dynamo
 
-__all__ = ["autocast_registrations", "current_decomposition_table", "dynamo_splits_number_alpha",
-           "number_alpha_as_eager"]
+__all__ = ["autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
+           "number_scalars_as_eager"]
 
 
 @cache
@@ -48,48 +48,57 @@ def current_decomposition_table() -> MutableMapping[Any, Callable[..., Any]]:
     return table
 
 
-_splits_number_alpha: bool | None = None
+_decomposes_number_scalars: bool | None = None
 
 
-def dynamo_splits_number_alpha() -> bool:
-    """Whether Dynamo traces ``t.add_(o, alpha=a)``, ``a`` a Python number, as ``torch.mul(o, a)``
-    then ``t.add_(...)``: two roundings, where eager's ``add_`` kernel rounds once (a fused
-    multiply-add on CPU), so the last bit of ``t`` can differ.
+def dynamo_decomposes_number_scalars() -> bool:
+    """Whether Dynamo rewrites an in-place op's Python-number scalar into a separate multiply:
+    ``t.add_(o, alpha=a)``, ``t.addcmul_(x, y, value=a)`` or ``t.addcdiv_(x, y, value=a)``, ``a`` a
+    number. The rewrite rounds twice (``torch.mul`` then ``add_``, or ``inductor_prims.fma``, which
+    aot_eager runs as a multiply then an add) where eager's CPU kernel rounds once, so the last bit
+    of ``t`` can differ.
 
-    2.11 does (``TensorVariable.method_add_`` decomposes every ``alpha`` while
-    ``torch._dynamo.config.enable_dynamo_decompositions``, the default); 2.13 and 2.15 keep one
-    ``add_(o, alpha=a)`` node and decompose only a tensor ``alpha`` (into ``inductor_prims.fma``).
-    Found by tracing ``t.add_(o, alpha=0.5)`` once (about 0.3 s, the first time it is asked).
+    Every supported version does, while ``torch._dynamo.config.enable_dynamo_decompositions`` (the
+    default): 2.11 all three (``TensorVariable.method_add_`` and co. into ``mul`` + ``add_``); 2.13
+    and 2.15 keep ``add_(o, alpha=a)`` as one node but still rewrite ``addcmul_``/``addcdiv_`` with
+    a ``value`` into ``mul``/``div`` + ``fma``. Found by tracing the three once (about 0.5 s, the
+    first time it is asked).
     """
-    global _splits_number_alpha
-    if _splits_number_alpha is None:
+    global _decomposes_number_scalars
+    if _decomposes_number_scalars is None:
         kept: list[bool] = []
 
         def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            kept.append(any(n.kwargs.get("alpha") == 0.5 for n in gm.graph.nodes))
+            calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+            kept.append(len(calls) == 1)
             return gm.forward
 
-        def probe(t: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-            return t.add_(o, alpha=0.5)
-
-        torch.compile(probe, backend=record, fullgraph=True)(torch.zeros(2), torch.ones(2))
-        if not kept:  # Dynamo did not trace (e.g. a force_eager stance): nothing to keep, ask again later
+        probes: list[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = [
+            lambda t, o: t.add_(o, alpha=0.5),
+            lambda t, o: t.addcmul_(o, o, value=0.5),
+            lambda t, o: t.addcdiv_(o, o, value=0.5),
+        ]
+        for probe in probes:
+            torch.compile(probe, backend=record, fullgraph=True)(torch.zeros(2), torch.ones(2))
+        if len(kept) != len(probes):  # Dynamo did not trace (e.g. a force_eager stance): ask again later
             return False
-        _splits_number_alpha = not kept[0]
-    return _splits_number_alpha
+        _decomposes_number_scalars = not all(kept)
+    return _decomposes_number_scalars
 
 
 @contextlib.contextmanager
-def number_alpha_as_eager() -> Iterator[None]:
-    """Inside, Dynamo traces ``add_(o, alpha=a)`` with a number ``a`` as eager computes it, one node.
+def number_scalars_as_eager() -> Iterator[None]:
+    """Inside, Dynamo traces ``add_``/``addcmul_``/``addcdiv_`` with a number scalar as eager
+    computes them: one node each, one rounding.
 
-    Where Dynamo would split it (:func:`dynamo_splits_number_alpha`), this turns off
-    ``enable_dynamo_decompositions`` while tracing; that flag also decomposes a *tensor* ``alpha``
-    or ``value`` (``add_``, ``addcmul_``, ``addcdiv_``), which 2.11's Dynamo cannot trace without
-    it (``PendingUnbackedSymbolNotFound``, Adagrad's step-dependent lr for one). So only for
-    code whose ``alpha`` and ``value`` arguments are all Python numbers.
+    Where Dynamo would rewrite them (:func:`dynamo_decomposes_number_scalars`), this turns off
+    ``enable_dynamo_decompositions`` while tracing. That flag is also how Dynamo traces a *tensor*
+    ``alpha`` or ``value`` without reading it: without it 2.11 cannot trace one at all
+    (``PendingUnbackedSymbolNotFound``) and 2.13 reads it on the host (``item()``, a sync per
+    call: Adagrad's step-dependent lr is one). So only for code whose ``alpha`` and ``value``
+    arguments are all Python numbers.
     """
-    if not dynamo_splits_number_alpha():
+    if not dynamo_decomposes_number_scalars():
         yield
         return
     with torch._dynamo.config.patch(enable_dynamo_decompositions=False):

@@ -131,18 +131,29 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
     return inspect.unwrap(type(optimizer).step)
 
 
-def _sgd_as_eager(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
-    """Trace ``torch.optim.SGD``'s update ``param.add_(grad, alpha=-lr)`` as eager computes it.
+# The optimizers whose own step, with every hyperparameter a Python number, passes only numbers
+# as add_'s alpha and addcmul_/addcdiv_'s value (checked by tests/test_step.py, bit for bit, on
+# 2.11, 2.13 and 2.15). Not Adagrad: its lr divided by a step-dependent term is a tensor when traced
+# (turning the rewrite off would read it on the host each step); not Adam, AdamW, Adamax, NAdam,
+# RAdam, ASGD: their step-counter arithmetic in fp32 differs anyway (README, "Limitations").
+_EAGER_ROUNDING_STEPS = tuple(inspect.unwrap(cls.step) for cls in
+                              (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adadelta))
 
-    torch 2.11's Dynamo splits a number ``alpha`` into a multiply and an add (two roundings where
-    eager rounds once: ``amp_fx._compat.dynamo_splits_number_alpha``), so the parameters drifted
-    from the eager recipe in the last bits. Only SGD's own step with every hyperparameter a Python
-    number: a scheduled lr is a tensor inside the step (``_lrs_as_tensors``), which 2.11's Dynamo
-    traces only through that decomposition; it then stays within the scheduler test's tolerance.
+
+def _step_as_eager(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+    """Trace the optimizer's ``add_(g, alpha=a)``, ``addcmul_``/``addcdiv_(.., value=a)`` as eager
+    computes them, one rounding each.
+
+    Dynamo rewrites them into a multiply and an add (two roundings where eager's kernel rounds
+    once: ``amp_fx._compat.dynamo_decomposes_number_scalars``), so SGD (2.11), RMSprop and Adadelta
+    drifted from the eager recipe in the last bits. Only for the steps of ``_EAGER_ROUNDING_STEPS``
+    with every hyperparameter a Python number: a scheduled lr is a tensor inside the step
+    (``_lrs_as_tensors``), which Dynamo traces without a host read only through that rewrite; it
+    then stays within the scheduler test's tolerance.
     """
-    own_step = _raw_step(optimizer) is inspect.unwrap(torch.optim.SGD.step)
+    own_step = _raw_step(optimizer) in _EAGER_ROUNDING_STEPS
     numbers = not any(isinstance(v, torch.Tensor) for g in _group_values(optimizer) for v in g.values())
-    return _compat.number_alpha_as_eager() if own_step and numbers else contextlib.nullcontext()
+    return _compat.number_scalars_as_eager() if own_step and numbers else contextlib.nullcontext()
 
 
 def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -378,7 +389,7 @@ class CompiledStep:
                 self._run_pre_hooks()
                 if writer is not None:
                     writer.before_finish()
-                with self._lrs_as_tensors(), _sgd_as_eager(opt):  # (sees the lrs as tensors)
+                with self._lrs_as_tensors(), _step_as_eager(opt):  # (sees the lrs as tensors)
                     flags = self._finish(*self._scale_state())
                 if writer is not None:
                     writer.after_finish()

@@ -33,6 +33,14 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
     "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.05),  # keeps no optimizer state
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2),
+    "rmsprop_momentum": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.9),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),  # creates its state in the constructor
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2),
 }
 
 
