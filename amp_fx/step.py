@@ -69,7 +69,7 @@ import torch
 import torch._dynamo
 
 from amp_fx._backends import resolve_backend
-from amp_fx._dist.step import distributed_forward, refuse_distributed_step
+from amp_fx._dist.step import LocalShards, check_distributed_step, distributed_forward, is_fsdp2
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import compile as amp_compile
@@ -182,7 +182,7 @@ class CompiledStep:
         self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
-        self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
+        self._forward = distributed_forward(  # DDP/FSDP2: per-unit capture, no grad sync within a window
             self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
                                                       dynamic=dynamic, strict=strict),
         ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
@@ -192,8 +192,10 @@ class CompiledStep:
         if weight_cache and cache is None and (policy is None or policy.cast_cache):
             self._report.did_less("weight_cache:distributed", (
                 "amp_fx.compile_step(weight_cache=True): the weight cache is not supported for a "
-                "DistributedDataParallel model yet; the step runs without it (each micro-batch casts "
-                "the weights). Drop weight_cache=True."), stacklevel=4)
+                "DistributedDataParallel or FSDP2 (fully_shard) model yet (FSDP2 gathers the parameters "
+                "anew in every forward, so a cast of the local fp32 shard would not be the weight the "
+                "forward uses); the step runs without it (each micro-batch casts the weights). Drop "
+                "weight_cache=True."), stacklevel=4)
         self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
@@ -205,6 +207,9 @@ class CompiledStep:
         # A hyperparameter other than lr changed between steps: the optimizer steps eagerly.
         self._eager_optimizer = False
         self._warmed_up = False
+        # FSDP2: the finish works on the local shards (built after the warm-up created the state).
+        self._fsdp2 = is_fsdp2(model)
+        self._sharded: LocalShards | None = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -365,7 +370,15 @@ class CompiledStep:
                 if writer is not None:
                     writer.before_finish()
                 with self._lrs_as_tensors():
-                    flags = self._finish(*self._scale_state())
+                    if self._fsdp2:
+                        if self._sharded is None:
+                            self._sharded = LocalShards(opt, self._params)
+                        self._sharded.before_finish()
+                    try:
+                        flags = self._finish(*self._scale_state())
+                    finally:
+                        if self._sharded is not None:
+                            self._sharded.after_finish()
                 if writer is not None:
                     writer.after_finish()
                 if self._fused:
@@ -428,7 +441,9 @@ class CompiledStep:
     def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        sharded = self._sharded  # FSDP2: local shards, the flag and the norm combined across ranks
+        params = self._params if sharded is None else sharded.params
+        grads = [p.grad for p in params if p.grad is not None]
         max_norm = self.config.max_grad_norm
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
@@ -437,13 +452,23 @@ class CompiledStep:
             grad_scale = state.scale.clone()
         elif max_norm is None:
             unscale_check_(grads, found_inf, inv_scale)
+            if sharded is not None:
+                found_inf = sharded.combine_found_inf(found_inf)
         else:
             if self.config.grad_norm is GradNorm.FUSED:
-                total_norm = unscale_check_norm_(grads, found_inf, inv_scale).sqrt()
+                sum_sq = unscale_check_norm_(grads, found_inf, inv_scale)
+                if sharded is not None:
+                    found_inf = sharded.combine_found_inf(found_inf)
+                    sum_sq = sharded.global_sum(sum_sq)
+                total_norm = sum_sq.sqrt()
             else:
                 unscale_check_(grads, found_inf, inv_scale)
                 norms = torch._foreach_norm(grads, 2.0)
-                total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                if sharded is not None:
+                    found_inf = sharded.combine_found_inf(found_inf)
+                    total_norm = sharded.global_norm(norms)
+                else:
+                    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)
@@ -459,10 +484,14 @@ class CompiledStep:
         return None
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
-        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot)."""
-        saved_params, saved_state = copy_state(self.optimizer, self._params)
-        self._raw_step(self.optimizer)
-        restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
+        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).
+
+        FSDP2: the view of the optimizer on the local shards (``LocalShards``)."""
+        sharded = self._sharded
+        opt, params = (self.optimizer, self._params) if sharded is None else (sharded.optimizer, sharded.params)
+        saved_params, saved_state = copy_state(opt, params)
+        self._raw_step(opt)
+        restore_where_(opt, params, saved_params, saved_state, found_inf)
 
 
 def _group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -573,10 +602,10 @@ def compile_step(
     lower = resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
-    refuse_distributed_step(model)  # FSDP2: a clear error instead of Dynamo's
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    check_distributed_step(model, optimizer)  # FSDP1, FSDP2 layouts/optimizers: a clear error
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(dtype=lower, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
