@@ -27,6 +27,7 @@ from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from amp_fx._backends import Backend, backend_name, resolve_backend
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
@@ -301,6 +302,13 @@ def _wrapper_fix(target: object) -> str | None:
     if isinstance(target, DistributedDataParallel):
         return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
                 "the model inside it instead: DDP(amp_fx.compile(model)).")
+    if isinstance(target, torch.nn.Module) and (is_fsdp1(target) or any(
+            getattr(p, "_fsdp_flattened", False) for p in target.parameters())):
+        # FSDP1 around the model, or the model inside FSDP1 (its parameters are views of
+        # FSDP1's FlatParameter, marked _fsdp_flattened).
+        return (f"{type(target).__name__} is sharded by FullyShardedDataParallel (FSDP1), whose flat "
+                f"parameters and hooks Dynamo does not capture; it trains as eager FSDP1 under autocast. "
+                f"To compile it, {FSDP1_ALTERNATIVE}.")
     fsdp_types: list[type] = []
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

@@ -14,7 +14,9 @@ about a GPU. On CPU the "device" is the host, so a host read costs little here; 
 a stream synchronisation.
 
 The amp_fx rows are ``amp_fx.compile`` + ``amp_fx.GradScaler`` (``StepMode.MASKED`` where no host
-read is wanted), and ``amp_fx.compile_step`` on the DDP model.
+read is wanted), and ``amp_fx.compile_step`` on the DDP model and on the FSDP2 model. Collectives
+are profiler events (``gloo:*``): an ``async_op=True`` collective (ShardedGradScaler's flag) shows
+as two.
 """
 
 from __future__ import annotations
@@ -104,6 +106,16 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
         m = _shard(_model())
         return recipe(m, m, ShardedGradScaler("cpu"), True)
 
+    def step_fsdp() -> Callable[..., None]:
+        m = _shard(_model())
+        step = amp_fx.compile_step(m, torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+                                   lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
+                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED))
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            step(x, y)
+        return run
+
     def amp_fsdp() -> Callable[..., None]:
         m = _shard(_model())
         compiled = amp_fx.compile(m, dtype=dtype, backend=backend)
@@ -119,6 +131,7 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
         "eager FSDP2 + autocast + ShardedGradScaler": ("", eager_fsdp),
         "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": (
             "eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),
+        "amp_fx.compile_step(FSDP2 m)": ("eager FSDP2 + autocast + ShardedGradScaler", step_fsdp),
     }
 
 

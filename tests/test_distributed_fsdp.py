@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_asserts import assert_same_run, skipped_steps
-from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, STEPS, fsdp_all
+from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, RECIPES, STEPS, fsdp_all
 from test_step import ADAM_TRACED_RTOL
 
 from amp_fx.testing import assert_bitwise
@@ -89,7 +89,7 @@ def test_fsdp2_mixed_precision_policy_other_param_dtype_is_refused(ranks):
 
 def test_fsdp2_accumulation_without_gradient_sync_and_global_clipping_bitwise(ranks):
     """Two micro-batches per step, the first under ``set_requires_gradient_sync(False)``, then
-    unscale_ + clip_grad_norm_(1.0) over the DTensor gradients (the global norm across shards);
+    unscale_ + clip_grad_norm_(0.5) over the DTensor gradients (the global norm across shards);
     bitwise with eager FSDP2 + ShardedGradScaler, norms included."""
     for rank, res in enumerate(ranks):
         got, want = res[("fp16", "seq", "amp_fx", "accum_clip")], res[("fp16", "seq", "eager", "accum_clip")]
@@ -124,6 +124,8 @@ def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype,
     DTensor's clip_grad_norm_ computes, bit for bit). After the warm-up: no host read, no new graph."""
     for rank, res in enumerate(ranks):
         want = res[(dtype, "seq", "eager")] if recipe == "plain" else res[(dtype, "seq", "eager", recipe)]
+        if "norms" in want:  # clipping engaged on some step, so the global norm's bits matter
+            assert (want["norms"][want["norms"].isfinite()] > RECIPES[recipe]["clip"]).any()
         assert_same_run(res[(dtype, "seq", "step", recipe)], want, f"rank {rank}, {dtype}, {recipe}",
                         keys=("losses", "scales", "params"))
     _check_step_run(ranks, dtype, recipe)
@@ -175,3 +177,17 @@ def test_keep_fp32_names_under_the_root_apply_on_fsdp2(ranks):
         assert report["kept_dtype"] == torch.float32
         assert report["plain_dtype"] != torch.float32
         assert report["warnings"] == []
+
+
+def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
+    """FullyShardedDataParallel (FSDP1): amp_fx.compile(FSDP1(m)) warns at once (and
+    strict mode raises), then runs as eager FSDP1 + autocast (bitwise that reference);
+    FSDP1(amp_fx.compile(m)) warns at its first call, which captured nothing; compile_step refuses.
+    Each message names fully_shard (FSDP2)."""
+    for res in ranks:
+        report = res["fsdp1"]
+        assert any("FullyShardedDataParallel (FSDP1)" in w and "fully_shard" in w for w in report["outer_at_compile"])
+        assert_bitwise(report["outer_out"], report["eager_out"], "amp_fx.compile(FSDP1(m)) output")
+        assert "FSDP1" in report["strict"] and "fully_shard" in report["strict"]
+        assert any("FSDP1" in w and "fully_shard" in w for w in report["inner_at_call"])
+        assert "FSDP1" in report["step"] and "fully_shard" in report["step"]

@@ -49,10 +49,9 @@ from typing import Any
 
 import torch
 
-from amp_fx._dist.capture import _device_type, distributed_units
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, _device_type, distributed_units, is_fsdp1
 
-__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward",
-           "is_fsdp1", "is_fsdp2"]
+__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward", "is_fsdp2"]
 
 # torch.optim classes whose step is elementwise per parameter: on a rank's shard it computes
 # what DTensor's dispatch computes for that shard. Exact classes: a subclass may override step.
@@ -68,22 +67,6 @@ def _is_ddp(model: torch.nn.Module) -> bool:
 def is_fsdp2(model: torch.nn.Module) -> bool:
     """Whether ``model`` is (or contains modules) sharded with ``fully_shard``."""
     return not _is_ddp(model) and distributed_units(model) is not None
-
-
-def is_fsdp1(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is, or contains, a ``FullyShardedDataParallel`` (FSDP1) wrapper."""
-    if not torch.distributed.is_available():
-        return False
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
-        return False
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-
-
-FSDP1_ALTERNATIVE = (
-    "shard with FSDP2 instead: torch.distributed.fsdp.fully_shard on each block, then on the root "
-    "(DTensor parameters; amp_fx.compile, amp_fx.GradScaler and amp_fx.compile_step support it)")
 
 
 def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
