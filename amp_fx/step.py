@@ -370,18 +370,19 @@ class CompiledStep:
                 if writer is not None:
                     writer.before_finish()
                 with self._lrs_as_tensors():
-                    if self._fsdp2:
-                        if self._sharded is None:
-                            self._sharded = LocalShards(opt, self._params)
-                        self._sharded.before_finish()
+                    sharded = self._local_shards()
                     try:
                         flags = self._finish(*self._scale_state())
+                        if sharded is not None and self._fused:
+                            self._fused_step_on_shards(sharded, *flags)
                     finally:
-                        if self._sharded is not None:
-                            self._sharded.after_finish()
+                        if sharded is not None:
+                            sharded.after_finish()
                 if writer is not None:
                     writer.after_finish()
-                if self._fused:
+                if self._fused and sharded is not None:
+                    self._run_post_hooks()
+                elif self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
                     opt.found_inf = found_inf  # type: ignore[attr-defined]
@@ -406,8 +407,30 @@ class CompiledStep:
             self._expect_recompile = False
         opt.zero_grad()
 
+    def _local_shards(self) -> LocalShards | None:
+        """FSDP2: the local view, pointed at this step's gradients and state; else None."""
+        if not self._fsdp2:
+            return None
+        if self._sharded is None:
+            self._sharded = LocalShards(self.optimizer, self._params)
+        self._sharded.before_finish()
+        return self._sharded
+
+    def _fused_step_on_shards(self, sharded: LocalShards, grad_scale: torch.Tensor | None,
+                              found_inf: torch.Tensor) -> None:
+        """A fused optimizer's kernel on the local shards, skipped on the device where found_inf
+        (the flag already combined across ranks); its hooks run around it, on the user's optimizer."""
+        view = sharded.optimizer
+        view.grad_scale = grad_scale  # type: ignore[attr-defined]
+        view.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            self._raw_step(view)
+        finally:
+            del view.grad_scale  # type: ignore[attr-defined]
+            del view.found_inf  # type: ignore[attr-defined]
+
     def _run_pre_hooks(self) -> None:
-        if self._fused:
+        if self._fused and not self._fsdp2:
             return  # optimizer.step() runs them
         from torch.optim.optimizer import _global_optimizer_pre_hooks
 
@@ -450,6 +473,8 @@ class CompiledStep:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale))
             grad_scale = state.scale.clone()
+            if sharded is not None:
+                found_inf = sharded.combine_found_inf(found_inf)
         elif max_norm is None:
             unscale_check_(grads, found_inf, inv_scale)
             if sharded is not None:

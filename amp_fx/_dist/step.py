@@ -33,10 +33,11 @@ Two quantities need every rank:
 
 The optimizer step runs on a *local view* of the user's optimizer (its class, hyperparameters
 and state, with every DTensor replaced by its local tensor), so only optimizers whose update is
-elementwise per parameter are accepted (:data:`SHARD_LOCAL_OPTIMIZERS`); ``fused=True`` ones
-and other layouts (HSDP's 2-D mesh, ``Shard(1)``, parameters left unsharded) are refused with
-an error naming what works. The warm-up step runs eagerly on the DTensors through
-``amp_fx.GradScaler``, as on one device.
+elementwise per parameter are accepted (:data:`SHARD_LOCAL_OPTIMIZERS`; ``fused=True`` ones
+run their fused kernel on the local shards, with the combined flag), and other layouts (HSDP's
+2-D mesh, ``Shard(1)``, parameters left unsharded) are refused with an error naming what
+works. The warm-up step runs eagerly on the DTensors through ``amp_fx.GradScaler``, as on one
+device.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
 
     FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
-    FSDP2: the optimizer must be one of :data:`SHARD_LOCAL_OPTIMIZERS` without ``fused=True``,
-    and every parameter a DTensor sharded on dim 0 over one 1-D device mesh.
+    FSDP2: the optimizer must be one of :data:`SHARD_LOCAL_OPTIMIZERS`, and every parameter a
+    DTensor sharded on dim 0 over one 1-D device mesh.
     """
     if is_fsdp1(model):
         raise NotImplementedError(
@@ -90,11 +91,6 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"local shards, which is exact only for elementwise optimizers ({names}); got "
             f"{kind.__module__}.{kind.__qualname__}. Use amp_fx.compile(model) with amp_fx.GradScaler("
             "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors")
-    if any(g.get("fused") for g in optimizer.param_groups):
-        raise NotImplementedError(
-            f"amp_fx.compile_step: {kind.__name__}(fused=True) on an FSDP2 (fully_shard) model is not "
-            "supported; use fused=False (the foreach step is compiled and skipped on the device), or "
-            "amp_fx.compile(model) with amp_fx.GradScaler")
     _shard_layout([p for g in optimizer.param_groups for p in g["params"]])
 
 
