@@ -219,10 +219,8 @@ class AmpBackend:
         ours = [n for n in record.rewritten.graph.nodes if n.op == "placeholder"]
         theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         position = {n: i for i, n in enumerate(ours)}
-        for node in record.rewritten.graph.nodes:
-            if not node.meta.get(meta.CACHED) or node.args[0] not in position:
-                continue
-            i = position[node.args[0]]
+        for leaf in leaves_cast_with_shared_cast(record.rewritten):
+            i = position[leaf]
             tensor = example_inputs[i]
             ref, frames = self._cached_leaf_frames.get(id(tensor), (None, set()))
             if ref is None or ref() is not tensor:
@@ -519,6 +517,20 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
 )
 """What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
+
+
+def leaves_cast_with_shared_cast(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The inputs of ``gm`` that a shared leaf cast casts (``meta.CACHED``: one cast of a weight
+    for all its uses, as eager autocast's cast cache), in graph order, each once.
+
+    The one test of "this graph casts that weight": a weight returned for two graphs of one
+    forward is split by a graph break (the backend reports it, the inspection tools name it)."""
+    out: dict[torch.fx.Node, None] = {}
+    for node in gm.graph.nodes:
+        src = node.args[0] if node.meta.get(meta.CACHED) and node.args else None
+        if isinstance(src, torch.fx.Node) and src.op == "placeholder":
+            out.setdefault(src)
+    return list(out)
 
 
 _SPLITS_NOTED_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -318,13 +318,38 @@ def _weight_cache_for(wanted: bool, policy: Policy, root: torch.nn.Module | None
         raise TypeError(f"amp_fx: weight_cache must be True or False, got {wanted!r}")
     if not wanted:
         return None
+    if root is not None and _weight_cache_off_for_fsdp2(root, reporter, "amp_fx.compile"):
+        return None
     if not policy.cast_cache:
         reporter.did_less("weight_cache:cast_cache",
                           "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
                           "turns off (each use would get its own gradient cast); the weight cache is off. "
                           "Drop cast_cache=False or weight_cache=True.", stacklevel=4)
         return None
-    return WeightCache(module=root, reporter=reporter)
+    return WeightCache()
+
+
+def _weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, caller: str) -> bool:
+    """Report (and return True) when ``model`` is sharded with ``fully_shard``: no weight cache.
+
+    FSDP2 all-gathers each parameter, every forward, into the same unsharded tensor, under
+    ``torch.autograd._unsafe_preserve_version_counter``: neither its version counter nor its
+    storage tells the cache that the values changed, and the optimizer steps the *sharded*
+    parameters, so no invalidation rule of amp_fx/weight_cache.py would ever fire and the copy
+    would stay the first forward's (checked: training drifts from eager FSDP2 after one step).
+    DDP keeps whole fp32 parameters on every rank and is supported.
+    """
+    units = distributed_units(model)
+    if units is None or (torch.distributed.is_available()
+                         and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+        return False
+    reporter.did_less("weight_cache:fsdp2", (
+        f"{caller}(weight_cache=True): the model is sharded with fully_shard (FSDP2), which gathers "
+        "its parameters again in every forward into tensors whose changes the weight cache cannot "
+        "see; the cache is off and each forward casts the gathered weights, as eager autocast does. "
+        "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
+        "weights instead)."), stacklevel=5)
+    return True
 
 
 def _one_forward(cache: WeightCache | None) -> contextlib.AbstractContextManager[None]:

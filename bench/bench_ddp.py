@@ -14,9 +14,10 @@ about a GPU. On CPU the "device" is the host, so a host read costs little here; 
 a stream synchronisation.
 
 The amp_fx rows are ``amp_fx.compile`` + ``amp_fx.GradScaler`` (``StepMode.MASKED`` where no host
-read is wanted), and ``amp_fx.compile_step`` on the DDP model and on the FSDP2 model. Collectives
-are profiler events (``gloo:*``): an ``async_op=True`` collective (ShardedGradScaler's flag) shows
-as two.
+read is wanted), and ``amp_fx.compile_step`` on the DDP model, without and with the weight cache
+(``weight_cache=True``: the finish graph writes each weight's low-precision copy with the update,
+so the forward casts no weight), and on the FSDP2 model. Collectives are profiler events
+(``gloo:*``): an ``async_op=True`` collective (ShardedGradScaler's flag) shows as two.
 """
 
 from __future__ import annotations
@@ -92,11 +93,12 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
             return recipe(m, ddp, amp_fx.GradScaler("cpu", step_mode=step_mode), False)
         return build
 
-    def step_ddp() -> Callable[..., None]:
+    def step_ddp(weight_cache: bool = False) -> Callable[..., None]:
         m = _model()
         step = amp_fx.compile_step(DDP(m), torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
                                    lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
-                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED))
+                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED),
+                                   weight_cache=weight_cache)
 
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             step(x, y)
@@ -128,6 +130,8 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
         "DDP(amp_fx.compile(m)) + GradScaler(MASKED)": (
             "eager DDP + autocast + torch.amp.GradScaler", amp_ddp(amp_fx.StepMode.MASKED)),
         "amp_fx.compile_step(DDP(m))": ("eager DDP + autocast + torch.amp.GradScaler", step_ddp),
+        "amp_fx.compile_step(DDP(m), weight_cache=True)": (
+            "eager DDP + autocast + torch.amp.GradScaler", lambda: step_ddp(weight_cache=True)),
         "eager FSDP2 + autocast + ShardedGradScaler": ("", eager_fsdp),
         "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": (
             "eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),

@@ -84,10 +84,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
            rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
            accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
-           clip: float | None = None, opt: Any = None, steps: range = range(STEPS)) -> dict[str, Any]:
+           clip: float | None = None, opt: Any = None, steps: range = range(STEPS),
+           on_window: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Optimizer steps ``steps`` of ``accumulate`` micro-batches each; all but the last
     micro-batch of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's
-    set_requires_gradient_sync). ``opt``: SGD with momentum unless given."""
+    set_requires_gradient_sync). ``opt``: SGD with momentum unless given. ``on_window(step)``
+    runs after each window's update."""
     opt = opt if opt is not None else _sgd(model)
     losses, scales, norms = [], [], []
     movement = _Movement(model)
@@ -114,6 +116,8 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
         opt.zero_grad(set_to_none=True)
         scales.append(_scale_of(scaler))
         movement.update()
+        if on_window is not None:
+            on_window(step)
     out = {"losses": torch.stack(losses), "scales": torch.stack(scales),
            "params": [_local(p) for p in model.parameters()], "moved": movement.total}
     if norms:

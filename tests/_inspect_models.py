@@ -178,3 +178,51 @@ class BreakInside(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
+
+
+class SplitInside(BreakInside):
+    """BreakInside with ``model.a`` used on both sides of the break: the split weights are
+    ``model.a.weight`` and ``model.a.bias`` under the root (Dynamo calls them ``a.weight``)."""
+
+    class Inner(BreakInside.Inner):
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.relu(self.a(x))
+            torch._dynamo.graph_break()
+            return self.head(self.a(h))
+
+
+SPLIT_CASES = ("graph_break", "graph_break_branch", "split_inside")
+"""Graph-break models: fc on both sides (zoo), every weight on one side (zoo, the negative twin),
+a split inside a submodule (named under the root)."""
+
+
+def split_case(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    """The model and inputs of one of :data:`SPLIT_CASES`."""
+    from amp_fx.testing.zoo import ZOO
+
+    if name == "split_inside":
+        torch.manual_seed(0)
+        return SplitInside(), (torch.randn(2, 8, generator=torch.Generator().manual_seed(1)),)
+    model, inputs, _ = ZOO[name].build()
+    return model, inputs
+
+
+def split_weights_reported(model: nn.Module, *inputs: Tensor, dtype: str) -> list[str]:
+    """The weights amp_fx's backend reports as used on both sides of a graph break when ``model``
+    (a copy) is compiled and called: the reference the inspection tools' notes are checked against."""
+    import copy
+    import warnings
+
+    import amp_fx
+
+    compiled = amp_fx.compile(copy.deepcopy(model), dtype=dtype, backend="eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(*inputs)
+    said = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+    return sorted(m.split()[1] for m in said if "both sides of a graph break" in m)
+
+
+def split_weights_noted(notes: list[str]) -> list[str]:
+    """The weights an inspection tool's notes name as used in several graphs."""
+    return sorted(n.split()[0] for n in notes if " is used in graphs " in n)

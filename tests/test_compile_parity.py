@@ -1,22 +1,21 @@
 """amp_fx.compile against eager autocast on the model zoo, up the backend ladder.
 
 Every test builds one seeded model, deep-copies it before compiling, and runs the copy under eager
-``torch.autocast("cpu", dtype)`` in the same test: the reference is computed, never stored.
+``torch.autocast("cpu", dtype)`` in the same test: the reference is computed, never stored
+(``run_pair`` in tests/_parity.py, shared with the GPU tier).
 
 * ``aot_eager`` and ``eager``: outputs, every parameter's ``.grad`` and every buffer (BatchNorm's
   running stats) must be bitwise equal (``amp_fx.testing.assert_bitwise``: dtypes included).
-* ``inductor``: within a tolerance derived below (fused kernels keep intermediates in fp32).
+* ``inductor``: within a tolerance derived in tests/_parity.py (fused kernels keep intermediates in fp32).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -27,9 +26,19 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.testing import assert_bitwise
-from amp_fx.testing.zoo import ZOO, LossFn, StepResult, ZooEntry, eager_autocast_step, step
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from amp_fx.testing.zoo import ZOO, StepResult, ZooEntry
+from tests._parity import (
+    DTYPES,
+    INDUCTOR_MODELS,
+    SHARED_ACROSS_BREAK,
+    assert_every_graph_rewritten,
+    assert_within_excess_precision,
+    dynamo_config,
+    msg,
+    reports_splits,
+    run_pair,
+    zoo_params,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,95 +47,6 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-# --- helpers ----------------------------------------------------------------------------------
-
-
-def _dynamo_config(entry: ZooEntry) -> AbstractContextManager[None]:
-    return torch._dynamo.config.patch(dict(entry.dynamo_config))
-
-
-def _eager_reference(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
-                     dtype: torch.dtype) -> StepResult:
-    try:
-        return eager_autocast_step(model, inputs, loss_fn, dtype)
-    except RuntimeError as e:  # e.g. oneDNN has no fp16 LSTM primitive on this CPU
-        pytest.skip(f"eager autocast itself fails for {dtype}, so there is no reference: {e}")
-
-
-def _skip_if_backend_fails_without_amp_fx(entry: ZooEntry, backend: str, err: Exception) -> None:
-    """When amp_fx's run raised, check whether plain fp32 torch.compile fails the same way."""
-    torch._dynamo.reset()
-    model, inputs, loss_fn = entry.build()
-    try:
-        with _dynamo_config(entry):
-            loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
-    except Exception as plain:  # noqa: BLE001 (any failure of the baseline means: not amp_fx)
-        pytest.skip(f"torch.compile(backend={backend!r}) fails on {entry.name} in fp32 without "
-                    f"amp_fx too ({type(plain).__name__}: {str(plain)[:120]}); amp_fx raised "
-                    f"{type(err).__name__}")
-
-
-@contextlib.contextmanager
-def _reports_splits(entry: ZooEntry) -> Iterator[None]:
-    """Inside: amp_fx reports each of ``entry.split_params`` once (an AmpFxWarning naming it),
-    and nothing when the entry has none (the suite runs strict: a report would raise)."""
-    if not entry.split_params:
-        yield
-        return
-    with pytest.warns(amp_fx.AmpFxWarning, match="both sides of a graph break") as said:
-        yield
-    named = [str(w.message).split()[1] for w in said if "both sides of a graph break" in str(w.message)]
-    assert sorted(named) == sorted(entry.split_params)
-
-
-def run_pair(entry: ZooEntry, dtype: torch.dtype, **compile_kwargs: object
-             ) -> tuple[StepResult, StepResult, amp_fx.AmpCompiledModule]:
-    """(amp_fx result, eager autocast result, compiled module) from identical model copies."""
-    model, inputs, loss_fn = entry.build()
-    reference_model = copy.deepcopy(model)
-    expected = _eager_reference(reference_model, inputs, loss_fn, dtype)
-    if entry.split_params:
-        compile_kwargs = {"strict": False, **compile_kwargs}  # the report is under test
-    compiled = amp_fx.compile(model, dtype=dtype, **compile_kwargs)
-    try:
-        with _dynamo_config(entry), _reports_splits(entry):
-            actual = step(compiled, model, inputs, loss_fn)
-    except Exception as e:
-        _skip_if_backend_fails_without_amp_fx(entry, str(compile_kwargs.get("backend")), e)
-        raise
-    return actual, expected, compiled
-
-
-def _msg(what: str) -> Callable[[str], str]:
-    return lambda m: f"{what} differs from eager autocast:\n{m}"
-
-
-def _assert_every_graph_rewritten(compiled: amp_fx.AmpCompiledModule) -> None:
-    records = compiled.amp_fx_records
-    assert records, "Dynamo captured no graph: the test would compare eager with eager"
-    for r in records:
-        assert r.inserted.casts_inserted > 0 and r.casts > 0, f"graph {r.index} got no casts:\n{r}"
-
-
-_SHARED_ACROSS_BREAK = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="fc is used on both sides of the graph break: eager autocast's cast cache shares one "
-           "bf16/fp16 copy of fc.weight for the whole autocast region, so the two uses' gradients "
-           "add up in the low dtype before one cast back to fp32; amp_fx casts once per graph, so "
-           "they are cast back separately and add up in fp32 (reported to the amp_fx owner). "
-           "weight_cache=True makes it bitwise: tests/test_weight_cache.py")
-
-
-def _zoo_params(exclude: tuple[str, ...] = ()) -> list[object]:
-    out = []
-    for name in ZOO:
-        if name in exclude:
-            continue
-        marks = [_SHARED_ACROSS_BREAK] if name == "graph_break" else []
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
 
 
 # --- the zoo's own contract -------------------------------------------------------------------
@@ -151,10 +71,10 @@ def test_zoo_loss_is_autocast_neutral(name: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", _zoo_params())
+@pytest.mark.parametrize("name", zoo_params())
 def test_aot_eager_bitwise(name: str, dtype: torch.dtype) -> None:
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="aot_eager")
-    _assert_every_graph_rewritten(compiled)
+    assert_every_graph_rewritten(compiled)
     assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
@@ -165,7 +85,7 @@ def test_aot_eager_bitwise_without_folding(name: str, dtype: torch.dtype) -> Non
     which on ``rmsnorm`` folds the ``out(y.float())`` round trip)."""
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="aot_eager", fold=False)
     assert all(r.folded.total == 0 for r in compiled.amp_fx_records)
-    _assert_every_graph_rewritten(compiled)
+    assert_every_graph_rewritten(compiled)
     assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
@@ -222,27 +142,10 @@ def test_eager_backend_bitwise(name: str, dtype: torch.dtype) -> None:
     """backend="eager" runs the rewritten graph op by op: the bottom rung of the ladder (and the
     only rung for an LSTM, where aot_eager fails without amp_fx too)."""
     actual, expected, compiled = run_pair(ZOO[name], dtype, backend="eager")
-    _assert_every_graph_rewritten(compiled)
+    assert_every_graph_rewritten(compiled)
     assert_bitwise(actual, expected, "amp_fx vs eager autocast")
 
 
-# --- inductor: a derived tolerance ------------------------------------------------------------
-#
-# Eager autocast rounds every op's output to the low dtype (relative error <= u = eps/2).
-# Inductor fuses the pointwise ops between two matmuls and keeps the fused intermediates in
-# fp32, so it skips those roundings; to first order each skipped rounding moves a value by at
-# most u relative to the tensor's magnitude, and the skipped errors add along a chain.
-#   * outputs: the longest fused pointwise chain feeding a rounded output in these models has
-#     two low-precision ops (e.g. silu then mul, or gelu then add), so |Δ| <= 2u = 1 eps of the
-#     output's max magnitude;
-#   * gradients: the backward re-walks the forward chain (<= 2u in the saved activations) and its
-#     own fused pointwise chain (<= 2u in the incoming gradient); the weight-gradient matmul
-#     multiplies both, so |Δ| <= 4u + 4u = 4 eps of the gradient's max magnitude.
-# Measured on this CPU (bf16 / fp16): outputs 0.63 / 0.31 eps (rmsnorm), 0 (mlp); gradients
-# 1.51 / 0.97 eps (rmsnorm), 0.26 / 0.36 eps (mlp).
-_OUT_EPS = 1.0
-_GRAD_EPS = 4.0
-_INDUCTOR_MODELS = ["mlp", "rmsnorm"]
 _inductor_cache: dict[tuple[str, torch.dtype, bool], tuple[StepResult, StepResult]] = {}
 
 
@@ -253,7 +156,7 @@ def _inductor_pair(name: str, dtype: torch.dtype, emulate: bool) -> tuple[StepRe
         torch._dynamo.reset()
         with torch._inductor.config.patch(emulate_precision_casts=emulate):
             actual, expected, compiled = run_pair(ZOO[name], dtype, backend="inductor")
-        _assert_every_graph_rewritten(compiled)
+        assert_every_graph_rewritten(compiled)
         _inductor_cache[key] = (actual, expected)
     return _inductor_cache[key]
 
@@ -269,19 +172,10 @@ def _max_grad_error(actual: StepResult, expected: StepResult, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", _INDUCTOR_MODELS)
+@pytest.mark.parametrize("name", INDUCTOR_MODELS)
 def test_inductor_within_excess_precision_tolerance(name: str, dtype: torch.dtype) -> None:
     actual, expected = _inductor_pair(name, dtype, emulate=False)
-    eps = torch.finfo(dtype).eps
-    assert actual.out.dtype == expected.out.dtype
-    # 1 eps of the output's magnitude: two skipped roundings of u = eps/2 (derivation above).
-    torch.testing.assert_close(actual.out, expected.out, rtol=0,
-                               atol=_OUT_EPS * eps * expected.out.float().abs().max().item())
-    for n, g in expected.grads.items():
-        # 4 eps of the gradient's magnitude: forward and backward chains, 2u each, both
-        # operands of the weight-gradient matmul (derivation above).
-        atol = _GRAD_EPS * eps * g.abs().max().item()
-        torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=atol, msg=_msg(f"{n}.grad"))
+    assert_within_excess_precision(actual, expected, dtype)
 
 
 @functools.cache
@@ -301,7 +195,7 @@ def _inductor_emulates_precision_casts() -> bool:
     return not torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("name", _INDUCTOR_MODELS)
+@pytest.mark.parametrize("name", INDUCTOR_MODELS)
 def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     """With emulate_precision_casts inductor rounds fused intermediates as eager does. Measured
     here: outputs become bitwise, and what is left of the gradient gap is reduction order (bias
@@ -319,7 +213,7 @@ def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     for n, g in expected.grads.items():
         # 1 ulp of the low dtype: ulp(x) <= eps * |x| for normal x, hence rtol=eps, atol=0.
         torch.testing.assert_close(emulated.grads[n], g, atol=0, rtol=torch.finfo(dtype).eps,
-                                   msg=_msg(f"{n}.grad with emulate_precision_casts"))
+                                   msg=msg(f"{n}.grad with emulate_precision_casts"))
     gap_default = max(_normwise_error(default.out, expected.out, dtype),
                       _max_grad_error(default, expected, dtype))
     gap_emulated = max(_normwise_error(emulated.out, expected.out, dtype),
@@ -335,7 +229,7 @@ def _count_graphs(entry: ZooEntry, dtype: torch.dtype) -> int:
     torch._dynamo.reset()
     model, inputs, _ = entry.build()
     counter = torch._dynamo.testing.CompileCounter()
-    with _dynamo_config(entry), torch.autocast("cpu", dtype=dtype):
+    with dynamo_config(entry), torch.autocast("cpu", dtype=dtype):
         torch.compile(model, backend=counter)(*inputs)
     torch._dynamo.reset()
     return counter.frame_count
@@ -349,7 +243,7 @@ def test_graph_break_every_graph_rewritten(name: str, dtype: torch.dtype) -> Non
     assert n_graphs == entry.graph_breaks + 1
     actual, expected, compiled = run_pair(entry, dtype, backend="aot_eager")
     assert len(compiled.amp_fx_records) == n_graphs
-    _assert_every_graph_rewritten(compiled)
+    assert_every_graph_rewritten(compiled)
     assert [r.index for r in compiled.amp_fx_records] == list(range(n_graphs))
     torch.testing.assert_close(actual.out, expected.out, atol=0, rtol=0)
 
@@ -379,7 +273,7 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype, weigh
     in the parameters): losses and final parameters bitwise equal to eager autocast training.
     A weight used on both sides of the break needs the weight cache (one cast per forward)."""
     if name == "graph_break" and not weight_cache:
-        request.applymarker(_SHARED_ACROSS_BREAK)
+        request.applymarker(SHARED_ACROSS_BREAK)
     steps = 3
     model, inputs, loss_fn = ZOO[name].build()
     reference = copy.deepcopy(model)
@@ -389,13 +283,13 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype, weigh
     if weight_cache:
         actual = _train(compiled, model, inputs, loss_fn, None, steps)
     else:
-        with _reports_splits(ZOO[name]):
+        with reports_splits(ZOO[name]):
             actual = _train(compiled, model, inputs, loss_fn, None, steps)
     assert len(compiled.amp_fx_records) >= 2
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-        torch.testing.assert_close(a, e, atol=0, rtol=0, msg=_msg(f"loss at step {i}"))
+        torch.testing.assert_close(a, e, atol=0, rtol=0, msg=msg(f"loss at step {i}"))
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=_msg(f"{n} after {steps} steps"))
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=msg(f"{n} after {steps} steps"))
 
 
 # --- tied weights: amp_fx vs torch.compile under autocast --------------------------------------
@@ -501,4 +395,4 @@ def test_cast_cache_follows_each_calls_leafness(first_leaf: bool) -> None:
         expected_out, expected_grad = _eager_twice_grad(x, w0, leaf)
         torch.testing.assert_close(out, expected_out, atol=0, rtol=0)
         torch.testing.assert_close(base.grad, expected_grad, atol=0, rtol=0,
-                                   msg=_msg(f"w.grad ({'leaf' if leaf else 'non-leaf'} call)"))
+                                   msg=msg(f"w.grad ({'leaf' if leaf else 'non-leaf'} call)"))

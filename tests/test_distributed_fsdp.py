@@ -17,11 +17,10 @@ import pytest
 import torch
 from _dist_asserts import assert_same_run, skipped_steps
 from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, RECIPES, STEPS, fsdp_all
-from test_step import ADAM_TRACED_RTOL
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
+from tests._step_cases import ADAM_TRACED_RTOL
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -98,9 +97,6 @@ def test_fsdp2_accumulation_without_gradient_sync_and_global_clipping_bitwise(ra
         assert got["scaler_collectives"] == STEPS  # unscale_ once per step, its one all-reduce
 
 
-SGD_DIFFERS = pytest.mark.xfail(compile_step_sgd_momentum_differs(), reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)
-
-
 def _check_step_run(ranks: list[dict], dtype: str, recipe: str) -> None:
     """Every rank skips the planted steps with the same scales; sync-free, no new graph, captured."""
     for rank, res in enumerate(ranks):
@@ -112,9 +108,8 @@ def _check_step_run(ranks: list[dict], dtype: str, recipe: str) -> None:
         assert got["linears"] == 2
 
 
-@pytest.mark.parametrize(("dtype", "recipe"), [
-    pytest.param("bf16", "plain", marks=SGD_DIFFERS), pytest.param("fp16", "plain", marks=SGD_DIFFERS),
-    pytest.param("fp16", "accum_clip", marks=SGD_DIFFERS), ("fp16", "adamw_fused")])
+@pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
+                                               ("fp16", "adamw_fused")])
 def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype, recipe):
     """amp_fx.compile_step(fully_shard model) (SGD with momentum, or AdamW(fused=True) whose
     kernel runs on the local shards; StepMode.MASKED, GradNorm.TORCH, aot_eager) against eager
@@ -134,7 +129,7 @@ def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype,
 
 def test_compile_step_on_fsdp2_adamw_within_the_traced_adam_bound(ranks):
     """AdamW (state exp_avg, exp_avg_sq and a step tensor, stepped on the local shards): the scale
-    history is bitwise the eager recipe's and the shards lie within test_step's bound for traced
+    history is bitwise the eager recipe's and the shards lie within the bound for traced
     non-fused Adam (bias corrections in fp32 instead of Python floats, as on one device)."""
     for rank, res in enumerate(ranks):
         got, want = res[("fp16", "seq", "step", "adamw")], res[("fp16", "seq", "eager", "adamw")]

@@ -12,7 +12,18 @@ import torch.fx
 import amp_fx
 from amp_fx.inspect import _graphviz
 from amp_fx.testing.zoo import ZOO
-from tests._inspect_models import AutocastMask, BNNet, BreakInside, RoundTrip, TwoLayer, seeded
+from tests._inspect_models import (
+    SPLIT_CASES,
+    AutocastMask,
+    BNNet,
+    BreakInside,
+    RoundTrip,
+    TwoLayer,
+    seeded,
+    split_case,
+    split_weights_noted,
+    split_weights_reported,
+)
 
 EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
                "graph_break_branch", "classifier_loss", "tied_embedding"]
@@ -256,3 +267,19 @@ def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):
     strict = amp_fx.explain(model, x, dtype="bf16")
     with pytest.raises(amp_fx.AmpFxError, match="dtypes without amp are not shown"):
         str(strict)
+
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_names_the_weights_a_graph_break_splits(case):
+    """explain names each weight cast in two graphs of one call (its gradient then sums in fp32,
+    not eager autocast's low dtype): exactly the weights amp_fx's backend reports for the model
+    compiled on its own, and none where every weight is on one side of the break."""
+    model, inputs = split_case(case)
+    expected = split_weights_reported(model, *inputs, dtype="bf16")
+    assert bool(expected) == (case != "graph_break_branch")
+    ex = amp_fx.explain(model, *inputs, dtype="bf16")
+    assert split_weights_noted(ex.notes) == expected
+    text = str(ex)
+    for name in expected:
+        assert f"note: {name} is used in graphs 0, 1 (a graph break between its uses)" in text

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import amp_fx
 from amp_fx.testing.zoo import ZOO
 from tests._inspect_models import (
+    SPLIT_CASES,
     BNNet,
     BreakInside,
     ExpOverflow,
@@ -21,6 +22,9 @@ from tests._inspect_models import (
     chain_overflow,
     keyword_batch,
     seeded,
+    split_case,
+    split_weights_noted,
+    split_weights_reported,
 )
 
 
@@ -192,3 +196,19 @@ def test_graph_break_inside_a_submodule_names_modules_under_the_root():
     assert report.suggested_policy.keep_fp32 == ("model",)
     assert report.verified and "`model.a` alone is not enough" in report.verification
     assert dict(model.named_modules())["model"] is model.model
+
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_names_the_weights_a_graph_break_splits(case):
+    """The backward checked is amp_fx's, where a weight cast in two graphs sums its gradient in
+    fp32 (eager autocast: in fp16); the report names those weights, as the backend reports them
+    for the model compiled on its own, and none where every weight is on one side of the break."""
+    model, inputs = split_case(case)
+    expected = split_weights_reported(model, *inputs, dtype="fp16")
+    assert bool(expected) == (case != "graph_break_branch")
+    report = amp_fx.find_nonfinite(model, *inputs, dtype="fp16")
+    assert not report.found
+    assert split_weights_noted(report.notes) == expected
+    for name in expected:
+        assert f"note: {name} is used in graphs 0, 1" in str(report)

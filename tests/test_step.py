@@ -1,10 +1,10 @@
 """amp_fx.compile_step against torch's eager AMP recipe (autocast + torch.amp.GradScaler).
 
 Every numerical test runs the reference loop (amp_fx.testing.eager_amp_step) on an
-identical copy of the model in the same test. Overflows are injected by planting a value in an
-input batch: 1e6 makes the fp16 matmul overflow (|x| * |w| * 8 inputs > 65504), inf poisons
-fp16 and bf16 alike. The backend ladder: aot_eager must be bit for bit; inductor within a
-derived tolerance (see ``inductor_tolerance``).
+identical copy of the model in the same test. The model, optimizers, batches (overflows planted
+in them) and the run of both loops are in tests/_step_cases.py, shared with the GPU tier.
+The backend ladder: aot_eager must be bit for bit; inductor within a derived tolerance (see
+``inductor_tolerance``).
 """
 
 from __future__ import annotations
@@ -21,65 +21,20 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import amp_fx
-from amp_fx.scaler import GradScaler, ScalerMode, StepMode
+from amp_fx.scaler import GradScaler, StepMode
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
-
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
-                               torch.nn.Linear(16, 4))
-
-
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
-    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
-    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
-    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
-    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.05),  # keeps no optimizer state
-}
-
-
-def make_batches(n: int, poison: dict[int, float], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    batches = []
-    for i in range(n):
-        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-        if i in poison:
-            x[0, 0] = poison[i]
-        batches.append((x, y))
-    return batches
-
-
-def scalers(dtype: torch.dtype) -> tuple[GradScaler, torch.amp.GradScaler]:
-    """(ours, the reference's): growth_interval=3 so that the run also grows the scale."""
-    if dtype == torch.bfloat16:
-        # torch's scaler has no check-only mode; amp_fx's (bitwise torch's in every other
-        # respect, tests/test_scaler.py) is the reference here, in its eager host-sync mode.
-        return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
-                GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
-    return (GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED),
-            torch.amp.GradScaler("cpu", growth_interval=3))
-
-
-def run(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
-        scaler: torch.amp.GradScaler, model: torch.nn.Module, accumulate: int) -> dict[str, list[torch.Tensor]]:
-    out: dict[str, list[torch.Tensor]] = {"loss": [], "scale": [], "params": [], "init": [flat_params(model)]}
-    for i, (x, y) in enumerate(batches):
-        out["loss"].append(step(x, y).clone())
-        if (i + 1) % accumulate == 0:
-            out["scale"].append(scaler._scale.clone())
-            out["params"].append(flat_params(model))
-    return out
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-
+from tests._step_cases import (
+    ADAM_TRACED_RTOL,
+    BF16_POISON,
+    FP16_POISON,
+    OPTIMIZERS,
+    assert_steps_are_sync_free,
+    flat_params,
+    make_batches,
+    make_model,
+    run_pair,
+)
 
 PARAM_SIZES = [p.numel() for p in make_model().parameters()]
 
@@ -98,31 +53,6 @@ def cumulative_movement(ref: dict[str, list[torch.Tensor]]) -> list[torch.Tensor
     return out
 
 
-def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None,
-             grad_norm: GradNorm | None, backend: str, poison: dict[int, float], n: int
-             ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
-    """compile_step and the eager recipe on identical models and batches; ``grad_norm`` None:
-    compile_step's default."""
-    ours_scaler, ref_scaler = scalers(dtype)
-    model, ref_model = make_model(), make_model()
-    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
-    loss_fn = torch.nn.functional.mse_loss
-    options = {} if grad_norm is None else {"grad_norm": grad_norm}
-    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
-                        accumulate=accumulate, backend=backend, **options)
-    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
-                              max_grad_norm=clip)
-    batches = make_batches(n, poison)
-    ours = run(step, batches, ours_scaler, model, accumulate)
-    ref = run(ref_step, batches, ref_scaler, ref_model, accumulate)
-    return ours, ref, step
-
-
-# Overflows at micro-batches 2..4 (three windows in a row with accumulate=1, a window straddled
-# with accumulate=2) and at 7; growth happens after 3 clean windows.
-FP16_POISON = {2: 1e6, 3: 1e6, 4: math.inf, 7: 1e6}
-BF16_POISON = {2: math.inf, 3: math.inf, 7: -math.inf}
-
 PARITY_CASES = [
     # dtype, optimizer, accumulate, clip, grad_norm
     (torch.float16, "adam_fused", 1, None, GradNorm.FUSED),
@@ -136,13 +66,7 @@ PARITY_CASES = [
 ]
 
 
-def _marked(case: tuple[Any, ...]) -> Any:
-    if case[1] == "sgd_momentum" and compile_step_sgd_momentum_differs():
-        return pytest.param(*case, marks=pytest.mark.xfail(reason=SGD_MOMENTUM_XFAIL_REASON, strict=False))
-    return case
-
-
-@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", [_marked(c) for c in PARITY_CASES],
+@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", PARITY_CASES,
                          ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""))
 def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
                                                    clip: float | None, grad_norm: GradNorm) -> None:
@@ -160,10 +84,7 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
         assert len(set(s.item() for s in ref["scale"])) >= 3
 
 
-@pytest.mark.parametrize("opt_name", [
-    pytest.param("sgd_momentum", marks=pytest.mark.xfail(compile_step_sgd_momentum_differs(),
-                                                         reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)),
-    "adamw_fused"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
 def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
     """The README's example (max_grad_norm, no grad_norm given) reproduces unscale_ +
     clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
@@ -186,17 +107,6 @@ def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> No
     for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
         bound = 2**-20 * moved + 2**-24 * e.abs()
         assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
-
-
-# Non-fused Adam/AdamW traced by Dynamo take the step counter as a tensor: the bias corrections
-# 1 - beta**t are computed in fp32 instead of Python's fp64, off by up to 2^-24 / (1 - beta2**t)
-# relative (2^-14 at t=1 with beta2=0.999; halved by the sqrt), so the first compiled update is
-# off by a few 2^-17 relative. The parameters then differ in their last bits, which can flip an
-# fp16 rounding in the next forward or backward: a gradient element off by half an fp16 ulp
-# (2^-11 relative), doubled because the errors of a matmul's two operands add; Adam's update
-# m / sqrt(v) inherits that to first order. Bound: 2^-10 of each parameter's cumulative
-# movement (measured worst over 10 steps with overflows: 2^-12.5).
-ADAM_TRACED_RTOL = 2**-10
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "adamw"])
@@ -240,22 +150,6 @@ def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: st
         assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
     # After warm-up, more steps (one overflowing) compile nothing, break nothing, read nothing.
     assert_steps_are_sync_free(step, make_batches(3, {1: 1e6}, seed=5))
-
-
-def assert_steps_are_sync_free(step: Callable[..., torch.Tensor], batches: list[Any]) -> None:
-    graphs = step.graphs_compiled
-    breaks = sum(counters["graph_break"].values())
-    with HostSyncCounter() as syncs:
-        for x, y in batches:
-            step(x, y)
-    assert syncs.count == 0, f"host reads in a step: {syncs.names}"
-    # Reads inside an ATen kernel: only the CPU kernels of fused optimizers reading their CPU
-    # step counters (HostSyncCounter's docstring), at most one per parameter and step.
-    n_params = sum(1 for _ in step.model.parameters())
-    allowed = n_params * len(batches) if step._fused else 0
-    assert syncs.in_cpu_kernels <= allowed
-    assert sum(counters["graph_break"].values()) == breaks == 0
-    assert step.graphs_compiled == graphs
 
 
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused", "sgd_momentum", "adam", "sgd_plain"])
@@ -339,8 +233,10 @@ def test_lr_scheduler_keeps_working_without_recompiles() -> None:
     # tensor; then none. The skip is visible to a scheduler that wants it, on the device.
     assert len(set(graphs_after[3:])) == 1, graphs_after
     assert int(step.skipped_steps) == 1
-    # A tensor lr changes the optimizer's arithmetic (fp64 lr times the gradient, not add_'s
-    # alpha): 2^-20 relative per update (a few fp32 ulps), against the movement of the reference.
+    # A tensor lr changes the optimizer's arithmetic: Dynamo traces add_(grad, alpha=-lr) as a
+    # multiply, then an add (2.11: torch.mul + add_; 2.13, 2.15: inductor_prims.fma, which aot_eager
+    # runs as (a * b) + c), two roundings where eager's kernel rounds once: 2^-20 relative per
+    # update (a few fp32 ulps), against the movement of the reference.
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=2**-18, atol=1e-7)
 
@@ -493,7 +389,40 @@ def test_public_api() -> None:
 
 
 # ------------------------------------------------------------------------- usage patterns
-@pytest.mark.xfail(compile_step_sgd_momentum_differs(), reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_update_is_traced_as_eager_computes_it(momentum: float) -> None:
+    """SGD's ``param.add_(grad, alpha=-lr)`` stays one add_ with its alpha in the finish graph: one
+    rounding, as eager's kernel. torch 2.11's Dynamo splits a number alpha into mul + add_ (two
+    roundings, amp_fx._compat.dynamo_splits_number_alpha) unless told not to; the parameters then
+    differed from the eager recipe in the last bits (with these inputs: after the first compiled step)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(101)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in (model, ref_model))
+    scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend=record)
+    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
+                              torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+    for i in range(3):  # a warm-up step, then compiled ones
+        assert_bitwise(step(x, y), ref_step(x, y), f"loss[{i}]")
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"params[{i}]")
+    assert step._finish_backend.graphs == 1
+    finish = graphs[-1]
+    alphas = [n.kwargs["alpha"] for n in finish.graph.nodes
+              if n.op == "call_method" and n.target == "add_" and "alpha" in n.kwargs]
+    # per parameter: the momentum buffer's add_(grad, alpha=1 - dampening), then the update
+    assert alphas == ([1.0, -0.1] if momentum else [-0.1]) * 2, finish.code
+    assert not [n for n in finish.graph.nodes if n.target in (torch.mul, "mul")], finish.code
+
+
 def test_ten_compile_steps_in_one_process_each_own_their_cache_entries() -> None:
     """Dynamo keeps 8 cache entries per code object: every step must compile its own graphs
     (once all steps shared one code object and the 9th step raised FailOnRecompileLimitHit)."""

@@ -246,4 +246,5 @@ def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module],
             return forward_loss(view, scale, *batch, **model_kwargs)
 
     forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
+    forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]
     return forward

@@ -31,7 +31,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from amp_fx._backends import Backend, backend_name, resolve_backend
 from amp_fx._dtype_names import dtype_name
-from amp_fx.backend import GraphRecord, splits_noted_by_caller
+from amp_fx.backend import GraphRecord, leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.inspect._probe import (
     clone_tensor,
@@ -299,6 +299,36 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
                               backend=downstream if isinstance(downstream, str) else None) from e
     forward = target.forward if isinstance(target, torch.nn.Module) else target
     return AmpRun(compiled, list(records(compiled)), recorder, result, forward, target)
+
+
+def weights_split_by_graph_breaks(run: AmpRun) -> dict[str, list[int]]:
+    """Name -> the graphs that cast it, for each weight that more than one graph of the run's one
+    call casts (a graph break between its uses).
+
+    Eager autocast casts such a weight once for the whole autocast region and sums its uses'
+    gradients in the low dtype; amp_fx without the weight cache casts it once per graph, so the
+    sum is in fp32: a known difference, not bitwise (README, Known differences). The backend
+    reports it as a shortfall of a user's compiled model; inside the inspection tools it is part
+    of what they report (:func:`split_weight_note`). All graphs are of one call here, so
+    two graphs of one frame (a recompile within the call) count too.
+    """
+    graphs_of: dict[str, list[int]] = {}
+    for r in run.records:
+        labels = run.labels(r)
+        for leaf in leaves_cast_with_shared_cast(r.rewritten):
+            where = graphs_of.setdefault(labels.get(leaf.name, f"graph {r.index} input {leaf.name}"), [])
+            if r.index not in where:
+                where.append(r.index)
+    return {name: where for name, where in graphs_of.items() if len(where) > 1}
+
+
+def split_weight_note(name: str, graphs: Sequence[int], dtype: torch.dtype) -> str:
+    """What the inspection tools say about a weight of :func:`weights_split_by_graph_breaks`."""
+    low = dtype_name(dtype)
+    return (f"{name} is used in graphs {', '.join(map(str, graphs))} (a graph break between its "
+            f"uses): eager autocast casts it to {low} once for the whole autocast region and sums "
+            f"its uses' gradients in that dtype; amp_fx casts it once per graph, so the sum is in "
+            "fp32 (not bitwise eager autocast; weight_cache=True shares one cast)")
 
 
 def _frame_prefix(record: GraphRecord, by_identity: dict[str, str]) -> str:

@@ -54,7 +54,16 @@ from amp_fx.inspect._probe import (
     op_label,
     tensors_of,
 )
-from amp_fx.inspect._runner import SEED, AmpRun, Call, private_copy, run_amp, run_eager_checked
+from amp_fx.inspect._runner import (
+    SEED,
+    AmpRun,
+    Call,
+    private_copy,
+    run_amp,
+    run_eager_checked,
+    split_weight_note,
+    weights_split_by_graph_breaks,
+)
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]
@@ -557,25 +566,17 @@ def compare(
                        "grads=False to compare outputs only")
             report.notes.append(message.removeprefix("amp_fx.compare: "))
             did_less(("compare", "no grads", why), message)
-    _explain_cross_graph_grads(report, [run.labels(r) for r in recs], recs)
+    _explain_cross_graph_grads(report, run)
     return report
 
 
-def _explain_cross_graph_grads(report: CompareReport, labels: Sequence[dict[str, str]],
-                               recs: Sequence[GraphRecord]) -> None:
+def _explain_cross_graph_grads(report: CompareReport, run: AmpRun) -> None:
     """Name the known cause of a gradient difference when every op agrees: a weight used in
     several graphs (on both sides of a graph break)."""
     if not all(o.agree for o in report.ops):
         return
-    graphs_of: dict[str, list[int]] = {}
-    for r, names in zip(recs, labels):
-        for label in names.values():
-            graphs_of.setdefault(label, []).append(r.index)
+    split = weights_split_by_graph_breaks(run)
     for g in report.grads:
-        where = graphs_of.get(g.name, [])
-        if not g.agree and len(where) > 1:
-            report.notes.append(
-                f"{g.name} is used in graphs {', '.join(map(str, where))} (a graph break between "
-                f"its uses): eager autocast casts it to {dtype_name(report.dtype)} once for the "
-                "whole autocast region and sums its uses' gradients in that dtype; amp_fx casts "
-                "it once per graph, so the sum is in fp32 (compare the reference columns)")
+        if not g.agree and g.name in split:
+            report.notes.append(split_weight_note(g.name, split[g.name], report.dtype)
+                                + "; compare the reference columns")

@@ -46,7 +46,13 @@ from amp_fx.inspect._probe import (
     tensors_of,
     value_dtype,
 )
-from amp_fx.inspect._runner import Call, run_amp, run_eager_checked
+from amp_fx.inspect._runner import (
+    Call,
+    run_amp,
+    run_eager_checked,
+    split_weight_note,
+    weights_split_by_graph_breaks,
+)
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -532,6 +538,8 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
     run_eager_checked(model_or_fn, call, tool="explain")
     run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
                   downstream="eager", fold=fold)
+    split = weights_split_by_graph_breaks(run)
     return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
+                       notes=[split_weight_note(name, where, lower) for name, where in split.items()],
                        policy=policy if policy is not None else Policy(),
                        labels=[run.labels(r) for r in run.records], module_of=run.module_of)

@@ -39,7 +39,14 @@ from amp_fx.inspect._probe import (
     tensor_range,
     tensors_of,
 )
-from amp_fx.inspect._runner import AmpRun, Call, run_amp, run_eager_checked
+from amp_fx.inspect._runner import (
+    AmpRun,
+    Call,
+    run_amp,
+    run_eager_checked,
+    split_weight_note,
+    weights_split_by_graph_breaks,
+)
 from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
@@ -355,6 +362,8 @@ def find_nonfinite(
     run_eager_checked(model_or_fn, call, tool="find_nonfinite")
     probe, notes, run = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn,
                                    loss_scale)
+    notes += [split_weight_note(name, where, lower) + "; the backward checked here is amp_fx's"
+              for name, where in weights_split_by_graph_breaks(run).items()]
     report = NonfiniteReport(dtype=lower, notes=notes)
     hit = probe.forward_hit or probe.backward_hit
     if hit is None:

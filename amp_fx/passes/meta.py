@@ -19,9 +19,10 @@ key                    written by                      read by
                        inserts: ``CAST_INSERTED``      find_nonfinite
 ``CAST_REASON``        insert_casts, every cast it     explain
                        inserts: the decision's reason
-``CACHED``             insert_casts, every cast it     the backend (a weight split by a graph
-                       inserts: shared by all uses     break is logged)
-                       of a leaf (cast cache)
+``CACHED``             insert_casts, every cast it     the backend's
+                       inserts: shared by all uses     ``leaves_cast_with_shared_cast`` (a weight
+                       of a leaf (cast cache)          split by a graph break: reported by the
+                                                       backend, named by the inspection tools)
 ``FOLDED``             fold_casts, the node that       explain, the graph drawing
                        stands for folded casts: rule
                        names, in order

@@ -425,10 +425,10 @@ def _collect(model: nn.Module, out: Tensor, loss: Tensor) -> StepResult:
 
 
 def eager_autocast_step(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
-                        dtype: torch.dtype) -> StepResult:
-    """The reference: ``with torch.autocast("cpu", dtype): loss = loss_fn(model(*inputs))``,
+                        dtype: torch.dtype, *, device_type: str = "cpu") -> StepResult:
+    """The reference: ``with torch.autocast(device_type, dtype): loss = loss_fn(model(*inputs))``,
     then ``loss.backward()`` outside the region, as torch's AMP recipe does."""
-    with torch.autocast("cpu", dtype=dtype):
+    with torch.autocast(device_type, dtype=dtype):
         out = model(*inputs)
         loss = loss_fn(out)
     loss.backward()

@@ -1,24 +1,16 @@
-"""What the GPU tier's test files share: the ``cuda`` mark, the skip without CUDA, the helpers' path.
+"""What the GPU tier's test files share: the ``cuda`` mark and the skip without CUDA.
 
 Every test under tests/cuda/ carries ``GPU_TIER``: it is selected by ``pytest -m cuda`` and skips
 with the reason where CUDA is not available, as on the project's CPU machines, where the files are
-still imported (and linted) by the ordinary suite.
+still imported (and linted) by the ordinary suite. The helpers, references and tolerances are the
+CPU tests' own, imported from their modules (``tests._parity``, ``tests._step_cases``,
+``tests.kernels._unscale_*``) and ``amp_fx.testing``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-TESTS = Path(__file__).resolve().parents[1]
-# Besides amp_fx.testing, these tests reuse helpers that live beside the CPU tests:
-# tests/test_*.py and tests/kernels/_unscale_*.py.
-for _path in (TESTS, TESTS / "kernels"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 GPU_TIER = [
     pytest.mark.cuda,

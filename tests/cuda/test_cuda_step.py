@@ -1,6 +1,7 @@
 """amp_fx.compile_step on CUDA: no host sync after warm-up, eager-AMP trajectories, CUDA graphs.
 
-The CUDA twin of tests/test_step.py, with its model, optimizers, poisoned batches and checks:
+The CUDA twin of tests/test_step.py, with its model, optimizers, poisoned batches and checks
+(tests/_step_cases.py):
 
 * after warm-up a step reads nothing on the host (the profiler sees every ``.item()``-like call,
   in compiled code too) and compiles and breaks nothing;
@@ -16,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from _gpu import GPU_TIER
-from test_step import (
+
+from amp_fx.step import GradNorm, compile_step
+from amp_fx.testing import assert_bitwise
+from tests._step_cases import (
     BF16_POISON,
     FP16_POISON,
     OPTIMIZERS,
@@ -25,34 +28,11 @@ from test_step import (
     flat_params,
     make_batches,
     make_model,
-    run,
+    run_pair,
 )
-
-from amp_fx.scaler import GradScaler, ScalerMode, StepMode
-from amp_fx.step import GradNorm, compile_step
-from amp_fx.testing import assert_bitwise, eager_amp_step
+from tests.cuda._gpu import GPU_TIER
 
 pytestmark = GPU_TIER
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _cuda_batches(n: int, poison: dict[int, float], seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(x.cuda(), y.cuda()) for x, y in make_batches(n, poison, seed=seed)]
-
-
-def _scalers(dtype: torch.dtype) -> tuple[GradScaler, torch.amp.GradScaler]:
-    """tests/test_step.py's scalers, on CUDA."""
-    if dtype == torch.bfloat16:
-        return (GradScaler("cuda", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
-                GradScaler("cuda", mode=ScalerMode.CHECK_ONLY))
-    return (GradScaler("cuda", growth_interval=3, step_mode=StepMode.MASKED),
-            torch.amp.GradScaler("cuda", growth_interval=3))
 
 
 _CASES = [
@@ -68,17 +48,9 @@ _CASES = [
                          ids=lambda v: getattr(v, "name", str(v).replace("torch.", "")))
 def test_cuda_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
                                                         clip: float | None, grad_norm: GradNorm) -> None:
-    ours_scaler, ref_scaler = _scalers(dtype)
-    model, ref_model = make_model().cuda(), make_model().cuda()
-    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
-    loss_fn = torch.nn.functional.mse_loss
-    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
-                        grad_norm=grad_norm, accumulate=accumulate, backend="aot_eager")
-    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
-                              max_grad_norm=clip)
-    batches = _cuda_batches(10, FP16_POISON if dtype == torch.float16 else BF16_POISON)
-    ours = run(step, batches, ours_scaler, model, accumulate)
-    ref = run(ref_step, batches, ref_scaler, ref_model, accumulate)
+    ours, ref, step = run_pair(dtype=dtype, opt_name=opt_name, accumulate=accumulate, clip=clip,
+                               grad_norm=grad_norm, backend="aot_eager", n=10, device="cuda",
+                               poison=FP16_POISON if dtype == torch.float16 else BF16_POISON)
     for key in ("loss", "scale", "params"):
         for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
             assert_bitwise(a, e, f"{key}[{i}]")
@@ -88,12 +60,12 @@ def test_cuda_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_momentum", "adam"])
 def test_cuda_no_host_sync_after_warm_up(opt_name: str, backend: str) -> None:
-    model = make_model().cuda()
+    model = make_model(device="cuda")
     step = compile_step(model, OPTIMIZERS[opt_name](model.parameters()), torch.nn.functional.mse_loss,
                         max_grad_norm=1.0, backend=backend)
-    for x, y in _cuda_batches(3, {}):
+    for x, y in make_batches(3, {}, device="cuda"):
         step(x, y)
-    assert_steps_are_sync_free(step, _cuda_batches(4, {1: 1e6}, seed=3))
+    assert_steps_are_sync_free(step, make_batches(4, {1: 1e6}, seed=3, device="cuda"))
 
 
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_momentum"])
@@ -101,12 +73,12 @@ def test_cuda_graph_replay_is_bitwise_the_plain_step(opt_name: str) -> None:
     """Warm up both runs alike (the optimizer creates its state, the first step may read the
     flag once), then run the same batches through the plain step and through replays of one
     captured CUDA graph of it."""
-    warm = _cuda_batches(3, {})
-    batches = _cuda_batches(8, {2: 1e6, 5: float("inf")}, seed=4)
+    warm = make_batches(3, {}, device="cuda")
+    batches = make_batches(8, {2: 1e6, 5: float("inf")}, seed=4, device="cuda")
     results = {}
     for graphed in (False, True):
         torch._dynamo.reset()
-        model = make_model().cuda()
+        model = make_model(device="cuda")
         step = compile_step(model, OPTIMIZERS[opt_name](model.parameters()), torch.nn.functional.mse_loss,
                             dtype=torch.float16, max_grad_norm=1.0, backend="inductor")
         static_x, static_y = (t.clone() for t in warm[0])

@@ -14,12 +14,11 @@ import math
 
 import pytest
 import torch
-from _gpu import GPU_TIER
-from _unscale_cases import SMALL_BLOCK, SMALL_CHUNK, Case, all_cases
-from _unscale_checks import assert_same_as_torch, assert_sum_sq_close
-from test_unscale_triton import _rtol
 
 from amp_fx.kernels import triton_unscale, unscale
+from tests.cuda._gpu import GPU_TIER
+from tests.kernels._unscale_cases import SMALL_BLOCK, SMALL_CHUNK, Case, all_cases, launch_sizes
+from tests.kernels._unscale_checks import assert_same_as_torch, assert_sum_sq_close, sum_sq_rtol
 
 pytestmark = GPU_TIER
 
@@ -77,7 +76,7 @@ def test_cuda_kernel_matches_torch(case: Case, variant: str) -> None:
                                          case.found_inf_start, case.inv_scale)
     if variant.endswith("norm"):
         assert sum_sq is not None and sum_sq.is_cuda
-        assert_sum_sq_close(sum_sq.cpu(), torch_outputs, rtol=_rtol(variant))
+        assert_sum_sq_close(sum_sq.cpu(), torch_outputs, rtol=sum_sq_rtol(*launch_sizes(variant)))
     else:
         assert sum_sq is None
 
@@ -93,7 +92,7 @@ _BIG = {
 @pytest.mark.parametrize("sizes", _BIG.values(), ids=_BIG.keys())
 def test_cuda_kernel_over_2_pow_31_elements(sizes: list[int], norm: bool) -> None:
     """check: inf/NaN planted past element 2^31 only are flagged; check_norm: all finite, the
-    sum of squares within the op's bound (test_unscale_triton._rtol) of an fp64 sum."""
+    sum of squares within the op's bound (tests/kernels/_unscale_checks.sum_sq_rtol) of an fp64 sum."""
     free, _ = torch.cuda.mem_get_info()
     need = 2 * 2 * sum(sizes) + (2 << 30)
     if free < need:
@@ -121,6 +120,6 @@ def test_cuda_kernel_over_2_pow_31_elements(sizes: list[int], norm: bool) -> Non
     assert found_inf.item() == (0.0 if norm else 1.0)
     if norm:
         reference = sum(c.float().pow(2).sum(dtype=torch.float64) for e in expected for c in e.split(2**28))
-        torch.testing.assert_close(sum_sq.double(), reference, atol=0, rtol=_rtol("op_norm"))
+        torch.testing.assert_close(sum_sq.double(), reference, atol=0, rtol=sum_sq_rtol(*launch_sizes("op_norm")))
     del grads, expected
     torch.cuda.empty_cache()

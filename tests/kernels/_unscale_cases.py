@@ -19,6 +19,17 @@ import torch
 SMALL_BLOCK = 128
 SMALL_CHUNK = 512
 
+
+def launch_sizes(variant: str) -> tuple[int, int]:
+    """(block, chunk) a test variant launches the kernel with: ``SMALL_*`` for the ``small_``
+    variants, the kernel's own defaults for the others."""
+    # imported here: the interpreter worker imports this module before it may import triton
+    from amp_fx.kernels import triton_unscale
+
+    if variant.startswith("small"):
+        return SMALL_BLOCK, SMALL_CHUNK
+    return triton_unscale.BLOCK, triton_unscale.CHUNK
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Sizes: empty, one element, one either side of a 128-element tile, across a 512 chunk and the

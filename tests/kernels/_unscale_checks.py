@@ -60,3 +60,17 @@ def assert_sum_sq_close(sum_sq: torch.Tensor, expected_outputs: list[torch.Tenso
         return
     expected = reference_sum_of_squares_fp64(expected_outputs)
     torch.testing.assert_close(sum_sq.to(torch.float64), expected, atol=0, rtol=rtol)
+
+
+def sum_sq_rtol(block: int, chunk: int) -> float:
+    """Relative error bound of the kernel's fp32 sum of squares (all terms are >= 0), launched
+    with ``block`` and ``chunk`` (``_unscale_cases.launch_sizes``).
+
+    One program sums its chunk in BLOCK lane accumulators (chunk/block sequential adds each)
+    and then across the BLOCK lanes with tl.sum. For non-negative terms any summation order of
+    m terms errs by at most (m - 1) * u relative; the lane reduction's order is the
+    implementation's (a tree on GPU, numpy's pairwise sum in the interpreter), so it is bounded
+    by BLOCK - 1 adds. Add 1 u for the squaring, and 1 u for rounding the fp64 sum of the
+    per-program partials to fp32: (chunk/block + block + 1) * u, 8e-6 with 128/512.
+    """
+    return (chunk // block + block + 1) * U32

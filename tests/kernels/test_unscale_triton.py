@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from _unscale_cases import SMALL_BLOCK, SMALL_CHUNK, Case, all_cases
-from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close
+from _unscale_cases import Case, all_cases, launch_sizes
+from _unscale_checks import assert_same_as_torch, assert_sum_sq_close, sum_sq_rtol
 
 from amp_fx.kernels import triton_unscale
 
@@ -44,24 +44,6 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return torch.load(out, weights_only=False)
 
 
-def _rtol(variant: str) -> float:
-    """Relative error bound of the kernel's fp32 sum of squares (all terms are >= 0).
-
-    One program sums its chunk in BLOCK lane accumulators (chunk/block sequential adds each)
-    and then across the BLOCK lanes with tl.sum. For non-negative terms any summation order of
-    m terms errs by at most (m - 1) * u relative; the lane reduction's order is the
-    implementation's (a tree on GPU, numpy's pairwise sum in the interpreter), so it is bounded
-    by BLOCK - 1 adds. Add 1 u for the squaring, and 1 u for rounding the fp64 sum of the
-    per-program partials to fp32: (chunk/block + block + 1) * u, 8e-6 with 128/512.
-    """
-    block, chunk = (
-        (SMALL_BLOCK, SMALL_CHUNK)
-        if variant.startswith("small")
-        else (triton_unscale.BLOCK, triton_unscale.CHUNK)
-    )
-    return (chunk // block + block + 1) * U32
-
-
 def test_worker_ran_the_interpreted_triton_kernel(interpreted: dict[str, Any]) -> None:
     assert interpreted["is_interpreted"], "the worker's kernel was not the interpreter's"
     assert interpreted["use_triton_cpu"], "_use_triton(cpu) was False under TRITON_INTERPRET=1"
@@ -78,7 +60,7 @@ def test_triton_matches_torch(interpreted: dict[str, Any], case: Case, variant: 
         case.inv_scale,
     )
     if variant.endswith("norm"):
-        assert_sum_sq_close(result["sum_sq"], expected, rtol=_rtol(variant))
+        assert_sum_sq_close(result["sum_sq"], expected, rtol=sum_sq_rtol(*launch_sizes(variant)))
     else:
         assert result["sum_sq"] is None
 

@@ -1,0 +1,166 @@
+"""Every ``python`` code block of README.md runs as the README presents it, and amp_fx says nothing.
+
+"Say when you did less than asked" has a twin: an example must not make amp_fx say it. Each block
+is run with the names it takes from the reader's context defined first (small shapes), and, where
+the block only builds a model, a call of it (amp_fx's policy checks run after the first call).
+Blocks that cannot run here are listed in ``FRAGMENTS`` with the reason; a new block must be
+added to one of the two tables (``test_every_block_is_listed``). The CLI commands in
+``examples/tiny_mlp.py``'s docstring run the same way; ``examples/train_demo.py`` is covered by
+``tests/test_demo.py``. ``examples/train_ddp.py`` and ``train_fsdp.py`` need ``torchrun`` with two
+processes (about 30 s each here), so they are not run by the suite: see the README's Distributed
+section for the command.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import textwrap
+import types
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def python_blocks() -> dict[str, str]:
+    """First line of each ``python`` block of README.md -> the block."""
+    blocks = [m.group(1) for m in _BLOCK.finditer((_ROOT / "README.md").read_text())]
+    return {b.splitlines()[0]: b for b in blocks}
+
+
+# What the blocks take from the reader's context: a model with the modules the Policy example
+# names, a batch, a loss, an optimizer, a scheduler and a loader of four micro-batches.
+_CONTEXT = """
+import torch
+import amp_fx
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(torch.relu(self.fc(x))))
+
+torch.manual_seed(0)
+model = Model()
+x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+loss_fn = torch.nn.functional.cross_entropy
+opt = optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(4)]
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    after: str = ""
+    """Run after the block: a call of the model the block built, so that its graphs are captured
+    and the policy is checked against them."""
+    replace: tuple[tuple[str, str], ...] = ()
+    """(text, replacement) in the block, each with its reason in the table below."""
+
+
+_CALL = "model(x).float().sum().backward()\n"
+_NO_CUDA = () if torch.cuda.is_available() else (('"cuda"', '"cpu"'),)
+
+CASES: dict[str, Case] = {
+    "import amp_fx": Case(),
+    "from amp_fx import Policy, CastClass": Case(after=_CALL),
+    'model = amp_fx.compile(model, dtype="bf16", backend="eager")': Case(after=_CALL),
+    # without Graphviz, to_svg writes the DOT and raises GraphvizNotFound (tested in test_explain)
+    'report = amp_fx.explain(model, x, dtype="bf16")     # or amp_fx.explain(compiled) after it ran':
+        Case(replace=() if shutil.which("dot") else (('report.to_svg("graph.svg")',
+                                                      'report.to_dot("graph.dot")'),)),
+    # a CUDA scaler where there is none: the same options on the CPU
+    "from amp_fx import GradScaler, ScalerMode, StepMode": Case(replace=_NO_CUDA),
+    # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
+    "step = amp_fx.compile_step(model, optimizer, torch.nn.functional.cross_entropy,":
+        Case(replace=(("accumulate=4)", 'accumulate=4, backend="aot_eager")'),)),
+    'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Case(
+        after="for xb, yb in loader:\n    step(xb, yb)\n",
+        replace=(("accumulate=4, weight_cache=True)",
+                  'accumulate=4, weight_cache=True, backend="aot_eager")'),)),
+}
+"""Blocks run here, by first line."""
+
+FRAGMENTS: dict[str, str] = {
+    "model = transformers.GPT2LMHeadModel(config)":
+        "needs transformers (not a dependency); compile_step(**batch) with an HF-style model is "
+        "tests/test_step.py's",
+    'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)':
+        "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun",
+}
+"""Blocks not run here, by first line, with the reason."""
+
+
+def test_every_block_is_listed():
+    assert set(python_blocks()) == set(CASES) | set(FRAGMENTS)
+    assert not set(CASES) & set(FRAGMENTS)
+
+
+_AMP_FX = str(_ROOT / "amp_fx")
+
+
+def _shown(w: warnings.WarningMessage) -> bool:
+    """Whether a user sees the warning: Python's default filters hide deprecation warnings raised
+    outside ``__main__`` (torch warns about its own ``torch.jit.script_method`` when inductor
+    imports ``torch.utils.mkldnn``); amp_fx's and the block's own are always counted."""
+    hidden = issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))
+    return not hidden or w.filename.startswith(_AMP_FX) or w.filename == "README.md"
+
+
+def _run_quietly(source: str, monkeypatch, tmp_path, capfd) -> None:
+    """Run ``source`` as a user would (not strict) in ``tmp_path``; fail on any warning or any
+    output to stderr."""
+    monkeypatch.delenv("AMP_FX_STRICT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # a module of its own, as a script is: Dynamo imports the frame's module by name
+        module = types.ModuleType("readme_block")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(source, "README.md", "exec"), module.__dict__)
+    said = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+            if _shown(w)]
+    assert said == [], "\n".join(said)
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("first_line", list(CASES))
+def test_block_runs_without_a_warning(first_line, monkeypatch, tmp_path, capfd):
+    block = python_blocks()[first_line]
+    case = CASES[first_line]
+    for old, new in case.replace:
+        assert old in block, f"README block changed: {old!r} not in it"
+        block = block.replace(old, new)
+    _run_quietly(_CONTEXT + textwrap.dedent(block) + case.after, monkeypatch, tmp_path, capfd)
+
+
+_TINY = _ROOT / "examples" / "tiny_mlp.py"
+
+
+def _docstring_commands() -> list[list[str]]:
+    """The ``amp-fx ...`` lines of examples/tiny_mlp.py's docstring, as argument lists."""
+    doc = (_TINY.read_text().split('"""')[1])
+    return [line.split()[1:] for line in doc.splitlines() if line.strip().startswith("amp-fx ")]
+
+
+@pytest.mark.parametrize("argv", _docstring_commands(), ids=lambda a: a[0])
+def test_tiny_mlp_commands_run_without_a_warning(argv, monkeypatch, tmp_path, capfd):
+    argv = [str(_TINY) + a.removeprefix("examples/tiny_mlp.py") if a.startswith("examples/")
+            else a for a in argv]
+    source = (f"from amp_fx.cli import main\ncode = main({argv!r})\n"
+              # find-nonfinite exits 1 when it finds an inf/NaN, as on build_overflowing
+              f"assert code == {1 if argv[0] == 'find-nonfinite' else 0}, code\n")
+    _run_quietly(source, monkeypatch, tmp_path, capfd)
