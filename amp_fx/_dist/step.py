@@ -210,11 +210,6 @@ class LocalShards:
         return funcol.all_reduce(local_sum, "sum", self.group)
 
 
-def _fsdp2_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
-    model.set_requires_gradient_sync(sync)  # type: ignore[operator]
-    return contextlib.nullcontext()
-
-
 def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module], Any]) -> Callable[..., Any] | None:
     """The forward part of a ``CompiledStep`` whose model is DDP or FSDP2, or None for others.
 
@@ -236,12 +231,9 @@ def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module],
 
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         last_of_window = step.micro_step == window - 1
-        if ddp:
-            sync = contextlib.nullcontext() if last_of_window else model.no_sync()
-        elif window > 1:  # FSDP2 reads the flag in the backward, after this call returns
-            sync = _fsdp2_sync(model, last_of_window)
-        else:
-            sync = contextlib.nullcontext()
+        if fsdp2 and window > 1:  # FSDP2 reads the flag in the backward, after this call returns
+            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]
+        sync = model.no_sync() if ddp and not last_of_window else contextlib.nullcontext()
         with sync, torch.autocast(device_type, dtype=step.config.dtype):
             return forward_loss(view, scale, *batch, **model_kwargs)
 
