@@ -482,8 +482,7 @@ class _RootNames:
                 obj = self._walk(source)
             self._objects[source] = obj
         obj = self._objects[source]
-        ok = isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.shape == value.shape
-        return obj if ok else value
+        return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) else value
 
 
 def _frame_self_name(code: Any) -> str | None:
