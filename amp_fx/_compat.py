@@ -7,13 +7,16 @@ than by its version string; each function says which versions take which branch 
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+import contextlib
+from collections.abc import Callable, Iterator, MutableMapping
 from functools import cache
 from typing import Any
 
 import torch
+import torch._dynamo
 
-__all__ = ["autocast_registrations", "current_decomposition_table"]
+__all__ = ["autocast_registrations", "current_decomposition_table", "dynamo_splits_number_alpha",
+           "number_alpha_as_eager"]
 
 
 @cache
@@ -43,3 +46,51 @@ def current_decomposition_table() -> MutableMapping[Any, Callable[..., Any]]:
     if table is None:
         table = proxy_tensor.CURRENT_DECOMPOSITION_TABLE
     return table
+
+
+_splits_number_alpha: bool | None = None
+
+
+def dynamo_splits_number_alpha() -> bool:
+    """Whether Dynamo traces ``t.add_(o, alpha=a)``, ``a`` a Python number, as ``torch.mul(o, a)``
+    then ``t.add_(...)``: two roundings, where eager's ``add_`` kernel rounds once (a fused
+    multiply-add on CPU), so the last bit of ``t`` can differ.
+
+    2.11 does (``TensorVariable.method_add_`` decomposes every ``alpha`` while
+    ``torch._dynamo.config.enable_dynamo_decompositions``, the default); 2.13 and 2.15 keep one
+    ``add_(o, alpha=a)`` node and decompose only a tensor ``alpha`` (into ``inductor_prims.fma``).
+    Found by tracing ``t.add_(o, alpha=0.5)`` once (about 0.3 s, the first time it is asked).
+    """
+    global _splits_number_alpha
+    if _splits_number_alpha is None:
+        kept: list[bool] = []
+
+        def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            kept.append(any(n.kwargs.get("alpha") == 0.5 for n in gm.graph.nodes))
+            return gm.forward
+
+        def probe(t: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+            return t.add_(o, alpha=0.5)
+
+        torch.compile(probe, backend=record, fullgraph=True)(torch.zeros(2), torch.ones(2))
+        if not kept:  # Dynamo did not trace (e.g. a force_eager stance): nothing to keep, ask again later
+            return False
+        _splits_number_alpha = not kept[0]
+    return _splits_number_alpha
+
+
+@contextlib.contextmanager
+def number_alpha_as_eager() -> Iterator[None]:
+    """Inside, Dynamo traces ``add_(o, alpha=a)`` with a number ``a`` as eager computes it, one node.
+
+    Where Dynamo would split it (:func:`dynamo_splits_number_alpha`), this turns off
+    ``enable_dynamo_decompositions`` while tracing; that flag also decomposes a *tensor* ``alpha``
+    or ``value`` (``add_``, ``addcmul_``, ``addcdiv_``), which 2.11's Dynamo cannot trace without
+    it (``PendingUnbackedSymbolNotFound``, Adagrad's step-dependent lr for one). So only for
+    code whose ``alpha`` and ``value`` arguments are all Python numbers.
+    """
+    if not dynamo_splits_number_alpha():
+        yield
+        return
+    with torch._dynamo.config.patch(enable_dynamo_decompositions=False):
+        yield

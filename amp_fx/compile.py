@@ -320,7 +320,7 @@ def _weight_cache_for(wanted: bool, policy: Policy, root: torch.nn.Module | None
                           "turns off (each use would get its own gradient cast); the weight cache is off. "
                           "Drop cast_cache=False or weight_cache=True.", stacklevel=4)
         return None
-    return WeightCache(module=root, reporter=reporter)
+    return WeightCache()
 
 
 def _weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, caller: str) -> bool:

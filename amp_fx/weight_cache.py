@@ -8,12 +8,13 @@ and recasts it only when the fp32 weight changed.
 
 How the graphs get the copy (see :mod:`amp_fx.passes.lift_weight_casts`): each captured graph's
 shared cast of a parameter (eager autocast's cast cache, reproduced by ``insert_casts``) is
-replaced by an extra graph input. At run time :class:`WeightCache` fills that input, once per
-forward (the compiled module's call), with the output of :class:`_CachedCast`: an autograd node
-whose forward returns the cached copy and whose backward casts the summed low-precision
-gradient to fp32. Every graph of the forward gets the same node, so the gradient contributions
-of all uses, graph breaks included, add up in the low dtype before one cast back to fp32, which
-is exactly what eager autocast's cached cast does: parity stays bitwise.
+replaced by extra graph inputs, one per use. At run time :class:`WeightCache` fills them, once
+per forward (the compiled module's call), with the output of :class:`_CachedCast`: an autograd
+node whose forward returns the cached copy and whose backward casts the summed low-precision
+gradient to fp32. Every use in every graph of the forward gets the same node, and each graph's
+backward returns one gradient per use, so the autograd engine adds all of them into that node's
+buffer one by one, in the order eager autocast's cached cast gets them (latest use first, graph
+breaks included), before one cast back to fp32: parity stays bitwise.
 
 When a copy is stale (any of these makes it so; checked on the host, no device sync):
 
@@ -53,8 +54,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_fx._report import Reporter
-
 __all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -65,8 +64,8 @@ class _CachedCast(torch.autograd.Function):
 
     forward: returns an alias of ``lowp`` (no copy; a fresh tensor object per forward, so each
     forward has its own autograd node). backward: the low-precision gradient, already summed over
-    every use in every graph by the autograd engine, cast to the weight's dtype: eager autocast's
-    ``ToCopyBackward`` on its cached cast.
+    every use in every graph by the autograd engine (each graph hands it one gradient per use),
+    cast to the weight's dtype: eager autocast's ``ToCopyBackward`` on its cached cast.
     """
 
     @staticmethod
@@ -100,8 +99,8 @@ class _Entry:
 class _ForwardState(threading.local):
     def __init__(self) -> None:
         self.depth = 0
-        # (id(weight), dtype) -> (weight, this forward's node output, uses in the latest graph)
-        self.uses: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # (id(weight), dtype) -> (weight, this forward's node output)
+        self.uses: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 _CACHES: weakref.WeakSet[WeightCache] = weakref.WeakSet()
@@ -132,9 +131,7 @@ class WeightCache:
     ``hits`` the forwards that reused a copy; both are host counters.
     """
 
-    def __init__(self, *, module: torch.nn.Module | None = None, reporter: Reporter | None = None) -> None:
-        self._module = weakref.ref(module) if module is not None else None
-        self._reporter = reporter if reporter is not None else Reporter()
+    def __init__(self) -> None:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
         self._forward = _ForwardState()
         self.refreshes = 0
@@ -159,18 +156,14 @@ class WeightCache:
             if state.depth == 0:
                 state.uses.clear()
 
-    def lowp(self, weight: torch.Tensor, dtype: torch.dtype, uses: int = 1) -> torch.Tensor:
-        """The low-precision copy of ``weight`` to feed a graph (that uses it ``uses`` times) in
-        the current forward."""
+    def lowp(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The low-precision copy of ``weight`` to feed a graph in the current forward."""
         if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
             return weight.to(dtype)  # not a parameter: an ordinary cast, as the graph had
         state = self._forward
         key = (id(weight), dtype)
         use = state.uses.get(key)
         if use is not None and use[0] is weight:
-            if use[2] > 1 and weight.requires_grad and torch.is_grad_enabled():
-                self._report_grouped_sum(weight, use[2])
-            state.uses[key] = (weight, use[1], uses)
             return use[1]
         copy = self._fresh(weight, dtype)
         if torch.is_grad_enabled() and weight.requires_grad:
@@ -178,19 +171,8 @@ class WeightCache:
         else:
             out = copy.detach()
         if state.depth > 0:
-            state.uses[key] = (weight, out, uses)
+            state.uses[key] = (weight, out)
         return out
-
-    def _report_grouped_sum(self, weight: torch.Tensor, uses: int) -> None:
-        """Eager autocast adds a weight's gradient contributions one by one, latest use first.
-        A graph's backward adds its own uses' contributions before they meet those of later
-        graphs: the same terms, grouped differently, once an earlier graph uses it twice."""
-        name = self._name_of(weight)
-        self._reporter.did_less(("weight_cache:grouped", name),
-                 f"amp_fx: weight_cache: {name} is used {uses} times in one graph and again after a "
-                 "graph break; the graph adds its uses' gradients before the later graphs' ones, "
-                 "where eager autocast adds them one by one (the same terms in another order: not "
-                 "bitwise). Remove the graph break or use the weight once before it.", stacklevel=5)
 
     def _fresh(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         per_dtype = self._entries.get(weight)
@@ -206,13 +188,6 @@ class WeightCache:
                                   _layout(weight))
         self.refreshes += 1
         return lowp
-
-    def _name_of(self, weight: torch.Tensor) -> str:
-        module = self._module() if self._module is not None else None
-        for name, p in (module.named_parameters() if module is not None else ()):
-            if p is weight:
-                return name
-        return f"a parameter of shape {tuple(weight.shape)}"
 
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, weights: Sequence[torch.Tensor] | None = None) -> None:
@@ -266,15 +241,16 @@ class WeightCache:
                     entry.layout = _layout(w)
 
     # ------------------------------------------------------------------ graphs
-    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype, int]]
-             ) -> Callable[..., Any]:
-        """A compiled graph whose lifted inputs (position of the weight, dtype, uses in the
-        graph) are filled here."""
+    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype]]) -> Callable[..., Any]:
+        """A compiled graph whose lifted inputs (position of the weight, dtype), one per use of
+        a trainable weight, are filled here: every use gets this forward's one node output."""
         if not lifted:
             return compiled
 
         def run(*args: Any) -> Any:
-            return compiled(*args, *[self.lowp(args[i], dtype, uses) for i, dtype, uses in lifted])
+            # one node for all the uses even outside a forward() (a graph called on its own)
+            fed = {key: self.lowp(args[key[0]], key[1]) for key in dict.fromkeys(lifted)}
+            return compiled(*args, *[fed[key] for key in lifted])
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run

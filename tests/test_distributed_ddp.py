@@ -17,7 +17,6 @@ from _dist_cases import DTYPES, INF_BATCH, ddp_all
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -76,7 +75,6 @@ def test_ddp_accumulation_with_no_sync_and_clipping_bitwise(ranks, form):
         assert got["scaler_collectives"] == 0
 
 
-@pytest.mark.xfail(compile_step_sgd_momentum_differs(), reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)
 @pytest.mark.parametrize("recipe", ["plain", "accum_clip"])
 def test_compile_step_on_ddp_bitwise_sync_free_and_no_recompiles(ranks, recipe):
     """amp_fx.compile_step(DDP(model)) (StepMode.MASKED, GradNorm.TORCH, aot_eager) against eager

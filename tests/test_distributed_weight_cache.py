@@ -17,7 +17,6 @@ from _dist_cases import INF_BATCH, STEPS
 from _dist_weight_cache_cases import STEP_CASES, WARM_UP
 
 from amp_fx.testing.distributed import run_ranks
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -25,8 +24,6 @@ pytestmark = pytest.mark.skipif(
 
 PLANTED = sorted({step for step, _ in INF_BATCH})
 N_PARAMS = 4  # the nn.Sequential model: two Linear layers
-sgd_momentum_xfail = pytest.mark.xfail(compile_step_sgd_momentum_differs(), reason=SGD_MOMENTUM_XFAIL_REASON,
-                                       strict=False)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +33,6 @@ def ranks() -> list[dict]:
     return run_ranks(weight_cache_all)
 
 
-@sgd_momentum_xfail
 @pytest.mark.parametrize(("dtype", "accumulate"), STEP_CASES)
 def test_compile_step_on_ddp_with_weight_cache_bitwise_and_sync_free(ranks, dtype, accumulate):
     """Losses, scales and parameters bitwise with the eager recipe (all but the last micro-batch
@@ -81,7 +77,6 @@ def test_ddp_forms_with_weight_cache_bitwise_one_cast_per_step(ranks, form):
         assert [r + h for r, h in zip(got["refreshes"], got["hits"])] == [4 * N_PARAMS] * STEPS
 
 
-@sgd_momentum_xfail
 def test_weight_shared_across_graph_breaks_and_ddp_buckets_bitwise(ranks):
     """A weight used on both sides of a graph break, each graph split again at DDP's bucket
     boundaries, with ``find_unused_parameters=True`` and a parameter that gets no gradient:

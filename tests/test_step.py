@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,7 +24,6 @@ import amp_fx
 from amp_fx.scaler import GradScaler, StepMode
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 from tests._step_cases import (
     BF16_POISON,
     FP16_POISON,
@@ -65,13 +65,7 @@ PARITY_CASES = [
 ]
 
 
-def _marked(case: tuple[Any, ...]) -> Any:
-    if case[1] == "sgd_momentum" and compile_step_sgd_momentum_differs():
-        return pytest.param(*case, marks=pytest.mark.xfail(reason=SGD_MOMENTUM_XFAIL_REASON, strict=False))
-    return case
-
-
-@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", [_marked(c) for c in PARITY_CASES],
+@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", PARITY_CASES,
                          ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""))
 def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
                                                    clip: float | None, grad_norm: GradNorm) -> None:
@@ -89,10 +83,7 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
         assert len(set(s.item() for s in ref["scale"])) >= 3
 
 
-@pytest.mark.parametrize("opt_name", [
-    pytest.param("sgd_momentum", marks=pytest.mark.xfail(compile_step_sgd_momentum_differs(),
-                                                         reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)),
-    "adamw_fused"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
 def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
     """The README's example (max_grad_norm, no grad_norm given) reproduces unscale_ +
     clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
@@ -252,8 +243,10 @@ def test_lr_scheduler_keeps_working_without_recompiles() -> None:
     # tensor; then none. The skip is visible to a scheduler that wants it, on the device.
     assert len(set(graphs_after[3:])) == 1, graphs_after
     assert int(step.skipped_steps) == 1
-    # A tensor lr changes the optimizer's arithmetic (fp64 lr times the gradient, not add_'s
-    # alpha): 2^-20 relative per update (a few fp32 ulps), against the movement of the reference.
+    # A tensor lr changes the optimizer's arithmetic: Dynamo traces add_(grad, alpha=-lr) as a
+    # multiply, then an add (2.11: torch.mul + add_; 2.13, 2.15: inductor_prims.fma, which aot_eager
+    # runs as (a * b) + c), two roundings where eager's kernel rounds once: 2^-20 relative per
+    # update (a few fp32 ulps), against the movement of the reference.
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=2**-18, atol=1e-7)
 
@@ -406,7 +399,40 @@ def test_public_api() -> None:
 
 
 # ------------------------------------------------------------------------- usage patterns
-@pytest.mark.xfail(compile_step_sgd_momentum_differs(), reason=SGD_MOMENTUM_XFAIL_REASON, strict=False)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_update_is_traced_as_eager_computes_it(momentum: float) -> None:
+    """SGD's ``param.add_(grad, alpha=-lr)`` stays one add_ with its alpha in the finish graph: one
+    rounding, as eager's kernel. torch 2.11's Dynamo splits a number alpha into mul + add_ (two
+    roundings, amp_fx._compat.dynamo_splits_number_alpha) unless told not to; the parameters then
+    differed from the eager recipe in the last bits (with these inputs: after the first compiled step)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(101)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ref_model = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in (model, ref_model))
+    scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend=record)
+    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
+                              torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+    for i in range(3):  # a warm-up step, then compiled ones
+        assert_bitwise(step(x, y), ref_step(x, y), f"loss[{i}]")
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"params[{i}]")
+    assert step._finish_backend.graphs == 1
+    finish = graphs[-1]
+    alphas = [n.kwargs["alpha"] for n in finish.graph.nodes
+              if n.op == "call_method" and n.target == "add_" and "alpha" in n.kwargs]
+    # per parameter: the momentum buffer's add_(grad, alpha=1 - dampening), then the update
+    assert alphas == ([1.0, -0.1] if momentum else [-0.1]) * 2, finish.code
+    assert not [n for n in finish.graph.nodes if n.target in (torch.mul, "mul")], finish.code
+
+
 def test_ten_compile_steps_in_one_process_each_own_their_cache_entries() -> None:
     """Dynamo keeps 8 cache entries per code object: every step must compile its own graphs
     (once all steps shared one code object and the 9th step raised FailOnRecompileLimitHit)."""

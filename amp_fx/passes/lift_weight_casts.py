@@ -6,37 +6,47 @@ are the graph's inputs in placeholder order, real parameters being ``nn.Paramete
 
 Rewrites a copy, never ``gm`` itself (inspection tools run the recorded graph on its recorded
 inputs). In the copy, every ``aten._to_copy(w, dtype=d)`` of a placeholder ``w`` that is an fp32
-``nn.Parameter``, with ``d`` bf16 or fp16 and no other argument, is replaced by one new
-placeholder per (w, d), appended after the existing ones:
+``nn.Parameter``, with ``d`` bf16 or fp16 and no other argument, is replaced by new placeholders,
+appended after the existing ones:
 
 * a parameter that requires grad is lifted only where its cast is eager autocast's shared cast
-  (``meta["amp_fx_cached"]``): the uses' gradients then add up in the lifted input, in the low
-  dtype, as they did on the shared cast;
+  (``meta["amp_fx_cached"]``), and each *use* of the cast (each occurrence among its users'
+  inputs) gets an input of its own. The weight cache feeds all of them the one autograd node of
+  the forward (:mod:`amp_fx.weight_cache`), so the graph's backward returns one low-precision
+  gradient per use and the autograd engine adds them into that node's buffer, as it adds eager
+  autocast's uses into its cached cast's. A single input would have the graph add its uses
+  first, and (a + b) + c is not a + (b + c) in bf16: not bitwise once a later graph of the same
+  forward uses the weight too. The engine adds one node's outputs in input order, so the inputs
+  come in eager's order: latest user first (autograd runs nodes in reverse creation order), a
+  user's own occurrences in argument order;
 * a frozen parameter (``requires_grad=False``) has one cast per use (eager autocast does not
   cache it), all with the same value and no gradient: they become one input.
 
 Guarantees: values unchanged when the new inputs hold ``w.to(d)``; ``meta["val"]`` of each new
 placeholder is the cast's; the graph lints. Returns the copy, the example inputs extended with
-one example per new input, and the (position of w, d, number of uses) of each new input, in
-order.
+one example per new input, and the (position of w, d) of each new input, in order.
 
 Example:
     >>> import torch
-    >>> w = torch.nn.Parameter(torch.randn(3, 4))
+    >>> w = torch.nn.Parameter(torch.randn(4, 4))
     >>> g = torch.fx.Graph()
     >>> x, p = g.placeholder("x"), g.placeholder("w")
     >>> c = g.call_function(torch.ops.aten._to_copy.default, (p,), {"dtype": torch.bfloat16})
-    >>> c.meta.update(amp_fx_cached=True, val=torch.empty(3, 4, dtype=torch.bfloat16))
-    >>> _ = g.output(g.call_function(torch.ops.aten.mm.default, (x, c)))
+    >>> c.meta.update(amp_fx_cached=True, val=torch.empty(4, 4, dtype=torch.bfloat16))
+    >>> h = g.call_function(torch.ops.aten.mm.default, (x, c))
+    >>> _ = g.output(g.call_function(torch.ops.aten.mm.default, (h, c)))
     >>> lifted_gm, inputs, lifted = lift_weight_casts(torch.fx.GraphModule({}, g),
-    ...                                               [torch.randn(2, 3), w])
+    ...                                               [torch.randn(2, 4), w])
     >>> lifted, [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
-    ([(1, torch.bfloat16, 1)], ['x', 'w', 'w_bf16'])
+    ([(1, torch.bfloat16), (1, torch.bfloat16)], ['x', 'w', 'w_bf16', 'w_bf16_2'])
+    >>> [str(n.args) for n in lifted_gm.graph.nodes if n.op == "call_function"]  # latest user first
+    ['(x, w_bf16_2)', '(mm_default, w_bf16)']
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,8 +79,27 @@ def _example(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ex.requires_grad_(weight.requires_grad)
 
 
+def _users_in_accumulation_order(casts: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The users of ``casts`` (one weight's casts to one dtype), latest first: the order in which
+    eager autograd adds their gradient contributions into the cast's buffer (it runs nodes in
+    reverse creation order)."""
+    order = {n: i for i, n in enumerate(casts[0].graph.nodes)}
+    return sorted({u: None for c in casts for u in c.users}, key=order.__getitem__, reverse=True)
+
+
+def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.fx.Node],
+                                    make_input: Callable[[], torch.fx.Node]) -> None:
+    """Replace each occurrence of ``casts`` among ``user``'s inputs (args, then kwargs) by a new
+    input, in order: autograd adds one node's outputs into a buffer in that order."""
+
+    def swap(n: torch.fx.Node) -> torch.fx.Node:
+        return make_input() if n in casts else n
+
+    user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
+
+
 def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
-                      ) -> tuple[torch.fx.GraphModule, list[Any], list[tuple[int, torch.dtype, int]]]:
+                      ) -> tuple[torch.fx.GraphModule, list[Any], list[tuple[int, torch.dtype]]]:
     """Lift parameter casts into inputs, on a copy (contract in the module doc)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
@@ -80,22 +109,38 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     casts = [n for n in graph.nodes if _liftable(n, position, example_inputs)]
     if not casts:
         return gm, list(example_inputs), []
-    new_inputs: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
     lifted: list[tuple[int, torch.dtype]] = []
     inputs = list(example_inputs)
+    last = placeholders[-1]
+    names: dict[str, int] = {}
+
+    def new_input(src: torch.fx.Node, dtype: torch.dtype, val: Any) -> torch.fx.Node:
+        nonlocal last
+        name = f"{src.name}_{dtype_name(dtype)}"
+        names[name] = names.get(name, 0) + 1
+        with graph.inserting_after(last):  # a placeholder's name is its argument's: unique
+            ph = graph.placeholder(name if names[name] == 1 else f"{name}_{names[name]}")
+        ph.meta["val"] = val
+        ph.meta["amp_fx_weight_cache"] = True
+        last = ph
+        i = position[src]
+        lifted.append((i, dtype))
+        inputs.append(_example(example_inputs[i], dtype))
+        return ph
+
+    by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
     for cast in casts:
-        key = (cast.args[0], cast.kwargs["dtype"])
-        if key not in new_inputs:
-            with graph.inserting_after(placeholders[-1] if not new_inputs else list(new_inputs.values())[-1]):
-                ph = graph.placeholder(f"{cast.args[0].name}_{dtype_name(key[1])}")
-            ph.meta["val"] = cast.meta.get("val")
-            ph.meta["amp_fx_weight_cache"] = True
-            new_inputs[key] = ph
-            i = position[cast.args[0]]
-            lifted.append((i, key[1]))
-            inputs.append(_example(example_inputs[i], key[1]))
-        cast.replace_all_uses_with(new_inputs[key])
-        graph.erase_node(cast)
+        by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
+    for (src, dtype), same in by_weight.items():
+        make_input = functools.partial(new_input, src, dtype, same[0].meta.get("val"))
+        if not inputs[position[src]].requires_grad:
+            frozen = make_input()
+            for cast in same:
+                cast.replace_all_uses_with(frozen)
+        else:
+            for user in _users_in_accumulation_order(same):
+                _give_each_occurrence_its_input(user, same, make_input)
+        for cast in same:
+            graph.erase_node(cast)
     graph.lint()
-    uses = [len(new_inputs[(placeholders[i], d)].users) for i, d in lifted]
-    return torch.fx.GraphModule(gm, graph), inputs, [(i, d, n) for (i, d), n in zip(lifted, uses)]
+    return torch.fx.GraphModule(gm, graph), inputs, lifted

@@ -1,23 +1,11 @@
-"""Known differences that tests mark rather than hide, each with its reason."""
+"""Known differences that tests mark rather than hide, each with its reason.
+
+None at present. The one listed before, torch 2.11's ``compile_step`` with ``torch.optim.SGD`` not
+bitwise with the eager recipe, is fixed: 2.11's Dynamo traced ``param.add_(grad, alpha=-lr)`` as
+``torch.mul`` then ``add_`` (two roundings where eager's kernel rounds once); compile_step now
+traces SGD's step with that decomposition off there (``amp_fx._compat.dynamo_splits_number_alpha``).
+"""
 
 from __future__ import annotations
 
-import torch
-
-__all__ = ["compile_step_sgd_momentum_differs"]
-
-
-def compile_step_sgd_momentum_differs() -> bool:
-    """torch 2.11: compile_step's traced SGD update differs from eager in the last bits.
-
-    Seen with momentum in every trajectory test, and without momentum in a two-step run
-    (test_ten_compile_steps...), so the likely cause is the update with ``lr`` as a device
-    tensor during the step (SGD then multiplies and adds in two roundings) rather than the
-    momentum buffer; not yet root-caused. 2.13 and 2.15 are bitwise. A feature test would need
-    the whole trajectory, so this is the version."""
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    return (major, minor) < (2, 12)
-
-
-SGD_MOMENTUM_XFAIL_REASON = ("torch 2.11: compile_step's traced SGD update differs from eager in the last bits "
-                             "(see amp_fx.testing.known)")
+__all__: list[str] = []
