@@ -17,7 +17,6 @@ from _dist_asserts import assert_same_run
 from _dist_split_report_cases import FORMS
 
 from amp_fx.testing.distributed import run_ranks
-from amp_fx.testing.known import SGD_MOMENTUM_XFAIL_REASON, compile_step_sgd_momentum_differs
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -32,11 +31,6 @@ def ranks() -> list[dict]:
     from _dist_split_report_cases import split_report_all
 
     return run_ranks(split_report_all)
-
-
-def _xfail_step_on_old_torch(form: str) -> None:
-    if form == "step" and compile_step_sgd_momentum_differs():
-        pytest.xfail(SGD_MOMENTUM_XFAIL_REASON)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -54,7 +48,6 @@ def test_weight_in_two_ddp_pieces_is_reported_and_not_bitwise(ranks, form):
         fc_weight, fc_bias, *others = got["params"]
         assert not torch.equal(fc_weight, want["params"][0]), f"rank {rank}: fc.weight bitwise"
         assert not torch.equal(fc_bias, want["params"][1]), f"rank {rank}: fc.bias bitwise"
-        _xfail_step_on_old_torch(form)
         assert_same_run({"params": others}, {"params": want["params"][2:]}, f"rank {rank}, {form}")
 
 
@@ -68,7 +61,6 @@ def test_weight_in_two_ddp_pieces_is_an_error_in_strict_mode(ranks):
 def test_weight_cache_shares_the_cast_across_ddp_pieces_bitwise_and_unreported(ranks, form):
     """Positive twin: with weight_cache=True every piece reads one cast per weight; strict, so a
     report would have stopped the run; bitwise with eager."""
-    _xfail_step_on_old_torch(form)
     for rank, res in enumerate(ranks):
         got = res[("buckets", form, True)]
         assert "error" not in got and got["warnings"] == []
@@ -91,7 +83,6 @@ def test_weight_across_a_graph_break_under_ddp_is_reported(ranks):
 def test_no_report_for_ddp_pieces_without_a_shared_weight(ranks, form):
     """Negative twin: a model that uses each weight once, split into pieces (fake tensors, one
     compile id), strict and without the cache: nothing reported, bitwise with eager."""
-    _xfail_step_on_old_torch(form)
     for rank, res in enumerate(ranks):
         got = res[("plain", form, False)]
         assert "error" not in got, got["error"]
