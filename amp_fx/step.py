@@ -367,8 +367,34 @@ class CompiledStep:
         state = self.optimizer.state
         return any(p.grad is not None and not state.get(p) for p in self._params)
 
+    def _follow_param_groups(self) -> None:
+        """Take on parameters the optimizer gained or lost since the last step.
+
+        ``optimizer.add_param_group`` between steps (progressive unfreezing) would otherwise leave
+        the new parameters' gradients out of the unscale and the check while the traced step
+        updates them: scaled gradients applied as they are. So the step's parameter list, the
+        weight cache's writer and the FSDP2 local view are rebuilt, the finish recompiles once
+        (expected, not reported), and the next step warms up eagerly while the new parameters have
+        no optimizer state, as the first one did. A host-side comparison of object identities.
+        """
+        params = unique_params(self.optimizer)
+        if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params)):
+            return
+        _check_params(self.model, self.optimizer)
+        check_distributed_step(self.model, self.optimizer)
+        logger.info("amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
+                    "follows them and recompiles its optimizer part once", len(self._params), len(params))
+        self._params = params
+        self._seen_groups = _group_values(self.optimizer)
+        if self._lowp_writer is not None:
+            self._lowp_writer = StepWriter(self._lowp_writer.cache, params)
+        self._sharded = None
+        self._warmed_up = False
+        self._expect_recompile = True
+
     def _optimizer_step(self) -> None:
         opt = self.optimizer
+        self._follow_param_groups()
         self._follow_hyperparameters()
         if self._needs_warm_up():
             self._eager_finish(warm_up=True)

@@ -34,6 +34,7 @@ from tests._step_cases import (
     make_batches,
     make_model,
     run_pair,
+    scalers,
 )
 
 PARAM_SIZES = [p.numel() for p in make_model().parameters()]
@@ -529,3 +530,33 @@ def test_trainable_parameters_outside_the_optimizer_are_a_user_warning() -> None
     assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]
     assert "not in the optimizer" in str(caught[0].message)
     assert "['1.weight', '1.bias', '3.weight', '3.bias']" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("weight_cache", [False, True], ids=["no_cache", "weight_cache"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused", "sgd_plain"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_param_group_added_between_steps_is_followed_bitwise(dtype, opt_name, weight_cache):
+    """Progressive unfreezing: the head is frozen, then unfrozen and given to the optimizer with
+    ``add_param_group`` after two windows. The step must unscale and check the new gradients too
+    (before the fix their scaled gradients were applied as they were and the head went to NaN)."""
+    poison = FP16_POISON if dtype == torch.float16 else BF16_POISON
+    ours_scaler, ref_scaler = scalers(dtype)
+    model, ref_model = make_model(), make_model()
+    for m in (model, ref_model):
+        m[3].requires_grad_(False)
+    body = [p for p in model.parameters() if p.requires_grad]
+    ref_body = [p for p in ref_model.parameters() if p.requires_grad]
+    opt, ref_opt = OPTIMIZERS[opt_name](body), OPTIMIZERS[opt_name](ref_body)
+    loss_fn = torch.nn.functional.mse_loss
+    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
+                        weight_cache=weight_cache)
+    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
+    for i, (x, y) in enumerate(make_batches(10, poison)):
+        if i == 5:  # after an overflowed window and a clean one
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                m[3].requires_grad_(True)
+                o.add_param_group({"params": list(m[3].parameters())})
+        assert_bitwise(step(x, y), ref_step(x, y), f"loss {i}")
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"parameters after micro-batch {i}")
+        if dtype == torch.float16:
+            assert_bitwise(step.scale, ref_scaler._scale, f"scale after micro-batch {i}")
