@@ -222,6 +222,8 @@ class CompiledStep:
         # FSDP2: the finish works on the local shards (built after the warm-up created the state).
         self._fsdp2 = is_fsdp2(model)
         self._sharded: LocalShards | None = None
+        # torch 2.11: the parameters' requires_grad as the forward last saw it (_check_requires_grad)
+        self._requires_grad: list[bool] | None = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -271,6 +273,7 @@ class CompiledStep:
         if len(batch) < n and not model_kwargs:
             raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
                             f"{len(batch)} argument(s)")
+        self._check_requires_grad()
         scale = self._scale_state()[0].scale
         loss, scaled = self._forward(scale, *batch, **model_kwargs)
         scaled.backward()
@@ -366,6 +369,31 @@ class CompiledStep:
             return False
         state = self.optimizer.state
         return any(p.grad is not None and not state.get(p) for p in self._params)
+
+    def _check_requires_grad(self) -> None:
+        """Report a parameter whose ``requires_grad`` changed where Dynamo would not recompile.
+
+        torch 2.11's Dynamo guards no parameter's ``requires_grad`` (plain ``torch.compile``
+        alike, ``amp_fx._compat.dynamo_guards_param_requires_grad``): a layer unfrozen after the
+        first step would keep getting no gradient. Checked on the host before each micro-batch,
+        only on such versions; reported once per change (strict mode: an error).
+        """
+        if _compat.dynamo_guards_param_requires_grad():
+            return
+        named = list(self.model.named_parameters())
+        now = [p.requires_grad for _, p in named]
+        before, self._requires_grad = self._requires_grad, now
+        if before is None or len(before) != len(now) or before == now:
+            return
+        changed = [name for (name, _), a, b in zip(named, before, now) if a != b]
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        self._report.did_less(("requires_grad changed", tuple(changed)), (
+            f"amp_fx.compile_step: requires_grad changed for {changed[:5]}{more} since the step "
+            f"compiled its forward, and Dynamo on this torch ({torch.__version__}) does not recompile "
+            "for that (torch 2.11 guards no parameter's requires_grad; plain torch.compile alike): "
+            "those parameters would keep their old gradient behaviour (an unfrozen layer gets no "
+            "gradient). After changing requires_grad, call torch._dynamo.reset() and build a new "
+            "compile_step (same model, optimizer and scaler), or use torch >= 2.13."), stacklevel=4)
 
     def _follow_param_groups(self) -> None:
         """Take on parameters the optimizer gained or lost since the last step.
