@@ -103,3 +103,34 @@ def number_scalars_as_eager() -> Iterator[None]:
         return
     with torch._dynamo.config.patch(enable_dynamo_decompositions=False):
         yield
+
+
+_guards_requires_grad: bool | None = None
+
+
+def dynamo_guards_param_requires_grad() -> bool:
+    """Whether Dynamo recompiles a module's forward when one of its parameters' ``requires_grad``
+    changes (unfreezing a layer after the first compiled call).
+
+    2.13 and 2.15 do. 2.11 does not, with plain ``torch.compile`` too: the unfrozen parameter
+    keeps getting no gradient. Found by compiling a two-parameter module, unfreezing its frozen
+    parameter and calling it again (about 0.3 s, the first time it is asked).
+    """
+    global _guards_requires_grad
+    if _guards_requires_grad is None:
+        graphs: list[int] = []
+
+        def count(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            graphs.append(1)
+            return gm.forward
+
+        probe = torch.nn.Linear(2, 1)
+        probe.bias.requires_grad_(False)
+        compiled = torch.compile(probe, backend=count, fullgraph=True)
+        compiled(torch.ones(1, 2))
+        probe.bias.requires_grad_(True)
+        compiled(torch.ones(1, 2))
+        if not graphs:  # Dynamo did not trace (e.g. a force_eager stance): ask again later
+            return True
+        _guards_requires_grad = len(graphs) == 2
+    return _guards_requires_grad

@@ -27,6 +27,7 @@ from torch._guards import CompileContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from amp_fx._backends import Backend, backend_name, resolve_backend
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
@@ -124,8 +125,8 @@ class AmpBackend:
         self.records: list[GraphRecord] = []
         self.runs = _RunCount()
         """How many times a graph of this backend (or a sibling) has run."""
-        # id(leaf tensor) -> (weakref to it, Dynamo frame ids whose graphs cast it with the cache)
-        self._cached_leaf_frames: dict[int, tuple[weakref.ref[torch.Tensor], set[int]]] = {}
+        # id(leaf tensor) -> the graphs that cast it with the shared leaf cast
+        self._cached_leaf_frames: dict[int, _LeafGraphs] = {}
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
@@ -211,35 +212,50 @@ class AmpBackend:
 
         Eager autocast casts such a weight once per forward and its uses' gradients add up in the
         low dtype; each graph here casts it itself, so they add up in fp32. Recompiles of one
-        frame are not a split: graphs are told apart by Dynamo's frame id.
+        frame are not a split: graphs are told apart by Dynamo's frame id. Under DDP, Dynamo's
+        DDPOptimizer splits one compile of a frame at DDP's bucket boundaries and calls the backend
+        once per piece, all with the frame's compile id: two pieces of one compile that cast a
+        weight are a split too. DDPOptimizer hands fake tensors for the parameters, so a weight is
+        known by the real tensor its placeholder's Dynamo source reaches (:meth:`_RootNames.real_tensor`).
         """
         compile_id = CompileContext.current_compile_id()
-        frame = compile_id.frame_id if compile_id is not None else record.index
+        if compile_id is not None and compile_id.frame_id is not None:
+            frame, attempt = compile_id.frame_id, compile_id.frame_compile_id
+        else:  # the backend called directly (tests): each graph is a frame of its own
+            frame, attempt = record.index, 0
         ours = [n for n in record.rewritten.graph.nodes if n.op == "placeholder"]
         theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         position = {n: i for i, n in enumerate(ours)}
         for leaf in leaves_cast_with_shared_cast(record.rewritten):
             i = position[leaf]
-            tensor = example_inputs[i]
-            ref, frames = self._cached_leaf_frames.get(id(tensor), (None, set()))
-            if ref is None or ref() is not tensor:
-                ref, frames = weakref.ref(tensor), set()
-                self._cached_leaf_frames[id(tensor)] = (ref, frames)
-            seen = len(frames)
-            frames.add(frame)
-            if seen == 1 and len(frames) == 2:
-                name = names.tensor_name(tensor) or _source_name(theirs[i])
-                low = dtype_name(self.dtype)
-                if _SPLITS_NOTED_BY_CALLER.get():
-                    log.debug("amp_fx: %s is used on both sides of a graph break", name)
-                else:
-                    self.reporter.did_less(("used across a graph break", name), (
-                        f"amp_fx: {name} is used on both sides of a graph break; each graph casts it "
-                        f"to {low} itself, so its gradient contributions add up in fp32 where eager "
-                        f"autocast adds them in {low} (more accurate, not bitwise). Remove the graph "
-                        f"break (TORCH_LOGS=graph_breaks says where it is) to match eager autocast bit "
-                        f"for bit."))
-
+            tensor = names.real_tensor(theirs[i], example_inputs[i])
+            graphs = self._cached_leaf_frames.get(id(tensor))
+            if graphs is None or graphs.ref() is not tensor:
+                graphs = _LeafGraphs(weakref.ref(tensor))
+                self._cached_leaf_frames[id(tensor)] = graphs
+            was_split = graphs.split()
+            graphs.add(frame, attempt)
+            if was_split or not graphs.split():
+                continue
+            name = names.tensor_name(tensor) or _source_name(theirs[i])
+            low = dtype_name(self.dtype)
+            if len(graphs.frames) > 1:
+                where = "is used on both sides of a graph break"
+                fix = ("Remove the graph break (TORCH_LOGS=graph_breaks says where it is), or pass "
+                       "weight_cache=True (one cast shared by every graph of the forward),")
+            else:
+                where = ("is used in two of the graphs Dynamo's DDPOptimizer splits one captured "
+                         "graph into at DDP's bucket boundaries")
+                fix = ("Pass weight_cache=True (one cast shared by every graph of the forward), or "
+                       "set torch._dynamo.config.optimize_ddp = False (one graph, no overlap of the "
+                       "all-reduce with the backward),")
+            if _SPLITS_NOTED_BY_CALLER.get():
+                log.debug("amp_fx: %s %s", name, where)
+                continue
+            self.reporter.did_less(("used across a graph break", name), (
+                f"amp_fx: {name} {where}; each graph casts it to {low} itself, so its gradient "
+                f"contributions add up in fp32 where eager autocast adds them in {low} (more "
+                f"accurate, not bitwise). {fix} to match eager autocast bit for bit."))
 
     # --- what was asked against what was done ------------------------------------------------
 
@@ -283,6 +299,25 @@ class AmpBackend:
             f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
 
 
+@dataclass
+class _LeafGraphs:
+    """The graphs that cast one leaf tensor with the shared leaf cast: per Dynamo frame id, per
+    compile of that frame (``frame_compile_id``), how many graphs. Graphs of two frames run in one
+    forward; two compiles of one frame are alternatives (recompiles); two graphs of one compile
+    are pieces of one captured graph (DDPOptimizer's split at DDP's bucket boundaries)."""
+
+    ref: weakref.ref[torch.Tensor]
+    frames: dict[int, dict[int | None, int]] = field(default_factory=dict)
+
+    def add(self, frame: int, attempt: int | None) -> None:
+        compiles = self.frames.setdefault(frame, {})
+        compiles[attempt] = compiles.get(attempt, 0) + 1
+
+    def split(self) -> bool:
+        """Whether two graphs of one forward cast the tensor, each with a cast of its own."""
+        return len(self.frames) > 1 or any(n > 1 for c in self.frames.values() for n in c.values())
+
+
 class _RunCount:
     """A counter shared by a backend and its siblings (a copy shares the object)."""
 
@@ -299,6 +334,13 @@ def _wrapper_fix(target: object) -> str | None:
     if isinstance(target, DistributedDataParallel):
         return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
                 "the model inside it instead: DDP(amp_fx.compile(model)).")
+    if isinstance(target, torch.nn.Module) and (is_fsdp1(target) or any(
+            getattr(p, "_fsdp_flattened", False) for p in target.parameters())):
+        # FSDP1 around the model, or the model inside FSDP1 (its parameters are views of
+        # FSDP1's FlatParameter, marked _fsdp_flattened).
+        return (f"{type(target).__name__} is sharded by FullyShardedDataParallel (FSDP1), whose flat "
+                f"parameters and hooks Dynamo does not capture; it trains as eager FSDP1 under autocast. "
+                f"To compile it, {FSDP1_ALTERNATIVE}.")
     fsdp_types: list[type] = []
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -385,6 +427,7 @@ class _RootNames:
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
         self._cache: dict[str, str | None] = {}
+        self._objects: dict[str, object] = {}
 
     def _resolve(self, source: str, table: dict[int, str]) -> str | None:
         if self.scope is None:
@@ -427,6 +470,28 @@ class _RootNames:
     def tensor_name(self, tensor: object) -> str | None:
         return self._tensors.get(id(tensor)) if self.root is not None else None
 
+    def real_tensor(self, node: torch.fx.Node, value: Any) -> Any:
+        """The tensor a graph input stands for: ``value`` itself, unless it is a fake tensor.
+
+        Dynamo hands the backend the real parameters, but its DDPOptimizer runs each piece of a
+        split graph on fake tensors, and a fake tensor is made anew for each compile: the real one
+        is what the placeholder's Dynamo source (``L['self']._modules['fc']._parameters['weight']``)
+        reaches from the frame's locals. Without a source or a frame, ``value``.
+        """
+        if not isinstance(value, FakeTensor) or self.scope is None:
+            return value
+        source = _source_text(node)
+        if not source:
+            return value
+        if source not in self._objects:
+            try:
+                obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
+            except Exception:
+                obj = self._walk(source)
+            self._objects[source] = obj
+        obj = self._objects[source]
+        return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) else value
+
 
 def _frame_self_name(code: Any) -> str | None:
     """The name of the first argument (``self``) of the function a Dynamo frame belongs to.
@@ -448,10 +513,16 @@ def _frame_self_name(code: Any) -> str | None:
     return code.co_varnames[0] if code.co_argcount else None
 
 
-def _source_name(node: torch.fx.Node) -> str:
+def _source_text(node: torch.fx.Node) -> str | None:
+    """The expression Dynamo reached a placeholder's value by (``L['x']``), if it recorded one."""
     source = getattr(node, "_dynamo_source", None)
     text = getattr(source, "name", None)
     text = text() if callable(text) else text
+    return text if isinstance(text, str) and text else None
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    text = _source_text(node)
     if not text:
         return node.name
     return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))

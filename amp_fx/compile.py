@@ -14,7 +14,7 @@ import torch._inductor
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._devices import autocast_device_type, check_supported
-from amp_fx._dist.capture import distributed_units, unit_call
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, unit_call
 from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
@@ -299,6 +299,12 @@ def compile(
                              weight_cache=_weight_cache_for(weight_cache, policy, root, reporter))
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
+        if is_fsdp1(model_or_fn):
+            reporter.did_less("fsdp1", (
+                f"amp_fx.compile({type(model_or_fn).__name__}): the model is sharded by "
+                "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
+                "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
+                f"{FSDP1_ALTERNATIVE}."), stacklevel=3)
         return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
     compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]

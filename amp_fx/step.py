@@ -70,7 +70,7 @@ import torch._dynamo
 
 from amp_fx import _compat
 from amp_fx._backends import resolve_backend
-from amp_fx._dist.step import distributed_forward, refuse_distributed_step
+from amp_fx._dist.step import LocalShards, check_distributed_step, distributed_forward, is_fsdp2
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
 from amp_fx.compile import _weight_cache_off_for_fsdp2
@@ -211,7 +211,7 @@ class CompiledStep:
         # splits the forward into graphs, each rewritten, with no host sync between them.
         if weight_cache and _weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
             weight_cache = False
-        self._forward = distributed_forward(  # DDP: per-unit capture, no_sync within a window
+        self._forward = distributed_forward(  # DDP/FSDP2: per-unit capture, no grad sync within a window
             self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
                                                       dynamic=dynamic, strict=strict, weight_cache=weight_cache),
         ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
@@ -230,6 +230,11 @@ class CompiledStep:
         # A hyperparameter other than lr changed between steps: the optimizer steps eagerly.
         self._eager_optimizer = False
         self._warmed_up = False
+        # FSDP2: the finish works on the local shards (built after the warm-up created the state).
+        self._fsdp2 = is_fsdp2(model)
+        self._sharded: LocalShards | None = None
+        # torch 2.11: the parameters' requires_grad as the forward last saw it (_check_requires_grad)
+        self._requires_grad: list[bool] | None = None
 
     # ------------------------------------------------------------------ public state
     @property
@@ -279,6 +284,7 @@ class CompiledStep:
         if len(batch) < n and not model_kwargs:
             raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
                             f"{len(batch)} argument(s)")
+        self._check_requires_grad()
         scale = self._scale_state()[0].scale
         loss, scaled = self._forward(scale, *batch, **model_kwargs)
         scaled.backward()
@@ -375,8 +381,59 @@ class CompiledStep:
         state = self.optimizer.state
         return any(p.grad is not None and not state.get(p) for p in self._params)
 
+    def _check_requires_grad(self) -> None:
+        """Report a parameter whose ``requires_grad`` changed where Dynamo would not recompile.
+
+        torch 2.11's Dynamo guards no parameter's ``requires_grad`` (plain ``torch.compile``
+        alike, ``amp_fx._compat.dynamo_guards_param_requires_grad``): a layer unfrozen after the
+        first step would keep getting no gradient. Checked on the host before each micro-batch,
+        only on such versions; reported once per change (strict mode: an error).
+        """
+        if _compat.dynamo_guards_param_requires_grad():
+            return
+        named = list(self.model.named_parameters())
+        now = [p.requires_grad for _, p in named]
+        before, self._requires_grad = self._requires_grad, now
+        if before is None or len(before) != len(now) or before == now:
+            return
+        changed = [name for (name, _), a, b in zip(named, before, now) if a != b]
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        self._report.did_less(("requires_grad changed", tuple(changed)), (
+            f"amp_fx.compile_step: requires_grad changed for {changed[:5]}{more} since the step "
+            f"compiled its forward, and Dynamo on this torch ({torch.__version__}) does not recompile "
+            "for that (torch 2.11 guards no parameter's requires_grad; plain torch.compile alike): "
+            "those parameters would keep their old gradient behaviour (an unfrozen layer gets no "
+            "gradient). After changing requires_grad, call torch._dynamo.reset() and build a new "
+            "compile_step (same model, optimizer and scaler), or use torch >= 2.13."), stacklevel=4)
+
+    def _follow_param_groups(self) -> None:
+        """Take on parameters the optimizer gained or lost since the last step.
+
+        ``optimizer.add_param_group`` between steps (progressive unfreezing) would otherwise leave
+        the new parameters' gradients out of the unscale and the check while the traced step
+        updates them: scaled gradients applied as they are. So the step's parameter list, the
+        weight cache's writer and the FSDP2 local view are rebuilt, the finish recompiles once
+        (expected, not reported), and the next step warms up eagerly while the new parameters have
+        no optimizer state, as the first one did. A host-side comparison of object identities.
+        """
+        params = unique_params(self.optimizer)
+        if len(params) == len(self._params) and all(a is b for a, b in zip(params, self._params)):
+            return
+        _check_params(self.model, self.optimizer)
+        check_distributed_step(self.model, self.optimizer)
+        logger.info("amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
+                    "follows them and recompiles its optimizer part once", len(self._params), len(params))
+        self._params = params
+        self._seen_groups = _group_values(self.optimizer)
+        if self._lowp_writer is not None:
+            self._lowp_writer = StepWriter(self._lowp_writer.cache, params)
+        self._sharded = None
+        self._warmed_up = False
+        self._expect_recompile = True
+
     def _optimizer_step(self) -> None:
         opt = self.optimizer
+        self._follow_param_groups()
         self._follow_hyperparameters()
         if self._needs_warm_up():
             self._eager_finish(warm_up=True)
@@ -390,10 +447,19 @@ class CompiledStep:
                 if writer is not None:
                     writer.before_finish()
                 with self._lrs_as_tensors(), _step_as_eager(opt):  # (sees the lrs as tensors)
-                    flags = self._finish(*self._scale_state())
+                    sharded = self._local_shards()
+                    try:
+                        flags = self._finish(*self._scale_state())
+                        if sharded is not None and self._fused:
+                            self._fused_step_on_shards(sharded, *flags)
+                    finally:
+                        if sharded is not None:
+                            sharded.after_finish()
                 if writer is not None:
                     writer.after_finish()
-                if self._fused:
+                if self._fused and sharded is not None:
+                    self._run_post_hooks()
+                elif self._fused:
                     grad_scale, found_inf = flags
                     opt.grad_scale = grad_scale  # type: ignore[attr-defined]
                     opt.found_inf = found_inf  # type: ignore[attr-defined]
@@ -418,8 +484,30 @@ class CompiledStep:
             self._expect_recompile = False
         opt.zero_grad()
 
+    def _local_shards(self) -> LocalShards | None:
+        """FSDP2: the local view, pointed at this step's gradients and state; else None."""
+        if not self._fsdp2:
+            return None
+        if self._sharded is None:
+            self._sharded = LocalShards(self.optimizer, self._params)
+        self._sharded.before_finish()
+        return self._sharded
+
+    def _fused_step_on_shards(self, sharded: LocalShards, grad_scale: torch.Tensor | None,
+                              found_inf: torch.Tensor) -> None:
+        """A fused optimizer's kernel on the local shards, skipped on the device where found_inf
+        (the flag already combined across ranks); its hooks run around it, on the user's optimizer."""
+        view = sharded.optimizer
+        view.grad_scale = grad_scale  # type: ignore[attr-defined]
+        view.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            self._raw_step(view)
+        finally:
+            del view.grad_scale  # type: ignore[attr-defined]
+            del view.found_inf  # type: ignore[attr-defined]
+
     def _run_pre_hooks(self) -> None:
-        if self._fused:
+        if self._fused and not self._fsdp2:
             return  # optimizer.step() runs them
         from torch.optim.optimizer import _global_optimizer_pre_hooks
 
@@ -453,22 +541,36 @@ class CompiledStep:
     def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
                      ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        sharded = self._sharded  # FSDP2: local shards, the flag and the norm combined across ranks
+        params = self._params if sharded is None else sharded.params
+        grads = [p.grad for p in params if p.grad is not None]
         max_norm = self.config.max_grad_norm
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale))
             grad_scale = state.scale.clone()
+            if sharded is not None:
+                found_inf = sharded.combine_found_inf(found_inf)
         elif max_norm is None:
             unscale_check_(grads, found_inf, inv_scale)
+            if sharded is not None:
+                found_inf = sharded.combine_found_inf(found_inf)
         else:
             if self.config.grad_norm is GradNorm.FUSED:
-                total_norm = unscale_check_norm_(grads, found_inf, inv_scale).sqrt()
+                sum_sq = unscale_check_norm_(grads, found_inf, inv_scale)
+                if sharded is not None:
+                    found_inf = sharded.combine_found_inf(found_inf)
+                    sum_sq = sharded.global_sum(sum_sq)
+                total_norm = sum_sq.sqrt()
             else:
                 unscale_check_(grads, found_inf, inv_scale)
                 norms = torch._foreach_norm(grads, 2.0)
-                total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                if sharded is not None:
+                    found_inf = sharded.combine_found_inf(found_inf)
+                    total_norm = sharded.global_norm(norms)
+                else:
+                    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)
@@ -484,10 +586,14 @@ class CompiledStep:
         return None
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
-        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot)."""
-        saved_params, saved_state = copy_state(self.optimizer, self._params)
-        self._raw_step(self.optimizer)
-        restore_where_(self.optimizer, self._params, saved_params, saved_state, found_inf)
+        """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).
+
+        FSDP2: the view of the optimizer on the local shards (``LocalShards``)."""
+        sharded = self._sharded
+        opt, params = (self.optimizer, self._params) if sharded is None else (sharded.optimizer, sharded.params)
+        saved_params, saved_state = copy_state(opt, params)
+        self._raw_step(opt)
+        restore_where_(opt, params, saved_params, saved_state, found_inf)
 
 
 def _group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -598,10 +704,10 @@ def compile_step(
     lower = resolve_dtype(dtype)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
-    refuse_distributed_step(model)  # FSDP2: a clear error instead of Dynamo's
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    check_distributed_step(model, optimizer)  # FSDP1, FSDP2 layouts/optimizers: a clear error
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(dtype=lower, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,

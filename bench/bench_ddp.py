@@ -16,7 +16,8 @@ a stream synchronisation.
 The amp_fx rows are ``amp_fx.compile`` + ``amp_fx.GradScaler`` (``StepMode.MASKED`` where no host
 read is wanted), and ``amp_fx.compile_step`` on the DDP model, without and with the weight cache
 (``weight_cache=True``: the finish graph writes each weight's low-precision copy with the update,
-so the forward casts no weight).
+so the forward casts no weight), and on the FSDP2 model. Collectives are profiler events
+(``gloo:*``): an ``async_op=True`` collective (ShardedGradScaler's flag) shows as two.
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
         m = _shard(_model())
         return recipe(m, m, ShardedGradScaler("cpu"), True)
 
+    def step_fsdp() -> Callable[..., None]:
+        m = _shard(_model())
+        step = amp_fx.compile_step(m, torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+                                   lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
+                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED))
+
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            step(x, y)
+        return run
+
     def amp_fsdp() -> Callable[..., None]:
         m = _shard(_model())
         compiled = amp_fx.compile(m, dtype=dtype, backend=backend)
@@ -124,6 +135,7 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
         "eager FSDP2 + autocast + ShardedGradScaler": ("", eager_fsdp),
         "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": (
             "eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),
+        "amp_fx.compile_step(FSDP2 m)": ("eager FSDP2 + autocast + ShardedGradScaler", step_fsdp),
     }
 
 

@@ -92,6 +92,7 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
     runs after each window's update."""
     opt = opt if opt is not None else _sgd(model)
     losses, scales, norms = [], [], []
+    movement = _Movement(model)
     for step in steps:
         for micro in range(accumulate):
             x, y = _batch(rank, step, micro)
@@ -114,13 +115,30 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
         scaler.update()
         opt.zero_grad(set_to_none=True)
         scales.append(_scale_of(scaler))
+        movement.update()
         if on_window is not None:
             on_window(step)
     out = {"losses": torch.stack(losses), "scales": torch.stack(scales),
-           "params": [_local(p) for p in model.parameters()]}
+           "params": [_local(p) for p in model.parameters()], "moved": movement.total}
     if norms:
         out["norms"] = torch.stack(norms)
     return out
+
+
+class _Movement:
+    """Per parameter (its local shard), the sum over steps of each step's |update|: what a
+    tolerance relative to the parameters' movement is measured against."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._last = [_local(p) for p in model.parameters()]
+        self.total = [torch.zeros_like(t) for t in self._last]
+
+    def update(self) -> None:
+        now = [_local(p) for p in self._model.parameters()]
+        for total, before, after in zip(self.total, self._last, now):
+            total += (after - before).abs()
+        self._last = now
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -134,8 +152,9 @@ def _linears_captured(compiled: Any) -> int:
 
 RECIPES = {
     "plain": {},
-    # Two micro-batches per step (the first under no-sync), clipping to a global norm of 1.
-    "accum_clip": {"accumulate": 2, "clip": 1.0},
+    # Two micro-batches per step (the first under no-sync), clipping to a global norm of 0.5
+    # (the finite norms of these runs lie between 0.49 and 0.95: most steps are clipped).
+    "accum_clip": {"accumulate": 2, "clip": 0.5},
 }
 
 
@@ -195,10 +214,11 @@ def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
 
 
 def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
-             param_dtype: str | None = None, recipe: str = "plain") -> dict[str, Any]:
+             param_dtype: str | None = None, recipe: str = "plain", optimizer: str = "sgd") -> dict[str, Any]:
     """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
     (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
-    MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32."""
+    MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32. ``optimizer``: a key
+    of ``_OPTIMIZERS``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -209,7 +229,8 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     options = RECIPES[recipe]
     if form == "eager":
         out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
-                     plant_grads=True, no_sync=_fsdp_no_sync(model), **options)
+                     plant_grads=True, no_sync=_fsdp_no_sync(model), opt=_OPTIMIZERS[optimizer](model),
+                     **options)
         out["linears"] = 0
         return out
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
@@ -288,6 +309,55 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
             "graphs_after_warm_up": graphs_after_warm_up, "linears": _linears_captured(step._forward)}
 
 
+def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
+                  optimizer: str = "sgd") -> dict[str, Any]:
+    """``amp_fx.compile_step`` on the FSDP2 model (per-Linear and root), the same recipe as
+    ``fsdp_run``'s eager form: overflows in one rank's batch, the inf planted in rank 0's
+    gradient shard (by an optimizer pre-hook: after the backward, before the finish, where the
+    eager recipe plants it before ``unscale_``), accumulation windows with
+    ``set_requires_gradient_sync(False)`` on the first micro-batch, global-norm clipping. Counts
+    host reads, newly compiled graphs and gloo all-reduces per step from step 2 on (step 0 is
+    the eager warm-up)."""
+    from amp_fx.testing import HostSyncCounter
+
+    model = _shard(make_model("seq"))
+    options = RECIPES[recipe]
+    accumulate = options.get("accumulate", 1)
+    opt = _OPTIMIZERS[optimizer](model)
+    at = {"step": 0}
+    opt.register_step_pre_hook(lambda *_: _plant_grad(model, rank, at["step"]))
+    scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+    step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y),
+                               dtype=dtype, scaler=scaler, max_grad_norm=options.get("clip"),
+                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
+    losses, scales, host_reads, graphs_after_warm_up, all_reduces = [], [], 0, 0, []
+    movement = _Movement(model)
+    for i in range(STEPS):
+        at["step"] = i
+        counter = HostSyncCounter()
+        graphs = step.graphs_compiled
+        with counter:
+            for micro in range(accumulate):
+                losses.append(step(*_batch(rank, i, micro)).detach().clone())
+        if i >= 2:
+            host_reads += counter.count
+            graphs_after_warm_up += step.graphs_compiled - graphs
+            all_reduces.append(counter.collectives["gloo:all_reduce"])
+        scales.append(_scale_of(scaler))
+        movement.update()
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
+            "params": [_local(p) for p in model.parameters()], "host_reads": host_reads,
+            "graphs_after_warm_up": graphs_after_warm_up, "all_reduces": all_reduces, "moved": movement.total,
+            "linears": _linears_captured(step._forward)}
+
+
+_OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd": lambda model: _sgd(model),
+    "adamw": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+    "adamw_fused": lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
 def keep_fp32_names_report(wrap: Callable[[nn.Module], nn.Module], name: str) -> dict[str, Any]:
     """Policy.keep_fp32 given by name under the root the user passed (the DDP/FSDP2 model): the
     named module runs in fp32 (its output dtype), and nothing is reported; the same model
@@ -308,13 +378,34 @@ def keep_fp32_names_report(wrap: Callable[[nn.Module], nn.Module], name: str) ->
     return out
 
 
-def compile_step_error(model: nn.Module) -> str:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        amp_fx.compile_step(model, opt, F.mse_loss, dtype="fp16", backend="aot_eager")
-    except NotImplementedError as e:
-        return str(e)
-    return ""
+def fsdp_own_all_reduces(accumulate: int = 1, clip: float | None = None) -> int:
+    """gloo all-reduces FSDP2 itself makes in one accumulation window of the eager recipe
+    without a scaler or clipping (on gloo it reduces gradients with all-reduces): the baseline
+    the step's own collectives are counted against."""
+    from amp_fx.testing import HostSyncCounter
+
+    model = _shard(make_model("seq"))
+    no_sync = _fsdp_no_sync(model)
+    for window in range(2):  # the first window: FSDP2's lazy initialisation
+        with HostSyncCounter() as counter:
+            for micro in range(accumulate):
+                with contextlib.nullcontext() if micro == accumulate - 1 else no_sync():
+                    model(torch.randn(4, 8)).sum().backward()
+        model.zero_grad(set_to_none=True)
+    return counter.collectives["gloo:all_reduce"]
+
+
+def compile_step_errors() -> dict[str, str]:
+    """compile_step's refusal on FSDP2 of an optimizer that is not elementwise."""
+    out = {}
+    for name, make_opt in (("lbfgs", lambda ps: torch.optim.LBFGS(ps)),):
+        model = _shard(make_model("seq"))
+        try:
+            amp_fx.compile_step(model, make_opt(model.parameters()), F.mse_loss, dtype="fp16", backend="aot_eager")
+            out[name] = ""
+        except NotImplementedError as e:
+            out[name] = str(e)
+    return out
 
 
 class _CountAllReduce:
@@ -395,7 +486,25 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
         torch._dynamo.reset()
         results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
             rank, world_size, "fp16", "seq", form, recipe="accum_clip")
-    results["compile_step_error"] = compile_step_error(_shard(make_model("seq")))
+    # compile_step on the FSDP2 model, against the eager runs above (and one with AdamW).
+    for dtype in DTYPES:
+        torch._dynamo.reset()
+        results[(dtype, "seq", "step", "plain")] = fsdp_step_run(rank, world_size, dtype)
+    torch._dynamo.reset()
+    results[("fp16", "seq", "step", "accum_clip")] = fsdp_step_run(rank, world_size, "fp16", "accum_clip")
+    torch._dynamo.reset()
+    results[("fp16", "seq", "eager", "adamw")] = fsdp_run(rank, world_size, "fp16", "seq", "eager",
+                                                        optimizer="adamw")
+    results[("fp16", "seq", "step", "adamw")] = fsdp_step_run(rank, world_size, "fp16", optimizer="adamw")
+    torch._dynamo.reset()
+    results[("fp16", "seq", "eager", "adamw_fused")] = fsdp_run(rank, world_size, "fp16", "seq", "eager",
+                                                              optimizer="adamw_fused")
+    results[("fp16", "seq", "step", "adamw_fused")] = fsdp_step_run(rank, world_size, "fp16",
+                                                                    optimizer="adamw_fused")
+    results["fsdp_all_reduces"] = {recipe: fsdp_own_all_reduces(**RECIPES[recipe]) for recipe in RECIPES}
+    results["compile_step_errors"] = compile_step_errors()
+    torch._dynamo.reset()
+    results["fsdp1"] = fsdp1_reports(rank, world_size)
     results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
     torch._dynamo.reset()
     results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
@@ -411,6 +520,53 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     finally:
         found_inf.ShardedGrads.combine_found_inf_ = real
     return results
+
+
+def fsdp1_reports(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP1 (``FullyShardedDataParallel``, on CPU with ``device_id=cpu``): what amp_fx says for
+    ``amp_fx.compile(FSDP1(m))`` (at compile time; the call then runs as eager FSDP1 + autocast:
+    its output against that reference), in strict mode (the suite's default; the warning cases
+    pass strict=False), for ``FSDP1(amp_fx.compile(m))`` (at the
+    first call) and for ``compile_step(FSDP1(m))``."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    from amp_fx import AmpFxError, AmpFxWarning
+
+    def fsdp1(module: nn.Module) -> nn.Module:
+        return FSDP1(module, device_id=torch.device("cpu"))
+
+    def amp_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+        return [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]
+
+    out: dict[str, Any] = {}
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outer = amp_fx.compile(fsdp1(make_model("seq")), dtype="bf16", backend="aot_eager", strict=False)
+        out["outer_at_compile"] = amp_warnings(caught)
+        out["outer_out"] = outer(x).detach()
+    reference = fsdp1(make_model("seq"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out["eager_out"] = reference(x).detach()
+    try:
+        amp_fx.compile(fsdp1(make_model("seq")), backend="aot_eager", strict=True)
+        out["strict"] = ""
+    except AmpFxError as e:
+        out["strict"] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inner = fsdp1(amp_fx.compile(make_model("seq"), dtype="bf16", backend="aot_eager", strict=False))
+        inner(x)
+        out["inner_at_call"] = amp_warnings(caught)
+    model = fsdp1(make_model("seq"))
+    try:
+        amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, backend="aot_eager")
+        out["step"] = ""
+    except NotImplementedError as e:
+        out["step"] = str(e)
+    return out
 
 
 def _mismatched_param_dtype_error() -> str:

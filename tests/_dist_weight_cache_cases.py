@@ -114,8 +114,8 @@ def step_run(rank: int, dtype: str, accumulate: int, *, build: Callable[[], nn.M
     params = list(model.parameters())
     downstream = _DownstreamGraphs()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", AmpFxWarning)  # the no-cache twin's reports (strict with the cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AmpFxWarning)  # the no-cache twin's reports (strict with the cache)
         step = amp_fx.compile_step(DDP(model, **(ddp_kwargs or {})), _sgd(model), _loss, dtype=dtype,
                                    scaler=scaler, accumulate=accumulate, backend=downstream,
                                    weight_cache=weight_cache, strict=weight_cache)
@@ -140,7 +140,8 @@ def step_run(rank: int, dtype: str, accumulate: int, *, build: Callable[[], nn.M
             "graphs_after_warm_up": new_graphs, "recasts_after_warm_up": recasts,
             "copies_fresh": fresh, "has_cache": cache is not None,
             "param_casts": downstream.param_casts, "lifted": downstream.lifted,
-            "graphs": len(step._forward.amp_fx_records)}
+            "graphs": len(step._forward.amp_fx_records),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]}
 
 
 def forms_run(rank: int, form: str, accumulate: int) -> dict[str, Any]:

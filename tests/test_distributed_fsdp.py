@@ -7,7 +7,8 @@ overflows in one rank's batch (``INF_BATCH``) and an inf written into one elemen
 skip that step, as with ShardedGradScaler. The negative twin runs amp_fx with the cross-rank
 combination switched off and shows the ranks diverge. Also: FSDP2's MixedPrecisionPolicy,
 accumulation without gradient sync plus global-norm clipping, resume from a distributed
-checkpoint, and compile_step's refusal. All cases run in one spawn.
+checkpoint, and ``amp_fx.compile_step`` on the sharded model (bitwise with the same eager
+recipe, sync-free, one collective for the flag). All cases run in one spawn.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist_asserts import assert_same_run, skipped_steps
-from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, STEPS, fsdp_all
+from _dist_cases import DTYPES, INF_BATCH, INF_GRAD, RECIPES, STEPS, fsdp_all
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
+from tests._step_cases import ADAM_TRACED_RTOL
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -86,7 +88,7 @@ def test_fsdp2_mixed_precision_policy_other_param_dtype_is_refused(ranks):
 
 def test_fsdp2_accumulation_without_gradient_sync_and_global_clipping_bitwise(ranks):
     """Two micro-batches per step, the first under ``set_requires_gradient_sync(False)``, then
-    unscale_ + clip_grad_norm_(1.0) over the DTensor gradients (the global norm across shards);
+    unscale_ + clip_grad_norm_(0.5) over the DTensor gradients (the global norm across shards);
     bitwise with eager FSDP2 + ShardedGradScaler, norms included."""
     for rank, res in enumerate(ranks):
         got, want = res[("fp16", "seq", "amp_fx", "accum_clip")], res[("fp16", "seq", "eager", "accum_clip")]
@@ -95,10 +97,64 @@ def test_fsdp2_accumulation_without_gradient_sync_and_global_clipping_bitwise(ra
         assert got["scaler_collectives"] == STEPS  # unscale_ once per step, its one all-reduce
 
 
-def test_compile_step_on_fsdp2_is_refused_clearly(ranks):
+def _check_step_run(ranks: list[dict], dtype: str, recipe: str) -> None:
+    """Every rank skips the planted steps with the same scales; sync-free, no new graph, captured."""
+    for rank, res in enumerate(ranks):
+        got = res[(dtype, "seq", "step", recipe)]
+        assert skipped_steps(got) == PLANTED, f"rank {rank}"
+        assert_bitwise(got["scales"], ranks[0][(dtype, "seq", "step", recipe)]["scales"], f"rank {rank} scales")
+        assert got["host_reads"] == 0
+        assert got["graphs_after_warm_up"] == 0
+        assert got["linears"] == 2
+
+
+@pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
+                                               ("fp16", "adamw_fused")])
+def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype, recipe):
+    """amp_fx.compile_step(fully_shard model) (SGD with momentum, or AdamW(fused=True) whose
+    kernel runs on the local shards; StepMode.MASKED, GradNorm.TORCH, aot_eager) against eager
+    FSDP2 + autocast + ShardedGradScaler with the same recipe: overflows in one rank's batch,
+    the inf in rank 0's gradient shard only (every rank skips that step, the scales stay equal),
+    with accumulation the first micro-batch of each window under set_requires_gradient_sync(False)
+    and clipping to the global norm across shards (the norm DTensor's clip_grad_norm_ computes,
+    bit for bit). After the warm-up: no host read, no new graph."""
+    for rank, res in enumerate(ranks):
+        want = res[(dtype, "seq", "eager")] if recipe == "plain" else res[(dtype, "seq", "eager", recipe)]
+        if "norms" in want:  # clipping engaged on some step, so the global norm's bits matter
+            assert (want["norms"][want["norms"].isfinite()] > RECIPES[recipe]["clip"]).any()
+        assert_same_run(res[(dtype, "seq", "step", recipe)], want, f"rank {rank}, {dtype}, {recipe}",
+                        keys=("losses", "scales", "params"))
+    _check_step_run(ranks, dtype, recipe)
+
+
+def test_compile_step_on_fsdp2_adamw_within_the_traced_adam_bound(ranks):
+    """AdamW (state exp_avg, exp_avg_sq and a step tensor, stepped on the local shards): the scale
+    history is bitwise the eager recipe's and the shards lie within the bound for traced
+    non-fused Adam (bias corrections in fp32 instead of Python floats, as on one device)."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("fp16", "seq", "step", "adamw")], res[("fp16", "seq", "eager", "adamw")]
+        assert_bitwise(got["scales"], want["scales"], f"rank {rank} scales")
+        for i, (a, e, moved) in enumerate(zip(got["params"], want["params"], want["moved"], strict=True)):
+            bound = ADAM_TRACED_RTOL * moved + 2**-24 * e.abs()
+            excess = ((a - e).abs() - bound).max()
+            assert ((a - e).abs() <= bound).all(), f"rank {rank} params[{i}]: max excess {excess}"
+    _check_step_run(ranks, "fp16", "adamw")
+
+
+@pytest.mark.parametrize(("recipe", "own"), [("plain", 1), ("accum_clip", 2)])
+def test_compile_step_on_fsdp2_combines_flag_and_norm_in_one_collective_each(ranks, recipe, own):
+    """Per optimizer step, beyond FSDP2's own gradient reductions: one all-reduce for the found-inf
+    flag, plus one for the global norm when clipping (gloo counts, profiler events)."""
     for res in ranks:
-        assert "fully_shard" in res["compile_step_error"]
-        assert "amp_fx.compile(model)" in res["compile_step_error"]
+        baseline = res["fsdp_all_reduces"][recipe]
+        assert baseline > 0
+        assert res[("fp16", "seq", "step", recipe)]["all_reduces"] == [baseline + own] * (STEPS - 2)
+
+
+def test_compile_step_on_fsdp2_refuses_an_optimizer_that_is_not_elementwise(ranks):
+    for res in ranks:
+        errors = res["compile_step_errors"]
+        assert "LBFGS" in errors["lbfgs"] and "elementwise" in errors["lbfgs"]
 
 
 def test_fsdp2_resume_from_distributed_checkpoint_bitwise(ranks):
@@ -116,3 +172,17 @@ def test_keep_fp32_names_under_the_root_apply_on_fsdp2(ranks):
         assert report["kept_dtype"] == torch.float32
         assert report["plain_dtype"] != torch.float32
         assert report["warnings"] == []
+
+
+def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
+    """FullyShardedDataParallel (FSDP1): amp_fx.compile(FSDP1(m)) warns at once (and
+    strict mode raises), then runs as eager FSDP1 + autocast (bitwise that reference);
+    FSDP1(amp_fx.compile(m)) warns at its first call, which captured nothing; compile_step refuses.
+    Each message names fully_shard (FSDP2)."""
+    for res in ranks:
+        report = res["fsdp1"]
+        assert any("FullyShardedDataParallel (FSDP1)" in w and "fully_shard" in w for w in report["outer_at_compile"])
+        assert_bitwise(report["outer_out"], report["eager_out"], "amp_fx.compile(FSDP1(m)) output")
+        assert "FSDP1" in report["strict"] and "fully_shard" in report["strict"]
+        assert any("FSDP1" in w and "fully_shard" in w for w in report["inner_at_call"])
+        assert "FSDP1" in report["step"] and "fully_shard" in report["step"]

@@ -93,11 +93,14 @@ def test_weight_shared_across_graph_breaks_and_ddp_buckets_bitwise(ranks):
 
 def test_without_the_cache_the_shared_weight_is_not_bitwise(ranks):
     """Negative twin: without the cache each graph casts fc itself and its gradient
-    contributions add up in fp32, so the run leaves eager's trajectory; the graphs cast weights."""
+    contributions add up in fp32, so the run leaves eager's trajectory; the graphs cast weights,
+    and amp_fx says so (DDPOptimizer's pieces hand fake tensors: fc is found by its source)."""
     for res in ranks:
         got, want = res[("step", "shared", False)], res[("eager", "shared")]
         assert not got["has_cache"] and got["param_casts"] > 0
         assert not torch.equal(got["params"][0], want["params"][0])
+        split = [w.split(" ")[1] for w in got["warnings"] if "is used on both sides of a graph break" in w]
+        assert sorted(split) == ["module.fc.bias", "module.fc.weight"], got["warnings"]
 
 
 def test_weight_cache_refused_on_fsdp2(ranks):

@@ -21,10 +21,12 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import amp_fx
+from amp_fx import _compat
 from amp_fx.scaler import GradScaler, StepMode
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
 from tests._step_cases import (
+    ADAM_TRACED_RTOL,
     BF16_POISON,
     FP16_POISON,
     OPTIMIZERS,
@@ -33,6 +35,7 @@ from tests._step_cases import (
     make_batches,
     make_model,
     run_pair,
+    scalers,
 )
 
 PARAM_SIZES = [p.numel() for p in make_model().parameters()]
@@ -123,21 +126,13 @@ def test_traced_rmsprop_and_adadelta_are_bitwise_eager_amp(opt_name: str) -> Non
     assert_steps_are_sync_free(step, make_batches(3, {1: 1e6}, seed=5))
 
 
-# Optimizers traced by Dynamo that take the step counter as a tensor: the bias corrections
-# 1 - beta**t (Adam, AdamW, Adamax, NAdam, RAdam; NAdam's momentum schedule, RAdam's rho_t,
-# ASGD's eta) are computed in fp32 instead of Python's fp64, off by up to 2^-24 / (1 - beta2**t)
-# relative (2^-14 at t=1 with beta2=0.999; halved by the sqrt), so the first compiled update is
-# off by a few 2^-17 relative. The parameters then differ in their last bits, which can flip an
-# fp16 rounding in the next forward or backward: a gradient element off by half an fp16 ulp
-# (2^-11 relative), doubled because the errors of a matmul's two operands add; Adam's update
-# m / sqrt(v) inherits that to first order. Adagrad's lr / (1 + (t - 1) * lr_decay) is a tensor
-# too, which Dynamo traces into addcdiv_'s value only through inductor_prims.fma (two roundings
-# where eager's kernel rounds once); the same fp16 flips follow. Bound: 2^-10 of each parameter's
-# cumulative movement (measured worst over 10 steps with overflows, torch 2.11 to 2.15: RAdam
-# 2^-11.6, Adam 2^-12.5, AdamW 2^-13.5, NAdam 2^-17.3, Adamax 2^-19.6, ASGD 2^-19.7, Adagrad 2^-20.4).
-TRACED_STEP_RTOL = 2**-10
-
-
+# The other optimizers traced by Dynamo that take the step counter as a tensor (Adamax, NAdam,
+# RAdam; NAdam's momentum schedule, RAdam's rho_t, ASGD's eta) differ for Adam's reason
+# (ADAM_TRACED_RTOL's derivation); Adagrad's lr / (1 + (t - 1) * lr_decay) is a tensor too, which
+# Dynamo passes to addcdiv_'s value only through inductor_prims.fma (two roundings where eager's
+# kernel rounds once), and the same fp16 flips follow. The same bound holds (measured worst over
+# 10 steps with overflows, torch 2.11, 2.13, 2.15 alike: RAdam 2^-11.6, Adam 2^-12.5, AdamW
+# 2^-13.5, NAdam 2^-17.3, Adamax 2^-19.6, ASGD 2^-19.7, Adagrad 2^-20.4).
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "adamax", "nadam", "radam", "asgd", "adagrad"])
 def test_traced_step_counter_optimizers_differ_from_eager_within_the_stated_bound(opt_name: str) -> None:
     ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=None, grad_norm=None,
@@ -147,7 +142,7 @@ def test_traced_step_counter_optimizers_differ_from_eager_within_the_stated_boun
     if opt_name != "adagrad":  # the eager warm-up step (Adagrad has state from the start: no warm-up)
         assert_bitwise(ours["params"][0], ref["params"][0], "params[0]")
     for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
-        bound = TRACED_STEP_RTOL * moved + 2**-24 * e.abs()
+        bound = ADAM_TRACED_RTOL * moved + 2**-24 * e.abs()
         assert ((a - e).abs() <= bound).all(), f"params[{i}]: max excess {((a - e).abs() - bound).max()}"
     assert int(step.skipped_steps) == len(FP16_POISON)
 
@@ -559,3 +554,41 @@ def test_trainable_parameters_outside_the_optimizer_are_a_user_warning() -> None
     assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]
     assert "not in the optimizer" in str(caught[0].message)
     assert "['1.weight', '1.bias', '3.weight', '3.bias']" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("weight_cache", [False, True], ids=["no_cache", "weight_cache"])
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused", "sgd_plain"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_param_group_added_between_steps_is_followed_bitwise(dtype, opt_name, weight_cache):
+    """Progressive unfreezing: the head is frozen, then unfrozen and given to the optimizer with
+    ``add_param_group`` after two windows. The step must unscale and check the new gradients too
+    (before the fix their scaled gradients were applied as they were and the head went to NaN)."""
+    poison = FP16_POISON if dtype == torch.float16 else BF16_POISON
+    ours_scaler, ref_scaler = scalers(dtype)
+    model, ref_model = make_model(), make_model()
+    for m in (model, ref_model):
+        m[3].requires_grad_(False)
+    body = [p for p in model.parameters() if p.requires_grad]
+    ref_body = [p for p in ref_model.parameters() if p.requires_grad]
+    opt, ref_opt = OPTIMIZERS[opt_name](body), OPTIMIZERS[opt_name](ref_body)
+    loss_fn = torch.nn.functional.mse_loss
+    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
+                        weight_cache=weight_cache)
+    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
+    for i, (x, y) in enumerate(make_batches(10, poison)):
+        if i == 5:  # after an overflowed window and a clean one
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                m[3].requires_grad_(True)
+                o.add_param_group({"params": list(m[3].parameters())})
+            if not _compat.dynamo_guards_param_requires_grad():
+                # torch 2.11: Dynamo would not recompile, the head would get no gradient; the
+                # step says so (strict: raises before running anything) and names the fix.
+                with pytest.raises(amp_fx.AmpFxError, match=r"requires_grad changed for \['3.weight', '3.bias'\]"):
+                    step(x, y)
+                torch._dynamo.reset()
+                step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
+                                    weight_cache=weight_cache)
+        assert_bitwise(step(x, y), ref_step(x, y), f"loss {i}")
+        assert_bitwise(flat_params(model), flat_params(ref_model), f"parameters after micro-batch {i}")
+        if dtype == torch.float16:
+            assert_bitwise(step.scale, ref_scaler._scale, f"scale after micro-batch {i}")

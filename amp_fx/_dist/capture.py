@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["distributed_units", "unit_call"]
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "unit_call"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -44,6 +44,22 @@ def _fsdp_module_type() -> type | None:
     except ImportError:  # torch builds without FSDP2
         return None
     return FSDPModule
+
+
+def is_fsdp1(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or contains, a ``FullyShardedDataParallel`` (FSDP1) wrapper."""
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+FSDP1_ALTERNATIVE = (
+    "shard with FSDP2 instead: torch.distributed.fsdp.fully_shard on each block, then on the root "
+    "(DTensor parameters; amp_fx.compile, amp_fx.GradScaler and amp_fx.compile_step support it)")
 
 
 def _is_ddp(module: torch.nn.Module) -> bool:

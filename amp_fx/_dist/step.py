@@ -1,73 +1,239 @@
-"""``compile_step`` on distributed models: DDP supported, FSDP2 refused with a clear error.
+"""``compile_step`` on distributed models: DDP and FSDP2 (``fully_shard``); FSDP1 refused.
 
 ``compile_step`` normally compiles the forward and the loss as one full graph. DDP's forward
 calls the wrapped module inside a ``_disable_dynamo`` function and FSDP2's hooks are
 ``_dynamo_disable``-d, so that capture fails with a Dynamo message pointing into torch.
 
-**DDP.** The forward part becomes: DDP's ``__call__`` eagerly with the wrapped module's forward
-compiled by ``amp_fx.compile`` (per-unit capture, ``capture.py``), the loss under the same
-autocast as torch's AMP recipe, then the step's own ``_forward_loss`` arithmetic (the window
-division and the scale multiply: one home for that rule). Every micro-batch of an accumulation
-window but the last runs under ``ddp.no_sync()``, so DDP all-reduces the gradients once per
-optimizer step, in its buckets, overlapping the backward as DDP does. The gradients are then
-plain replicated tensors, every rank computes the same found-inf flag, and the finish graph
-(unscale, check, clip, masked step, scale update) runs unchanged: no extra collective, no host
-read.
+**The forward, DDP and FSDP2 alike.** DDP's (FSDP2's) ``__call__`` runs eagerly with the
+forwards of the units compiled by ``amp_fx.compile`` (per-unit capture, ``capture.py``), the
+loss under the same autocast as torch's AMP recipe, then the step's own ``_forward_loss``
+arithmetic (the window division and the scale multiply: one home for that rule). Every
+micro-batch of an accumulation window but the last runs without gradient synchronisation:
+DDP's ``no_sync()`` around the forward (DDP decides in the forward), FSDP2's
+``set_requires_gradient_sync(False)`` (FSDP2 decides in the backward, so the flag is set for
+each micro-batch before its forward and left as the last one set it: True after a window).
 
-**FSDP2.** The finish graph would have to take DTensor gradients and all-reduce the flag inside
-the graph; not done yet. ``compile_step`` raises ``NotImplementedError`` naming what works:
-``amp_fx.compile(model)`` with ``amp_fx.GradScaler(step_mode=StepMode.MASKED)``.
+**The finish, DDP.** The gradients are plain replicated tensors, every rank computes the same
+found-inf flag, and the finish graph (unscale, check, clip, masked step, scale update) runs
+unchanged: no extra collective, no host read.
+
+**The finish, FSDP2** (:class:`LocalShards`). The gradients, the parameters and the optimizer
+state are DTensors sharded on dim 0 over one 1-D mesh. The finish graph works on their local
+tensors (the same storage): the unscale and check, the clip multiply and the optimizer's own
+step function are elementwise, so on the local shards they are what DTensor's dispatch runs.
+Two quantities need every rank:
+
+* the found-inf flag: one functional all-reduce (MAX) inside the graph, right after the check,
+  on the device; every rank then skips the same steps and updates the same scale.
+* with ``max_grad_norm``, the global norm: ``clip_grad_norm_`` on DTensors gives per-gradient
+  norms with a ``_NormPartial(2)`` placement, which DTensor turns into the replicated value by
+  ``x**2``, an all-reduce (SUM) of the stacked norms, ``x**0.5``, before the norm of the norms.
+  :meth:`LocalShards.global_norm` does exactly that, in one functional all-reduce, so the clip
+  is bit for bit ``clip_grad_norm_``'s.
+
+The optimizer step runs on a *local view* of the user's optimizer (its class, hyperparameters
+and state, with every DTensor replaced by its local tensor), so only optimizers whose update is
+elementwise per parameter are accepted (:data:`SHARD_LOCAL_OPTIMIZERS`; ``fused=True`` ones
+run their fused kernel on the local shards, with the combined flag), and other layouts (HSDP's
+2-D mesh, ``Shard(1)``, parameters left unsharded) are refused with an error naming what
+works. The warm-up step runs eagerly on the DTensors through ``amp_fx.GradScaler``, as on one
+device.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from amp_fx._dist.capture import distributed_units
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, _device_type, distributed_units, is_fsdp1
 
-__all__ = ["distributed_forward", "refuse_distributed_step"]
+__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward", "is_fsdp2"]
+
+# torch.optim classes whose step is elementwise per parameter: on a rank's shard it computes
+# what DTensor's dispatch computes for that shard. Exact classes: a subclass may override step.
+SHARD_LOCAL_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
     return torch.distributed.is_available() and isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
-def refuse_distributed_step(model: torch.nn.Module) -> None:
-    """Raise NotImplementedError if ``model`` is sharded with FSDP2 (DDP is supported)."""
-    if _is_ddp(model) or distributed_units(model) is None:
+def is_fsdp2(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is (or contains modules) sharded with ``fully_shard``."""
+    return not _is_ddp(model) and distributed_units(model) is not None
+
+
+def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
+
+    FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
+    FSDP2: the optimizer must be one of :data:`SHARD_LOCAL_OPTIMIZERS`, and every parameter a
+    DTensor sharded on dim 0 over one 1-D device mesh.
+    """
+    if is_fsdp1(model):
+        raise NotImplementedError(
+            "amp_fx.compile_step: the model is wrapped in FullyShardedDataParallel (FSDP1), which "
+            f"compile_step does not support; {FSDP1_ALTERNATIVE}")
+    if not is_fsdp2(model):
         return
-    raise NotImplementedError(
-        "amp_fx.compile_step: the model is sharded with fully_shard (FSDP2), which compile_step does "
-        "not support yet. Use amp_fx.compile(model) with amp_fx.GradScaler(step_mode="
-        "amp_fx.StepMode.MASKED): scaler.scale(loss).backward(); scaler.step(opt); scaler.update()")
+    kind = type(optimizer)
+    if kind not in SHARD_LOCAL_OPTIMIZERS:
+        names = ", ".join(c.__name__ for c in SHARD_LOCAL_OPTIMIZERS)
+        raise NotImplementedError(
+            f"amp_fx.compile_step: on an FSDP2 (fully_shard) model the optimizer steps on each rank's "
+            f"local shards, which is exact only for elementwise optimizers ({names}); got "
+            f"{kind.__module__}.{kind.__qualname__}. Use amp_fx.compile(model) with amp_fx.GradScaler("
+            "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors")
+    _shard_layout([p for g in optimizer.param_groups for p in g["params"]])
+
+
+def _shard_layout(params: Sequence[torch.Tensor]) -> Any:
+    """The 1-D device mesh all ``params`` are sharded over on dim 0 (the first, where meshes over
+    the same ranks differ), or a clear error."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    meshes: dict[tuple[int, ...], Any] = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"amp_fx.compile_step: parameter {i} of the optimizer is a plain tensor in an FSDP2 model "
+                "(not sharded by fully_shard); apply fully_shard to the root module too, so every "
+                "parameter is sharded")
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise NotImplementedError(
+                f"amp_fx.compile_step: parameter {i} is a DTensor with placements {tuple(p.placements)} "
+                f"on a {p.device_mesh.ndim}-D mesh; compile_step supports FSDP2's default layout "
+                "(Shard(0) on a 1-D mesh). For HSDP or custom shard placements use amp_fx.compile(model) "
+                "with amp_fx.GradScaler")
+        # fully_shard without a mesh makes a new mesh per call: meshes over the same ranks are one.
+        meshes.setdefault(tuple(p.device_mesh.mesh.tolist()), p.device_mesh)
+    if len(meshes) != 1:
+        raise NotImplementedError(
+            f"amp_fx.compile_step: the parameters are sharded over device meshes of different ranks "
+            f"{sorted(meshes)}; compile_step supports one set of ranks (the found-inf flag and the "
+            "gradient norm are combined over its group)")
+    return next(iter(meshes.values()))
+
+
+def _local(t: Any) -> Any:
+    """A DTensor's local tensor (same storage), anything else as it is."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class LocalShards:
+    """compile_step's finish on an FSDP2 model: local tensors, and the two cross-rank reductions.
+
+    ``params``: the local tensors of the optimizer's (DTensor) parameters, each given the local
+    tensor of its gradient by :meth:`before_finish`. ``optimizer``: a view of the user's optimizer
+    (same class, ``__dict__`` shared but for ``param_groups`` and ``state``) whose groups hold
+    the local parameters and whose state holds the local tensors of the user's state, so that
+    its step function updates the user's DTensors in place. Built after the warm-up step
+    created the state; the view is kept between steps (Dynamo guards on it).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        self._user = optimizer
+        self._dparams = list(params)
+        self.group = _shard_layout(self._dparams).get_group()
+        self.params = [_local(p) for p in self._dparams]
+        view = object.__new__(type(optimizer))
+        view.__dict__.update(optimizer.__dict__)
+        by_id = {id(p): lp for p, lp in zip(self._dparams, self.params)}
+        view.param_groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        view.state = collections.defaultdict(dict)
+        self.optimizer = view
+
+    def before_finish(self) -> None:
+        """Point the view at this step's gradients, hyperparameters and state (no device read)."""
+        for g, vg in zip(self._user.param_groups, self.optimizer.param_groups):
+            for k, v in g.items():
+                if k != "params" and vg.get(k) is not v:
+                    vg[k] = v
+        state = self.optimizer.state
+        for p, lp in zip(self._dparams, self.params):
+            lp.grad = None if p.grad is None else _local(p.grad)
+            user = self._user.state.get(p)
+            if not user:
+                continue
+            entry = state[lp]
+            for k, v in user.items():
+                lv = _local(v)
+                if entry.get(k) is not lv:
+                    entry[k] = lv
+
+    def after_finish(self) -> None:
+        """Drop the references to the gradients; a state entry the step rebound is written back."""
+        from torch.distributed.tensor import DTensor
+
+        for p, lp in zip(self._dparams, self.params):
+            lp.grad = None
+            entry, user = self.optimizer.state.get(lp), self._user.state.get(p)
+            if not entry or not user:
+                continue
+            for k, lv in entry.items():
+                old = user.get(k)
+                if _local(old) is lv:
+                    continue
+                user[k] = (DTensor.from_local(lv, old.device_mesh, old.placements, run_check=False,
+                                              shape=old.shape, stride=old.stride())
+                           if isinstance(old, DTensor) else lv)
+
+    def combine_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """The flag of every rank's shards: one all-reduce (MAX) on the device (traceable)."""
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(found_inf, "max", self.group)
+
+    def global_norm(self, local_norms: list[torch.Tensor]) -> torch.Tensor:
+        """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms.
+
+        As DTensor reduces the stacked ``_NormPartial(2)`` norms: square, all-reduce (SUM), square
+        root, then the 2-norm of the norms (``torch.linalg.vector_norm``), op for op.
+        """
+        from torch.distributed import _functional_collectives as funcol
+
+        squares = torch.stack(local_norms) ** 2.0
+        norms = funcol.all_reduce(squares, "sum", self.group) ** (1.0 / 2.0)
+        return torch.linalg.vector_norm(norms, 2.0)
+
+    def global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """A sum over every rank's shards (GradNorm.FUSED's sum of squares)."""
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(local_sum, "sum", self.group)
 
 
 def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module], Any]) -> Callable[..., Any] | None:
-    """The forward part of a ``CompiledStep`` whose model is DDP, or None for other models.
+    """The forward part of a ``CompiledStep`` whose model is DDP or FSDP2, or None for others.
 
     ``step``: the ``CompiledStep`` being built (its ``model``, ``loss_fn``, ``config``, ``scaler``
     and ``micro_step`` are read). ``compile_model``: ``amp_fx.compile`` with the step's dtype,
     policy and backend. The returned callable has ``_forward_loss``'s signature and an
     ``amp_fx_records`` attribute, as the compiled forward it replaces.
     """
-    ddp = step.model
-    if not _is_ddp(ddp):
+    model = step.model
+    ddp, fsdp2 = _is_ddp(model), is_fsdp2(model)
+    if not (ddp or fsdp2):
         return None
-    compiled = compile_model(ddp)
+    compiled = compile_model(model)
     # _forward_loss reads model, loss_fn, config and scaler from its first argument.
     view = types.SimpleNamespace(model=compiled, loss_fn=step.loss_fn, config=step.config, scaler=step.scaler)
     forward_loss = type(step)._forward_loss
-    first = next(ddp.parameters(), None)
-    device_type = "cuda" if first is not None and first.is_cuda else "cpu"
+    device_type = _device_type(model)
+    window = step.config.accumulate
 
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        last_of_window = step.micro_step == step.config.accumulate - 1
-        sync = contextlib.nullcontext() if last_of_window else ddp.no_sync()
+        last_of_window = step.micro_step == window - 1
+        if fsdp2 and window > 1:  # FSDP2 reads the flag in the backward, after this call returns
+            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]
+        sync = model.no_sync() if ddp and not last_of_window else contextlib.nullcontext()
         with sync, torch.autocast(device_type, dtype=step.config.dtype):
             return forward_loss(view, scale, *batch, **model_kwargs)
 

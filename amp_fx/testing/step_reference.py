@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,9 @@ class HostSyncCounter:
     calls only (``aten::item`` calls ``aten::_local_scalar_dense``; that pair counts once);
     ``names`` what they were.
 
+    ``collectives``: gloo/NCCL collectives seen in the same window, by profiler event name
+    (``"gloo:all_reduce"``...), for tests and benchmarks that count them per step.
+
     ``in_cpu_kernels``: reads made *inside* another ATen op's implementation, such as the CPU
     kernel of ``_fused_adam_`` reading its own CPU step counter with ``item<float>()``. That is a
     CPU kernel reading CPU memory, not a device synchronisation: the CUDA kernel of the same op
@@ -41,6 +45,7 @@ class HostSyncCounter:
         self.count = 0
         self.names: list[str] = []
         self.in_cpu_kernels = 0
+        self.collectives: Counter[str] = Counter()
         self._prof: profile | None = None
 
     def __enter__(self) -> HostSyncCounter:
@@ -52,6 +57,7 @@ class HostSyncCounter:
         assert self._prof is not None
         self._prof.__exit__(*exc)
         all_events = list(self._prof.events())
+        self.collectives.update(e.name for e in all_events if e.name.startswith(("gloo:", "nccl:")))
         kernels = [e for e in all_events if e.name.startswith("aten::") and e.name not in HOST_READ_OPS]
         events = [e for e in all_events if e.name in HOST_READ_OPS]
         # An item() contains its _local_scalar_dense: count intervals not nested in another read.
