@@ -426,19 +426,23 @@ class _RootNames:
         self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
-        self._cache: dict[str, str | None] = {}
         self._objects: dict[str, object] = {}
 
-    def _resolve(self, source: str, table: dict[int, str]) -> str | None:
+    def _object(self, source: str) -> object | None:
+        """The object Dynamo's source expression reaches from the frame's locals (cached)."""
         if self.scope is None:
             return None
-        if source not in self._cache:
+        if source not in self._objects:
             try:
                 obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
             except Exception:
                 obj = self._walk(source)
-            self._cache[source] = table.get(id(obj)) if obj is not None else None
-        return self._cache[source]
+            self._objects[source] = obj
+        return self._objects[source]
+
+    def _resolve(self, source: str, table: dict[int, str]) -> str | None:
+        obj = self._object(source)
+        return table.get(id(obj)) if obj is not None else None
 
     def _walk(self, source: str) -> object | None:
         """``L['module'].2``: Dynamo's module paths are not always Python (an nn.Sequential's
@@ -483,13 +487,7 @@ class _RootNames:
         source = _source_text(node)
         if not source:
             return value
-        if source not in self._objects:
-            try:
-                obj = eval(source, self.scope)  # noqa: S307 - Dynamo's own source expression
-            except Exception:
-                obj = self._walk(source)
-            self._objects[source] = obj
-        obj = self._objects[source]
+        obj = self._object(source)
         return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) else value
 
 
