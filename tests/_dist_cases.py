@@ -284,8 +284,6 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
     reads and newly compiled graphs from step 2 on (step 0 is the eager warm-up)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from amp_fx.testing import HostSyncCounter
-
     model = make_model("seq")
     options = RECIPES[recipe]
     accumulate = options.get("accumulate", 1)
@@ -293,6 +291,17 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
     step = amp_fx.compile_step(DDP(model), _sgd(model), lambda out, y: F.mse_loss(out.float(), y),
                                dtype="fp16", scaler=scaler, max_grad_norm=options.get("clip"),
                                grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
+    return {**_run_steps(step, scaler, rank, accumulate),
+            "params": [_local(p) for p in model.parameters()], "linears": _linears_captured(step._forward)}
+
+
+def _run_steps(step: Any, scaler: Any, rank: int, accumulate: int,
+               on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+    """``STEPS`` optimizer steps of a compile_step (``accumulate`` micro-batches each): the losses
+    and scales, and the host reads and newly compiled graphs from step 2 on (step 0 is the eager
+    warm-up). ``on_step(i, counter)`` runs after each step with its HostSyncCounter."""
+    from amp_fx.testing import HostSyncCounter
+
     losses, scales, host_reads, graphs_after_warm_up = [], [], 0, 0
     for i in range(STEPS):
         counter = HostSyncCounter()
@@ -304,9 +313,10 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
             host_reads += counter.count
             graphs_after_warm_up += step.graphs_compiled - graphs
         scales.append(_scale_of(scaler))
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
-            "params": [_local(p) for p in model.parameters()], "host_reads": host_reads,
-            "graphs_after_warm_up": graphs_after_warm_up, "linears": _linears_captured(step._forward)}
+        if on_step is not None:
+            on_step(i, counter)
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales), "host_reads": host_reads,
+            "graphs_after_warm_up": graphs_after_warm_up}
 
 
 def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
@@ -318,8 +328,6 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
     ``set_requires_gradient_sync(False)`` on the first micro-batch, global-norm clipping. Counts
     host reads, newly compiled graphs and gloo all-reduces per step from step 2 on (step 0 is
     the eager warm-up)."""
-    from amp_fx.testing import HostSyncCounter
-
     model = _shard(make_model("seq"))
     options = RECIPES[recipe]
     accumulate = options.get("accumulate", 1)
@@ -330,25 +338,18 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
     step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y),
                                dtype=dtype, scaler=scaler, max_grad_norm=options.get("clip"),
                                grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
-    losses, scales, host_reads, graphs_after_warm_up, all_reduces = [], [], 0, 0, []
+    all_reduces: list[int] = []
     movement = _Movement(model)
-    for i in range(STEPS):
-        at["step"] = i
-        counter = HostSyncCounter()
-        graphs = step.graphs_compiled
-        with counter:
-            for micro in range(accumulate):
-                losses.append(step(*_batch(rank, i, micro)).detach().clone())
+
+    def on_step(i: int, counter: Any) -> None:
+        at["step"] = i + 1  # the step the planting pre-hook sees next
         if i >= 2:
-            host_reads += counter.count
-            graphs_after_warm_up += step.graphs_compiled - graphs
             all_reduces.append(counter.collectives["gloo:all_reduce"])
-        scales.append(_scale_of(scaler))
         movement.update()
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
-            "params": [_local(p) for p in model.parameters()], "host_reads": host_reads,
-            "graphs_after_warm_up": graphs_after_warm_up, "all_reduces": all_reduces, "moved": movement.total,
-            "linears": _linears_captured(step._forward)}
+
+    return {**_run_steps(step, scaler, rank, accumulate, on_step),
+            "params": [_local(p) for p in model.parameters()], "all_reduces": all_reduces,
+            "moved": movement.total, "linears": _linears_captured(step._forward)}
 
 
 _OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
