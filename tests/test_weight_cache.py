@@ -25,7 +25,7 @@ import amp_fx
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
-from amp_fx.testing.zoo import ZOO, eager_autocast_step, step
+from amp_fx.testing.zoo import ZOO, TiedLM, eager_autocast_step, step
 from tests._parity import assert_within_excess_precision
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,17 +71,12 @@ def _three_graphs(early_twice: bool = False) -> tuple[nn.Module, tuple[Tensor, .
     return ThreeGraphs(early_twice=early_twice), (x,), lambda out: out.float().pow(2).mean()  # type: ignore[union-attr]
 
 
-class TiedBreakLM(nn.Module):
-    """ALBERT-style sharing across a graph break: ``block`` applied twice before the break and
-    once after it, an output projection tied to the embedding after it. Eager autocast adds
-    block's three gradient contributions into its cached cast one by one, latest use first; the
-    first graph must hand back one gradient per use for the cache to do the same."""
-
-    def __init__(self, vocab: int = 32, d: int = 16) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.block = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d)
+class TiedBreakLM(TiedLM):
+    """The zoo's TiedLM with ALBERT-style sharing across a graph break: ``block`` applied twice
+    before the break and once after it, an output projection tied to the embedding after it.
+    Eager autocast adds block's three gradient contributions into its cached cast one by one,
+    latest use first; the first graph must hand back one gradient per use for the cache to do
+    the same."""
 
     def forward(self, ids: Tensor) -> Tensor:
         h = self.emb(ids)
