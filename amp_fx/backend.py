@@ -374,20 +374,28 @@ _DOUBLE_BACKWARD = ("amp_fx: a backward with create_graph=True (double backward,
 
 
 def _refuse_double_backward(out: Any) -> None:
-    """Hook the outputs of an AOTAutograd graph so that a create_graph backward raises amp_fx's
-    error at once, instead of torch's at the second backward."""
+    """Hook the autograd node of an AOTAutograd graph's outputs so that a create_graph backward
+    raises amp_fx's error at once, instead of torch's at the second backward.
+
+    One pre-hook on the graph's node per call, not a hook on each output tensor: the node runs in
+    every backward that reaches the graph, whichever outputs the gradient flows through, and a
+    tensor hook cost about 10 us per forward+backward of a small model where the node's pre-hook
+    costs too little to measure (``bench/bench_call_overhead.py``, docs/call-overhead.md)."""
+    hooked: list[Any] = []
     for t in out if isinstance(out, (list, tuple)) else (out,):
-        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+        if node is None:
             continue
-        node = t.grad_fn
-        if "CompiledFunction" not in type(node).__name__:
-            parents = [f for f, _ in node.next_functions if f is not None]
-            if not any("CompiledFunction" in type(f).__name__ for f in parents):
-                continue
-        t.register_hook(_raise_if_creating_graph)
+        if "CompiledFunction" not in type(node).__name__:  # an output view: the graph is its parent
+            node = next((f for f, _ in node.next_functions
+                         if f is not None and "CompiledFunction" in type(f).__name__), None)
+        if node is None or any(node is h for h in hooked):
+            continue
+        node.register_prehook(_raise_if_creating_graph)
+        hooked.append(node)
 
 
-def _raise_if_creating_graph(grad: torch.Tensor) -> None:
+def _raise_if_creating_graph(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
     if torch.is_grad_enabled():
         raise AmpFxError(_DOUBLE_BACKWARD)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -13,7 +12,7 @@ import torch._dynamo
 import torch._inductor
 from torch.utils._pytree import tree_flatten
 
-from amp_fx._devices import autocast_device_type, check_supported
+from amp_fx._devices import DEVICES, autocast_device_type, check_supported
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, unit_call
 from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx._report import Reporter
@@ -38,6 +37,57 @@ def _module_device_type(module: torch.nn.Module) -> str:
     return autocast_device_type([first] if first is not None else [])
 
 
+class _ModuleDevice:
+    """:func:`_module_device_type` of one module, at the cost of a dict lookup per call.
+
+    Finding the first parameter walks every submodule (about 4.5 us for a 3-layer MLP, a fifth of
+    amp_fx's whole per-call overhead). The tensor found is remembered with the dict that holds it
+    and its key there: while that entry still holds the same tensor, its device is the answer
+    (``module.to()`` moves it in place, or swaps its contents); a parameter replaced by another
+    object (``to()`` under ``torch.__future__.set_overwrite_module_params_on_conversion``, a
+    reassigned attribute) makes the next call search again.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._found: tuple[dict[str, Any], str, torch.Tensor] | None = None
+
+    def __call__(self) -> str:
+        found = self._found
+        if found is not None and found[0].get(found[1]) is found[2]:
+            device_type = found[2].device.type
+            if device_type in DEVICES:
+                return device_type
+        self._found = self._first()
+        return _module_device_type(self.module)
+
+    def _first(self) -> tuple[dict[str, Any], str, torch.Tensor] | None:
+        modules = list(self.module.modules())
+        for table in ("_parameters", "_buffers"):  # parameters first, as _module_device_type
+            for m in modules:
+                for name, t in getattr(m, table).items():
+                    if t is not None:
+                        return getattr(m, table), name, t
+        return None
+
+
+# Types tree_flatten never looks into: a call whose arguments are all of these needs no flattening.
+_FLAT_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str, bytes, type(None)})
+
+
+def _call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of a call's arguments, in ``tree_flatten((args, kwargs))`` order.
+
+    Arguments that are plain tensors and scalars (a model's usual call) are read directly:
+    ``tree_flatten`` costs about 5 us a call, a fifth of amp_fx's per-call overhead before this
+    shortcut. Anything else (containers, other objects) goes through ``tree_flatten``.
+    """
+    for v in itertools.chain(args, kwargs.values()):
+        if type(v) not in _FLAT_TYPES:
+            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    return [v for v in itertools.chain(args, kwargs.values()) if isinstance(v, torch.Tensor)]
+
+
 def _amp_call(target: Callable[..., Any], backend: AmpBackend,
               compile_kwargs: dict[str, Any], *, check: bool = True) -> Callable[..., Any]:
     """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
@@ -59,22 +109,30 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
     After each call, what was done is checked against what was asked (through the backend's
     reporter): a call that ran no graph is reported, and after the first call that captured
     graphs, each policy entry that matched no op.
+
+    Every call pays for this over ``torch.compile`` under ``torch.autocast``, so each step is
+    cheap (docs/call-overhead.md has the measurements): "ran no graph" is a run counter the
+    backend's graphs bump, compared on every call (the outputs are scanned only when it did not
+    move); the call's tensors are read without ``tree_flatten`` when the arguments are plain
+    (:func:`_call_tensors`); the model's device is remembered with the parameter it was read
+    from (:class:`_ModuleDevice`).
     """
     compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
     own_call = fresh_callable(target)
     # A module is compiled from a copy of its own forward where calling it is calling forward
     # (no hooks): Dynamo's names are then those of torch.compile(module) (L['x'], not L['args'][0]).
     own_forward = fresh_forward(target) if isinstance(target, torch.nn.Module) else None
+    module_device = _ModuleDevice(target) if isinstance(target, torch.nn.Module) else None
     policy_checked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal policy_checked
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _call_tensors(args, kwargs)
         direct = own_forward is not None and calls_forward_only(target)
-        leaves = (direct, *(is_cacheable_leaf(t) for t in tensors))
+        leaves = (direct, *map(is_cacheable_leaf, tensors))
         device_type = autocast_device_type(tensors, default="")
-        if device_type in ("", "cpu") and isinstance(target, torch.nn.Module):
-            device_type = _module_device_type(target)  # a cuda model called with cpu inputs
+        if device_type in ("", "cpu") and module_device is not None:
+            device_type = module_device()  # a cuda model called with cpu inputs
         device_type = device_type or "cpu"
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
@@ -83,8 +141,12 @@ def _amp_call(target: Callable[..., Any], backend: AmpBackend,
                 own_forward if direct else own_call, backend=sibling, **compile_kwargs)
         runs = backend.runs.count
         try:
-            with torch.autocast(device_type, dtype=backend.dtype), _one_forward(backend.weight_cache):
-                out = compiled(*args, **kwargs)
+            with torch.autocast(device_type, dtype=backend.dtype):
+                if backend.weight_cache is None:
+                    out = compiled(*args, **kwargs)
+                else:
+                    with backend.weight_cache.forward():
+                        out = compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
@@ -123,8 +185,7 @@ def _checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: A
         nonlocal policy_checked
         runs = backend.runs.count
         out = call(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        policy_checked = _check_call(backend, module, runs, out, tensors, policy_checked)
+        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked)
         return out
 
     return checked
@@ -350,10 +411,6 @@ def _weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, call
         "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
         "weights instead)."), stacklevel=5)
     return True
-
-
-def _one_forward(cache: WeightCache | None) -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext() if cache is None else cache.forward()
 
 
 def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:
