@@ -189,13 +189,14 @@ class AmpBackend:
             if self.weight_cache is not None:
                 compiled = self.weight_cache.wrap(compiled, lifted)
         runs = self.runs
+        guarded: set[type] = set()
 
         def run_without_autocast(*args: Any) -> Any:
             runs.count += 1
             with torch._C._DisableAutocast():
                 out = compiled(*args)
             if torch.is_grad_enabled():
-                _refuse_double_backward(out)
+                _refuse_double_backward(out, guarded)
             return out
 
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
@@ -373,26 +374,52 @@ _DOUBLE_BACKWARD = ("amp_fx: a backward with create_graph=True (double backward,
                     "double backward and is bitwise with eager autocast (GradScaler included).")
 
 
-def _refuse_double_backward(out: Any) -> None:
-    """Hook the autograd node of an AOTAutograd graph's outputs so that a create_graph backward
-    raises amp_fx's error at once, instead of torch's at the second backward.
+def _refuse_double_backward(out: Any, guarded: set[type]) -> None:
+    """Make a create_graph backward through the AOTAutograd graph that returned ``out`` raise
+    amp_fx's error at once, instead of torch's at the second backward.
 
-    One pre-hook on the graph's node per call, not a hook on each output tensor: the node runs in
-    every backward that reaches the graph, whichever outputs the gradient flows through, and a
-    tensor hook cost about 10 us per forward+backward of a small model where the node's pre-hook
-    costs too little to measure (``bench/bench_call_overhead.py``, docs/call-overhead.md)."""
-    hooked: list[Any] = []
+    AOTAutograd makes one ``torch.autograd.Function`` class per compiled graph; its backward is
+    wrapped once (:func:`_guard_backward`), so later calls pay one set lookup (``guarded``, the
+    graph's backward node types). A hook on each call's node cost about 4 to 8 us per
+    forward+backward of a small model (bench/bench_call_overhead.py); it remains the fallback
+    where the class is not what this expects."""
     for t in out if isinstance(out, (list, tuple)) else (out,):
         node = t.grad_fn if isinstance(t, torch.Tensor) else None
         if node is None:
             continue
+        if type(node) in guarded:
+            return
         if "CompiledFunction" not in type(node).__name__:  # an output view: the graph is its parent
             node = next((f for f, _ in node.next_functions
                          if f is not None and "CompiledFunction" in type(f).__name__), None)
-        if node is None or any(node is h for h in hooked):
-            continue
+            if node is None:
+                continue
+            if type(node) in guarded:
+                return
+        if _guard_backward(getattr(type(node), "_forward_cls", None)):
+            guarded.add(type(node))
+            return
         node.register_prehook(_raise_if_creating_graph)
-        hooked.append(node)
+        return
+
+
+def _guard_backward(function: object) -> bool:
+    """Wrap the ``backward`` of AOTAutograd's Function class for one graph so that it raises
+    amp_fx's error when run with grad mode on (create_graph=True): the autograd engine reads
+    ``backward`` from the class at each backward. False where the class has no such static
+    method (another torch version), and nothing is changed."""
+    original = getattr(function, "__dict__", {}).get("backward")
+    if not isinstance(original, staticmethod):
+        return False
+    backward = original.__func__
+
+    def refuse_create_graph(ctx: Any, *grads: Any) -> Any:
+        if torch.is_grad_enabled():
+            raise AmpFxError(_DOUBLE_BACKWARD)
+        return backward(ctx, *grads)
+
+    function.backward = staticmethod(refuse_create_graph)  # type: ignore[attr-defined]
+    return True
 
 
 def _raise_if_creating_graph(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:

@@ -17,10 +17,14 @@ Two modes: ``no_grad`` (a forward under ``torch.no_grad()``, as in ``generate()`
 ``fwd+bwd`` (the forward, then ``out.float().sum().backward()`` outside the autocast region, as
 torch's AMP recipe does). Each repeat times ``--calls`` calls of one variant; the variants alternate
 repeat by repeat so that machine noise hits both alike, and the garbage collector is off inside a
-timed block. Per-call time is the block's time over ``--calls``; the table gives the median, min and
-max over ``--repeats`` repeats, and amp_fx's difference from the baseline computed from the medians
-and from the minima. On a shared machine the minimum ("best of") is the figure least disturbed by
-other processes; the median and max show how much they disturbed this run.
+timed block. Time is the thread's CPU time (``time.thread_time_ns``: with one torch thread every
+kernel runs on it), which leaves out the time other processes hold the CPU; sharing a core or its
+caches still slows it. Per-call time is the block's time over ``--calls``; the table gives the
+median, min and max over ``--repeats`` repeats, and amp_fx's difference from the baseline three
+ways: from the medians, from the minima ("best of"), and per repeat (amp_fx's block minus the
+baseline block timed just before it: median, min, max of those paired differences). On a shared
+machine the minima and the paired median are the figures least disturbed by other processes; the
+max columns show how much they disturbed this run.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ def _variants(backend: str, dtype: torch.dtype, width: int, batch: int) -> dict[
     return {"torch.compile + autocast": torch_compile_autocast, "amp_fx.compile": amp_fx_compile}
 
 
+CLOCKS = {"thread": time.thread_time_ns, "wall": time.perf_counter_ns}
+clock = CLOCKS["thread"]
+
+
 def _time_block(fn: Call, mode: str, calls: int) -> float:
     """Microseconds per call over ``calls`` calls of ``fn`` in ``mode``."""
     gc.collect()
@@ -69,15 +77,15 @@ def _time_block(fn: Call, mode: str, calls: int) -> float:
     try:
         if mode == "no_grad":
             with torch.no_grad():
-                t0 = time.thread_time_ns()
+                t0 = clock()
                 for _ in range(calls):
                     fn()
-                elapsed = time.thread_time_ns() - t0
+                elapsed = clock() - t0
         else:
-            t0 = time.thread_time_ns()
+            t0 = clock()
             for _ in range(calls):
                 fn().float().sum().backward()
-            elapsed = time.thread_time_ns() - t0
+            elapsed = clock() - t0
     finally:
         gc.enable()
     return elapsed / calls / 1e3
@@ -103,7 +111,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed block")
     parser.add_argument("--repeats", type=int, default=15, help="timed blocks per variant and mode")
     parser.add_argument("--warmup", type=int, default=200, help="untimed calls per variant and mode first")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
+                        help="thread: this thread's CPU time; wall: perf_counter")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
 
@@ -114,16 +126,18 @@ def main() -> None:
         for name, values in times.items():
             rows.append([mode, name, statistics.median(values), min(values), max(values)])
         (_, base), (_, ours) = times.items()
+        paired = [a - b for a, b in zip(ours, base, strict=True)]
         rows.append([mode, "amp_fx - baseline", statistics.median(ours) - statistics.median(base),
-                     min(ours) - min(base), "-"])
+                     min(ours) - min(base), None, statistics.median(paired), min(paired), max(paired)])
 
     for line in machine_lines():
         print(line)
     print(f"MLP {args.width}->{args.width}->{args.width}->{args.width}, batch {args.batch}, "
           f"{args.dtype}, backend {args.backend}; {args.repeats} repeats x {args.calls} calls per "
-          f"variant and mode (after {args.warmup} warm-up calls), variants alternating")
-    print(tabulate(rows, headers=["mode", "variant", "median us/call", "min us/call", "max us/call"],
-                   floatfmt=".1f"))
+          f"variant and mode (after {args.warmup} warm-up calls), variants alternating, {args.clock} clock")
+    print(tabulate(rows, headers=["mode", "variant", "median us/call", "min us/call", "max us/call",
+                                  "paired diff median", "paired min", "paired max"],
+                   floatfmt=".1f", missingval="-"))
 
 
 if __name__ == "__main__":
