@@ -191,7 +191,7 @@ class AmpCompiledModule(torch.nn.Module):
             original = self.__dict__["_amp_fx_original"]
             found = getattr(original, name)
             if isinstance(found, types.MethodType) and found.__self__ is original:
-                return _routed(found, original, self.__dict__["_amp_fx_forward"])
+                return _routed(found, original, self.__dict__["_amp_fx_forward"], self._amp_fx_backend)
             return found
 
     @property
@@ -214,38 +214,61 @@ class AmpCompiledModule(torch.nn.Module):
         return summarize(self._amp_fx_backend.records)
 
 
-def _routed(method: types.MethodType, module: torch.nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+def _routed(method: types.MethodType, module: torch.nn.Module, call: Callable[..., Any],
+            backend: AmpBackend) -> Callable[..., Any]:
     """``method`` of the compiled module, run with the module's own call (``module(...)``, so
     ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
 
     Set as ``nn.Module.compile()`` sets it (the module's ``_compiled_call_impl``) for the duration
-    of the method, then restored: outside it, the original module stays the eager module.
+    of the method, then restored: outside it, the original module stays the eager module. A
+    method that computed floating-point tensors without running a graph reached the forward
+    another way (``self.forward(...)``): that ran eagerly in fp32, and is reported.
     """
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        before = module._compiled_call_impl
+        before, runs = module._compiled_call_impl, backend.runs.count
         module._compiled_call_impl = call
         try:
-            return method(*args, **kwargs)
+            out = method(*args, **kwargs)
         finally:
             module._compiled_call_impl = before
+        if backend.runs.count == runs and not torch.compiler.is_compiling():
+            given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            if _computed_floats(out, [*given, *module.parameters(), *module.buffers()]):
+                _report_uncompiled_method(backend, module, method.__name__)
+        return out
 
     return run
+
+
+def _report_uncompiled_method(backend: AmpBackend, module: torch.nn.Module, name: str) -> None:
+    backend.reporter.did_less(("uncompiled method", name), (
+        f"amp_fx.compile({type(module).__name__}).{name}(...) computed floating-point tensors but "
+        f"ran no amp_fx graph: it reaches the model's forward without calling self(...) (e.g. through "
+        f"self.forward(...)), which runs the eager forward in fp32, uncompiled. Call self(...) in "
+        f"{name}, or run it under torch.autocast."), stacklevel=4)
 
 
 class _InplaceCall:
     """The compiled call ``compile(module, inplace=True)`` sets on the module (``_compiled_call_impl``).
 
-    It copies and pickles as the options it was made with: a copy of the module (deepcopy,
-    pickle, torch.save) is compiled again, lazily at its first call (while it is being copied its
-    parameters are not there yet), with its own records and Dynamo cache entries.
+    nn.Module drops ``_compiled_call_impl`` when it is copied or pickled (its ``__getstate__``), so
+    a copy of ``module.compile()`` runs eagerly, silently. amp_fx keeps this object under a second
+    name (``_amp_fx_inplace``) that is copied, and reviving it sets the copy's compiled call: a
+    copy (deepcopy, pickle, torch.save) is compiled again with the same options, lazily at its
+    first call (while it is being copied its parameters are not there yet), with its own records
+    and Dynamo cache entries.
     """
 
     def __init__(self, module: torch.nn.Module, options: dict[str, Any]) -> None:
         self.module = module
         self.options = options
         self.compiled: AmpCompiledModule | None = None
+
+    def install(self) -> None:
+        self.module.__dict__["_compiled_call_impl"] = self
+        self.module.__dict__["_amp_fx_inplace"] = self
 
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
@@ -256,7 +279,15 @@ class _InplaceCall:
         return self.build()._amp_fx_forward(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
-        return (_InplaceCall, (self.module, self.options))
+        return (_revive_inplace, (self.module, self.options))
+
+
+def _revive_inplace(module: torch.nn.Module, options: dict[str, Any]) -> _InplaceCall:
+    # Called while ``module`` (the copy) is being rebuilt, before its __setstate__, whose state
+    # has no _compiled_call_impl: what is set here stays.
+    call = _InplaceCall(module, options)
+    call.install()
+    return call
 
 
 def _inplace_call(model: object) -> _InplaceCall | None:
@@ -274,6 +305,7 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
                          "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
                          "is undone by using model itself (its original_module)")
     model._compiled_call_impl = None
+    del model.__dict__["_amp_fx_inplace"]
     return model
 
 
@@ -415,7 +447,7 @@ def _compile_inplace(model: object, **options: Any) -> Any:
                         "compile the module under it in place (its original_module / _orig_mod)")
     call = _InplaceCall(model, options)
     call.build()  # the checks of compile() run now, not at the first call
-    model._compiled_call_impl = call
+    call.install()
     return model
 
 
