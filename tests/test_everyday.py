@@ -25,6 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import amp_fx
 from amp_fx.errors import AmpFxError, AmpFxWarning
+from amp_fx.testing.generate import ARCHS, NEW_TOKENS, greedy_generate, prompt, tiny_causal_lm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,34 +57,10 @@ def _eager(model: torch.nn.Module, fn, dtype: str):
 # --- 1. generate() and in-place compilation ------------------------------------------------------
 
 
-def _hf_model(arch: str) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers", reason="the generate() cases need transformers")
-    torch.manual_seed(0)
-    if arch == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=128, vocab_size=128,
-                                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
-        model = transformers.LlamaForCausalLM(config)
-    return model.eval()
-
-
-def _generate(model: torch.nn.Module, ids: torch.Tensor, cache: str):
-    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, output_scores=True,
-                  return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
-    with torch.no_grad():
-        return model.generate(ids, **kwargs)
-
-
 # Both forms of compile, each with one dtype, keep the cases (about 6 s of CPU each) to six.
 @pytest.mark.parametrize(("dtype", "mode"), [("bf16", "inplace"), ("fp16", "wrap")])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_generate_matches_eager_autocast(arch: str, cache: str, dtype: str, mode: str) -> None:
     """Greedy generate with the KV cache: the same tokens and bitwise logits and scores as eager
     autocast, with no more graphs than torch's own in-place compile captures on the same calls
@@ -92,22 +69,23 @@ def test_generate_matches_eager_autocast(arch: str, cache: str, dtype: str, mode
         pytest.skip("eager autocast itself fails here (no reference): transformers' StaticCache keeps "
                     "fp32 buffers and Llama's k/v projections write autocast's low-precision values "
                     "into them (index_copy_ dtype mismatch)")
-    model = _hf_model(arch)
-    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(1))
-    ref = _eager(model, lambda m: _generate(m, ids, cache), dtype)
+    pytest.importorskip("transformers", reason="the generate() cases need transformers")
+    model = tiny_causal_lm(arch)
+    ids = prompt()
+    ref = _eager(model, lambda m: greedy_generate(m, ids, cache), dtype)
 
     counter = CompileCounterWithBackend("aot_eager")
     model.compile(backend=counter)
-    _eager(model, lambda m: _generate(m, ids, cache), dtype)
+    _eager(model, lambda m: greedy_generate(m, ids, cache), dtype)
     model._compiled_call_impl = None
     torch._dynamo.reset()
 
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", inplace=(mode == "inplace"))
     assert (compiled is model) == (mode == "inplace")
-    out = _generate(compiled, ids, cache)
+    out = greedy_generate(compiled, ids, cache)
     assert torch.equal(out.sequences, ref.sequences)
     for ours, theirs in ((out.logits, ref.logits), (out.scores, ref.scores)):
-        assert len(ours) == len(theirs) == 6
+        assert len(ours) == len(theirs) == NEW_TOKENS
         for a, b in zip(ours, theirs, strict=True):
             assert a.dtype == b.dtype
             assert torch.equal(a, b)
