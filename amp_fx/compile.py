@@ -273,10 +273,15 @@ class _InplaceCall:
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
             self.compiled = _compile(self.module, **self.options)
+            self.forward = self.compiled._amp_fx_forward
         return self.compiled
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Until built (a copy's first call): build, then the compiled forward (set on the instance)."""
         return self.build()._amp_fx_forward(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
         return (_revive_inplace, (self.module, self.options))
