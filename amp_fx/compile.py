@@ -191,7 +191,11 @@ class AmpCompiledModule(torch.nn.Module):
             original = self.__dict__["_amp_fx_original"]
             found = getattr(original, name)
             if isinstance(found, types.MethodType) and found.__self__ is original:
-                return _routed(found, original, self.__dict__["_amp_fx_forward"], self._amp_fx_backend)
+                watch = self.__dict__.get("_amp_fx_forward_watch")
+                if watch is None:
+                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_backend"].reporter)
+                    self.__dict__["_amp_fx_forward_watch"] = watch
+                return _routed(found, self.__dict__["_amp_fx_forward"], watch)
             return found
 
     @property
@@ -214,40 +218,73 @@ class AmpCompiledModule(torch.nn.Module):
         return summarize(self._amp_fx_backend.records)
 
 
-def _routed(method: types.MethodType, module: torch.nn.Module, call: Callable[..., Any],
-            backend: AmpBackend) -> Callable[..., Any]:
+def _routed(method: types.MethodType, call: Callable[..., Any], watch: _ForwardWatch) -> Callable[..., Any]:
     """``method`` of the compiled module, run with the module's own call (``module(...)``, so
     ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
 
     Set as ``nn.Module.compile()`` sets it (the module's ``_compiled_call_impl``) for the duration
-    of the method, then restored: outside it, the original module stays the eager module. A
-    method that computed floating-point tensors without running a graph reached the forward
-    another way (``self.forward(...)``): that ran eagerly in fp32, and is reported.
+    of the method, then restored: outside it, the original module stays the eager module. While it
+    runs, ``module.forward`` is ``watch``: a method that calls ``self.forward(...)`` (the eager
+    forward, fp32) is reported.
     """
+    module = watch.module
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
-        before, runs = module._compiled_call_impl, backend.runs.count
-        module._compiled_call_impl = call
+        if module.__dict__.get("forward") is watch:  # inside another method of the wrapper: set already
+            return method(*args, **kwargs)
+        before = module._compiled_call_impl
+        watch.own = module.__dict__.get("forward")  # an instance forward of the user's (accelerate's hooks)
+        module._compiled_call_impl = watch.counted(call)
+        module.__dict__["forward"] = watch
+        watch.method = method.__name__
         try:
-            out = method(*args, **kwargs)
+            return method(*args, **kwargs)
         finally:
             module._compiled_call_impl = before
-        if backend.runs.count == runs and not torch.compiler.is_compiling():
-            given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            if _computed_floats(out, [*given, *module.parameters(), *module.buffers()]):
-                _report_uncompiled_method(backend, module, method.__name__)
-        return out
+            if watch.own is not None:
+                module.__dict__["forward"] = watch.own
+            else:
+                del module.__dict__["forward"]
 
     return run
 
 
-def _report_uncompiled_method(backend: AmpBackend, module: torch.nn.Module, name: str) -> None:
-    backend.reporter.did_less(("uncompiled method", name), (
-        f"amp_fx.compile({type(module).__name__}).{name}(...) computed floating-point tensors but "
-        f"ran no amp_fx graph: it reaches the model's forward without calling self(...) (e.g. through "
-        f"self.forward(...)), which runs the eager forward in fp32, uncompiled. Call self(...) in "
-        f"{name}, or run it under torch.autocast."), stacklevel=4)
+class _ForwardWatch:
+    """``module.forward`` while a method of the wrapper runs: reports a call of it from outside
+    amp_fx's compiled call (the eager forward, run in fp32 without a graph), then runs it.
+
+    One per wrapper, so Dynamo, which may read ``self.forward`` while it traces a module with
+    hooks, sees the same object every time."""
+
+    def __init__(self, module: torch.nn.Module, reporter: Reporter) -> None:
+        self.module = module
+        self.reporter = reporter
+        self.own: Callable[..., Any] | None = None
+        self.method = ""
+        self.inside = 0
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) reads through it
+        return self.own if self.own is not None else types.MethodType(type(self.module).forward, self.module)
+
+    def counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def inside(*args: Any, **kwargs: Any) -> Any:
+            self.inside += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.inside -= 1
+        return inside
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and not self.inside:
+            self.reporter.did_less(("uncompiled method", self.method), (
+                f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
+                f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
+                f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
+                f"torch.autocast."), stacklevel=3)
+        return self.__wrapped__(*args, **kwargs)
 
 
 class _InplaceCall:

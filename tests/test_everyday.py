@@ -146,8 +146,9 @@ def test_wrapper_methods_run_the_compiled_forward() -> None:
     assert torch.equal(compiled.twice(x), _eager(model, lambda m: m.twice(x), "bf16"))
     assert model._compiled_call_impl is None
     assert model(x).dtype == torch.float32
-    with pytest.warns(AmpFxWarning, match=r"\.direct\(\.\.\.\) computed floating-point tensors but ran no"):
-        compiled.direct(x)
+    with pytest.warns(AmpFxWarning, match=r"\.direct\(\.\.\.\) called self\.forward"):
+        assert torch.equal(compiled.direct(x), model(x))
+    assert "forward" not in model.__dict__
     strict = amp_fx.compile(TwoLayer(), backend="aot_eager", strict=True)
     with pytest.raises(AmpFxError, match="self.forward"):
         strict.direct(x)
