@@ -344,11 +344,11 @@ def _guard_module_hooks() -> None:
     Dynamo skips the guards on empty hook dicts by default (``skip_nnmodule_hook_guards``). It
     builds a frame's guards after its backend returned, so amp_fx turns the setting off here, for
     this compile only, and an end-of-compile callback of Dynamo's turns it back on (a per-call
-    toggle would cost about 2.6 us per call). A user who turned it off keeps it off.
+    toggle would cost about 2.6 us per call). A user who set it to False keeps that.
     """
     config = torch._dynamo.config
-    if not config.skip_nnmodule_hook_guards:
-        return
+    if not config.skip_nnmodule_hook_guards or CompileContext.try_get() is None:
+        return  # already guarding (the user's setting, or ours), or not called by Dynamo (no guards)
     handler = torch._dynamo.callback_handler
     if _restore_hook_guard_skip not in handler.end_callbacks:  # reset() clears the callbacks
         handler.register_end_callback(_restore_hook_guard_skip)

@@ -193,9 +193,10 @@ class AmpCompiledModule(torch.nn.Module):
             if isinstance(found, types.MethodType) and found.__self__ is original:
                 watch = self.__dict__.get("_amp_fx_forward_watch")
                 if watch is None:
-                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_backend"].reporter)
+                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_forward"],
+                                          self.__dict__["_amp_fx_backend"].reporter)
                     self.__dict__["_amp_fx_forward_watch"] = watch
-                return _routed(found, self.__dict__["_amp_fx_forward"], watch)
+                return _routed(found, watch)
             return found
 
     @property
@@ -218,7 +219,7 @@ class AmpCompiledModule(torch.nn.Module):
         return summarize(self._amp_fx_backend.records)
 
 
-def _routed(method: types.MethodType, call: Callable[..., Any], watch: _ForwardWatch) -> Callable[..., Any]:
+def _routed(method: types.MethodType, watch: _ForwardWatch) -> Callable[..., Any]:
     """``method`` of the compiled module, run with the module's own call (``module(...)``, so
     ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
 
@@ -235,7 +236,7 @@ def _routed(method: types.MethodType, call: Callable[..., Any], watch: _ForwardW
             return method(*args, **kwargs)
         before = module._compiled_call_impl
         watch.own = module.__dict__.get("forward")  # an instance forward of the user's (accelerate's hooks)
-        module._compiled_call_impl = watch.counted(call)
+        module._compiled_call_impl = watch.call
         module.__dict__["forward"] = watch
         watch.method = method.__name__
         try:
@@ -257,25 +258,26 @@ class _ForwardWatch:
     One per wrapper, so Dynamo, which may read ``self.forward`` while it traces a module with
     hooks, sees the same object every time."""
 
-    def __init__(self, module: torch.nn.Module, reporter: Reporter) -> None:
+    def __init__(self, module: torch.nn.Module, call: Callable[..., Any], reporter: Reporter) -> None:
         self.module = module
         self.reporter = reporter
         self.own: Callable[..., Any] | None = None
         self.method = ""
         self.inside = 0
 
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) reads through it
-        return self.own if self.own is not None else types.MethodType(type(self.module).forward, self.module)
-
-    def counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        def inside(*args: Any, **kwargs: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
             self.inside += 1
             try:
                 return call(*args, **kwargs)
             finally:
                 self.inside -= 1
-        return inside
+
+        self.call = counted
+        """The compiled call, set as the module's call while a method runs; inside it ``forward`` is not reported."""
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) reads through it
+        return self.own if self.own is not None else types.MethodType(type(self.module).forward, self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and not self.inside:
