@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import io
+import os
 import pickle
 import shutil
 import subprocess
@@ -304,8 +305,6 @@ def test_cpu_path_without_triton() -> None:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     return env
