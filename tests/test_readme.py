@@ -101,7 +101,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             Run(after="compiled(x).float().sum().backward()\n"),
         'report = amp_fx.explain(model, x, dtype="bf16")': Run(),
         'result = amp_fx.compare(model, x, dtype="fp16")': Run(),
-        'scaler = amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED)   # no host sync in step()': Run(),
+        # a CUDA scaler where there is none: the same options on the CPU
+        'scaler = amp_fx.GradScaler("cuda", step_mode=amp_fx.StepMode.MASKED)  # no host sync in step()':
+            Run(replace=_NO_CUDA),
         # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
         'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", max_grad_norm=1.0)':
             Run(replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
