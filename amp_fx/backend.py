@@ -210,7 +210,7 @@ class AmpBackend:
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         names: _RootNames,
     ) -> None:
-        """Report once per weight whose uses a graph break splits (see README, Known differences):
+        """Report once per weight whose uses a graph break splits (see docs/parity.md, Known differences):
         an ``AmpFxWarning`` through the owner's reporter (an error in strict mode), unless the
         caller notes splits itself (:func:`splits_noted_by_caller`).
 
