@@ -137,6 +137,12 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(
             "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"),
     },
+    "docs/everyday.md": {
+        "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
+        "# generate() on the wrapper module (needs transformers; skipped without it)": Run(),
+        "# a hook registered after the first call runs": Run(),
+        "# an unknown option is refused when compile is called": Run(),
+    },
     "docs/weight-cache.md": {
         'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Run(
             after="for xb, yb in loader:\n    step(xb, yb)\n",
