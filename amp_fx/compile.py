@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import inspect
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,7 +26,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.weight_cache import WeightCache
 
-__all__ = ["compile", "AmpCompiledModule", "records"]
+__all__ = ["compile", "AmpCompiledModule", "records", "uncompile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -185,7 +188,11 @@ class AmpCompiledModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_amp_fx_original"], name)
+            original = self.__dict__["_amp_fx_original"]
+            found = getattr(original, name)
+            if isinstance(found, types.MethodType) and found.__self__ is original:
+                return _routed(found, original, self.__dict__["_amp_fx_forward"])
+            return found
 
     @property
     def amp_fx_weight_cache(self) -> WeightCache | None:
@@ -205,6 +212,69 @@ class AmpCompiledModule(torch.nn.Module):
     def amp_fx_summary(self) -> str:
         """A table of what the passes did to each captured graph."""
         return summarize(self._amp_fx_backend.records)
+
+
+def _routed(method: types.MethodType, module: torch.nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of the compiled module, run with the module's own call (``module(...)``, so
+    ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
+
+    Set as ``nn.Module.compile()`` sets it (the module's ``_compiled_call_impl``) for the duration
+    of the method, then restored: outside it, the original module stays the eager module.
+    """
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = module._compiled_call_impl
+        module._compiled_call_impl = call
+        try:
+            return method(*args, **kwargs)
+        finally:
+            module._compiled_call_impl = before
+
+    return run
+
+
+class _InplaceCall:
+    """The compiled call ``compile(module, inplace=True)`` sets on the module (``_compiled_call_impl``).
+
+    It copies and pickles as the options it was made with: a copy of the module (deepcopy,
+    pickle, torch.save) is compiled again, lazily at its first call (while it is being copied its
+    parameters are not there yet), with its own records and Dynamo cache entries.
+    """
+
+    def __init__(self, module: torch.nn.Module, options: dict[str, Any]) -> None:
+        self.module = module
+        self.options = options
+        self.compiled: AmpCompiledModule | None = None
+
+    def build(self) -> AmpCompiledModule:
+        if self.compiled is None:
+            self.compiled = _compile(self.module, **self.options)
+        return self.compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.build()._amp_fx_forward(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
+        return (_InplaceCall, (self.module, self.options))
+
+
+def _inplace_call(model: object) -> _InplaceCall | None:
+    found = getattr(model, "__dict__", {}).get("_compiled_call_impl")
+    return found if isinstance(found, _InplaceCall) else None
+
+
+def uncompile(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``amp_fx.compile(model, inplace=True)``: ``model(...)`` runs its eager forward again.
+
+    Returns ``model``. Raises ``ValueError`` if ``model`` is not compiled in place by amp_fx.
+    """
+    if _inplace_call(model) is None:
+        raise ValueError(f"amp_fx.uncompile: {type(model).__name__} is not compiled in place by amp_fx "
+                         "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
+                         "is undone by using model itself (its original_module)")
+    model._compiled_call_impl = None
+    return model
 
 
 def _check_keep_fp32(policy: Policy, model: object) -> None:
@@ -249,6 +319,7 @@ def compile(
     fold: bool = True,
     strict: bool | None = None,
     weight_cache: bool = False,
+    inplace: bool = False,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -268,11 +339,17 @@ def compile(
         weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
             once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;
             keeps a low-precision copy of the parameters alive between steps).
-        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+        inplace: compile the module itself, as ``nn.Module.compile()`` does, and return it:
+            ``model(...)``, and every method that calls ``self(...)`` (Hugging Face ``generate``),
+            then run amp_fx's compiled forward; ``model.forward(...)`` stays the eager forward.
+            :func:`uncompile` undoes it. Modules only.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
+            an unknown keyword raises ``TypeError`` here.
 
     Returns:
         For a module, an :class:`AmpCompiledModule` sharing the module's parameters, buffers and
-        state_dict keys; for a function, the compiled function. A module already wrapped by
+        state_dict keys (its methods, e.g. ``generate``, run with ``self(...)`` compiled; the
+        module itself with ``inplace=True``); for a function, the compiled function. A module already wrapped by
         ``amp_fx.compile`` or ``torch.compile`` is unwrapped first: the module under it is
         compiled with these options, and module names are its names.
 
@@ -281,6 +358,22 @@ def compile(
         >>> model(torch.randn(2, 4)).dtype
         torch.bfloat16
     """
+    _check_compile_kwargs(torch_compile_kwargs)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"amp_fx: inplace must be True or False, got {inplace!r}")
+    if inplace:
+        return _compile_inplace(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold,
+                                strict=strict, weight_cache=weight_cache, **torch_compile_kwargs)
+    if _inplace_call(model_or_fn) is not None:
+        raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
+                         "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
+                         "or amp_fx.uncompile(model) first to wrap it instead")
+    return _compile(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
+                    weight_cache=weight_cache, **torch_compile_kwargs)
+
+
+def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None, backend: str | Backend,
+             fold: bool, strict: bool | None, weight_cache: bool, **torch_compile_kwargs: Any) -> F:
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
@@ -310,6 +403,42 @@ def compile(
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _compile_inplace(model: object, **options: Any) -> Any:
+    """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
+                        f"{type(model).__name__}; drop inplace=True to compile a function")
+    if isinstance(model, (AmpCompiledModule, torch._dynamo.eval_frame.OptimizedModule)):
+        raise TypeError(f"amp_fx.compile(inplace=True): {type(model).__name__} is a compiled wrapper; "
+                        "compile the module under it in place (its original_module / _orig_mod)")
+    call = _InplaceCall(model, options)
+    call.build()  # the checks of compile() run now, not at the first call
+    model._compiled_call_impl = call
+    return model
+
+
+def _check_compile_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise for a keyword that is neither amp_fx's option nor torch.compile's, naming both lists.
+
+    Both lists come from the signatures, so options added to either are known here."""
+    ours = [n for n, p in inspect.signature(compile).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    theirs = _torch_compile_keywords()
+    unknown = [k for k in kwargs if k not in theirs]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], ours + theirs, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise TypeError(f"amp_fx.compile got an unexpected keyword argument {unknown[0]!r}{hint}. amp_fx's options: "
+                    f"{', '.join(ours)}; passed on to torch.compile: {', '.join(theirs)}")
+
+
+@functools.cache
+def _torch_compile_keywords() -> list[str]:
+    """torch.compile's keyword arguments, less the model and the backend (amp_fx's own ``backend``)."""
+    params = inspect.signature(torch.compile).parameters.items()
+    return [n for n, p in params if p.kind is p.KEYWORD_ONLY and n != "backend"]
 
 
 def _weight_cache_for(wanted: bool, policy: Policy, root: torch.nn.Module | None,
@@ -372,7 +501,11 @@ def _check_devices(module: torch.nn.Module) -> None:
 
 
 def records(compiled: object) -> list[GraphRecord]:
-    """The per-graph records of a module or function returned by :func:`compile`."""
+    """The per-graph records of a module or function returned by :func:`compile` (or compiled
+    in place by it)."""
+    inplace = _inplace_call(compiled)
+    if inplace is not None:
+        return inplace.build().amp_fx_records
     found = getattr(compiled, "amp_fx_records", None)
     if found is None:
         raise TypeError(f"amp_fx: {compiled!r} was not returned by amp_fx.compile")
