@@ -11,7 +11,7 @@ Dynamo reads when it meets a backend name it does not know (torch/_dynamo/backen
 arguments, on torch 2.11 to 2.15 alike (``torch._TorchCompileWrapper``). The keys amp_fx reads are
 those of :data:`OPTIONS`; :func:`register_backend` gives any other configuration a name of its own.
 
-    >>> import torch, amp_fx.dynamo_backend
+    >>> import torch  # amp_fx installed (pip install): its entry points name the backends
     >>> m = torch.compile(torch.nn.Linear(4, 4), backend="amp_fx", options={"backend": "aot_eager"})
     >>> m(torch.randn(2, 4)).dtype
     torch.bfloat16
@@ -101,7 +101,7 @@ class _Config:
         return _Config(**kwargs)
 
     def key(self, dtype: torch.dtype) -> tuple[object, ...]:
-        return (dtype, id(self.policy), self.backend, self.fold, self.strict, tuple(sorted(self.inductor.items())))
+        return (dtype, self.policy, self.backend, self.fold, self.strict, tuple(sorted(self.inductor.items())))
 
 
 class _NamedBackend:

@@ -50,7 +50,8 @@ def _train(model: torch.nn.Module, *, trainer_cls=transformers.Trainer, evaluate
     with tempfile.TemporaryDirectory() as out:
         targs = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, report_to=[], use_cpu=True,
-            logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True, **args)
+            logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
+            per_device_eval_batch_size=2, **args)
         trainer = trainer_cls(model=model, args=targs, train_dataset=_Tokens(), eval_dataset=_Tokens(),
                               **(trainer_kwargs or {}))
         trainer.train()
