@@ -165,6 +165,13 @@ class _NamedBackend:
                                         inductor_config=dict(config.inductor), root=root, reporter=reporter)
         return found
 
+    def reset(self) -> None:
+        """Forget every compiled model (``torch._dynamo.reset()`` calls this through torch.compile's
+        wrapper): a model compiled again starts with fresh records and split tracking. The backends
+        hold their root module, so this is also what frees them."""
+        self._by_root = weakref.WeakKeyDictionary()
+        self._rootless = {}
+
     def backends(self, root: torch.nn.Module) -> list[AmpBackend]:
         return list(self._by_root.get(root, {}).values())
 

@@ -248,3 +248,17 @@ def test_register_backend_gives_a_configuration_a_name():
     assert_bitwise(got, ref)
     with pytest.raises(ValueError, match="already exists"):
         db.register_backend(name, dtype="bf16")
+
+
+def test_dynamo_reset_forgets_compiled_models():
+    """torch._dynamo.reset() reaches the named backend (torch.compile's wrapper calls its reset()): the
+    model compiled again gets fresh records and no stale split tracking."""
+    model, inputs, _ = zoo.ZOO["mlp"].build()
+    compiled = torch.compile(model, backend="amp_fx", options=dict(EAGER))
+    compiled(*inputs)
+    (first,) = db.backend_of(model)
+    torch._dynamo.reset()
+    assert db.backend_of(model) == []
+    compiled(*inputs)
+    (second,) = db.backend_of(model)
+    assert second is not first and len(second.records) == len(first.records) == 1
