@@ -191,7 +191,11 @@ class AmpCompiledModule(torch.nn.Module):
             original = self.__dict__["_amp_fx_original"]
             found = getattr(original, name)
             if isinstance(found, types.MethodType) and found.__self__ is original:
-                return _routed(found, original, self.__dict__["_amp_fx_forward"])
+                watch = self.__dict__.get("_amp_fx_forward_watch")
+                if watch is None:
+                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_backend"].reporter)
+                    self.__dict__["_amp_fx_forward_watch"] = watch
+                return _routed(found, self.__dict__["_amp_fx_forward"], watch)
             return found
 
     @property
@@ -214,32 +218,84 @@ class AmpCompiledModule(torch.nn.Module):
         return summarize(self._amp_fx_backend.records)
 
 
-def _routed(method: types.MethodType, module: torch.nn.Module, call: Callable[..., Any]) -> Callable[..., Any]:
+def _routed(method: types.MethodType, call: Callable[..., Any], watch: _ForwardWatch) -> Callable[..., Any]:
     """``method`` of the compiled module, run with the module's own call (``module(...)``, so
     ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
 
     Set as ``nn.Module.compile()`` sets it (the module's ``_compiled_call_impl``) for the duration
-    of the method, then restored: outside it, the original module stays the eager module.
+    of the method, then restored: outside it, the original module stays the eager module. While it
+    runs, ``module.forward`` is ``watch``: a method that calls ``self.forward(...)`` (the eager
+    forward, fp32) is reported.
     """
+    module = watch.module
 
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if module.__dict__.get("forward") is watch:  # inside another method of the wrapper: set already
+            return method(*args, **kwargs)
         before = module._compiled_call_impl
-        module._compiled_call_impl = call
+        watch.own = module.__dict__.get("forward")  # an instance forward of the user's (accelerate's hooks)
+        module._compiled_call_impl = watch.counted(call)
+        module.__dict__["forward"] = watch
+        watch.method = method.__name__
         try:
             return method(*args, **kwargs)
         finally:
             module._compiled_call_impl = before
+            if watch.own is not None:
+                module.__dict__["forward"] = watch.own
+            else:
+                del module.__dict__["forward"]
 
     return run
+
+
+class _ForwardWatch:
+    """``module.forward`` while a method of the wrapper runs: reports a call of it from outside
+    amp_fx's compiled call (the eager forward, run in fp32 without a graph), then runs it.
+
+    One per wrapper, so Dynamo, which may read ``self.forward`` while it traces a module with
+    hooks, sees the same object every time."""
+
+    def __init__(self, module: torch.nn.Module, reporter: Reporter) -> None:
+        self.module = module
+        self.reporter = reporter
+        self.own: Callable[..., Any] | None = None
+        self.method = ""
+        self.inside = 0
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) reads through it
+        return self.own if self.own is not None else types.MethodType(type(self.module).forward, self.module)
+
+    def counted(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        def inside(*args: Any, **kwargs: Any) -> Any:
+            self.inside += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.inside -= 1
+        return inside
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and not self.inside:
+            self.reporter.did_less(("uncompiled method", self.method), (
+                f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
+                f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
+                f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
+                f"torch.autocast."), stacklevel=3)
+        return self.__wrapped__(*args, **kwargs)
 
 
 class _InplaceCall:
     """The compiled call ``compile(module, inplace=True)`` sets on the module (``_compiled_call_impl``).
 
-    It copies and pickles as the options it was made with: a copy of the module (deepcopy,
-    pickle, torch.save) is compiled again, lazily at its first call (while it is being copied its
-    parameters are not there yet), with its own records and Dynamo cache entries.
+    nn.Module drops ``_compiled_call_impl`` when it is copied or pickled (its ``__getstate__``), so
+    a copy of ``module.compile()`` runs eagerly, silently. amp_fx keeps this object under a second
+    name (``_amp_fx_inplace``) that is copied, and reviving it sets the copy's compiled call: a
+    copy (deepcopy, pickle, torch.save) is compiled again with the same options, lazily at its
+    first call (while it is being copied its parameters are not there yet), with its own records
+    and Dynamo cache entries.
     """
 
     def __init__(self, module: torch.nn.Module, options: dict[str, Any]) -> None:
@@ -247,16 +303,33 @@ class _InplaceCall:
         self.options = options
         self.compiled: AmpCompiledModule | None = None
 
+    def install(self) -> None:
+        self.module.__dict__["_compiled_call_impl"] = self
+        self.module.__dict__["_amp_fx_inplace"] = self
+
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
             self.compiled = _compile(self.module, **self.options)
+            self.forward = self.compiled._amp_fx_forward
         return self.compiled
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Until built (a copy's first call): build, then the compiled forward (set on the instance)."""
         return self.build()._amp_fx_forward(*args, **kwargs)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
-        return (_InplaceCall, (self.module, self.options))
+        return (_revive_inplace, (self.module, self.options))
+
+
+def _revive_inplace(module: torch.nn.Module, options: dict[str, Any]) -> _InplaceCall:
+    # Called while ``module`` (the copy) is being rebuilt, before its __setstate__, whose state
+    # has no _compiled_call_impl: what is set here stays.
+    call = _InplaceCall(module, options)
+    call.install()
+    return call
 
 
 def _inplace_call(model: object) -> _InplaceCall | None:
@@ -274,6 +347,7 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
                          "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
                          "is undone by using model itself (its original_module)")
     model._compiled_call_impl = None
+    del model.__dict__["_amp_fx_inplace"]
     return model
 
 
@@ -415,7 +489,7 @@ def _compile_inplace(model: object, **options: Any) -> Any:
                         "compile the module under it in place (its original_module / _orig_mod)")
     call = _InplaceCall(model, options)
     call.build()  # the checks of compile() run now, not at the first call
-    model._compiled_call_impl = call
+    call.install()
     return model
 
 
