@@ -24,15 +24,9 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128))
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+def random_tokens() -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]  # a causal LM: each sequence is its own label
 
 
 def train(model: torch.nn.Module, trainer_cls: type = transformers.Trainer, **args: object) -> list[float]:
@@ -40,7 +34,7 @@ def train(model: torch.nn.Module, trainer_cls: type = transformers.Trainer, **ar
         targs = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=5,
                                                logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
                                                save_strategy="no", **args)
-        trainer = trainer_cls(model=model, args=targs, train_dataset=RandomTokens())
+        trainer = trainer_cls(model=model, args=targs, train_dataset=random_tokens())
         trainer.train()
         model.save_pretrained(out)  # the usual keys: the model is the same module object
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]

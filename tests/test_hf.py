@@ -21,27 +21,19 @@ import amp_fx  # noqa: E402
 from amp_fx import Policy  # noqa: E402
 from amp_fx.hf import AmpFxTrainer  # noqa: E402
 from amp_fx.testing import assert_bitwise  # noqa: E402
+from amp_fx.testing.generate import tiny_causal_lm  # noqa: E402
 
 STEPS = 5
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_causal_lm("gpt2")  # 2 layers x 64, random init; Trainer puts it in train mode
 
 
-class _Tokens(torch.utils.data.Dataset):
+def _tokens() -> list[dict[str, torch.Tensor]]:
     """8 random sequences of 16 tokens, each its own label (causal LM)."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
 
 
 def _train(model: torch.nn.Module, *, trainer_cls=transformers.Trainer, evaluate: bool = False,
@@ -52,7 +44,7 @@ def _train(model: torch.nn.Module, *, trainer_cls=transformers.Trainer, evaluate
             output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, report_to=[], use_cpu=True,
             logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
             per_device_eval_batch_size=2, **args)
-        trainer = trainer_cls(model=model, args=targs, train_dataset=_Tokens(), eval_dataset=_Tokens(),
+        trainer = trainer_cls(model=model, args=targs, train_dataset=_tokens(), eval_dataset=_tokens(),
                               **(trainer_kwargs or {}))
         trainer.train()
         result: dict[str, object] = {
@@ -127,17 +119,17 @@ def test_amp_fx_trainer_fp16_with_amp_fx_grad_scaler(init_scale):
 
 def test_amp_fx_trainer_default_scaler_is_amp_fx():
     args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True, fp16=True, report_to=[])
-    trainer = AmpFxTrainer(model=_amp("fp16"), args=args, train_dataset=_Tokens())
+    trainer = AmpFxTrainer(model=_amp("fp16"), args=args, train_dataset=_tokens())
     assert type(trainer.accelerator.scaler) is amp_fx.GradScaler
 
 
 def test_amp_fx_trainer_refuses_fp16_model_without_loss_scaling():
     args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"fp16.*TrainingArguments\(fp16=True\)"):
-        AmpFxTrainer(model=_amp("fp16"), args=args, train_dataset=_Tokens())
+        AmpFxTrainer(model=_amp("fp16"), args=args, train_dataset=_tokens())
 
 
 def test_amp_fx_trainer_reports_other_dtype():
     args = transformers.TrainingArguments(output_dir=tempfile.gettempdir(), use_cpu=True, fp16=True, report_to=[])
     with pytest.raises(amp_fx.AmpFxError, match="asks for fp16 but the model is compiled by amp_fx to bf16"):
-        AmpFxTrainer(model=_amp("bf16"), args=args, train_dataset=_Tokens())  # strict suite: an error
+        AmpFxTrainer(model=_amp("bf16"), args=args, train_dataset=_tokens())  # strict suite: an error
