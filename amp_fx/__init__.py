@@ -5,14 +5,14 @@
 
 import logging
 
-from amp_fx.compile import AmpCompiledModule, compile, records
+from amp_fx.compile import AmpCompiledModule, compile, records, uncompile
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.inspect import CompareReport, Explanation, NonfiniteReport, compare, explain, find_nonfinite
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step
 
-__all__ = ["compile", "AmpCompiledModule", "records", "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
+__all__ = ["compile", "AmpCompiledModule", "records", "uncompile", "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
            "EagerError", "AmpRunError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
            "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm",

@@ -37,7 +37,9 @@ def fresh_function(fn: types.FunctionType) -> types.FunctionType:
 
 
 def _call_module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return self(*args, **kwargs)
+    # _call_impl, not self(...): the module's compiled call (amp_fx's own when compiled in place)
+    # is what calls this, and self(...) would call it again.
+    return self._call_impl(*args, **kwargs)
 
 
 def fresh_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
@@ -59,12 +61,11 @@ def fresh_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
 
 
 def calls_forward_only(module: torch.nn.Module) -> bool:
-    """Whether ``module(...)`` is exactly ``module.forward(...)`` now: the condition under which
-    ``nn.Module._call_impl`` skips every hook, and no ``module.compile()`` in the way."""
+    """Whether ``module._call_impl(...)`` is exactly ``module.forward(...)`` now: the condition
+    under which ``nn.Module._call_impl`` skips every hook."""
     from torch.nn.modules import module as m
 
-    return not (module._compiled_call_impl is not None
-                or module._backward_hooks or module._backward_pre_hooks
+    return not (module._backward_hooks or module._backward_pre_hooks
                 or module._forward_hooks or module._forward_pre_hooks
                 or m._global_backward_pre_hooks or m._global_backward_hooks
                 or m._global_forward_hooks or m._global_forward_pre_hooks)
@@ -73,7 +74,8 @@ def calls_forward_only(module: torch.nn.Module) -> bool:
 def fresh_callable(target: Callable[..., Any]) -> Callable[..., Any]:
     """A callable that behaves as ``target`` and whose outermost frame runs a code object of its own.
 
-    A module is called through a per-model copy of ``self(*args, **kwargs)`` bound to it (so
+    A module is called through a per-model copy of ``self._call_impl(*args, **kwargs)`` (its
+    hooks and forward, not its compiled call) bound to it (so
     Dynamo's sources still start at ``L['self']``); a function is copied; a bound method gets a
     copy of its function; anything else callable is called through a per-target copy of a
     one-line forwarding function.

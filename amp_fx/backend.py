@@ -127,6 +127,8 @@ class AmpBackend:
         """How many times a graph of this backend (or a sibling) has run."""
         # id(leaf tensor) -> the graphs that cast it with the shared leaf cast
         self._cached_leaf_frames: dict[int, _LeafGraphs] = {}
+        # (frame id, frame compile id) -> the CompileId of the compile that had them
+        self._compiles: dict[tuple[int, int | None], object] = {}
 
     def sibling(self) -> AmpBackend:
         """A backend with the same configuration and the same records, but its own identity
@@ -137,6 +139,7 @@ class AmpBackend:
         not split by a graph break, so it tracks the frames that cast each weight on its own."""
         other = copy.copy(self)
         other._cached_leaf_frames = {}
+        other._compiles = {}
         return other
 
     def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
@@ -174,6 +177,7 @@ class AmpBackend:
         # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
         # are explicit, so autocast is off while we capture, while the downstream backend traces,
         # and while the compiled graph runs: nothing is cast twice.
+        _guard_module_hooks()
         names = _RootNames(self.root)
         names.rename_module_stacks(gm)
         with torch._C._DisableAutocast():
@@ -207,7 +211,7 @@ class AmpBackend:
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         names: _RootNames,
     ) -> None:
-        """Report once per weight whose uses a graph break splits (see README, Known differences):
+        """Report once per weight whose uses a graph break splits (see docs/parity.md, Known differences):
         an ``AmpFxWarning`` through the owner's reporter (an error in strict mode), unless the
         caller notes splits itself (:func:`splits_noted_by_caller`).
 
@@ -222,6 +226,7 @@ class AmpBackend:
         compile_id = CompileContext.current_compile_id()
         if compile_id is not None and compile_id.frame_id is not None:
             frame, attempt = compile_id.frame_id, compile_id.frame_compile_id
+            self._start_afresh_after_reset(frame, attempt, compile_id)
         else:  # the backend called directly (tests): each graph is a frame of its own
             frame, attempt = record.index, 0
         ours = [n for n in record.rewritten.graph.nodes if n.op == "placeholder"]
@@ -257,6 +262,20 @@ class AmpBackend:
                 f"amp_fx: {name} {where}; each graph casts it to {low} itself, so its gradient "
                 f"contributions add up in fp32 where eager autocast adds them in {low} (more "
                 f"accurate, not bitwise). {fix} to match eager autocast bit for bit."))
+
+    def _start_afresh_after_reset(self, frame: int, attempt: int | None, compile_id: object) -> None:
+        """Forget the graphs seen before a ``torch._dynamo.reset()``.
+
+        Dynamo numbers frames and their compiles anew after a reset, so a new compile can carry
+        the ids of one seen before it; its graphs would then look like pieces of that old
+        compile (DDPOptimizer's split) or of another frame of the same forward. Pieces of one
+        compile share one CompileId object; the same ids on another object mean the numbering
+        restarted, and every graph compiled before is gone from Dynamo's caches.
+        """
+        seen = self._compiles.setdefault((frame, attempt), compile_id)
+        if seen is not compile_id:
+            self._cached_leaf_frames.clear()
+            self._compiles = {(frame, attempt): compile_id}
 
     # --- what was asked against what was done ------------------------------------------------
 
@@ -317,6 +336,35 @@ class _LeafGraphs:
     def split(self) -> bool:
         """Whether two graphs of one forward cast the tensor, each with a cast of its own."""
         return len(self.frames) > 1 or any(n > 1 for c in self.frames.values() for n in c.values())
+
+
+def _guard_module_hooks() -> None:
+    """Make the compile under way guard on module hooks, so that a hook added or removed later
+    recompiles (and runs, as in eager) instead of being silently ignored.
+
+    Dynamo skips the guards on empty hook dicts by default (``skip_nnmodule_hook_guards``). It
+    builds a frame's guards after its backend returned, so amp_fx turns the setting off here, for
+    this compile only, and an end-of-compile callback of Dynamo's turns it back on (a per-call
+    toggle would cost about 2.6 us per call). A user who set it to False keeps that.
+    """
+    config = torch._dynamo.config
+    if not config.skip_nnmodule_hook_guards or CompileContext.try_get() is None:
+        return  # already guarding (the user's setting, or ours), or not called by Dynamo (no guards)
+    handler = torch._dynamo.callback_handler
+    if _restore_hook_guard_skip not in handler.end_callbacks:  # reset() clears the callbacks
+        handler.register_end_callback(_restore_hook_guard_skip)
+    config.skip_nnmodule_hook_guards = False
+    _HOOK_GUARDS_ON[0] = True
+
+
+_HOOK_GUARDS_ON = [False]
+"""Whether amp_fx turned Dynamo's hook guards on for the compile under way."""
+
+
+def _restore_hook_guard_skip(args: object) -> None:
+    if _HOOK_GUARDS_ON[0]:
+        _HOOK_GUARDS_ON[0] = False
+        torch._dynamo.config.skip_nnmodule_hook_guards = True
 
 
 class _RunCount:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,7 +25,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.weight_cache import WeightCache
 
-__all__ = ["compile", "AmpCompiledModule", "records"]
+__all__ = ["compile", "AmpCompiledModule", "records", "uncompile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -246,7 +249,16 @@ class AmpCompiledModule(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_amp_fx_original"], name)
+            original = self.__dict__["_amp_fx_original"]
+            found = getattr(original, name)
+            if isinstance(found, types.MethodType) and found.__self__ is original:
+                watch = self.__dict__.get("_amp_fx_forward_watch")
+                if watch is None:
+                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_forward"],
+                                          self.__dict__["_amp_fx_backend"].reporter)
+                    self.__dict__["_amp_fx_forward_watch"] = watch
+                return _routed(found, watch)
+            return found
 
     @property
     def amp_fx_weight_cache(self) -> WeightCache | None:
@@ -266,6 +278,140 @@ class AmpCompiledModule(torch.nn.Module):
     def amp_fx_summary(self) -> str:
         """A table of what the passes did to each captured graph."""
         return summarize(self._amp_fx_backend.records)
+
+
+def _routed(method: types.MethodType, watch: _ForwardWatch) -> Callable[..., Any]:
+    """``method`` of the compiled module, run with the module's own call (``module(...)``, so
+    ``self(...)`` inside the method: Hugging Face ``generate``) running amp_fx's compiled forward.
+
+    Set as ``nn.Module.compile()`` sets it (the module's ``_compiled_call_impl``) for the duration
+    of the method, then restored: outside it, the original module stays the eager module. While it
+    runs, ``module.forward`` is ``watch``: a method that calls ``self.forward(...)`` (the eager
+    forward, fp32) is reported.
+    """
+    module = watch.module
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if module.__dict__.get("forward") is watch:  # inside another method of the wrapper: set already
+            return method(*args, **kwargs)
+        before = module._compiled_call_impl
+        watch.own = module.__dict__.get("forward")  # an instance forward of the user's (accelerate's hooks)
+        module._compiled_call_impl = watch.call
+        module.__dict__["forward"] = watch
+        watch.method = method.__name__
+        try:
+            return method(*args, **kwargs)
+        finally:
+            module._compiled_call_impl = before
+            if watch.own is not None:
+                module.__dict__["forward"] = watch.own
+            else:
+                del module.__dict__["forward"]
+
+    return run
+
+
+class _ForwardWatch:
+    """``module.forward`` while a method of the wrapper runs: reports a call of it from outside
+    amp_fx's compiled call (the eager forward, run in fp32 without a graph), then runs it.
+
+    One per wrapper, so Dynamo, which may read ``self.forward`` while it traces a module with
+    hooks, sees the same object every time."""
+
+    def __init__(self, module: torch.nn.Module, call: Callable[..., Any], reporter: Reporter) -> None:
+        self.module = module
+        self.reporter = reporter
+        self.own: Callable[..., Any] | None = None
+        self.method = ""
+        self.inside = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.inside += 1
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.inside -= 1
+
+        self.call = counted
+        """The compiled call, set as the module's call while a method runs; inside it ``forward`` is not reported."""
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) reads through it
+        return self.own if self.own is not None else types.MethodType(type(self.module).forward, self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and not self.inside:
+            self.reporter.did_less(("uncompiled method", self.method), (
+                f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
+                f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
+                f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
+                f"torch.autocast."), stacklevel=3)
+        return self.__wrapped__(*args, **kwargs)
+
+
+class _InplaceCall:
+    """The compiled call ``compile(module, inplace=True)`` sets on the module (``_compiled_call_impl``).
+
+    nn.Module drops ``_compiled_call_impl`` when it is copied or pickled (its ``__getstate__``), so
+    a copy of ``module.compile()`` runs eagerly, silently. amp_fx keeps this object under a second
+    name (``_amp_fx_inplace``) that is copied, and reviving it sets the copy's compiled call: a
+    copy (deepcopy, pickle, torch.save) is compiled again with the same options, lazily at its
+    first call (while it is being copied its parameters are not there yet), with its own records
+    and Dynamo cache entries.
+    """
+
+    def __init__(self, module: torch.nn.Module, options: dict[str, Any]) -> None:
+        self.module = module
+        self.options = options
+        self.compiled: AmpCompiledModule | None = None
+
+    def install(self) -> None:
+        self.module.__dict__["_compiled_call_impl"] = self
+        self.module.__dict__["_amp_fx_inplace"] = self
+
+    def build(self) -> AmpCompiledModule:
+        if self.compiled is None:
+            self.compiled = _compile(self.module, **self.options)
+            self.forward = self.compiled._amp_fx_forward
+        return self.compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Until built (a copy's first call): build, then the compiled forward (set on the instance)."""
+        return self.build()._amp_fx_forward(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
+        return (_revive_inplace, (self.module, self.options))
+
+
+def _revive_inplace(module: torch.nn.Module, options: dict[str, Any]) -> _InplaceCall:
+    # Called while ``module`` (the copy) is being rebuilt, before its __setstate__, whose state
+    # has no _compiled_call_impl: what is set here stays.
+    call = _InplaceCall(module, options)
+    call.install()
+    return call
+
+
+def _inplace_call(model: object) -> _InplaceCall | None:
+    found = getattr(model, "__dict__", {}).get("_compiled_call_impl")
+    return found if isinstance(found, _InplaceCall) else None
+
+
+def uncompile(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``amp_fx.compile(model, inplace=True)``: ``model(...)`` runs its eager forward again.
+
+    Returns ``model``. Raises ``ValueError`` if ``model`` is not compiled in place by amp_fx.
+    """
+    if _inplace_call(model) is None:
+        raise ValueError(f"amp_fx.uncompile: {type(model).__name__} is not compiled in place by amp_fx "
+                         "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
+                         "is undone by using model itself (its original_module)")
+    model._compiled_call_impl = None
+    del model.__dict__["_amp_fx_inplace"]
+    return model
 
 
 def _check_keep_fp32(policy: Policy, model: object) -> None:
@@ -310,6 +456,7 @@ def compile(
     fold: bool = True,
     strict: bool | None = None,
     weight_cache: bool = False,
+    inplace: bool = False,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -329,11 +476,17 @@ def compile(
         weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
             once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;
             keeps a low-precision copy of the parameters alive between steps).
-        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+        inplace: compile the module itself, as ``nn.Module.compile()`` does, and return it:
+            ``model(...)``, and every method that calls ``self(...)`` (Hugging Face ``generate``),
+            then run amp_fx's compiled forward; ``model.forward(...)`` stays the eager forward.
+            :func:`uncompile` undoes it. Modules only.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
+            an unknown keyword raises ``TypeError`` here.
 
     Returns:
         For a module, an :class:`AmpCompiledModule` sharing the module's parameters, buffers and
-        state_dict keys; for a function, the compiled function. A module already wrapped by
+        state_dict keys (its methods, e.g. ``generate``, run with ``self(...)`` compiled; the
+        module itself with ``inplace=True``); for a function, the compiled function. A module already wrapped by
         ``amp_fx.compile`` or ``torch.compile`` is unwrapped first: the module under it is
         compiled with these options, and module names are its names.
 
@@ -342,6 +495,22 @@ def compile(
         >>> model(torch.randn(2, 4)).dtype
         torch.bfloat16
     """
+    _check_compile_kwargs(torch_compile_kwargs)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"amp_fx: inplace must be True or False, got {inplace!r}")
+    if inplace:
+        return _compile_inplace(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold,
+                                strict=strict, weight_cache=weight_cache, **torch_compile_kwargs)
+    if _inplace_call(model_or_fn) is not None:
+        raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
+                         "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
+                         "or amp_fx.uncompile(model) first to wrap it instead")
+    return _compile(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
+                    weight_cache=weight_cache, **torch_compile_kwargs)
+
+
+def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None, backend: str | Backend,
+             fold: bool, strict: bool | None, weight_cache: bool, **torch_compile_kwargs: Any) -> F:
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
@@ -371,6 +540,42 @@ def compile(
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
+
+
+def _compile_inplace(model: object, **options: Any) -> Any:
+    """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
+                        f"{type(model).__name__}; drop inplace=True to compile a function")
+    if isinstance(model, (AmpCompiledModule, torch._dynamo.eval_frame.OptimizedModule)):
+        raise TypeError(f"amp_fx.compile(inplace=True): {type(model).__name__} is a compiled wrapper; "
+                        "compile the module under it in place (its original_module / _orig_mod)")
+    call = _InplaceCall(model, options)
+    call.build()  # the checks of compile() run now, not at the first call
+    call.install()
+    return model
+
+
+def _check_compile_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise for a keyword that is neither amp_fx's option nor torch.compile's, naming both lists.
+
+    Both lists come from the signatures, so options added to either are known here."""
+    ours = [n for n, p in inspect.signature(compile).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    theirs = _torch_compile_keywords()
+    unknown = [k for k in kwargs if k not in theirs]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], ours + theirs, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise TypeError(f"amp_fx.compile got an unexpected keyword argument {unknown[0]!r}{hint}. amp_fx's options: "
+                    f"{', '.join(ours)}; passed on to torch.compile: {', '.join(theirs)}")
+
+
+@functools.cache
+def _torch_compile_keywords() -> list[str]:
+    """torch.compile's keyword arguments, less the model and the backend (amp_fx's own ``backend``)."""
+    params = inspect.signature(torch.compile).parameters.items()
+    return [n for n, p in params if p.kind is p.KEYWORD_ONLY and n != "backend"]
 
 
 def _weight_cache_for(wanted: bool, policy: Policy, root: torch.nn.Module | None,
@@ -429,7 +634,11 @@ def _check_devices(module: torch.nn.Module) -> None:
 
 
 def records(compiled: object) -> list[GraphRecord]:
-    """The per-graph records of a module or function returned by :func:`compile`."""
+    """The per-graph records of a module or function returned by :func:`compile` (or compiled
+    in place by it)."""
+    inplace = _inplace_call(compiled)
+    if inplace is not None:
+        return inplace.build().amp_fx_records
     found = getattr(compiled, "amp_fx_records", None)
     if found is None:
         raise TypeError(f"amp_fx: {compiled!r} was not returned by amp_fx.compile")

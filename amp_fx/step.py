@@ -135,7 +135,7 @@ def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
 # as add_'s alpha and addcmul_/addcdiv_'s value (checked by tests/test_step.py, bit for bit, on
 # 2.11, 2.13 and 2.15). Not Adagrad: its lr divided by a step-dependent term is a tensor when traced
 # (turning the rewrite off would read it on the host each step); not Adam, AdamW, Adamax, NAdam,
-# RAdam, ASGD: their step-counter arithmetic in fp32 differs anyway (README, "Limitations").
+# RAdam, ASGD: their step-counter arithmetic in fp32 differs anyway (docs/compiled-step.md, "Limitations").
 _EAGER_ROUNDING_STEPS = tuple(inspect.unwrap(cls.step) for cls in
                               (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adadelta))
 

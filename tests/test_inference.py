@@ -27,7 +27,7 @@ def test_eval_inference_is_bitwise(name, mode):
 
 def test_mha_fast_path_matches_torch_compile_not_eager():
     # Eager nn.MultiheadAttention takes its fused fast path in eval + no_grad; Dynamo does not.
-    # amp_fx must equal torch.compile under autocast there (README, Known differences).
+    # amp_fx must equal torch.compile under autocast there (docs/parity.md, Known differences).
     model, inputs, _ = ZOO["mha_block"].build()
     model.eval()
     baseline = torch.compile(copy.deepcopy(model), backend="aot_eager")

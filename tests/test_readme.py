@@ -1,14 +1,18 @@
-"""Every ``python`` code block of README.md runs as the README presents it, and amp_fx says nothing.
+"""Every ``python`` code block of README.md and of the documentation site (``docs/*.md``) runs as
+the page presents it, and amp_fx says nothing.
 
 "Say when you did less than asked" has a twin: an example must not make amp_fx say it. Each block
 is run with the names it takes from the reader's context defined first (small shapes), and, where
 the block only builds a model, a call of it (amp_fx's policy checks run after the first call).
-Blocks that cannot run here are listed in ``FRAGMENTS`` with the reason; a new block must be
-added to one of the two tables (``test_every_block_is_listed``). The CLI commands in
+
+``BLOCKS`` lists every block of every page, by page and by the block's first line: a ``Run``
+(run here, with what runs after it and the replacements it needs, each with its reason) or a
+``NotRun`` (the reason it cannot run here). A new block, or a new page with blocks, fails
+``test_every_block_is_listed`` until it is listed there. The CLI commands in
 ``examples/tiny_mlp.py``'s docstring run the same way; ``examples/train_demo.py`` is covered by
 ``tests/test_demo.py``. ``examples/train_ddp.py`` and ``train_fsdp.py`` need ``torchrun`` with two
-processes (about 30 s each here), so they are not run by the suite: see the README's Distributed
-section for the command.
+processes (about 30 s each here), so they are not run by the suite: see docs/distributed.md for
+the command.
 """
 
 from __future__ import annotations
@@ -29,9 +33,14 @@ _ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 
-def python_blocks() -> dict[str, str]:
-    """First line of each ``python`` block of README.md -> the block."""
-    blocks = [m.group(1) for m in _BLOCK.finditer((_ROOT / "README.md").read_text())]
+def pages() -> list[str]:
+    """README.md and every Markdown page of the documentation site, relative to the root."""
+    return ["README.md", *sorted(str(p.relative_to(_ROOT)) for p in (_ROOT / "docs").rglob("*.md"))]
+
+
+def python_blocks(page: str) -> dict[str, str]:
+    """First line of each ``python`` block of ``page`` -> the block."""
+    blocks = [m.group(1) for m in _BLOCK.finditer((_ROOT / page).read_text())]
     return {b.splitlines()[0]: b for b in blocks}
 
 
@@ -63,7 +72,9 @@ loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(4)]
 
 
 @dataclass(frozen=True)
-class Case:
+class Run:
+    """A block run here."""
+
     after: str = ""
     """Run after the block: a call of the model the block built, so that its graphs are captured
     and the policy is checked against them."""
@@ -71,42 +82,92 @@ class Case:
     """(text, replacement) in the block, each with its reason in the table below."""
 
 
+@dataclass(frozen=True)
+class NotRun:
+    """A block not run here, and why."""
+
+    reason: str
+
+
 _CALL = "model(x).float().sum().backward()\n"
 _NO_CUDA = () if torch.cuda.is_available() else (('"cuda"', '"cpu"'),)
+# without Graphviz, to_svg writes the DOT and raises GraphvizNotFound (tested in test_explain)
+_NO_DOT = () if shutil.which("dot") else (('report.to_svg("graph.svg")', 'report.to_dot("graph.dot")'),)
 
-CASES: dict[str, Case] = {
-    "import amp_fx": Case(),
-    "from amp_fx import Policy, CastClass": Case(after=_CALL),
-    'model = amp_fx.compile(model, dtype="bf16", backend="eager")': Case(after=_CALL),
-    # without Graphviz, to_svg writes the DOT and raises GraphvizNotFound (tested in test_explain)
-    'report = amp_fx.explain(model, x, dtype="bf16")     # or amp_fx.explain(compiled) after it ran':
-        Case(replace=() if shutil.which("dot") else (('report.to_svg("graph.svg")',
-                                                      'report.to_dot("graph.dot")'),)),
-    # a CUDA scaler where there is none: the same options on the CPU
-    "from amp_fx import GradScaler, ScalerMode, StepMode": Case(replace=_NO_CUDA),
-    # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
-    "step = amp_fx.compile_step(model, optimizer, torch.nn.functional.cross_entropy,":
-        Case(replace=(("accumulate=4)", 'accumulate=4, backend="aot_eager")'),)),
-    'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Case(
-        after="for xb, yb in loader:\n    step(xb, yb)\n",
-        replace=(("accumulate=4, weight_cache=True)",
-                  'accumulate=4, weight_cache=True, backend="aot_eager")'),)),
+BLOCKS: dict[str, dict[str, Run | NotRun]] = {
+    "README.md": {
+        "import amp_fx": Run(),
+        'policy = amp_fx.Policy(keep_fp32=("lm_head",))      # this submodule stays in fp32':
+            Run(after="compiled(x).float().sum().backward()\n"),
+        'report = amp_fx.explain(model, x, dtype="bf16")': Run(),
+        'result = amp_fx.compare(model, x, dtype="fp16")': Run(),
+        # a CUDA scaler where there is none: the same options on the CPU
+        'scaler = amp_fx.GradScaler("cuda", step_mode=amp_fx.StepMode.MASKED)  # no host sync in step()':
+            Run(replace=_NO_CUDA),
+        # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
+        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", max_grad_norm=1.0)':
+            Run(replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
+    },
+    "docs/getting-started.md": {
+        "import amp_fx": Run(),
+    },
+    "docs/concepts.md": {
+        "from amp_fx import Policy, CastClass": Run(after=_CALL),
+    },
+    "docs/parity.md": {
+        'model = amp_fx.compile(model, dtype="bf16", backend="eager")': Run(after=_CALL),
+    },
+    "docs/debugging.md": {
+        'report = amp_fx.explain(model, x, dtype="bf16")     # or amp_fx.explain(compiled) after it ran':
+            Run(replace=_NO_DOT),
+    },
+    "docs/loss-scaling.md": {
+        # a CUDA scaler where there is none: the same options on the CPU
+        "from amp_fx import GradScaler, ScalerMode, StepMode": Run(replace=_NO_CUDA),
+    },
+    "docs/compiled-step.md": {
+        # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
+        "step = amp_fx.compile_step(model, optimizer, torch.nn.functional.cross_entropy,":
+            Run(replace=(("accumulate=4)", 'accumulate=4, backend="aot_eager")'),)),
+        "model = transformers.GPT2LMHeadModel(config)": NotRun(
+            "needs transformers (not a dependency); compile_step(**batch) with an HF-style model is "
+            "tests/test_step.py's"),
+    },
+    "docs/distributed.md": {
+        'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(
+            "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"),
+    },
+    "docs/everyday.md": {
+        "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
+        "# generate() on the wrapper module (needs transformers; skipped without it)": Run(),
+        "# a hook registered after the first call runs": Run(),
+        "# an unknown option is refused when compile is called": Run(),
+    },
+    "docs/weight-cache.md": {
+        'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Run(
+            after="for xb, yb in loader:\n    step(xb, yb)\n",
+            # as in docs/compiled-step.md: aot_eager instead of a minute of inductor compiling
+            replace=(("accumulate=4, weight_cache=True)",
+                      'accumulate=4, weight_cache=True, backend="aot_eager")'),)),
+    },
 }
-"""Blocks run here, by first line."""
-
-FRAGMENTS: dict[str, str] = {
-    "model = transformers.GPT2LMHeadModel(config)":
-        "needs transformers (not a dependency); compile_step(**batch) with an HF-style model is "
-        "tests/test_step.py's",
-    'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)':
-        "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun",
-}
-"""Blocks not run here, by first line, with the reason."""
+"""Every python block of every page, by page and first line."""
 
 
-def test_every_block_is_listed():
-    assert set(python_blocks()) == set(CASES) | set(FRAGMENTS)
-    assert not set(CASES) & set(FRAGMENTS)
+def _listed_blocks() -> list[tuple[str, str]]:
+    return [(page, first) for page, blocks in BLOCKS.items() for first, how in blocks.items()
+            if isinstance(how, Run)]
+
+
+@pytest.mark.parametrize("page", pages())
+def test_every_block_is_listed(page):
+    found, listed = set(python_blocks(page)), set(BLOCKS.get(page, {}))
+    assert found - listed == set(), f"{page}: blocks not listed in BLOCKS (Run or NotRun with a reason)"
+    assert listed - found == set(), f"{page}: BLOCKS lists blocks the page no longer has"
+
+
+def test_every_listed_page_exists():
+    assert set(BLOCKS) <= set(pages())
 
 
 _AMP_FX = str(_ROOT / "amp_fx")
@@ -115,12 +176,12 @@ _AMP_FX = str(_ROOT / "amp_fx")
 def _shown(w: warnings.WarningMessage) -> bool:
     """Whether a user sees the warning: Python's default filters hide deprecation warnings raised
     outside ``__main__`` (torch warns about its own ``torch.jit.script_method`` when inductor
-    imports ``torch.utils.mkldnn``); amp_fx's and the block's own are always counted."""
+    imports ``torch.utils.mkldnn``); amp_fx's and the block's own (its page's name) are always counted."""
     hidden = issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))
-    return not hidden or w.filename.startswith(_AMP_FX) or w.filename == "README.md"
+    return not hidden or w.filename.startswith(_AMP_FX) or w.filename.endswith(".md")
 
 
-def _run_quietly(source: str, monkeypatch, tmp_path, capfd) -> None:
+def _run_quietly(source: str, monkeypatch, tmp_path, capfd, *, filename: str = "README.md") -> None:
     """Run ``source`` as a user would (not strict) in ``tmp_path``; fail on any warning or any
     output to stderr."""
     monkeypatch.delenv("AMP_FX_STRICT", raising=False)
@@ -130,21 +191,28 @@ def _run_quietly(source: str, monkeypatch, tmp_path, capfd) -> None:
         # a module of its own, as a script is: Dynamo imports the frame's module by name
         module = types.ModuleType("readme_block")
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(compile(source, "README.md", "exec"), module.__dict__)
+        exec(compile(source, filename, "exec"), module.__dict__)
     said = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
             if _shown(w)]
     assert said == [], "\n".join(said)
-    assert capfd.readouterr().err == ""
+    err = [line for line in capfd.readouterr().err.splitlines() if not _MACHINE_NOTE.search(line)]
+    assert err == []
 
 
-@pytest.mark.parametrize("first_line", list(CASES))
-def test_block_runs_without_a_warning(first_line, monkeypatch, tmp_path, capfd):
-    block = python_blocks()[first_line]
-    case = CASES[first_line]
-    for old, new in case.replace:
-        assert old in block, f"README block changed: {old!r} not in it"
+# torch 2.15's inductor imports torch.utils.cpp_extension, which logs this once per process on a
+# machine that has a CUDA toolkit (an nvcc under /usr/local) but no CUDA runtime: a note about the
+# machine, printed by torch whatever the code, not a warning a block's user could act on.
+_MACHINE_NOTE = re.compile(r"torch/utils/cpp_extension\.py:\d+\].*No CUDA runtime is found, using CUDA_HOME=")
+
+
+@pytest.mark.parametrize(("page", "first_line"), _listed_blocks())
+def test_block_runs_without_a_warning(page, first_line, monkeypatch, tmp_path, capfd):
+    block = python_blocks(page)[first_line]
+    run = BLOCKS[page][first_line]
+    for old, new in run.replace:
+        assert old in block, f"{page}: block changed: {old!r} not in it"
         block = block.replace(old, new)
-    _run_quietly(_CONTEXT + textwrap.dedent(block) + case.after, monkeypatch, tmp_path, capfd)
+    _run_quietly(_CONTEXT + textwrap.dedent(block) + run.after, monkeypatch, tmp_path, capfd, filename=page)
 
 
 _TINY = _ROOT / "examples" / "tiny_mlp.py"

@@ -88,7 +88,7 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
 
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
 def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
-    """The README's example (max_grad_norm, no grad_norm given) reproduces unscale_ +
+    """The example of docs/compiled-step.md (max_grad_norm, no grad_norm given) reproduces unscale_ +
     clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
     ours, ref, _ = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=0.05,
                             grad_norm=None, backend="aot_eager", poison=FP16_POISON, n=8)
@@ -234,7 +234,7 @@ def _no_amp_fx_warnings() -> Any:
 
 
 def test_lr_scheduler_keeps_working_without_recompiles() -> None:
-    """The README's pattern: a scheduler changing lr compiles once more, silently (the lr is then a
+    """The pattern of docs/compiled-step.md: a scheduler changing lr compiles once more, silently (the lr is then a
     device tensor inside the step), and users still read a float lr from param_groups."""
     model, ref_model = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref_model.parameters())

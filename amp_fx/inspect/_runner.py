@@ -307,7 +307,7 @@ def weights_split_by_graph_breaks(run: AmpRun) -> dict[str, list[int]]:
 
     Eager autocast casts such a weight once for the whole autocast region and sums its uses'
     gradients in the low dtype; amp_fx without the weight cache casts it once per graph, so the
-    sum is in fp32: a known difference, not bitwise (README, Known differences). The backend
+    sum is in fp32: a known difference, not bitwise (docs/parity.md, Known differences). The backend
     reports it as a shortfall of a user's compiled model; inside the inspection tools it is part
     of what they report (:func:`split_weight_note`). All graphs are of one call here, so
     two graphs of one frame (a recompile within the call) count too.

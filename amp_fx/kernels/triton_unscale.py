@@ -12,8 +12,8 @@ most ``chunk`` elements and each chunk becomes one row ``(address of its first e
 of elements)`` and one Triton program. Addresses and counts are int64, so tensors with more than
 2^31 elements are fine; the per-program offsets are < ``chunk`` and fit in int32.
 
-Bytes moved on a GPU (README paragraph)
----------------------------------------
+Bytes moved on a GPU (docs/loss-scaling.md)
+-------------------------------------------
 Per gradient element the kernel reads the element once and writes it once in its own dtype:
 8 bytes for fp32, 4 bytes for fp16/bf16. The rest is negligible: a 16-byte table row per chunk
 of 65536 elements (0.003 % of the fp32 gradient bytes), one 4-byte inverse-scale load per

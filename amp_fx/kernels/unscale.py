@@ -15,7 +15,8 @@ The ops take one device and one dtype; the Python functions ``unscale_check_`` a
 Dispatch (``_use_triton``): the Triton kernel of ``triton_unscale`` runs on CUDA tensors, and on
 CPU tensors only when triton was imported with ``TRITON_INTERPRET=1`` (the interpreter, for
 tests). Otherwise CPU tensors take ``cpu_unscale``, built on torch's CPU kernels, and CUDA
-tensors under the interpreter (which cannot read GPU memory) take torch's CUDA kernels.
+tensors under the interpreter (which cannot read GPU memory) or without triton take torch's CUDA
+kernels.
 
 Example::
 
@@ -35,7 +36,12 @@ from collections.abc import Sequence
 
 import torch
 
-from amp_fx.kernels import cpu_unscale, triton_unscale
+from amp_fx.kernels import cpu_unscale
+
+try:
+    from amp_fx.kernels import triton_unscale
+except ImportError:  # no triton wheel for this platform (macOS, Windows; see pyproject.toml)
+    triton_unscale = None  # type: ignore[assignment]
 
 __all__ = ["unscale_check_", "unscale_check_norm_"]
 
@@ -49,8 +55,11 @@ def _use_triton(device: torch.device) -> bool:
 
     True for CUDA when the kernel is compiled, and for CPU when it is interpreted
     (``TRITON_INTERPRET=1`` set before triton was imported). Everything else takes torch's own
-    kernels, which have the same semantics bit for bit.
+    kernels, which have the same semantics bit for bit (and so does everything where triton is
+    not installed).
     """
+    if triton_unscale is None:
+        return False
     if triton_unscale.is_interpreted():
         return device.type == "cpu"
     return device.type == "cuda"

@@ -28,10 +28,14 @@ def percentile(values: list[float], q: float) -> float:
 
 def machine_lines() -> list[str]:
     """Versions, machine and load, printed above every table."""
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:  # platforms without a triton wheel (pyproject.toml's marker)
+        triton_version = "not installed"
     return [
-        (f"torch {torch.__version__}, triton {triton.__version__}, "
+        (f"torch {torch.__version__}, triton {triton_version}, "
          f"python {platform.python_version()}"),
         (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
          f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "

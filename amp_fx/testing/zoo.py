@@ -276,7 +276,7 @@ class ZooEntry:
     split_params: tuple[str, ...] = ()
     """Parameters the forward uses on both sides of a graph break: amp_fx reports each (an
     ``AmpFxWarning``, an error in strict mode), since their gradients add up in fp32 where eager
-    autocast adds them in the low dtype (README, Known differences)."""
+    autocast adds them in the low dtype (docs/parity.md, Known differences)."""
     dynamo_config: tuple[tuple[str, object], ...] = ()
     """``torch._dynamo.config`` settings under which Dynamo captures the model at all: by default
     Dynamo skips any frame that calls nn.LSTM/nn.GRU and runs it in eager (``allow_rnn``)."""
