@@ -28,7 +28,8 @@ it replaces, ``unscale_`` followed by ``clip_grad_norm_``, moves 20 bytes per fp
 (unscale read + write, norm read, clip-multiply read + write) and so is predicted at 8/20 = 0.4
 of the ceiling before its extra launches; the fused kernel with the norm is predicted 2.5x
 faster than it (1.5x faster than ``unscale_`` + a norm pass without the clip multiply, 12
-bytes). These are predictions from the byte count: no GPU was available to measure them. """
+bytes). These are predictions from the byte count: no GPU was available to measure them.
+"""
 
 from __future__ import annotations
 
