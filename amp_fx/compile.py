@@ -20,6 +20,7 @@ from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
 from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
+from amp_fx.overflow import ForwardWatch
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.weight_cache import WeightCache
 
@@ -169,6 +170,7 @@ class AmpCompiledModule(torch.nn.Module):
         options = {"dtype": backend.dtype, "policy": backend.policy, "backend": backend.backend,
                    "fold": backend.fold, "strict": backend.reporter.strict,
                    "weight_cache": backend.weight_cache is not None,
+                   "watch_nonfinite": backend.watch is not None,
                    **self._amp_fx_compile_kwargs}
         if backend.inductor_config:
             options["options"] = dict(backend.inductor_config)
@@ -191,6 +193,11 @@ class AmpCompiledModule(torch.nn.Module):
     def amp_fx_weight_cache(self) -> WeightCache | None:
         """The weight-cast cache (``compile(..., weight_cache=True)``), else None."""
         return self._amp_fx_backend.weight_cache
+
+    @property
+    def amp_fx_watch(self) -> ForwardWatch | None:
+        """The forward record of ``compile(..., watch_nonfinite=True)`` (``amp_fx.overflow``), else None."""
+        return self._amp_fx_backend.watch
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -249,6 +256,7 @@ def compile(
     fold: bool = True,
     strict: bool | None = None,
     weight_cache: bool = False,
+    watch_nonfinite: bool = False,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -268,6 +276,10 @@ def compile(
         weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
             once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;
             keeps a low-precision copy of the parameters alive between steps).
+        watch_nonfinite: record, on the device and for each call, the first op (in graph order)
+            whose low-precision output holds an inf/NaN (``amp_fx.overflow``); an
+            ``amp_fx.GradScaler`` that ``watch()``-es the model names it in ``overflow_report()``.
+            Values computed are unchanged.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
 
     Returns:
@@ -296,7 +308,8 @@ def compile(
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
                              inductor_config=inductor_config, root=root, reporter=reporter,
-                             weight_cache=_weight_cache_for(weight_cache, policy, root, reporter))
+                             weight_cache=_weight_cache_for(weight_cache, policy, root, reporter),
+                             watch_nonfinite=bool(watch_nonfinite))
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         if is_fsdp1(model_or_fn):
@@ -309,6 +322,7 @@ def compile(
     compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
+    compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
 
