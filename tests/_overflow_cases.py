@@ -152,13 +152,14 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     planted = PLANTED_STEP if rank == 0 else None
     model = make_model()
-    ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True))
+    # broadcast_buffers=False: DDP would otherwise copy rank 0's planted gain to rank 1 in the forward
+    ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True), broadcast_buffers=False)
     scaler = make_scaler()
     scaler.watch(ddp)
     out["scaler"] = [_plain(r) for r in run_scaler(model, ddp, scaler, planted)]
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(DDP(model), opt, loss_fn, backend="aot_eager", watch_nonfinite=True,
+    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager", watch_nonfinite=True,
                                scaler=make_scaler())
     out["step"] = [_plain(r) for r in run_step(step, model, planted)]
     return out
