@@ -368,6 +368,9 @@ class CompiledStep:
                         logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
                                     "compiled step takes it as a device tensor from now on, so that it "
                                     "does not recompile for each value", i, before_g[key], value)
+                elif key == "lr" and isinstance(value, torch.Tensor) and value.dim() == 0:
+                    # amp_fx.skip_aware: the lr became a device tensor, updated in place from now on
+                    self._expect_recompile = True
                 elif not self._eager_optimizer:
                     self._eager_optimizer = True
                     self._report.did_less(

@@ -146,8 +146,9 @@ def run_step(step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, st
 def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     """DDP on 2 gloo ranks, the overflow planted on rank 0 only: ``DDP(amp_fx.compile(model))`` +
     ``amp_fx.GradScaler`` and ``compile_step(DDP(model))``, both watched, aot_eager."""
-    import amp_fx
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import amp_fx
 
     out: dict[str, Any] = {}
     planted = PLANTED_STEP if rank == 0 else None

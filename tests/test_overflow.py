@@ -199,3 +199,73 @@ def test_weight_cache_with_the_watch(reference_gradients):
                                scaler=make_scaler())
     _check_reports(run_step(step, model), reference_gradients, watched=True)
 
+
+
+# ------------------------------------------------------------------ skip-aware LR scheduling
+SCHEDULERS = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.9**e),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, [2, 5], 0.3),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 10, eta_min=0.01),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, 0.1, 1.0, 5),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=14, cycle_momentum=False),
+}
+SKIPS = (2, 3, 7)
+
+
+class _Flag:
+    """Stands for a scaler: ``last_step_skipped`` is a 0-dim bool tensor."""
+
+    last_step_skipped = torch.tensor(False)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_skip_aware_scheduler_stands_still_on_skipped_steps(name):
+    """Reference: the same scheduler stepped only after steps that were not skipped (decided on the
+    host). Ours: every step, the decision on the device. The lr is an fp32 tensor: equal within
+    one fp32 rounding of the reference's fp64 value (rtol 2^-23; the closed forms differ from
+    torch's recursive ones by a few fp64 ulps, far below that)."""
+    model = torch.nn.Linear(2, 2)
+    ref_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref, flag = SCHEDULERS[name](ref_opt), _Flag()
+    ours = amp_fx.skip_aware(SCHEDULERS[name](opt), flag)
+    seen = []
+    for i in range(12):
+        flag.last_step_skipped = torch.tensor(i in SKIPS)
+        if i not in SKIPS:
+            ref.step()
+        ours.step()
+        got = opt.param_groups[0]["lr"]
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), torch.tensor(ref_opt.param_groups[0]["lr"], dtype=torch.float64),
+                                   rtol=2.0**-23, atol=0)
+        seen.append(float(got))
+    assert len(set(seen)) > 2  # the schedule moved
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=10),  # cycles momentum too
+], ids=["ReduceLROnPlateau", "OneCycleLR-cycle_momentum"])
+def test_skip_aware_refuses_schedulers_it_cannot_hold(make):
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="amp_fx.skip_aware"):
+        amp_fx.skip_aware(make(opt), _Flag())
+
+
+def test_skip_aware_with_compile_step_holds_lr_on_the_planted_skip():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=2.0**-3)
+    ref_opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=2.0**-3)
+    ref = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", scaler=make_scaler())
+    sched = amp_fx.skip_aware(torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), step)
+    for i, (x, y) in enumerate(batches(STEPS + 2)):
+        plant(model, i)
+        step(x, y)
+        sched.step()
+        if i != PLANTED_STEP:
+            ref.step()
+        assert float(opt.param_groups[0]["lr"]) == ref_opt.param_groups[0]["lr"], i  # powers of two: exact
+    assert_steps_are_sync_free(step, batches(2, seed=9))
