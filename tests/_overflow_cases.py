@@ -160,8 +160,8 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     out["scaler"] = [_plain(r) for r in run_scaler(model, ddp, scaler, planted)]
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager", watch_nonfinite=True,
-                               scaler=make_scaler())
+    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
+                               watch_nonfinite=True, scaler=make_scaler())
     out["step"] = [_plain(r) for r in run_step(step, model, planted)]
     return out
 
