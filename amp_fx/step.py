@@ -451,6 +451,7 @@ class CompiledStep:
         logger.info("amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
                     "follows them and recompiles its optimizer part once", len(self._params), len(params))
         self._params = params
+        self._slots = self.scaler._skip_record.register(params)  # amp_fx/overflow.py: new params, new slots
         self._seen_groups = _group_values(self.optimizer)
         if self._lowp_writer is not None:
             self._lowp_writer = StepWriter(self._lowp_writer.cache, params)
