@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_unscale_check_", "cpu_unscale_check_norm_"]
+__all__ = ["cpu_unscale_check_", "cpu_unscale_check_norm_", "torch_unscale_check_per_tensor_"]
 
 # 2^20 elements: the best of 2^15 .. 2^21 measured (2^19 is within noise). Smaller pieces pay
 # the ~10 us per-op dispatch and OpenMP fork more often; 2^21 (8 MiB fp32) starts to fall out of
@@ -42,10 +42,18 @@ def cpu_unscale_check_(
     """
     if flags is None:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        return
+    else:
+        torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
+
+
+def torch_unscale_check_per_tensor_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor
+) -> None:
+    """torch's kernel (any device, any dtype) once per tensor, each with its own flag: raises
+    ``flags[i]`` where ``grads[i]`` held an inf/NaN, and ``found_inf`` where any did."""
     local = _LocalFlags(len(grads), found_inf)
-    for i, g in enumerate(grads):
-        torch._amp_foreach_non_finite_check_and_unscale_([g], local.slots[i], inv_scale)
+    for g, slot in zip(grads, local.slots, strict=True):
+        torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv_scale)
     local.publish(found_inf, flags)
 
 

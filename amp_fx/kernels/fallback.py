@@ -17,6 +17,8 @@ from typing import cast
 
 import torch
 
+from amp_fx.kernels.cpu_unscale import torch_unscale_check_per_tensor_
+
 __all__ = ["unscale_check_any_dtype_", "torch_unscale_check_"]
 
 logger = logging.getLogger(__name__)
@@ -50,18 +52,6 @@ def _fused_unscale_kernel() -> _UnscaleFn | None:
     return cast(_UnscaleFn, unscale_check_)
 
 
-def _torch_unscale_check_flags_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor
-) -> None:
-    """torch's kernel once per tensor, each with its own flag (no extra pass over the data)."""
-    local = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
-    for g, slot in zip(grads, local.unbind(), strict=True):
-        torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv_scale)
-    torch.maximum(flags, local, out=flags)
-    if local.numel():
-        found_inf.copy_(torch.maximum(found_inf.reshape(()), local.amax()).reshape(found_inf.shape))
-
-
 def unscale_check_any_dtype_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
@@ -73,7 +63,7 @@ def unscale_check_any_dtype_(
         if flags is None:
             torch_unscale_check_(grads, found_inf, inv_scale)
         else:
-            _torch_unscale_check_flags_(grads, found_inf, inv_scale, flags)
+            torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
         return
     ours = [i for i, g in enumerate(grads) if g.dtype in _FUSED_UNSCALE_DTYPES]
     rest = [i for i, g in enumerate(grads) if g.dtype not in _FUSED_UNSCALE_DTYPES]
@@ -89,7 +79,7 @@ def unscale_check_any_dtype_(
         torch_unscale_check_([grads[i] for i in rest], found_inf, inv_scale)
     else:
         own = flags.new_zeros(len(rest))
-        _torch_unscale_check_flags_([grads[i] for i in rest], found_inf, inv_scale, own)
+        torch_unscale_check_per_tensor_([grads[i] for i in rest], found_inf, inv_scale, own)
         _scatter_max_(flags, rest, own)
 
 

@@ -123,16 +123,11 @@ def _unscale_check_impl(
 def _torch_unscale_check_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor | None
 ) -> None:
-    """torch's kernel on another device (a GPU under the Triton interpreter); per-tensor flags
-    through one call per tensor with that tensor's flag."""
+    """torch's kernel on another device (a GPU under the Triton interpreter)."""
     if flags is None:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        return
-    local = torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device)
-    for g, slot in zip(grads, local.unbind(), strict=True):
-        torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv_scale)
-    torch.maximum(flags, local, out=flags)
-    found_inf.copy_(torch.maximum(found_inf.reshape(()), local.amax()).reshape(found_inf.shape))
+    else:
+        cpu_unscale.torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
 
 
 _unscale_check_op = torch.library.custom_op(
