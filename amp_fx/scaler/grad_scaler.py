@@ -24,7 +24,10 @@ reciprocal is not finite (0 after about 166 back-offs from 2**16, or a float32 d
 counts as an overflow, so the step is skipped instead of turning ``0 * inf`` into NaN.
 
 Device-side statistics: ``skipped_steps`` and ``last_step_skipped`` are 0-dim tensors, read
-without a sync until the caller reads them.
+without a sync until the caller reads them. Overflow provenance (``amp_fx.overflow``): the fused
+unscale also flags each non-finite gradient; ``update()`` keeps the most recent skipped step's
+index and flags (and, after ``watch(model)`` of a model compiled with ``watch_nonfinite=True``, its
+first non-finite forward op) on the device; ``overflow_report()`` reads them when asked.
 """
 
 from __future__ import annotations
