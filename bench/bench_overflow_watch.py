@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--llama-layers", type=int, default=4)
     p.add_argument("--llama-width", type=int, default=256)
     p.add_argument("--only", choices=["compiled", "eager"], default=None)
+    p.add_argument("--model", choices=["gpt2", "llama"], default=None, help="one model only (default: both)")
     args = p.parse_args()
 
     models = {
@@ -139,6 +140,8 @@ def main() -> None:
         f"Llama-like {args.llama_layers}x{args.llama_width}": lambda: llama(args.llama_layers, args.llama_width,
                                                                              args.vocab),
     }
+    if args.model is not None:
+        models = {k: v for k, v in models.items() if k.lower().startswith(args.model[:3])}
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     batch = (x, x.roll(-1, dims=1))
