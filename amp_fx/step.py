@@ -225,12 +225,13 @@ class CompiledStep:
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
         # amp_fx/overflow.py: the scaler's skip record names this model's parameters and forward ops
-        # (the forward's module paths start with "model." (the compiled function's self.model) or,
-        # under DDP, "module.").
+        # (the forward's module paths start with "model." (the compiled function's self.model), under
+        # DDP with "module.", and under FSDP2 (the model compiled itself) with nothing).
         record = scaler._skip_record
         record.names = root_names(model)[1]
         record.watch = getattr(self._forward, "amp_fx_watch", None)
-        record.prefixes = ("module.",) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else ("model.",)
+        record.prefixes = (("module.",) if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                           else () if is_fsdp2(model) else ("model.",))
         self._slots = record.register(self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
