@@ -8,6 +8,7 @@ import logging
 from amp_fx.compile import AmpCompiledModule, compile, records, uncompile
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.inspect import CompareReport, Explanation, NonfiniteReport, compare, explain, find_nonfinite
+from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step
@@ -16,7 +17,7 @@ __all__ = ["compile", "AmpCompiledModule", "records", "uncompile", "Policy", "Ca
            "EagerError", "AmpRunError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
            "find_nonfinite", "NonfiniteReport", "compile_step", "CompiledStep", "GradNorm",
-           "GradScaler", "ScalerMode", "StepMode"]
+           "GradScaler", "ScalerMode", "StepMode", "OverflowReport", "FirstOp", "skip_aware"]
 __version__ = "0.1.0"
 
 # Every module logs to logging.getLogger(__name__), a child of this logger. A library adds only a

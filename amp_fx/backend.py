@@ -1,6 +1,7 @@
 """The torch.compile backend: capture, run the passes, hand the graph to the downstream backend.
 
-    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> --fold_casts--> downstream
+    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> --fold_casts-->
+        [--watch_nonfinite-->] downstream
 
 Every graph Dynamo captures (one per graph break) goes through the same pipeline, and each leaves
 a :class:`GraphRecord` on the backend, in capture order, for inspection tools.
@@ -32,10 +33,12 @@ from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
 from amp_fx.errors import AmpFxError
+from amp_fx.overflow import ForwardWatch
 from amp_fx.passes import meta
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import lift_weight_casts
+from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
 from amp_fx.policy import CastClass, Policy, _module_matches
 from amp_fx.weight_cache import WeightCache
 
@@ -58,6 +61,8 @@ class GraphRecord:
     inserted: InsertRecord
     folded: FoldRecord
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    watched: WatchRecord | None = None
+    """The ops ``watch_nonfinite`` watches (None when the watch is off)."""
 
     @property
     def casts(self) -> int:
@@ -108,8 +113,10 @@ class AmpBackend:
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
                  fold: bool = True, inductor_config: dict[str, Any] | None = None,
                  root: torch.nn.Module | None = None, reporter: Reporter | None = None,
-                 weight_cache: WeightCache | None = None) -> None:
+                 weight_cache: WeightCache | None = None, watch_nonfinite: bool = False) -> None:
         self.dtype = dtype
+        self.watch: ForwardWatch | None = ForwardWatch() if watch_nonfinite else None
+        """amp_fx/overflow.py (``watch_nonfinite=True``): the first non-finite forward op, on the device."""
         self.weight_cache = weight_cache
         """amp_fx/weight_cache.py (``weight_cache=True``): fills the graphs' lifted weight casts."""
         self.policy = policy
@@ -154,10 +161,10 @@ class AmpBackend:
                 fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
             else:
                 fake_args.append(node.meta.get("example_value", real))
+        index = len(self.records)
         work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
                           device_type=graph_device_type(fake_args),
-                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs])
-        index = len(self.records)
+                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index)
         timings: dict[str, float] = {}
         done: list[str] = []
         for stage in PIPELINE:
@@ -168,7 +175,8 @@ class AmpBackend:
                 stage.run(self, work)
         record = GraphRecord(index=index, device_type=work.device_type, dtype=self.dtype,
                              dynamo_graph=gm, captured=work.captured, rewritten=work.gm,
-                             inserted=work.inserted, folded=work.folded, pass_seconds=timings)
+                             inserted=work.inserted, folded=work.folded, pass_seconds=timings,
+                             watched=work.watched)
         log.debug("amp_fx graph %d:\n%s", record.index, record)
         return record
 
@@ -194,11 +202,18 @@ class AmpBackend:
                 compiled = self.weight_cache.wrap(compiled, lifted)
         runs = self.runs
         guarded: set[type] = set()
+        watch, index = self.watch, record.index
+        if watch is not None:
+            assert record.watched is not None
+            watch.add_graph(index, record.watched.ops)
 
         def run_without_autocast(*args: Any) -> Any:
             runs.count += 1
             with torch._C._DisableAutocast():
                 out = compiled(*args)
+            if watch is not None:  # the watch's output (amp_fx/passes/watch_nonfinite.py) is the last
+                watch.ran(index, out[-1])
+                out = type(out)(out[:-1])
             if torch.is_grad_enabled():
                 _refuse_double_backward(out, guarded)
             return out
@@ -626,6 +641,9 @@ class _GraphWork:
     """A copy of the ATen graph before the passes (for inspection)."""
     inserted: InsertRecord = field(default_factory=InsertRecord)
     folded: FoldRecord = field(default_factory=FoldRecord)
+    index: int = 0
+    """The graph's index in the backend's records."""
+    watched: WatchRecord | None = None
 
 
 def _capture(backend: AmpBackend, work: _GraphWork) -> None:
@@ -646,6 +664,11 @@ def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
     work.gm, work.folded = fold_casts(work.gm)
 
 
+def _watch_nonfinite(backend: AmpBackend, work: _GraphWork) -> None:
+    with work.fake_mode:
+        work.gm, work.watched = watch_nonfinite(work.gm, dtype=backend.dtype)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One step of the pipeline: its name (in timings, logs and errors) and what it runs."""
@@ -659,6 +682,7 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("capture", _capture),
     Stage("insert_casts", _insert_casts),
     Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
+    Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda backend: backend.watch is not None),
 )
 """What the backend runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
 

@@ -22,6 +22,7 @@ from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
 from amp_fx.capture import is_cacheable_leaf
 from amp_fx.errors import AmpFxError
+from amp_fx.overflow import ForwardWatch
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.weight_cache import WeightCache
 
@@ -233,6 +234,7 @@ class AmpCompiledModule(torch.nn.Module):
         options = {"dtype": backend.dtype, "policy": backend.policy, "backend": backend.backend,
                    "fold": backend.fold, "strict": backend.reporter.strict,
                    "weight_cache": backend.weight_cache is not None,
+                   "watch_nonfinite": backend.watch is not None,
                    **self._amp_fx_compile_kwargs}
         if backend.inductor_config:
             options["options"] = dict(backend.inductor_config)
@@ -264,6 +266,11 @@ class AmpCompiledModule(torch.nn.Module):
     def amp_fx_weight_cache(self) -> WeightCache | None:
         """The weight-cast cache (``compile(..., weight_cache=True)``), else None."""
         return self._amp_fx_backend.weight_cache
+
+    @property
+    def amp_fx_watch(self) -> ForwardWatch | None:
+        """The forward record of ``compile(..., watch_nonfinite=True)`` (``amp_fx.overflow``), else None."""
+        return self._amp_fx_backend.watch
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -457,6 +464,7 @@ def compile(
     strict: bool | None = None,
     weight_cache: bool = False,
     inplace: bool = False,
+    watch_nonfinite: bool = False,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -480,6 +488,10 @@ def compile(
             ``model(...)``, and every method that calls ``self(...)`` (Hugging Face ``generate``),
             then run amp_fx's compiled forward; ``model.forward(...)`` stays the eager forward.
             :func:`uncompile` undoes it. Modules only.
+        watch_nonfinite: record, on the device and for each call, the first op (in graph order)
+            whose low-precision output holds an inf/NaN (``amp_fx.overflow``); an
+            ``amp_fx.GradScaler`` that ``watch()``-es the model names it in ``overflow_report()``.
+            Values computed are unchanged.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -500,17 +512,19 @@ def compile(
         raise TypeError(f"amp_fx: inplace must be True or False, got {inplace!r}")
     if inplace:
         return _compile_inplace(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold,
-                                strict=strict, weight_cache=weight_cache, **torch_compile_kwargs)
+                                strict=strict, weight_cache=weight_cache, watch_nonfinite=watch_nonfinite,
+                                **torch_compile_kwargs)
     if _inplace_call(model_or_fn) is not None:
         raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
                          "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
                          "or amp_fx.uncompile(model) first to wrap it instead")
     return _compile(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
-                    weight_cache=weight_cache, **torch_compile_kwargs)
+                    weight_cache=weight_cache, watch_nonfinite=watch_nonfinite, **torch_compile_kwargs)
 
 
 def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None, backend: str | Backend,
-             fold: bool, strict: bool | None, weight_cache: bool, **torch_compile_kwargs: Any) -> F:
+             fold: bool, strict: bool | None, weight_cache: bool, watch_nonfinite: bool,
+             **torch_compile_kwargs: Any) -> F:
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
     if not isinstance(policy, Policy):
@@ -526,7 +540,8 @@ def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None,
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
                              inductor_config=inductor_config, root=root, reporter=reporter,
-                             weight_cache=_weight_cache_for(weight_cache, policy, root, reporter))
+                             weight_cache=_weight_cache_for(weight_cache, policy, root, reporter),
+                             watch_nonfinite=bool(watch_nonfinite))
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         if is_fsdp1(model_or_fn):
@@ -539,6 +554,7 @@ def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None,
     compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
+    compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
 

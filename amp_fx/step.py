@@ -76,6 +76,7 @@ from amp_fx.backend import Backend
 from amp_fx.compile import _weight_cache_off_for_fsdp2
 from amp_fx.compile import compile as amp_compile
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
+from amp_fx.overflow import OverflowReport, root_names
 from amp_fx.policy import Policy, resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
 from amp_fx.scaler.snapshot import copy_state, restore_where_, same_value, unique_params
@@ -193,7 +194,8 @@ class CompiledStep:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
                  config: _Config, scaler: GradScaler, backend: str | Backend, policy: Policy | None,
-                 dynamic: bool | None, strict: bool | None = None, weight_cache: bool = False) -> None:
+                 dynamic: bool | None, strict: bool | None = None, weight_cache: bool = False,
+                 watch_nonfinite: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -213,13 +215,24 @@ class CompiledStep:
             weight_cache = False
         self._forward = distributed_forward(  # DDP/FSDP2: per-unit capture, no grad sync within a window
             self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
-                                                      dynamic=dynamic, strict=strict, weight_cache=weight_cache),
+                                                      dynamic=dynamic, strict=strict, weight_cache=weight_cache,
+                                                      watch_nonfinite=watch_nonfinite),
         ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
-                         backend=backend, dynamic=dynamic, strict=strict, weight_cache=weight_cache)
+                         backend=backend, dynamic=dynamic, strict=strict, weight_cache=weight_cache,
+                         watch_nonfinite=watch_nonfinite)
         # amp_fx/weight_cache.py: the low-precision copies are written with the update (under
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
+        # amp_fx/overflow.py: the scaler's skip record names this model's parameters and forward ops
+        # (the forward's module paths start with "model." (the compiled function's self.model), under
+        # DDP with "module.", and under FSDP2 (the model compiled itself) with nothing).
+        record = scaler._skip_record
+        record.names = root_names(model)[1]
+        record.watch = getattr(self._forward, "amp_fx_watch", None)
+        record.prefixes = (("module.",) if isinstance(model, torch.nn.parallel.DistributedDataParallel)
+                           else () if is_fsdp2(model) else ("model.",))
+        self._slots = record.register(self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
@@ -251,6 +264,18 @@ class CompiledStep:
     def skipped_steps(self) -> torch.Tensor:
         """0-dim int64 tensor: optimizer steps skipped so far."""
         return self.scaler.skipped_steps
+
+    @property
+    def last_skipped_step(self) -> torch.Tensor:
+        """0-dim int64 tensor: the index of the most recent skipped step (-1: none); no sync."""
+        return self.scaler.last_skipped_step
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Why the most recent skipped step was skipped (``amp_fx.GradScaler.overflow_report``): its
+        index, the parameters whose gradients held an inf/NaN and, with ``watch_nonfinite=True``,
+        the first forward op whose low-precision output did. None if no step was skipped since the
+        last report. The one host read; the step itself reads nothing."""
+        return self.scaler.overflow_report()
 
     @property
     def micro_step(self) -> int:
@@ -344,6 +369,9 @@ class CompiledStep:
                         logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
                                     "compiled step takes it as a device tensor from now on, so that it "
                                     "does not recompile for each value", i, before_g[key], value)
+                elif key == "lr" and isinstance(value, torch.Tensor) and value.dim() == 0:
+                    # amp_fx.skip_aware: the lr became a device tensor, updated in place from now on
+                    self._expect_recompile = True
                 elif not self._eager_optimizer:
                     self._eager_optimizer = True
                     self._report.did_less(
@@ -424,6 +452,7 @@ class CompiledStep:
         logger.info("amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
                     "follows them and recompiles its optimizer part once", len(self._params), len(params))
         self._params = params
+        self._slots = self.scaler._skip_record.register(params)  # amp_fx/overflow.py: new params, new slots
         self._seen_groups = _group_values(self.optimizer)
         if self._lowp_writer is not None:
             self._lowp_writer = StepWriter(self._lowp_writer.cache, params)
@@ -543,28 +572,32 @@ class CompiledStep:
         inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
         sharded = self._sharded  # FSDP2: local shards, the flag and the norm combined across ranks
         params = self._params if sharded is None else sharded.params
-        grads = [p.grad for p in params if p.grad is not None]
+        present = [i for i, p in enumerate(params) if p.grad is not None]
+        grads = [params[i].grad for i in present]
+        # amp_fx/overflow.py: which gradients held an inf/NaN, from the same kernel pass (FSDP2: not
+        # recorded, the local shards would need their own all-reduce)
+        flags = None if sharded is not None else torch.zeros(len(grads), dtype=torch.float32, device=inv_scale.device)
         max_norm = self.config.max_grad_norm
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
-            unscale_check_(grads, found_inf, torch.ones_like(inv_scale))
+            unscale_check_(grads, found_inf, torch.ones_like(inv_scale), flags=flags)
             grad_scale = state.scale.clone()
             if sharded is not None:
                 found_inf = sharded.combine_found_inf(found_inf)
         elif max_norm is None:
-            unscale_check_(grads, found_inf, inv_scale)
+            unscale_check_(grads, found_inf, inv_scale, flags=flags)
             if sharded is not None:
                 found_inf = sharded.combine_found_inf(found_inf)
         else:
             if self.config.grad_norm is GradNorm.FUSED:
-                sum_sq = unscale_check_norm_(grads, found_inf, inv_scale)
+                sum_sq = unscale_check_norm_(grads, found_inf, inv_scale, flags=flags)
                 if sharded is not None:
                     found_inf = sharded.combine_found_inf(found_inf)
                     sum_sq = sharded.global_sum(sum_sq)
                 total_norm = sum_sq.sqrt()
             else:
-                unscale_check_(grads, found_inf, inv_scale)
+                unscale_check_(grads, found_inf, inv_scale, flags=flags)
                 norms = torch._foreach_norm(grads, 2.0)
                 if sharded is not None:
                     found_inf = sharded.combine_found_inf(found_inf)
@@ -581,9 +614,26 @@ class CompiledStep:
                 self._lowp_writer.in_finish()  # the low-precision copies, in the update's pass
         rules.update_scale_(state, rule, found_inf)
         rules.record_step_(state, found_inf)
+        self._record_skip(found_inf, present, flags)
         if self._fused:
             return grad_scale, found_inf
         return None
+
+    def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor | None) -> None:
+        """The scaler's skip record (amp_fx/overflow.py), traced into the finish: the flags of the
+        gradients present, in the record's slots, and the forward watch's first op."""
+        record = self.scaler._skip_record
+        assert record.flags is not None
+        n = record.flags.numel()
+        slots = [self._slots[i] for i in present]
+        if flags is None:
+            step_flags = record.flags.new_zeros(n)
+        elif slots == list(range(n)):
+            step_flags = flags
+        else:
+            step_flags = record.flags.new_zeros(n).index_copy(
+                0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags)
+        record.record_(found_inf, step_flags, record.watch.take() if record.watch is not None else None)
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
         """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).
@@ -653,6 +703,7 @@ def compile_step(
     dynamic: bool | None = None,
     strict: bool | None = None,
     weight_cache: bool = False,
+    watch_nonfinite: bool = False,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -694,6 +745,9 @@ def compile_step(
             variable decides.
         weight_cache: cast each fp32 parameter once per optimizer step, in the same pass that
             updates it (see ``amp_fx.weight_cache``), instead of once per micro-batch.
+        watch_nonfinite: record on the device the first forward op whose low-precision output
+            holds an inf/NaN, named by :meth:`CompiledStep.overflow_report` (``amp_fx.overflow``).
+            Values are unchanged; the gradients' flags are recorded either way.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -733,4 +787,5 @@ def compile_step(
            if not isinstance(v, list)):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
     return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, backend=backend,
-                        policy=policy, dynamic=dynamic, strict=strict, weight_cache=weight_cache)
+                        policy=policy, dynamic=dynamic, strict=strict, weight_cache=weight_cache,
+                        watch_nonfinite=watch_nonfinite)

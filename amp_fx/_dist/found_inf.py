@@ -61,12 +61,13 @@ class ShardedGrads:
         return bool(self._meshes)
 
     def combine_found_inf_(self, per_device: dict[torch.device, torch.Tensor],
-                           scale: torch.Tensor) -> None:
+                           scale: torch.Tensor, grad_flags: list[torch.Tensor] | None = None) -> None:
         """All-reduce (MAX) the flags across the ranks of the meshes, in one collective, in place.
 
         ``per_device`` maps each gradient device to its flag. A rank whose shards are all empty
         has no flag yet: one is added on ``scale``'s device, because every rank must join the
-        collective. Nothing happens when no gradient was sharded.
+        collective. Nothing happens when no gradient was sharded. ``grad_flags``: per-gradient
+        flags (amp_fx/overflow.py; same length on every rank) combined in the same collective.
         """
         if not self._meshes:
             return
@@ -77,7 +78,13 @@ class ShardedGrads:
         flags = list(per_device.values())
         combined = flags[0] if len(flags) == 1 else torch.stack(
             [f.reshape(()).to(scale.device) for f in flags]).amax()
-        dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._group())
+        extra = [g.to(scale.device) for g in grad_flags or []]
+        packed = torch.cat([combined.reshape(1).to(scale.device), *extra]) if extra else combined
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group())
+        if extra:
+            combined.copy_(packed[0].to(combined.device).reshape(combined.shape))
+            for g, part in zip(grad_flags or [], packed[1:].split([e.numel() for e in extra]), strict=True):
+                g.copy_(part.to(g.device))
         for f in flags:
             if f is not combined:
                 f.copy_(combined.to(f.device).reshape(f.shape))

@@ -239,4 +239,5 @@ def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module],
 
     forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
     forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]
+    forward.amp_fx_watch = compiled.amp_fx_watch  # type: ignore[attr-defined]
     return forward

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_unscale_check_", "cpu_unscale_check_norm_"]
+__all__ = ["cpu_unscale_check_", "cpu_unscale_check_norm_", "torch_unscale_check_per_tensor_"]
 
 # 2^20 elements: the best of 2^15 .. 2^21 measured (2^19 is within noise). Smaller pieces pay
 # the ~10 us per-op dispatch and OpenMP fork more often; 2^21 (8 MiB fp32) starts to fall out of
@@ -30,23 +30,64 @@ _CACHE_CHUNK = 1 << 20
 
 
 def cpu_unscale_check_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> None:
-    """Unscale ``grads`` in place and flag inf/NaN: exactly torch's fused CPU kernel."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    """Unscale ``grads`` in place and flag inf/NaN: exactly torch's fused CPU kernel.
+
+    With ``flags`` (fp32 [len(grads)]), ``flags[i]`` is raised to 1.0 when ``grads[i]`` held an
+    inf/NaN. torch's CPU kernel loops over the tensors one by one anyway, so calling it once per
+    tensor with that tensor's own flag costs no extra pass over the data, only a dispatch per
+    tensor (about 4 us here).
+    """
+    if flags is None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    else:
+        torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
+
+
+def torch_unscale_check_per_tensor_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor
+) -> None:
+    """torch's kernel (any device, any dtype) once per tensor, each with its own flag: raises
+    ``flags[i]`` where ``grads[i]`` held an inf/NaN, and ``found_inf`` where any did."""
+    local = _LocalFlags(len(grads), found_inf)
+    for g, slot in zip(grads, local.slots, strict=True):
+        torch._amp_foreach_non_finite_check_and_unscale_([g], slot, inv_scale)
+    local.publish(found_inf, flags)
+
+
+class _LocalFlags:
+    """A fresh zeroed flag per tensor; ``publish`` raises the caller's flags from them."""
+
+    def __init__(self, n: int, found_inf: torch.Tensor) -> None:
+        self.values = torch.zeros(n, dtype=torch.float32, device=found_inf.device)
+        self.slots = self.values.unbind()
+
+    def publish(self, found_inf: torch.Tensor, flags: torch.Tensor) -> None:
+        if self.values.numel() == 0:
+            return
+        torch.maximum(flags, self.values, out=flags)
+        found_inf.copy_(torch.maximum(found_inf.reshape(()), self.values.amax()).reshape(found_inf.shape))
 
 
 def _cache_sized_batches(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``_owned_batches`` without the owners."""
+    return [[piece for piece, _ in batch] for batch in _owned_batches(grads)]
+
+
+def _owned_batches(grads: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, int]]]:
     """Group grads into batches of about ``_CACHE_CHUNK`` elements, splitting large ones.
 
     Contiguous tensors larger than a chunk are split into flat views; small tensors are grouped
     so that one foreach call covers many of them. Non-contiguous tensors are kept whole (they
-    cannot be viewed flat), which is correct, only less cache-friendly.
+    cannot be viewed flat), which is correct, only less cache-friendly. Each piece comes with the
+    index of its tensor in ``grads``.
     """
-    batches: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
+    batches: list[list[tuple[torch.Tensor, int]]] = []
+    current: list[tuple[torch.Tensor, int]] = []
     current_numel = 0
-    for g in grads:
+    for owner, g in enumerate(grads):
         if g.numel() == 0:
             continue
         if g.is_contiguous() and g.numel() > _CACHE_CHUNK:
@@ -54,7 +95,7 @@ def _cache_sized_batches(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         else:
             pieces = [g]
         for piece in pieces:
-            current.append(piece)
+            current.append((piece, owner))
             current_numel += piece.numel()
             if current_numel >= _CACHE_CHUNK:
                 batches.append(current)
@@ -76,18 +117,29 @@ def _sum_of_squares_fp64(batch: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cpu_unscale_check_norm_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unscale and check like ``cpu_unscale_check_``; return the fp32 0-dim sum of squares.
 
     The squares are of the unscaled values as stored in the gradient dtype, so the square root
     of the result is ``torch.linalg.vector_norm`` of the unscaled gradients (what
-    ``clip_grad_norm_`` computes after ``unscale_``) up to fp32 summation order.
+    ``clip_grad_norm_`` computes after ``unscale_``) up to fp32 summation order. ``flags``: as in
+    ``cpu_unscale_check_`` (each piece of a batch checked with its tensor's flag).
     """
     partials: list[torch.Tensor] = []
-    for batch in _cache_sized_batches(grads):
-        torch._amp_foreach_non_finite_check_and_unscale_(batch, found_inf, inv_scale)
+    local = None if flags is None else _LocalFlags(len(grads), found_inf)
+    for owned in _owned_batches(grads):
+        batch = [piece for piece, _ in owned]
+        if local is None:
+            torch._amp_foreach_non_finite_check_and_unscale_(batch, found_inf, inv_scale)
+        else:
+            for piece, owner in owned:
+                torch._amp_foreach_non_finite_check_and_unscale_([piece], local.slots[owner], inv_scale)
         partials.append(_sum_of_squares_fp64(batch))
+    if local is not None:
+        assert flags is not None
+        local.publish(found_inf, flags)
     if not partials:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
     return torch.stack(partials).sum().to(torch.float32)

@@ -17,11 +17,13 @@ from typing import cast
 
 import torch
 
+from amp_fx.kernels.cpu_unscale import torch_unscale_check_per_tensor_
+
 __all__ = ["unscale_check_any_dtype_", "torch_unscale_check_"]
 
 logger = logging.getLogger(__name__)
 
-_UnscaleFn = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
+_UnscaleFn = Callable[..., None]
 _FUSED_UNSCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
@@ -51,16 +53,36 @@ def _fused_unscale_kernel() -> _UnscaleFn | None:
 
 
 def unscale_check_any_dtype_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> None:
-    """Check and unscale gradients of one device in place, any floating dtype."""
+    """Check and unscale gradients of one device in place, any floating dtype. ``flags`` (fp32,
+    one per gradient): raised to 1.0 where that gradient held an inf/NaN."""
     fused = _fused_unscale_kernel()
     if fused is None:
-        torch_unscale_check_(grads, found_inf, inv_scale)
+        if flags is None:
+            torch_unscale_check_(grads, found_inf, inv_scale)
+        else:
+            torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
         return
-    ours = [g for g in grads if g.dtype in _FUSED_UNSCALE_DTYPES]
-    rest = [g for g in grads if g.dtype not in _FUSED_UNSCALE_DTYPES]
+    ours = [i for i, g in enumerate(grads) if g.dtype in _FUSED_UNSCALE_DTYPES]
+    rest = [i for i, g in enumerate(grads) if g.dtype not in _FUSED_UNSCALE_DTYPES]
+    if not rest:
+        fused(grads, found_inf, inv_scale, flags=flags)
+        return
     if ours:
-        fused(ours, found_inf, inv_scale)
-    if rest:
-        torch_unscale_check_(rest, found_inf, inv_scale)
+        own = None if flags is None else flags.new_zeros(len(ours))
+        fused([grads[i] for i in ours], found_inf, inv_scale, flags=own)
+        if flags is not None and own is not None:
+            _scatter_max_(flags, ours, own)
+    if flags is None:
+        torch_unscale_check_([grads[i] for i in rest], found_inf, inv_scale)
+    else:
+        own = flags.new_zeros(len(rest))
+        torch_unscale_check_per_tensor_([grads[i] for i in rest], found_inf, inv_scale, own)
+        _scatter_max_(flags, rest, own)
+
+
+def _scatter_max_(flags: torch.Tensor, indices: list[int], values: torch.Tensor) -> None:
+    where = torch.tensor(indices, dtype=torch.int64, device=flags.device)
+    flags.index_copy_(0, where, torch.maximum(flags.index_select(0, where), values))

@@ -14,21 +14,21 @@ of elements)`` and one Triton program. Addresses and counts are int64, so tensor
 
 Bytes moved on a GPU (docs/loss-scaling.md)
 -------------------------------------------
-Per gradient element the kernel reads the element once and writes it once in its own dtype:
-8 bytes for fp32, 4 bytes for fp16/bf16. The rest is negligible: a 16-byte table row per chunk
-of 65536 elements (0.003 % of the fp32 gradient bytes), one 4-byte inverse-scale load per
-program, one 4-byte partial sum per program with ``compute_norm`` and a 4-byte flag store only in
-programs that saw an inf/NaN. That is exactly the traffic of an in-place ``torch._foreach_mul_``,
-the memory ceiling, so the kernel should reach the ceiling's bandwidth up to launch and tail
-effects (0.95 of it or better for 64M elements is the target). Full tiles use 16-byte vector
-loads and stores, which ``test_kernel_compiles_for_gpu_with_vector_accesses`` checks in the
-PTX; the loop is otherwise a handful of ALU instructions per element, far below what an H100
-issues per byte of HBM. The path it replaces, ``unscale_`` followed by ``clip_grad_norm_``,
-moves 20 bytes per fp32 element (unscale read + write, norm read, clip-multiply read + write)
-and so is predicted at 8/20 = 0.4 of the ceiling before its extra launches; the fused kernel
-with the norm is predicted 2.5x faster than it (1.5x faster than ``unscale_`` + a norm pass
-without the clip multiply, 12 bytes). These are predictions from the byte count: no GPU was
-available to measure them.
+Per gradient element the kernel reads the element once and writes it once in its own dtype: 8
+bytes for fp32, 4 bytes for fp16/bf16. The rest is negligible: a 24-byte table row per chunk of
+65536 elements (0.005 % of the fp32 gradient bytes), one 4-byte inverse-scale load per program,
+one 4-byte partial sum per program with ``compute_norm`` and 4-byte flag stores (the step's flag
+and, with ``flags``, the tensor's) only in programs that saw an inf/NaN. That is exactly the
+traffic of an in-place ``torch._foreach_mul_``, the memory ceiling, so the kernel should reach
+the ceiling's bandwidth up to launch and tail effects (0.95 of it or better for 64M elements is
+the target). Full tiles use 16-byte vector loads and stores, which
+``test_kernel_compiles_for_gpu_with_vector_accesses`` checks in the PTX; the loop is otherwise a
+handful of ALU instructions per element, far below what an H100 issues per byte of HBM. The path
+it replaces, ``unscale_`` followed by ``clip_grad_norm_``, moves 20 bytes per fp32 element
+(unscale read + write, norm read, clip-multiply read + write) and so is predicted at 8/20 = 0.4
+of the ceiling before its extra launches; the fused kernel with the norm is predicted 2.5x
+faster than it (1.5x faster than ``unscale_`` + a norm pass without the clip multiply, 12
+bytes). These are predictions from the byte count: no GPU was available to measure them.
 """
 
 from __future__ import annotations
@@ -148,24 +148,29 @@ def _unscale_check_kernel(
     found_inf_ptr,
     inv_scale_ptr,
     partial_ptr,
+    flags_ptr,
     ELEM: tl.constexpr,
     BLOCK: tl.constexpr,
     SPAN: tl.constexpr,
     COMPUTE_NORM: tl.constexpr,
     ALIGNED: tl.constexpr,
+    HAS_FLAGS: tl.constexpr,
 ):
     """Unscale one chunk in place, flag inf/NaN, and optionally sum the squares of the result.
 
     Pointers:
-        table_ptr: int64 [n_chunks, 2], contiguous. Row ``pid`` is (byte address of the chunk's
-            first element, number of elements in the chunk, 1 <= n <= chunk); rows are written
-            by ``_chunk_table`` on the host.
+        table_ptr: int64 [n_chunks, 3], contiguous. Row ``pid`` is (byte address of the chunk's
+            first element, number of elements in the chunk, 1 <= n <= chunk, index of the
+            chunk's tensor in the caller's list); rows are written by ``_chunk_table`` on the host.
         found_inf_ptr: fp32 [] (0-dim). Raised to 1.0 (``atomic_max``) if any element of the
             chunk is inf or NaN *before* the multiply; not written otherwise.
         inv_scale_ptr: fp32 [] (0-dim). The inverse loss scale, read on the device.
         partial_ptr: fp32 [n_chunks]. With COMPUTE_NORM, program ``pid`` writes the fp32 sum of
             the squares of its chunk's unscaled values as stored (after the cast back to ELEM).
             Unused otherwise (any tensor may be passed).
+        flags_ptr: fp32 [n_tensors]. With HAS_FLAGS, element ``i`` is raised to 1.0
+            (``atomic_max``) by every program of tensor ``i`` that saw an inf/NaN: the per-tensor
+            record of the same check, in the same pass. Unused otherwise.
 
     ELEM is the gradients' dtype (tl.float32, tl.float16 or tl.bfloat16). SPAN bounds the
     tile loop: a power of two, at least BLOCK, and at least the longest chunk in the table. ALIGNED promises that
@@ -176,9 +181,9 @@ def _unscale_check_kernel(
     is exactly 1.0, as in ``torch._amp_foreach_non_finite_check_and_unscale_``.
     """
     pid = tl.program_id(0)
-    address = tl.load(table_ptr + 2 * pid)
+    address = tl.load(table_ptr + 3 * pid)
     # n <= chunk, so int32 index math (cheaper than int64 on a GPU) cannot overflow.
-    n = tl.load(table_ptr + 2 * pid + 1).to(tl.int32)
+    n = tl.load(table_ptr + 3 * pid + 1).to(tl.int32)
     ptr = address.to(tl.pointer_type(ELEM))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
@@ -201,6 +206,8 @@ def _unscale_check_kernel(
             )
     if tl.max(nonfinite, axis=0) > 0:
         tl.atomic_max(found_inf_ptr, 1.0)
+        if HAS_FLAGS:
+            tl.atomic_max(flags_ptr + tl.load(table_ptr + 3 * pid + 2), 1.0)
     if COMPUTE_NORM:
         tl.store(partial_ptr + pid, tl.sum(sum_sq, axis=0))
 
@@ -222,10 +229,11 @@ def _is_dense_block(t: torch.Tensor) -> bool:
 
 
 def _chunk_table_host(
-    addresses: list[int], numels: list[int], element_size: int, chunk: int
+    addresses: list[int], numels: list[int], owners: list[int], element_size: int, chunk: int
 ) -> torch.Tensor:
-    """The int64 [n_chunks, 2] table (chunk address, chunk length), built on the host."""
+    """The int64 [n_chunks, 3] table (chunk address, chunk length, tensor index), on the host."""
     addresses_t = torch.tensor(addresses, dtype=torch.int64)
+    owners_t = torch.tensor(owners, dtype=torch.int64)
     numels_t = torch.tensor(numels, dtype=torch.int64)
     chunks_per_tensor = (numels_t + chunk - 1) // chunk
     owner = torch.repeat_interleave(torch.arange(len(addresses)), chunks_per_tensor)
@@ -236,6 +244,7 @@ def _chunk_table_host(
         [
             addresses_t[owner] + start * element_size,
             torch.clamp(numels_t[owner] - start, max=chunk),
+            owners_t[owner],
         ],
         dim=1,
     )
@@ -252,20 +261,21 @@ _CAPTURED_TABLES: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = 
 _MAX_TABLES = 64
 
 
-def _chunk_table(flat: list[torch.Tensor], chunk: int, device: torch.device) -> torch.Tensor:
-    """The int64 [n_chunks, 2] table (chunk address, chunk length) for dense-block tensors."""
+def _chunk_table(flat: list[torch.Tensor], owners: list[int], chunk: int, device: torch.device) -> torch.Tensor:
+    """The int64 [n_chunks, 3] table (chunk address, chunk length, index of the tensor in the
+    caller's list: ``owners[i]`` for ``flat[i]``) for dense-block tensors."""
     element_size = flat[0].element_size()
     addresses = [t.data_ptr() for t in flat]
     numels = [t.numel() for t in flat]
     if device.type == "cpu":
-        return _chunk_table_host(addresses, numels, element_size, chunk)
-    key = (device, element_size, chunk, tuple(addresses), tuple(numels))
+        return _chunk_table_host(addresses, numels, owners, element_size, chunk)
+    key = (device, element_size, chunk, tuple(addresses), tuple(numels), tuple(owners))
     hit = _CAPTURED_TABLES.get(key) or _TABLES.get(key)
     if hit is not None:
         if key in _TABLES:
             _TABLES.move_to_end(key)
         return hit[1]
-    host = _chunk_table_host(addresses, numels, element_size, chunk).pin_memory()
+    host = _chunk_table_host(addresses, numels, owners, element_size, chunk).pin_memory()
     # Pinned + non_blocking: the copy is queued on the current stream without a host sync.
     table = host.to(device, non_blocking=True)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -293,6 +303,7 @@ def launch_unscale_check(
     inv_scale: torch.Tensor,
     *,
     compute_norm: bool,
+    flags: torch.Tensor | None = None,
     block: int = BLOCK,
     chunk: int = CHUNK,
 ) -> torch.Tensor | None:
@@ -305,6 +316,9 @@ def launch_unscale_check(
         found_inf: fp32 0-dim tensor; set to 1.0 if any element is inf/NaN before unscaling.
         inv_scale: fp32 0-dim tensor on the same device.
         compute_norm: also return the sum of squares of the unscaled gradients.
+        flags: optional fp32 [len(grads)] tensor on the same device: ``flags[i]`` is raised to
+            1.0 if ``grads[i]`` holds an inf/NaN (before unscaling), in the same pass; never
+            cleared.
         block, chunk: tile and chunk sizes (powers of two, ``chunk`` a multiple of ``block``);
             tests shrink them to put block and chunk boundaries inside small tensors.
 
@@ -316,7 +330,8 @@ def launch_unscale_check(
     if block & (block - 1) or chunk % block:
         raise ValueError(f"block={block} must be a power of two dividing chunk={chunk}")
     device = found_inf.device
-    nonempty = [g for g in grads if g.numel() > 0]
+    owners = [i for i, g in enumerate(grads) if g.numel() > 0]
+    nonempty = [grads[i] for i in owners]
     if not nonempty:
         return torch.zeros((), dtype=torch.float32, device=device) if compute_norm else None
     dtype = nonempty[0].dtype
@@ -329,7 +344,7 @@ def launch_unscale_check(
             buffer = g.contiguous()
             copies.append((g, buffer))
             flat.append(buffer)
-    table = _chunk_table(flat, chunk, device)
+    table = _chunk_table(flat, owners, chunk, device)
     n_chunks = table.shape[0]
     partials = (
         torch.empty(n_chunks, dtype=torch.float32, device=device) if compute_norm else found_inf
@@ -339,11 +354,13 @@ def launch_unscale_check(
         found_inf,
         inv_scale,
         partials,
+        found_inf if flags is None else flags,
         ELEM=_TORCH_TO_TL[dtype],
         BLOCK=block,
         SPAN=_span(flat, block, chunk),
         COMPUTE_NORM=compute_norm,
         ALIGNED=all(t.data_ptr() % 16 == 0 for t in flat),
+        HAS_FLAGS=flags is not None,
         num_warps=NUM_WARPS,
     )
     for g, buffer in copies:

@@ -3,8 +3,10 @@
 Ops (namespace ``amp_fx``), traceable by ``torch.compile`` without a graph break thanks to their
 fake implementations:
 
-- ``torch.ops.amp_fx.unscale_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale)
-  -> ()``: in place, the semantics of ``torch._amp_foreach_non_finite_check_and_unscale_``.
+- ``torch.ops.amp_fx.unscale_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale,
+  Tensor(c!)? flags) -> ()``: in place, the semantics of
+  ``torch._amp_foreach_non_finite_check_and_unscale_``; with ``flags`` (fp32 ``[len(grads)]``)
+  also which gradients held an inf/NaN, recorded in the same pass.
 - ``torch.ops.amp_fx.unscale_check_norm_(...) -> Tensor``: the same, and returns the fp32 0-dim
   sum of squares of the unscaled gradients (values as stored in their dtype, upcast to fp32),
   so ``clip_grad_norm_``'s total norm is its square root with no second read of the gradients.
@@ -32,7 +34,8 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -65,8 +68,17 @@ def _use_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _check_flags(flags: torch.Tensor | None, n: int, device: torch.device) -> None:
+    if flags is None:
+        return
+    if flags.dtype != torch.float32 or flags.shape != (n,) or flags.device != device:
+        raise ValueError(f"flags must be a float32 tensor of shape ({n},) (one per gradient) on {device}, got "
+                         f"{flags.dtype} with shape {tuple(flags.shape)} on {flags.device}")
+
+
 def _check_group(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> None:
     """Validate the op's inputs; errors name the offending tensor and what was expected."""
     for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
@@ -78,6 +90,7 @@ def _check_group(
     device = found_inf.device
     if inv_scale.device != device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {device}")
+    _check_flags(flags, len(grads), device)
     dtype = grads[0].dtype if grads else None
     for i, g in enumerate(grads):
         if g.layout != torch.strided:
@@ -102,42 +115,57 @@ def _check_group(
 
 
 def _unscale_check_impl(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> None:
-    _check_group(grads, found_inf, inv_scale)
+    _check_group(grads, found_inf, inv_scale, flags)
     if not grads:
         return
     if _use_triton(found_inf.device):
-        triton_unscale.launch_unscale_check(grads, found_inf, inv_scale, compute_norm=False)
+        triton_unscale.launch_unscale_check(grads, found_inf, inv_scale, compute_norm=False, flags=flags)
+    elif found_inf.device.type == "cpu":
+        cpu_unscale.cpu_unscale_check_(grads, found_inf, inv_scale, flags)
     else:
-        cpu_unscale.cpu_unscale_check_(grads, found_inf, inv_scale)
+        _torch_unscale_check_(grads, found_inf, inv_scale, flags)
+
+
+def _torch_unscale_check_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor | None
+) -> None:
+    """torch's kernel on another device (a GPU under the Triton interpreter)."""
+    if flags is None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    else:
+        cpu_unscale.torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
 
 
 _unscale_check_op = torch.library.custom_op(
-    "amp_fx::unscale_check_", mutates_args=("grads", "found_inf"))(_unscale_check_impl)
+    "amp_fx::unscale_check_", mutates_args=("grads", "found_inf", "flags"))(_unscale_check_impl)
 
 
 @_unscale_check_op.register_fake
-def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+      flags: torch.Tensor | None = None) -> None:
     # Validate here too: a meta/fake argument sends the call here, never to the real kernel.
-    _check_group(grads, found_inf, inv_scale)
+    _check_group(grads, found_inf, inv_scale, flags)
 
 
 def _unscale_check_norm_impl(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    _check_group(grads, found_inf, inv_scale)
+    _check_group(grads, found_inf, inv_scale, flags)
     device = found_inf.device
     if _use_triton(device):
         sum_sq = triton_unscale.launch_unscale_check(
-            grads, found_inf, inv_scale, compute_norm=True
+            grads, found_inf, inv_scale, compute_norm=True, flags=flags
         )
         assert sum_sq is not None  # compute_norm=True always returns a tensor
         return sum_sq
     if device.type == "cpu":
-        return cpu_unscale.cpu_unscale_check_norm_(grads, found_inf, inv_scale)
+        return cpu_unscale.cpu_unscale_check_norm_(grads, found_inf, inv_scale, flags)
     # A GPU under the Triton interpreter, or another device: torch's kernels, two passes.
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    _torch_unscale_check_(grads, found_inf, inv_scale, flags)
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
@@ -145,7 +173,7 @@ def _unscale_check_norm_impl(
 
 
 _unscale_check_norm_op = torch.library.custom_op(
-    "amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf"))(_unscale_check_norm_impl)
+    "amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf", "flags"))(_unscale_check_norm_impl)
 
 
 def _eager_cpu(found_inf: torch.Tensor) -> bool:
@@ -156,16 +184,37 @@ def _eager_cpu(found_inf: torch.Tensor) -> bool:
 
 
 @_unscale_check_norm_op.register_fake
-def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    _check_group(grads, found_inf, inv_scale)
+def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+      flags: torch.Tensor | None = None) -> torch.Tensor:
+    _check_group(grads, found_inf, inv_scale, flags)
     return found_inf.new_empty(())
+
+
+def _grouped_calls(
+    op: Callable[..., Any], grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    flags: torch.Tensor | None,
+) -> list[Any]:
+    """``op`` once per (device, dtype) group; ``flags`` (one per gradient, in ``grads`` order)
+    handed over whole for one group, else per group and scattered back into place."""
+    groups = _groups(grads, found_inf)
+    _check_flags(flags, len(grads), found_inf.device)
+    if flags is None or len(groups) <= 1:
+        return [op(group, found_inf, inv_scale, flags) for group, _ in groups.values()]
+    results = []
+    for group, indices in groups.values():
+        own = torch.zeros(len(group), dtype=torch.float32, device=found_inf.device)
+        results.append(op(group, found_inf, inv_scale, own))
+        where = torch.tensor(indices, dtype=torch.int64, device=flags.device)
+        flags.index_copy_(0, where, torch.maximum(flags.index_select(0, where), own))
+    return results
 
 
 def _groups(
     grads: Sequence[torch.Tensor], found_inf: torch.Tensor
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """Grads grouped by (device, dtype), in first-seen order; sparse and foreign devices fail."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
+    """Grads grouped by (device, dtype), in first-seen order, with their indices in ``grads``;
+    sparse and foreign devices fail."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"grads[{i}] is a {type(g).__name__}, expected a torch.Tensor")
@@ -179,12 +228,15 @@ def _groups(
                 f"grads[{i}] is on {g.device} but found_inf is on {found_inf.device}; "
                 "mixed devices are not supported: call once per device"
             )
-        groups.setdefault((g.device, g.dtype), []).append(g)
+        group, indices = groups.setdefault((g.device, g.dtype), ([], []))
+        group.append(g)
+        indices.append(i)
     return groups
 
 
 def unscale_check_(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, *,
+    flags: torch.Tensor | None = None,
 ) -> None:
     """Multiply every gradient by ``inv_scale`` in place; set ``found_inf`` to 1.0 on inf/NaN.
 
@@ -193,19 +245,21 @@ def unscale_check_(
     dtype) for dense fp32/fp16/bf16 gradients of any strides on one device. ``found_inf`` and
     ``inv_scale`` are 1-element fp32 tensors on that device, read and written there with no host
     sync; ``found_inf`` is only ever raised to 1.0, never cleared. One kernel launch per dtype;
-    an empty list is a no-op.
+    an empty list is a no-op. ``flags``: an optional fp32 tensor of shape ``[len(grads)]`` on that
+    device; ``flags[i]`` is raised to 1.0 (never cleared) if ``grads[i]`` held an inf/NaN,
+    recorded by the same kernel in the same pass.
 
     Raises:
         ValueError: a sparse gradient, a gradient on another device than ``found_inf``, an
             unsupported dtype, or an ill-formed ``found_inf``/``inv_scale``.
     """
     op = _unscale_check_impl if _eager_cpu(found_inf) else torch.ops.amp_fx.unscale_check_
-    for group in _groups(grads, found_inf).values():
-        op(group, found_inf, inv_scale)
+    _grouped_calls(op, grads, found_inf, inv_scale, flags)
 
 
 def unscale_check_norm_(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, *,
+    flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``unscale_check_`` that also returns the sum of squares of the unscaled gradients.
 
@@ -214,12 +268,12 @@ def unscale_check_norm_(
         ``float(g)**2`` for the unscaled values as stored in each gradient's dtype, accumulated
         in fp32 (partial sums combined in fp64). ``sqrt`` of it is the total norm that
         ``clip_grad_norm_`` would compute after ``unscale_``. 0.0 for an empty list; inf/NaN when
-        a gradient is non-finite, or when squares overflow fp32 (|g| > 1.8e19).
+        a gradient is non-finite, or when squares overflow fp32 (|g| > 1.8e19). ``flags``: as in
+        ``unscale_check_``.
     """
     total: torch.Tensor | None = None
     op = _unscale_check_norm_impl if _eager_cpu(found_inf) else torch.ops.amp_fx.unscale_check_norm_
-    for group in _groups(grads, found_inf).values():
-        sum_sq = op(group, found_inf, inv_scale)
+    for sum_sq in _grouped_calls(op, grads, found_inf, inv_scale, flags):
         total = sum_sq if total is None else total + sum_sq
     if total is None:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)

@@ -24,7 +24,10 @@ reciprocal is not finite (0 after about 166 back-offs from 2**16, or a float32 d
 counts as an overflow, so the step is skipped instead of turning ``0 * inf`` into NaN.
 
 Device-side statistics: ``skipped_steps`` and ``last_step_skipped`` are 0-dim tensors, read
-without a sync until the caller reads them.
+without a sync until the caller reads them. Overflow provenance (``amp_fx.overflow``): the fused
+unscale also flags each non-finite gradient; ``update()`` keeps the most recent skipped step's
+index and flags (and, after ``watch(model)`` of a model compiled with ``watch_nonfinite=True``, its
+first non-finite forward op) on the device; ``overflow_report()`` reads them when asked.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per
 from amp_fx._dist.found_inf import ShardedGrads
 from amp_fx._report import Reporter
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
+from amp_fx.overflow import OverflowReport, SkipRecord, forward_watch, root_names
 from amp_fx.scaler import rules
 from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot
 
@@ -213,6 +217,8 @@ class GradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._skipped_steps: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
+        # amp_fx/overflow.py: the most recent skipped step (index, gradient flags, forward op).
+        self._skip_record = SkipRecord()
         # Says once per optimizer that a masked step reads the flag on the host (strict=True, or
         # AMP_FX_STRICT when strict is None, turns that into an error).
         self._report = Reporter(strict)
@@ -253,6 +259,46 @@ class GradScaler(torch.amp.GradScaler):
             return torch.tensor(False)
         return self._last_found_inf != 0
 
+    # ---------------------------------------------------------------- overflow provenance
+    def watch(self, model: torch.nn.Module) -> None:
+        """Name gradients and forward ops in :meth:`overflow_report` after ``model``.
+
+        ``model``: the module being trained, as you call it (an ``amp_fx.compile``-d module, under
+        DDP or not, or a plain module). Parameters are named as the root module names them (no
+        ``module.``/``_orig_mod.`` prefixes), on every rank. If it was compiled with
+        ``watch_nonfinite=True``, the report also names the first forward op whose low-precision
+        output held an inf/NaN, kept on the device at each ``update()``.
+        """
+        _, names = root_names(model)
+        self._skip_record.names = names
+        self._skip_record.watch = forward_watch(model)
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Why the most recent skipped step was skipped; None if no step was skipped since the
+        last report (or ever). This is a host read (the only one: everything it reports is kept on
+        the device); call it when you want to know, e.g. every N steps or when ``skipped_steps``
+        grows. ``str()`` of the report is one line:
+        ``step 12 skipped: first inf at layers.3.mlp (aten.mm, fp16); 2 gradients non-finite (...)``.
+        """
+        if not self._enabled or self._skipped_steps is None:
+            return None
+        return self._skip_record.report(self._skipped_steps)
+
+    @property
+    def last_skipped_step(self) -> torch.Tensor:
+        """0-dim int64 device tensor: the index of the most recent skipped step (-1: none); no sync."""
+        if self._skip_record.step is None:
+            return torch.tensor(-1)
+        return self._skip_record.step.clone()
+
+    @property
+    def last_skip_gradient_flags(self) -> torch.Tensor:
+        """fp32 device tensor, one entry per parameter seen (in first-seen order): 1.0 where its
+        gradient held an inf/NaN at the most recent skipped step; no sync."""
+        if self._skip_record.flags is None:
+            return torch.zeros(0)
+        return self._skip_record.flags.clone()
+
     # ---------------------------------------------------------------- lazy state
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = (
@@ -279,6 +325,7 @@ class GradScaler(torch.amp.GradScaler):
             (), self._init_skipped_steps, dtype=torch.int64, device=dev
         )
         self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+        self._skip_record.init(dev)
 
     def _inv_scale_and_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``inv_scale`` and a found_inf that flags a scale with no finite reciprocal
@@ -387,6 +434,7 @@ class GradScaler(torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        per_device_params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         sharded = ShardedGrads()  # FSDP2: DTensor grads are unscaled through their local shard
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -409,13 +457,20 @@ class GradScaler(torch.amp.GradScaler):
                         to_unscale = param.grad
                     to_unscale = sharded.local(to_unscale)
                     per_device_grads[to_unscale.device].append(to_unscale)
+                    per_device_params[to_unscale.device].append(param)
 
+            grad_flags: list[tuple[list[torch.Tensor], torch.Tensor]] = []
             for device, grads in per_device_grads.items():
+                # amp_fx/overflow.py: which gradients held an inf/NaN, from the same kernel pass
+                flags = torch.zeros(len(grads), dtype=torch.float32, device=device)
                 unscale_check_any_dtype_(
-                    grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                    grads, per_device_found_inf.get(device), per_device_inv_scale.get(device), flags
                 )
-            # Sharded grads: one all-reduce of the flag across ranks; replicated: none.
-            sharded.combine_found_inf_(per_device_found_inf._per_device_tensors, inv_scale)
+                grad_flags.append((per_device_params[device], flags))
+            # Sharded grads: one all-reduce of the flags across ranks; replicated: none.
+            sharded.combine_found_inf_(per_device_found_inf._per_device_tensors, inv_scale,
+                                       [f for _, f in grad_flags])
+            self._per_optimizer_states[id(optimizer)]["amp_fx_grad_flags"] = grad_flags
 
         return per_device_found_inf._per_device_tensors
 
@@ -693,6 +748,11 @@ class GradScaler(torch.amp.GradScaler):
 
         if found_inf_combined is not None:
             rules.record_step_(state, found_inf_combined)
+            record = self._skip_record
+            pairs = [pair for s in self._per_optimizer_states.values() for pair in s.get("amp_fx_grad_flags", ())]
+            watch = record.watch
+            record.record_(found_inf_combined, record.step_flags(pairs) if pairs else record.flags.new_zeros(
+                record.flags.numel()), watch.take() if watch is not None else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters
@@ -844,12 +904,14 @@ class GradScaler(torch.amp.GradScaler):
             ):
                 state[name] = None
         del state["_stepped_optimizers"]  # weak references do not pickle; re-created empty
+        state["_skip_record"] = SkipRecord()  # device records and weak references: re-created empty
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["_stepped_optimizers"] = weakref.WeakSet()
         state.setdefault("_report", Reporter())  # pickled before the reporter existed
         state.pop("_warned_sync", None)
+        state.setdefault("_skip_record", SkipRecord())
         self.__dict__.update(state)
 
 

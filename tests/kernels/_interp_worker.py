@@ -32,7 +32,15 @@ def _run(case: _unscale_cases.Case, variant: str) -> dict[str, Any]:
     found_inf = torch.full((), case.found_inf_start, dtype=torch.float32)
     inv_scale = torch.tensor(case.inv_scale, dtype=torch.float32)
     sum_sq = None
-    if variant == "op_check":
+    flags = torch.zeros(len(grads)) if variant.endswith("flags") else None
+    if variant == "op_flags":
+        unscale.unscale_check_(grads, found_inf, inv_scale, flags=flags)
+    elif variant == "small_norm_flags":
+        sum_sq = triton_unscale.launch_unscale_check(
+            grads, found_inf, inv_scale, compute_norm=True, flags=flags,
+            block=_unscale_cases.SMALL_BLOCK, chunk=_unscale_cases.SMALL_CHUNK,
+        )
+    elif variant == "op_check":
         unscale.unscale_check_(grads, found_inf, inv_scale)
     elif variant == "op_norm":
         sum_sq = unscale.unscale_check_norm_(grads, found_inf, inv_scale)
@@ -53,6 +61,7 @@ def _run(case: _unscale_cases.Case, variant: str) -> dict[str, Any]:
         "strides": [g.stride() for g in grads],
         "found_inf": found_inf,
         "sum_sq": sum_sq,
+        "flags": flags,
     }
 
 
@@ -63,7 +72,7 @@ def main(out_path: str) -> None:
         "cases": {},
     }
     for case in _unscale_cases.all_cases():
-        for variant in ("op_check", "op_norm", "small_check", "small_norm"):
+        for variant in ("op_check", "op_norm", "small_check", "small_norm", "op_flags", "small_norm_flags"):
             results["cases"][(case.name, variant)] = _run(case, variant)
     torch.save(results, out_path)
 

@@ -74,3 +74,13 @@ def sum_sq_rtol(block: int, chunk: int) -> float:
     per-program partials to fp32: (chunk/block + block + 1) * u, 8e-6 with 128/512.
     """
     return (chunk // block + block + 1) * U32
+
+
+def reference_flags(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor flags: torch's check on each gradient alone (1.0 if it held an inf/NaN)."""
+    flags = torch.zeros(len(inputs), dtype=torch.float32)
+    for i, g in enumerate(inputs):
+        found = torch.zeros((), dtype=torch.float32)
+        reference_unscale_check_([g.clone()], found, torch.tensor(1.0))
+        flags[i] = found
+    return flags

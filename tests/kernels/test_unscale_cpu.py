@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _unscale_cases import Case, all_cases
-from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close
+from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close, reference_flags
 
 from amp_fx.kernels import cpu_unscale, triton_unscale, unscale, unscale_check_, unscale_check_norm_
 from amp_fx.testing.unscale_reference import reference_sum_of_squares_fp64
@@ -47,6 +47,49 @@ def _run_cpu(case: Case, with_norm: bool) -> None:
 @pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name)
 def test_cpu_path_matches_torch(case: Case, with_norm: bool) -> None:
     _run_cpu(case, with_norm)
+
+
+@pytest.mark.parametrize("with_norm", [False, True], ids=["check", "norm"])
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name)
+def test_cpu_path_per_tensor_flags(monkeypatch: pytest.MonkeyPatch, case: Case, with_norm: bool) -> None:
+    """flags[i] is torch's check of grads[i] alone; values, found_inf and the norm stay torch's
+    (the norm path with a 300-element cache chunk, so large tensors are split into pieces)."""
+    monkeypatch.setattr(cpu_unscale, "_CACHE_CHUNK", 300)
+    grads = case.grads()
+    inputs = [g.clone() for g in grads]
+    found_inf, flags = torch.full((), case.found_inf_start), torch.zeros(len(grads))
+    inv_scale = torch.tensor(case.inv_scale)
+    if with_norm:
+        sum_sq = cpu_unscale.cpu_unscale_check_norm_(grads, found_inf, inv_scale, flags)
+    else:
+        cpu_unscale.cpu_unscale_check_(grads, found_inf, inv_scale, flags)
+    expected = assert_same_as_torch(inputs, grads, found_inf, case.found_inf_start, case.inv_scale)
+    torch.testing.assert_close(flags, reference_flags(inputs), rtol=0, atol=0)
+    if with_norm:
+        assert_sum_sq_close(sum_sq, expected, rtol=_cpu_rtol(sum(g.numel() for g in grads)))
+
+
+@pytest.mark.parametrize("fn", [unscale_check_, unscale_check_norm_], ids=["check", "norm"])
+def test_flags_follow_gradient_order_across_dtype_groups(fn: object) -> None:
+    """Mixed dtypes run one kernel per dtype; each flag still lands at its gradient's index, and
+    flags already raised stay raised."""
+    grads = [torch.ones(3), torch.ones(5, dtype=torch.float16), torch.ones(4), torch.ones(0),
+             torch.ones(2, dtype=torch.bfloat16), torch.ones(7, dtype=torch.float16)]
+    grads[1][2] = float("inf")
+    grads[2][0] = float("nan")
+    grads[4][1] = float("-inf")
+    inputs = [g.clone() for g in grads]
+    flags = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    found_inf = torch.zeros(())
+    fn(grads, found_inf, torch.tensor(0.5), flags=flags)  # type: ignore[operator]
+    expected = torch.maximum(reference_flags(inputs), torch.tensor([0.0, 0, 0, 0, 0, 1]))
+    torch.testing.assert_close(flags, expected, rtol=0, atol=0)
+    assert found_inf.item() == 1.0
+
+
+def test_flags_of_wrong_shape_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"flags must be a float32 tensor of shape \(2,\)"):
+        unscale_check_([torch.ones(3), torch.ones(2)], torch.zeros(()), torch.tensor(1.0), flags=torch.zeros(3))
 
 
 @pytest.mark.parametrize("cache_chunk", [100, 1000])

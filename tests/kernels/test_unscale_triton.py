@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from _unscale_cases import Case, all_cases, launch_sizes
-from _unscale_checks import assert_same_as_torch, assert_sum_sq_close, sum_sq_rtol
+from _unscale_checks import assert_same_as_torch, assert_sum_sq_close, reference_flags, sum_sq_rtol
 
 from amp_fx.kernels import triton_unscale
 
@@ -65,6 +65,19 @@ def test_triton_matches_torch(interpreted: dict[str, Any], case: Case, variant: 
         assert result["sum_sq"] is None
 
 
+@pytest.mark.parametrize("variant", ["op_flags", "small_norm_flags"])
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c.name)
+def test_triton_per_tensor_flags(interpreted: dict[str, Any], case: Case, variant: str) -> None:
+    """The per-tensor flags (issue 21) are torch's check applied to each gradient on its own, and
+    recording them changes nothing else: values, found_inf and the norm stay torch's."""
+    result = interpreted["cases"][(case.name, variant)]
+    expected = assert_same_as_torch(
+        result["inputs"], result["outputs"], result["found_inf"], case.found_inf_start, case.inv_scale)
+    torch.testing.assert_close(result["flags"], reference_flags(result["inputs"]), rtol=0, atol=0)
+    if variant.endswith("norm_flags"):
+        assert_sum_sq_close(result["sum_sq"], expected, rtol=sum_sq_rtol(*launch_sizes(variant)))
+
+
 @pytest.mark.parametrize("elem", ["fp32", "fp16", "bf16"])
 def test_kernel_compiles_for_gpu_with_vector_accesses(elem: str) -> None:
     """The same kernel compiles for an H100 (sm_90, no GPU needed) with 16-byte accesses.
@@ -89,11 +102,13 @@ def test_kernel_compiles_for_gpu_with_vector_accesses(elem: str) -> None:
             "found_inf_ptr": "*fp32",
             "inv_scale_ptr": "*fp32",
             "partial_ptr": "*fp32",
+            "flags_ptr": "*fp32",
             "ELEM": "constexpr",
             "BLOCK": "constexpr",
             "SPAN": "constexpr",
             "COMPUTE_NORM": "constexpr",
             "ALIGNED": "constexpr",
+            "HAS_FLAGS": "constexpr",
         },
         constexprs={
             "ELEM": getattr(tl, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[elem]),
@@ -101,6 +116,7 @@ def test_kernel_compiles_for_gpu_with_vector_accesses(elem: str) -> None:
             "SPAN": triton_unscale.CHUNK,
             "COMPUTE_NORM": True,
             "ALIGNED": True,
+            "HAS_FLAGS": True,
         },
     )
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -1,0 +1,174 @@
+"""A small fp16 model with an overflow planted in one named module at one known step (issue 21),
+shared by tests/test_overflow.py and its DDP case (run in gloo ranks).
+
+``layers.1.mlp.down_proj`` multiplies its fp32 weight by a buffer ``gain`` before the layer: 1.0
+(exact, the layer is a plain Linear) except at the planted step, where it is 1e6 and the weight's
+fp16 cast (|w| * 1e6 > 65504) and the layer's output hold inf. Nothing else overflows there. The
+loss adds an auxiliary head on the input (``aux``), whose gradients stay finite when the main loss
+is inf: the non-finite gradients are a strict subset of the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PLANTED_MODULE = "layers.1.mlp.down_proj"
+PLANTED_STEP = 3
+STEPS = 5
+WIDTH = 16
+# 2^10, not torch's 2^16: at 2^16 this model's scaled fp16 gradients overflow by themselves at
+# step 0, a real skip that is not the planted one.
+INIT_SCALE = 2.0**10
+
+
+class DownProj(nn.Linear):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.gain, self.bias)
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down_proj = DownProj(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class PlantedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer() for _ in range(3)])
+        self.head = nn.Linear(WIDTH, 4)
+        self.aux = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h), self.aux(x)
+
+
+def make_model(seed: int = 0) -> PlantedNet:
+    torch.manual_seed(seed)
+    return PlantedNet()
+
+
+def make_scaler() -> Any:
+    import amp_fx
+
+    return amp_fx.GradScaler("cpu", init_scale=INIT_SCALE, step_mode=amp_fx.StepMode.MASKED)
+
+
+def loss_fn(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    main, aux = out
+    return F.mse_loss(main.float(), y) + aux.float().pow(2).mean()
+
+
+def batches(n: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, WIDTH, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(n)]
+
+
+def plant(model: nn.Module, step: int, planted: int | None = PLANTED_STEP) -> None:
+    """Set the gain of the planted module for ``step`` (1e6 at ``planted``, else 1.0)."""
+    root = model
+    while not isinstance(root, PlantedNet):
+        root = getattr(root, "module", None) or getattr(root, "original_module", None) or root._orig_mod
+    root.layers[1].mlp.down_proj.gain.fill_(1e6 if step == planted else 1.0)
+
+
+def eager_nonfinite_gradients(planted: int = PLANTED_STEP) -> list[str]:
+    """The reference: eager ``torch.autocast`` + ``torch.amp.GradScaler``, the names of the parameters
+    whose scaled gradients hold an inf/NaN at the planted step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    for i, (x, y) in enumerate(batches()):
+        plant(model, i, planted)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        if i == planted:
+            return [n for n, p in model.named_parameters() if not torch.isfinite(p.grad).all()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    raise AssertionError("the planted step was not reached")
+
+
+def run_scaler(model: nn.Module, compiled: Any, scaler: Any, planted: int | None = PLANTED_STEP,
+               steps: int = STEPS) -> list[Any]:
+    """``steps`` steps of the GradScaler recipe around ``compiled``; the report after each."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reports = []
+    for i, (x, y) in enumerate(batches(steps)):
+        plant(model, i, planted)
+        loss = loss_fn(compiled(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reports.append(scaler.overflow_report())
+    return reports
+
+
+def run_step(step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, steps: int = STEPS,
+             first: int = 0) -> list[Any]:
+    """``steps`` compiled steps; the report after each."""
+    reports = []
+    for i, (x, y) in enumerate(batches(first + steps)[first:], start=first):
+        plant(model, i, planted)
+        step(x, y)
+        reports.append(step.overflow_report())
+    return reports
+
+
+def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
+    """DDP on 2 gloo ranks, the overflow planted on rank 0 only: ``DDP(amp_fx.compile(model))`` +
+    ``amp_fx.GradScaler`` and ``compile_step(DDP(model))``, both watched, aot_eager."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import amp_fx
+
+    out: dict[str, Any] = {}
+    planted = PLANTED_STEP if rank == 0 else None
+    model = make_model()
+    # broadcast_buffers=False: DDP would otherwise copy rank 0's planted gain to rank 1 in the forward
+    ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True), broadcast_buffers=False)
+    scaler = make_scaler()
+    scaler.watch(ddp)
+    out["scaler"] = [_plain(r) for r in run_scaler(model, ddp, scaler, planted)]
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
+                               watch_nonfinite=True, scaler=make_scaler())
+    out["step"] = [_plain(r) for r in run_step(step, model, planted)]
+    return out
+
+
+def _plain(report: Any) -> Any:
+    if report is None:
+        return None
+    first = report.first_op
+    return {"step": report.step, "gradients": list(report.gradients), "str": str(report),
+            "first_op": None if first is None else (first.module, first.op)}
