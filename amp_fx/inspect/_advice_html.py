@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 import math
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from amp_fx._dtype_names import dtype_name
@@ -53,6 +55,20 @@ def _bar_chart(title: str, rows: list[tuple[str, float, str]], *, log_floor: flo
     return "\n".join(parts)
 
 
+def _picture(graph: Any) -> str:
+    """explain's summary and picture: the SVG inlined where Graphviz is installed, else the DOT."""
+    from amp_fx.errors import GraphvizNotFound
+
+    head = f"<h2>graph (amp_fx.explain)</h2><pre>{html.escape(graph.summary())}</pre>"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            svg = graph.to_svg(Path(tmp) / "graph.svg").read_text()
+        except GraphvizNotFound:
+            return (head + "<p>Graphviz (<code>dot</code>) is not installed: the picture as DOT text.</p>"
+                    f"<pre>{html.escape(graph.to_dot())}</pre>")
+    return head + f'<div class="graph">{svg[svg.find("<svg"):]}</div>'
+
+
 def render(advice: Any, graph: Any = None) -> str:
     """The page for an :class:`~amp_fx.inspect.advice.Advice`."""
     low = dtype_name(advice.dtype)
@@ -70,15 +86,11 @@ def render(advice: Any, graph: Any = None) -> str:
                                 [(s.name, s.headroom, colour(s)) for s in mods],
                                 log_floor=1e-8, mark=1.0, mark_label="overflow")
     charts = [error_chart, headroom_chart]
-    if advice.grads_measured:
+    if advice.grads_measured and any(s.grad_headroom is not None for s in mods):
         charts.append(_bar_chart(f"gradient headroom at loss scale {advice.loss_scale:g}",
                                  [(s.name, s.grad_headroom if s.grad_headroom is not None else math.nan,
                                    colour(s)) for s in mods], log_floor=1e-8, mark=1.0, mark_label="overflow"))
-    picture = ""
-    if graph is not None:
-        picture = ("<h2>graph (amp_fx.explain with the advised policy, Graphviz DOT)</h2>"
-                   f"<pre>{html.escape(graph.summary())}</pre>"
-                   f"<details><summary>DOT source</summary><pre>{html.escape(graph.to_dot())}</pre></details>")
+    picture = "" if graph is None else _picture(graph)
     cost = advice.cost
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>amp_fx.advise ({low})</title>

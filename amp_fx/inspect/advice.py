@@ -47,12 +47,12 @@ from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["advise", "Advice", "ModuleStats", "TrainingComparison", "DEFAULT_TARGETS"]
 
-DEFAULT_TARGETS = {torch.bfloat16: 0.25, torch.float16: 0.05}
+DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
-may leave. The defaults are 64 units of rounding (eps) of each dtype (bf16 eps = 2**-7, fp16 eps =
-2**-10): eager autocast's own error on GPT-2, Llama, BERT and ResNet-18 (random init, 2 layers x 64)
-stays below a fifth of that (tests/test_advise.py::test_real_model_no_false_alarm), while a hazard
-(inf/NaN, a signal lost to cancellation) costs order 1."""
+may leave: 32 units of rounding (eps) of the dtype, 0.25 for bf16 and 0.031 for fp16. Eager
+autocast's own error on GPT-2, Llama and BERT (random init, 2 layers x 64) is about 0.75 eps
+(tests/test_advise.py::test_real_model_no_false_alarm), 40 times below, while a hazard (inf/NaN,
+a signal lost to cancellation) costs order 1, hundreds of eps."""
 
 _LOW = (torch.float16, torch.bfloat16)
 _MAX_RUNS = 8
@@ -183,9 +183,6 @@ class _RunResult:
     modules: dict[str, ModuleStats]
     order: tuple[str, ...]
     """Module names in the order their first call finished."""
-    flops_fp32: float = 0.0
-    flops_total: float = 0.0
-    cast_bytes: int = 0
 
 
 @dataclass
@@ -259,6 +256,19 @@ class _CostCounter(TorchDispatchMode):
         return out
 
 
+def _cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...]
+          ) -> _CostCounter:
+    """One forward under the policy, no grad, counting FLOPs by dtype and cast bytes."""
+    m = private_copy(model)
+    _keep_in_fp32(m, keep, device_type)
+    counter = _CostCounter()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(SEED)
+        with torch.autocast(device_type, dtype=dtype), counter:
+            call.copy()(m)
+    return counter
+
+
 def _loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
     if loss_fn is None:
         return None
@@ -298,8 +308,7 @@ def _reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | 
 
 
 def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, device_type: str,
-                keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None,
-                count_cost: bool = False) -> _RunResult:
+                keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None) -> _RunResult:
     """One forward (and backward with ``loss_fn``) under autocast with ``keep`` in fp32, measured
     against ``ref`` module by module and end to end."""
     m = private_copy(model)
@@ -337,16 +346,11 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
         if name not in order:
             order.append(name)
 
-    counter = _CostCounter() if count_cost else None
     scale = _initial_scale(dtype)
     with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
         torch.manual_seed(SEED)
         with torch.autocast(device_type, dtype=dtype):
-            if counter is not None:
-                with counter:
-                    out = call.copy()(m)
-            else:
-                out = call.copy()(m)
+            out = call.copy()(m)
             loss = _loss_of(out, loss_fn)
     outs = _floats(out)
     output_error = _rel_error(outs, ref.out, finfo.tiny)
@@ -402,9 +406,7 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
             grad_headroom=_max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
             grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None)
     return _RunResult(keep, finite, error, loss_error, grad_error, output_error, scale,
-                      _with_findings(modules, dtype), tuple(order),
-                      counter.fp32 if counter else 0.0, counter.total if counter else 0.0,
-                      counter.cast_bytes if counter else 0)
+                      _with_findings(modules, dtype), tuple(order))
 
 
 def _inside(name: str, module: str) -> bool:
@@ -579,8 +581,9 @@ class Advice:
     """Per module, measured with the default policy, in the order their first call finished."""
     cost: Cost
     loss_scale: float
-    """The loss scale the gradients were measured at (GradScaler's initial 2**16 for fp16, backed
-    off by halving while they overflowed; 1 for bf16)."""
+    """The loss scale the advised policy's gradients were measured at: GradScaler's initial 2**16
+    for fp16, halved while they overflowed (as GradScaler backs off); 1 for bf16. The per-module
+    gradient headroom and underflow are at the initial scale."""
     runs: int
     """End-to-end policy runs made, the default policy's included (the float64 reference not)."""
     steps: tuple[str, ...] = ()
@@ -609,14 +612,14 @@ class Advice:
         shown = [s for s in ranked if s.name][:limit]
         for s in shown:
             row = [s.name, s.type, _fmt(s.output_error), _fmt(s.amplification, ".3g"), _fmt(s.headroom, ".2g"),
-                   _fmt(s.underflow, ".2g")]
+                   _fmt(s.weight_headroom, ".2g"), _fmt(s.underflow, ".2g")]
             if self.grads_measured:
                 row += [_fmt(s.grad_error), _fmt(s.grad_headroom), _fmt(s.grad_underflow)]
             row += [("KEPT " if s.name in self.keep_fp32 else "") + s.finding]
             rows.append(row)
-        headers = ["module", "type", "out err", "amplif.", "headroom", "underflow"]
+        headers = ["module", "type", "out err", "amplif.", "headroom", "w headroom", "underflow"]
         if self.grads_measured:
-            headers += ["grad err", f"grad headroom (x{self.loss_scale:g})", "grad underflow"]
+            headers += ["grad err", f"grad headroom (x{_initial_scale(self.dtype):g})", "grad underflow"]
         headers += ["finding"]
         text = tabulate(rows, headers=headers)
         hidden = len([s for s in self.modules if s.name]) - len(shown)
@@ -735,18 +738,15 @@ def advise(
     device_type = call.device_type(model)
     ref = _reference(model, call, loss_fn)
 
-    def run(keep: tuple[str, ...], cost: bool = False) -> _RunResult:
+    def run(keep: tuple[str, ...]) -> _RunResult:
         return _policy_run(model, call, ref, dtype=low, device_type=device_type, keep=keep,
-                           loss_fn=loss_fn, count_cost=cost)
+                           loss_fn=loss_fn)
 
-    base = run((), cost=True)
+    base = run(())
     ok = base.finite and base.error <= target
     best, runs, words = base, 1, []
     if not ok:
         best, runs, words = _search(base, run, target, low, max_runs)
-    if best.keep and best is not base:
-        best = run(best.keep, cost=True)
-        runs += 1
     verified = best.finite and best.error <= target
     policy = Policy(keep_fp32=best.keep)
     training = None
@@ -755,14 +755,15 @@ def advise(
         curves = [_train(model, call, loss_fn, optimizer, steps, dtype=d, device_type=device_type, keep=k)
                   for d, k in ((None, ()), (low, ()), (low, best.keep))]
         training = TrainingComparison(steps, *curves)
-    cost = Cost(fp32_flop_share=best.flops_fp32 / best.flops_total if best.flops_total else 0.0,
-                default_fp32_flop_share=base.flops_fp32 / base.flops_total if base.flops_total else 0.0,
-                cast_bytes=best.cast_bytes, default_cast_bytes=base.cast_bytes,
-                matmul_flops=base.flops_total)
+    c0 = _cost(model, call, dtype=low, device_type=device_type, keep=())
+    c1 = _cost(model, call, dtype=low, device_type=device_type, keep=best.keep) if best.keep else c0
+    cost = Cost(fp32_flop_share=c1.fp32 / c1.total if c1.total else 0.0,
+                default_fp32_flop_share=c0.fp32 / c0.total if c0.total else 0.0,
+                cast_bytes=c1.cast_bytes, default_cast_bytes=c0.cast_bytes, matmul_flops=c0.total)
     ordered = tuple(base.modules[n] for n in base.order if n in base.modules)
     return Advice(dtype=low, policy=policy, target=target, error=best.error,
                   baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
-                  loss_scale=base.scale, runs=runs, steps=tuple(words), training=training,
+                  loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
                   grads_measured=loss_fn is not None)
 
 
