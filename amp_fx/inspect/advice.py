@@ -289,12 +289,13 @@ def _reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | 
     def pre(name: str, args: Any, kwargs: Any) -> None:
         i = starts.get(name, 0)
         starts[name] = i + 1
-        inputs[(name, i)] = _floats((args, kwargs))
+        # copies: a later in-place op (ReLU(inplace=True) after a BatchNorm) must not change them
+        inputs[(name, i)] = [t.clone() for t in _floats((args, kwargs))]
 
     def post(name: str, out: Any) -> None:
         i = calls.get(name, 0)
         calls[name] = i + 1
-        outputs[(name, i)] = _floats(out)
+        outputs[(name, i)] = [t.clone() for t in _floats(out)]
 
     with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
         torch.manual_seed(SEED)
@@ -590,6 +591,9 @@ class Advice:
     """The search, in words."""
     training: TrainingComparison | None = None
     grads_measured: bool = False
+    parts: tuple[tuple[str, float | None], ...] = ()
+    """The advised policy's end-to-end error by part: (``output``, ``loss``, ``gradients``)."""
+    baseline_parts: tuple[tuple[str, float | None], ...] = ()
 
     @property
     def keep_fp32(self) -> tuple[str, ...]:
@@ -635,6 +639,9 @@ class Advice:
                  f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
                  f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
                  f"({'verified' if self.verified else 'NOT verified'}; {self.runs} policy run(s))",
+                 "  by part, default / advised: " + "; ".join(
+                     f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
+                     for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
                  f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv FLOPs in fp32 "
                  f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
                  f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"]
@@ -660,6 +667,8 @@ class Advice:
             "policy": policy_code(self.policy), "target": self.target, "error": clean(self.error),
             "baseline_error": clean(self.baseline_error), "verified": self.verified,
             "loss_scale": self.loss_scale, "runs": self.runs, "steps": list(self.steps),
+            "parts": {k: clean(v) for k, v in self.parts},
+            "baseline_parts": {k: clean(v) for k, v in self.baseline_parts},
             "cost": {k: clean(v) for k, v in asdict(self.cost).items()},
             "modules": [{k: clean(v) for k, v in asdict(s).items()} for s in self.modules],
             "training": None if self.training is None else {
@@ -764,7 +773,11 @@ def advise(
     return Advice(dtype=low, policy=policy, target=target, error=best.error,
                   baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
                   loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
-                  grads_measured=loss_fn is not None)
+                  grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base))
+
+
+def _parts(r: _RunResult) -> tuple[tuple[str, float | None], ...]:
+    return (("output", r.output_error), ("loss", r.loss_error), ("gradients", r.grad_error))
 
 
 def _describe(r: _RunResult) -> str:
@@ -804,8 +817,15 @@ def _search(base: _RunResult, run: Callable[[tuple[str, ...]], _RunResult], targ
             break
         keep = _add(keep, new)
     if best is None:
-        words.append("no policy met the target within max_runs; advised: the last one tried")
-        return last, runs, words
+        if not base.finite and last.finite:
+            words.append("no policy met the target within max_runs; advised: the last one tried, the "
+                         "first without inf/NaN")
+            return last, runs, words
+        words.append("no policy met the target: no module stands out (no value out of range, none "
+                     "that amplifies error), so the error is spread over the model; advised: the "
+                     "default policy (raise target= to accept it)" if not tried else
+                     "no policy met the target within max_runs; advised: the default policy")
+        return base, runs, words
     # drop what the target does not need, latest-added first
     for name in reversed(best.keep):
         if len(best.keep) == 1 or runs > max_runs:
