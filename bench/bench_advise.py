@@ -1,9 +1,10 @@
 """amp_fx.advise's wall time as a multiple of one fp32 forward+backward of the same model and batch.
 
-GPT-2 (transformers, random init, n_embd 128, 4 heads, vocabulary 1000) at 6 and 12 layers, to show
-how the time grows with depth; per dtype, the healthy model (no search: one float64 and one
-low-precision run) and, with ``--hazard``, the same model with the first block's attention
-projection scaled so fp16 overflows (a search of a few runs).
+GPT-2 (transformers, random init, n_embd 128, 4 heads, vocabulary 1000, eager attention) at 6 and 12
+layers, to show how the time grows with depth; per dtype, the healthy model (no search: one float64
+and one low-precision run) and, with ``--hazard``, the same model with the first block's query and key
+projections scaled by 300 so its attention scores overflow fp16 (a search; in bf16 they fit).
+Eager attention because CPU SDPA computes the scores in fp32 internally, where nothing overflows.
 
 Reported per row: the median of ``--repeats`` advise calls over the median of ``--repeats`` fp32
 forward+backward calls, with p10-p90 of advise's time (spread), and for reference one forward+backward
@@ -35,11 +36,11 @@ def gpt2(layers: int, *, hazard: bool = False) -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
     model = transformers.GPT2LMHeadModel(cfg)
-    if hazard:  # query/key projections of block 0 x30: attention scores overflow fp16
+    if hazard:  # query/key projections of block 0 x300: q.k over 32 dims reaches ~1e5 > 65504
         with torch.no_grad():
-            model.transformer.h[0].attn.c_attn.weight[:, :256].mul_(30.0)
+            model.transformer.h[0].attn.c_attn.weight[:, :256].mul_(300.0)
     return model
 
 

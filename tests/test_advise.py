@@ -8,6 +8,7 @@ no autocast) instead of reading advise's own numbers.
 from __future__ import annotations
 
 import copy
+import html
 import json
 import math
 import shutil
@@ -218,8 +219,7 @@ def test_cli_advise_json(capsys: pytest.CaptureFixture[str]) -> None:
 def _html(tmp_path: Path) -> tuple[Path, amp_fx.Advice]:
     model, inputs, loss_fn = build("attention_overflow")
     advice = amp_fx.advise(model, *inputs, dtype="fp16", loss_fn=loss_fn)
-    graph = amp_fx.explain(model, *inputs, dtype="fp16", policy=advice.policy)
-    return advice.to_html(tmp_path / "advice.html", graph=graph), advice
+    return advice.to_html(tmp_path / "advice.html"), advice
 
 
 def test_html_is_self_contained(tmp_path: Path) -> None:
@@ -230,6 +230,10 @@ def test_html_is_self_contained(tmp_path: Path) -> None:
     shown = [s for s in advice.modules if s.name]
     assert text.count('class="bar"') == 2 * len(shown)  # error and headroom; grads inf: no chart
     assert 'keep_fp32=("attn",)' in text.replace("&quot;", '"')
+    # explain's summary of the model under the advised policy: attn's 8 ops in fp32
+    model, inputs, _ = build("attention_overflow")
+    ex = amp_fx.explain(model, *inputs, dtype="fp16", policy=advice.policy)
+    assert html.escape(ex.summary()) in text
 
 
 _CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -69,7 +69,7 @@ def _picture(graph: Any) -> str:
     return head + f'<div class="graph">{svg[svg.find("<svg"):]}</div>'
 
 
-def render(advice: Any, graph: Any = None) -> str:
+def render(advice: Any, graph: Any = None, note: str = "") -> str:
     """The page for an :class:`~amp_fx.inspect.advice.Advice`."""
     low = dtype_name(advice.dtype)
     mods = [s for s in advice.modules if s.name][:60]
@@ -90,7 +90,7 @@ def render(advice: Any, graph: Any = None) -> str:
         charts.append(_bar_chart(f"gradient headroom at loss scale {advice.loss_scale:g}",
                                  [(s.name, s.grad_headroom if s.grad_headroom is not None else math.nan,
                                    colour(s)) for s in mods], log_floor=1e-8, mark=1.0, mark_label="overflow"))
-    picture = "" if graph is None else _picture(graph)
+    picture = (f"<p>{html.escape(note)}</p>" if note else "") + ("" if graph is None else _picture(graph))
     cost = advice.cost
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>amp_fx.advise ({low})</title>

@@ -30,7 +30,7 @@ import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
 from amp_fx.inspect.nonfinite import policy_code
 from amp_fx.policy import Policy, resolve_dtype
 
-__all__ = ["advise", "Advice", "ModuleStats", "TrainingComparison", "DEFAULT_TARGETS"]
+__all__ = ["advise", "Advice", "ModuleStats", "Cost", "TrainingComparison", "DEFAULT_TARGETS"]
 
 DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
@@ -594,6 +594,7 @@ class Advice:
     parts: tuple[tuple[str, float | None], ...] = ()
     """The advised policy's end-to-end error by part: (``output``, ``loss``, ``gradients``)."""
     baseline_parts: tuple[tuple[str, float | None], ...] = ()
+    _explain: Callable[[Policy], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def keep_fp32(self) -> tuple[str, ...]:
@@ -682,14 +683,26 @@ class Advice:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def to_html(self, path: str | Path, *, graph: Any = None) -> Path:
+    def to_html(self, path: str | Path, *, graph: Any = True) -> Path:
         """Write one self-contained page: per-module error and headroom as SVG bar charts, the
-        policy, and ``graph`` (an :class:`~amp_fx.Explanation`, e.g. ``amp_fx.explain(model, x,
-        dtype=..., policy=advice.policy)``) as its DOT picture when given."""
+        policy, the table, and ``explain``'s summary and picture of the model under the advised
+        policy (``graph=True``, one amp_fx compile; or an :class:`~amp_fx.Explanation` to show;
+        ``False`` for none). The picture is inline SVG where Graphviz is installed, DOT text where
+        it is not."""
         from amp_fx.inspect._advice_html import render
 
+        note = ""
+        if graph is True:
+            graph = None
+            if self._explain is not None:
+                try:
+                    graph = self._explain(self.policy)
+                except Exception as e:  # the page is still worth writing without the picture
+                    note = f"amp_fx.explain failed on this model ({type(e).__name__}: {e})"
+        elif graph is False:
+            graph = None
         out = Path(path)
-        out.write_text(render(self, graph))
+        out.write_text(render(self, graph, note))
         return out
 
 
@@ -773,7 +786,14 @@ def advise(
     return Advice(dtype=low, policy=policy, target=target, error=best.error,
                   baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
                   loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
-                  grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base))
+                  grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base),
+                  _explain=lambda policy: _explain_model(model, call, low, policy))
+
+
+def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy) -> Any:
+    from amp_fx.inspect.explanation import explain
+
+    return explain(model, *call.args, dtype=dtype, policy=policy, **call.kwargs)
 
 
 def _parts(r: _RunResult) -> tuple[tuple[str, float | None], ...]:
