@@ -317,3 +317,19 @@ def test_resnet_no_false_alarm(dtype: str) -> None:
         assert advice.keep_fp32 == () and math.isfinite(advice.baseline_error), str(advice)
     parts = dict(advice.baseline_parts)  # the output and the loss are within the target
     assert parts["output"] < advice.target and parts["loss"] < advice.target, str(advice)
+
+
+def test_search_runs_do_not_grow_with_module_count() -> None:
+    """24 blocks of Linear+LayerNorm, one Linear planted to overflow fp16: the advice names it with
+    the default run plus one policy run, where one ablation per module would take 72."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.ReLU())
+              for _ in range(24)]
+    with torch.no_grad():  # block 17's Linear: 32 positive weights ~1e4 on ~0.5 inputs: ~1e5 > 65504
+        blocks[17][0].weight.abs_().mul_(2e5)
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().pow(2).mean())
+    assert advice.keep_fp32 == ("17.0",), str(advice)
+    assert advice.verified and advice.runs == 2
+    assert len([s for s in advice.modules if s.name]) == 24 * 4
