@@ -3,10 +3,12 @@
     amp-fx explain examples/tiny_mlp.py:build --dtype bf16 --svg tiny_mlp.svg
     amp-fx compare examples/tiny_mlp.py:build --dtype fp16
     amp-fx find-nonfinite examples/tiny_mlp.py:build_overflowing
+    amp-fx advise examples/advise_overflow.py:build --loss loss_fn --json
 
 ``FILE:FUNCTION`` names a Python file and a function in it that takes no arguments and returns
 ``(model, inputs)``, inputs a tuple. Exit codes: 0 fine; 1 the check failed (compare differs,
-find-nonfinite found an inf/NaN) or amp_fx refused the model; 2 a problem in your file or model
+find-nonfinite found an inf/NaN, advise found no policy that meets the target) or amp_fx refused
+the model; 2 a problem in your file or model
 (syntax error, missing function, an exception in it, a model that fails in eager mode), reported
 with your file and line, not as an amp_fx traceback.
 """
@@ -106,7 +108,38 @@ def _parser() -> argparse.ArgumentParser:
     common(f, "fp16", None)
     f.add_argument("--no-backward", action="store_true", help="check the forward only")
     f.add_argument("--loss-scale", type=float, default=1.0)
+    a = sub.add_parser("advise", help="which modules to keep in fp32, measured and verified")
+    a.add_argument("target", help="FILE.py:FUNCTION returning (model, inputs)")
+    a.add_argument("--dtype", default="fp16", choices=["bf16", "fp16", "bfloat16", "float16"])
+    a.add_argument("--loss", metavar="FUNCTION",
+                   help="a function in the same file mapping the output to a scalar loss (gradients are "
+                        "then measured too)")
+    a.add_argument("--error-target", type=float, default=None, dest="error_target",
+                   help="largest end-to-end error vs float64 (default: 32 eps of the dtype)")
+    a.add_argument("--json", action="store_true", help="print the advice as JSON")
+    a.add_argument("--html", metavar="PATH", help="also write the advice as a self-contained HTML page")
     return p
+
+
+def _loss_function(target: str, name: str) -> Any:
+    """The function ``name`` of the file that ``target`` (FILE:FUNCTION) names."""
+    module = sys.modules.get(f"_amp_fx_user_{Path(target.rpartition(':')[0]).resolve().stem}")
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        raise UserCodeError(f"{target.rpartition(':')[0]}: has no function {name!r} for --loss")
+    return fn
+
+
+def _advise(model: Any, inputs: tuple[Any, ...], args: argparse.Namespace) -> int:
+    import amp_fx
+
+    loss_fn = _loss_function(args.target, args.loss) if args.loss else None
+    advice = amp_fx.advise(model, *inputs, dtype=args.dtype, loss_fn=loss_fn, target=args.error_target)
+    print(advice.to_json() if args.json else advice)
+    if args.html:
+        path = advice.to_html(args.html)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0 if advice.verified else 1
 
 
 def _keep_fp32_hint(report: Any, args: argparse.Namespace) -> str:
@@ -136,8 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserCodeError as e:
         print(f"amp-fx: error in your code: {e}", file=sys.stderr)
         return 2
-    policy = amp_fx.Policy(keep_fp32=tuple(args.keep_fp32))
     try:
+        if args.command == "advise":
+            return _advise(model, inputs, args)
+        policy = amp_fx.Policy(keep_fp32=tuple(args.keep_fp32))
         if args.command == "explain":
             ex = amp_fx.explain(model, *inputs, dtype=args.dtype, policy=policy)
             print(ex)
@@ -159,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hint:
             print(hint)
         return 1 if report.found else 0
+    except UserCodeError as e:
+        print(f"amp-fx: error in your code: {e}", file=sys.stderr)
+        return 2
     except EagerError as e:
         cause = e.__cause__
         where = _user_frame(cause.__traceback__, Path(args.target.rpartition(":")[0]).resolve()) \

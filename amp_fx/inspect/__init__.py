@@ -3,6 +3,7 @@ first appears (find_nonfinite).
 
     explanation.py  amp_fx.explain, Explanation: per-node dtypes, rules, casts; tables; picture
     comparison.py   amp_fx.compare, CompareReport: op by op against eager torch.autocast
+    advice.py       amp_fx.advise, Advice: which modules to keep in fp32, measured and verified
     nonfinite.py    amp_fx.find_nonfinite, NonfiniteReport: first inf/NaN and a policy that fixes it
     _runner.py      the one runner: eager check, private copies, compile with a recorder, diagnose
     _probe.py       helpers on values and graph nodes shared by the three tools
@@ -12,9 +13,10 @@ A new view of a captured graph goes next to the others here: run the model throu
 :func:`~amp_fx.inspect._runner.run_amp`, read the ``GraphRecord`` s it returns.
 """
 
+from amp_fx.inspect.advice import Advice, advise
 from amp_fx.inspect.comparison import CompareReport, compare
 from amp_fx.inspect.explanation import Explanation, explain
 from amp_fx.inspect.nonfinite import NonfiniteReport, find_nonfinite
 
 __all__ = ["explain", "Explanation", "compare", "CompareReport", "find_nonfinite",
-           "NonfiniteReport"]
+           "NonfiniteReport", "advise", "Advice"]

@@ -1,0 +1,859 @@
+"""amp_fx.advise: which modules to keep in fp32 for fp16/bf16 training, measured and verified.
+
+How it works. Every run is eager, on a private copy of the model, with a hook on every module:
+
+1. the reference: the model and its floating inputs in float64, no autocast; each module's
+   inputs and outputs and each parameter's gradient are kept;
+2. the default policy: ``torch.autocast(device, dtype)`` (amp_fx reproduces it bit for bit), with
+   the loss scaled as ``GradScaler`` starts (2**16 for fp16; bf16 needs no scaling: 1); each
+   module's output is compared with the reference as it is produced (error, headroom, underflow)
+   and dropped;
+3. if that run is non-finite or its end-to-end error (loss, gradients, outputs against float64)
+   exceeds the target, candidates are ranked from step 2's local measurements (first the module
+   where inf/NaN first appears or whose values or weights do not fit the dtype, then the modules
+   that amplify error most: output error over input error) and policies are tried in order, each
+   one end-to-end run: the hazards; then the next onset of inf/NaN, or the next candidates by rank
+   (1, 2, 4, ... at a time); finally each kept module is dropped again if the rest still meets the
+   target. A policy keeps a module in fp32 the way ``Policy(keep_fp32=...)`` does in amp_fx: every
+   op inside runs in fp32 (here: autocast disabled inside the module, its inputs cast to fp32).
+
+The number of runs grows with the number of hazards, not with the number of modules: a healthy
+model costs one float64 and one low-precision forward+backward.
+
+    >>> advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().pow(2).mean())  # doctest: +SKIP
+    >>> print(advice)                                                                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from amp_fx._dtype_names import dtype_name
+from amp_fx.inspect._probe import tensors_of
+from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
+from amp_fx.inspect.nonfinite import policy_code
+from amp_fx.policy import Policy, resolve_dtype
+
+__all__ = ["advise", "Advice", "ModuleStats", "Cost", "TrainingComparison", "DEFAULT_TARGETS"]
+
+DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
+"""The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
+may leave: 32 units of rounding (eps) of the dtype, 0.25 for bf16 and 0.031 for fp16. Eager
+autocast's own error on GPT-2, Llama and BERT (random init, 2 layers x 64) is about 0.75 eps
+(tests/test_advise.py::test_real_model_no_false_alarm), 40 times below, while a hazard (inf/NaN,
+a signal lost to cancellation) costs order 1, hundreds of eps."""
+
+_LOW = (torch.float16, torch.bfloat16)
+_MAX_RUNS = 8
+"""End-to-end runs the search may make after the baseline (each one low-precision forward and
+backward): the planted hazards need at most 3."""
+_MAX_BACKOFFS = 24
+"""Halvings of the loss scale tried when the scaled gradients overflow (GradScaler backs off the
+same way, one halving per skipped step): from 2**16 down to 2**-8."""
+
+
+def _initial_scale(dtype: torch.dtype) -> float:
+    # GradScaler's init_scale; bf16 has fp32's exponent range and is trained without scaling
+    return 2.0 ** 16 if dtype == torch.float16 else 1.0
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    return [t.detach() for t in tensors_of(value) if t.is_floating_point()]
+
+
+def _finite(ts: Sequence[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
+def _rel_error(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], floor: float) -> float:
+    """Normwise relative error ``||low - ref|| / max(||ref||, floor * sqrt(n))`` over the tensors
+    together: an entry that is zero in exact arithmetic divides nothing, and an all-zero reference
+    compares against ``floor`` (the dtype's smallest normal number) per entry. inf when ``low``
+    is not finite where ``ref`` is."""
+    if not low or len(low) != len(ref) or any(a.shape != b.shape for a, b in zip(low, ref)):
+        return math.nan
+    num = den = 0.0
+    n = 0
+    for a, b in zip(low, ref):
+        a, b = a.double(), b.double()
+        d = a - b
+        if not bool(torch.isfinite(d).all()):
+            if not bool(torch.isfinite(b).all()):
+                continue  # the reference itself is not finite here: nothing to measure
+            return math.inf
+        num += float(d.pow(2).sum())
+        den += float(b.pow(2).sum())
+        n += b.numel()
+    return math.sqrt(num) / max(math.sqrt(den), floor * math.sqrt(max(n, 1)))
+
+
+def _max_abs(ts: Sequence[torch.Tensor]) -> float:
+    best = 0.0
+    for t in ts:
+        finite = t[torch.isfinite(t)]
+        if finite.numel():
+            best = max(best, float(finite.abs().max()))
+    return best
+
+
+def _underflow(ref: Sequence[torch.Tensor], dtype: torch.dtype, scale: float = 1.0) -> float:
+    """Fraction of the non-zero reference values that ``dtype`` holds only as subnormal or zero."""
+    tiny = torch.finfo(dtype).tiny
+    nonzero = under = 0
+    for t in ref:
+        a = t.abs() * scale
+        nz = a != 0
+        nonzero += int(nz.sum())
+        under += int((nz & (a < tiny)).sum())
+    return under / nonzero if nonzero else 0.0
+
+
+@dataclass
+class _CallStats:
+    in_error: float = 0.0
+    in_finite: bool = True
+    out_error: float = 0.0
+    out_finite: bool = True
+    out_low: bool = False
+    out_max: float = 0.0
+    """max |value| of the float64 reference's output."""
+    underflow: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """One module's measurements in one run (the worst over its calls)."""
+
+    name: str
+    type: str
+    calls: int
+    output_error: float
+    """Normwise relative error of its output against float64 (see :func:`_rel_error`)."""
+    input_error: float
+    """The same for its inputs: the error it was handed."""
+    amplification: float
+    """output_error / max(input_error, unit roundoff): how much error the module itself adds."""
+    headroom: float
+    """max |output| (float64 reference) / the dtype's largest finite value; >= 1 overflows."""
+    underflow: float
+    """Fraction of non-zero output values that the dtype holds as subnormal or zero."""
+    weight_headroom: float
+    """max |parameter| of the module itself / the dtype's largest finite value; >= 1: its cast
+    overflows."""
+    low_precision: bool
+    """Its output is fp16/bf16 under the policy run."""
+    finite: bool
+    """Its output is finite under the policy run."""
+    inputs_finite: bool
+    grad_error: float | None = None
+    """Normwise relative error of its parameters' gradients (all under it) against float64."""
+    grad_headroom: float | None = None
+    """max |gradient| * loss scale / the dtype's largest finite value."""
+    grad_underflow: float | None = None
+    """Fraction of non-zero gradient values that, times the loss scale, are subnormal or zero
+    in the dtype."""
+    finding: str = ""
+    """``non-finite``, ``overflow``, ``weight overflows``, ``gradient overflow``, ``amplifies``
+    (a precision cost) or empty."""
+
+
+@dataclass(frozen=True)
+class _RunResult:
+    keep: tuple[str, ...]
+    finite: bool
+    error: float
+    loss_error: float | None
+    grad_error: float | None
+    output_error: float
+    scale: float
+    modules: dict[str, ModuleStats]
+    order: tuple[str, ...]
+    """Module names in the order their first call finished."""
+
+
+@dataclass
+class _Reference:
+    inputs: dict[tuple[str, int], list[torch.Tensor]]
+    outputs: dict[tuple[str, int], list[torch.Tensor]]
+    out: list[torch.Tensor]
+    loss: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+
+
+@contextmanager
+def _hooks(model: torch.nn.Module, on_pre: Callable[..., None], on_post: Callable[..., None]
+           ) -> Iterator[None]:
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, kwargs, name=name: on_pre(name, args, kwargs), with_kwargs=True))
+        handles.append(m.register_forward_hook(
+            lambda mod, args, out, name=name: on_post(name, out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str) -> None:
+    """Make each kept module run every op in fp32, as ``Policy(keep_fp32=keep)`` does in amp_fx:
+    its floating inputs are cast to fp32 and autocast is off inside it."""
+    def upcast(v: Any) -> Any:
+        return v.float() if isinstance(v, torch.Tensor) and v.dtype in _LOW else v
+
+    for name in keep:
+        module = model.get_submodule(name)
+        inner = module.forward
+
+        def forward(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+            args, kwargs = tree_map(upcast, (args, kwargs))
+            with torch.autocast(device_type, enabled=False):
+                return _inner(*args, **kwargs)
+
+        module.forward = forward  # type: ignore[method-assign]  # an instance attribute on a copy
+
+
+class _CostCounter(TorchDispatchMode):
+    """Matmul/conv FLOPs by the dtype they ran in, and bytes the dtype casts moved (forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+        self.registry = flop_registry
+        self.fp32 = 0.0
+        self.total = 0.0
+        self.cast_bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in self.registry:
+            flops = float(self.registry[packet](*args, **kwargs, out_val=out))
+            first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            self.total += flops
+            if first is not None and first.dtype not in _LOW:
+                self.fp32 += flops
+        elif func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            src, dst = args[0], out
+            if src.is_floating_point() and dst.is_floating_point() and src.dtype != dst.dtype:
+                self.cast_bytes += dst.numel() * (src.element_size() + dst.element_size())
+        return out
+
+
+def _cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...]
+          ) -> _CostCounter:
+    """One forward under the policy, no grad, counting FLOPs by dtype and cast bytes."""
+    m = private_copy(model)
+    _keep_in_fp32(m, keep, device_type)
+    counter = _CostCounter()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(SEED)
+        with torch.autocast(device_type, dtype=dtype), counter:
+            call.copy()(m)
+    return counter
+
+
+def _loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
+    if loss_fn is None:
+        return None
+    loss = loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"amp_fx.advise: loss_fn must return a scalar tensor, got "
+                         f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
+    return loss
+
+
+def _reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | None) -> _Reference:
+    m = private_copy(model).double()
+    inputs: dict[tuple[str, int], list[torch.Tensor]] = {}
+    outputs: dict[tuple[str, int], list[torch.Tensor]] = {}
+    starts: dict[str, int] = {}  # inputs are keyed by the call's start, outputs by its end
+    calls: dict[str, int] = {}
+
+    def pre(name: str, args: Any, kwargs: Any) -> None:
+        i = starts.get(name, 0)
+        starts[name] = i + 1
+        # copies: a later in-place op (ReLU(inplace=True) after a BatchNorm) must not change them
+        inputs[(name, i)] = [t.clone() for t in _floats((args, kwargs))]
+
+    def post(name: str, out: Any) -> None:
+        i = calls.get(name, 0)
+        calls[name] = i + 1
+        outputs[(name, i)] = [t.clone() for t in _floats(out)]
+
+    with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
+        torch.manual_seed(SEED)
+        out = call.copy(to=torch.float64)(m)
+        loss = _loss_of(out, loss_fn)
+    grads: dict[str, torch.Tensor] = {}
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+        grads = {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None}
+    return _Reference(inputs, outputs, _floats(out), None if loss is None else loss.detach(), grads)
+
+
+def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, device_type: str,
+                keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None) -> _RunResult:
+    """One forward (and backward with ``loss_fn``) under autocast with ``keep`` in fp32, measured
+    against ``ref`` module by module and end to end."""
+    m = private_copy(model)
+    _keep_in_fp32(m, keep, device_type)
+    finfo = torch.finfo(dtype)
+    unit = finfo.eps / 2
+    per_call: dict[str, list[_CallStats]] = {}
+    pending: dict[str, list[_CallStats]] = {}
+    starts: dict[str, int] = {}  # inputs are keyed by the call's start, outputs by its end
+    calls: dict[str, int] = {}
+    order: list[str] = []
+
+    def pre(name: str, args: Any, kwargs: Any) -> None:
+        s = _CallStats()
+        low_in = _floats((args, kwargs))
+        i = starts.get(name, 0)
+        starts[name] = i + 1
+        ref_in = ref.inputs.get((name, i), [])
+        s.in_finite = _finite(low_in)
+        s.in_error = _rel_error(low_in, ref_in, finfo.tiny) if low_in else 0.0
+        pending.setdefault(name, []).append(s)
+
+    def post(name: str, out: Any) -> None:
+        s = pending[name].pop()
+        i = calls.get(name, 0)
+        calls[name] = i + 1
+        low_out = _floats(out)
+        ref_out = ref.outputs.get((name, i), [])
+        s.out_finite = _finite(low_out)
+        s.out_low = any(t.dtype in _LOW for t in low_out)
+        s.out_error = _rel_error(low_out, ref_out, finfo.tiny)
+        s.out_max = _max_abs(ref_out)
+        s.underflow = _underflow(ref_out, dtype) if s.out_low else 0.0
+        per_call.setdefault(name, []).append(s)
+        if name not in order:
+            order.append(name)
+
+    scale = _initial_scale(dtype)
+    with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
+        torch.manual_seed(SEED)
+        with torch.autocast(device_type, dtype=dtype):
+            out = call.copy()(m)
+            loss = _loss_of(out, loss_fn)
+    outs = _floats(out)
+    output_error = _rel_error(outs, ref.out, finfo.tiny)
+    finite = _finite(outs)
+    names = [n for n, p in m.named_parameters()]
+    params = [p for p in m.parameters()]
+    grads: dict[str, torch.Tensor] = {}
+    loss_error = grad_error = None
+    if loss is not None:
+        loss_error = _rel_error([loss.detach()], [ref.loss], finfo.tiny)
+        finite = finite and _finite([loss.detach()])
+        if loss.requires_grad and finite:  # with a non-finite forward no scale helps
+            wanted = [(n, p) for n, p in zip(names, params) if p.requires_grad]
+            for _ in range(_MAX_BACKOFFS + 1):
+                gs = torch.autograd.grad(loss * scale, [p for _, p in wanted], retain_graph=True,
+                                         allow_unused=True)
+                grads = {n: g.detach() / scale for (n, _), g in zip(wanted, gs) if g is not None}
+                if _finite(list(grads.values())):
+                    break
+                scale /= 2  # GradScaler skips the step and backs off
+            common = [n for n in grads if n in ref.grads]
+            grad_error = _rel_error([grads[n] for n in common], [ref.grads[n] for n in common],
+                                    finfo.tiny) if common else None
+            finite = finite and _finite(list(grads.values()))
+    errors = [e for e in (output_error, loss_error, grad_error) if e is not None and not math.isnan(e)]
+    error = max(errors) if errors else 0.0
+    if not finite:
+        error = math.inf
+
+    modules: dict[str, ModuleStats] = {}
+    init_scale = _initial_scale(dtype)
+    for name, module in m.named_modules():
+        stats = per_call.get(name)
+        if not stats:
+            continue
+        own = [p.detach() for p in module.parameters(recurse=False)]
+        under = [n for n in names if n == name or n.startswith(name + ".")] if name else names
+        g_low = [grads[n] for n in under if n in grads and n in ref.grads]
+        g_ref = [ref.grads[n] for n in under if n in grads and n in ref.grads]
+        out_error = max(s.out_error for s in stats)
+        in_error = max(s.in_error for s in stats)
+        finite_in = all(s.in_finite for s in stats)
+        amp = out_error / max(in_error, unit) if math.isfinite(in_error) else math.nan
+        modules[name] = ModuleStats(
+            name=name, type=type(module).__name__, calls=len(stats), output_error=out_error,
+            input_error=in_error, amplification=amp,
+            headroom=max(s.out_max for s in stats) / finfo.max,
+            underflow=max(s.underflow for s in stats),
+            weight_headroom=_max_abs(own) / finfo.max,
+            low_precision=any(s.out_low for s in stats),
+            finite=all(s.out_finite for s in stats), inputs_finite=finite_in,
+            grad_error=_rel_error(g_low, g_ref, finfo.tiny) if g_low else None,
+            grad_headroom=_max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
+            grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None)
+    return _RunResult(keep, finite, error, loss_error, grad_error, output_error, scale,
+                      _with_findings(modules, dtype), tuple(order))
+
+
+def _inside(name: str, module: str) -> bool:
+    return module == "" or name == module or name.startswith(module + ".")
+
+
+def _onsets(modules: dict[str, ModuleStats]) -> list[str]:
+    """The innermost modules whose output is not finite although their inputs are."""
+    hits = [n for n, s in modules.items() if n and not s.finite and s.inputs_finite]
+    return [n for n in hits if not any(o != n and _inside(o, n) for o in hits)]
+
+
+def _amplifies(s: ModuleStats, dtype: torch.dtype) -> bool:
+    # a module that multiplies the error it is handed by more than 16 roundings' worth, and ends
+    # above 4 eps: well outside what one rounding per op gives (amplification ~1-3 in healthy runs)
+    return (math.isfinite(s.amplification) and s.amplification > 16
+            and s.output_error > 4 * torch.finfo(dtype).eps)
+
+
+def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype) -> dict[str, ModuleStats]:
+    onsets = set(_onsets(modules))
+    out = {}
+    for n, s in modules.items():
+        finding = ""
+        if n in onsets:
+            finding = "non-finite"
+        elif s.weight_headroom >= 1 and s.low_precision:
+            finding = "weight overflows"
+        elif s.headroom >= 1 and s.low_precision:
+            finding = "overflow"
+        elif s.grad_headroom is not None and s.grad_headroom >= 1 and not any(
+                c != n and _inside(c, n) and (modules[c].grad_headroom or 0) >= 1 for c in modules):
+            finding = "gradient overflow"
+        elif n and _amplifies(s, dtype):
+            finding = "amplifies"
+        out[n] = ModuleStats(**{**asdict(s), "finding": finding})
+    return out
+
+
+def _hazards(run: _RunResult) -> list[str]:
+    """Modules whose values do not fit the dtype, innermost first, deduplicated."""
+    found = [n for n, s in run.modules.items()
+             if n and s.finding in ("non-finite", "weight overflows", "overflow")]
+    return _outermost_first_dedup(found)
+
+
+def _outermost_first_dedup(names: Sequence[str]) -> list[str]:
+    """Drop names inside another name of the list, keeping the list's order."""
+    return [n for n in names if not any(o != n and _inside(n, o) and o for o in names)]
+
+
+def _ranked(run: _RunResult, dtype: torch.dtype) -> list[str]:
+    """Candidates by how much error each adds: amplification, largest first."""
+    cands = [s for n, s in run.modules.items() if n and _amplifies(s, dtype)]
+    cands.sort(key=lambda s: (-s.amplification, s.name))
+    return [s.name for s in cands]
+
+
+def _add(keep: Sequence[str], new: Sequence[str]) -> tuple[str, ...]:
+    out = list(keep)
+    for n in new:
+        if any(_inside(n, k) for k in out):
+            continue
+        out = [k for k in out if not _inside(k, n)] + [n]
+    return tuple(out)
+
+
+# --- training ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainingComparison:
+    """Losses over ``steps`` training steps from one initial state, fp32 against each policy."""
+
+    steps: int
+    fp32: tuple[float, ...]
+    default: tuple[float, ...]
+    advised: tuple[float, ...]
+
+    @staticmethod
+    def _divergence(curve: Sequence[float], ref: Sequence[float]) -> float:
+        worst = 0.0
+        for a, b in zip(curve, ref):
+            if not math.isfinite(a):
+                return math.inf
+            worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+        return worst
+
+    @property
+    def default_divergence(self) -> float:
+        """max over steps of |loss - fp32 loss| / |fp32 loss| with the default policy."""
+        return self._divergence(self.default, self.fp32)
+
+    @property
+    def advised_divergence(self) -> float:
+        return self._divergence(self.advised, self.fp32)
+
+
+def _make_optimizer(optimizer: Any, params: Any) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer)(params, **optimizer.defaults)
+    if callable(optimizer):
+        opt = optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"amp_fx.advise: optimizer(params) must return a torch.optim.Optimizer, "
+                            f"got {type(opt).__name__}")
+        return opt
+    raise TypeError("amp_fx.advise: optimizer must be a torch.optim.Optimizer (rebuilt from its "
+                    f"class and defaults on each copy) or a callable params -> Optimizer, got {optimizer!r}")
+
+
+def _train(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optimizer: Any, steps: int,
+           *, dtype: torch.dtype | None, device_type: str, keep: tuple[str, ...]) -> tuple[float, ...]:
+    m = private_copy(model)
+    if dtype is not None:
+        _keep_in_fp32(m, keep, device_type)
+    opt = _make_optimizer(optimizer, m.parameters())
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = loss_fn(call.copy()(m))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(float(loss.detach()))
+    return tuple(losses)
+
+
+# --- the result ----------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str = ".2g") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return format(x, spec)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the advised policy costs, forward pass (counted on the eager run)."""
+
+    fp32_flop_share: float
+    """Share of the matmul/conv FLOPs that run in fp32 (0 with the default policy, up to 1)."""
+    default_fp32_flop_share: float
+    cast_bytes: int
+    """Bytes the dtype casts read and write per call with the advised policy."""
+    default_cast_bytes: int
+    matmul_flops: float
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What :func:`advise` found. ``print(advice)`` ends with the policy as code."""
+
+    dtype: torch.dtype
+    policy: Policy
+    target: float
+    error: float
+    """End-to-end error with the advised policy (max of loss, gradients and outputs, normwise
+    relative to float64)."""
+    baseline_error: float
+    """The same with the default policy (eager autocast, which amp_fx matches bit for bit)."""
+    verified: bool
+    """The advised policy ran end to end with no inf/NaN and ``error <= target``."""
+    modules: tuple[ModuleStats, ...]
+    """Per module, measured with the default policy, in the order their first call finished."""
+    cost: Cost
+    loss_scale: float
+    """The loss scale the advised policy's gradients were measured at: GradScaler's initial 2**16
+    for fp16, halved while they overflowed (as GradScaler backs off); 1 for bf16. The per-module
+    gradient headroom and underflow are at the initial scale."""
+    runs: int
+    """End-to-end policy runs made, the default policy's included (the float64 reference not)."""
+    steps: tuple[str, ...] = ()
+    """The search, in words."""
+    training: TrainingComparison | None = None
+    grads_measured: bool = False
+    parts: tuple[tuple[str, float | None], ...] = ()
+    """The advised policy's end-to-end error by part: (``output``, ``loss``, ``gradients``)."""
+    baseline_parts: tuple[tuple[str, float | None], ...] = ()
+    _explain: Callable[[Policy], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        return tuple(k for k in self.policy.keep_fp32 if isinstance(k, str))
+
+    @property
+    def hazards(self) -> tuple[ModuleStats, ...]:
+        """Modules whose values or gradients do not fit the dtype (not a matter of precision)."""
+        return tuple(s for s in self.modules if s.finding and s.finding != "amplifies")
+
+    def module(self, name: str) -> ModuleStats:
+        for s in self.modules:
+            if s.name == name:
+                return s
+        raise KeyError(f"amp_fx: no measured module {name!r}")
+
+    def table(self, *, limit: int | None = 40) -> str:
+        rows = []
+        ranked = sorted(self.modules, key=lambda s: (not s.finding, -_sort_key(s.output_error)))
+        shown = [s for s in ranked if s.name][:limit]
+        for s in shown:
+            row = [s.name, s.type, _fmt(s.output_error), _fmt(s.amplification, ".3g"), _fmt(s.headroom, ".2g"),
+                   _fmt(s.weight_headroom, ".2g"), _fmt(s.underflow, ".2g")]
+            if self.grads_measured:
+                row += [_fmt(s.grad_error), _fmt(s.grad_headroom), _fmt(s.grad_underflow)]
+            row += [("KEPT " if s.name in self.keep_fp32 else "") + s.finding]
+            rows.append(row)
+        headers = ["module", "type", "out err", "amplif.", "headroom", "w headroom", "underflow"]
+        if self.grads_measured:
+            headers += ["grad err", f"grad headroom (x{_initial_scale(self.dtype):g})", "grad underflow"]
+        headers += ["finding"]
+        text = tabulate(rows, headers=headers)
+        hidden = len([s for s in self.modules if s.name]) - len(shown)
+        return text + (f"\n... {hidden} more modules (advice.modules has them all)" if hidden > 0 else "")
+
+    def __str__(self) -> str:
+        low = dtype_name(self.dtype)
+        verdict = ("default policy meets the target: nothing to keep in fp32" if not self.keep_fp32
+                   and self.verified else
+                   f"keep {', '.join(self.keep_fp32)} in fp32" if self.keep_fp32 else
+                   "no policy found that meets the target")
+        lines = [f"amp_fx.advise ({low}): {verdict}",
+                 f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
+                 f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
+                 f"({'verified' if self.verified else 'NOT verified'}; {self.runs} policy run(s))",
+                 "  by part, default / advised: " + "; ".join(
+                     f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
+                     for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
+                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv FLOPs in fp32 "
+                 f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
+                 f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"]
+        if self.training is not None:
+            t = self.training
+            lines.append(f"training {t.steps} steps: loss strays from fp32's by at most "
+                         f"{_fmt(t.default_divergence, '.3g')} (default) and "
+                         f"{_fmt(t.advised_divergence, '.3g')} (advised), relative")
+        lines += ["", "modules (measured with the default policy; hazards first):", self.table()]
+        if self.steps:
+            lines += ["", "search:"] + [f"  {s}" for s in self.steps]
+        lines += ["", "policy:", "  from amp_fx import Policy", f"  policy = {policy_code(self.policy)}"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The advice as JSON-ready data (what ``amp-fx advise --json`` prints)."""
+        def clean(x: Any) -> Any:
+            if isinstance(x, float) and not math.isfinite(x):
+                return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+            return x
+        return {
+            "dtype": dtype_name(self.dtype), "keep_fp32": list(self.keep_fp32),
+            "policy": policy_code(self.policy), "target": self.target, "error": clean(self.error),
+            "baseline_error": clean(self.baseline_error), "verified": self.verified,
+            "loss_scale": self.loss_scale, "runs": self.runs, "steps": list(self.steps),
+            "parts": {k: clean(v) for k, v in self.parts},
+            "baseline_parts": {k: clean(v) for k, v in self.baseline_parts},
+            "cost": {k: clean(v) for k, v in asdict(self.cost).items()},
+            "modules": [{k: clean(v) for k, v in asdict(s).items()} for s in self.modules],
+            "training": None if self.training is None else {
+                "steps": self.training.steps, "fp32": list(self.training.fp32),
+                "default": [clean(x) for x in self.training.default],
+                "advised": [clean(x) for x in self.training.advised],
+                "default_divergence": clean(self.training.default_divergence),
+                "advised_divergence": clean(self.training.advised_divergence)},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_html(self, path: str | Path, *, graph: Any = True) -> Path:
+        """Write one self-contained page: per-module error and headroom as SVG bar charts, the
+        policy, the table, and ``explain``'s summary and picture of the model under the advised
+        policy (``graph=True``, one amp_fx compile; or an :class:`~amp_fx.Explanation` to show;
+        ``False`` for none). The picture is inline SVG where Graphviz is installed, DOT text where
+        it is not."""
+        from amp_fx.inspect._advice_html import render
+
+        note = ""
+        if graph is True:
+            graph = None
+            if self._explain is not None:
+                try:
+                    graph = self._explain(self.policy)
+                except Exception as e:  # the page is still worth writing without the picture
+                    note = f"amp_fx.explain failed on this model ({type(e).__name__}: {e})"
+        elif graph is False:
+            graph = None
+        out = Path(path)
+        out.write_text(render(self, graph, note))
+        return out
+
+
+def _sort_key(x: float) -> float:
+    return -1.0 if math.isnan(x) else (1e300 if math.isinf(x) else x)
+
+
+# --- the entry point -----------------------------------------------------------------------
+
+
+def advise(
+    model: torch.nn.Module,
+    *args: Any,
+    dtype: str | torch.dtype = "fp16",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    target: float | None = None,
+    optimizer: Any = None,
+    steps: int = 0,
+    max_runs: int = _MAX_RUNS,
+    **kwargs: Any,
+) -> Advice:
+    """Advise which modules of ``model`` to keep in fp32 for ``dtype`` training, measured against
+    float64 and verified end to end.
+
+    Args:
+        model: an ``nn.Module``; never modified (every run uses a deep copy).
+        *args: example inputs, positional; ``**kwargs`` go to the model by keyword.
+        dtype: "fp16" or "bf16" (and their aliases).
+        loss_fn: maps the output to a scalar loss; with it gradients are measured and verified
+            too (at GradScaler's initial scale for fp16). Without it, outputs only.
+        target: the largest end-to-end error (normwise relative to float64) the advised policy
+            may leave; default :data:`DEFAULT_TARGETS` (64 eps of the dtype).
+        optimizer: with ``steps``: a ``torch.optim.Optimizer`` (rebuilt from its class and
+            defaults on each copy) or a callable ``params -> Optimizer``; trains ``steps`` steps
+            on these inputs from the same initial state in fp32, with the default policy and with
+            the advised one (fp16 with ``torch.amp.GradScaler``), and reports the loss curves.
+        steps: how many training steps (needs ``optimizer`` and ``loss_fn``).
+        max_runs: end-to-end policy runs the search may make after the default policy's.
+
+    Raises:
+        EagerError: the model fails in plain fp32 eager mode on these inputs.
+        ValueError: bad ``target``/``steps``, or ``loss_fn`` does not return a scalar.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"amp_fx.advise: model must be an nn.Module (policies name its submodules), "
+                        f"got {type(model).__name__}")
+    low = resolve_dtype(dtype)
+    target = DEFAULT_TARGETS[low] if target is None else float(target)
+    if not target > 0:
+        raise ValueError(f"amp_fx.advise: target must be a positive error bound, got {target!r}")
+    if steps < 0 or (steps and (optimizer is None or loss_fn is None)):
+        raise ValueError("amp_fx.advise: steps=N needs optimizer=... and loss_fn=... (and N >= 0)")
+    call = Call(args, kwargs)
+    run_eager_checked(model, call, tool="advise")
+    device_type = call.device_type(model)
+    ref = _reference(model, call, loss_fn)
+
+    def run(keep: tuple[str, ...]) -> _RunResult:
+        return _policy_run(model, call, ref, dtype=low, device_type=device_type, keep=keep,
+                           loss_fn=loss_fn)
+
+    base = run(())
+    ok = base.finite and base.error <= target
+    best, runs, words = base, 1, []
+    if not ok:
+        best, runs, words = _search(base, run, target, low, max_runs)
+    verified = best.finite and best.error <= target
+    policy = Policy(keep_fp32=best.keep)
+    training = None
+    if steps:
+        assert loss_fn is not None
+        curves = [_train(model, call, loss_fn, optimizer, steps, dtype=d, device_type=device_type, keep=k)
+                  for d, k in ((None, ()), (low, ()), (low, best.keep))]
+        training = TrainingComparison(steps, *curves)
+    c0 = _cost(model, call, dtype=low, device_type=device_type, keep=())
+    c1 = _cost(model, call, dtype=low, device_type=device_type, keep=best.keep) if best.keep else c0
+    cost = Cost(fp32_flop_share=c1.fp32 / c1.total if c1.total else 0.0,
+                default_fp32_flop_share=c0.fp32 / c0.total if c0.total else 0.0,
+                cast_bytes=c1.cast_bytes, default_cast_bytes=c0.cast_bytes, matmul_flops=c0.total)
+    ordered = tuple(base.modules[n] for n in base.order if n in base.modules)
+    return Advice(dtype=low, policy=policy, target=target, error=best.error,
+                  baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
+                  loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
+                  grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base),
+                  _explain=lambda policy: _explain_model(model, call, low, policy))
+
+
+def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy) -> Any:
+    from amp_fx.inspect.explanation import explain
+
+    return explain(model, *call.args, dtype=dtype, policy=policy, **call.kwargs)
+
+
+def _parts(r: _RunResult) -> tuple[tuple[str, float | None], ...]:
+    return (("output", r.output_error), ("loss", r.loss_error), ("gradients", r.grad_error))
+
+
+def _describe(r: _RunResult) -> str:
+    what = "inf/NaN" if not r.finite else f"error {r.error:.3g}"
+    return f"keep ({', '.join(r.keep) or 'nothing'}): {what}"
+
+
+def _search(base: _RunResult, run: Callable[[tuple[str, ...]], _RunResult], target: float,
+            dtype: torch.dtype, max_runs: int) -> tuple[_RunResult, int, list[str]]:
+    """Grow a keep-list from the hazards, the next inf/NaN onset, then the ranked candidates;
+    then drop what is not needed. Returns the best run, the runs made (the baseline included) and
+    the steps in words."""
+    words = [f"default policy: {'inf/NaN' if not base.finite else f'error {base.error:.3g}'} "
+             f"(target {target:.3g})"]
+    ranked = _ranked(base, dtype)
+    keep = _add((), _hazards(base))
+    if not keep:
+        keep = _add((), ranked[:1])
+    runs, batch = 1, 1
+    best: _RunResult | None = None
+    last = base
+    tried: set[tuple[str, ...]] = set()
+    while keep and runs <= max_runs and keep not in tried:
+        tried.add(keep)
+        last = run(keep)
+        runs += 1
+        words.append(_describe(last))
+        if last.finite and last.error <= target:
+            best = last
+            break
+        new = _hazards(last) if not last.finite else []
+        new = [n for n in new if not any(_inside(n, k) for k in keep)]
+        if not new:
+            more = [n for n in _ranked(last, dtype) + ranked if not any(_inside(n, k) for k in keep)]
+            new, batch = list(dict.fromkeys(more))[:batch], batch * 2
+        if not new:
+            break
+        keep = _add(keep, new)
+    if best is None:
+        if not base.finite and last.finite:
+            words.append("no policy met the target within max_runs; advised: the last one tried, the "
+                         "first without inf/NaN")
+            return last, runs, words
+        words.append("no policy met the target: no module stands out (no value out of range, none "
+                     "that amplifies error), so the error is spread over the model; advised: the "
+                     "default policy (raise target= to accept it)" if not tried else
+                     "no policy met the target within max_runs; advised: the default policy")
+        return base, runs, words
+    # drop what the target does not need, latest-added first
+    for name in reversed(best.keep):
+        if len(best.keep) == 1 or runs > max_runs:
+            break
+        trial = tuple(k for k in best.keep if k != name)
+        r = run(trial)
+        runs += 1
+        words.append(_describe(r) + (" (dropped " + name + ")" if r.finite and r.error <= target else ""))
+        if r.finite and r.error <= target:
+            best = r
+    return best, runs, words

@@ -1,0 +1,136 @@
+"""Small models with one planted mixed-precision hazard in one named module, and their healthy
+twins (``hazard=False``: the same model without it), for amp_fx.advise's tests, docs and bench.
+
+Each builder returns ``(model, inputs, loss_fn)`` like :mod:`amp_fx.testing.zoo`, with the
+module that holds the hazard in :data:`HAZARDS`:
+
+* ``linear_overflow`` (fp16): ``up``'s output reaches ~2e5, above fp16's max 65504, though every
+  weight and input fits;
+* ``attention_overflow`` (fp16): inside ``attn``, the functional ``q @ k.transpose(-2, -1)`` sums
+  32 products of ~100 x ~100 (~3e5): not a leaf module's output;
+* ``cancellation`` (bf16): ``shift`` computes ``proj(x) - offset`` where ``proj(x)`` is a signal
+  of size ~1 riding on an offset of 1000; bf16's spacing at 1000 is 4, so the signal is lost;
+* ``weight_overflow`` (fp16): one entry of ``big.weight`` is 1e5, so its fp16 cast is inf (the
+  input it multiplies is ~1e-3, so the fp32 output is ~100).
+
+    >>> model, inputs, loss_fn = build("linear_overflow")
+    >>> bool(torch.isfinite(loss_fn(model(*inputs))))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from amp_fx.testing.zoo import Built
+
+__all__ = ["HAZARDS", "build"]
+
+HAZARDS = {
+    "linear_overflow": ("fp16", "up"),
+    "attention_overflow": ("fp16", "attn"),
+    "cancellation": ("bf16", "shift"),
+    "weight_overflow": ("fp16", "big"),
+}
+"""name -> (dtype, the module holding the hazard)."""
+
+
+def _loss(out: Tensor) -> Tensor:
+    return out.float().pow(2).mean()
+
+
+class LinearOverflow(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.up = nn.Linear(64, 64)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 4)
+        with torch.no_grad():
+            # |weights| ~0.06 times 40000 (~2500, fits fp16) over 64 positive inputs of ~0.3:
+            # outputs ~1e5, above fp16's 65504
+            self.up.weight.abs_().mul_(40000.0 if hazard else 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.up(torch.relu(self.fc1(x)))))
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, hazard: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.scale = 1 / math.sqrt(d)
+        with torch.no_grad():
+            if hazard:  # q and k ~100 in every entry: their dot product over d=32 is ~3e5
+                self.q.bias.fill_(100.0)
+                self.k.bias.fill_(100.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-2, -1)) * self.scale
+        return self.o(torch.softmax(scores, dim=-1) @ self.v(x))
+
+
+class AttentionOverflow(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.attn = Attention(32, hazard)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.head(h + self.attn(h))
+
+
+class Shift(nn.Module):
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("offset", torch.full((16,), offset))
+        with torch.no_grad():
+            self.proj.bias.add_(offset)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x) - self.offset
+
+
+class Cancellation(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.shift = Shift(1000.0 if hazard else 0.0)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.shift(x)))
+
+
+class WeightOverflow(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.big = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.big.weight[:, 0] = 1e5 if hazard else 1e3  # 1e5 > 65504; 1e3 fits
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.big(x))
+
+
+def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
+    """The model ``name`` of :data:`HAZARDS` (or its healthy twin), inputs and loss function."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if name == "linear_overflow":
+        return LinearOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "attention_overflow":
+        return AttentionOverflow(hazard), (torch.randn(2, 6, 8, generator=gen),), _loss
+    if name == "cancellation":
+        return Cancellation(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "weight_overflow":
+        x = torch.randn(4, 16, generator=gen)
+        x[:, 0] = 1e-3  # the input the 1e5 weight multiplies: the fp32 product is ~100
+        return WeightOverflow(hazard), (x,), _loss
+    raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS)}")
