@@ -113,6 +113,16 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
         'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", max_grad_norm=1.0)':
             Run(replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
+        'advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().sum())': Run(),
+        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", watch_nonfinite=True)':
+            Run(replace=(("watch_nonfinite=True)", 'watch_nonfinite=True, backend="aot_eager")'),)),
+    },
+    "docs/advise.md": {
+        "import amp_fx": Run(),
+    },
+    "docs/overflow.md": {
+        "# compile_step: the report, and a scheduler that stands still on skipped steps": Run(),
+        "# GradScaler around amp_fx.compile: the scaler watches the compiled model": Run(),
     },
     "docs/getting-started.md": {
         "import amp_fx": Run(),
