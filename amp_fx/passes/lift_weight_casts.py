@@ -45,12 +45,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amp_fx._dtype_names import dtype_name
 
@@ -72,9 +75,16 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     return bool(node.meta.get("amp_fx_cached")) if weight.requires_grad else True
 
 
-def _example(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An input like ``weight.to(dtype)``, made in the same (fake or real) mode as ``weight``."""
-    with torch.no_grad():
+def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode | None) -> torch.Tensor:
+    """An input like ``weight.to(dtype)``, with ``weight``'s static sizes.
+
+    Under Dynamo (``fake_mode`` is its tracing mode) the example is a fake tensor of that mode.
+    A real tensor Dynamo never saw would be fakified by AOTAutograd with a fresh symbol per size
+    and no source; a guard on such a symbol (a broadcast's ``infer_size`` in Llama's rotary
+    embedding, ViT, ConvNeXt) makes Dynamo's guard builder fail (``symbol_to_source[symbol][0]``:
+    IndexError). The weight's sizes are static (Dynamo specializes parameters), so the copy's are.
+    """
+    with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
         ex = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
     return ex.requires_grad_(weight.requires_grad)
 
@@ -113,6 +123,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     inputs = list(example_inputs)
     last = placeholders[-1]
     names: dict[str, int] = {}
+    fake_mode = detect_fake_mode(example_inputs)
 
     def new_input(src: torch.fx.Node, dtype: torch.dtype, val: Any) -> torch.fx.Node:
         nonlocal last
@@ -125,7 +136,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         last = ph
         i = position[src]
         lifted.append((i, dtype))
-        inputs.append(_example(example_inputs[i], dtype))
+        inputs.append(_example(example_inputs[i], dtype, fake_mode))
         return ph
 
     by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
