@@ -14,7 +14,11 @@ node whose forward returns the cached copy and whose backward casts the summed l
 gradient to fp32. Every use in every graph of the forward gets the same node, and each graph's
 backward returns one gradient per use, so the autograd engine adds all of them into that node's
 buffer one by one, in the order eager autocast's cached cast gets them (latest use first, graph
-breaks included), before one cast back to fp32: parity stays bitwise.
+breaks included), before one cast back to fp32: parity stays bitwise. A weight that is also used
+in fp32 (an embedding tied to the output projection) has its fp32 uses lifted too where the order
+of its contributions matters, each fed through a node of its own (:class:`_Use`), the nodes of a
+graph made in the order eager makes them: the engine then adds the cast's and the fp32 uses'
+contributions into the weight's ``.grad`` in eager's order.
 
 When a copy is stale (any of these makes it so; checked on the host, no device sync):
 
