@@ -231,6 +231,33 @@ def test_fp32_uses_lifted_only_where_their_order_matters(name: str) -> None:
     assert uses == expected[name]
 
 
+def _refuses_lifted_graphs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    if any(n.meta.get("amp_fx_weight_cache") for n in gm.graph.nodes if n.op == "placeholder"):
+        raise RuntimeError("this backend compiles no graph with lifted weight casts")
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_backend_failure_on_the_lifted_graph_is_reported(strict: bool) -> None:
+    """A downstream backend that cannot compile the lifted graph: amp_fx says so through the
+    reporter (naming the backend's error and the fix) and compiles the graph with its casts,
+    bitwise with eager autocast; strict mode raises amp_fx's error, not Dynamo's."""
+    model, inputs, loss_fn = ZOO["mlp"].build()
+    expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_refuses_lifted_graphs, weight_cache=True,
+                              strict=strict)
+    message = r"weight_cache=True: the .* backend failed on graph 0 .*RuntimeError.*Pass weight_cache=False"
+    if strict:
+        with pytest.raises(AmpFxError, match=message):
+            compiled(*inputs)
+        return
+    with pytest.warns(AmpFxWarning, match=message):
+        actual = step(compiled, model, inputs, loss_fn)
+    for n, g in expected.grads.items():
+        assert_bitwise(actual.grads[n], g, f"{n}.grad")
+    assert compiled.amp_fx_weight_cache.refreshes == 0
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_one_input_per_use_of_a_trainable_weight(frozen: bool) -> None:
     """The graph before the break uses block.weight and block.bias twice each: a trainable

@@ -16,6 +16,7 @@ What failed before the fix, and what each case guards:
   through the cast) got its gradient contributions summed in another order than eager's
   (``(enc + dec) + head`` for ``(head + dec) + enc``): ``shared.weight.grad`` differed.
 * GPT-2 and BERT (tied embeddings, one fp32 use each) were bitwise already: regressions.
+* Mixtral (a mixture of experts, grouped-query attention like Llama) crashed as Llama did.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def _llama() -> nn.Module:
         num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64))
 
 
+def _mixtral() -> nn.Module:
+    # a mixture of experts: 4 experts, 2 per token (routing, expert weights used per token group)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64))
+
+
 def _gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -106,6 +115,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., Batch]]] = {
     "t5": (_t5, _tokens),
     "vit": (_vit, _images),
     "convnext": (_convnext, _images),
+    "mixtral": (_mixtral, _tokens),
 }
 
 
