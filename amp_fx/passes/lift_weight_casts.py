@@ -30,7 +30,7 @@ them: the cast and each fp32 use. A graph that kept its fp32 uses would hand bac
 added to the cast's contribution afterwards: T5's shared embedding (encoder and decoder
 lookups, then the tied head) gets ``(enc + dec) + head`` where eager computes
 ``(head + dec) + enc``, not bitwise in fp32. Each such input is fed its own autograd node
-(the weight cache's ``use``), made in eager's creation order (:attr:`Lifted.created`).
+(``WeightCache.use``), made in eager's creation order (:attr:`Lifted.created`).
 
 Guarantees: values unchanged when the new inputs hold ``w.to(d)`` (``w`` itself for an fp32 use);
 ``meta["val"]`` of each new placeholder is the cast's (the weight's); the new inputs have the
@@ -104,9 +104,10 @@ def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode
 
     Under Dynamo (``fake_mode`` is its tracing mode) the example is a fake tensor of that mode.
     A real tensor Dynamo never saw would be fakified by AOTAutograd with a fresh symbol per size
-    and no source; a guard on such a symbol (a broadcast's ``infer_size`` in Llama's rotary
-    embedding, ViT, ConvNeXt) makes Dynamo's guard builder fail (``symbol_to_source[symbol][0]``:
-    IndexError). The weight's sizes are static (Dynamo specializes parameters), so the copy's are.
+    and no source; a guard on such a symbol (``infer_size`` of a ``view(b, t, -1, head_dim)`` of
+    HF Llama's 32-row ``k_proj`` output: ``Eq(Mod(16*s, 256), 0)``) makes Dynamo's guard builder
+    fail (``symbol_to_source[symbol][0]``: IndexError). The weight's sizes are static (Dynamo
+    specializes parameters), so the copy's are.
     """
     with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
         ex = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
@@ -132,13 +133,12 @@ def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.f
     user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
 
 
-def _direct_uses(src: torch.fx.Node, lifted_casts: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
-    """The users of ``src`` (an fp32 parameter) other than its lifted casts, or None when one of
-    them must keep ``src`` itself: the output (the graph returns the parameter) or an op that
-    mutates an argument (an alias input would take the mutation)."""
-    users = [u for u in src.users if u not in lifted_casts]
-    where = {n: i for i, n in enumerate(src.graph.nodes)}
-    users.sort(key=where.__getitem__)
+def _direct_uses(src: torch.fx.Node, lifted_casts: set[torch.fx.Node], where: dict[torch.fx.Node, int]
+                 ) -> list[torch.fx.Node] | None:
+    """The users of ``src`` (an fp32 parameter) other than its lifted casts, in graph order, or
+    None when one of them must keep ``src`` itself: the output (the graph returns the parameter)
+    or an op that mutates an argument (an alias input would take the mutation)."""
+    users = sorted((u for u in src.users if u not in lifted_casts), key=where.__getitem__)
     for u in users:
         if u.op != "call_function":
             return None
@@ -168,7 +168,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
     for cast in casts:
         by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
-    fp32_uses = _fp32_uses_to_lift(placeholders, example_inputs, set(casts), {src for src, _ in by_weight})
+    fp32_uses = _fp32_uses_to_lift(placeholders, example_inputs, set(casts), {src for src, _ in by_weight}, where)
     if not casts and not fp32_uses:
         return gm, list(example_inputs), []
     # eager's creation order: a cast at its first user (before that user's own node), an fp32
@@ -235,8 +235,8 @@ _USE_KEY = "amp_fx_weight_use"
 
 
 def _fp32_uses_to_lift(placeholders: Sequence[torch.fx.Node], example_inputs: Sequence[Any],
-                       lifted_casts: set[torch.fx.Node], cast: set[torch.fx.Node]
-                       ) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+                       lifted_casts: set[torch.fx.Node], cast: set[torch.fx.Node],
+                       where: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     """For each trainable fp32 parameter whose gradient contributions the graph would otherwise
     sum out of eager's order (it has a lifted cast here, or two or more fp32 occurrences), its
     fp32 users in graph order."""
@@ -244,7 +244,7 @@ def _fp32_uses_to_lift(placeholders: Sequence[torch.fx.Node], example_inputs: Se
     for src, weight in zip(placeholders, example_inputs, strict=True):
         if not (isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32 and weight.requires_grad):
             continue
-        users = _direct_uses(src, lifted_casts)
+        users = _direct_uses(src, lifted_casts, where)
         if not users:
             continue
         if src in cast or sum(_occurrences(u, src) for u in users) >= 2:
