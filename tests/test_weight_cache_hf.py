@@ -132,8 +132,22 @@ def _compile(model: nn.Module, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
 # --- training with accumulation: bitwise with eager autocast -----------------------------------
 
 
+# torch 2.11: amp_fx.compile is not bitwise with eager autocast on these models' gradients with or
+# without the cache (weight_cache=False, bf16: Llama's embed_tokens, projections and norms differ,
+# T5's relative_attention_bias embeddings; Mixtral fails at embed_tokens as Llama does), so the
+# cache cannot be; the other models are bitwise there too.
+_NOT_BITWISE_ON_2_11 = {"llama", "mixtral", "t5"}
+_TORCH_2_11 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12)
+
+
+def _xfail_on_2_11(name: str) -> Any:
+    return pytest.param(name, marks=pytest.mark.xfail(
+        _TORCH_2_11 and name in _NOT_BITWISE_ON_2_11, strict=True,
+        reason="torch 2.11: gradients differ from eager autocast without the weight cache too"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [_xfail_on_2_11(n) for n in MODELS])
 def test_training_with_accumulation_bitwise(name: str, dtype: torch.dtype) -> None:
     """ACCUMULATE micro-batches then an optimizer step, WINDOWS times: every loss, every gradient
     before each step and every parameter after it bitwise eager autocast's (fp16: both sides
