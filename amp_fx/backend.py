@@ -191,15 +191,11 @@ class AmpBackend:
         with torch._C._DisableAutocast():
             record = self.rewrite(gm, example_inputs)
             self.records.append(record)
-            # weight cache (amp_fx/weight_cache.py): parameter casts become inputs it fills
-            graph, inputs, lifted = record.rewritten, list(example_inputs), []
             if self.weight_cache is not None:
-                graph, inputs, lifted = lift_weight_casts(graph, inputs)
+                compiled = self._compile_with_weight_cache(record, list(example_inputs))
             else:
                 self._report_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
-            compiled = self._downstream(graph, inputs)
-            if self.weight_cache is not None:
-                compiled = self.weight_cache.wrap(compiled, lifted)
+                compiled = self._downstream(record.rewritten, list(example_inputs))
         runs = self.runs
         guarded: set[type] = set()
         watch, index = self.watch, record.index
@@ -221,6 +217,29 @@ class AmpBackend:
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run_without_autocast
 
+
+    def _compile_with_weight_cache(self, record: GraphRecord, inputs: list[Any]) -> Callable[..., Any]:
+        """The weight cache (amp_fx/weight_cache.py): parameter casts become inputs it fills.
+
+        Where the downstream backend cannot compile the lifted graph, this graph casts its
+        weights itself, and the owner's reporter says so (an error in strict mode) instead of
+        the failure surfacing from inside Dynamo."""
+        assert self.weight_cache is not None
+        try:
+            graph, lifted_inputs, lifted = lift_weight_casts(record.rewritten, inputs)
+            compiled = self._downstream(graph, lifted_inputs)
+        except AmpFxError:
+            raise
+        except Exception as e:
+            self.reporter.did_less(("weight_cache", type(e).__name__), (
+                f"amp_fx: weight_cache=True: the {self.backend_name} backend failed on graph "
+                f"{record.index} with its weight casts lifted into inputs ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); that graph casts its weights itself "
+                f"in every forward instead (no saving, and a weight it shares with another graph of "
+                f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
+                f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."))
+            return self._downstream(record.rewritten, inputs)
+        return self.weight_cache.wrap(compiled, lifted)
 
     def _report_leaf_casts_split_by_graph_breaks(
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

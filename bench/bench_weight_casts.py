@@ -1,7 +1,8 @@
 """Cast bytes per optimizer step, step time and memory, with and without amp_fx's weight cache.
 
-    python bench/bench_weight_casts.py                  # GPT-2-like and Llama-like, 6 x 512, bf16
+    python bench/bench_weight_casts.py                  # GPT-2-like, Llama-like, HF GPT-2, HF Llama: 6 x 512, bf16
     python bench/bench_weight_casts.py --quick          # 2 layers x 128 (a smoke run)
+    python bench/bench_weight_casts.py --model hf-llama # one model: transformers' Llama (also hf-gpt2)
 
 **Cast bytes** are counted from what executes under ``aot_eager``, per optimizer step (one
 accumulation window), as the bytes each dtype cast reads plus writes:
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.util
 import math
 import time
 from collections import defaultdict
@@ -139,7 +141,38 @@ class Llama(nn.Module):
         return self.head(self.norm(h))
 
 
-MODELS: dict[str, type[nn.Module]] = {"gpt2-like": GPT2, "llama-like": Llama}
+class HFLogits(nn.Module):
+    """A Hugging Face causal LM (random init, no download) seen as ``ids -> logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hf_gpt2(vocab: int, d: int, layers: int, heads: int, seq: int) -> nn.Module:
+    """transformers' GPT2LMHeadModel (head tied to the embedding), no dropout."""
+    import transformers
+
+    return HFLogits(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=layers, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)))
+
+
+def hf_llama(vocab: int, d: int, layers: int, heads: int, seq: int) -> nn.Module:
+    """transformers' LlamaForCausalLM (rotary embeddings, SwiGLU, untied head), the llama-like MLP width."""
+    import transformers
+
+    return HFLogits(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=d, intermediate_size=256 * math.ceil(8 * d / 3 / 256),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=max(seq, 64))))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"gpt2-like": GPT2, "llama-like": Llama,
+                                               "hf-gpt2": hf_gpt2, "hf-llama": hf_llama}
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -426,7 +459,11 @@ def main() -> None:
                     "weight / eager as executed", "activation MiB"]
     time_headers = ["model", "accumulate", "variant", "median ms", "time / no cache", "p10", "p90",
                     "held between steps MiB", "peak MiB"]
-    for kind in MODELS if args.model == "all" else [args.model]:
+    kinds = list(MODELS) if args.model == "all" else [args.model]
+    if importlib.util.find_spec("transformers") is None and any(k.startswith("hf-") for k in kinds):
+        print("transformers is not installed: no hf-* rows (pip install transformers)")
+        kinds = [k for k in kinds if not k.startswith("hf-")]
+    for kind in kinds:
         if args.memory_only:
             for accumulate in args.accumulate:
                 batch = _batches(4 * accumulate, dims)

@@ -101,6 +101,25 @@ class TwiceInOneOp(nn.Module):
         return h @ self.w
 
 
+class SharedEncDec(TiedLM):
+    """T5's pattern: one embedding looked up twice in fp32 (encoder and decoder) and tied to the
+    output projection (``break_before_head``: after a graph break). Eager autograd adds the three
+    contributions into ``emb.weight``'s buffer latest first, ``(head + dec) + enc``; a graph that
+    sums its two lookups itself hands back ``enc + dec`` (before the fix: not bitwise in fp32)."""
+
+    def __init__(self, *, break_before_head: bool = False) -> None:
+        super().__init__()
+        self.break_before_head = break_before_head
+
+    def forward(self, ids: Tensor) -> Tensor:
+        enc = self.emb(ids)
+        enc = enc + F.gelu(self.block(enc))
+        h = self.emb(ids.flip(-1)) * enc.mean(1, keepdim=True)
+        if self.break_before_head:
+            torch._dynamo.graph_break()
+        return F.linear(self.norm(h), self.emb.weight)
+
+
 def _sq_mean(out: object) -> Tensor:
     return out.float().pow(2).mean()  # type: ignore[union-attr]
 
@@ -108,9 +127,12 @@ def _sq_mean(out: object) -> Tensor:
 def _build(name: str) -> tuple[nn.Module, tuple[Tensor, ...], Callable[[object], Tensor]]:
     if name in ("three_graphs", "three_graphs_early_twice"):
         return _three_graphs(early_twice=name.endswith("early_twice"))
-    if name in ("tied_break", "twice_in_one_op"):
+    if name in ("tied_break", "twice_in_one_op", "shared_enc_dec", "shared_enc_dec_break"):
         torch.manual_seed(0)
         g = torch.Generator().manual_seed(1)
+        if name.startswith("shared_enc_dec"):
+            ids = torch.randint(0, 32, (4, 16), generator=g)
+            return SharedEncDec(break_before_head=name.endswith("break")), (ids,), _sq_mean
         if name == "tied_break":
             return TiedBreakLM(), (torch.randint(0, 32, (2, 8), generator=g),), _sq_mean
         return TwiceInOneOp(), (torch.randn(4, 16, generator=g),), _sq_mean
@@ -122,13 +144,17 @@ def _build(name: str) -> tuple[nn.Module, tuple[Tensor, ...], Callable[[object],
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", ["mlp", "tied_embedding", "rmsnorm", "sdpa_block", "graph_break",
-                                  "three_graphs", "three_graphs_early_twice", "tied_break", "twice_in_one_op"])
+                                  "three_graphs", "three_graphs_early_twice", "tied_break", "twice_in_one_op",
+                                  "shared_enc_dec", "shared_enc_dec_break"])
 def test_forward_backward_bitwise(name: str, dtype: torch.dtype) -> None:
     """``graph_break`` is a strict xfail without the cache (test_compile_parity.py): fc's two
     contributions then add up in fp32. With the cache every graph gets the same autograd node.
     ``tied_embedding`` uses ``block`` twice in one graph and no break; ``three_graphs_early_twice``,
     ``tied_break`` and ``twice_in_one_op`` use a weight several times in a graph and again after
-    a break, where the graph must return one gradient per use (see lift_weight_casts)."""
+    a break, where the graph must return one gradient per use (see lift_weight_casts).
+    ``shared_enc_dec`` (T5's tied embedding: two fp32 lookups and the cast head) needs each fp32
+    use lifted too, its node made in eager's order; ``shared_enc_dec_break`` the same with the
+    head after a graph break (two fp32 uses and no cast in the first graph)."""
     model, inputs, loss_fn = _build(name)
     expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, dtype)
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True)
@@ -188,6 +214,48 @@ def test_downstream_graphs_cast_no_weight(weight_cache: bool) -> None:
         assert _param_casts(graph) == 3 and not lifted
     # the recorded graph (what inspection tools run) keeps its casts either way
     assert compiled.amp_fx_records[0].casts >= 3
+
+
+@pytest.mark.parametrize("name", ["shared_enc_dec", "shared_enc_dec_break", "tied_embedding", "tied_break"])
+def test_fp32_uses_lifted_only_where_their_order_matters(name: str) -> None:
+    """A trainable weight's fp32 uses get inputs of their own (``amp_fx_weight_use``) in a graph
+    that also casts it, or uses it twice or more in fp32; a graph with one fp32 use and no cast
+    of it keeps the weight itself (negative twin: ``tied_break``'s first graph, whose embedding
+    lookup is the weight's only use there)."""
+    graphs: list[torch.fx.GraphModule] = []
+    model, inputs, loss_fn = _build(name)
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_recording_backend(graphs), weight_cache=True)
+    loss_fn(compiled(*inputs)).backward()
+    uses = [sum(1 for n in g.graph.nodes if n.meta.get("amp_fx_weight_use")) for g in graphs]
+    expected = {"shared_enc_dec": [2], "shared_enc_dec_break": [2, 0], "tied_embedding": [1], "tied_break": [0, 0]}
+    assert uses == expected[name]
+
+
+def _refuses_lifted_graphs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    if any(n.meta.get("amp_fx_weight_cache") for n in gm.graph.nodes if n.op == "placeholder"):
+        raise RuntimeError("this backend compiles no graph with lifted weight casts")
+    return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_backend_failure_on_the_lifted_graph_is_reported(strict: bool) -> None:
+    """A downstream backend that cannot compile the lifted graph: amp_fx says so through the
+    reporter (naming the backend's error and the fix) and compiles the graph with its casts,
+    bitwise with eager autocast; strict mode raises amp_fx's error, not Dynamo's."""
+    model, inputs, loss_fn = ZOO["mlp"].build()
+    expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_refuses_lifted_graphs, weight_cache=True,
+                              strict=strict)
+    message = r"weight_cache=True: the .* backend failed on graph 0 .*RuntimeError.*Pass weight_cache=False"
+    if strict:
+        with pytest.raises(AmpFxError, match=message):
+            compiled(*inputs)
+        return
+    with pytest.warns(AmpFxWarning, match=message):
+        actual = step(compiled, model, inputs, loss_fn)
+    for n, g in expected.grads.items():
+        assert_bitwise(actual.grads[n], g, f"{n}.grad")
+    assert compiled.amp_fx_weight_cache.refreshes == 0
 
 
 @pytest.mark.parametrize("frozen", [False, True])
