@@ -167,6 +167,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "import torch": Run(),
         "import lightning.pytorch as pl": Run(needs="lightning"),
     },
+    "docs/weight-cache-real-models.md": {
+        "import torch": Run(needs="transformers"),
+    },
     "docs/weight-cache.md": {
         'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Run(
             after="for xb, yb in loader:\n    step(xb, yb)\n",
