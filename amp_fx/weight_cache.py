@@ -54,6 +54,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_fx.passes.lift_weight_casts import Lifted
+
 __all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -76,6 +78,20 @@ class _CachedCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
         return (None if grad is None else grad.to(ctx.weight_dtype)), None
+
+
+class _Use(torch.autograd.Function):
+    """One fp32 use of a weight in a graph, as a node of its own: the graph's gradient for this
+    use reaches the weight's ``AccumulateGrad`` through it, in the order eager's node for the
+    use would (see :mod:`amp_fx.passes.lift_weight_casts`). forward: an alias; backward: identity."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
@@ -241,16 +257,35 @@ class WeightCache:
                     entry.layout = _layout(w)
 
     # ------------------------------------------------------------------ graphs
-    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[tuple[int, torch.dtype]]) -> Callable[..., Any]:
-        """A compiled graph whose lifted inputs (position of the weight, dtype), one per use of
-        a trainable weight, are filled here: every use gets this forward's one node output."""
+    def use(self, weight: torch.Tensor) -> torch.Tensor:
+        """One fp32 use of ``weight`` with an autograd node of its own (:class:`_Use`)."""
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _Use.apply(weight)
+        return weight.detach()
+
+    def wrap(self, compiled: Callable[..., Any], lifted: Sequence[Lifted]) -> Callable[..., Any]:
+        """A compiled graph whose lifted inputs (:class:`~amp_fx.passes.lift_weight_casts.Lifted`)
+        are filled here: every use of a trainable weight's cast gets this forward's one node
+        output, every lifted fp32 use a node of its own, the nodes made in eager's creation order
+        (autograd runs the later-made first, and so adds their contributions in eager's order)."""
         if not lifted:
             return compiled
+        order = sorted(range(len(lifted)), key=lambda j: lifted[j].created)
 
         def run(*args: Any) -> Any:
-            # one node for all the uses even outside a forward() (a graph called on its own)
-            fed = {key: self.lowp(args[key[0]], key[1]) for key in dict.fromkeys(lifted)}
-            return compiled(*args, *[fed[key] for key in lifted])
+            fed: list[Any] = [None] * len(lifted)
+            casts: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+            for j in order:
+                i, dtype, _ = lifted[j]
+                weight = args[i]
+                if dtype == weight.dtype:
+                    fed[j] = self.use(weight)
+                    continue
+                # one node for all the uses even outside a forward() (a graph called on its own)
+                if (i, dtype) not in casts:
+                    casts[(i, dtype)] = self.lowp(weight, dtype)
+                fed[j] = casts[(i, dtype)]
+            return compiled(*args, *fed)
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run

@@ -22,9 +22,21 @@ appended after the existing ones:
 * a frozen parameter (``requires_grad=False``) has one cast per use (eager autocast does not
   cache it), all with the same value and no gradient: they become one input.
 
-Guarantees: values unchanged when the new inputs hold ``w.to(d)``; ``meta["val"]`` of each new
-placeholder is the cast's; the graph lints. Returns the copy, the example inputs extended with
-one example per new input, and the (position of w, d) of each new input, in order.
+The fp32 uses of a trainable parameter (an embedding tied to the output projection, as in T5)
+are lifted too, one input per occurrence, when the parameter also has a lifted cast in the
+graph or occurs twice or more in it. Eager autograd adds ``w``'s gradient contributions into
+its ``AccumulateGrad`` buffer one by one, in reverse creation order of the nodes that produce
+them: the cast and each fp32 use. A graph that kept its fp32 uses would hand back their sum,
+added to the cast's contribution afterwards: T5's shared embedding (encoder and decoder
+lookups, then the tied head) gets ``(enc + dec) + head`` where eager computes
+``(head + dec) + enc``, not bitwise in fp32. Each such input is fed its own autograd node
+(the weight cache's ``use``), made in eager's creation order (:attr:`Lifted.created`).
+
+Guarantees: values unchanged when the new inputs hold ``w.to(d)`` (``w`` itself for an fp32 use);
+``meta["val"]`` of each new placeholder is the cast's (the weight's); the new inputs have the
+weight's static sizes (fake tensors of Dynamo's tracing mode under Dynamo); the graph lints.
+Returns the copy, the example inputs extended with one example per new input, and a
+:class:`Lifted` per new input, in input order.
 
 Example:
     >>> import torch
@@ -37,7 +49,7 @@ Example:
     >>> _ = g.output(g.call_function(torch.ops.aten.mm.default, (h, c)))
     >>> lifted_gm, inputs, lifted = lift_weight_casts(torch.fx.GraphModule({}, g),
     ...                                               [torch.randn(2, 4), w])
-    >>> lifted, [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
+    >>> [(x.weight, x.dtype) for x in lifted], [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
     ([(1, torch.bfloat16), (1, torch.bfloat16)], ['x', 'w', 'w_bf16', 'w_bf16_2'])
     >>> [str(n.args) for n in lifted_gm.graph.nodes if n.op == "call_function"]  # latest user first
     ['(x, w_bf16_2)', '(mm_default, w_bf16)']
@@ -45,19 +57,34 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amp_fx._dtype_names import dtype_name
 
-__all__ = ["lift_weight_casts"]
+__all__ = ["Lifted", "lift_weight_casts"]
 
 _CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
+
+
+class Lifted(NamedTuple):
+    """One new input of the lifted graph."""
+
+    weight: int
+    """Position of the weight among the graph's inputs."""
+    dtype: torch.dtype
+    """The copy's dtype; the weight's own dtype for an fp32 use of the weight itself."""
+    created: int
+    """When eager autograd creates the node this input stands for, relative to the graph's other
+    new inputs (ascending; the uses of one cast share its node and its rank)."""
 
 
 def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: Sequence[Any]) -> bool:
@@ -72,9 +99,16 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     return bool(node.meta.get("amp_fx_cached")) if weight.requires_grad else True
 
 
-def _example(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An input like ``weight.to(dtype)``, made in the same (fake or real) mode as ``weight``."""
-    with torch.no_grad():
+def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode | None) -> torch.Tensor:
+    """An input like ``weight.to(dtype)``, with ``weight``'s static sizes.
+
+    Under Dynamo (``fake_mode`` is its tracing mode) the example is a fake tensor of that mode.
+    A real tensor Dynamo never saw would be fakified by AOTAutograd with a fresh symbol per size
+    and no source; a guard on such a symbol (a broadcast's ``infer_size`` in Llama's rotary
+    embedding, ViT, ConvNeXt) makes Dynamo's guard builder fail (``symbol_to_source[symbol][0]``:
+    IndexError). The weight's sizes are static (Dynamo specializes parameters), so the copy's are.
+    """
+    with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
         ex = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
     return ex.requires_grad_(weight.requires_grad)
 
@@ -98,41 +132,83 @@ def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.f
     user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
 
 
+def _direct_uses(src: torch.fx.Node, lifted_casts: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The users of ``src`` (an fp32 parameter) other than its lifted casts, or None when one of
+    them must keep ``src`` itself: the output (the graph returns the parameter) or an op that
+    mutates an argument (an alias input would take the mutation)."""
+    users = [u for u in src.users if u not in lifted_casts]
+    where = {n: i for i, n in enumerate(src.graph.nodes)}
+    users.sort(key=where.__getitem__)
+    for u in users:
+        if u.op != "call_function":
+            return None
+        schema = getattr(u.target, "_schema", None)
+        if schema is None or schema.is_mutable:
+            return None
+    return users
+
+
+def _occurrences(user: torch.fx.Node, src: torch.fx.Node) -> int:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((user.args, user.kwargs), lambda n: found.append(n) if n is src else None)
+    return len(found)
+
+
 def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
-                      ) -> tuple[torch.fx.GraphModule, list[Any], list[tuple[int, torch.dtype]]]:
-    """Lift parameter casts into inputs, on a copy (contract in the module doc)."""
+                      ) -> tuple[torch.fx.GraphModule, list[Any], list[Lifted]]:
+    """Lift parameter casts (and, where their order matters, fp32 uses) into inputs, on a copy
+    (contract in the module doc)."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
+    where = {n: i for i, n in enumerate(graph.nodes)}
     casts = [n for n in graph.nodes if _liftable(n, position, example_inputs)]
-    if not casts:
+    by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
+    for cast in casts:
+        by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
+    fp32_uses = _fp32_uses_to_lift(placeholders, example_inputs, set(casts), {src for src, _ in by_weight})
+    if not casts and not fp32_uses:
         return gm, list(example_inputs), []
-    lifted: list[tuple[int, torch.dtype]] = []
+    # eager's creation order: a cast at its first user (before that user's own node), an fp32
+    # use at its user, a user's occurrences last argument first (autograd adds one node's
+    # outputs in argument order, and runs the later-created of two nodes first)
+    events: dict[tuple[Any, ...], None] = {}
+    for (src, dtype), same in by_weight.items():
+        events[(min(where[u] for c in same for u in c.users), 0, 0, src.name, dtype_name(dtype))] = None
+    for src, users in fp32_uses.items():
+        for user in users:
+            n = _occurrences(user, src)
+            for k in range(n):
+                events[(where[user], 1, n - 1 - k, src.name, "")] = None
+    rank = {event: i for i, event in enumerate(sorted(events))}
+
+    lifted: list[Lifted] = []
     inputs = list(example_inputs)
     last = placeholders[-1]
     names: dict[str, int] = {}
+    fake_mode = detect_fake_mode(example_inputs)
 
-    def new_input(src: torch.fx.Node, dtype: torch.dtype, val: Any) -> torch.fx.Node:
+    def new_input(src: torch.fx.Node, dtype: torch.dtype, val: Any, created: int) -> torch.fx.Node:
         nonlocal last
-        name = f"{src.name}_{dtype_name(dtype)}"
+        i = position[src]
+        own = dtype == example_inputs[i].dtype
+        name = f"{src.name}_{'use' if own else dtype_name(dtype)}"
         names[name] = names.get(name, 0) + 1
         with graph.inserting_after(last):  # a placeholder's name is its argument's: unique
             ph = graph.placeholder(name if names[name] == 1 else f"{name}_{names[name]}")
         ph.meta["val"] = val
-        ph.meta["amp_fx_weight_cache"] = True
+        ph.meta[_USE_KEY if own else _CAST_KEY] = True
         last = ph
-        i = position[src]
-        lifted.append((i, dtype))
-        inputs.append(_example(example_inputs[i], dtype))
+        lifted.append(Lifted(i, dtype, created))
+        inputs.append(_example(example_inputs[i], dtype, fake_mode))
         return ph
 
-    by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
-    for cast in casts:
-        by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
     for (src, dtype), same in by_weight.items():
-        make_input = functools.partial(new_input, src, dtype, same[0].meta.get("val"))
+        first = min(where[u] for c in same for u in c.users)
+        make_input = functools.partial(new_input, src, dtype, same[0].meta.get("val"),
+                                       rank[(first, 0, 0, src.name, dtype_name(dtype))])
         if not inputs[position[src]].requires_grad:
             frozen = make_input()
             for cast in same:
@@ -142,5 +218,35 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                 _give_each_occurrence_its_input(user, same, make_input)
         for cast in same:
             graph.erase_node(cast)
+    for src, users in fp32_uses.items():
+        dtype = example_inputs[position[src]].dtype
+        for user in users:
+            n = _occurrences(user, src)
+            created = iter([rank[(where[user], 1, n - 1 - k, src.name, "")] for k in range(n)])
+            _give_each_occurrence_its_input(
+                user, [src], lambda src=src, dtype=dtype, created=created: new_input(
+                    src, dtype, src.meta.get("val"), next(created)))
     graph.lint()
     return torch.fx.GraphModule(gm, graph), inputs, lifted
+
+
+_CAST_KEY = "amp_fx_weight_cache"
+_USE_KEY = "amp_fx_weight_use"
+
+
+def _fp32_uses_to_lift(placeholders: Sequence[torch.fx.Node], example_inputs: Sequence[Any],
+                       lifted_casts: set[torch.fx.Node], cast: set[torch.fx.Node]
+                       ) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """For each trainable fp32 parameter whose gradient contributions the graph would otherwise
+    sum out of eager's order (it has a lifted cast here, or two or more fp32 occurrences), its
+    fp32 users in graph order."""
+    out = {}
+    for src, weight in zip(placeholders, example_inputs, strict=True):
+        if not (isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32 and weight.requires_grad):
+            continue
+        users = _direct_uses(src, lifted_casts)
+        if not users:
+            continue
+        if src in cast or sum(_occurrences(u, src) for u in users) >= 2:
+            out[src] = users
+    return out
