@@ -46,7 +46,11 @@ def read(path: str) -> tuple[dict[tuple[str, str, str], str], dict[str, float]]:
             continue
         params = m.group(2).rsplit("-", 1)
         model, dtype = params if len(params) == 2 else ("hf_llama_gqa", params[0])
-        out[model, dtype, _FEATURES[m.group(1)]] = _outcome(case)
+        feature = _FEATURES[m.group(1)]
+        outcome = _outcome(case)
+        if feature.startswith("gqa") and outcome == "bitwise":
+            outcome = "differs as torch.compile's"  # what that test asserts
+        out[model, dtype, feature] = outcome
         times[case.get("name", "")] = float(case.get("time", 0.0))
     return out, times
 

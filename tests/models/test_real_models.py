@@ -50,25 +50,29 @@ pytestmark = pytest.mark.models
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FEATURES = ("compile", "weight_cache", "compile_step", "inspect")
 
-# (model, dtype, feature) cases that take the longest on the 2-core CI machine (measured with
-# --durations, docs/real-models.md): run with `python -m pytest -m models_slow tests/models`.
-# fp16 matmuls and convolutions have no fast CPU kernels: fp16 costs several times bf16.
-_SLOW: dict[str, tuple[str, ...]] = {}
-_SLOW_FEATURES: dict[str, tuple[str, ...]] = {}
-
-# Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
-_KNOWN: dict[tuple[str, str], str] = {}
+# What a default run covers, by library and dtype; every other case is `models_slow`, deselected
+# by default (`python -m pytest -m models_slow tests/models` runs them). The tier's cost, measured
+# with --durations, is in docs/real-models.md. fp16 matmuls and convolutions have no fast CPU
+# kernels (several times bf16's time), and the inspection tools run the model five times over:
+# by default every transformers model gets every feature in bf16 and all but the inspection tools
+# in fp16 (compile_step in fp16 is the loss-scaling path); the UNets and the vision models, each
+# several times a transformers model's cost, get amp_fx.compile (and the weight cache in bf16).
+_DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
+    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step")},
+    "diffusers": {"bf16": ("compile", "weight_cache"), "fp16": ("compile",)},
+    "torchvision": {"bf16": ("compile", "weight_cache"), "fp16": ()},
+    "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
+}
+_ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
 
 
 def _cases(feature: str) -> list[Any]:
     out = []
-    for name in REAL_MODELS:
+    for name, entry in REAL_MODELS.items():
         for dtype_id in DTYPES:
             marks: list[Any] = []
-            if dtype_id in _SLOW.get(name, ()) or feature in _SLOW_FEATURES.get(name, ()):
+            if name in _ALL_SLOW or feature not in _DEFAULT[entry.library][dtype_id]:
                 marks.append(pytest.mark.models_slow)
-            if (name, feature) in _KNOWN:
-                marks.append(pytest.mark.xfail(strict=True, reason=_KNOWN[name, feature]))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
 
