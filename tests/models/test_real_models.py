@@ -65,6 +65,15 @@ _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
 
+# Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
+_KNOWN: dict[tuple[str, str], str] = {
+    ("hf_t5", "inspect"): (
+        "find_nonfinite reports a false positive: T5's relative position buckets take "
+        "torch.log(relative_position / max_exact) of 0, an intended -inf (fp32, as in eager) that "
+        "torch.where then discards; find_nonfinite names that aten.log in T5Attention although "
+        "eager's and amp_fx's outputs and gradients are finite (seen on torch 2.15)"),
+}
+
 
 def _cases(feature: str) -> list[Any]:
     out = []
@@ -73,6 +82,8 @@ def _cases(feature: str) -> list[Any]:
             marks: list[Any] = []
             if name in _ALL_SLOW or feature not in _DEFAULT[entry.library][dtype_id]:
                 marks.append(pytest.mark.models_slow)
+            if (name, feature) in _KNOWN:
+                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
 
