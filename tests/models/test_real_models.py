@@ -71,7 +71,7 @@ _KNOWN: dict[tuple[str, str], str] = {
         "find_nonfinite reports a false positive: T5's relative position buckets take "
         "torch.log(relative_position / max_exact) of 0, an intended -inf (fp32, as in eager) that "
         "torch.where then discards; find_nonfinite names that aten.log in T5Attention although "
-        "eager's and amp_fx's outputs and gradients are finite (seen on torch 2.15)"),
+        "eager's and amp_fx's outputs and gradients are finite (torch 2.13 and 2.15)"),
 }
 
 
