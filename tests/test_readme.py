@@ -167,6 +167,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "import torch": Run(),
         "import lightning.pytorch as pl": Run(needs="lightning"),
     },
+    "docs/real-models.md": {
+        "import torch": Run(needs="transformers"),
+    },
     "docs/weight-cache-real-models.md": {
         "import torch": Run(needs="transformers"),
     },

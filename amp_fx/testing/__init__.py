@@ -10,6 +10,8 @@ and the benchmarks build the same models and compare against the same references
   reproduce) and :class:`HostSyncCounter` (host reads of tensor values, seen at the dispatcher).
 * ``unscale_reference``: torch baselines for the unscale kernels.
 * ``zoo``: tiny seeded models with an autocast-neutral loss, and one eager-autocast step on them.
+* ``real_models``: real models from transformers, torchvision, timm and diffusers (random init,
+  small configs) for the real-model tier (tests/models), and one eager-autocast step on them.
 * ``distributed``: :func:`run_ranks`, gloo ranks on 127.0.0.1 for the DDP/FSDP2 tests and bench.
 * ``generate``: tiny Hugging Face causal LMs and the greedy ``generate`` call (needs transformers).
 * ``bench``: what every benchmark prints and computes (machine and versions, percentiles).

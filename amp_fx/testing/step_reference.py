@@ -92,14 +92,16 @@ def eager_amp_step(
     Per call: ``with torch.autocast: loss = loss_fn(model(x), *targets) [/ accumulate]``,
     ``scaler.scale(loss).backward()``; every ``accumulate`` calls ``[unscale_, clip_grad_norm_]``,
     ``scaler.step``, ``scaler.update``, ``zero_grad``. Returns the undivided loss, detached.
+    Keyword arguments go to the model, as ``compile_step``'s do: ``step(**batch)`` runs
+    ``loss_fn(model(**batch))`` (a Hugging Face model given ``labels``, ``loss_fn=lambda o: o.loss``).
     """
     device_type = "cuda" if any(p.is_cuda for g in optimizer.param_groups for p in g["params"]) else "cpu"
     clip_params = list(params) if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
     calls = [0]
 
-    def step(x: Any, *targets: Any) -> torch.Tensor:
+    def step(*batch: Any, **model_kwargs: Any) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype):
-            loss = loss_fn(model(x), *targets)
+            loss = loss_fn(model(*batch[:1], **model_kwargs), *batch[1:])
             scaled = loss / accumulate if accumulate > 1 else loss
         scaler.scale(scaled).backward()
         calls[0] += 1
