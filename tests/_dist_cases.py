@@ -515,7 +515,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
 
     torch._dynamo.reset()
     real = found_inf.ShardedGrads.combine_found_inf_
-    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale: None
+    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale, grad_flags=None: None
     try:
         results[("fp16", "seq", "amp_fx", "no_combine")] = fsdp_run(rank, world_size, "fp16", "seq", "amp_fx")
     finally:
