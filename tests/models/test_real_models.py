@@ -74,6 +74,14 @@ _KNOWN: dict[tuple[str, str], str] = {
         "eager's and amp_fx's outputs and gradients are finite (torch 2.13 and 2.15)"),
 }
 
+# torch 2.11 only: amp_fx.compile is not bitwise with eager autocast on T5's gradients (its
+# relative_attention_bias embeddings differ; tests/test_weight_cache_hf.py finds the same with and
+# without the weight cache); 2.13 and 2.15 are bitwise. Every feature that compares T5's gradients.
+_TORCH_2_11 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12)
+_KNOWN_ON_2_11: dict[tuple[str, str], str] = {
+    ("hf_t5", feature): "torch 2.11: T5's relative_attention_bias gradients differ from eager autocast"
+    for feature in ("compile", "weight_cache", "compile_step")}
+
 
 def _cases(feature: str) -> list[Any]:
     out = []
@@ -84,6 +92,9 @@ def _cases(feature: str) -> list[Any]:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
+            if _TORCH_2_11 and (name, feature) in _KNOWN_ON_2_11:
+                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                               reason=_KNOWN_ON_2_11[name, feature]))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
 
