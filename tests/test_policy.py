@@ -20,9 +20,13 @@ _DISPATCH_KEYS = {d.type: d.dispatch_key for d in DEVICES.values()}
 
 @pytest.mark.parametrize("device_type", sorted(_DISPATCH_KEYS))
 def test_default_table_is_exactly_torchs_registrations(device_type: str) -> None:
-    """A torch upgrade that adds, drops or renames an autocast op fails here, naming it."""
-    registered = set(torch._C._dispatch_get_registrations_for_dispatch_key(
-        _DISPATCH_KEYS[device_type]))
+    """A torch upgrade that adds, drops or renames an autocast op fails here, naming it.
+
+    torch's own ops (``aten::``) only: a library imported earlier in the process registers its own
+    (torchvision's ``nms``, ``roi_align``, ... once the real-model tier has imported it), which
+    are not torch's tables (known gap: amp_fx does not reproduce those libraries' autocast kernels)."""
+    registered = {name for name in torch._C._dispatch_get_registrations_for_dispatch_key(
+        _DISPATCH_KEYS[device_type]) if name.startswith("aten::")}
     ours = set(DEFAULT_TABLES[device_type])
     assert registered, f"torch reports no {_DISPATCH_KEYS[device_type]} registrations"
     assert not registered - ours, f"registered by torch, missing from amp_fx: {sorted(registered - ours)}"

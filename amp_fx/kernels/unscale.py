@@ -114,9 +114,13 @@ def _check_group(
             )
 
 
+# ``flags`` has no default in the ops' schemas: torch 2.11's custom-op ADInplaceOrView kernel
+# indexes the mutated arguments in the call's positional args without filling in defaults, and the
+# dispatcher drops a trailing argument equal to its default (IndexError on flags=None). Callers
+# always pass it, None included.
 def _unscale_check_impl(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-    flags: torch.Tensor | None = None,
+    flags: torch.Tensor | None,
 ) -> None:
     _check_group(grads, found_inf, inv_scale, flags)
     if not grads:
@@ -145,14 +149,14 @@ _unscale_check_op = torch.library.custom_op(
 
 @_unscale_check_op.register_fake
 def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-      flags: torch.Tensor | None = None) -> None:
+      flags: torch.Tensor | None) -> None:
     # Validate here too: a meta/fake argument sends the call here, never to the real kernel.
     _check_group(grads, found_inf, inv_scale, flags)
 
 
 def _unscale_check_norm_impl(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-    flags: torch.Tensor | None = None,
+    flags: torch.Tensor | None,
 ) -> torch.Tensor:
     _check_group(grads, found_inf, inv_scale, flags)
     device = found_inf.device
@@ -185,7 +189,7 @@ def _eager_cpu(found_inf: torch.Tensor) -> bool:
 
 @_unscale_check_norm_op.register_fake
 def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-      flags: torch.Tensor | None = None) -> torch.Tensor:
+      flags: torch.Tensor | None) -> torch.Tensor:
     _check_group(grads, found_inf, inv_scale, flags)
     return found_inf.new_empty(())
 

@@ -85,9 +85,9 @@ def test_fake_impl_shapes() -> None:
 
     with FakeTensorMode():
         grads = [torch.empty(5), torch.empty(3, 4)]
-        sum_sq = torch.ops.amp_fx.unscale_check_norm_(grads, torch.zeros(()), torch.ones(()))
+        sum_sq = torch.ops.amp_fx.unscale_check_norm_(grads, torch.zeros(()), torch.ones(()), None)
         assert sum_sq.shape == () and sum_sq.dtype == torch.float32
-        assert torch.ops.amp_fx.unscale_check_(grads, torch.zeros(()), torch.ones(())) is None
+        assert torch.ops.amp_fx.unscale_check_(grads, torch.zeros(()), torch.ones(()), None) is None
 
 
 @pytest.mark.parametrize("op_name", ["unscale_check_", "unscale_check_norm_"])
@@ -97,6 +97,6 @@ def test_opcheck(op_name: str) -> None:
     grads = [torch.randn(17) * 100, torch.randn(4, 5) * 100]
     torch.library.opcheck(
         op,
-        (grads, torch.zeros(()), torch.tensor(0.25)),
+        (grads, torch.zeros(()), torch.tensor(0.25), None),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )

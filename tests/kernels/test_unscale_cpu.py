@@ -172,15 +172,15 @@ def test_public_api_rejects_other_device() -> None:
 )
 def test_op_rejects_bad_scalars(found_inf: torch.Tensor, inv_scale: torch.Tensor, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        torch.ops.amp_fx.unscale_check_([torch.ones(2)], found_inf, inv_scale)
+        torch.ops.amp_fx.unscale_check_([torch.ones(2)], found_inf, inv_scale, None)
 
 
 def test_op_rejects_mixed_dtypes_and_overlap() -> None:
     found_inf, inv = torch.zeros(()), torch.tensor(0.5)
     with pytest.raises(ValueError, match=r"grads\[1\] is torch.float16 but grads\[0\]"):
-        torch.ops.amp_fx.unscale_check_([torch.ones(2), torch.ones(2).half()], found_inf, inv)
+        torch.ops.amp_fx.unscale_check_([torch.ones(2), torch.ones(2).half()], found_inf, inv, None)
     expanded = torch.ones(1).expand(4)
     with pytest.raises(ValueError, match=r"grads\[0\] has elements that share memory"):
-        torch.ops.amp_fx.unscale_check_([expanded], found_inf, inv)
+        torch.ops.amp_fx.unscale_check_([expanded], found_inf, inv, None)
     with pytest.raises(ValueError, match=r"grads\[0\] is torch.float64"):
-        torch.ops.amp_fx.unscale_check_([torch.ones(2, dtype=torch.float64)], found_inf, inv)
+        torch.ops.amp_fx.unscale_check_([torch.ones(2, dtype=torch.float64)], found_inf, inv, None)
