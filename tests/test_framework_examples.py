@@ -38,6 +38,7 @@ def test_torch_compile_backend_example():
 
 def test_hf_trainer_example():
     _needs("transformers", "hf")
+    _needs("accelerate", "hf")  # Trainer's TrainingArguments raise ImportError without it
     assert "parameters bitwise equal after 5 steps: True" in _run("hf_trainer.py")
 
 
