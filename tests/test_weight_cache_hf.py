@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.testing import assert_bitwise
+from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face tier needs transformers (pip install transformers)")
@@ -133,17 +134,13 @@ def _compile(model: nn.Module, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
 
 
 # torch 2.11: amp_fx.compile is not bitwise with eager autocast on these models' gradients with or
-# without the cache (weight_cache=False, bf16: Llama's embed_tokens, projections and norms differ,
-# T5's relative_attention_bias embeddings; Mixtral fails at embed_tokens as Llama does), so the
-# cache cannot be; the other models are bitwise there too.
+# without the cache (amp_fx.testing.known), so the cache cannot be; the other models are bitwise there too.
 _NOT_BITWISE_ON_2_11 = {"llama", "mixtral", "t5"}
-_TORCH_2_11 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12)
 
 
 def _xfail_on_2_11(name: str) -> Any:
     return pytest.param(name, marks=pytest.mark.xfail(
-        _TORCH_2_11 and name in _NOT_BITWISE_ON_2_11, strict=True,
-        reason="torch 2.11: gradients differ from eager autocast without the weight cache too"))
+        TORCH_2_11 and name in _NOT_BITWISE_ON_2_11, strict=True, reason=TORCH_2_11_GRADIENTS_DIFFER))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

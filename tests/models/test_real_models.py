@@ -36,6 +36,7 @@ import amp_fx
 from amp_fx._dtype_names import dtype_name
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
+from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
 from amp_fx.testing.real_models import (
     LLAMA_GQA,
     REAL_MODELS,
@@ -74,13 +75,9 @@ _KNOWN: dict[tuple[str, str], str] = {
         "eager's and amp_fx's outputs and gradients are finite (torch 2.13 and 2.15)"),
 }
 
-# torch 2.11 only: amp_fx.compile is not bitwise with eager autocast on T5's gradients (its
-# relative_attention_bias embeddings differ; tests/test_weight_cache_hf.py finds the same with and
-# without the weight cache); 2.13 and 2.15 are bitwise. Every feature that compares T5's gradients.
-_TORCH_2_11 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 12)
-_KNOWN_ON_2_11: dict[tuple[str, str], str] = {
-    ("hf_t5", feature): "torch 2.11: T5's relative_attention_bias gradients differ from eager autocast"
-    for feature in ("compile", "weight_cache", "compile_step")}
+# torch 2.11 only (amp_fx.testing.known): T5's gradients differ from eager autocast; every feature
+# that compares them.
+_KNOWN_ON_2_11 = {("hf_t5", feature) for feature in ("compile", "weight_cache", "compile_step")}
 
 
 def _cases(feature: str) -> list[Any]:
@@ -92,9 +89,8 @@ def _cases(feature: str) -> list[Any]:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
-            if _TORCH_2_11 and (name, feature) in _KNOWN_ON_2_11:
-                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                               reason=_KNOWN_ON_2_11[name, feature]))
+            if TORCH_2_11 and (name, feature) in _KNOWN_ON_2_11:
+                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=TORCH_2_11_GRADIENTS_DIFFER))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
 
