@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -347,9 +348,17 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
             all_reduces.append(counter.collectives["gloo:all_reduce"])
         movement.update()
 
-    return {**_run_steps(step, scaler, rank, accumulate, on_step),
-            "params": [_local(p) for p in model.parameters()], "all_reduces": all_reduces,
-            "moved": movement.total, "linears": _linears_captured(step._forward)}
+    run = _run_steps(step, scaler, rank, accumulate, on_step)
+    said: list[str] = []  # what overflow_report() says: warnings, or its error in strict mode
+    with warnings.catch_warnings(record=True) as caught:  # after the run: the one host read
+        warnings.simplefilter("always")
+        try:
+            step.overflow_report()
+        except amp_fx.AmpFxError as error:
+            said.append(str(error))
+    return {**run, "params": [_local(p) for p in model.parameters()], "all_reduces": all_reduces,
+            "moved": movement.total, "linears": _linears_captured(step._forward),
+            "overflow_said": said + [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]}
 
 
 _OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {

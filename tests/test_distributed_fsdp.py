@@ -108,6 +108,16 @@ def _check_step_run(ranks: list[dict], dtype: str, recipe: str) -> None:
         assert got["linears"] == 2
 
 
+def test_compile_step_on_fsdp2_says_its_overflow_report_names_no_gradients(ranks):
+    """On FSDP2, compile_step records no per-gradient flags: a skipped step's report names no
+    gradient, so overflow_report() says so (an AmpFxWarning naming FSDP2; AmpFxError in strict
+    mode, which the suite runs in) instead of reading as "no gradient non-finite" unremarked.
+    The planted inf skips a step, so there is a report to say it of."""
+    for rank, res in enumerate(ranks):
+        said = res[("fp16", "seq", "step", "plain")]["overflow_said"]
+        assert any("FSDP2" in m and "gradients are empty" in m for m in said), f"rank {rank}: {said}"
+
+
 @pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
                                                ("fp16", "adamw_fused")])
 def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype, recipe):
