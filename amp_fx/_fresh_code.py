@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _module_globals  # the global hook dicts
 
 __all__ = ["fresh_function", "fresh_callable", "fresh_forward", "calls_forward_only"]
 
@@ -63,8 +64,7 @@ def fresh_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
 def calls_forward_only(module: torch.nn.Module) -> bool:
     """Whether ``module._call_impl(...)`` is exactly ``module.forward(...)`` now: the condition
     under which ``nn.Module._call_impl`` skips every hook."""
-    from torch.nn.modules import module as m
-
+    m = _module_globals
     return not (module._backward_hooks or module._backward_pre_hooks
                 or module._forward_hooks or module._forward_pre_hooks
                 or m._global_backward_pre_hooks or m._global_backward_hooks

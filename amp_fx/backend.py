@@ -210,7 +210,7 @@ class AmpBackend:
             if watch is not None:  # the watch's output (amp_fx/passes/watch_nonfinite.py) is the last
                 watch.ran(index, out[-1])
                 out = type(out)(out[:-1])
-            if torch.is_grad_enabled():
+            if not guarded and torch.is_grad_enabled():  # this graph's backward class, once guarded, stays guarded
                 _refuse_double_backward(out, guarded)
             return out
 
@@ -461,10 +461,11 @@ def _refuse_double_backward(out: Any, guarded: set[type]) -> None:
     amp_fx's error at once, instead of torch's at the second backward.
 
     AOTAutograd makes one ``torch.autograd.Function`` class per compiled graph; its backward is
-    wrapped once (:func:`_guard_backward`), so later calls pay one set lookup (``guarded``, the
-    graph's backward node types). A hook on each call's node cost about 4 to 8 us per
-    forward+backward of a small model (bench/bench_call_overhead.py); it remains the fallback
-    where the class is not what this expects."""
+    wrapped once (:func:`_guard_backward`) and recorded in ``guarded``; the caller skips this once
+    ``guarded`` is not empty (a graph's outputs always come from its one class). A hook on each
+    call's node cost about 4 to 8 us per forward+backward of a small model
+    (bench/bench_call_overhead.py); it remains the fallback where the class is not what this
+    expects."""
     for t in out if isinstance(out, (list, tuple)) else (out,):
         node = t.grad_fn if isinstance(t, torch.Tensor) else None
         if node is None:

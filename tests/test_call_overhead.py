@@ -163,3 +163,45 @@ def test_double_backward_on_any_call_through_any_output_names_the_eager_backend(
         with pytest.raises(AmpFxError, match="backend='eager'"):
             torch.autograd.grad(loss, list(compiled.parameters()), create_graph=True)
         compiled(torch.randn(2, 8))[through].float().square().sum().backward()
+
+
+# --- the compiled module's own call skips nn.Module.__call__ only where that would only call forward
+
+
+def _times_three_plus_one(out: Tensor) -> Tensor:
+    return out * 3 + 1
+
+
+@pytest.mark.parametrize("change", ["forward_hook", "forward_pre_hook", "instance_forward"])
+def test_compiled_module_call_still_runs_what_nn_module_call_runs(change: str) -> None:
+    """``AmpCompiledModule.__call__`` goes straight to amp_fx's call while nn.Module's call would
+    only run ``forward``. A hook registered on the compiled module after its first call, or a
+    ``forward`` set on the instance (accelerate wraps ``model.forward`` this way), must still run,
+    as nn.Module runs them: bitwise the eager autocast output with the same change; removed, the
+    plain output again."""
+    model = _mlp()
+    compiled = amp_fx.compile(model, backend=BACKEND)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(x)
+        changed = (model(_times_three_plus_one(x)) if change == "forward_pre_hook"
+                   else _times_three_plus_one(model(x)))
+    assert not torch.equal(plain, changed)
+    torch.testing.assert_close(compiled(x), plain, atol=0, rtol=0)
+
+    if change == "forward_hook":
+        handle = compiled.register_forward_hook(lambda mod, args, out: _times_three_plus_one(out))
+        undo = handle.remove
+    elif change == "forward_pre_hook":
+        handle = compiled.register_forward_pre_hook(lambda mod, args: (_times_three_plus_one(args[0]),))
+        undo = handle.remove
+    else:
+        compiled_forward = compiled.forward
+        compiled.forward = lambda inp: _times_three_plus_one(compiled_forward(inp))
+
+        def undo() -> None:
+            del compiled.forward
+
+    torch.testing.assert_close(compiled(x), changed, atol=0, rtol=0)
+    undo()
+    torch.testing.assert_close(compiled(x), plain, atol=0, rtol=0)
