@@ -1,8 +1,9 @@
 """examples/train_demo.py as a new user runs it (issue 8 item 20), with the cheapest backend.
 
 The demo must learn (its loss ends below chance), say what it learns and what the numbers mean
-(chance is ln 2 = 0.693), spell the dtype one way (bf16/fp16, as the dtype arguments and every other table do), train fp16 with a
-GradScaler, agree with eager autocast bitwise under aot_eager, and print no warning at all.
+(chance is ln 2 = 0.693), spell the dtype one way (bf16/fp16, as the dtype arguments and every
+other table do), train fp16 with a GradScaler, agree with eager autocast bitwise under aot_eager,
+and print no warning at all.
 """
 
 from __future__ import annotations
