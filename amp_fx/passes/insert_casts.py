@@ -33,6 +33,7 @@ Guarantees:
 Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
     >>> from amp_fx.capture import capture
     >>> from amp_fx.policy import Policy
     >>> with FakeTensorMode() as mode:
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
 from amp_fx._devices import autocast_device_type
@@ -311,7 +313,14 @@ class _Rewriter:
         rewritten = call != (node.target, node.args, dict(node.kwargs))
         autocast_op = (isinstance(call[0], torch._ops.OpOverload)
                        and default_class(call[0].name(), self.device_type) is not CastClass.NONE)
-        if rewritten or autocast_op or any(a in changed for a in node.all_input_nodes):
+        inputs_changed = any(a in changed for a in node.all_input_nodes)
+        decision = node.meta.get(meta.DECISION)
+        if (decision is not None and decision.cast_class is CastClass.OWN_KERNEL and not rewritten
+                and not inputs_changed and len(self.regions) == 1):
+            # Capture computed this value under the same autocast state; recomputing it would give
+            # an op with a data-dependent size (nms) a fresh unbacked size of its own.
+            return
+        if rewritten or autocast_op or inputs_changed:
             before = node.meta.get("val")
             self.refresh_val(node)
             if not _same_meta(before, node.meta["val"]):
@@ -343,10 +352,16 @@ class _Rewriter:
 def _same_meta(a: Any, b: Any) -> bool:
     """Same dtype, shape and strides for every tensor in two (possibly nested) values."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        return a.dtype == b.dtype and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and not isinstance(a, torch.Tensor)
+
+
+def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Equal sizes, without guarding: two data-dependent sizes (two unbacked symbols, as an op
+    like nms gives each time its value is recomputed) count as different."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _map_nodes(fn: Any, a: Any) -> Any:
