@@ -90,14 +90,17 @@ def _assert_like_eager(model: nn.Module, inputs: tuple[Tensor, ...], dtype: torc
 class _RoiAlign(nn.Module):
     """Features from a conv (the low dtype under autocast) pooled by roi_align on fp32 boxes."""
 
-    def __init__(self) -> None:
+    def __init__(self, rois_like_features: bool = False) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.rois_like_features = rois_like_features
 
     def forward(self, x: Tensor, rois: Tensor) -> Tensor:
         import torchvision
 
         f = self.conv(x)
+        if self.rois_like_features:  # fp16 then runs without error, in fp16 unless autocast casts
+            rois = rois.to(f.dtype)
         return torchvision.ops.roi_align(f, rois, (3, 3), spatial_scale=0.5, sampling_ratio=2) * 2
 
 
@@ -125,10 +128,13 @@ def _roi_inputs(gen: torch.Generator) -> tuple[Tensor, ...]:
     return x, rois
 
 
-_CPU_CASES: dict[str, tuple[type[nn.Module], Callable[[torch.Generator], tuple[Tensor, ...]]]] = {
-    "torchvision::roi_align": (_RoiAlign, _roi_inputs),
-    "torchvision::nms": (_Nms, lambda gen: (torch.randn(12, 8, generator=gen) * 3,)),
+# case id -> (op, module, inputs)
+_CPU_CASES: dict[str, tuple[str, Callable[[], nn.Module], Callable[[torch.Generator], tuple[Tensor, ...]]]] = {
+    "roi_align": ("torchvision::roi_align", _RoiAlign, _roi_inputs),
+    "roi_align-rois-like-features": ("torchvision::roi_align", lambda: _RoiAlign(True), _roi_inputs),
+    "nms": ("torchvision::nms", _Nms, lambda gen: (torch.randn(12, 8, generator=gen) * 3,)),
 }
+_CPU_OPS = {op for op, _, _ in _CPU_CASES.values()}
 
 
 def test_every_cpu_autocast_op_of_torchvision_has_a_case() -> None:
@@ -136,18 +142,18 @@ def test_every_cpu_autocast_op_of_torchvision_has_a_case() -> None:
     _torchvision()
     registered = _own_kernel_ops("AutocastCPU", "torchvision")
     assert registered, "torchvision registers no AutocastCPU kernel: nothing is tested below"
-    assert registered <= set(_CPU_CASES), f"no case for {sorted(registered - set(_CPU_CASES))}"
+    assert registered <= _CPU_OPS, f"no case for {sorted(registered - _CPU_OPS)}"
 
 
 @pytest.mark.parametrize("dtype_id", DTYPES)
-@pytest.mark.parametrize("op_name", sorted(_CPU_CASES))
-def test_torchvision_op_bitwise_eager_autocast(op_name: str, dtype_id: str) -> None:
+@pytest.mark.parametrize("case", sorted(_CPU_CASES))
+def test_torchvision_op_bitwise_eager_autocast(case: str, dtype_id: str) -> None:
     """Outputs (dtype included) and gradients bitwise; the op is in the graph, in its own region.
 
     nms's output size depends on its values: Dynamo breaks the graph there unless
     ``capture_dynamic_output_shape_ops`` is on, and the op then runs outside amp_fx's graphs."""
     _torchvision()
-    module, inputs = _CPU_CASES[op_name]
+    op_name, module, inputs = _CPU_CASES[case]
     torch.manual_seed(0)
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         compiled = _assert_like_eager(module(), inputs(torch.Generator().manual_seed(1)), DTYPES[dtype_id])
