@@ -33,7 +33,6 @@ Guarantees:
 Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import statically_known_true
     >>> from amp_fx.capture import capture
     >>> from amp_fx.policy import Policy
     >>> with FakeTensorMode() as mode:
