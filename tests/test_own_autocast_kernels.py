@@ -272,6 +272,23 @@ def test_library_op_with_autocast_kernel_bitwise_eager(dtype_id: str) -> None:
         "own kernel: amp_fx_test.affine runs its own AutocastCPU kernel, as in eager autocast")
 
 
+@pytest.mark.parametrize("options", [
+    pytest.param({"backend": "eager"}, id="eager-backend"),
+    pytest.param({"weight_cache": True}, id="weight_cache"),
+    pytest.param({"watch_nonfinite": True}, id="watch_nonfinite"),
+    pytest.param({"fold": False}, id="no-fold"),
+])
+def test_library_op_with_autocast_kernel_under_each_option(options: dict[str, Any]) -> None:
+    """The one-op region survives the other passes and the eager backend (which runs the graph
+    as written, regions included)."""
+    torch.manual_seed(0)
+    model, x = _Lib(torch.ops.amp_fx_test.affine), (torch.randn(4, 8),)
+    expected = _step(copy.deepcopy(model), x, torch.bfloat16)
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, **{"backend": "aot_eager", **options})
+    assert_bitwise(_step(compiled, x, None), expected, "(outputs, grads)")
+    assert _own_kernel_nodes(compiled, "amp_fx_test::affine")
+
+
 def test_library_op_without_autocast_kernel_gets_no_region() -> None:
     """Negative twin: the same op with no Autocast kernel runs in its input's dtype, as in eager."""
     torch.manual_seed(0)
