@@ -289,6 +289,21 @@ def test_library_op_with_autocast_kernel_under_each_option(options: dict[str, An
     assert _own_kernel_nodes(compiled, "amp_fx_test::affine")
 
 
+def test_library_op_inductor_bitwise_torch_compile_under_autocast() -> None:
+    """The backend ladder's last step. Inductor keeps fused intermediates in fp32, so eager
+    autocast is not the bitwise reference (bias gradient: 5 of 8 values differ by a bf16 ulp);
+    torch.compile(backend="inductor") under an ambient autocast, which gives inductor the same
+    ops and casts, is."""
+    torch.manual_seed(0)
+    model, x = _Lib(torch.ops.amp_fx_test.affine), (torch.randn(4, 8),)
+    plain = copy.deepcopy(model)
+    out, grads = _step(torch.compile(plain, backend="inductor"), x, torch.bfloat16)
+    expected = (out, {n.removeprefix("_orig_mod."): g for n, g in grads.items()})
+    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend="inductor")
+    assert_bitwise(_step(compiled, x, None), expected, "(outputs, grads)")
+    assert _own_kernel_nodes(compiled, "amp_fx_test::affine")
+
+
 def test_library_op_without_autocast_kernel_gets_no_region() -> None:
     """Negative twin: the same op with no Autocast kernel runs in its input's dtype, as in eager."""
     torch.manual_seed(0)
