@@ -213,7 +213,11 @@ class _Probe:
     The forward's answer is settled once the model has returned (:meth:`settle`): every op whose
     output holds inf/NaN is marked, an *origin* is a marked op with no marked input (or a graph
     input holding inf/NaN that no earlier graph produced), and the forward hit is the first origin,
-    in execution order, from which a chain of marked values reaches the model's output. Origins
+    in execution order, from which a chain of marked values reaches the model's output. A value
+    crosses a graph break as the same tensor object, so a graph input is traced by identity to the
+    graph that returned it; one that is not (the model's own eager code made it from a returned
+    one) is taken to derive from every non-finite value returned so far, as is the model's output
+    (the conservative answer: the earliest of them is named). Origins
     whose every chain ends (a ``where``, ``min``, clamp or integer cast discarded the value: T5's
     ``log`` of 0 in its relative position buckets) are ``discarded``, not hits.
 
@@ -247,24 +251,26 @@ class _Probe:
                 self._graph_outputs[id(t)] = (t, origins)
 
     def origins_of(self, value: Any) -> frozenset[int]:
-        """The origins of the non-finite tensors in ``value`` that a graph returned."""
+        """The origins of the non-finite tensors in ``value``: those of the graph that returned
+        each, or, for one no graph returned (made from one by eager code between graphs), every
+        origin a graph returned so far; none for a parameter (it did not come from a graph)."""
         found: set[int] = set()
         for t in tensors_of(value):
+            if all_finite(t) or isinstance(t, torch.nn.Parameter):
+                continue
             seen = self._graph_outputs.get(id(t))
             if seen is not None and seen[0] is t:
                 found |= seen[1]
+            else:
+                found = found.union(*(o for _, o in self._graph_outputs.values()))
         return frozenset(found)
 
     def settle(self, out: Any) -> bool:
         """Decide the forward hit from the model's output ``out``; True when ``out`` holds inf/NaN.
 
-        The output's non-finite tensors are traced back by identity to the graphs that returned
-        them; when none is (the model changed them between graph breaks), every origin that
-        reached a graph's output is taken to reach the model's."""
+        The output's non-finite tensors are traced back as graph inputs are (:meth:`origins_of`)."""
         bad = [t for t in tensors_of(out) if not all_finite(t)]
         reached = self.origins_of(bad)
-        if bad and not reached:
-            reached = frozenset().union(*(o for _, o in self._graph_outputs.values()))
         self.forward_hit = self.origins[min(reached)] if reached else None
         self.discarded = [o for i, o in enumerate(self.origins) if i not in reached]
         self._graph_outputs.clear()
