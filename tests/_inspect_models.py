@@ -139,10 +139,15 @@ def _eager_copy(t: Tensor) -> Tensor:
     return t.clone()
 
 
+class _Log(nn.Module):
+    def forward(self, t: Tensor) -> Tensor:
+        return torch.log(t / 2)
+
+
 class MaskedLog(nn.Module):
-    """T5's relative position buckets in small: ``log`` of a position that can be 0 gives an
-    intended -inf (in fp32: the positions are an fp32 buffer), which ``torch.where`` discards for
-    the small positions. With ``reaches=True`` (the negative twin) the log's output is added to the
+    """T5's relative position buckets in small: ``log`` of a position that can be 0 (in the
+    submodule ``buckets``) gives an intended -inf (in fp32: the positions are an fp32 buffer),
+    which ``torch.where`` discards for the small positions. With ``reaches=True`` (the negative twin) the log's output is added to the
     output unmasked, so the -inf reaches it. ``overflow`` plants ``Overflowing``'s fp16 overflow
     after the masked log: a real inf/NaN reaches the output, after a discarded one. ``between``
     puts a graph break between the log and its use: the -inf crosses from graph 0 to graph 1 as the
@@ -153,11 +158,12 @@ class MaskedLog(nn.Module):
         self.reaches = reaches
         self.between = between
         self.fc = nn.Linear(4, 4)
+        self.buckets = _Log()
         self.register_buffer("positions", torch.arange(4, dtype=torch.float32))
         self.up = Overflowing() if overflow else None
 
     def forward(self, x: Tensor) -> Tensor:
-        log = torch.log(self.positions / 2)
+        log = self.buckets(self.positions)
         if self.between == "break":
             torch._dynamo.graph_break()
         elif self.between == "eager":
