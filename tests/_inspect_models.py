@@ -147,11 +147,12 @@ class _Log(nn.Module):
 class MaskedLog(nn.Module):
     """T5's relative position buckets in small: ``log`` of a position that can be 0 (in the
     submodule ``buckets``) gives an intended -inf (in fp32: the positions are an fp32 buffer),
-    which ``torch.where`` discards for the small positions. With ``reaches=True`` (the negative twin) the log's output is added to the
-    output unmasked, so the -inf reaches it. ``overflow`` plants ``Overflowing``'s fp16 overflow
-    after the masked log: a real inf/NaN reaches the output, after a discarded one. ``between``
-    puts a graph break between the log and its use: the -inf crosses from graph 0 to graph 1 as the
-    same tensor (``"break"``) or as a copy made by eager code (``"eager"``)."""
+    which ``torch.where`` discards for the small positions. With ``reaches=True`` (the negative
+    twin) the log's output is added to the output unmasked, so the -inf reaches it. ``overflow``
+    plants ``Overflowing``'s fp16 overflow after the masked log: a real inf/NaN reaches the
+    output, after a discarded one. ``between`` puts a graph break between the log and its use:
+    the -inf crosses from graph 0 to graph 1 as the same tensor (``"break"``) or as a copy made
+    by eager code (``"eager"``)."""
 
     def __init__(self, *, reaches: bool = False, overflow: bool = False, between: str | None = None) -> None:
         super().__init__()
