@@ -266,7 +266,39 @@ def test_discarded_inf_then_real_overflow_names_the_overflow():
     assert (report.op, report.module_path, report.dtype_found) == ("aten.linear", "up.up", torch.float16)
     assert report.fp32_finite is True
     assert report.suggested_policy.keep_fp32 == ("up.up",) and report.verified is True
-    assert "no inf/NaN reaches the outputs or the gradients (1 discarded" in report.verification
+    assert "no inf/NaN reaches the outputs, the loss or the gradients (1 discarded" in report.verification
     assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
     fixed = amp_fx.find_nonfinite(model, x, dtype="fp16", policy=report.suggested_policy)
     assert not fixed.found and len(fixed.discarded) == 1
+
+
+class _Box:
+    """An output pytree cannot see into."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _Boxed(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.inner = MaskedLog(**kw)
+
+    def forward(self, x):
+        return _Box(self.inner(x))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_output_it_cannot_see_into_hides_nothing(backward):
+    """The model returns an object of its own class: without a loss (backward=False) every inf/NaN
+    a graph returned is taken to reach the output; with one, the loss decides. The discarded -inf
+    stays discarded (no graph returns it); the overflow is named."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for overflow in (False, True):
+        torch.manual_seed(0)
+        report = amp_fx.find_nonfinite(_Boxed(overflow=overflow), x, dtype="fp16", backward=backward,
+                                       loss_fn=lambda box: box.t.float().sum(), verify=False)
+        assert report.found is overflow, str(report)
+        assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
+        if overflow:
+            assert (report.op, report.module_path) == ("aten.linear", "inner.up.up")

@@ -6,10 +6,15 @@ nodes of that graph, so the forward is exactly amp_fx's, and autograd records it
 backward is amp_fx's too. Graph breaks need nothing special: the model's own Python runs between
 the graphs as usual, so ops are seen in execution order.
 
-* forward: after each op, its output is checked; the first non-finite one is reported with the
-  range of its inputs. The op is then re-run with its inputs in float32; if that is finite, the
-  report proposes keeping the op's module in fp32 (or, for an op at the top level, moving the op
-  to fp32 in the policy), and by default checks the whole model again with that policy.
+* forward: after each op, its output is checked. An op whose output holds inf/NaN while its
+  inputs are finite is an origin; the first origin whose inf/NaN reaches the model's output or
+  the loss (through a chain of non-finite values, across graph breaks) is reported with the range
+  of its inputs. An origin whose value every consumer drops (``torch.where``, ``min``, clamp, an
+  integer cast: T5's ``log`` of 0 in its relative position buckets) is listed in
+  ``NonfiniteReport.discarded``, not reported. The reported op is then re-run with its inputs in
+  float32; if that is finite, the report proposes keeping the op's module in fp32 (or, for an op
+  at the top level, moving the op to fp32 in the policy), and by default checks the whole model
+  again with that policy.
 * backward: a hook on every op's output sees the gradient flowing into it; the first non-finite
   gradient in backward execution order is reported with the op whose output it belongs to.
 
@@ -81,7 +86,8 @@ class NonfiniteReport:
     fp32_finite: bool | None = None
     """Whether re-running the op with its inputs in float32 gives a finite output."""
     verified: bool | None = None
-    """Whether the whole model is free of inf/NaN with ``suggested_policy`` (None: not checked)."""
+    """Whether no inf/NaN reaches the outputs, the loss or the gradients with ``suggested_policy``
+    (None: not checked); discarded ones (:attr:`discarded`) may remain."""
     verification: str = ""
     notes: list[str] = field(default_factory=list)
     discarded: list[str] = field(default_factory=list)
@@ -213,13 +219,13 @@ class _Probe:
     The forward's answer is settled once the model has returned (:meth:`settle`): every op whose
     output holds inf/NaN is marked, an *origin* is a marked op with no marked input (or a graph
     input holding inf/NaN that no earlier graph produced), and the forward hit is the first origin,
-    in execution order, from which a chain of marked values reaches the model's output. A value
-    crosses a graph break as the same tensor object, so a graph input is traced by identity to the
-    graph that returned it; one that is not (the model's own eager code made it from a returned
-    one) is taken to derive from every non-finite value returned so far, as is the model's output
-    (the conservative answer: the earliest of them is named). Origins
-    whose every chain ends (a ``where``, ``min``, clamp or integer cast discarded the value: T5's
-    ``log`` of 0 in its relative position buckets) are ``discarded``, not hits.
+    in execution order, from which a chain of marked values reaches the model's output or the loss.
+    A value crosses a graph break as the same tensor object, so a graph input is traced by identity
+    to the graph that returned it; one that is not (the model's own eager code made it from a
+    returned one) is taken to derive from every non-finite value returned so far, as are the
+    output and the loss (the conservative answer: the earliest of them is named). Origins whose
+    every chain ends (a ``where``, ``min``, clamp or integer cast discarded the value: T5's ``log``
+    of 0 in its relative position buckets) are ``discarded``, not hits.
 
     A hit holds the graph module it was found in (``"graph"``); :func:`_probe_run` replaces it
     with the graph's record once the run is over."""
@@ -265,12 +271,17 @@ class _Probe:
                 found = found.union(*(o for _, o in self._graph_outputs.values()))
         return frozenset(found)
 
-    def settle(self, out: Any) -> bool:
-        """Decide the forward hit from the model's output ``out``; True when ``out`` holds inf/NaN.
+    def settle(self, out: Any, loss: Any) -> bool:
+        """Decide the forward hit from the model's output ``out`` and ``loss`` (None without a
+        backward); True when either holds inf/NaN.
 
-        The output's non-finite tensors are traced back as graph inputs are (:meth:`origins_of`)."""
-        bad = [t for t in tensors_of(out) if not all_finite(t)]
+        Their non-finite tensors are traced back as graph inputs are (:meth:`origins_of`). An
+        output that holds no tensor pytree can see (an object of the model's own class) and no loss
+        hides nothing: every origin a graph returned is taken to reach it."""
+        bad = [t for t in tensors_of((out, loss)) if not all_finite(t)]
         reached = self.origins_of(bad)
+        if not tensors_of((out, loss)):
+            reached = frozenset().union(*(o for _, o in self._graph_outputs.values()))
         self.forward_hit = self.origins[min(reached)] if reached else None
         self.discarded = [o for i, o in enumerate(self.origins) if i not in reached]
         self._graph_outputs.clear()
@@ -381,15 +392,18 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
     probe = _Probe(lower, backward)
 
     def then(out: Any) -> None:
-        if probe.settle(out) and probe.forward_hit is None:
-            notes.append("the model's output holds inf/NaN, but no op in the captured graphs "
-                         "produced it: it comes from code that runs between graph breaks")
-        if probe.forward_hit is None and backward:
+        loss = None
+        if backward:
             if loss_fn is not None:
                 loss = loss_fn(out)
             else:
                 floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
                 loss = sum(t.float().sum() for t in floats) if floats else None
+        if probe.settle(out, loss) and probe.forward_hit is None:
+            notes.append("the model's output (or the loss) holds inf/NaN, but no op in the "
+                         "captured graphs produced it: it comes from code that runs between graph "
+                         "breaks or in loss_fn")
+        if probe.forward_hit is None and backward:
             if loss is None or not getattr(loss, "requires_grad", False):
                 notes.append("backward skipped: the output does not require grad")
                 did_less(("find_nonfinite", "backward skipped"),
@@ -423,10 +437,12 @@ def find_nonfinite(
 ) -> NonfiniteReport:
     """Run amp_fx's rewritten graphs (and their backward) and report the first inf/NaN.
 
-    Reports the first op whose output holds inf or NaN, with its module path, dtype and the range
-    of its inputs, and which fp32-kept alternative avoids it (the op re-run with fp32 inputs); or,
-    if the forward is finite and ``backward`` is set, the first gradient (in backward execution
-    order) that holds inf/NaN and the op whose output it is the gradient of.
+    Reports the first op whose output holds inf or NaN from finite inputs and reaches the model's
+    output or the loss (an inf/NaN the model discards, as T5's ``log`` of 0, is listed in
+    ``discarded`` instead), with its module path, dtype and the range of its inputs, and which
+    fp32-kept alternative avoids it (the op re-run with fp32 inputs); or, if the forward is finite
+    and ``backward`` is set, the first gradient (in backward execution order) that holds inf/NaN
+    and the op whose output it is the gradient of.
 
     Args:
         model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy).
@@ -492,8 +508,8 @@ def find_nonfinite(
         done = (f"with {report.suggestion_code} the whole model runs without inf/NaN"
                 f"{' (forward and backward)' if backward else ''}" if not kept else
                 f"with {report.suggestion_code} no inf/NaN reaches the outputs"
-                f"{' or the gradients' if backward else ''} ({len(kept)} discarded inside the "
-                "model, as without the fix)")
+                f"{', the loss or the gradients' if backward else ''} ({len(kept)} discarded "
+                "inside the model)")
         report.verification = "; ".join(steps + ([done] if report.verified else []))
     return report
 
