@@ -284,6 +284,10 @@ class _Probe:
             reached = frozenset().union(*(o for _, o in self._graph_outputs.values()))
         self.forward_hit = self.origins[min(reached)] if reached else None
         self.discarded = [o for i, o in enumerate(self.origins) if i not in reached]
+        for o in self.discarded:  # keep what the report shows, not the tensors (one per layer, say)
+            o["shown"] = f"{dtype_name(value_dtype(o['out']))} {_range_text(o['out'])}"
+            for key in ("out", "inputs", "fp32"):
+                o.pop(key, None)
         self._graph_outputs.clear()
         return bool(bad)
 
@@ -520,8 +524,7 @@ def _origin_text(run: AmpRun, hit: dict[str, Any]) -> str:
     path = run.module_of(hit["record"], node)[0]
     what = "input" if node.op == "placeholder" else op_label(node)
     return (f"graph {hit['record'].index}, node {node.name} ({what})"
-            f"{f' in module `{path}`' if path else ''}: {dtype_name(value_dtype(hit['out']))} "
-            f"{_range_text(hit['out'])}")
+            f"{f' in module `{path}`' if path else ''}: {hit['shown']}")
 
 
 _MAX_ROUNDS = 4
