@@ -163,6 +163,16 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
                                watch_nonfinite=True, scaler=make_scaler())
     out["step"] = [_plain(r) for r in run_step(step, model, planted)]
+    # Clean steps after the warm-up: host reads inside step() (the report is read outside).
+    from amp_fx.testing import HostSyncCounter
+
+    reads = 0
+    for i, (x, y) in enumerate(batches(STEPS + 3)[STEPS:], start=STEPS):
+        plant(model, i, None)
+        with HostSyncCounter() as counter:
+            step(x, y)
+        reads += counter.count
+    out["step_host_reads"] = reads
     return out
 
 
@@ -171,4 +181,4 @@ def _plain(report: Any) -> Any:
         return None
     first = report.first_op
     return {"step": report.step, "gradients": list(report.gradients), "str": str(report),
-            "first_op": None if first is None else (first.module, first.op)}
+            "first_op": None if first is None else (first.module, first.op, first.rank)}
