@@ -143,6 +143,37 @@ def run_step(step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, st
     return reports
 
 
+def dist_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
+    """One spawn of 2 gloo ranks for the DDP and FSDP2 cases (``ddp_overflow_run``,
+    ``fsdp_overflow_run``), each from a fresh Dynamo state."""
+    out = {"ddp": ddp_overflow_run(rank, world_size)}
+    torch._dynamo.reset()
+    out["fsdp2"] = fsdp_overflow_run(rank, world_size)
+    return out
+
+
+def fsdp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on each layer and the root) on 2 gloo ranks, the overflow planted on
+    rank 0 only: ``amp_fx.compile(sharded model, watch_nonfinite=True)`` + ``amp_fx.GradScaler``,
+    aot_eager; planted, then clean. Each rank holds a shard of every gradient: its unscale kernel
+    flags its own shards, and the flags are combined in the found-inf all-reduce."""
+    from torch.distributed.fsdp import fully_shard
+
+    import amp_fx
+
+    out: dict[str, Any] = {}
+    for name, planted in (("planted", PLANTED_STEP if rank == 0 else None), ("clean", None)):
+        model = make_model()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+        scaler = make_scaler()
+        scaler.watch(compiled)
+        out[name] = [_plain(r) for r in run_scaler(model, compiled, scaler, planted)]
+    return out
+
+
 def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     """DDP on 2 gloo ranks, the overflow planted on rank 0 only: ``DDP(amp_fx.compile(model))`` +
     ``amp_fx.GradScaler`` and ``compile_step(DDP(model))``, both watched, aot_eager."""

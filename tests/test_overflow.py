@@ -19,7 +19,7 @@ from _overflow_cases import (
     PLANTED_STEP,
     STEPS,
     batches,
-    ddp_overflow_run,
+    dist_overflow_run,
     eager_nonfinite_gradients,
     loss_fn,
     make_model,
@@ -167,32 +167,59 @@ def test_checks_fuse_into_inductor_kernels():
     assert counts[False] > 0 and counts[True] <= counts[False] + 1, counts
 
 
-def test_ddp_overflow_on_one_rank():
+@pytest.fixture(scope="module")
+def dist_ranks() -> list[dict[str, Any]]:
+    """The DDP and FSDP2 cases, one spawn of 2 gloo ranks (``_overflow_cases.dist_overflow_run``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("needs torch.distributed with gloo")
+    from amp_fx.testing.distributed import run_ranks
+
+    return run_ranks(dist_overflow_run)
+
+
+def _check_dist_report(report: dict[str, Any], reference: list[str], what: Any) -> None:
+    """A report of the planted step read on any rank: the step, the reference gradients, the planted
+    module as first_op, and rank 0 (the only rank whose forward overflowed) as the rank that saw it."""
+    assert report["step"] == PLANTED_STEP, what
+    assert report["gradients"] == reference, what
+    assert report["first_op"] is not None and report["first_op"][0] == PLANTED_MODULE, (what, report)
+    assert report["first_op"][2] == 0, (what, report)
+    assert f"fp16) on rank 0; {len(reference)} gradients" in report["str"], (what, report["str"])
+
+
+def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
     """2 gloo ranks, overflow planted on rank 0 only. The gradients are all-reduced, so both ranks
     skip the same step and name the same gradients (names under the root module, no ``module.``);
     the forward records are combined across ranks on the device, so rank 1, whose own forward was
     finite, names the planted module too, and both say it was rank 0's. The compiled steps stay
     free of host reads with the extra all-reduce (dispatch-level counter, steps after the warm-up)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
-        pytest.skip("needs torch.distributed with gloo")
-    from amp_fx.testing.distributed import run_ranks
-
-    reference = eager_nonfinite_gradients()
-    ranks = run_ranks(ddp_overflow_run)
+    ranks = [res["ddp"] for res in dist_ranks]
     for kind in ("scaler", "step"):
         for rank, res in enumerate(ranks):
             reports = res[kind]
             assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], (kind, rank, reports)
-            report = reports[PLANTED_STEP]
-            assert report["step"] == PLANTED_STEP
             # DDP averages the gradients: a non-finite one on rank 0 is non-finite on both.
-            assert report["gradients"] == reference, (kind, rank)
-            assert report["first_op"] is not None and report["first_op"][0] == PLANTED_MODULE, (kind, rank, report)
-            assert report["first_op"][2] == 0, (kind, rank, report)  # the rank whose forward overflowed
-            assert f"fp16) on rank 0; {len(reference)} gradients" in report["str"], report["str"]
+            _check_dist_report(reports[PLANTED_STEP], reference_gradients, (kind, rank))
         assert ranks[1][kind][PLANTED_STEP] == ranks[0][kind][PLANTED_STEP], kind
     for rank, res in enumerate(ranks):
         assert res["step_host_reads"] == 0, (rank, res["step_host_reads"])
+
+
+def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients):
+    """FSDP2 + ``amp_fx.compile`` + ``amp_fx.GradScaler``, 2 gloo ranks, the overflow planted on rank 0
+    only. Each rank flags only its own shards of each gradient; the flags go through the found-inf
+    all-reduce (``ShardedGrads.combine_found_inf_``), the forward records through one more at
+    ``update()``. Both ranks report the planted step, the same gradients as the reference (eager
+    autocast + torch.amp.GradScaler on the full model with rank 0's inputs: FSDP2 averages the
+    ranks' gradients, so a gradient with a non-finite element on rank 0 has one after the
+    reduce-scatter, and rank 1's are finite), the planted module, seen on rank 0. A clean run
+    reports None on both."""
+    for rank, res in enumerate(dist_ranks):
+        reports = res["fsdp2"]["planted"]
+        assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], (rank, reports)
+        _check_dist_report(reports[PLANTED_STEP], reference_gradients, rank)
+        assert res["fsdp2"]["clean"] == [None] * STEPS, rank
+    assert dist_ranks[1]["fsdp2"]["planted"] == dist_ranks[0]["fsdp2"]["planted"]
 
 
 def test_weight_cache_with_the_watch(reference_gradients):
