@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _overflow_cases import overflow_summary
 from torch import nn
 
 import amp_fx
@@ -260,15 +261,6 @@ def _nonfinite_full_gradients(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters()
             if p.grad is not None and not torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
                                                          else p.grad).all()]
-
-
-def overflow_summary(report: Any) -> Any:
-    """An ``OverflowReport`` as plain data (None stays None): step, gradients, first op, line."""
-    if report is None:
-        return None
-    first = report.first_op
-    return {"step": report.step, "gradients": list(report.gradients), "str": str(report),
-            "first_op": None if first is None else (first.module, first.op, first.rank)}
 
 
 def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:

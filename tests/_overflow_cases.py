@@ -170,7 +170,7 @@ def fsdp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
         compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
         scaler = make_scaler()
         scaler.watch(compiled)
-        out[name] = [_plain(r) for r in run_scaler(model, compiled, scaler, planted)]
+        out[name] = [overflow_summary(r) for r in run_scaler(model, compiled, scaler, planted)]
     return out
 
 
@@ -188,26 +188,34 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True), broadcast_buffers=False)
     scaler = make_scaler()
     scaler.watch(ddp)
-    out["scaler"] = [_plain(r) for r in run_scaler(model, ddp, scaler, planted)]
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
-                               watch_nonfinite=True, scaler=make_scaler())
-    out["step"] = [_plain(r) for r in run_step(step, model, planted)]
-    # Clean steps after the warm-up: host reads inside step() (the report is read outside).
+    out["scaler"] = [overflow_summary(r) for r in run_scaler(model, ddp, scaler, planted)]
     from amp_fx.testing import HostSyncCounter
 
-    reads = 0
-    for i, (x, y) in enumerate(batches(STEPS + 3)[STEPS:], start=STEPS):
-        plant(model, i, None)
-        with HostSyncCounter() as counter:
-            step(x, y)
-        reads += counter.count
-    out["step_host_reads"] = reads
+    for watched in (True, False):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
+                                   watch_nonfinite=watched, scaler=make_scaler())
+        reports = run_step(step, model, planted if watched else None, steps=STEPS if watched else 2)
+        if watched:
+            out["step"] = [overflow_summary(r) for r in reports]
+        # Clean steps after the warm-up: host reads and gloo all-reduces inside step() (the
+        # report is read outside).
+        reads, all_reduces = 0, []
+        for i, (x, y) in enumerate(batches(STEPS + 3)[STEPS:], start=STEPS):
+            plant(model, i, None)
+            with HostSyncCounter() as counter:
+                step(x, y)
+            reads += counter.count
+            all_reduces.append(counter.collectives["gloo:all_reduce"])
+        out["step_host_reads", watched] = reads
+        out["step_all_reduces", watched] = all_reduces
     return out
 
 
-def _plain(report: Any) -> Any:
+def overflow_summary(report: Any) -> Any:
+    """An ``OverflowReport`` as plain data for the test process (None stays None)."""
     if report is None:
         return None
     first = report.first_op

@@ -191,8 +191,9 @@ def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
     """2 gloo ranks, overflow planted on rank 0 only. The gradients are all-reduced, so both ranks
     skip the same step and name the same gradients (names under the root module, no ``module.``);
     the forward records are combined across ranks on the device, so rank 1, whose own forward was
-    finite, names the planted module too, and both say it was rank 0's. The compiled steps stay
-    free of host reads with the extra all-reduce (dispatch-level counter, steps after the warm-up)."""
+    finite, names the planted module too, and both say it was rank 0's. compile_step, clean steps
+    after the warm-up, with and without the watch: no host read either way (dispatch-level
+    counter), and the watch adds exactly one gloo all-reduce per step."""
     ranks = [res["ddp"] for res in dist_ranks]
     for kind in ("scaler", "step"):
         for rank, res in enumerate(ranks):
@@ -202,7 +203,10 @@ def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
             _check_dist_report(reports[PLANTED_STEP], reference_gradients, (kind, rank))
         assert ranks[1][kind][PLANTED_STEP] == ranks[0][kind][PLANTED_STEP], kind
     for rank, res in enumerate(ranks):
-        assert res["step_host_reads"] == 0, (rank, res["step_host_reads"])
+        assert res["step_host_reads", True] == res["step_host_reads", False] == 0, rank
+        # the combined forward record costs one all-reduce (one int64) per step, on top of DDP's own
+        unwatched = res["step_all_reduces", False]
+        assert unwatched[0] > 0 and res["step_all_reduces", True] == [n + 1 for n in unwatched], res
 
 
 def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients):
