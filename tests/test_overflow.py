@@ -226,6 +226,16 @@ def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients)
     assert dist_ranks[1]["fsdp2"]["planted"] == dist_ranks[0]["fsdp2"]["planted"]
 
 
+def test_a_record_of_a_graph_this_rank_did_not_compile_is_named_unknown():
+    """A forward record combined across ranks names an op by graph and position; where this rank
+    has no such graph (it compiled other graphs), the report says so instead of failing."""
+    from amp_fx.overflow import _GRAPH_STRIDE, ForwardWatch
+
+    first = ForwardWatch().describe(3 * _GRAPH_STRIDE + 7, rank=1)
+    assert first is not None and first.module == "<unknown>" and first.rank == 1
+    assert "op 7 of graph 3" in first.op
+
+
 def test_weight_cache_with_the_watch(reference_gradients):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
