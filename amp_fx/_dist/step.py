@@ -24,7 +24,9 @@ step function are elementwise, so on the local shards they are what DTensor's di
 Two quantities need every rank:
 
 * the found-inf flag: one functional all-reduce (MAX) inside the graph, right after the check,
-  on the device; every rank then skips the same steps and updates the same scale.
+  on the device; every rank then skips the same steps and updates the same scale. The overflow
+  record (amp_fx/overflow.py) rides in the same collective: which gradients' local shards held
+  an inf/NaN and, with ``watch_nonfinite``, the first non-finite forward op of any rank.
 * with ``max_grad_norm``, the global norm: ``clip_grad_norm_`` on DTensors gives per-gradient
   norms with a ``_NormPartial(2)`` placement, which DTensor turns into the replicated value by
   ``x**2``, an all-reduce (SUM) of the stacked norms, ``x**0.5``, before the norm of the norms.
