@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
@@ -247,7 +248,12 @@ class _Rewriter:
         decision = node.meta.get(meta.DECISION)
         own = decision is not None and decision.cast_class is CastClass.OWN_KERNEL
         region = eager_autocast(self.device_type, self.lower) if own else contextlib.nullcontext()
-        with self.fake_mode, region:
+        # Under the Python dispatcher, as capture's make_fx computed the value first: composite ops
+        # (aten.linear, aten.matmul) then run their Python decompositions, which take symbolic
+        # sizes. Without it they run torch's C++ kernels, and torch 2.11's matmul calls numel() on
+        # a 3-d input with a symbolic batch ("Cannot call numel() on tensor with symbolic sizes",
+        # at a bias-free linear once Dynamo recompiles with dynamic shapes); 2.13's does not.
+        with self.fake_mode, region, enable_python_dispatcher():
             node.meta["val"] = val = node.target(*args, **kwargs)
         expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
