@@ -28,6 +28,7 @@ Example (the backend runs the pass; its record names the watched ops)::
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -95,27 +96,139 @@ def _watched(node: torch.fx.Node, dtype: torch.dtype) -> object | None:
     return _computing_op(node)
 
 
+# Ops that compute each output element from the input elements at the same (broadcast) index,
+# besides those ATen tags ``pointwise``: an inf/NaN in an input element explains the output's.
+_POINTWISE_EXTRA = frozenset({
+    aten._to_copy.default, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.where.Scalar, aten.fill.Scalar, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.copy.default,
+})
+
+# Views that show every element of their base (so the base's "holds an inf/NaN" is theirs).
+_FULL_VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.expand.default, aten.unsqueeze.default,
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.detach.default,
+})
+
+
+def _is_pointwise(op: object) -> bool:
+    return op in _POINTWISE_EXTRA or torch.Tag.pointwise in getattr(op, "tags", ())
+
+
+def _op_node(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that called the op (``node``'s parent for one output of a multi-output op)."""
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def _float_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The floating-point tensor inputs of the op that computed ``node`` (each once, in order)."""
+    found: dict[torch.fx.Node, None] = {}
+    op_node = _op_node(node)
+    for arg in op_node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex):
+            found.setdefault(arg)
+    return list(found)
+
+
+def _has_nonfinite_scalar(node: torch.fx.Node) -> bool:
+    """A Python number argument that is inf/NaN (``masked_fill(x, m, -inf)``, ``full(s, -inf)``)."""
+    leaves = torch.utils._pytree.tree_leaves((_op_node(node).args, _op_node(node).kwargs))
+    return any(isinstance(a, float) and not math.isfinite(a) for a in leaves)
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node`` aliases (through views and in-place ops' returns)."""
+    for _ in range(10_000):
+        op_node = _op_node(node)
+        target = op_node.target
+        if not isinstance(target, torch._ops.OpOverload) or not op_node.args:
+            return node
+        aliases = target.is_view or any(r.alias_info is not None for r in target._schema.returns)
+        if not aliases or not isinstance(op_node.args[0], torch.fx.Node):
+            return node
+        node = op_node.args[0]
+    return node
+
+
+def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
+    """``node`` through views that show all of their base's elements (transpose, view, expand)."""
+    while node.op == "call_function" and node.target in _FULL_VIEWS and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+class _Checks:
+    """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
+    reductions until a mutation may have changed the value they read."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.holds_memo: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def mutated(self, node: torch.fx.Node) -> None:
+        """``node`` mutates its inputs: forget the reductions of everything aliasing them."""
+        bases = {_base(a) for a in _op_node(node).all_input_nodes}
+        for key in [k for k in self.holds_memo if _base(k) in bases]:
+            del self.holds_memo[key]
+
+    def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
+        return _call(self.graph, aten.logical_not.default, (_call(self.graph, aten.isfinite.default, (value,)),))
+
+    def holds(self, value: torch.fx.Node) -> torch.fx.Node:
+        """``any(~isfinite(value))``, built once per value (and its full views)."""
+        key = _full_view_source(value)
+        if key not in self.holds_memo:
+            self.holds_memo[key] = _call(self.graph, aten.any.default, (self.nonfinite(key),))
+        return self.holds_memo[key]
+
+    def origin(self, node: torch.fx.Node, op: object) -> torch.fx.Node:
+        """True where ``node`` holds an inf/NaN that its inputs do not explain."""
+        inputs = _float_inputs(node)
+        if not inputs:
+            return self.holds(node)
+        if _is_pointwise(op):
+            # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
+            explained = self.nonfinite(inputs[0])
+            for value in inputs[1:]:
+                explained = _call(self.graph, aten.logical_or.default, (explained, self.nonfinite(value)))
+            unexplained = _call(self.graph, aten.logical_and.default,
+                                (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
+            return _call(self.graph, aten.any.default, (unexplained,))
+        # Otherwise: the output holds an inf/NaN and no input does.
+        any_input = self.holds(inputs[0])
+        for value in inputs[1:]:
+            any_input = _call(self.graph, aten.logical_or.default, (any_input, self.holds(value)))
+        return _call(self.graph, aten.logical_and.default,
+                     (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))))
+
+
 def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, WatchRecord]:
-    """Append the first-non-finite record to ``gm``'s outputs (see the module docstring)."""
+    """Append the first-origin record to ``gm``'s outputs (see the module docstring)."""
     record = WatchRecord()
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    watched: list[torch.fx.Node] = []
+    checks = _Checks(graph)
+    flags: list[torch.fx.Node] = []
     for node in list(graph.nodes):
-        op = _watched(node, dtype)
-        if op is None:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            checks.mutated(node)
             continue
+        op = _watched(node, dtype)
+        if op is None or _has_nonfinite_scalar(node):
+            continue  # an op given an inf/NaN number (a -inf mask) is never an origin
         path = module_stack(node)
         record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
                                     dtype=dtype_name(dtype), node=node.name))
-        watched.append(node)
+        # Right after the node: the checks read its value before any later in-place op changes it.
+        with graph.inserting_before(node.next):
+            flags.append(checks.origin(node, op))
     with graph.inserting_before(output):
-        if watched:
-            flags = []
-            for node in watched:
-                finite = _call(graph, aten.isfinite.default, (node,))
-                bad = _call(graph, aten.logical_not.default, (finite,))
-                flags.append(_call(graph, aten.any.default, (bad,)))
+        if flags:
             stacked = _call(graph, aten.stack.default, (flags,))
             # argmax of the flags as int32 is the first flagged position (argmax returns the first
             # maximum); -1 where none is flagged.
