@@ -1,17 +1,30 @@
-"""The ``watch_nonfinite`` pass: a device-side record of the first op whose low-precision output
-holds an inf or NaN (``amp_fx.compile(..., watch_nonfinite=True)``, issue 21).
+"""The ``watch_nonfinite`` pass: a device-side record of the first op that *creates* an inf or NaN
+in a low-precision output from finite data (``amp_fx.compile(..., watch_nonfinite=True)``, issue 21).
 
 Assumes the rewritten pre-dispatch ATen graph of ``insert_casts``/``fold_casts``: every node's
 ``meta["val"]`` is true and ``nn_module_stack`` names modules under the compiled root.
 
-For every node in graph order whose value is a tensor of the low-precision dtype (fp16/bf16) made
-by a computing op (not a view, not an in-place op: their values were checked where they were
-made), the pass adds ``any(~isfinite(x))``, stacks those flags into one small bool tensor and
-appends to the graph's outputs one int64 0-dim tensor: the position of the first flagged node in
+The watched nodes are, in graph order, those whose value is a tensor of the low-precision dtype
+(fp16/bf16) made by a computing op (not a view, not an in-place op), except ops given an inf/NaN
+number (``masked_fill(x, m, -inf)``, ``where(c, x, -inf)``, ``full(s, -inf)``): a mask made on
+purpose is never an overflow. For each, the pass adds a flag "this op is an origin":
+
+* pointwise ops (ATen's ``pointwise`` tag, plus ``_to_copy``, ``where``/``masked_fill`` with a
+  scalar, ``fill``/``*_like``), per element: ``any(~isfinite(out) & ~explained)``, where
+  ``explained`` ORs ``~isfinite(input)`` over the floating tensor inputs, broadcast to the output.
+  An -inf added from a mask is explained there; a finite fp32 weight whose fp16 cast overflows
+  (``_to_copy``) is an origin;
+* other ops (mm, softmax, cat, reductions, ...): ``any(~isfinite(out))`` and no floating tensor
+  input holds an inf/NaN. "Holds" is built once per value (a view that shows all of its base's
+  elements shares its base's) and rebuilt after an in-place op that may have changed it.
+
+Each check sits right after the node it checks, so it reads the value before a later in-place op
+(``att.masked_fill_(m, -inf)``) changes it. The flags are stacked into one small bool tensor and
+the graph gets one more output, an int64 0-dim tensor: the position of the first flagged node in
 :attr:`WatchRecord.ops`, or -1. The backend strips that output before the caller sees the result
-(``amp_fx.overflow.ForwardWatch``). Each check is a full reduction of a value the producing op
-has just written; inductor fuses it into the kernel that produces the value where that kernel is
-its own (pointwise, reductions), and it reads an extern kernel's output (mm, conv) once more.
+(``amp_fx.overflow.ForwardWatch``). With inductor the checks fuse into the kernels that produce or
+read the values where those kernels are its own (pointwise, reductions); after an extern kernel
+(mm, conv) they read its output once more.
 
 Guarantees: the values the graph computed are unchanged (the checks only read; no node is
 replaced), no new aliasing (the new output is a fresh tensor), ``meta["val"]`` set on every new
