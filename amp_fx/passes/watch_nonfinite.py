@@ -155,7 +155,7 @@ def _has_nonfinite_scalar(node: torch.fx.Node) -> bool:
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose storage ``node`` aliases (through views and in-place ops' returns)."""
-    for _ in range(10_000):
+    while True:  # the graph is acyclic: each step goes to an earlier node
         op_node = _op_node(node)
         target = op_node.target
         if not isinstance(target, torch._ops.OpOverload) or not op_node.args:
@@ -164,7 +164,6 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
         if not aliases or not isinstance(op_node.args[0], torch.fx.Node):
             return node
         node = op_node.args[0]
-    return node
 
 
 def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
