@@ -150,8 +150,10 @@ def test_no_host_read_added_by_the_watch():
 
 
 def test_checks_fuse_into_inductor_kernels():
-    """With inductor, the watch adds one small kernel (the combined record) to the forward, not one
-    per watched op: the per-op checks are fused into the kernels that produce the values."""
+    """With inductor, the watch adds at most two small kernels to the forward (the combined record,
+    and one reduction that reads the last Linear's input and output again: inductor does not fuse
+    it into the kernels that wrote them), not one per watched op: the per-op checks are fused into
+    the kernels that produce the values."""
     from torch._inductor.utils import run_and_get_code
 
     counts = {}
@@ -164,7 +166,7 @@ def test_checks_fuse_into_inductor_kernels():
         if watched:
             n_ops = len(compiled.amp_fx_records[0].watched.ops)
     assert n_ops > 10
-    assert counts[False] > 0 and counts[True] <= counts[False] + 1, counts
+    assert counts[False] > 0 and counts[True] <= counts[False] + 2, counts
 
 
 @pytest.fixture(scope="module")
