@@ -61,13 +61,17 @@ OVERFLOW_FEATURES = ("overflow_watch", "overflow_named")
 # by default every transformers model gets every feature in bf16 and all but the inspection tools
 # in fp16 (compile_step in fp16 is the loss-scaling path); the UNets and the vision models, each
 # several times a transformers model's cost, get amp_fx.compile (and the weight cache in bf16).
+# Overflow provenance (fp16 only): every transformers model gets the planted overflow named as
+# eager finds it; the watch-on/off run (two compiles) runs by default on _OVERFLOW_WATCH_DEFAULT.
 _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
-    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step")},
+    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")},
     "diffusers": {"bf16": ("compile", "weight_cache"), "fp16": ("compile",)},
     "torchvision": {"bf16": ("compile", "weight_cache"), "fp16": ()},
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
+# GPT-2 (a tied head, Conv1D layers) and T5 (encoder-decoder, a shared embedding used three times)
+_OVERFLOW_WATCH_DEFAULT = ("hf_gpt2", "hf_t5")
 
 # Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
 _KNOWN: dict[tuple[str, str], str] = {
@@ -88,7 +92,9 @@ def _cases(feature: str) -> list[Any]:
     for name, entry in REAL_MODELS.items():
         for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
-            if name in _ALL_SLOW or feature not in _DEFAULT[entry.library][dtype_id]:
+            default = (feature in _DEFAULT[entry.library][dtype_id]
+                       or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT))
+            if name in _ALL_SLOW or not default:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
