@@ -316,3 +316,38 @@ def test_tied_weight_is_named_as_named_parameters_names_it():
     report = scaler.overflow_report()
     assert report is not None and list(report.gradients) == reference, report
     assert report.first_op is not None and report.first_op.module == "mid", report
+
+
+class _InplaceResidual(torch.nn.Module):
+    """A residual added in place after the branch ran (timm's ResNet blocks: ``x += shortcut``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(8, 8)
+        self.shortcut = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.main(x)
+        h += self.shortcut(x)
+        return h
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_op_is_not_an_earlier_producer_written_in_place_later(backend):
+    """The overflow is planted in ``shortcut``; ``main``'s output was finite when ``main`` made it and
+    only became inf through the later ``+=``. The first non-finite op is in ``shortcut`` (its weight's
+    fp16 cast), not ``main``: each check sees the value as its op left it."""
+    torch.manual_seed(0)
+    model = _InplaceResidual()
+    with torch.no_grad():
+        model.shortcut.weight.mul_(2.0**24)  # its fp16 cast holds inf
+    compiled = amp_fx.compile(model, dtype="fp16", backend=backend, watch_nonfinite=True)
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED)
+    scaler.watch(compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(compiled(torch.randn(2, 8)).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    assert report.first_op.module == "shortcut", report

@@ -5,9 +5,12 @@ Assumes the rewritten pre-dispatch ATen graph of ``insert_casts``/``fold_casts``
 ``meta["val"]`` is true and ``nn_module_stack`` names modules under the compiled root.
 
 For every node in graph order whose value is a tensor of the low-precision dtype (fp16/bf16) made
-by a computing op (not a view, not an in-place op: their values were checked where they were
-made), the pass adds ``any(~isfinite(x))``, stacks those flags into one small bool tensor and
-appends to the graph's outputs one int64 0-dim tensor: the position of the first flagged node in
+by a computing op (not a view: its values were checked where they were made; in-place ops are
+watched, their value is the tensor they wrote), the pass adds ``any(~isfinite(x))`` right after
+the node, so that it sees the value as that op left it (a later in-place op on the same tensor,
+such as a residual ``x += shortcut``, would otherwise make an earlier, finite producer look like
+the first non-finite op). It stacks those flags into one small bool tensor and appends to the
+graph's outputs one int64 0-dim tensor: the position of the first flagged node in
 :attr:`WatchRecord.ops`, or -1. The backend strips that output before the caller sees the result
 (``amp_fx.overflow.ForwardWatch``). Each check is a full reduction of a value the producing op
 has just written; inductor fuses it into the kernel that produces the value where that kernel is
@@ -73,7 +76,8 @@ def _op_name(target: object) -> str:
 
 
 def _computing_op(node: torch.fx.Node) -> object | None:
-    """The op that computed ``node``'s value, or None if ``node`` only aliases or mutates."""
+    """The op that computed ``node``'s value, or None if ``node`` only aliases its input (a view).
+    An in-place op (``add_``) computes the values it writes into the tensor it returns."""
     target = node.target
     if target is operator.getitem:  # one output of a multi-output op
         parent = node.args[0]
@@ -81,7 +85,8 @@ def _computing_op(node: torch.fx.Node) -> object | None:
     if not isinstance(target, torch._ops.OpOverload):
         return None
     schema = target._schema
-    if target.is_view or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+    aliased = [r.alias_info for r in schema.returns if r.alias_info is not None]
+    if target.is_view or any(not a.is_write for a in aliased):
         return None
     return target
 
@@ -109,13 +114,16 @@ def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype) -> tuple[to
         record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
                                     dtype=dtype_name(dtype), node=node.name))
         watched.append(node)
+    flags = []
+    for node in watched:
+        with graph.inserting_after(node):  # the value as this op left it (see the module docstring)
+            finite = _call(graph, aten.isfinite.default, (node,))
+        with graph.inserting_after(finite):
+            bad = _call(graph, aten.logical_not.default, (finite,))
+        with graph.inserting_after(bad):
+            flags.append(_call(graph, aten.any.default, (bad,)))
     with graph.inserting_before(output):
         if watched:
-            flags = []
-            for node in watched:
-                finite = _call(graph, aten.isfinite.default, (node,))
-                bad = _call(graph, aten.logical_not.default, (finite,))
-                flags.append(_call(graph, aten.any.default, (bad,)))
             stacked = _call(graph, aten.stack.default, (flags,))
             # argmax of the flags as int32 is the first flagged position (argmax returns the first
             # maximum); -1 where none is flagged.
