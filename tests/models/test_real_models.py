@@ -13,7 +13,11 @@ identical copy of the model (and ``torch.amp.GradScaler`` for fp16 training):
   eager recipe (amp_fx.testing.eager_amp_step): loss, scale and parameters bitwise at each step;
 * ``inspect``: ``compare`` says amp_fx agrees with eager autocast bitwise on every op, output and
   gradient; ``explain`` shows, for every op compare matched, the dtype eager autocast gave;
-  ``find_nonfinite`` finds nothing where eager autocast's outputs and gradients are finite.
+  ``find_nonfinite`` finds nothing where eager autocast's outputs and gradients are finite;
+* ``overflow_watch``, ``overflow_named`` (fp16): ``watch_nonfinite=True`` changes no value, and an
+  overflow planted in one module at one step is named by ``overflow_report()`` (that step, a first
+  non-finite op inside that module, the gradients eager autocast + ``torch.amp.GradScaler`` find
+  non-finite there).
 
 Marked ``models`` (``pytest -m models`` runs the tier alone, ``-m "not models"`` leaves it out);
 the slowest cases are also ``models_slow``, deselected by default (pyproject ``addopts``):
