@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from amp_fx._compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
-from amp_fx.policy import DEFAULT_TABLES, CastClass, Policy, _op_from_name, banned_message
+from amp_fx.policy import CastClass, Policy, _op_from_name, banned_message, default_class
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     claimed = policy.table(device_type)
     table: dict[Any, Callable[..., Any]] = {}
     for name, cls in policy.op_classes.items():
-        if cls is not DEFAULT_TABLES.get(device_type, {}).get(name, CastClass.NONE):
+        if cls is not default_class(name, device_type):
             table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
     for name, cls in claimed.items():
         if cls is CastClass.BANNED:

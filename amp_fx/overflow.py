@@ -45,9 +45,12 @@ class FirstOp:
     """Index of the captured graph (``amp_fx_records``) that holds it."""
     node: str
     """The node's name in that rewritten graph."""
+    rank: int | None = None
+    """Under DDP/FSDP2: the (global) rank whose forward it was, the lowest one if several; else None."""
 
     def __str__(self) -> str:
-        return f"{self.module or '<root>'} ({self.op}, {self.dtype})"
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"{self.module or '<root>'} ({self.op}, {self.dtype}){where}"
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,18 @@ class ForwardWatch:
         self.first.fill_(NONE)
         return taken
 
-    def describe(self, code: int) -> FirstOp | None:
+    def describe(self, code: int, rank: int | None = None) -> FirstOp | None:
+        """The op a record names; ``rank``: the rank whose forward it was (a record combined across
+        ranks names an op of that rank's graphs, the same as this rank's unless one recompiled)."""
         if code == NONE:
             return None
         graph, position = divmod(code, _GRAPH_STRIDE)
-        op = self.ops[graph][position]
-        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node)
+        ops = self.ops.get(graph, [])
+        if position >= len(ops):
+            return FirstOp(module="<unknown>", op=f"<op {position} of graph {graph}, not compiled on this rank>",
+                           dtype="?", graph=graph, node="", rank=rank)
+        op = ops[position]
+        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank)
 
 
 _WRAPPER_PREFIXES = ("module.",)
@@ -162,9 +171,13 @@ class SkipRecord:
         self.pending: torch.Tensor | None = None  # bool: a skip since the last report
         self.flags: torch.Tensor | None = None  # fp32 [len(params)]: its non-finite gradients
         self.first_op: torch.Tensor | None = None  # int64: its forward record, -1
+        self.first_rank: torch.Tensor | None = None  # int64: the rank whose forward that was, -1
         self.names: dict[int, str] = {}
         self.prefixes: tuple[str, ...] = _WRAPPER_PREFIXES
         self.watch: ForwardWatch | None = None
+        # DDP/FSDP2 (amp_fx._dist.found_inf.ranks_of): the ranks whose forward records are combined
+        # at each update (every rank then names the op), or None on one process.
+        self.group: Any = None
 
     def init(self, device: torch.device) -> None:
         if self.device is not None:
@@ -175,6 +188,7 @@ class SkipRecord:
         self.pending = torch.zeros((), dtype=torch.bool, device=device)
         self.flags = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self.first_op = torch.full((), NONE, dtype=torch.int64, device=device)
+        self.first_rank = torch.full((), NONE, dtype=torch.int64, device=device)
 
     def register(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Slots of ``params`` in :attr:`flags` (new parameters get new, zeroed slots)."""
@@ -202,16 +216,20 @@ class SkipRecord:
             out.index_copy_(0, where, torch.maximum(out.index_select(0, where), flags.to(out.device)))
         return out
 
-    def record_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None) -> None:
-        """One ``update()``: where ``found_inf``, keep this step's index, flags and forward record.
-        In-place device ops only, so the same code runs eagerly and in ``compile_step``'s graph."""
+    def record_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None,
+                first_rank: torch.Tensor | None = None) -> None:
+        """One ``update()``: where ``found_inf``, keep this step's index, flags and forward record
+        (``first_rank``: the rank it came from, when combined across ranks). In-place device ops
+        only, so the same code runs eagerly and in ``compile_step``'s graph."""
         assert self.updates is not None and self.step is not None and self.flags is not None
-        assert self.pending is not None and self.first_op is not None
+        assert self.pending is not None and self.first_op is not None and self.first_rank is not None
         skipped = found_inf.reshape(()).to(self.device) != 0
         self.step.copy_(torch.where(skipped, self.updates, self.step))
         self.flags.copy_(torch.where(skipped, flags, self.flags))
         code = torch.full_like(self.first_op, NONE) if first_op is None else first_op.to(self.device)
         self.first_op.copy_(torch.where(skipped, code, self.first_op))
+        rank = torch.full_like(self.first_rank, NONE) if first_rank is None else first_rank.to(self.device)
+        self.first_rank.copy_(torch.where(skipped, rank, self.first_rank))
         self.pending.logical_or_(skipped)
         self.updates.add_(1)
 
@@ -220,9 +238,10 @@ class SkipRecord:
         if self.pending is None:
             return None
         assert self.step is not None and self.flags is not None and self.first_op is not None
-        values = torch.stack([self.pending.to(torch.int64), self.step, self.first_op,
+        assert self.first_rank is not None
+        values = torch.stack([self.pending.to(torch.int64), self.step, self.first_op, self.first_rank,
                               skipped_steps.to(self.step)]).tolist()
-        pending, step, first_code, skipped = values
+        pending, step, first_code, first_rank, skipped = values
         flags = self.flags.tolist()
         if not pending:
             return None
@@ -234,10 +253,11 @@ class SkipRecord:
             p = self.params[slot]()
             name = self.names.get(id(p)) if p is not None else None
             names.append(name if name is not None else f"<parameter {slot}>")
-        first = self.watch.describe(first_code) if self.watch is not None else None
+        rank = None if first_rank == NONE else first_rank
+        first = self.watch.describe(first_code, rank) if self.watch is not None else None
         if first is not None:
             first = FirstOp(module=strip_wrappers(first.module, self.prefixes), op=first.op, dtype=first.dtype,
-                            graph=first.graph, node=first.node)
+                            graph=first.graph, node=first.node, rank=first.rank)
         return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped)
 
 

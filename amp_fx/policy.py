@@ -27,7 +27,7 @@ import torch
 
 from amp_fx._compat import autocast_registrations
 
-__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES"]
+__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class"]
 
 
 class CastClass(enum.Enum):
@@ -45,6 +45,10 @@ class CastClass(enum.Enum):
     """Cast eligible inputs to the widest floating dtype among them."""
     BANNED = "banned"
     """Autocast refuses the op (binary_cross_entropy on CUDA)."""
+    OWN_KERNEL = "own_kernel"
+    """The op's own Autocast kernel decides, as in eager: ops outside ATen that register one
+    (torchvision's ``roi_align`` and ``nms``, a ``torch.library`` op). amp_fx runs the op inside a
+    one-op autocast region of the graph instead of inserting casts (see :func:`default_class`)."""
     NONE = "none"
     """Not autocast: the op runs in whatever dtypes its inputs have (a policy can move ops here)."""
 
@@ -184,6 +188,40 @@ def resolve_dtype(dtype: object) -> torch.dtype:
     except (KeyError, TypeError):
         accepted = '"bf16", "bfloat16", "fp16", "float16", "half", torch.bfloat16, torch.float16'
         raise ValueError(f"amp_fx: unknown dtype {dtype!r}; accepted values are {accepted}") from None
+
+
+def default_class(op_name: str, device_type: str) -> CastClass:
+    """Eager autocast's class for ``op_name`` ("aten::mm", "torchvision::roi_align") on ``device_type``.
+
+    The tables for torch's own ops; :attr:`CastClass.OWN_KERNEL` for an op outside them that has a
+    kernel at the device's Autocast dispatch key (asked of the dispatcher at each call, so an op
+    registered after amp_fx was imported counts); NONE otherwise.
+
+    Why OWN_KERNEL runs the op's kernel rather than transcribing its rule into a table: the rules
+    differ per op and per library version. torchvision's kernels (csrc/ops/autocast/) cast float
+    inputs to fp32 and cast back to the input's dtype, but ``nms`` returns its int64 indices as
+    they are and ``roi_pool``/``ps_roi_pool`` cast their int64 argmax output to the input's dtype
+    too; a ``torch.library`` op may do anything. Running the kernel reproduces each one exactly.
+    """
+    cls = DEFAULT_TABLES.get(device_type, {}).get(op_name)
+    if cls is not None:
+        return cls
+    if _has_own_kernel(op_name, device_type):
+        return CastClass.OWN_KERNEL
+    return CastClass.NONE
+
+
+def _has_own_kernel(op_name: str, device_type: str) -> bool:
+    """Whether a library registered a kernel for ``op_name`` at ``device_type``'s Autocast key.
+
+    torch's ops are in the tables (tests/test_policy.py checks it), so only other namespaces count.
+    """
+    from amp_fx._devices import DEVICES
+
+    device = DEVICES.get(device_type)
+    if device is None or op_name.startswith("aten::"):
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, device.dispatch_key)
 
 
 def op_name(op: torch._ops.OpOverload) -> str:
@@ -332,9 +370,14 @@ class Policy:
         if name in self.op_classes:
             cls = self.op_classes[name]
             return Decision(cls, f"{_label(cls)}: {short} (moved by policy)")
-        cls = DEFAULT_TABLES.get(device_type, {}).get(name, CastClass.NONE)
+        cls = default_class(name, device_type)
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
+        if cls is CastClass.OWN_KERNEL:
+            from amp_fx._devices import DEVICES
+
+            return Decision(cls, f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} "
+                                 "kernel, as in eager autocast")
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
 
 
@@ -378,6 +421,14 @@ def _module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
 
 def _check_class_fits(name: str, cls: CastClass) -> None:
     op = _op_from_name(name)
+    if cls is CastClass.OWN_KERNEL:
+        from amp_fx._devices import DEVICES
+
+        if not any(_has_own_kernel(name, d) for d in DEVICES):
+            raise ValueError(
+                f"amp_fx: {name} cannot be OWN_KERNEL: it has no Autocast kernel of its own outside "
+                f"torch's tables (only ops of other libraries that register one, such as "
+                f"torchvision::roi_align, have)")
     if cls is CastClass.FP32_SET_OPT_DTYPE:
         arg = next((a for a in op._schema.arguments if a.name == "dtype"), None)
         if arg is None or "Optional" not in str(arg.type) and "?" not in str(arg.type):

@@ -70,6 +70,7 @@ import torch._dynamo
 
 from amp_fx import _compat
 from amp_fx._backends import resolve_backend
+from amp_fx._dist.found_inf import combine_first_op, ranks_of
 from amp_fx._dist.step import LocalShards, check_distributed_step, distributed_forward, is_fsdp2
 from amp_fx._report import Reporter
 from amp_fx.backend import Backend
@@ -232,6 +233,9 @@ class CompiledStep:
         record.watch = getattr(self._forward, "amp_fx_watch", None)
         record.prefixes = (("module.",) if isinstance(model, torch.nn.parallel.DistributedDataParallel)
                            else () if is_fsdp2(model) else ("model.",))
+        # DDP/FSDP2 with the watch: every rank's forward record is combined at each update (FSDP2:
+        # in the found-inf all-reduce of the finish; DDP: one small all-reduce of its own).
+        record.group = ranks_of(model) if record.watch is not None else None
         self._slots = record.register(self._params)
         self._finish_backend = _CountingBackend(backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
@@ -276,18 +280,9 @@ class CompiledStep:
         the first forward op whose low-precision output did. None if no step was skipped since the
         last report. The one host read; the step itself reads nothing.
 
-        On FSDP2 the finish unscales the local shards without per-gradient flags, so a report
-        names no gradients: that is reported (an error in strict mode) rather than left to read as
-        "no gradient non-finite"."""
-        report = self.scaler.overflow_report()
-        if report is not None and self._fsdp2:
-            self._report.did_less("overflow_report on FSDP2", (
-                "amp_fx.CompiledStep.overflow_report(): on an FSDP2 model compile_step does not record which "
-                "gradient shards held an inf/NaN, so the report's gradients are empty although the step was "
-                "skipped for a non-finite gradient; its step and first_op hold (first_op with "
-                "watch_nonfinite=True). Naming gradient shards in compile_step on FSDP2 is not implemented "
-                "yet (docs/overflow.md, Limitations)."), stacklevel=2)
-        return report
+        Under DDP and FSDP2 the report is the same on every rank (the flags and the forward record
+        are combined across ranks on the device during the step), so it may be read on one rank only."""
+        return self.scaler.overflow_report()
 
     @property
     def micro_step(self) -> int:
@@ -586,36 +581,36 @@ class CompiledStep:
         params = self._params if sharded is None else sharded.params
         present = [i for i, p in enumerate(params) if p.grad is not None]
         grads = [params[i].grad for i in present]
-        # amp_fx/overflow.py: which gradients held an inf/NaN, from the same kernel pass (FSDP2: not
-        # recorded, the local shards would need their own all-reduce)
-        flags = None if sharded is not None else torch.zeros(len(grads), dtype=torch.float32, device=inv_scale.device)
+        # amp_fx/overflow.py: which gradients held an inf/NaN, from the same kernel pass, and the
+        # forward watch's first op; FSDP2 combines both across ranks in the found-inf all-reduce.
+        flags = torch.zeros(len(grads), dtype=torch.float32, device=inv_scale.device)
+        record = self.scaler._skip_record
+        first_op = record.watch.take() if record.watch is not None else None
+        first: tuple[torch.Tensor, torch.Tensor] | None = None
         max_norm = self.config.max_grad_norm
+        fused_norm = max_norm is not None and self.config.grad_norm is GradNorm.FUSED
         grad_scale: torch.Tensor | None = None
         if self._fused and max_norm is None:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale), flags=flags)
             grad_scale = state.scale.clone()
-            if sharded is not None:
-                found_inf = sharded.combine_found_inf(found_inf)
-        elif max_norm is None:
-            unscale_check_(grads, found_inf, inv_scale, flags=flags)
-            if sharded is not None:
-                found_inf = sharded.combine_found_inf(found_inf)
+        elif fused_norm:
+            sum_sq = unscale_check_norm_(grads, found_inf, inv_scale, flags=flags)
         else:
-            if self.config.grad_norm is GradNorm.FUSED:
-                sum_sq = unscale_check_norm_(grads, found_inf, inv_scale, flags=flags)
-                if sharded is not None:
-                    found_inf = sharded.combine_found_inf(found_inf)
-                    sum_sq = sharded.global_sum(sum_sq)
-                total_norm = sum_sq.sqrt()
+            unscale_check_(grads, found_inf, inv_scale, flags=flags)
+        if sharded is not None:  # one all-reduce: the flag, the gradients' flags, the forward record
+            if first_op is None and record.watch is not None:  # the watch has not run: this rank joins
+                first_op = torch.full((), -1, dtype=torch.int64, device=inv_scale.device)
+            found_inf, flags, first = sharded.combine_found_inf(found_inf, flags, first_op)
+        elif record.watch is not None and record.group is not None:  # DDP: one small all-reduce
+            first = combine_first_op(first_op, record.group, inv_scale.device)
+        if max_norm is not None:
+            if fused_norm:
+                total_norm = (sum_sq if sharded is None else sharded.global_sum(sum_sq)).sqrt()
             else:
-                unscale_check_(grads, found_inf, inv_scale, flags=flags)
                 norms = torch._foreach_norm(grads, 2.0)
-                if sharded is not None:
-                    found_inf = sharded.combine_found_inf(found_inf)
-                    total_norm = sharded.global_norm(norms)
-                else:
-                    total_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                total_norm = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if sharded is None
+                              else sharded.global_norm(norms))
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)
@@ -626,26 +621,27 @@ class CompiledStep:
                 self._lowp_writer.in_finish()  # the low-precision copies, in the update's pass
         rules.update_scale_(state, rule, found_inf)
         rules.record_step_(state, found_inf)
-        self._record_skip(found_inf, present, flags)
+        self._record_skip(found_inf, present, flags, first_op if first is None else first[0],
+                          None if first is None else first[1])
         if self._fused:
             return grad_scale, found_inf
         return None
 
-    def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor | None) -> None:
+    def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor,
+                     first_op: torch.Tensor | None, first_rank: torch.Tensor | None) -> None:
         """The scaler's skip record (amp_fx/overflow.py), traced into the finish: the flags of the
-        gradients present, in the record's slots, and the forward watch's first op."""
+        gradients present, in the record's slots, and the forward watch's first op (and, combined
+        across ranks, the rank that saw it)."""
         record = self.scaler._skip_record
         assert record.flags is not None
         n = record.flags.numel()
         slots = [self._slots[i] for i in present]
-        if flags is None:
-            step_flags = record.flags.new_zeros(n)
-        elif slots == list(range(n)):
+        if slots == list(range(n)):
             step_flags = flags
         else:
             step_flags = record.flags.new_zeros(n).index_copy(
                 0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags)
-        record.record_(found_inf, step_flags, record.watch.take() if record.watch is not None else None)
+        record.record_(found_inf, step_flags, first_op, first_rank)
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
         """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).

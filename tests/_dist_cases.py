@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _overflow_cases import overflow_summary
 from torch import nn
 
 import amp_fx
@@ -86,11 +87,12 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
            rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
            accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
            clip: float | None = None, opt: Any = None, steps: range = range(STEPS),
-           on_window: Callable[[int], None] | None = None) -> dict[str, Any]:
+           on_window: Callable[[int], None] | None = None,
+           on_grads: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Optimizer steps ``steps`` of ``accumulate`` micro-batches each; all but the last
     micro-batch of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's
     set_requires_gradient_sync). ``opt``: SGD with momentum unless given. ``on_window(step)``
-    runs after each window's update."""
+    runs after each window's update, ``on_grads(step)`` before its unscale (gradients planted)."""
     opt = opt if opt is not None else _sgd(model)
     losses, scales, norms = [], [], []
     movement = _Movement(model)
@@ -109,6 +111,8 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
             losses.append(loss.detach().clone())
         if plant_grads:
             _plant_grad(model, rank, step)
+        if on_grads is not None:
+            on_grads(step)
         if clip is not None:
             scaler.unscale_(opt)
             norms.append(_local(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
@@ -229,20 +233,34 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     model = _shard(make_model(kind), mp)
     options = RECIPES[recipe]
     if form == "eager":
+        nonfinite: list[list[str]] = []
         out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
                      plant_grads=True, no_sync=_fsdp_no_sync(model), opt=_OPTIMIZERS[optimizer](model),
-                     **options)
+                     on_grads=lambda step: nonfinite.append(_nonfinite_full_gradients(model)), **options)
         out["linears"] = 0
+        out["nonfinite"] = nonfinite
         return out
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
     collectives = _CountAllReduce()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2)
+    scaler.watch(compiled)  # overflow_report() names the parameters
+    reports: list[Any] = []
     with collectives.in_scaler(scaler):
         out = _train(model, compiled, scaler, rank, None, plant_grads=True,
-                     no_sync=_fsdp_no_sync(model), **options)
+                     no_sync=_fsdp_no_sync(model), on_window=lambda step: reports.append(
+                         overflow_summary(scaler.overflow_report())), **options)
     out["linears"] = _linears_captured(compiled)
     out["scaler_collectives"] = collectives.count
+    out["overflow_reports"] = reports
     return out
+
+
+def _nonfinite_full_gradients(model: nn.Module) -> list[str]:
+    """The reference for overflow_report()'s gradients: the names of the parameters whose full
+    (gathered: a collective) gradient holds an inf/NaN."""
+    return [n for n, p in model.named_parameters()
+            if p.grad is not None and not torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                         else p.grad).all()]
 
 
 def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
@@ -336,29 +354,27 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
     at = {"step": 0}
     opt.register_step_pre_hook(lambda *_: _plant_grad(model, rank, at["step"]))
     scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+    # watch_nonfinite: the forward record rides in the found-inf all-reduce (counted below)
     step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y),
                                dtype=dtype, scaler=scaler, max_grad_norm=options.get("clip"),
-                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
+                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager",
+                               watch_nonfinite=True)
     all_reduces: list[int] = []
     movement = _Movement(model)
+    reports: list[Any] = []
 
     def on_step(i: int, counter: Any) -> None:
         at["step"] = i + 1  # the step the planting pre-hook sees next
         if i >= 2:
             all_reduces.append(counter.collectives["gloo:all_reduce"])
         movement.update()
+        with warnings.catch_warnings():  # the one host read, outside the counted step
+            warnings.simplefilter("error", amp_fx.AmpFxWarning)
+            reports.append(overflow_summary(step.overflow_report()))
 
     run = _run_steps(step, scaler, rank, accumulate, on_step)
-    said: list[str] = []  # what overflow_report() says: warnings, or its error in strict mode
-    with warnings.catch_warnings(record=True) as caught:  # after the run: the one host read
-        warnings.simplefilter("always")
-        try:
-            step.overflow_report()
-        except amp_fx.AmpFxError as error:
-            said.append(str(error))
     return {**run, "params": [_local(p) for p in model.parameters()], "all_reduces": all_reduces,
-            "moved": movement.total, "linears": _linears_captured(step._forward),
-            "overflow_said": said + [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]}
+            "moved": movement.total, "linears": _linears_captured(step._forward), "overflow_reports": reports}
 
 
 _OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {

@@ -133,6 +133,47 @@ class AutocastMask(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
+@torch._dynamo.disable
+def _eager_copy(t: Tensor) -> Tensor:
+    """Runs outside the graphs (a graph break): a new tensor with ``t``'s values."""
+    return t.clone()
+
+
+class _Log(nn.Module):
+    def forward(self, t: Tensor) -> Tensor:
+        return torch.log(t / 2)
+
+
+class MaskedLog(nn.Module):
+    """T5's relative position buckets in small: ``log`` of a position that can be 0 (in the
+    submodule ``buckets``) gives an intended -inf (in fp32: the positions are an fp32 buffer),
+    which ``torch.where`` discards for the small positions. With ``reaches=True`` (the negative
+    twin) the log's output is added to the output unmasked, so the -inf reaches it. ``overflow``
+    plants ``Overflowing``'s fp16 overflow after the masked log: a real inf/NaN reaches the
+    output, after a discarded one. ``between`` puts a graph break between the log and its use:
+    the -inf crosses from graph 0 to graph 1 as the same tensor (``"break"``) or as a copy made
+    by eager code (``"eager"``)."""
+
+    def __init__(self, *, reaches: bool = False, overflow: bool = False, between: str | None = None) -> None:
+        super().__init__()
+        self.reaches = reaches
+        self.between = between
+        self.fc = nn.Linear(4, 4)
+        self.buckets = _Log()
+        self.register_buffer("positions", torch.arange(4, dtype=torch.float32))
+        self.up = Overflowing() if overflow else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        log = self.buckets(self.positions)
+        if self.between == "break":
+            torch._dynamo.graph_break()
+        elif self.between == "eager":
+            log = _eager_copy(log)
+        bias = log if self.reaches else torch.where(self.positions < 2, self.positions, log)
+        h = self.fc(x) + bias
+        return h if self.up is None else self.up(h)
+
+
 def chain_overflow() -> nn.Sequential:
     """``0``'s fp16 output overflows; kept in fp32, its output (~1e5) overflows the fp16 cast of
     ``1``'s input; the LayerNorm ``2`` brings values back to ~1. Keeping both fixes it."""

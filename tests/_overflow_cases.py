@@ -143,6 +143,37 @@ def run_step(step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, st
     return reports
 
 
+def dist_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
+    """One spawn of 2 gloo ranks for the DDP and FSDP2 cases (``ddp_overflow_run``,
+    ``fsdp_overflow_run``), each from a fresh Dynamo state."""
+    out = {"ddp": ddp_overflow_run(rank, world_size)}
+    torch._dynamo.reset()
+    out["fsdp2"] = fsdp_overflow_run(rank, world_size)
+    return out
+
+
+def fsdp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
+    """FSDP2 (``fully_shard`` on each layer and the root) on 2 gloo ranks, the overflow planted on
+    rank 0 only: ``amp_fx.compile(sharded model, watch_nonfinite=True)`` + ``amp_fx.GradScaler``,
+    aot_eager; planted, then clean. Each rank holds a shard of every gradient: its unscale kernel
+    flags its own shards, and the flags are combined in the found-inf all-reduce."""
+    from torch.distributed.fsdp import fully_shard
+
+    import amp_fx
+
+    out: dict[str, Any] = {}
+    for name, planted in (("planted", PLANTED_STEP if rank == 0 else None), ("clean", None)):
+        model = make_model()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+        scaler = make_scaler()
+        scaler.watch(compiled)
+        out[name] = [overflow_summary(r) for r in run_scaler(model, compiled, scaler, planted)]
+    return out
+
+
 def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     """DDP on 2 gloo ranks, the overflow planted on rank 0 only: ``DDP(amp_fx.compile(model))`` +
     ``amp_fx.GradScaler`` and ``compile_step(DDP(model))``, both watched, aot_eager."""
@@ -157,18 +188,36 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True), broadcast_buffers=False)
     scaler = make_scaler()
     scaler.watch(ddp)
-    out["scaler"] = [_plain(r) for r in run_scaler(model, ddp, scaler, planted)]
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
-                               watch_nonfinite=True, scaler=make_scaler())
-    out["step"] = [_plain(r) for r in run_step(step, model, planted)]
+    out["scaler"] = [overflow_summary(r) for r in run_scaler(model, ddp, scaler, planted)]
+    from amp_fx.testing import HostSyncCounter
+
+    for watched in (True, False):
+        torch._dynamo.reset()
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
+                                   watch_nonfinite=watched, scaler=make_scaler())
+        reports = run_step(step, model, planted if watched else None, steps=STEPS if watched else 2)
+        if watched:
+            out["step"] = [overflow_summary(r) for r in reports]
+        # Clean steps after the warm-up: host reads and gloo all-reduces inside step() (the
+        # report is read outside).
+        reads, all_reduces = 0, []
+        for i, (x, y) in enumerate(batches(STEPS + 3)[STEPS:], start=STEPS):
+            plant(model, i, None)
+            with HostSyncCounter() as counter:
+                step(x, y)
+            reads += counter.count
+            all_reduces.append(counter.collectives["gloo:all_reduce"])
+        out["step_host_reads", watched] = reads
+        out["step_all_reduces", watched] = all_reduces
     return out
 
 
-def _plain(report: Any) -> Any:
+def overflow_summary(report: Any) -> Any:
+    """An ``OverflowReport`` as plain data for the test process (None stays None)."""
     if report is None:
         return None
     first = report.first_op
     return {"step": report.step, "gradients": list(report.gradients), "str": str(report),
-            "first_op": None if first is None else (first.module, first.op)}
+            "first_op": None if first is None else (first.module, first.op, first.rank)}

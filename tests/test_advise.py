@@ -22,6 +22,7 @@ import amp_fx
 from amp_fx.inspect.advice import DEFAULT_TARGETS, _keep_in_fp32
 from amp_fx.policy import resolve_dtype
 from amp_fx.testing.hazards import HAZARDS, build
+from tests._inspect_models import MaskedLog
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +100,27 @@ def test_healthy_twin_gets_an_empty_policy(name: str) -> None:
     # advise's baseline error is what amp_fx gives: same float64 reference, same kernels
     assert advice.error == pytest.approx(_amp_fx_error(model, inputs, loss_fn, dtype, amp_fx.Policy()),
                                          rel=1e-6)
+
+
+def test_inf_the_model_discards_is_not_a_hazard() -> None:
+    """T5's relative position buckets in small (tests/_inspect_models.MaskedLog): `buckets`
+    returns log of 0, an intended -inf that torch.where discards, so the run's output, loss and
+    gradients are finite (checked here in eager autocast): `buckets` is listed as
+    `discarded inf/NaN`, not a hazard. Negative twin: the -inf reaches the output: a hazard."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for reaches in (False, True):
+        torch.manual_seed(0)
+        model = MaskedLog(reaches=reaches)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = copy.deepcopy(model)(x).float().pow(2).mean()
+        assert bool(torch.isfinite(loss)) is not reaches
+        advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().pow(2).mean())
+        finding = advice.module("buckets").finding
+        if reaches:
+            assert finding == "non-finite" and [s.name for s in advice.hazards] == ["buckets"]
+        else:
+            assert finding == "discarded inf/NaN" and advice.hazards == (), str(advice)
+            assert advice.policy == amp_fx.Policy() and advice.verified and advice.runs == 1
 
 
 @pytest.mark.parametrize("name", sorted(HAZARDS))

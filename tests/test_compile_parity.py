@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.testing import assert_bitwise
-from amp_fx.testing.zoo import ZOO, StepResult, ZooEntry
+from amp_fx.testing.zoo import ZOO, StepResult, ZooEntry, eager_autocast_step, step, transformer_lm
 from tests._parity import (
     DTYPES,
     INDUCTOR_MODELS,
@@ -290,6 +290,67 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype, weigh
         torch.testing.assert_close(a, e, atol=0, rtol=0, msg=msg(f"loss at step {i}"))
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=msg(f"{n} after {steps} steps"))
+
+
+# --- new shapes: Dynamo's recompiles with dynamic shapes --------------------------------------
+
+
+# The first call, a new batch size, a new sequence length: the second call makes Dynamo recompile
+# with a symbolic batch (automatic_dynamic_shapes), the third with a symbolic length too.
+NEW_SHAPES = ((2, 8), (3, 8), (3, 12))
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM returning its logits, so the zoo's step helpers can run it."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+def _lm_with_bias_free_head(name: str) -> tuple[nn.Module, int]:
+    """(model, vocabulary): both end in a linear with no bias on a 3-d input, where torch 2.11's
+    matmul needed concrete sizes."""
+    if name == "gpt2":
+        pytest.importorskip("transformers", reason="the GPT-2 case needs transformers")
+        from amp_fx.testing.generate import tiny_causal_lm
+
+        return _Logits(tiny_causal_lm("gpt2")), 128
+    return transformer_lm()[0], 64
+
+
+def _sq_mean(out: object) -> Tensor:
+    assert isinstance(out, Tensor)
+    return out.float().pow(2).mean()  # autocast-neutral: no op of the CPU tables
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic_dynamic", "dynamic"])
+@pytest.mark.parametrize("name", ["transformer_lm", "gpt2"])
+def test_new_batch_and_length_bitwise_with_no_more_graphs(name: str, dynamic: bool | None) -> None:
+    """Called at two batch sizes and two lengths, outputs and every .grad are bitwise eager autocast's
+    at each call (aot_eager), and amp_fx captures no more graphs than torch.compile under autocast
+    does on the same calls. torch 2.11 failed in insert_casts at the bias-free head ("Cannot call
+    numel() on tensor with symbolic sizes") at the first symbolic graph."""
+    model, vocab = _lm_with_bias_free_head(name)
+    reference = copy.deepcopy(model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counted = torch.compile(copy.deepcopy(model), backend=counter, dynamic=dynamic)
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", dynamic=dynamic)
+    gen = torch.Generator().manual_seed(0)
+    for batch, length in NEW_SHAPES:
+        ids = torch.randint(0, vocab, (batch, length), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            counted(ids)
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        expected = eager_autocast_step(reference, (ids,), _sq_mean, torch.bfloat16)
+        actual = step(compiled, model, (ids,), _sq_mean)
+        assert_bitwise(actual, expected, f"amp_fx vs eager autocast at batch {batch}, length {length}")
+    graphs = len(amp_fx.records(compiled))
+    assert 0 < graphs <= counter.frame_count, (graphs, counter.frame_count)
 
 
 # --- tied weights: amp_fx vs torch.compile under autocast --------------------------------------

@@ -108,14 +108,54 @@ def _check_step_run(ranks: list[dict], dtype: str, recipe: str) -> None:
         assert got["linears"] == 2
 
 
-def test_compile_step_on_fsdp2_says_its_overflow_report_names_no_gradients(ranks):
-    """On FSDP2, compile_step records no per-gradient flags: a skipped step's report names no
-    gradient, so overflow_report() says so (an AmpFxWarning naming FSDP2; AmpFxError in strict
-    mode, which the suite runs in) instead of reading as "no gradient non-finite" unremarked.
-    The planted inf skips a step, so there is a report to say it of."""
+def _check_overflow_reports(ranks: list[dict], key: tuple, reference: tuple, *, watched: bool) -> None:
+    """overflow_report() after each optimizer step, on every rank, against the eager reference run
+    (``reference``: FSDP2 + torch.autocast + ShardedGradScaler, the same recipe): None where no full
+    (gathered) gradient held an inf/NaN, else that step's index and exactly those parameters'
+    names. INF_GRAD's step is the case that needs the flags combined: the inf sits in rank 0's
+    shard of ``0.weight`` only, so rank 1 names it only through the all-reduce. ``watched``: the
+    forward record names the first Linear ("0", whose input cast meets the planted element) and
+    the rank whose batch was planted (INF_BATCH), on every rank; None where only a gradient was."""
+    grad_only = {step for step, _ in INF_GRAD} - {step for step, _ in INF_BATCH}
+    batch_rank = {step: rank for step, rank in INF_BATCH}
     for rank, res in enumerate(ranks):
-        said = res[("fp16", "seq", "step", "plain")]["overflow_said"]
-        assert any("FSDP2" in m and "gradients are empty" in m for m in said), f"rank {rank}: {said}"
+        want = res[reference]["nonfinite"]
+        reports = res[key]["overflow_reports"]
+        assert [i for i, names in enumerate(want) if names] == PLANTED, f"rank {rank}: reference {want}"
+        for i, (report, names) in enumerate(zip(reports, want, strict=True)):
+            if not names:
+                assert report is None, f"rank {rank} step {i}: {report}"
+                continue
+            assert report is not None and report["step"] == i, f"rank {rank} step {i}: {report}"
+            assert report["gradients"] == names, f"rank {rank} step {i}"
+            if not watched:
+                assert report["first_op"] is None
+            elif i in grad_only:
+                assert report["first_op"] is None, f"rank {rank} step {i}: {report}"
+            else:
+                assert report["first_op"] is not None, f"rank {rank} step {i}: {report}"
+                assert report["first_op"][0] == "0" and report["first_op"][2] == batch_rank[i], (rank, i, report)
+        assert reports == ranks[0][key]["overflow_reports"], f"rank {rank}: reports differ from rank 0's"
+    assert any(names == ["0.weight"] for names in ranks[0][reference]["nonfinite"])  # INF_GRAD's step alone
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fsdp2_grad_scaler_overflow_report_names_gradients_across_shards(ranks, dtype):
+    """amp_fx.compile + amp_fx.GradScaler on FSDP2: the per-gradient flags of each rank's shards
+    are combined in the found-inf all-reduce (ShardedGrads.combine_found_inf_), names under the
+    root module, identical on every rank (not watched: first_op None)."""
+    _check_overflow_reports(ranks, (dtype, "seq", "amp_fx"), (dtype, "seq", "eager"), watched=False)
+
+
+@pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
+                                               ("fp16", "adamw_fused")])
+def test_compile_step_on_fsdp2_overflow_report_names_gradients_and_first_op(ranks, dtype, recipe):
+    """compile_step on FSDP2, watch_nonfinite=True: the gradients' flags and the forward record are
+    folded into the found-inf all-reduce of the compiled finish (the collective count below stays
+    one per step: ``test_compile_step_on_fsdp2_combines_flag_and_norm_in_one_collective_each``;
+    no host read: ``_check_step_run``), and overflow_report() raises no AmpFxWarning."""
+    reference = (dtype, "seq", "eager") if recipe == "plain" else (dtype, "seq", "eager", recipe)
+    _check_overflow_reports(ranks, (dtype, "seq", "step", recipe), reference, watched=True)
 
 
 @pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),

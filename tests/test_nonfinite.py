@@ -16,6 +16,7 @@ from tests._inspect_models import (
     ExpOverflow,
     GradOverflow,
     KeywordLM,
+    MaskedLog,
     NestedOverflow,
     Overflowing,
     TwoLayer,
@@ -212,3 +213,92 @@ def test_names_the_weights_a_graph_break_splits(case):
     assert split_weights_noted(report.notes) == expected
     for name in expected:
         assert f"note: {name} is used in graphs 0, 1" in str(report)
+
+
+def _eager_autocast_finite(model, x):
+    """The reference: whether eager fp16 autocast's output and every gradient are finite."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = ref(x)
+    if not torch.isfinite(out).all():
+        return False
+    out.float().sum().backward()
+    return all(torch.isfinite(p.grad).all() for p in ref.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("between", [None, "break", "eager"])
+def test_inf_every_consumer_discards_is_not_reported(between):
+    """T5's relative position buckets in small: log of 0 gives -inf that torch.where discards, so
+    eager autocast's output and gradients are finite, and find_nonfinite names nothing (it lists
+    the log in `discarded`). Negative twin: the same -inf added to the output unmasked is named at
+    the log, with the fp32 check saying it is not a precision problem. With a graph break between
+    the log and the where, the -inf crosses graphs and is still traced to the log, as the same
+    tensor or as a copy made by eager code between the graphs."""
+    torch.manual_seed(0)
+    model, x = MaskedLog(between=between), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    assert torch.isinf(model.buckets(model.positions)).any()  # the planted -inf, checked here
+    assert _eager_autocast_finite(model, x)
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert not report.found, str(report)
+    assert "no inf/NaN found: the model's outputs and every gradient" in str(report)
+    assert len(report.discarded) == 1 and "node log (aten.log)" in report.discarded[0]
+    assert report.discarded[0].startswith("graph 0,")
+
+    torch.manual_seed(0)
+    twin = MaskedLog(reaches=True, between=between)
+    assert not _eager_autocast_finite(twin, x)
+    report = amp_fx.find_nonfinite(twin, x, dtype="fp16")
+    assert report.found and report.phase == "forward"
+    assert (report.graph, report.node, report.op, report.module_path) == (0, "log", "aten.log", "buckets")
+    assert report.fp32_finite is False and report.discarded == []
+
+
+def test_discarded_inf_then_real_overflow_names_the_overflow():
+    """A discarded -inf first, then fp16 overflow that reaches the output: the overflow is named,
+    and its fix verifies although the discarded -inf is still there (it reaches no output)."""
+    torch.manual_seed(0)
+    model, x = MaskedLog(overflow=True), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    assert not _eager_autocast_finite(model, x)
+    report = amp_fx.find_nonfinite(model, x, dtype="fp16")
+    assert report.found and report.phase == "forward"
+    assert (report.op, report.module_path, report.dtype_found) == ("aten.linear", "up.up", torch.float16)
+    assert report.fp32_finite is True
+    assert report.suggested_policy.keep_fp32 == ("up.up",) and report.verified is True
+    assert "no inf/NaN reaches the outputs, the loss or the gradients (1 discarded" in report.verification
+    assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
+    fixed = amp_fx.find_nonfinite(model, x, dtype="fp16", policy=report.suggested_policy)
+    assert not fixed.found and len(fixed.discarded) == 1
+
+
+class _Box:
+    """An output pytree cannot see into."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _Boxed(torch.nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.inner = MaskedLog(**kw)
+
+    def forward(self, x):
+        return _Box(self.inner(x))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_output_it_cannot_see_into_hides_nothing(backward):
+    """The model returns an object of its own class: without a loss (backward=False) every inf/NaN
+    a graph returned is taken to reach the output; with one, the loss decides. The discarded -inf
+    stays discarded (no graph returns it); the overflow is named."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for overflow in (False, True):
+        torch.manual_seed(0)
+        report = amp_fx.find_nonfinite(_Boxed(overflow=overflow), x, dtype="fp16", backward=backward,
+                                       loss_fn=lambda box: box.t.float().sum(), verify=False)
+        assert report.found is overflow, str(report)
+        assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
+        if overflow:
+            assert (report.op, report.module_path) == ("aten.linear", "inner.up.up")

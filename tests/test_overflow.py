@@ -20,7 +20,7 @@ from _overflow_cases import (
     PLANTED_STEP,
     STEPS,
     batches,
-    ddp_overflow_run,
+    dist_overflow_run,
     eager_nonfinite_gradients,
     loss_fn,
     make_model,
@@ -151,8 +151,10 @@ def test_no_host_read_added_by_the_watch():
 
 
 def test_checks_fuse_into_inductor_kernels():
-    """With inductor, the watch adds one small kernel (the combined record) to the forward, not one
-    per watched op: the per-op checks are fused into the kernels that produce the values."""
+    """With inductor, the watch adds at most two small kernels to the forward (the combined record,
+    and one reduction that reads the last Linear's input and output again: inductor does not fuse
+    it into the kernels that wrote them), not one per watched op: the per-op checks are fused into
+    the kernels that produce the values."""
     from torch._inductor.utils import run_and_get_code
 
     counts = {}
@@ -165,32 +167,76 @@ def test_checks_fuse_into_inductor_kernels():
         if watched:
             n_ops = len(compiled.amp_fx_records[0].watched.ops)
     assert n_ops > 10
-    assert counts[False] > 0 and counts[True] <= counts[False] + 1, counts
+    assert counts[False] > 0 and counts[True] <= counts[False] + 2, counts
 
 
-def test_ddp_overflow_on_one_rank():
-    """2 gloo ranks, overflow planted on rank 0 only. The gradients are all-reduced, so both ranks
-    skip the same step and name the same gradients (names under the root module, no ``module.``);
-    the forward record is each rank's own: rank 0 names the planted module, rank 1's forward was
-    finite (first_op None)."""
+@pytest.fixture(scope="module")
+def dist_ranks() -> list[dict[str, Any]]:
+    """The DDP and FSDP2 cases, one spawn of 2 gloo ranks (``_overflow_cases.dist_overflow_run``)."""
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("needs torch.distributed with gloo")
     from amp_fx.testing.distributed import run_ranks
 
-    reference = eager_nonfinite_gradients()
-    ranks = run_ranks(ddp_overflow_run)
+    return run_ranks(dist_overflow_run)
+
+
+def _check_dist_report(report: dict[str, Any], reference: list[str], what: Any) -> None:
+    """A report of the planted step read on any rank: the step, the reference gradients, the planted
+    module as first_op, and rank 0 (the only rank whose forward overflowed) as the rank that saw it."""
+    assert report["step"] == PLANTED_STEP, what
+    assert report["gradients"] == reference, what
+    assert report["first_op"] is not None and report["first_op"][0] == PLANTED_MODULE, (what, report)
+    assert report["first_op"][2] == 0, (what, report)
+    assert f"fp16) on rank 0; {len(reference)} gradients" in report["str"], (what, report["str"])
+
+
+def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
+    """2 gloo ranks, overflow planted on rank 0 only. The gradients are all-reduced, so both ranks
+    skip the same step and name the same gradients (names under the root module, no ``module.``);
+    the forward records are combined across ranks on the device, so rank 1, whose own forward was
+    finite, names the planted module too, and both say it was rank 0's. compile_step, clean steps
+    after the warm-up, with and without the watch: no host read either way (dispatch-level
+    counter), and the watch adds exactly one gloo all-reduce per step."""
+    ranks = [res["ddp"] for res in dist_ranks]
     for kind in ("scaler", "step"):
         for rank, res in enumerate(ranks):
             reports = res[kind]
             assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], (kind, rank, reports)
-            report = reports[PLANTED_STEP]
-            assert report["step"] == PLANTED_STEP
             # DDP averages the gradients: a non-finite one on rank 0 is non-finite on both.
-            assert report["gradients"] == reference, (kind, rank)
-            if rank == 0:
-                assert report["first_op"] is not None and report["first_op"][0] == PLANTED_MODULE, report
-            else:
-                assert report["first_op"] is None, report
+            _check_dist_report(reports[PLANTED_STEP], reference_gradients, (kind, rank))
+        assert ranks[1][kind][PLANTED_STEP] == ranks[0][kind][PLANTED_STEP], kind
+    for rank, res in enumerate(ranks):
+        assert res["step_host_reads", True] == res["step_host_reads", False] == 0, rank
+        # the combined forward record costs one all-reduce (one int64) per step, on top of DDP's own
+        unwatched = res["step_all_reduces", False]
+        assert unwatched[0] > 0 and res["step_all_reduces", True] == [n + 1 for n in unwatched], res
+
+
+def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients):
+    """FSDP2 + ``amp_fx.compile`` + ``amp_fx.GradScaler``, 2 gloo ranks, the overflow planted on rank 0
+    only. Each rank flags only its own shards of each gradient; the flags go through the found-inf
+    all-reduce (``ShardedGrads.combine_found_inf_``), the forward records through one more at
+    ``update()``. Both ranks report the planted step, the same gradients as the reference (eager
+    autocast + torch.amp.GradScaler on the full model with rank 0's inputs: FSDP2 averages the
+    ranks' gradients, so a gradient with a non-finite element on rank 0 has one after the
+    reduce-scatter, and rank 1's are finite), the planted module, seen on rank 0. A clean run
+    reports None on both."""
+    for rank, res in enumerate(dist_ranks):
+        reports = res["fsdp2"]["planted"]
+        assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], (rank, reports)
+        _check_dist_report(reports[PLANTED_STEP], reference_gradients, rank)
+        assert res["fsdp2"]["clean"] == [None] * STEPS, rank
+    assert dist_ranks[1]["fsdp2"]["planted"] == dist_ranks[0]["fsdp2"]["planted"]
+
+
+def test_a_record_of_a_graph_this_rank_did_not_compile_is_named_unknown():
+    """A forward record combined across ranks names an op by graph and position; where this rank
+    has no such graph (it compiled other graphs), the report says so instead of failing."""
+    from amp_fx.overflow import _GRAPH_STRIDE, ForwardWatch
+
+    first = ForwardWatch().describe(3 * _GRAPH_STRIDE + 7, rank=1)
+    assert first is not None and first.module == "<unknown>" and first.rank == 1
+    assert "op 7 of graph 3" in first.op
 
 
 def test_weight_cache_with_the_watch(reference_gradients):

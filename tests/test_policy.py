@@ -9,7 +9,8 @@ import torch
 
 from amp_fx import CastClass, Policy
 from amp_fx._devices import DEVICES
-from amp_fx.policy import DEFAULT_TABLES, resolve_dtype
+from amp_fx.policy import DEFAULT_TABLES, _op_from_name, default_class, resolve_dtype
+from amp_fx.testing.real_models import library_missing
 
 aten = torch.ops.aten
 
@@ -22,15 +23,40 @@ _DISPATCH_KEYS = {d.type: d.dispatch_key for d in DEVICES.values()}
 def test_default_table_is_exactly_torchs_registrations(device_type: str) -> None:
     """A torch upgrade that adds, drops or renames an autocast op fails here, naming it.
 
-    torch's own ops (``aten::``) only: a library imported earlier in the process registers its own
-    (torchvision's ``nms``, ``roi_align``, ... once the real-model tier has imported it), which
-    are not torch's tables (known gap: amp_fx does not reproduce those libraries' autocast kernels)."""
+    torch's own ops (``aten::``) only: a library's ops (torchvision's ``nms``, ``roi_align``, ...)
+    are not in the tables; they run their own kernel (the next test)."""
     registered = {name for name in torch._C._dispatch_get_registrations_for_dispatch_key(
         _DISPATCH_KEYS[device_type]) if name.startswith("aten::")}
     ours = set(DEFAULT_TABLES[device_type])
     assert registered, f"torch reports no {_DISPATCH_KEYS[device_type]} registrations"
     assert not registered - ours, f"registered by torch, missing from amp_fx: {sorted(registered - ours)}"
     assert not ours - registered, f"in amp_fx's table, not registered by torch: {sorted(ours - registered)}"
+
+
+@torch.library.custom_op("amp_fx_policy_test::probe", mutates_args=())
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+for _device_type in _DISPATCH_KEYS:
+    torch.library.register_autocast("amp_fx_policy_test::probe", _device_type, torch.float32)
+
+
+@pytest.mark.parametrize("device_type", sorted(_DISPATCH_KEYS))
+def test_every_autocast_registration_outside_aten_runs_its_own_kernel(device_type: str) -> None:
+    """No op with an Autocast kernel passes amp_fx silently: every one outside torch's tables (a
+    library's, as torchvision's once imported, here a torch.library probe) is OWN_KERNEL, which
+    runs that kernel (tests/test_own_autocast_kernels.py checks the values)."""
+    library_missing("torchvision")  # imports it where it loads (its kernels are then checked too)
+    key = _DISPATCH_KEYS[device_type]
+    others = {name for name in torch._C._dispatch_get_registrations_for_dispatch_key(key)
+              if not name.startswith("aten::")}
+    assert "amp_fx_policy_test::probe" in others, f"the probe's {key} kernel is not registered"
+    for name in sorted(others):
+        assert default_class(name, device_type) is CastClass.OWN_KERNEL, name
+        decision = Policy().classify(_op_from_name(name), device_type, ())
+        assert decision.cast_class is CastClass.OWN_KERNEL, (name, decision)
+        assert decision.reason.endswith(f"runs its own {key} kernel, as in eager autocast"), decision
 
 
 @pytest.mark.parametrize("device_type", sorted(_DISPATCH_KEYS))

@@ -25,6 +25,7 @@ from amp_fx import _compat
 from amp_fx.scaler import GradScaler, StepMode
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
+from amp_fx.testing.zoo import transformer_lm
 from tests._step_cases import (
     ADAM_TRACED_RTOL,
     BF16_POISON,
@@ -34,6 +35,7 @@ from tests._step_cases import (
     flat_params,
     make_batches,
     make_model,
+    run,
     run_pair,
     scalers,
 )
@@ -231,6 +233,33 @@ def _no_amp_fx_warnings() -> Any:
             logging.getLogger("amp_fx").removeHandler(handler)
 
     return cm()
+
+
+@pytest.mark.parametrize("dtype,weight_cache", [(torch.float16, False), (torch.bfloat16, True)],
+                         ids=["fp16", "bf16-weight_cache"])
+def test_new_batch_and_length_bitwise_eager_amp(dtype: torch.dtype, weight_cache: bool) -> None:
+    """A small LM whose head is a bias-free linear on a 3-d input, stepped at a new batch size, then
+    a new length (Dynamo recompiles with symbolic sizes), then the first shape: losses, scale and
+    parameters bitwise the eager recipe after every step. torch 2.11 failed in insert_casts at
+    the head ("Cannot call numel() on tensor with symbolic sizes") at the second step."""
+    model, ref_model = transformer_lm()[0], transformer_lm()[0]
+    opt, ref_opt = OPTIMIZERS["sgd_momentum"](model.parameters()), OPTIMIZERS["sgd_momentum"](ref_model.parameters())
+    ours_scaler, ref_scaler = scalers(dtype)
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
+                        weight_cache=weight_cache)
+    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, shape, generator=gen), torch.randint(0, 64, shape, generator=gen))
+               for shape in ((2, 8), (3, 8), (3, 12), (2, 8))]
+    ours = run(step, batches, ours_scaler, model, 1)
+    ref = run(ref_step, batches, ref_scaler, ref_model, 1)
+    for key in ("loss", "scale", "params"):
+        for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
+            assert_bitwise(a, e, f"{key}[{i}]")
 
 
 def test_lr_scheduler_keeps_working_without_recompiles() -> None:

@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardedGrads"]
+__all__ = ["ShardedGrads", "combine_first_op", "ranks_of", "rank_first_op", "unrank_first_op"]
+
+# The forward record across ranks (amp_fx/overflow.py): a rank's first non-finite op code (-1: none;
+# the graphs, and so the codes, are the same on every rank) and its global rank, packed as one int64
+# ``code * world_size + rank`` (none: _NO_CODE). Its minimum over the ranks is the earliest op in
+# graph order, and of the ranks that saw it the lowest. Codes are below 2^40 (graph index times
+# 2^24), so with any world size below 2^22 the packed value stays below _NO_CODE.
+_NO_CODE = 1 << 62
 
 
 def _dtensor_type() -> type | None:
@@ -35,6 +42,57 @@ def _dtensor_type() -> type | None:
     except ImportError:
         return None
     return DTensor
+
+
+def rank_first_op(code: torch.Tensor) -> torch.Tensor:
+    """A forward record (int64, -1: none) packed with this rank for :func:`unrank_first_op`."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return torch.where(code == -1, _NO_CODE, code * world + rank)
+
+
+def unrank_first_op(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The record and the rank (both -1 when no rank had one) from a combined packed value."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    none = packed >= _NO_CODE
+    return torch.where(none, -1, torch.div(packed, world, rounding_mode="floor")), torch.where(none, -1, packed % world)
+
+
+def combine_first_op(code: torch.Tensor | None, group: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's forward record combined (the earliest op, the lowest rank that saw it): one
+    all-reduce (MIN) of one int64, functional (traceable into ``compile_step``'s finish), on the
+    device, no host read. ``code`` None (the watch has not run): -1, and this rank still joins."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if code is None:
+        code = torch.full((), -1, dtype=torch.int64, device=device)
+    return unrank_first_op(funcol.all_reduce(rank_first_op(code), "min", group))
+
+
+def ranks_of(model: torch.nn.Module) -> Any:
+    """The process group of the ranks that train ``model`` together: DDP's, or the group of the mesh
+    its FSDP2 (DTensor) parameters are sharded over (the default group for a mesh of more than one
+    dimension); None when the model is not distributed. Looks through ``torch.compile`` and
+    ``amp_fx.compile`` wrappers."""
+    if _dtensor_type() is None or not torch.distributed.is_initialized():
+        return None
+    seen = 0
+    while seen < 8:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.process_group
+        inner = getattr(model, "original_module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            break
+        model, seen = inner, seen + 1
+    dtensor = _dtensor_type()
+    for p in model.parameters():
+        if isinstance(p, dtensor) and any(not pl.is_replicate() for pl in p.placements):
+            mesh = p.device_mesh
+            return mesh.get_group() if mesh.ndim == 1 else torch.distributed.group.WORLD
+    return None
 
 
 class ShardedGrads:

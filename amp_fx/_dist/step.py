@@ -24,7 +24,9 @@ step function are elementwise, so on the local shards they are what DTensor's di
 Two quantities need every rank:
 
 * the found-inf flag: one functional all-reduce (MAX) inside the graph, right after the check,
-  on the device; every rank then skips the same steps and updates the same scale.
+  on the device; every rank then skips the same steps and updates the same scale. The overflow
+  record (amp_fx/overflow.py) rides in the same collective: which gradients' local shards held
+  an inf/NaN and, with ``watch_nonfinite``, the first non-finite forward op of any rank.
 * with ``max_grad_norm``, the global norm: ``clip_grad_norm_`` on DTensors gives per-gradient
   norms with a ``_NormPartial(2)`` placement, which DTensor turns into the replicated value by
   ``x**2``, an all-reduce (SUM) of the stacked norms, ``x**0.5``, before the norm of the norms.
@@ -185,11 +187,27 @@ class LocalShards:
                                               shape=old.shape, stride=old.stride())
                            if isinstance(old, DTensor) else lv)
 
-    def combine_found_inf(self, found_inf: torch.Tensor) -> torch.Tensor:
-        """The flag of every rank's shards: one all-reduce (MAX) on the device (traceable)."""
+    def combine_found_inf(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The flag of every rank's shards, in one all-reduce (MAX) on the device (traceable), with
+        what amp_fx/overflow.py records folded into it: ``flags`` (per gradient, 0/1: which local
+        shards held an inf/NaN; the same gradients, in the same order, on every rank) and the
+        forward record ``first_op`` (negated ``rank_first_op``: its maximum is the minimum). One
+        int64 vector ``[found_inf, *flags, -packed first_op]``; every entry is an integer, so the
+        flag comes back exactly 0.0 or 1.0. Returns the flag, the flags and (record, rank) or None.
+        """
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_reduce(found_inf, "max", self.group)
+        from amp_fx._dist.found_inf import rank_first_op, unrank_first_op
+
+        parts = [found_inf.reshape(1).to(torch.int64), flags.to(torch.int64)]
+        if first_op is not None:
+            parts.append(-rank_first_op(first_op.reshape(1)))
+        packed = funcol.all_reduce(torch.cat(parts), "max", self.group)
+        n = flags.numel()
+        combined = packed[0].to(found_inf.dtype).reshape(found_inf.shape)
+        first = None if first_op is None else unrank_first_op(-packed[1 + n].reshape(()))
+        return combined, packed[1:1 + n].to(flags.dtype), first
 
     def global_norm(self, local_norms: list[torch.Tensor]) -> torch.Tensor:
         """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms.

@@ -168,7 +168,8 @@ class ModuleStats:
     in the dtype."""
     finding: str = ""
     """``non-finite``, ``overflow``, ``weight overflows``, ``gradient overflow``, ``amplifies``
-    (a precision cost) or empty."""
+    (a precision cost), ``discarded inf/NaN`` (its output held inf/NaN but the run's outputs, loss
+    and gradients are finite: a value the model masks, e.g. T5's log of 0; not a hazard) or empty."""
 
 
 @dataclass(frozen=True)
@@ -407,7 +408,7 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
             grad_headroom=_max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
             grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None)
     return _RunResult(keep, finite, error, loss_error, grad_error, output_error, scale,
-                      _with_findings(modules, dtype), tuple(order))
+                      _with_findings(modules, dtype, finite), tuple(order))
 
 
 def _inside(name: str, module: str) -> bool:
@@ -427,13 +428,18 @@ def _amplifies(s: ModuleStats, dtype: torch.dtype) -> bool:
             and s.output_error > 4 * torch.finfo(dtype).eps)
 
 
-def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype) -> dict[str, ModuleStats]:
+_DISCARDED = "discarded inf/NaN"
+
+
+def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype, finite: bool) -> dict[str, ModuleStats]:
+    """Each module's finding; with ``finite`` (the run's outputs, loss and gradients), an inf/NaN
+    onset was discarded inside the model (a ``where``, ``min`` or integer cast), not a hazard."""
     onsets = set(_onsets(modules))
     out = {}
     for n, s in modules.items():
         finding = ""
         if n in onsets:
-            finding = "non-finite"
+            finding = _DISCARDED if finite else "non-finite"
         elif s.weight_headroom >= 1 and s.low_precision:
             finding = "weight overflows"
         elif s.headroom >= 1 and s.low_precision:
@@ -603,7 +609,7 @@ class Advice:
     @property
     def hazards(self) -> tuple[ModuleStats, ...]:
         """Modules whose values or gradients do not fit the dtype (not a matter of precision)."""
-        return tuple(s for s in self.modules if s.finding and s.finding != "amplifies")
+        return tuple(s for s in self.modules if s.finding and s.finding not in ("amplifies", _DISCARDED))
 
     def module(self, name: str) -> ModuleStats:
         for s in self.modules:

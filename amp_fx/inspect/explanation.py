@@ -118,6 +118,10 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
+    if node.target is torch.amp.autocast_mode._enter_autocast:
+        return f"autocast on for {node.next.name} alone: it runs its own autocast kernel"
+    if node.target is torch.amp.autocast_mode._exit_autocast:
+        return f"autocast off after {node.prev.name}"
     decision = node.meta.get("amp_fx_decision")
     out = dtype_name(value_dtype(node.meta.get("val")))
     if decision is None:

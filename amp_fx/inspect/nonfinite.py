@@ -6,10 +6,15 @@ nodes of that graph, so the forward is exactly amp_fx's, and autograd records it
 backward is amp_fx's too. Graph breaks need nothing special: the model's own Python runs between
 the graphs as usual, so ops are seen in execution order.
 
-* forward: after each op, its output is checked; the first non-finite one is reported with the
-  range of its inputs. The op is then re-run with its inputs in float32; if that is finite, the
-  report proposes keeping the op's module in fp32 (or, for an op at the top level, moving the op
-  to fp32 in the policy), and by default checks the whole model again with that policy.
+* forward: after each op, its output is checked. An op whose output holds inf/NaN while its
+  inputs are finite is an origin; the first origin whose inf/NaN reaches the model's output or
+  the loss (through a chain of non-finite values, across graph breaks) is reported with the range
+  of its inputs. An origin whose value every consumer drops (``torch.where``, ``min``, clamp, an
+  integer cast: T5's ``log`` of 0 in its relative position buckets) is listed in
+  ``NonfiniteReport.discarded``, not reported. The reported op is then re-run with its inputs in
+  float32; if that is finite, the report proposes keeping the op's module in fp32 (or, for an op
+  at the top level, moving the op to fp32 in the policy), and by default checks the whole model
+  again with that policy.
 * backward: a hook on every op's output sees the gradient flowing into it; the first non-finite
   gradient in backward execution order is reported with the op whose output it belongs to.
 
@@ -38,6 +43,7 @@ from amp_fx.inspect._probe import (
     op_label,
     tensor_range,
     tensors_of,
+    value_dtype,
 )
 from amp_fx.inspect._runner import (
     AmpRun,
@@ -80,9 +86,14 @@ class NonfiniteReport:
     fp32_finite: bool | None = None
     """Whether re-running the op with its inputs in float32 gives a finite output."""
     verified: bool | None = None
-    """Whether the whole model is free of inf/NaN with ``suggested_policy`` (None: not checked)."""
+    """Whether no inf/NaN reaches the outputs, the loss or the gradients with ``suggested_policy``
+    (None: not checked); discarded ones (:attr:`discarded`) may remain."""
     verification: str = ""
     notes: list[str] = field(default_factory=list)
+    discarded: list[str] = field(default_factory=list)
+    """Forward ops whose output held inf/NaN that no model output depends on (every consumer
+    discarded it: a ``where``, ``min``, clamp or integer cast), in execution order, e.g. T5's
+    ``log`` of 0 in its relative position buckets. Not hits: ``found`` ignores them."""
 
     @property
     def dtype_name(self) -> str:
@@ -91,10 +102,14 @@ class NonfiniteReport:
     def __str__(self) -> str:
         if not self.found:
             checked_backward = not any("backward skipped" in n for n in self.notes)
-            lines = [f"no inf/NaN found: every op output in the forward"
-                     f"{' and every gradient in the backward' if checked_backward else ''}"
-                     f" is finite with amp_fx ({dtype_name(self.dtype)})"]
-            return "\n".join(lines + [f"note: {n}" for n in self.notes])
+            grads = ' and every gradient in the backward' if checked_backward else ''
+            if self.discarded:
+                lines = [f"no inf/NaN found: the model's outputs{grads} are finite with amp_fx "
+                         f"({dtype_name(self.dtype)})"]
+            else:
+                lines = [f"no inf/NaN found: every op output in the forward{grads}"
+                         f" is finite with amp_fx ({dtype_name(self.dtype)})"]
+            return "\n".join(lines + self._discarded_lines() + [f"note: {n}" for n in self.notes])
         where = (f"module `{self.module_path}` ({self.module_type})" if self.module_path
                  else "top level")
         lines = [f"first inf/NaN in the {self.phase}: graph {self.graph}, node {self.node} "
@@ -109,8 +124,15 @@ class NonfiniteReport:
             lines.append(f"fix: {self.suggestion}")
         if self.verification:
             lines.append(f"check: {self.verification}")
-        lines += [f"note: {n}" for n in self.notes]
+        lines += self._discarded_lines() + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _discarded_lines(self) -> list[str]:
+        if not self.discarded:
+            return []
+        return (["discarded: inf/NaN produced here reaches no output (every use of it was dropped, "
+                 "e.g. by torch.where or an integer cast), so it is not reported:"]
+                + [f"  {d}" for d in self.discarded])
 
 
 def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
@@ -194,6 +216,17 @@ def _common_module(a: str, b: str) -> str:
 class _Probe:
     """Downstream backend: runs each rewritten graph through :class:`_ProbeInterpreter`.
 
+    The forward's answer is settled once the model has returned (:meth:`settle`): every op whose
+    output holds inf/NaN is marked, an *origin* is a marked op with no marked input (or a graph
+    input holding inf/NaN that no earlier graph produced), and the forward hit is the first origin,
+    in execution order, from which a chain of marked values reaches the model's output or the loss.
+    A value crosses a graph break as the same tensor object, so a graph input is traced by identity
+    to the graph that returned it; one that is not (the model's own eager code made it from a
+    returned one) is taken to derive from every non-finite value returned so far, as are the
+    output and the loss (the conservative answer: the earliest of them is named). Origins whose
+    every chain ends (a ``where``, ``min``, clamp or integer cast discarded the value: T5's ``log``
+    of 0 in its relative position buckets) are ``discarded``, not hits.
+
     A hit holds the graph module it was found in (``"graph"``); :func:`_probe_run` replaces it
     with the graph's record once the run is over."""
 
@@ -202,6 +235,13 @@ class _Probe:
         self.backward = backward
         self.forward_hit: dict[str, Any] | None = None
         self.backward_hit: dict[str, Any] | None = None
+        self.origins: list[dict[str, Any]] = []
+        """Every origin of the forward, in execution order."""
+        self.discarded: list[dict[str, Any]] = []
+        """The origins no model output depends on."""
+        self._graph_outputs: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
+        """id -> (non-finite tensor a graph returned, its origins); the tensor is held so that
+        its id is not reused."""
         self.__name__ = "find_nonfinite_probe"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -209,6 +249,47 @@ class _Probe:
             return _ProbeInterpreter(gm, self).run(*args)
 
         return run
+
+    def returned(self, value: Any, origins: frozenset[int]) -> None:
+        """A graph returned ``value``, non-finite and derived from ``origins``."""
+        for t in tensors_of(value):
+            if not all_finite(t):
+                self._graph_outputs[id(t)] = (t, origins)
+
+    def origins_of(self, value: Any) -> frozenset[int]:
+        """The origins of the non-finite tensors in ``value``: those of the graph that returned
+        each, or, for one no graph returned (made from one by eager code between graphs), every
+        origin a graph returned so far; none for a parameter (it did not come from a graph)."""
+        found: set[int] = set()
+        for t in tensors_of(value):
+            if all_finite(t) or isinstance(t, torch.nn.Parameter):
+                continue
+            seen = self._graph_outputs.get(id(t))
+            if seen is not None and seen[0] is t:
+                found |= seen[1]
+            else:
+                found = found.union(*(o for _, o in self._graph_outputs.values()))
+        return frozenset(found)
+
+    def settle(self, out: Any, loss: Any) -> bool:
+        """Decide the forward hit from the model's output ``out`` and ``loss`` (None without a
+        backward); True when either holds inf/NaN.
+
+        Their non-finite tensors are traced back as graph inputs are (:meth:`origins_of`). An
+        output that holds no tensor pytree can see (an object of the model's own class) and no loss
+        hides nothing: every origin a graph returned is taken to reach it."""
+        bad = [t for t in tensors_of((out, loss)) if not all_finite(t)]
+        reached = self.origins_of(bad)
+        if not tensors_of((out, loss)):
+            reached = frozenset().union(*(o for _, o in self._graph_outputs.values()))
+        self.forward_hit = self.origins[min(reached)] if reached else None
+        self.discarded = [o for i, o in enumerate(self.origins) if i not in reached]
+        for o in self.discarded:  # keep what the report shows, not the tensors (one per layer, say)
+            o["shown"] = f"{dtype_name(value_dtype(o['out']))} {_range_text(o['out'])}"
+            for key in ("out", "inputs", "fp32"):
+                o.pop(key, None)
+        self._graph_outputs.clear()
+        return bool(bad)
 
     def hook(self, gm: torch.fx.GraphModule, node: torch.fx.Node
              ) -> Callable[[torch.Tensor], None]:
@@ -222,22 +303,45 @@ class _ProbeInterpreter(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, probe: _Probe) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.probe = probe
+        self.marked: dict[torch.fx.Node, frozenset[int]] = {}
+        """Node -> the origins of its non-finite output."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         probe = self.probe
-        if n.op in ("placeholder", "call_function") and probe.forward_hit is None \
-                and not all_finite(out):
-            probe.forward_hit = {"graph": self.module, "node": n, "out": out,
-                                 "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
-            if n.op == "call_function":
-                probe.forward_hit["fp32"] = self._fp32_output(n)
+        if n.op in ("placeholder", "call_function") and not all_finite(out):
+            self._mark(n, out)
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                if a in self.marked:
+                    probe.returned(self.env[a], self.marked[a])
         if (probe.backward and n.op == "call_function" and n.target is not operator.getitem
                 and torch.is_grad_enabled()):
             for t in tensors_of(out):
                 if t.requires_grad and t.is_floating_point():
                     t.register_hook(probe.hook(self.module, n))
         return out
+
+    def _mark(self, n: torch.fx.Node, out: Any) -> None:
+        """Mark ``n`` with the origins of its marked inputs; with none, ``n`` is an origin."""
+        probe = self.probe
+        if n.op == "placeholder":
+            origins = probe.origins_of(out)
+        else:
+            origins = frozenset().union(*(self.marked[a] for a in n.all_input_nodes
+                                          if a in self.marked))
+        if not origins:
+            hit = {"graph": self.module, "node": n, "out": out,
+                   "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
+            if n.op == "call_function":
+                hit["fp32"] = self._fp32_output(n)
+            origins = frozenset((len(probe.origins),))
+            probe.origins.append(hit)
+        self.marked[n] = origins
+        # an in-place op returns its input, whose node now holds the non-finite value too
+        for a in n.all_input_nodes:
+            if self.env[a] is out:
+                self.marked[a] = origins
 
     def _fp32_output(self, n: torch.fx.Node) -> Any:
         """The op re-run with its fp16/bf16 inputs in float32; a cast to lower precision
@@ -292,15 +396,18 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
     probe = _Probe(lower, backward)
 
     def then(out: Any) -> None:
-        if probe.forward_hit is None and not all_finite(out):
-            notes.append("the model's output holds inf/NaN, but no op in the captured graphs "
-                         "produced it: it comes from code that runs between graph breaks")
-        if probe.forward_hit is None and backward:
+        loss = None
+        if backward:
             if loss_fn is not None:
                 loss = loss_fn(out)
             else:
                 floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
                 loss = sum(t.float().sum() for t in floats) if floats else None
+        if probe.settle(out, loss) and probe.forward_hit is None:
+            notes.append("the model's output (or the loss) holds inf/NaN, but no op in the "
+                         "captured graphs produced it: it comes from code that runs between graph "
+                         "breaks or in loss_fn")
+        if probe.forward_hit is None and backward:
             if loss is None or not getattr(loss, "requires_grad", False):
                 notes.append("backward skipped: the output does not require grad")
                 did_less(("find_nonfinite", "backward skipped"),
@@ -312,7 +419,7 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
 
     run = run_amp(model_or_fn, call, tool="find_nonfinite", dtype=lower, policy=policy,
                   downstream=probe, keep_inputs=False, then=then)
-    for hit in (probe.forward_hit, probe.backward_hit):
+    for hit in (*probe.origins, probe.backward_hit):
         if hit is not None:
             hit["record"] = next(r for r in run.records if r.rewritten is hit.pop("graph"))
             hit["run"] = run
@@ -334,10 +441,12 @@ def find_nonfinite(
 ) -> NonfiniteReport:
     """Run amp_fx's rewritten graphs (and their backward) and report the first inf/NaN.
 
-    Reports the first op whose output holds inf or NaN, with its module path, dtype and the range
-    of its inputs, and which fp32-kept alternative avoids it (the op re-run with fp32 inputs); or,
-    if the forward is finite and ``backward`` is set, the first gradient (in backward execution
-    order) that holds inf/NaN and the op whose output it is the gradient of.
+    Reports the first op whose output holds inf or NaN from finite inputs and reaches the model's
+    output or the loss (an inf/NaN the model discards, as T5's ``log`` of 0, is listed in
+    ``discarded`` instead), with its module path, dtype and the range of its inputs, and which
+    fp32-kept alternative avoids it (the op re-run with fp32 inputs); or, if the forward is finite
+    and ``backward`` is set, the first gradient (in backward execution order) that holds inf/NaN
+    and the op whose output it is the gradient of.
 
     Args:
         model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy).
@@ -364,7 +473,8 @@ def find_nonfinite(
                                    loss_scale)
     notes += [split_weight_note(name, where, lower) + "; the backward checked here is amp_fx's"
               for name, where in weights_split_by_graph_breaks(run).items()]
-    report = NonfiniteReport(dtype=lower, notes=notes)
+    report = NonfiniteReport(dtype=lower, notes=notes,
+                             discarded=[_origin_text(run, o) for o in probe.discarded])
     hit = probe.forward_hit or probe.backward_hit
     if hit is None:
         return report
@@ -384,10 +494,12 @@ def find_nonfinite(
     modules, ops = _kept_in_fp32(hit, decider)
     report.suggested_policy = _with_fp32(policy, modules, ops)
     steps: list[str] = []
+    last: list[_Probe] = []
     if verify:
         def check(candidate: Policy) -> _Probe:
             again, _, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn,
                                      loss_scale)
+            last.append(again)
             return again
         report.suggested_policy, modules, ops, report.verified, steps = _search_fix(
             policy, modules, ops, check)
@@ -396,10 +508,23 @@ def find_nonfinite(
            else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
     report.suggestion = f"keep {_kept_text(modules, ops)} in fp32{via}: {report.suggestion_code}; {tail}"
     if verify:
+        kept = last[-1].discarded if last else []
         done = (f"with {report.suggestion_code} the whole model runs without inf/NaN"
-                f"{' (forward and backward)' if backward else ''}")
+                f"{' (forward and backward)' if backward else ''}" if not kept else
+                f"with {report.suggestion_code} no inf/NaN reaches the outputs"
+                f"{', the loss or the gradients' if backward else ''} ({len(kept)} discarded "
+                "inside the model)")
         report.verification = "; ".join(steps + ([done] if report.verified else []))
     return report
+
+
+def _origin_text(run: AmpRun, hit: dict[str, Any]) -> str:
+    """One line for an origin: where it is and the range of its value."""
+    node: torch.fx.Node = hit["node"]
+    path = run.module_of(hit["record"], node)[0]
+    what = "input" if node.op == "placeholder" else op_label(node)
+    return (f"graph {hit['record'].index}, node {node.name} ({what})"
+            f"{f' in module `{path}`' if path else ''}: {hit['shown']}")
 
 
 _MAX_ROUNDS = 4

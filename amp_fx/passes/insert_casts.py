@@ -15,6 +15,10 @@ Guarantees:
     * ``torch.autocast`` regions the model opens itself are followed: no cast under
       ``enabled=False``, the region's dtype inside a nested region; their enter/exit calls are
       removed, since the casts they imply are now explicit;
+    * an op outside torch's tables with an Autocast kernel of its own (``CastClass.OWN_KERNEL``:
+      torchvision's ``roi_align``, ``nms``, ...) gets no cast: it is enclosed in a one-op
+      ``torch.autocast`` region (``_enter_autocast``/``_exit_autocast`` nodes, with the dtype in
+      force there), so the downstream backend runs that kernel as eager autocast does;
     * float64 and non-floating tensors are never cast; casts already in the graph are kept;
       ops that mutate or alias an input are never given a cast copy of that input;
     * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
@@ -44,6 +48,7 @@ Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
@@ -52,27 +57,31 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
 from amp_fx._devices import autocast_device_type
 from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import module_stack
+from amp_fx.capture import eager_autocast, module_stack
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
 from amp_fx.policy import (
     APPEND_DTYPE_REDISPATCH,
-    DEFAULT_TABLES,
     CastClass,
     Decision,
     Policy,
     _op_from_name,
     banned_message,
+    default_class,
 )
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
 
 CAST_OP = torch.ops.aten._to_copy.default
+_ENTER = torch.amp.autocast_mode._enter_autocast
+_EXIT = torch.amp.autocast_mode._exit_autocast
 
 
 @dataclass
@@ -181,9 +190,22 @@ class _Rewriter:
             self.set_opt_dtype(node)
         elif cls is CastClass.FP32_APPEND_DTYPE:
             self.append_dtype(node)
+        elif cls is CastClass.OWN_KERNEL:
+            self.own_region(node)
         elif cls is CastClass.BANNED:
             raise AmpFxError(f"{banned_message(node.target.name(), self.policy, self.device_type)} "
                              f"(at {node.format_node()})")
+
+    def own_region(self, node: torch.fx.Node) -> None:
+        """Enclose ``node`` in a ``torch.autocast`` region of its own, so that the op's Autocast
+        kernel runs when the downstream backend runs (or traces) the graph, as in eager."""
+        stack = node.meta.get("nn_module_stack", {})
+        with self.graph.inserting_before(node):
+            enter = self.graph.call_function(_ENTER, (self.device_type, self.lower, True, None))
+        with self.graph.inserting_after(node):
+            leave = self.graph.call_function(_EXIT, (enter,))
+        for n in (enter, leave):
+            n.meta["nn_module_stack"] = stack
 
     def set_opt_dtype(self, node: torch.fx.Node) -> None:
         if not node.args or not _eligible(_val(node.args[0]), self.device_type):
@@ -223,7 +245,15 @@ class _Rewriter:
         """Recompute meta["val"] from the (possibly recast) inputs, as the op will run."""
         args = tree_map(self.value, node.args)
         kwargs = tree_map(self.value, node.kwargs)
-        with self.fake_mode:
+        decision = node.meta.get(meta.DECISION)
+        own = decision is not None and decision.cast_class is CastClass.OWN_KERNEL
+        region = eager_autocast(self.device_type, self.lower) if own else contextlib.nullcontext()
+        # Under the Python dispatcher, as capture's make_fx computed the value first: composite ops
+        # (aten.linear, aten.matmul) then run their Python decompositions, which take symbolic
+        # sizes. Without it they run torch's C++ kernels, and torch 2.11's matmul calls numel() on
+        # a 3-d input with a symbolic batch ("Cannot call numel() on tensor with symbolic sizes",
+        # at a bias-free linear once Dynamo recompiles with dynamic shapes); 2.13's does not.
+        with self.fake_mode, region, enable_python_dispatcher():
             node.meta["val"] = val = node.target(*args, **kwargs)
         expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
@@ -250,21 +280,20 @@ class _Rewriter:
         # with eager autocast on, so only three kinds of node can change: ops eager autocast
         # handles itself (its kernel cast internally, the policy may not), ops this pass rewrote,
         # and their dependents. Re-propagating only those saves most of the fake-tensor work.
-        eager_table = DEFAULT_TABLES.get(self.device_type, {})
         changed: set[torch.fx.Node] = set()
         for node in list(self.graph.nodes):
             if node.op != "call_function":
                 continue
-            if node.target is torch.amp.autocast_mode._enter_autocast:
+            if node.target is _ENTER:
                 self.enter_region(node)
                 region_nodes.append(node)
                 continue
-            if node.target is torch.amp.autocast_mode._exit_autocast:
+            if node.target is _EXIT:
                 self.exit_region()
                 region_nodes.append(node)
                 continue
             try:
-                self.visit(node, eager_table, changed)
+                self.visit(node, changed)
             except AmpFxError:
                 raise
             except Exception as e:
@@ -278,7 +307,7 @@ class _Rewriter:
         self.gm.recompile()
         return self.record
 
-    def visit(self, node: torch.fx.Node, eager_table: Any, changed: set[torch.fx.Node]) -> None:
+    def visit(self, node: torch.fx.Node, changed: set[torch.fx.Node]) -> None:
         """Decide and apply one op's casts; re-propagate its value if it can have changed."""
         call = (node.target, node.args, dict(node.kwargs))
         if isinstance(node.target, torch._ops.OpOverload):
@@ -287,8 +316,16 @@ class _Rewriter:
             self.record.ops_by_class[decision.cast_class.value] += 1
             self.apply(node, decision)
         rewritten = call != (node.target, node.args, dict(node.kwargs))
-        autocast_op = isinstance(call[0], torch._ops.OpOverload) and call[0].name() in eager_table
-        if rewritten or autocast_op or any(a in changed for a in node.all_input_nodes):
+        autocast_op = (isinstance(call[0], torch._ops.OpOverload)
+                       and default_class(call[0].name(), self.device_type) is not CastClass.NONE)
+        inputs_changed = any(a in changed for a in node.all_input_nodes)
+        decision = node.meta.get(meta.DECISION)
+        if (decision is not None and decision.cast_class is CastClass.OWN_KERNEL and not rewritten
+                and not inputs_changed and len(self.regions) == 1):
+            # Capture computed this value under the same autocast state; recomputing it would give
+            # an op with a data-dependent size (nms) a fresh unbacked size of its own.
+            return
+        if rewritten or autocast_op or inputs_changed:
             before = node.meta.get("val")
             self.refresh_val(node)
             if not _same_meta(before, node.meta["val"]):
@@ -320,10 +357,16 @@ class _Rewriter:
 def _same_meta(a: Any, b: Any) -> bool:
     """Same dtype, shape and strides for every tensor in two (possibly nested) values."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        return a.dtype == b.dtype and _same_sizes(a.shape, b.shape) and _same_sizes(a.stride(), b.stride())
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
     return type(a) is type(b) and not isinstance(a, torch.Tensor)
+
+
+def _same_sizes(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Equal sizes, without guarding: two data-dependent sizes (two unbacked symbols, as an op
+    like nms gives each time its value is recomputed) count as different."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _map_nodes(fn: Any, a: Any) -> Any:

@@ -1,20 +1,30 @@
-"""The ``watch_nonfinite`` pass: a device-side record of the first op whose low-precision output
-holds an inf or NaN (``amp_fx.compile(..., watch_nonfinite=True)``, issue 21).
+"""The ``watch_nonfinite`` pass: a device-side record of the first op that *creates* an inf or NaN
+in a low-precision output from finite data (``amp_fx.compile(..., watch_nonfinite=True)``, issue 21).
 
 Assumes the rewritten pre-dispatch ATen graph of ``insert_casts``/``fold_casts``: every node's
 ``meta["val"]`` is true and ``nn_module_stack`` names modules under the compiled root.
 
-For every node in graph order whose value is a tensor of the low-precision dtype (fp16/bf16) made
-by a computing op (not a view: its values were checked where they were made; in-place ops are
-watched, their value is the tensor they wrote), the pass adds ``any(~isfinite(x))`` right after
-the node, so that it sees the value as that op left it (a later in-place op on the same tensor,
-such as a residual ``x += shortcut``, would otherwise make an earlier, finite producer look like
-the first non-finite op). It stacks those flags into one small bool tensor and appends to the
-graph's outputs one int64 0-dim tensor: the position of the first flagged node in
+The watched nodes are, in graph order, those whose value is a tensor of the low-precision dtype
+(fp16/bf16) made by a computing op (not a view, not an in-place op), except ops given an inf/NaN
+number (``masked_fill(x, m, -inf)``, ``where(c, x, -inf)``, ``full(s, -inf)``): a mask made on
+purpose is never an overflow. For each, the pass adds a flag "this op is an origin":
+
+* pointwise ops (ATen's ``pointwise`` tag, plus ``_to_copy``, ``where``/``masked_fill`` with a
+  scalar, ``fill``/``*_like``), per element: ``any(~isfinite(out) & ~explained)``, where
+  ``explained`` ORs ``~isfinite(input)`` over the floating tensor inputs, broadcast to the output.
+  An -inf added from a mask is explained there; a finite fp32 weight whose fp16 cast overflows
+  (``_to_copy``) is an origin;
+* other ops (mm, softmax, cat, reductions, ...): ``any(~isfinite(out))`` and no floating tensor
+  input holds an inf/NaN. "Holds" is built once per value (a view that shows all of its base's
+  elements shares its base's) and rebuilt after an in-place op that may have changed it.
+
+Each check sits right after the node it checks, so it reads the value before a later in-place op
+(``att.masked_fill_(m, -inf)``) changes it. The flags are stacked into one small bool tensor and
+the graph gets one more output, an int64 0-dim tensor: the position of the first flagged node in
 :attr:`WatchRecord.ops`, or -1. The backend strips that output before the caller sees the result
-(``amp_fx.overflow.ForwardWatch``). Each check is a full reduction of a value the producing op
-has just written; inductor fuses it into the kernel that produces the value where that kernel is
-its own (pointwise, reductions), and it reads an extern kernel's output (mm, conv) once more.
+(``amp_fx.overflow.ForwardWatch``). With inductor the checks fuse into the kernels that produce or
+read the values where those kernels are its own (pointwise, reductions); after an extern kernel
+(mm, conv) they read its output once more.
 
 Guarantees: the values the graph computed are unchanged (the checks only read; no node is
 replaced), no new aliasing (the new output is a fresh tensor), ``meta["val"]`` set on every new
@@ -31,6 +41,7 @@ Example (the backend runs the pass; its record names the watched ops)::
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -76,8 +87,7 @@ def _op_name(target: object) -> str:
 
 
 def _computing_op(node: torch.fx.Node) -> object | None:
-    """The op that computed ``node``'s value, or None if ``node`` only aliases its input (a view).
-    An in-place op (``add_``) computes the values it writes into the tensor it returns."""
+    """The op that computed ``node``'s value, or None if ``node`` only aliases or mutates."""
     target = node.target
     if target is operator.getitem:  # one output of a multi-output op
         parent = node.args[0]
@@ -85,8 +95,7 @@ def _computing_op(node: torch.fx.Node) -> object | None:
     if not isinstance(target, torch._ops.OpOverload):
         return None
     schema = target._schema
-    aliased = [r.alias_info for r in schema.returns if r.alias_info is not None]
-    if target.is_view or any(not a.is_write for a in aliased):
+    if target.is_view or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
         return None
     return target
 
@@ -100,30 +109,138 @@ def _watched(node: torch.fx.Node, dtype: torch.dtype) -> object | None:
     return _computing_op(node)
 
 
+# Ops that compute each output element from the input elements at the same (broadcast) index,
+# besides those ATen tags ``pointwise``: an inf/NaN in an input element explains the output's.
+_POINTWISE_EXTRA = frozenset({
+    aten._to_copy.default, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.where.Scalar, aten.fill.Scalar, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.copy.default,
+})
+
+# Views that show every element of their base (so the base's "holds an inf/NaN" is theirs).
+_FULL_VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.expand.default, aten.unsqueeze.default,
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.detach.default,
+})
+
+
+def _is_pointwise(op: object) -> bool:
+    return op in _POINTWISE_EXTRA or torch.Tag.pointwise in getattr(op, "tags", ())
+
+
+def _op_node(node: torch.fx.Node) -> torch.fx.Node:
+    """The node that called the op (``node``'s parent for one output of a multi-output op)."""
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def _float_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The floating-point tensor inputs of the op that computed ``node`` (each once, in order)."""
+    found: dict[torch.fx.Node, None] = {}
+    op_node = _op_node(node)
+    for arg in op_node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex):
+            found.setdefault(arg)
+    return list(found)
+
+
+def _has_nonfinite_scalar(node: torch.fx.Node) -> bool:
+    """A Python number argument that is inf/NaN (``masked_fill(x, m, -inf)``, ``full(s, -inf)``)."""
+    leaves = torch.utils._pytree.tree_leaves((_op_node(node).args, _op_node(node).kwargs))
+    return any(isinstance(a, float) and not math.isfinite(a) for a in leaves)
+
+
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node`` aliases (through views and in-place ops' returns)."""
+    while True:  # the graph is acyclic: each step goes to an earlier node
+        op_node = _op_node(node)
+        target = op_node.target
+        if not isinstance(target, torch._ops.OpOverload) or not op_node.args:
+            return node
+        aliases = target.is_view or any(r.alias_info is not None for r in target._schema.returns)
+        if not aliases or not isinstance(op_node.args[0], torch.fx.Node):
+            return node
+        node = op_node.args[0]
+
+
+def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
+    """``node`` through views that show all of their base's elements (transpose, view, expand)."""
+    while node.op == "call_function" and node.target in _FULL_VIEWS and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+class _Checks:
+    """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
+    reductions until a mutation may have changed the value they read."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.holds_memo: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def mutated(self, node: torch.fx.Node) -> None:
+        """``node`` mutates its inputs: forget the reductions of everything aliasing them."""
+        bases = {_base(a) for a in _op_node(node).all_input_nodes}
+        for key in [k for k in self.holds_memo if _base(k) in bases]:
+            del self.holds_memo[key]
+
+    def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
+        return _call(self.graph, aten.logical_not.default, (_call(self.graph, aten.isfinite.default, (value,)),))
+
+    def holds(self, value: torch.fx.Node) -> torch.fx.Node:
+        """``any(~isfinite(value))``, built once per value (and its full views)."""
+        key = _full_view_source(value)
+        if key not in self.holds_memo:
+            self.holds_memo[key] = _call(self.graph, aten.any.default, (self.nonfinite(key),))
+        return self.holds_memo[key]
+
+    def origin(self, node: torch.fx.Node, op: object) -> torch.fx.Node:
+        """True where ``node`` holds an inf/NaN that its inputs do not explain."""
+        inputs = _float_inputs(node)
+        if not inputs:
+            return self.holds(node)
+        if _is_pointwise(op):
+            # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
+            explained = self.nonfinite(inputs[0])
+            for value in inputs[1:]:
+                explained = _call(self.graph, aten.logical_or.default, (explained, self.nonfinite(value)))
+            unexplained = _call(self.graph, aten.logical_and.default,
+                                (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
+            return _call(self.graph, aten.any.default, (unexplained,))
+        # Otherwise: the output holds an inf/NaN and no input does.
+        any_input = self.holds(inputs[0])
+        for value in inputs[1:]:
+            any_input = _call(self.graph, aten.logical_or.default, (any_input, self.holds(value)))
+        return _call(self.graph, aten.logical_and.default,
+                     (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))))
+
+
 def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, WatchRecord]:
-    """Append the first-non-finite record to ``gm``'s outputs (see the module docstring)."""
+    """Append the first-origin record to ``gm``'s outputs (see the module docstring)."""
     record = WatchRecord()
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    watched: list[torch.fx.Node] = []
+    checks = _Checks(graph)
+    flags: list[torch.fx.Node] = []
     for node in list(graph.nodes):
-        op = _watched(node, dtype)
-        if op is None:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            checks.mutated(node)
             continue
+        op = _watched(node, dtype)
+        if op is None or _has_nonfinite_scalar(node):
+            continue  # an op given an inf/NaN number (a -inf mask) is never an origin
         path = module_stack(node)
         record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
                                     dtype=dtype_name(dtype), node=node.name))
-        watched.append(node)
-    flags = []
-    for node in watched:
-        with graph.inserting_after(node):  # the value as this op left it (see the module docstring)
-            finite = _call(graph, aten.isfinite.default, (node,))
-        with graph.inserting_after(finite):
-            bad = _call(graph, aten.logical_not.default, (finite,))
-        with graph.inserting_after(bad):
-            flags.append(_call(graph, aten.any.default, (bad,)))
+        # Right after the node: the checks read its value before any later in-place op changes it.
+        with graph.inserting_before(node.next):
+            flags.append(checks.origin(node, op))
     with graph.inserting_before(output):
-        if watched:
+        if flags:
             stacked = _call(graph, aten.stack.default, (flags,))
             # argmax of the flags as int32 is the first flagged position (argmax returns the first
             # maximum); -1 where none is flagged.

@@ -45,7 +45,7 @@ from typing import Any, cast, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from amp_fx._dist.found_inf import ShardedGrads
+from amp_fx._dist.found_inf import ShardedGrads, combine_first_op, ranks_of
 from amp_fx._report import Reporter
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
 from amp_fx.overflow import OverflowReport, SkipRecord, forward_watch, root_names
@@ -268,10 +268,16 @@ class GradScaler(torch.amp.GradScaler):
         ``module.``/``_orig_mod.`` prefixes), on every rank. If it was compiled with
         ``watch_nonfinite=True``, the report also names the first forward op whose low-precision
         output held an inf/NaN, kept on the device at each ``update()``.
+
+        Under DDP or FSDP2 (with the watch) each ``update()`` combines the ranks' forward records
+        in one small all-reduce on the device, so every rank names the op and the rank that saw
+        it: call ``watch`` on every rank (a rank that does not would leave the others waiting).
         """
         _, names = root_names(model)
-        self._skip_record.names = names
-        self._skip_record.watch = forward_watch(model)
+        record = self._skip_record
+        record.names = names
+        record.watch = forward_watch(model)
+        record.group = ranks_of(model) if record.watch is not None else None
 
     def overflow_report(self) -> OverflowReport | None:
         """Why the most recent skipped step was skipped; None if no step was skipped since the
@@ -751,8 +757,12 @@ class GradScaler(torch.amp.GradScaler):
             record = self._skip_record
             pairs = [pair for s in self._per_optimizer_states.values() for pair in s.get("amp_fx_grad_flags", ())]
             watch = record.watch
+            code = watch.take() if watch is not None else None
+            rank = None
+            if watch is not None and record.group is not None:  # DDP/FSDP2: every rank's forward record
+                code, rank = combine_first_op(code, record.group, _scale.device)
             record.record_(found_inf_combined, record.step_flags(pairs) if pairs else record.flags.new_zeros(
-                record.flags.numel()), watch.take() if watch is not None else None)
+                record.flags.numel()), code, rank)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters

@@ -1,0 +1,174 @@
+"""The forward watch names the op that *created* an inf/NaN, not an intentional -inf mask (issue 21).
+
+nanoGPT-style causal attention in fp16 puts -inf into the scores on purpose (``masked_fill``,
+``masked_fill_``, ``where(mask, s, -inf)``, or an additive ``full(-inf).triu(1)`` mask); softmax
+turns them into zeros and the forward's output is finite. The watch must not name the mask:
+
+* a gradient-only overflow (a loss scale so large that the fp16 backward overflows) reports
+  ``first_op=None`` on every skipped step;
+* a forward overflow planted in a named Linear at one step names that Linear.
+
+References: eager ``torch.autocast`` + ``torch.amp.GradScaler`` on the same model and batches, for
+which steps are skipped and whether the forward output was finite; the planted module for the name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _overflow_cases import DownProj
+from torch import nn
+
+import amp_fx
+
+BACKENDS = ["aot_eager", "inductor"]
+MASKS = ["masked_fill", "masked_fill_", "where", "additive"]
+PLANTED_MODULE = "mlp.down"
+PLANTED_STEP = 2
+STEPS = 4
+WIDTH, HEADS, SEQ = 16, 2, 8
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention (without flash), the mask made in one of the ways of ``MASKS``."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.mask_kind = mask
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("bias", torch.tril(torch.ones(SEQ, SEQ)).view(1, 1, SEQ, SEQ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (c // HEADS) ** 0.5)
+        keep = self.bias[:, :, :t, :t] != 0
+        if self.mask_kind == "masked_fill":
+            att = att.masked_fill(~keep, float("-inf"))
+        elif self.mask_kind == "masked_fill_":
+            att.masked_fill_(~keep, float("-inf"))
+        elif self.mask_kind == "where":
+            att = torch.where(keep, att, float("-inf"))
+        else:  # additive, in the scores' own dtype
+            att = att + torch.full((t, t), float("-inf"), dtype=att.dtype, device=att.device).triu(1)
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        return self.proj(y)
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = DownProj(2 * WIDTH, WIDTH)  # weight * gain: 1.0, or 1e6 at the planted step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(WIDTH)
+        self.attn = CausalSelfAttention(mask)
+        self.ln_2 = nn.LayerNorm(WIDTH)
+        self.mlp = Mlp()
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return self.head(x)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, SEQ, WIDTH, generator=gen), torch.randn(2, SEQ, 4, generator=gen)) for _ in range(STEPS)]
+
+
+def _plant(model: Block, step: int, planted: int | None) -> None:
+    model.mlp.down.gain.fill_(1e6 if step == planted else 1.0)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), y)
+
+
+def _eager_reference(mask: str, init_scale: float, planted: int | None) -> tuple[list[int], list[bool]]:
+    """Eager ``torch.autocast`` + ``torch.amp.GradScaler``: the skipped steps (the scale went down)
+    and, per step, whether the forward output was finite."""
+    torch.manual_seed(0)
+    model = Block(mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    skipped, finite = [], []
+    for i, (x, y) in enumerate(_batches()):
+        _plant(model, i, planted)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        finite.append(bool(torch.isfinite(out).all()))
+        scaler.scale(_loss(out, y)).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.get_scale() < before:
+            skipped.append(i)
+    return skipped, finite
+
+
+def _amp_fx_reports(mask: str, backend: str, init_scale: float, planted: int | None) -> list[Any]:
+    """``amp_fx.compile(watch_nonfinite=True)`` + ``amp_fx.GradScaler``: the report after each step."""
+    torch.manual_seed(0)
+    model = Block(mask)
+    compiled = amp_fx.compile(model, dtype="fp16", backend=backend, watch_nonfinite=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = amp_fx.GradScaler("cpu", init_scale=init_scale, step_mode=amp_fx.StepMode.MASKED)
+    scaler.watch(compiled)
+    reports = []
+    for i, (x, y) in enumerate(_batches()):
+        _plant(model, i, planted)
+        scaler.scale(_loss(compiled(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reports.append(scaler.overflow_report())
+    return reports
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_only_overflow_names_no_forward_op(backend, mask):
+    """At a loss scale of 2^40 the scaled fp16 gradients overflow while the forward stays finite:
+    every skipped step reports ``first_op=None`` (the -inf mask is not an overflow)."""
+    init_scale = 2.0**40
+    skipped, finite = _eager_reference(mask, init_scale, planted=None)
+    # The premise: the eager reference skips steps, and its forward output is finite at every step.
+    assert skipped and all(finite), (skipped, finite)
+    reports = _amp_fx_reports(mask, backend, init_scale, planted=None)
+    assert [i for i, r in enumerate(reports) if r is not None] == skipped, reports
+    for i in skipped:
+        assert reports[i].step == i and reports[i].gradients, reports[i]
+        assert reports[i].first_op is None, str(reports[i])
+        assert "forward finite or not watched" in str(reports[i])
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_planted_forward_overflow_names_the_linear_not_the_mask(backend, mask):
+    """The weight of ``mlp.down`` times 1e6 at step ``PLANTED_STEP`` only (its fp16 cast exceeds
+    65504): that step is the only skip, and its first op is in ``mlp.down``, which runs after the
+    mask in graph order."""
+    init_scale = 2.0**10  # small enough that no step overflows by itself (checked by the reference)
+    skipped, finite = _eager_reference(mask, init_scale, planted=PLANTED_STEP)
+    assert skipped == [PLANTED_STEP] and finite == [i != PLANTED_STEP for i in range(STEPS)], (skipped, finite)
+    reports = _amp_fx_reports(mask, backend, init_scale, planted=PLANTED_STEP)
+    assert [i for i, r in enumerate(reports) if r is not None] == skipped, reports
+    report = reports[PLANTED_STEP]
+    assert report.first_op is not None and report.first_op.module == PLANTED_MODULE, str(report)
+    assert str(report).startswith(f"step {PLANTED_STEP} skipped: first inf at {PLANTED_MODULE} (aten.")
