@@ -306,13 +306,18 @@ _GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
 
 
 def module_path(source: str) -> str:
-    """Normalise Dynamo's module source name (``L['self'].layers[0]``) to ``layers.0``."""
+    """Normalise Dynamo's module source name (``L['self'].layers[0]``) to ``layers.0``.
+
+    Dynamo sometimes names submodules through the instance dict (diffusers' UNet2DModel, torch 2.13:
+    ``L['self'].__dict__['_modules']['down_blocks'].0``); that step is dropped, so the path is
+    ``down_blocks.0``, as ``named_modules`` names it."""
     while True:
         m = _GETATTR.search(source)
         if m is None:
             break
         source = source[:m.start()] + f"{m.group(1)}.{m.group(2)}" + source[m.end():]
     source = re.sub(r"^[LG]\['[^']*'\]", "", source)
+    source = re.sub(r"\.__dict__\['(_modules|_parameters|_buffers)'\]", r".\1", source)
     source = re.sub(r"\._modules\['([^']*)'\]", r".\1", source)
     source = re.sub(r"\[['\"]?([^'\"\]]*)['\"]?\]", r".\1", source)
     return ".".join(p for p in source.split(".") if p)

@@ -121,7 +121,9 @@ _WRAPPER_PREFIXES = ("module.",)
 
 def root_names(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[int, str]]:
     """The user's root module under DDP, ``torch.compile`` and ``amp_fx.compile`` wrappers, and
-    its parameter names by ``id``: the same names on every rank."""
+    its parameter names by ``id``: the same names on every rank. A parameter shared by several
+    modules (a tied embedding and head) is named as ``named_parameters()`` names it: by its first
+    path."""
     root = model
     while True:
         inner = getattr(root, "original_module", None) or getattr(root, "_orig_mod", None)
@@ -130,7 +132,7 @@ def root_names(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[int, str]]
         if not isinstance(inner, torch.nn.Module) or inner is root:
             break
         root = inner
-    return root, {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    return root, {id(p): n for n, p in root.named_parameters()}
 
 
 def strip_wrappers(path: str, prefixes: Sequence[str]) -> str:

@@ -75,6 +75,9 @@ def test_checkpointed_region_is_cast_and_bitwise(dtype):
     ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
     ("getattr(L['self'].layers, '2')", "layers.2"),
     ("L['model'].head", "head"),
+    # diffusers' UNet2DModel under torch 2.13 (the real-model tier): through the instance dict
+    ("L['self'].__dict__['_modules']['down_blocks'].0.resnets.0.conv1", "down_blocks.0.resnets.0.conv1"),
+    ("L['self'].__dict__['_modules']['time_embedding']", "time_embedding"),
 ])
 def test_module_path_normalises_dynamo_sources(source, path):
     assert module_path(source) == path

@@ -9,6 +9,7 @@ the planted one; the gradient names are those whose scaled gradients hold an inf
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -318,3 +319,84 @@ def test_skip_aware_with_compile_step_holds_lr_on_the_planted_skip():
             ref.step()
         assert float(opt.param_groups[0]["lr"]) == ref_opt.param_groups[0]["lr"], i  # powers of two: exact
     assert_steps_are_sync_free(step, batches(2, seed=9))
+
+
+class _TiedNet(torch.nn.Module):
+    """An embedding tied to the output head (GPT-2's wte/lm_head): one parameter, two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.embed(ids)))
+
+
+def test_tied_weight_is_named_as_named_parameters_names_it():
+    """A tied weight's gradient is named by its first path, as ``named_parameters()`` (and so the
+    eager reference) names it (``embed.weight``), not by its last alias (``head.weight``). Reference:
+    eager autocast + torch.amp.GradScaler, the names of the non-finite gradients after unscale_."""
+    torch.manual_seed(0)
+    model = _TiedNet()
+    ref_model = copy.deepcopy(model)
+    ids = torch.randint(0, 16, (2, 5))
+    with torch.no_grad():  # the planted overflow: mid's fp16 cast holds inf
+        for m in (model, ref_model):
+            m.mid.weight.mul_(2.0**24)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.01)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_loss = ref_model(ids).float().pow(2).mean()
+    ref_scaler.scale(ref_loss).backward()
+    ref_scaler.unscale_(ref_opt)
+    reference = [n for n, p in ref_model.named_parameters() if not torch.isfinite(p.grad).all()]
+    assert "embed.weight" in reference
+
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED)
+    scaler.watch(compiled)
+    scaler.scale(compiled(ids).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and list(report.gradients) == reference, report
+    assert report.first_op is not None and report.first_op.module == "mid", report
+
+
+class _InplaceResidual(torch.nn.Module):
+    """A residual added in place after the branch ran (timm's ResNet blocks: ``x += shortcut``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(8, 8)
+        self.shortcut = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.main(x)
+        h += self.shortcut(x)
+        return h
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_op_is_not_an_earlier_producer_written_in_place_later(backend):
+    """The overflow is planted in ``shortcut``; ``main``'s output was finite when ``main`` made it and
+    only became inf through the later ``+=``. The first non-finite op is in ``shortcut`` (its weight's
+    fp16 cast), not ``main``: each check sees the value as its op left it."""
+    torch.manual_seed(0)
+    model = _InplaceResidual()
+    with torch.no_grad():
+        model.shortcut.weight.mul_(2.0**24)  # its fp16 cast holds inf
+    compiled = amp_fx.compile(model, dtype="fp16", backend=backend, watch_nonfinite=True)
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED)
+    scaler.watch(compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler.scale(compiled(torch.randn(2, 8)).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    assert report.first_op.module == "shortcut", report

@@ -13,7 +13,11 @@ identical copy of the model (and ``torch.amp.GradScaler`` for fp16 training):
   eager recipe (amp_fx.testing.eager_amp_step): loss, scale and parameters bitwise at each step;
 * ``inspect``: ``compare`` says amp_fx agrees with eager autocast bitwise on every op, output and
   gradient; ``explain`` shows, for every op compare matched, the dtype eager autocast gave;
-  ``find_nonfinite`` finds nothing where eager autocast's outputs and gradients are finite.
+  ``find_nonfinite`` finds nothing where eager autocast's outputs and gradients are finite;
+* ``overflow_watch``, ``overflow_named`` (fp16): ``watch_nonfinite=True`` changes no value, and an
+  overflow planted in one module at one step is named by ``overflow_report()`` (that step, a first
+  non-finite op inside that module, the gradients eager autocast + ``torch.amp.GradScaler`` find
+  non-finite there).
 
 Marked ``models`` (``pytest -m models`` runs the tier alone, ``-m "not models"`` leaves it out);
 the slowest cases are also ``models_slow``, deselected by default (pyproject ``addopts``):
@@ -43,6 +47,7 @@ from amp_fx.testing.real_models import (
     RealModel,
     RealStep,
     eager_autocast_real_step,
+    output_tensors,
     real_step,
 )
 
@@ -50,6 +55,8 @@ pytestmark = pytest.mark.models
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FEATURES = ("compile", "weight_cache", "compile_step", "inspect")
+# Overflow provenance: loss scaling, so fp16 only (bf16's range holds the planted overflow).
+OVERFLOW_FEATURES = ("overflow_watch", "overflow_named")
 
 # What a default run covers, by library and dtype; every other case is `models_slow`, deselected
 # by default (`python -m pytest -m models_slow tests/models` runs them). The tier's cost, measured
@@ -58,16 +65,27 @@ FEATURES = ("compile", "weight_cache", "compile_step", "inspect")
 # by default every transformers model gets every feature in bf16 and all but the inspection tools
 # in fp16 (compile_step in fp16 is the loss-scaling path); the UNets and the vision models, each
 # several times a transformers model's cost, get amp_fx.compile (and the weight cache in bf16).
+# Overflow provenance (fp16 only): every transformers model gets the planted overflow named as
+# eager finds it; the watch-on/off run (two compiles) runs by default on _OVERFLOW_WATCH_DEFAULT.
 _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
-    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step")},
+    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")},
     "diffusers": {"bf16": ("compile", "weight_cache"), "fp16": ("compile",)},
     "torchvision": {"bf16": ("compile", "weight_cache"), "fp16": ()},
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
+# GPT-2: a tied head and Conv1D layers (the other models run it under models_slow)
+_OVERFLOW_WATCH_DEFAULT = ("hf_gpt2",)
 
 # Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
 _KNOWN: dict[tuple[str, str], str] = {}
+
+for _feature in OVERFLOW_FEATURES:
+    _KNOWN["tv_efficientnet_b0", _feature] = (
+        "no clean fp16 run to plant in: at loss scale 2^10 EfficientNet-B0's scaled gradients overflow in the "
+        "backward at random init while its forward is finite (8 conv weights, features.0.0 and depthwise "
+        "convolutions; eager autocast + torch.amp.GradScaler skip the clean steps too; finite at scale 1; "
+        "torch 2.11, torchvision 0.26)")
 
 # torch 2.11 only (amp_fx.testing.known): T5's gradients differ from eager autocast; every feature
 # that compares them (inspect: compare's bitwise verdict; find_nonfinite on T5 is quiet on 2.11 too).
@@ -77,9 +95,11 @@ _KNOWN_ON_2_11 = {("hf_t5", feature) for feature in ("compile", "weight_cache", 
 def _cases(feature: str) -> list[Any]:
     out = []
     for name, entry in REAL_MODELS.items():
-        for dtype_id in DTYPES:
+        for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
-            if name in _ALL_SLOW or feature not in _DEFAULT[entry.library][dtype_id]:
+            default = (feature in _DEFAULT[entry.library][dtype_id]
+                       or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT))
+            if name in _ALL_SLOW or not default:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
@@ -156,6 +176,7 @@ class _EagerWeightCasts(TorchDispatchMode):
         self.params = params
         self.bytes = 0
         self.cast: set[str] = set()
+        self.order: list[str] = []  # the same names, in the order of their first cast
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -163,16 +184,24 @@ class _EagerWeightCasts(TorchDispatchMode):
         if (func is torch.ops.aten._to_copy.default and isinstance(src, Tensor) and id(src) in self.params
                 and out.dtype != src.dtype):
             self.bytes += src.numel() * (src.element_size() + out.element_size())
+            if self.params[id(src)] not in self.cast:
+                self.order.append(self.params[id(src)])
             self.cast.add(self.params[id(src)])
         return out
 
 
-def _weight_cast_bytes(model: nn.Module, inputs: dict[str, Tensor], dtype: torch.dtype) -> tuple[int, set[str]]:
-    """Weight-cast bytes of one eager autocast forward, and the names of the weights cast."""
+def _eager_weight_casts(model: nn.Module, inputs: dict[str, Tensor], dtype: torch.dtype) -> _EagerWeightCasts:
+    """The weight casts of one eager autocast forward of a copy of ``model``."""
     model = copy.deepcopy(model)
     counter = _EagerWeightCasts({id(p): n for n, p in model.named_parameters()})
     with torch.autocast("cpu", dtype=dtype), counter:
         model(**inputs)
+    return counter
+
+
+def _weight_cast_bytes(model: nn.Module, inputs: dict[str, Tensor], dtype: torch.dtype) -> tuple[int, set[str]]:
+    """Weight-cast bytes of one eager autocast forward, and the names of the weights cast."""
+    counter = _eager_weight_casts(model, inputs, dtype)
     return counter.bytes, counter.cast
 
 
@@ -284,3 +313,172 @@ def test_inspection_tools_agree_with_eager_autocast(name: str, dtype_id: str) ->
     nonfinite = amp_fx.find_nonfinite(model, dtype=dtype, loss_fn=loss_fn, **inputs)
     assert not nonfinite.found, str(nonfinite)
     assert "no inf/NaN found" in str(nonfinite)
+
+
+# --- overflow provenance: watch_nonfinite and overflow_report (issue 21) ---------------------------
+
+_OVERFLOW_STEPS = 3
+_PLANTED_STEP = 2  # steps 0 and 1 are a clean run; the overflow is planted at the last step only
+_PLANT_GAIN = 2.0**24
+"""The planted weight is multiplied by this for the planted step (then restored from a copy): any
+element above 65504 / 2^24 (about 0.0039) in magnitude casts to inf in fp16; _planted_weight checks
+that the weight has one."""
+_OVERFLOW_INIT_SCALE = 2.0**10  # as compile_step's cases: at 2^16 these models' fp16 gradients overflow by themselves
+
+
+def _planted_weight(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[str, str]:
+    """(weight, module) to plant the overflow in, derived from the model: of the weight matrices and
+    kernels (2 or more dimensions: not biases or norm scales) eager fp16 autocast casts, in the
+    order of their first cast in the forward, the middle one held by one module only (a tied weight
+    would overflow in two places); the module is the weight's owner."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    order = [n for n in _eager_weight_casts(model, inputs, torch.float16).order
+             if model.get_parameter(n).dim() >= 2 and counts[id(model.get_parameter(n))] == 1]
+    assert order, "eager fp16 autocast casts no weight of this model: nothing to plant in"
+    weight = order[len(order) // 2]
+    peak = model.get_parameter(weight).detach().abs().max().item()
+    assert peak * _PLANT_GAIN > torch.finfo(torch.float16).max, f"{weight}: |w| <= {peak}, its fp16 cast stays finite"
+    return weight, weight.rpartition(".")[0]
+
+
+class _Plant:
+    """The planted overflow: ``with plant(step):`` multiplies the weight by _PLANT_GAIN at the planted
+    step and restores it (bitwise, from a copy) when the step is done."""
+
+    def __init__(self, model: nn.Module, weight: str) -> None:
+        self.param = model.get_parameter(weight)
+        self.saved: Tensor | None = None
+        self.step = -1
+
+    def __call__(self, step: int) -> _Plant:
+        self.step = step
+        return self
+
+    def __enter__(self) -> None:
+        if self.step == _PLANTED_STEP:
+            self.saved = self.param.detach().clone()
+            with torch.no_grad():
+                self.param.mul_(_PLANT_GAIN)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            with torch.no_grad():
+                self.param.copy_(self.saved)
+            self.saved = None
+
+
+def _eager_nonfinite_gradients(model: nn.Module, inputs: dict[str, Tensor], loss_fn: Any, weight: str,
+                               module: str) -> list[str]:
+    """The reference: eager ``torch.autocast`` (fp16) + ``torch.amp.GradScaler`` + SGD over the run with
+    the same plant; the names (``named_parameters`` order) of the parameters whose gradients are
+    non-finite after ``unscale_`` at the planted step. Asserts what the test relies on: the clean
+    steps' gradients are finite, and the planted module's fp16 output is non-finite at the planted step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE)
+    plant, seen = _Plant(model, weight), []
+    hook = model.get_submodule(module).register_forward_hook(
+        lambda m, args, out: seen.append(all(torch.isfinite(t).all() for t in output_tensors(out).values())))
+    names: list[str] = []
+    for i in range(_OVERFLOW_STEPS):
+        with plant(i):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(**inputs))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+            if i == _PLANTED_STEP:
+                names = bad
+                assert not all(seen), f"eager: {module}'s fp16 output stayed finite with the plant"
+            else:
+                assert not bad, f"eager, clean step {i}: non-finite gradients {bad[:4]}"
+            seen.clear()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    hook.remove()
+    assert names, "eager: no gradient was non-finite at the planted step"
+    return names
+
+
+def _check_planted_report(report: Any, module: str, *, watched: bool) -> None:
+    assert report is not None, "the planted step was not reported"
+    assert report.step == _PLANTED_STEP, report
+    if watched:
+        first = report.first_op
+        assert first is not None and (first.module == module or first.module.startswith(module + ".")), \
+            f"first_op {first} is not inside the planted module {module}"
+        assert first.dtype == "fp16"
+    else:
+        assert report.first_op is None, report
+
+
+@pytest.mark.parametrize("name,dtype_id", _cases("overflow_watch"))
+def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
+    """``amp_fx.compile`` + ``amp_fx.GradScaler`` + SGD, ``watch_nonfinite`` on and off, over the same
+    run (two clean steps, then the planted overflow): every output tensor, the loss and every
+    parameter bitwise after each step; ``overflow_report()`` None after each clean step; at the
+    planted step both report it with the same gradients, ``first_op`` inside the planted module only
+    where watched (the negative twin). Every module the watch names is one of ``named_modules()``."""
+    model, inputs, loss_fn = _entry(name).build()
+    weight, module = _planted_weight(model, inputs)
+    runs = []
+    for watched in (True, False):
+        ours = copy.deepcopy(model)
+        compiled = amp_fx.compile(ours, dtype=DTYPES[dtype_id], backend="aot_eager", watch_nonfinite=watched)
+        opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+        scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
+        scaler.watch(compiled)
+        plant, steps = _Plant(ours, weight), []
+        for i in range(_OVERFLOW_STEPS):
+            with plant(i):
+                out = compiled(**inputs)
+                loss = loss_fn(out)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            steps.append((output_tensors(out), loss.detach(), [p.detach().clone() for p in ours.parameters()],
+                          scaler.overflow_report()))
+        assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
+        if watched:  # the watch names modules as named_modules() does (amp_fx.capture.module_path)
+            paths = {op.module for r in compiled.amp_fx_records for op in r.watched.ops}
+            unknown = paths - dict(ours.named_modules()).keys()
+            assert paths and not unknown, sorted(unknown)
+        runs.append(steps)
+    for i, (watched, unwatched) in enumerate(zip(*runs, strict=True)):
+        assert_bitwise(watched[0], unwatched[0], f"output at step {i}")
+        assert_bitwise(watched[1], unwatched[1], f"loss at step {i}")
+        assert_bitwise(watched[2], unwatched[2], f"parameters after step {i}")
+        if i != _PLANTED_STEP:
+            assert watched[3] is None and unwatched[3] is None, f"clean step {i}: {watched[3]} / {unwatched[3]}"
+    report, twin = runs[0][_PLANTED_STEP][3], runs[1][_PLANTED_STEP][3]
+    _check_planted_report(report, module, watched=True)
+    _check_planted_report(twin, module, watched=False)
+    assert report.gradients and report.gradients == twin.gradients
+
+
+@pytest.mark.parametrize("name,dtype_id", _cases("overflow_named"))
+def test_overflow_planted_is_named_as_eager_finds_it(name: str, dtype_id: str) -> None:
+    """``compile_step`` (SGD, ``watch_nonfinite=True``) over two clean steps (the first is its eager
+    warm-up) and the planted one: ``overflow_report()`` None after the clean steps; at the planted
+    step it names that step, a first non-finite fp16 op inside the planted module, and exactly the
+    gradients eager autocast + ``torch.amp.GradScaler`` finds non-finite there."""
+    model, inputs, loss_fn = _entry(name).build()
+    weight, module = _planted_weight(model, inputs)
+    reference = _eager_nonfinite_gradients(copy.deepcopy(model), inputs, loss_fn, weight, module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
+    step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
+                               watch_nonfinite=True)
+    plant, reports = _Plant(model, weight), []
+    for i in range(_OVERFLOW_STEPS):
+        with plant(i):
+            step(**inputs)
+        reports.append(step.overflow_report())
+    assert reports[:_PLANTED_STEP] == [None] * _PLANTED_STEP, reports
+    report = reports[_PLANTED_STEP]
+    _check_planted_report(report, module, watched=True)
+    assert list(report.gradients) == reference
+    assert int(step.skipped_steps) == 1
