@@ -31,7 +31,7 @@ from amp_fx._backends import Backend, backend_name, resolve_backend
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
-from amp_fx.capture import capture, is_cacheable_leaf, module_path, module_stack
+from amp_fx.capture import capture, data_inputs, is_cacheable_leaf, module_path, module_stack, source_text
 from amp_fx.errors import AmpFxError
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes import meta
@@ -164,7 +164,8 @@ class AmpBackend:
         index = len(self.records)
         work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
                           device_type=graph_device_type(fake_args),
-                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index)
+                          leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
+                          data_inputs=data_inputs(gm, example_inputs))
         timings: dict[str, float] = {}
         done: list[str] = []
         for stage in PIPELINE:
@@ -602,7 +603,7 @@ class _RootNames:
         """
         if not isinstance(value, FakeTensor) or self.scope is None:
             return value
-        source = _source_text(node)
+        source = source_text(node)
         if not source:
             return value
         obj = self._object(source)
@@ -629,16 +630,8 @@ def _frame_self_name(code: Any) -> str | None:
     return code.co_varnames[0] if code.co_argcount else None
 
 
-def _source_text(node: torch.fx.Node) -> str | None:
-    """The expression Dynamo reached a placeholder's value by (``L['x']``), if it recorded one."""
-    source = getattr(node, "_dynamo_source", None)
-    text = getattr(source, "name", None)
-    text = text() if callable(text) else text
-    return text if isinstance(text, str) and text else None
-
-
 def _source_name(node: torch.fx.Node) -> str:
-    text = _source_text(node)
+    text = source_text(node)
     if not text:
         return node.name
     return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
@@ -664,6 +657,8 @@ class _GraphWork:
     index: int = 0
     """The graph's index in the backend's records."""
     watched: WatchRecord | None = None
+    data_inputs: list[bool] = field(default_factory=list)
+    """Per placeholder: data the caller handed in (see :func:`amp_fx.capture.data_inputs`)."""
 
 
 def _capture(backend: AmpBackend, work: _GraphWork) -> None:
@@ -686,7 +681,8 @@ def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
 
 def _watch_nonfinite(backend: AmpBackend, work: _GraphWork) -> None:
     with work.fake_mode:
-        work.gm, work.watched = watch_nonfinite(work.gm, dtype=backend.dtype)
+        work.gm, work.watched = watch_nonfinite(work.gm, dtype=backend.dtype,
+                                                      data_inputs=work.data_inputs)
 
 
 @dataclass(frozen=True)

@@ -323,6 +323,38 @@ def module_path(source: str) -> str:
     return ".".join(p for p in source.split(".") if p)
 
 
+MODULE_STATE_SOURCES = ("L['self']", "L['fn']", "G['")
+"""Dynamo source prefixes of module state: the frame's module (``self``, or ``fn`` when Dynamo
+enters through ``nn.Module.__call__``) and globals."""
+
+
+def source_text(node: torch.fx.Node) -> str:
+    """Dynamo's name for where a graph input comes from (``L['self'].fc._parameters['weight']``);
+    empty when it has none."""
+    source = getattr(node, "_dynamo_source", None)
+    if source is None:
+        return ""
+    try:
+        name = source.name
+        return name() if callable(name) else str(name)
+    except Exception:  # a source kind without a printable name
+        return ""
+
+
+def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
+    """Per placeholder of a Dynamo graph: True for a floating tensor the caller handed in (``L['x']``,
+    ``L['args'][0]``, or a value a frame resumed after a graph break carries over), False for module
+    state (parameters, buffers, globals), leaves that require grad, and inputs without a source."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flags = []
+    for node, value in zip(placeholders, example_inputs, strict=True):
+        text = source_text(node)
+        flags.append(bool(text) and not text.startswith(MODULE_STATE_SOURCES)
+                     and isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+                     and not is_cacheable_leaf(value))
+    return flags
+
+
 def module_stack(node: torch.fx.Node) -> tuple[tuple[str, type], ...]:
     """The node's enclosing modules, outermost first, as (qualified path, type)."""
     stack = node.meta.get("nn_module_stack") or {}

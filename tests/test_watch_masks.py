@@ -25,7 +25,7 @@ from torch import nn
 import amp_fx
 
 BACKENDS = ["aot_eager", "inductor"]
-MASKS = ["masked_fill", "masked_fill_", "where", "additive"]
+MASKS = ["masked_fill", "masked_fill_", "where", "additive", "caller"]
 PLANTED_MODULE = "mlp.down"
 PLANTED_STEP = 2
 STEPS = 4
@@ -42,7 +42,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(WIDTH, WIDTH)
         self.register_buffer("bias", torch.tril(torch.ones(SEQ, SEQ)).view(1, 1, SEQ, SEQ))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
@@ -54,8 +54,11 @@ class CausalSelfAttention(nn.Module):
             att.masked_fill_(~keep, float("-inf"))
         elif self.mask_kind == "where":
             att = torch.where(keep, att, float("-inf"))
-        else:  # additive, in the scores' own dtype
+        elif self.mask_kind == "additive":  # in the scores' own dtype
             att = att + torch.full((t, t), float("-inf"), dtype=att.dtype, device=att.device).triu(1)
+        else:  # "caller": an additive fp32 -inf mask handed in with the batch, cast to the scores' dtype
+            assert mask is not None
+            att = att + mask[:t, :t].to(att.dtype)
         att = F.softmax(att, dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
         return self.proj(y)
@@ -80,8 +83,8 @@ class Block(nn.Module):
         self.mlp = Mlp()
         self.head = nn.Linear(WIDTH, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         x = x + self.mlp(self.ln_2(x))
         return self.head(x)
 
@@ -89,6 +92,13 @@ class Block(nn.Module):
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [(torch.randn(2, SEQ, WIDTH, generator=gen), torch.randn(2, SEQ, 4, generator=gen)) for _ in range(STEPS)]
+
+
+def _run(model: nn.Module, x: torch.Tensor, mask: str) -> torch.Tensor:
+    """The forward, with the caller's -inf mask where the model's attention takes one."""
+    if mask != "caller":
+        return model(x)
+    return model(x, torch.full((SEQ, SEQ), float("-inf")).triu(1))
 
 
 def _plant(model: Block, step: int, planted: int | None) -> None:
@@ -110,7 +120,7 @@ def _eager_reference(mask: str, init_scale: float, planted: int | None) -> tuple
     for i, (x, y) in enumerate(_batches()):
         _plant(model, i, planted)
         with torch.autocast("cpu", dtype=torch.float16):
-            out = model(x)
+            out = _run(model, x, mask)
         finite.append(bool(torch.isfinite(out).all()))
         scaler.scale(_loss(out, y)).backward()
         before = scaler.get_scale()
@@ -133,7 +143,7 @@ def _amp_fx_reports(mask: str, backend: str, init_scale: float, planted: int | N
     reports = []
     for i, (x, y) in enumerate(_batches()):
         _plant(model, i, planted)
-        scaler.scale(_loss(compiled(x), y)).backward()
+        scaler.scale(_loss(_run(compiled, x, mask), y)).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -172,3 +182,48 @@ def test_planted_forward_overflow_names_the_linear_not_the_mask(backend, mask):
     report = reports[PLANTED_STEP]
     assert report.first_op is not None and report.first_op.module == PLANTED_MODULE, str(report)
     assert str(report).startswith(f"step {PLANTED_STEP} skipped: first inf at {PLANTED_MODULE} (aten.")
+
+
+def _first_low_precision_nonfinite_module(model: nn.Module, x: torch.Tensor) -> str | None:
+    """Eager reference for a non-finite batch: under ``torch.autocast``, the first leaf module (in
+    call order) whose fp16 output holds an inf/NaN (``DebugUnderflowOverflow``'s question, asked
+    of the low-precision outputs only: ``ln_1`` passes the NaN on in fp32)."""
+    found: list[str] = []
+    handles = [m.register_forward_hook(lambda _m, _i, out, name=name: found.append(name)
+                                       if out.dtype == torch.float16 and not torch.isfinite(out).all() else None)
+               for name, m in model.named_modules() if not list(m.children())]
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_batch_is_named_at_the_first_op_that_reads_it(backend, value):
+    """An inf or NaN in the caller's batch is the cause of the skip, though no op created it: the
+    first watched op that reads it (here through ``ln_1``, which runs in fp32, then ``attn.qkv``'s
+    input cast) is named. Only the caller's -inf is taken for a mask (the "caller" mask above)."""
+    torch.manual_seed(0)
+    model = Block("masked_fill")
+    compiled = amp_fx.compile(model, dtype="fp16", backend=backend, watch_nonfinite=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED)
+    scaler.watch(compiled)
+    reports, expected = [], []
+    for i, (x, y) in enumerate(_batches()):
+        if i == PLANTED_STEP:
+            x[1, 3, 5] = value
+        expected.append(_first_low_precision_nonfinite_module(model, x))
+        scaler.scale(_loss(compiled(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reports.append(scaler.overflow_report())
+    assert expected == [("attn.qkv" if i == PLANTED_STEP else None) for i in range(STEPS)], expected
+    assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], reports
+    report = reports[PLANTED_STEP]
+    assert report.first_op is not None and report.first_op.module == expected[PLANTED_STEP], str(report)

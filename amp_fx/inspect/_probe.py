@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from amp_fx._dtype_names import dtype_name
 from amp_fx.backend import GraphRecord
+from amp_fx.capture import MODULE_STATE_SOURCES as _ROOTS
+from amp_fx.capture import source_text
 from amp_fx.passes.insert_casts import CAST_OP
 
 __all__: list[str] = []
@@ -117,24 +119,6 @@ def _positional_names(forward: Callable[..., Any] | None) -> list[str]:
         return []
     return [p.name for p in params
             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-
-
-_ROOTS = ("L['self']", "L['fn']", "G['")
-"""Dynamo source prefixes of module state: the frame's module (``self``, or ``fn`` when Dynamo
-enters through ``nn.Module.__call__``) and globals."""
-
-
-def source_text(node: torch.fx.Node) -> str:
-    """Dynamo's name for where a graph input comes from (``L['self'].fc._parameters['weight']``);
-    empty when it has none."""
-    source = getattr(node, "_dynamo_source", None)
-    if source is None:
-        return ""
-    try:
-        name = source.name
-        return name() if callable(name) else str(name)
-    except Exception:  # a source kind without a printable name
-        return ""
 
 
 def source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:

@@ -18,6 +18,12 @@ purpose is never an overflow. For each, the pass adds a flag "this op is an orig
   input holds an inf/NaN. "Holds" is built once per value (a view that shows all of its base's
   elements shares its base's) and rebuilt after an in-place op that may have changed it.
 
+The caller's data is the exception: an inf/NaN in a batch is the cause of a skipped step though no
+op created it. A value derived from a graph input that is data (``data_inputs``: the batch, not a
+parameter or buffer; through unwatched ops such as an fp32 layer norm, views and in-place updates,
+up to the first watched op that reads it) explains only its -inf elements (a caller's additive
+mask); its +inf and NaN are named at the first watched op that reads them.
+
 Each check sits right after the node it checks, so it reads the value before a later in-place op
 (``att.masked_fill_(m, -inf)``) changes it. The flags are stacked into one small bool tensor and
 the graph gets one more output, an int64 0-dim tensor: the position of the first flagged node in
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -177,9 +184,12 @@ class _Checks:
     """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
     reductions until a mutation may have changed the value they read."""
 
-    def __init__(self, graph: torch.fx.Graph) -> None:
+    def __init__(self, graph: torch.fx.Graph, data: set[torch.fx.Node]) -> None:
         self.graph = graph
         self.holds_memo: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.data = data
+        """Values derived from the caller's data without a watched op in between: their inf/NaN
+        is not an intentional mask unless it is -inf (see the module docstring)."""
 
     def mutated(self, node: torch.fx.Node) -> None:
         """``node`` mutates its inputs: forget the reductions of everything aliasing them."""
@@ -190,23 +200,30 @@ class _Checks:
     def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
         return _call(self.graph, aten.logical_not.default, (_call(self.graph, aten.isfinite.default, (value,)),))
 
+    def explains(self, value: torch.fx.Node) -> torch.fx.Node:
+        """Where an input's element explains an inf/NaN in the output: any inf/NaN, or only -inf
+        in a value derived from the caller's data."""
+        if value in self.data:
+            return _call(self.graph, aten.isneginf.default, (value,))
+        return self.nonfinite(value)
+
     def holds(self, value: torch.fx.Node) -> torch.fx.Node:
-        """``any(~isfinite(value))``, built once per value (and its full views)."""
+        """``any(explains(value))``, built once per value (and its full views)."""
         key = _full_view_source(value)
         if key not in self.holds_memo:
-            self.holds_memo[key] = _call(self.graph, aten.any.default, (self.nonfinite(key),))
+            self.holds_memo[key] = _call(self.graph, aten.any.default, (self.explains(key),))
         return self.holds_memo[key]
 
     def origin(self, node: torch.fx.Node, op: object) -> torch.fx.Node:
         """True where ``node`` holds an inf/NaN that its inputs do not explain."""
         inputs = _float_inputs(node)
         if not inputs:
-            return self.holds(node)
+            return self.holds(node)  # a watched node is never data: any(~isfinite(node))
         if _is_pointwise(op):
             # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
-            explained = self.nonfinite(inputs[0])
+            explained = self.explains(inputs[0])
             for value in inputs[1:]:
-                explained = _call(self.graph, aten.logical_or.default, (explained, self.nonfinite(value)))
+                explained = _call(self.graph, aten.logical_or.default, (explained, self.explains(value)))
             unexplained = _call(self.graph, aten.logical_and.default,
                                 (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
             return _call(self.graph, aten.any.default, (unexplained,))
@@ -218,20 +235,30 @@ class _Checks:
                      (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))))
 
 
-def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype) -> tuple[torch.fx.GraphModule, WatchRecord]:
-    """Append the first-origin record to ``gm``'s outputs (see the module docstring)."""
+def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
+                    data_inputs: Sequence[bool] = ()) -> tuple[torch.fx.GraphModule, WatchRecord]:
+    """Append the first-origin record to ``gm``'s outputs (see the module docstring).
+
+    ``data_inputs``: per placeholder, True where it is data the caller handed in (a batch) rather
+    than module state; empty (or of another length) treats none as data."""
     record = WatchRecord()
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    checks = _Checks(graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    data = ({n for n, flag in zip(placeholders, data_inputs, strict=True) if flag}
+            if len(data_inputs) == len(placeholders) else set())
+    checks = _Checks(graph, data)
     flags: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-            checks.mutated(node)
-            continue
         op = _watched(node, dtype)
         if op is None or _has_nonfinite_scalar(node):
+            # Not watched: a value computed from the caller's data stays "data" until a watched
+            # op reads it (fp32 ops before the first cast, views, in-place updates).
+            if node.op == "call_function" and any(a in data for a in node.all_input_nodes):
+                data.add(node)
+            if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+                checks.mutated(node)
             continue  # an op given an inf/NaN number (a -inf mask) is never an origin
         path = module_stack(node)
         record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
