@@ -94,6 +94,12 @@ class ForwardWatch:
             return
         self.first.copy_(torch.where(self.first == NONE, code, self.first))
 
+    def peek(self, device: torch.device) -> torch.Tensor:
+        """The record so far (a copy; -1 before any run), without a fresh start."""
+        if self.first is None:
+            return torch.full((), NONE, dtype=torch.int64, device=device)
+        return self.first.clone()
+
     def take(self) -> torch.Tensor | None:
         """The record since the last take (a copy), and a fresh start; None before any run."""
         if self.first is None:

@@ -219,11 +219,12 @@ def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
 
 
 def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
-             param_dtype: str | None = None, recipe: str = "plain", optimizer: str = "sgd") -> dict[str, Any]:
+             param_dtype: str | None = None, recipe: str = "plain", optimizer: str = "sgd",
+             watch: bool = False) -> dict[str, Any]:
     """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
     (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
     MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32. ``optimizer``: a key
-    of ``_OPTIMIZERS``."""
+    of ``_OPTIMIZERS``. ``watch``: amp_fx.compile(..., watch_nonfinite=True)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -240,7 +241,7 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
         out["linears"] = 0
         out["nonfinite"] = nonfinite
         return out
-    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", watch_nonfinite=watch)
     collectives = _CountAllReduce()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2)
     scaler.watch(compiled)  # overflow_report() names the parameters
@@ -435,7 +436,8 @@ def compile_step_errors() -> dict[str, str]:
 
 
 class _CountAllReduce:
-    """Counts ``dist.all_reduce`` calls made inside the scaler's methods (unscale_, step, update)."""
+    """Counts all-reduce calls (``dist.all_reduce`` and the functional collectives') made inside
+    the scaler's methods (unscale_, step, update)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -443,20 +445,26 @@ class _CountAllReduce:
     def in_scaler(self, scaler: Any) -> Any:
         import contextlib
 
+        from torch.distributed import _functional_collectives as funcol
+
         counter = self
-        real = dist.all_reduce
+        real, real_funcol = dist.all_reduce, funcol.all_reduce
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             counter.count += 1
             return real(*args, **kwargs)
 
+        def counting_funcol(*args: Any, **kwargs: Any) -> Any:
+            counter.count += 1
+            return real_funcol(*args, **kwargs)
+
         def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
             def inner(*args: Any, **kwargs: Any) -> Any:
-                dist.all_reduce = counting
+                dist.all_reduce, funcol.all_reduce = counting, counting_funcol
                 try:
                     return method(*args, **kwargs)
                 finally:
-                    dist.all_reduce = real
+                    dist.all_reduce, funcol.all_reduce = real, real_funcol
             return inner
 
         @contextlib.contextmanager
@@ -501,6 +509,10 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
         for kind, form in (("seq", "eager"), ("seq", "amp_fx"), ("custom", "amp_fx")):
             torch._dynamo.reset()
             results[(dtype, kind, form)] = fsdp_run(rank, world_size, dtype, kind, form)
+    # amp_fx.GradScaler with the forward watched: the record rides in the found-inf all-reduce.
+    for dtype in DTYPES:
+        torch._dynamo.reset()
+        results[(dtype, "seq", "amp_fx", "watched")] = fsdp_run(rank, world_size, dtype, "seq", "amp_fx", watch=True)
     # FSDP2's MixedPrecisionPolicy with param_dtype equal to the compute dtype.
     for dtype in DTYPES:
         for form in ("eager", "amp_fx"):
@@ -540,7 +552,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
 
     torch._dynamo.reset()
     real = found_inf.ShardedGrads.combine_found_inf_
-    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale, grad_flags=None: None
+    found_inf.ShardedGrads.combine_found_inf_ = lambda self, per_device, scale, grad_flags=None, first_op=None: None
     try:
         results[("fp16", "seq", "amp_fx", "no_combine")] = fsdp_run(rank, world_size, "fp16", "seq", "amp_fx")
     finally:

@@ -147,6 +147,16 @@ def test_fsdp2_grad_scaler_overflow_report_names_gradients_across_shards(ranks, 
     _check_overflow_reports(ranks, (dtype, "seq", "amp_fx"), (dtype, "seq", "eager"), watched=False)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fsdp2_grad_scaler_watched_names_first_op_in_the_one_found_inf_collective(ranks, dtype):
+    """amp_fx.compile(watch_nonfinite=True) + amp_fx.GradScaler on FSDP2: the forward record is
+    folded into the found-inf all-reduce of unscale_ (ShardedGrads.combine_found_inf_), so the
+    scaler still makes one collective per step, and the report names the first op and the rank."""
+    _check_overflow_reports(ranks, (dtype, "seq", "amp_fx", "watched"), (dtype, "seq", "eager"), watched=True)
+    for res in ranks:
+        assert res[(dtype, "seq", "amp_fx", "watched")]["scaler_collectives"] == STEPS
+
+
 @pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
                                                ("fp16", "adamw_fused")])
 def test_compile_step_on_fsdp2_overflow_report_names_gradients_and_first_op(ranks, dtype, recipe):

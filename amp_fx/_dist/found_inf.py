@@ -118,17 +118,22 @@ class ShardedGrads:
         """Whether some gradient met so far is sharded (or partial) across ranks."""
         return bool(self._meshes)
 
-    def combine_found_inf_(self, per_device: dict[torch.device, torch.Tensor],
-                           scale: torch.Tensor, grad_flags: list[torch.Tensor] | None = None) -> None:
+    def combine_found_inf_(self, per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
+                           grad_flags: list[torch.Tensor] | None = None, first_op: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All-reduce (MAX) the flags across the ranks of the meshes, in one collective, in place.
 
         ``per_device`` maps each gradient device to its flag. A rank whose shards are all empty
         has no flag yet: one is added on ``scale``'s device, because every rank must join the
-        collective. Nothing happens when no gradient was sharded. ``grad_flags``: per-gradient
-        flags (amp_fx/overflow.py; same length on every rank) combined in the same collective.
+        collective. Nothing happens (and None is returned) when no gradient was sharded.
+        Folded into the same collective, as one int64 vector (every entry an integer, so the flag
+        comes back exactly 0.0 or 1.0): ``grad_flags``, per-gradient 0/1 flags (amp_fx/overflow.py;
+        same length on every rank), combined in place; and ``first_op``, this rank's forward record
+        (int64, -1: none), whose combination over the ranks (:func:`combine_first_op`'s, as a MAX of
+        the negated packed value) is returned as (record, rank).
         """
         if not self._meshes:
-            return
+            return None
         import torch.distributed as dist
 
         if not per_device:
@@ -136,16 +141,20 @@ class ShardedGrads:
         flags = list(per_device.values())
         combined = flags[0] if len(flags) == 1 else torch.stack(
             [f.reshape(()).to(scale.device) for f in flags]).amax()
-        extra = [g.to(scale.device) for g in grad_flags or []]
-        packed = torch.cat([combined.reshape(1).to(scale.device), *extra]) if extra else combined
+        extra = [g.to(scale.device, torch.int64) for g in grad_flags or []]
+        parts = [combined.reshape(1).to(scale.device, torch.int64), *extra]
+        if first_op is not None:
+            parts.append(-rank_first_op(first_op.reshape(1).to(scale.device)))
+        packed = torch.cat(parts)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group())
-        if extra:
-            combined.copy_(packed[0].to(combined.device).reshape(combined.shape))
-            for g, part in zip(grad_flags or [], packed[1:].split([e.numel() for e in extra]), strict=True):
-                g.copy_(part.to(g.device))
+        combined.copy_(packed[0].to(combined.device, combined.dtype).reshape(combined.shape))
+        n = sum(e.numel() for e in extra)
+        for g, part in zip(grad_flags or [], packed[1:1 + n].split([e.numel() for e in extra]), strict=True):
+            g.copy_(part.to(g.device, g.dtype))
         for f in flags:
             if f is not combined:
                 f.copy_(combined.to(f.device).reshape(f.shape))
+        return None if first_op is None else unrank_first_op(-packed[1 + n].reshape(()))
 
     def _group(self) -> Any:
         """The process group spanning every rank that holds a shard: the mesh's own group for a

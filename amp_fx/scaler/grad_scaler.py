@@ -473,10 +473,16 @@ class GradScaler(torch.amp.GradScaler):
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device), flags
                 )
                 grad_flags.append((per_device_params[device], flags))
-            # Sharded grads: one all-reduce of the flags across ranks; replicated: none.
-            sharded.combine_found_inf_(per_device_found_inf._per_device_tensors, inv_scale,
-                                       [f for _, f in grad_flags])
-            self._per_optimizer_states[id(optimizer)]["amp_fx_grad_flags"] = grad_flags
+            # Sharded grads: one all-reduce of the flags across ranks; replicated: none. The
+            # forward record, when watched, rides in it (update() then needs no collective).
+            watch = self._skip_record.watch
+            first_op = watch.peek(inv_scale.device) if watch is not None and sharded.is_sharded else None
+            combined_first_op = sharded.combine_found_inf_(
+                per_device_found_inf._per_device_tensors, inv_scale, [f for _, f in grad_flags], first_op)
+            state = self._per_optimizer_states[id(optimizer)]
+            state["amp_fx_grad_flags"] = grad_flags
+            if combined_first_op is not None:
+                state["amp_fx_first_op"] = combined_first_op
 
         return per_device_found_inf._per_device_tensors
 
@@ -759,7 +765,12 @@ class GradScaler(torch.amp.GradScaler):
             watch = record.watch
             code = watch.take() if watch is not None else None
             rank = None
-            if watch is not None and record.group is not None:  # DDP/FSDP2: every rank's forward record
+            # FSDP2: every rank's forward record came with the found-inf all-reduce of unscale_
+            # (the last optimizer's); DDP (no such collective): one all-reduce of the record here.
+            combined = [s["amp_fx_first_op"] for s in self._per_optimizer_states.values() if "amp_fx_first_op" in s]
+            if watch is not None and combined:
+                code, rank = combined[-1]
+            elif watch is not None and record.group is not None:
                 code, rank = combine_first_op(code, record.group, _scale.device)
             record.record_(found_inf_combined, record.step_flags(pairs) if pairs else record.flags.new_zeros(
                 record.flags.numel()), code, rank)
