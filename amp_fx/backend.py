@@ -681,8 +681,7 @@ def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
 
 def _watch_nonfinite(backend: AmpBackend, work: _GraphWork) -> None:
     with work.fake_mode:
-        work.gm, work.watched = watch_nonfinite(work.gm, dtype=backend.dtype,
-                                                      data_inputs=work.data_inputs)
+        work.gm, work.watched = watch_nonfinite(work.gm, dtype=backend.dtype, data_inputs=work.data_inputs)
 
 
 @dataclass(frozen=True)

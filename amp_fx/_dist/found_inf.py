@@ -20,11 +20,13 @@ Used by ``amp_fx.GradScaler._unscale_grads_``::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ShardedGrads", "combine_first_op", "ranks_of", "rank_first_op", "unrank_first_op"]
+__all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "unpack_overflow",
+           "unrank_first_op"]
 
 # The forward record across ranks (amp_fx/overflow.py): a rank's first non-finite op code (-1: none;
 # the graphs, and so the codes, are the same on every rank) and its global rank, packed as one int64
@@ -70,6 +72,29 @@ def combine_first_op(code: torch.Tensor | None, group: Any, device: torch.device
     if code is None:
         code = torch.full((), -1, dtype=torch.int64, device=device)
     return unrank_first_op(funcol.all_reduce(rank_first_op(code), "min", group))
+
+
+def pack_overflow(found_inf: torch.Tensor, flags: Sequence[torch.Tensor], first_op: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """The found-inf flag with what amp_fx/overflow.py records, as one int64 vector for one all-reduce
+    (MAX), on ``found_inf``'s device: ``[found_inf, *flags, -rank_first_op(first_op)]``. ``flags``:
+    per-gradient 0/1 flags (the same gradients, in the same order, on every rank); ``first_op``:
+    this rank's forward record (int64, -1: none), negated so that the maximum is the minimum. Every
+    entry is an integer, so the flag comes back exactly 0.0 or 1.0. Undone by :func:`unpack_overflow`.
+    """
+    device = found_inf.device
+    parts = [found_inf.reshape(1).to(device, torch.int64), *(f.reshape(-1).to(device, torch.int64) for f in flags)]
+    if first_op is not None:
+        parts.append(-rank_first_op(first_op.reshape(1).to(device)))
+    return torch.cat(parts)
+
+
+def unpack_overflow(reduced: torch.Tensor, flag_count: int, first_op: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A :func:`pack_overflow` vector after the all-reduce: the flag (int64, 0-dim), the
+    ``flag_count`` gradient flags (int64) and, if ``first_op`` was packed, (record, rank)."""
+    first = unrank_first_op(-reduced[1 + flag_count].reshape(())) if first_op else None
+    return reduced[0].reshape(()), reduced[1:1 + flag_count], first
 
 
 def ranks_of(model: torch.nn.Module) -> Any:
@@ -141,20 +166,17 @@ class ShardedGrads:
         flags = list(per_device.values())
         combined = flags[0] if len(flags) == 1 else torch.stack(
             [f.reshape(()).to(scale.device) for f in flags]).amax()
-        extra = [g.to(scale.device, torch.int64) for g in grad_flags or []]
-        parts = [combined.reshape(1).to(scale.device, torch.int64), *extra]
-        if first_op is not None:
-            parts.append(-rank_first_op(first_op.reshape(1).to(scale.device)))
-        packed = torch.cat(parts)
+        grad_flags = grad_flags or []
+        packed = pack_overflow(combined.to(scale.device), grad_flags, first_op)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group())
-        combined.copy_(packed[0].to(combined.device, combined.dtype).reshape(combined.shape))
-        n = sum(e.numel() for e in extra)
-        for g, part in zip(grad_flags or [], packed[1:1 + n].split([e.numel() for e in extra]), strict=True):
-            g.copy_(part.to(g.device, g.dtype))
+        flag, reduced_flags, first = unpack_overflow(packed, sum(g.numel() for g in grad_flags), first_op is not None)
+        combined.copy_(flag.to(combined.device, combined.dtype).reshape(combined.shape))
+        for g, part in zip(grad_flags, reduced_flags.split([g.numel() for g in grad_flags]), strict=True):
+            g.copy_(part.to(g.device, g.dtype).reshape(g.shape))
         for f in flags:
             if f is not combined:
                 f.copy_(combined.to(f.device).reshape(f.shape))
-        return None if first_op is None else unrank_first_op(-packed[1 + n].reshape(()))
+        return first
 
     def _group(self) -> Any:
         """The process group spanning every rank that holds a shard: the mesh's own group for a

@@ -192,22 +192,16 @@ class LocalShards:
         """The flag of every rank's shards, in one all-reduce (MAX) on the device (traceable), with
         what amp_fx/overflow.py records folded into it: ``flags`` (per gradient, 0/1: which local
         shards held an inf/NaN; the same gradients, in the same order, on every rank) and the
-        forward record ``first_op`` (negated ``rank_first_op``: its maximum is the minimum). One
-        int64 vector ``[found_inf, *flags, -packed first_op]``; every entry is an integer, so the
-        flag comes back exactly 0.0 or 1.0. Returns the flag, the flags and (record, rank) or None.
+        forward record ``first_op``, packed as one int64 vector (:func:`~amp_fx._dist.found_inf.pack_overflow`).
+        Returns the flag, the flags and (record, rank) or None.
         """
         from torch.distributed import _functional_collectives as funcol
 
-        from amp_fx._dist.found_inf import rank_first_op, unrank_first_op
+        from amp_fx._dist.found_inf import pack_overflow, unpack_overflow
 
-        parts = [found_inf.reshape(1).to(torch.int64), flags.to(torch.int64)]
-        if first_op is not None:
-            parts.append(-rank_first_op(first_op.reshape(1)))
-        packed = funcol.all_reduce(torch.cat(parts), "max", self.group)
-        n = flags.numel()
-        combined = packed[0].to(found_inf.dtype).reshape(found_inf.shape)
-        first = None if first_op is None else unrank_first_op(-packed[1 + n].reshape(()))
-        return combined, packed[1:1 + n].to(flags.dtype), first
+        packed = funcol.all_reduce(pack_overflow(found_inf, [flags], first_op), "max", self.group)
+        flag, reduced_flags, first = unpack_overflow(packed, flags.numel(), first_op is not None)
+        return flag.to(found_inf.dtype).reshape(found_inf.shape), reduced_flags.to(flags.dtype), first
 
     def global_norm(self, local_norms: list[torch.Tensor]) -> torch.Tensor:
         """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms.

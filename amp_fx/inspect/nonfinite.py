@@ -268,8 +268,12 @@ class _Probe:
             if seen is not None and seen[0] is t:
                 found |= seen[1]
             else:
-                found = found.union(*(o for _, o in self._graph_outputs.values()))
+                found |= self._all_returned()
         return frozenset(found)
+
+    def _all_returned(self) -> frozenset[int]:
+        """Every origin a graph has returned a non-finite value of so far."""
+        return frozenset().union(*(o for _, o in self._graph_outputs.values()))
 
     def settle(self, out: Any, loss: Any) -> bool:
         """Decide the forward hit from the model's output ``out`` and ``loss`` (None without a
@@ -278,10 +282,9 @@ class _Probe:
         Their non-finite tensors are traced back as graph inputs are (:meth:`origins_of`). An
         output that holds no tensor pytree can see (an object of the model's own class) and no loss
         hides nothing: every origin a graph returned is taken to reach it."""
-        bad = [t for t in tensors_of((out, loss)) if not all_finite(t)]
-        reached = self.origins_of(bad)
-        if not tensors_of((out, loss)):
-            reached = frozenset().union(*(o for _, o in self._graph_outputs.values()))
+        tensors = tensors_of((out, loss))
+        bad = [t for t in tensors if not all_finite(t)]
+        reached = self.origins_of(bad) if tensors else self._all_returned()
         self.forward_hit = self.origins[min(reached)] if reached else None
         self.discarded = [o for i, o in enumerate(self.origins) if i not in reached]
         for o in self.discarded:  # keep what the report shows, not the tensors (one per layer, say)

@@ -245,9 +245,7 @@ class _Rewriter:
         """Recompute meta["val"] from the (possibly recast) inputs, as the op will run."""
         args = tree_map(self.value, node.args)
         kwargs = tree_map(self.value, node.kwargs)
-        decision = node.meta.get(meta.DECISION)
-        own = decision is not None and decision.cast_class is CastClass.OWN_KERNEL
-        region = eager_autocast(self.device_type, self.lower) if own else contextlib.nullcontext()
+        region = eager_autocast(self.device_type, self.lower) if _own_kernel(node) else contextlib.nullcontext()
         # Under the Python dispatcher, as capture's make_fx computed the value first: composite ops
         # (aten.linear, aten.matmul) then run their Python decompositions, which take symbolic
         # sizes. Without it they run torch's C++ kernels, and torch 2.11's matmul calls numel() on
@@ -319,9 +317,7 @@ class _Rewriter:
         autocast_op = (isinstance(call[0], torch._ops.OpOverload)
                        and default_class(call[0].name(), self.device_type) is not CastClass.NONE)
         inputs_changed = any(a in changed for a in node.all_input_nodes)
-        decision = node.meta.get(meta.DECISION)
-        if (decision is not None and decision.cast_class is CastClass.OWN_KERNEL and not rewritten
-                and not inputs_changed and len(self.regions) == 1):
+        if _own_kernel(node) and not rewritten and not inputs_changed and len(self.regions) == 1:
             # Capture computed this value under the same autocast state; recomputing it would give
             # an op with a data-dependent size (nms) a fresh unbacked size of its own.
             return
@@ -352,6 +348,12 @@ class _Rewriter:
                 return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is",
                                 kept_module=decision.kept_module)
         return decision
+
+
+def _own_kernel(node: torch.fx.Node) -> bool:
+    """Whether the pass decided ``node`` runs its own Autocast kernel (``CastClass.OWN_KERNEL``)."""
+    decision = node.meta.get(meta.DECISION)
+    return decision is not None and decision.cast_class is CastClass.OWN_KERNEL
 
 
 def _same_meta(a: Any, b: Any) -> bool:

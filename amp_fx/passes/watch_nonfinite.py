@@ -214,6 +214,13 @@ class _Checks:
             self.holds_memo[key] = _call(self.graph, aten.any.default, (self.explains(key),))
         return self.holds_memo[key]
 
+    def either(self, values: list[torch.fx.Node]) -> torch.fx.Node:
+        """``values[0] | values[1] | ...`` (bool tensors, broadcast)."""
+        out = values[0]
+        for value in values[1:]:
+            out = _call(self.graph, aten.logical_or.default, (out, value))
+        return out
+
     def origin(self, node: torch.fx.Node, op: object) -> torch.fx.Node:
         """True where ``node`` holds an inf/NaN that its inputs do not explain."""
         inputs = _float_inputs(node)
@@ -221,16 +228,12 @@ class _Checks:
             return self.holds(node)  # a watched node is never data: any(~isfinite(node))
         if _is_pointwise(op):
             # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
-            explained = self.explains(inputs[0])
-            for value in inputs[1:]:
-                explained = _call(self.graph, aten.logical_or.default, (explained, self.explains(value)))
+            explained = self.either([self.explains(value) for value in inputs])
             unexplained = _call(self.graph, aten.logical_and.default,
                                 (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
             return _call(self.graph, aten.any.default, (unexplained,))
         # Otherwise: the output holds an inf/NaN and no input does.
-        any_input = self.holds(inputs[0])
-        for value in inputs[1:]:
-            any_input = _call(self.graph, aten.logical_or.default, (any_input, self.holds(value)))
+        any_input = self.either([self.holds(value) for value in inputs])
         return _call(self.graph, aten.logical_and.default,
                      (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))))
 
@@ -252,14 +255,14 @@ def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
     for node in list(graph.nodes):
         target = node.target
         op = _watched(node, dtype)
-        if op is None or _has_nonfinite_scalar(node):
+        if op is None or _has_nonfinite_scalar(node):  # an op given an inf/NaN number (a -inf mask) is no origin
             # Not watched: a value computed from the caller's data stays "data" until a watched
             # op reads it (fp32 ops before the first cast, views, in-place updates).
             if node.op == "call_function" and any(a in data for a in node.all_input_nodes):
                 data.add(node)
             if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
                 checks.mutated(node)
-            continue  # an op given an inf/NaN number (a -inf mask) is never an origin
+            continue
         path = module_stack(node)
         record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
                                     dtype=dtype_name(dtype), node=node.name))
