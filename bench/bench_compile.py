@@ -2,9 +2,14 @@
 
     python bench/bench_compile.py                          # bf16, backends aot_eager and inductor
     python bench/bench_compile.py --dtypes bf16 fp16 --steps 50
+    python bench/bench_compile.py --model hf-llama --layers 6 --d-model 128 --backends inductor \
+        --compile-only --compile-repeats 5              # cold compile only, 5 fresh processes each
+    python bench/bench_compile.py --model hf-gpt2 --layers 6 --d-model 128 --profile   # where it goes
 
 The model is the tests' small causal transformer LM (``amp_fx.testing.zoo.transformer_lm``: SDPA blocks,
-LayerNorm, GELU MLP, tied embedding head; 2 layers, d_model 64, seq 32, batch 4 by default).
+LayerNorm, GELU MLP, tied embedding head; 2 layers, d_model 64, seq 32, batch 4 by default), or with
+``--model hf-gpt2`` / ``hf-llama`` transformers' GPT2LMHeadModel / LlamaForCausalLM built from a config
+of those sizes (random init, no download; the loss is the mean square of the fp32 logits).
 
 * compile: wall time of the first forward+backward after ``torch._dynamo.reset()``, for
   ``amp_fx.compile(model, backend=B)`` and for ``torch.compile(model, backend=B)`` called under
@@ -13,7 +18,19 @@ LayerNorm, GELU MLP, tied embedding head; 2 layers, d_model 64, seq 32, batch 4 
   kernels, so in one process whichever compiled second would reuse the first one's C++ builds. A
   warm-up compile of an unrelated nn.Linear in that process pays the one-time imports. amp_fx's
   own passes are timed from ``GraphRecord.pass_seconds`` (capture, insert_casts, fold_casts), also
-  per 1,000 nodes of the captured ATen graph.
+  per 1,000 nodes of the captured ATen graph. With ``--compile-repeats N`` the two alternate
+  (amp_fx first, then the baseline first, ...), so load from other processes hits both alike; the
+  ratio column is the median of the N per-pair ratios, with their min and max. Beside wall time,
+  CPU time: of the timed process and the children it waited for (with ``--compile-threads 1``
+  inductor runs every C++ build from that process, so this counts all of the compile, and load
+  from other processes skews it far less than wall time), and of the timed process alone (main
+  CPU: Dynamo, amp_fx's passes, AOTAutograd, inductor's Python; the C++ builds of the two
+  compiles are the same kernels).
+* ``--profile``: one cold compile of each in a fresh process under cProfile, timed in CPU time of
+  that process (so without the C++ builds, which inductor runs in other processes; empty inductor
+  cache, the same warm-up); prints each one's top functions by cumulative time and the functions whose
+  cumulative time differs most between amp_fx and the baseline (cProfile's overhead inflates
+  Python-heavy code, so read the differences, not the totals).
 * step: forward+backward, amp_fx and the baseline alternating step by step in one run so machine
   noise hits both alike; median and p10/p90 over ``--steps`` steps after ``--warmup``; the ratio is
   amp_fx's median over the baseline's.
@@ -30,8 +47,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import json
 import os
+import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,9 +125,47 @@ class Compiled:
     amp_fx_module: amp_fx.AmpCompiledModule
 
 
+class _HFLogits(nn.Module):
+    """A Hugging Face causal LM seen as ``ids -> logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def _hf_model(args: argparse.Namespace) -> nn.Module:
+    import transformers
+
+    if args.model == "hf-gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=args.vocab, n_positions=max(args.seq, 64), n_embd=args.d_model,
+            n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=2 * args.d_model,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, max_position_embeddings=max(args.seq, 64), use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _fp32_sq_mean(out: object) -> Tensor:
+    assert isinstance(out, Tensor)
+    return out.float().square().mean()
+
+
 def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[Tensor, ...], LossFn]:
-    return zoo.transformer_lm(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
-                              n_layers=args.layers, seq=args.seq, batch=args.batch)
+    if args.model == "transformer_lm":
+        return zoo.transformer_lm(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
+                                  n_layers=args.layers, seq=args.seq, batch=args.batch)
+    torch.manual_seed(zoo.SEED)
+    model = _HFLogits(_hf_model(args)).train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(zoo.SEED + 1))
+    return model, (ids,), _fp32_sq_mean
 
 
 def _compile_pair(args: argparse.Namespace, backend: str, dtype: torch.dtype) -> Compiled:
@@ -124,6 +182,13 @@ def _compile_pair(args: argparse.Namespace, backend: str, dtype: torch.dtype) ->
     return Compiled(amp_step, base_step, compiled)
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the children it has waited for (the C++ compiler runs
+    that inductor starts itself; not its compile workers' with more than one compile thread)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _compile_once(args: argparse.Namespace) -> None:
     """Child process: time one cold compile (first forward+backward) and print it as JSON."""
     backend, dtype = args.child_backend, DTYPES[args.child_dtype]
@@ -135,10 +200,20 @@ def _compile_once(args: argparse.Namespace) -> None:
         run = _amp_fx_step(compiled, model, inputs, loss_fn)
     else:
         run = _autocast_step(torch.compile(model, backend=backend), model, inputs, loss_fn, dtype)
+    # CPU time of this process: the C++ builds (other processes) and waiting on them are left
+    # out, and so is most of the noise from other processes' load.
+    profiler = cProfile.Profile(time.process_time) if args.child_profile else None
+    cpu0, main0 = _cpu_seconds(), time.process_time()
     t0 = time.perf_counter()
-    run()
+    if profiler is not None:
+        profiler.runcall(run)
+    else:
+        run()
     seconds = time.perf_counter() - t0
-    out: dict[str, object] = {"seconds": seconds}
+    out: dict[str, object] = {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
+                              "main_cpu_seconds": time.process_time() - main0}
+    if profiler is not None:
+        profiler.dump_stats(args.child_profile)
     if args.child == "amp_fx":
         records = compiled.amp_fx_records
         out.update(graphs=len(records), nodes=sum(len(r.captured.graph.nodes) for r in records),
@@ -149,17 +224,28 @@ def _compile_once(args: argparse.Namespace) -> None:
 _CHILD_MARK = "amp_fx-bench-compile-result: "
 
 
-def _cold_compile(args: argparse.Namespace, which: str, backend: str, dtype_name: str) -> dict:
+def _cold_compile(args: argparse.Namespace, which: str, backend: str, dtype_name: str,
+                  profile: str | None = None) -> dict:
     """Run :func:`_compile_once` in a fresh process with an empty inductor cache directory, so
-    neither compile profits from kernels the other one built (their kernels largely coincide)."""
+    neither compile profits from kernels the other one built (their kernels largely coincide).
+    With ``profile``, the first forward+backward runs under cProfile, its stats written there."""
     sizes = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-             for k in ("layers", "d_model", "heads", "seq", "batch", "vocab")]
+             for k in ("model", "layers", "d_model", "heads", "seq", "batch", "vocab")]
+    if profile is not None:
+        sizes.append(f"--child-profile={profile}")
     env = dict(os.environ)
-    if not args.keep_cache:
-        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="amp_fx_bench_compile_")
-    proc = subprocess.run(
-        [sys.executable, __file__, *sizes, "--child", which, "--child-backend", backend,
-         "--child-dtype", dtype_name], env=env, capture_output=True, text=True, check=False)
+    if args.compile_threads is not None:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
+    cache = None if args.keep_cache else tempfile.mkdtemp(prefix="amp_fx_bench_compile_")
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, *sizes, "--child", which, "--child-backend", backend,
+             "--child-dtype", dtype_name], env=env, capture_output=True, text=True, check=False)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_CHILD_MARK)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"compile-timing child failed ({which}, {backend}, {dtype_name}):\n"
@@ -198,8 +284,50 @@ def _warm_up_imports(backends: list[str]) -> None:
     torch._dynamo.reset()
 
 
+def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) -> None:
+    """cProfile one cold compile of each (fresh processes), print the top of each and the largest
+    differences in cumulative time, amp_fx minus the baseline."""
+    stats = {}
+    folder = tempfile.mkdtemp(prefix="amp_fx_bench_profile_")
+    for which in ("amp_fx", "baseline"):
+        path = os.path.join(folder, f"{which}.prof")
+        seconds = _cold_compile(args, which, backend, dtype_name, profile=path)["seconds"]
+        print(f"{which}: cold compile {seconds:.2f} s wall under cProfile ({path})")
+        stats[which] = pstats.Stats(path).stats  # type: ignore[attr-defined]
+
+    def label(key: tuple[str, int, str]) -> str:
+        file, line, name = key
+        parts = file.split(os.sep)
+        short = os.sep.join(parts[-3:]) if len(parts) > 3 else file
+        return f"{short}:{line}({name})"
+
+    def cum(which: str) -> dict[tuple[str, int, str], tuple[int, float, float]]:
+        # key -> (primitive calls, own time, cumulative time)
+        return {k: (v[0], v[2], v[3]) for k, v in stats[which].items()}
+
+    amp, base = cum("amp_fx"), cum("baseline")
+    for which, table in (("amp_fx", amp), ("baseline", base)):
+        rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:top]
+        print(f"\n{which}: top {top} by cumulative CPU seconds of the compiling process")
+        print(tabulate([[f"{c:.2f}", f"{t:.2f}", n, label(k)] for k, (n, t, c) in rows],
+                       headers=["cum s", "own s", "calls", "function"]))
+    diff = []
+    for key in amp.keys() | base.keys():
+        a, b = amp.get(key, (0, 0.0, 0.0)), base.get(key, (0, 0.0, 0.0))
+        diff.append((a[2] - b[2], a[1] - b[1], a[2], b[2], a[0], b[0], key))
+    for title, order in (("cumulative", 0), ("own", 1)):
+        rows = sorted(diff, key=lambda r: -r[order])[:top]
+        print(f"\nlargest differences in {title} seconds, amp_fx minus baseline")
+        print(tabulate([[f"{r[0]:+.2f}", f"{r[1]:+.2f}", f"{r[2]:.2f}", f"{r[3]:.2f}", r[4], r[5],
+                         label(r[6])] for r in rows],
+                       headers=["cum diff", "own diff", "amp_fx cum", "baseline cum",
+                                "amp_fx calls", "baseline calls", "function"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="transformer_lm",
+                        choices=["transformer_lm", "hf-gpt2", "hf-llama"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -214,6 +342,16 @@ def main() -> None:
                         help="cold compiles of each kind (median reported; each is a process)")
     parser.add_argument("--keep-cache", action="store_true",
                         help="use inductor's usual cache directory (compile times may be warm)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="time the cold compiles only (no step times, no cast counts)")
+    parser.add_argument("--compile-threads", type=int,
+                        help="inductor's compile threads in the timed processes "
+                             "(TORCHINDUCTOR_COMPILE_THREADS); with 1, the CPU-time column counts "
+                             "every C++ build, which makes it a measure that load skews little")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile one cold compile of each instead (first backend and dtype)")
+    parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument("--child-profile", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["amp_fx", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--child-backend", help=argparse.SUPPRESS)
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
@@ -225,10 +363,13 @@ def main() -> None:
     model, inputs, _ = _build(args)
     n_params = sum(p.numel() for p in model.parameters())
     print(*machine_lines(), sep="\n")
-    print(f"model: transformer_lm layers={args.layers} d_model={args.d_model} heads={args.heads} "
+    print(f"model: {args.model} layers={args.layers} d_model={args.d_model} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab} ({n_params:,} parameters)")
     print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, "
           "not with fp32\n")
+    if args.profile:
+        _profile(args, args.backends[0], args.dtypes[0], args.profile_top)
+        return
 
     compile_rows, step_rows, cast_rows = [], [], []
     for dtype_name in args.dtypes:
@@ -242,15 +383,33 @@ def main() -> None:
             amp = amps[0]
             amp_s = statistics.median(a["seconds"] for a in amps)
             base_s = statistics.median(b["seconds"] for b in bases)
+            ratios = [a["seconds"] / b["seconds"] for a, b in zip(amps, bases, strict=True)]
+            cpu_ratios = [a["cpu_seconds"] / b["cpu_seconds"] for a, b in zip(amps, bases, strict=True)]
+            main_ratios = [a["main_cpu_seconds"] / b["main_cpu_seconds"]
+                           for a, b in zip(amps, bases, strict=True)]
             passes = {p: statistics.median(a["passes"][p] for a in amps) for p in PASSES}
             nodes = amp["nodes"]
             total = sum(passes.values())
             compile_rows.append([
                 backend, dtype_name, amp["graphs"], nodes,
-                f"{amp_s:.2f}", f"{base_s:.2f}", f"{amp_s / base_s:.2f}",
+                f"{amp_s:.2f}", f"{base_s:.2f}",
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+                f"{statistics.median(a['cpu_seconds'] for a in amps):.2f}",
+                f"{statistics.median(b['cpu_seconds'] for b in bases):.2f}",
+                f"{statistics.median(cpu_ratios):.3f} ({min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})",
+                f"{statistics.median(main_ratios):.3f} ({min(main_ratios):.3f}-{max(main_ratios):.3f})",
                 *(f"{passes[p] * 1e3:.1f}" for p in PASSES),
                 f"{total * 1e3:.1f}", f"{total / nodes * 1e6:.1f}",
             ])
+            amp_list = " ".join(f"{a['seconds']:.2f}/{a['cpu_seconds']:.2f}/{a['main_cpu_seconds']:.2f}"
+                                for a in amps)
+            base_list = " ".join(f"{b['seconds']:.2f}/{b['cpu_seconds']:.2f}/{b['main_cpu_seconds']:.2f}"
+                                 for b in bases)
+            print(f"compile {backend} {dtype_name} (wall/CPU/main CPU): amp_fx {amp_list} s, baseline {base_list} s, "
+                  f"load average "
+                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            if args.compile_only:
+                continue
             pair = _compile_pair(args, backend, dtype)
             if backend == args.backends[0]:
                 records = pair.amp_fx_module.amp_fx_records
@@ -268,11 +427,16 @@ def main() -> None:
             print(f"done: {backend} {dtype_name}", file=sys.stderr, flush=True)
 
     print(f"compile: first forward+backward after torch._dynamo.reset(), cold (a fresh process and "
-          f"inductor cache each), seconds, median of {args.compile_repeats}; amp_fx's passes, ms")
+          f"inductor cache each), seconds, median of {args.compile_repeats}; ratio: median (min-max) "
+          f"of the per-pair ratios; CPU: the timed process and the children it waited for; main CPU: the "
+          f"timed process alone; amp_fx's passes, ms")
     print(tabulate(compile_rows, headers=[
         "backend", "dtype", "graphs", "ATen nodes", "amp_fx s", "torch.compile+autocast s",
-        "ratio", "capture ms", "insert_casts ms", "fold_casts ms", "passes ms",
-        "passes ms / 1k nodes"]))
+        "ratio", "amp_fx CPU s", "baseline CPU s", "CPU ratio", "main CPU ratio", "capture ms", "insert_casts ms",
+        "fold_casts ms", "passes ms", "passes ms / 1k nodes"]))
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if args.compile_only:
+        return
     print(f"\nstep: forward+backward, ms, median (p10-p90) over {args.steps} steps after "
           f"{args.warmup} warm-up, amp_fx and baseline alternating")
     print(tabulate(step_rows, headers=["backend", "dtype", "amp_fx", "torch.compile+autocast",
