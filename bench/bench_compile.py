@@ -4,6 +4,8 @@
     python bench/bench_compile.py --dtypes bf16 fp16 --steps 50
     python bench/bench_compile.py --model hf-llama --layers 6 --d-model 128 --backends inductor \
         --compile-only --compile-repeats 5              # cold compile only, 5 fresh processes each
+    python bench/bench_compile.py --model hf-gpt2 --layers 6 --d-model 128 --backends inductor \
+        --compile-only --compile-repeats 6 --concurrent # on a machine other processes load
     python bench/bench_compile.py --model hf-gpt2 --layers 6 --d-model 128 --profile   # where it goes
 
 The model is the tests' small causal transformer LM (``amp_fx.testing.zoo.transformer_lm``: SDPA blocks,
@@ -25,7 +27,11 @@ of those sizes (random init, no download; the loss is the mean square of the fp3
   inductor runs every C++ build from that process, so this counts all of the compile, and load
   from other processes skews it far less than wall time), and of the timed process alone (main
   CPU: Dynamo, amp_fx's passes, AOTAutograd, inductor's Python; the C++ builds of the two
-  compiles are the same kernels).
+  compiles are the same kernels). With ``--concurrent`` each pair's two processes run at the same
+  time and start their timed call together, so load from other processes that comes and goes hits
+  both alike (on a shared machine it moves sequential wall times by tens of percent); read the
+  CPU ratios then: the wall ratio leans towards 1, since the one that finishes first leaves the
+  other more of the machine.
 * ``--profile``: one cold compile of each in a fresh process under cProfile, timed in CPU time of
   that process (so without the C++ builds, which inductor runs in other processes; empty inductor
   cache, the same warm-up); prints each one's top functions by cumulative time and the functions whose
@@ -51,6 +57,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import shutil
 import statistics
 import subprocess
@@ -203,6 +210,8 @@ def _compile_once(args: argparse.Namespace) -> None:
     # CPU time of this process: the C++ builds (other processes) and waiting on them are left
     # out, and so is most of the noise from other processes' load.
     profiler = cProfile.Profile(time.process_time) if args.child_profile else None
+    if args.child_barrier:
+        _wait_for_parties(args.child_barrier, args.child, args.child_parties)
     cpu0, main0 = _cpu_seconds(), time.process_time()
     t0 = time.perf_counter()
     if profiler is not None:
@@ -229,6 +238,14 @@ def _cold_compile(args: argparse.Namespace, which: str, backend: str, dtype_name
     """Run :func:`_compile_once` in a fresh process with an empty inductor cache directory, so
     neither compile profits from kernels the other one built (their kernels largely coincide).
     With ``profile``, the first forward+backward runs under cProfile, its stats written there."""
+    return _cold_compiles(args, [which], backend, dtype_name, profile=profile)[0]
+
+
+def _cold_compiles(args: argparse.Namespace, whiches: list[str], backend: str, dtype_name: str,
+                   profile: str | None = None, concurrent: bool = False) -> list[dict]:
+    """:func:`_cold_compile` for each of ``whiches``, one after the other, or with ``concurrent``
+    at the same time: the processes start together and wait for each other before the timed
+    call, so both compile under the same load from other processes (and from each other)."""
     sizes = [f"--{k.replace('_', '-')}={getattr(args, k)}"
              for k in ("model", "layers", "d_model", "heads", "seq", "batch", "vocab")]
     if profile is not None:
@@ -236,21 +253,47 @@ def _cold_compile(args: argparse.Namespace, which: str, backend: str, dtype_name
     env = dict(os.environ)
     if args.compile_threads is not None:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
-    cache = None if args.keep_cache else tempfile.mkdtemp(prefix="amp_fx_bench_compile_")
-    if cache is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    barrier = tempfile.mkdtemp(prefix="amp_fx_bench_barrier_") if concurrent else None
+    caches: list[str] = []
+    results = []
     try:
-        proc = subprocess.run(
-            [sys.executable, __file__, *sizes, "--child", which, "--child-backend", backend,
-             "--child-dtype", dtype_name], env=env, capture_output=True, text=True, check=False)
+        procs = []
+        for which in whiches:
+            child_env = dict(env)
+            if not args.keep_cache:
+                caches.append(tempfile.mkdtemp(prefix=_CACHE_PREFIX))
+                child_env["TORCHINDUCTOR_CACHE_DIR"] = caches[-1]
+            command = [sys.executable, __file__, *sizes, "--child", which, "--child-backend",
+                       backend, "--child-dtype", dtype_name]
+            if barrier is not None:
+                command += [f"--child-barrier={barrier}", f"--child-parties={len(whiches)}"]
+            proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            procs.append((which, proc))
+            if not concurrent:
+                results.append(_child_result(which, proc, backend, dtype_name))
+        if concurrent:
+            results = [_child_result(which, proc, backend, dtype_name) for which, proc in procs]
     finally:
-        if cache is not None:
-            shutil.rmtree(cache, ignore_errors=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_CHILD_MARK)]
+        for folder in (*caches, *([barrier] if barrier else [])):
+            shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
+def _child_result(which: str, proc: subprocess.Popen, backend: str, dtype_name: str) -> dict:
+    stdout, stderr = proc.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(_CHILD_MARK)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"compile-timing child failed ({which}, {backend}, {dtype_name}):\n"
-                           f"{proc.stderr[-3000:]}")
+                           f"{stderr[-3000:]}")
     return json.loads(lines[-1][len(_CHILD_MARK):])
+
+
+def _wait_for_parties(folder: str, which: str, parties: int) -> None:
+    """The concurrent children's barrier: say this one is ready, wait until all are."""
+    open(os.path.join(folder, f"{which}.ready"), "w").close()
+    while len([f for f in os.listdir(folder) if f.endswith(".ready")]) < parties:
+        time.sleep(0.01)
 
 
 def _time_steps(pair: Compiled, steps: int, warmup: int) -> tuple[list[float], list[float]]:
@@ -284,6 +327,36 @@ def _warm_up_imports(backends: list[str]) -> None:
     torch._dynamo.reset()
 
 
+_CACHE_PREFIX = "amp_fx_bench_compile_"
+_KERNEL = re.compile(r"c[a-z0-9]{50,}\.kernel\.kernel")
+
+# (phase, (file name, function)): the named steps of a cold compile in torch 2.13, nested ones
+# marked with dots
+_PHASES: tuple[tuple[str, tuple[str, str]], ...] = (
+    ("first forward+backward (all)", ("bench_compile.py", "run")),
+    ("Dynamo: trace, compile the frame (forward)", ("convert_frame.py", "_compile")),
+    (". Dynamo: build guards", ("convert_frame.py", "build_guards")),
+    (". backend call (amp_fx: its passes too)", ("output_graph.py", "_call_user_compiler")),
+    (". . amp_fx: capture and passes", ("backend.py", "rewrite")),
+    (". . . amp_fx: capture", ("capture.py", "capture")),
+    (". . . amp_fx: insert_casts", ("insert_casts.py", "insert_casts")),
+    (". . AOTAutograd and inductor (forward)", ("compile_fx.py", "compile_fx")),
+    (". . . AOTAutograd: joint graph", ("graph_capture.py", "_create_graph")),
+    (". . . AOTAutograd: partition", ("partitioners.py", "min_cut_rematerialization_partition")),
+    (". . . inductor: forward graph", ("compile_fx.py", "fw_compiler_base")),
+    ("inductor: backward graph (at the first backward)", ("compile_fx.py", "bw_compiler")),
+)
+
+
+def _phase_seconds(table: dict[tuple[str, int, str], tuple[int, float, float]],
+                   where: tuple[str, str]) -> float:
+    """The cumulative time of the outermost entry of ``where`` (the largest, when one function
+    name has several entries); 0 when it did not run."""
+    file, name = where
+    return max((c for (f, _, n), (_, _, c) in table.items()
+                if n == name and os.path.basename(f) == file), default=0.0)
+
+
 def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) -> None:
     """cProfile one cold compile of each (fresh processes), print the top of each and the largest
     differences in cumulative time, amp_fx minus the baseline."""
@@ -302,10 +375,23 @@ def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) 
         return f"{short}:{line}({name})"
 
     def cum(which: str) -> dict[tuple[str, int, str], tuple[int, float, float]]:
-        # key -> (primitive calls, own time, cumulative time)
-        return {k: (v[0], v[2], v[3]) for k, v in stats[which].items()}
+        """key -> (primitive calls, own time, cumulative time); inductor's generated modules and
+        C++ kernels (named by a hash of their code and of the cache directory) merged by kind."""
+        out: dict[tuple[str, int, str], tuple[int, float, float]] = {}
+        for (file, line, name), v in stats[which].items():
+            if _CACHE_PREFIX in file:
+                file, line = "<inductor generated code>", 0
+            name = _KERNEL.sub("<C++ kernel>", name)
+            n, t, c = out.get((file, line, name), (0, 0.0, 0.0))
+            out[file, line, name] = (n + v[0], t + v[2], c + v[3])
+        return out
 
     amp, base = cum("amp_fx"), cum("baseline")
+    print("\nphases, cumulative CPU seconds of the compiling process")
+    print(tabulate([[phase, *(f"{_phase_seconds(t, where):.2f}" for t in (amp, base)),
+                     f"{_phase_seconds(amp, where) - _phase_seconds(base, where):+.2f}"]
+                    for phase, where in _PHASES],
+                   headers=["phase", "amp_fx", "baseline", "difference"]))
     for which, table in (("amp_fx", amp), ("baseline", base)):
         rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:top]
         print(f"\n{which}: top {top} by cumulative CPU seconds of the compiling process")
@@ -351,7 +437,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="cProfile one cold compile of each instead (first backend and dtype)")
     parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run each pair's two compiles at the same time (see the module doc)")
     parser.add_argument("--child-profile", help=argparse.SUPPRESS)
+    parser.add_argument("--child-barrier", help=argparse.SUPPRESS)
+    parser.add_argument("--child-parties", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=["amp_fx", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--child-backend", help=argparse.SUPPRESS)
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
@@ -377,9 +467,11 @@ def main() -> None:
         for backend in args.backends:
             amps, bases = [], []
             for i in range(args.compile_repeats):  # alternate which one goes first
-                pair_order = [("amp_fx", amps), ("baseline", bases)]
-                for which, out in pair_order if i % 2 == 0 else reversed(pair_order):
-                    out.append(_cold_compile(args, which, backend, dtype_name))
+                order = ["amp_fx", "baseline"] if i % 2 == 0 else ["baseline", "amp_fx"]
+                found = dict(zip(order, _cold_compiles(args, order, backend, dtype_name,
+                                                       concurrent=args.concurrent), strict=True))
+                amps.append(found["amp_fx"])
+                bases.append(found["baseline"])
             amp = amps[0]
             amp_s = statistics.median(a["seconds"] for a in amps)
             base_s = statistics.median(b["seconds"] for b in bases)
