@@ -26,7 +26,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from amp_fx.inspect._probe import tensors_of
 from amp_fx.policy import CastClass, default_class
 
 __all__: list[str] = []
@@ -67,32 +66,40 @@ class Flow(TorchDispatchMode):
         self.ops: dict[str, list[tuple[str, float]]] = {}
         """Innermost module (``""`` for the root's own code) -> its low-precision ops, in order."""
         self._sources: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[str]]] = {}
+        self._listed: dict[Any, bool] = {}
 
     def producers(self, value: Any) -> frozenset[str]:
         """The modules whose low-precision ops the tensors in ``value`` were computed from."""
         found: set[str] = set()
-        for t in tensors_of(value):
+        for t in _tensors(value):
             seen = self._sources.get(id(t))
             if seen is not None and seen[0]() is t:  # not a dead tensor's reused id
                 found |= seen[1]
         return frozenset(found)
 
-    def _low_precision(self, func: Any, args: Any, kwargs: Any, out: Any) -> float | None:
+    def _low_precision(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[torch.Tensor]
+                       ) -> float | None:
         """The op's FLOPs if autocast ran it in the low dtype by its lower-precision list."""
-        if not any(t.dtype == self.dtype for t in tensors_of(out)):
+        if not any(t.dtype == self.dtype for t in outs):
             return None
         flops = compute_flops(func, args, kwargs, out)
         if flops is not None:
             return flops
-        name = func._overloadpacket.__name__
-        if name in _EXTRA_LOW or default_class(f"aten::{name}", self.device_type) is CastClass.LOWER_PRECISION_FP:
-            return 0.0
-        return None
+        listed = self._listed.get(func)
+        if listed is None:
+            name = func._overloadpacket.__name__
+            listed = self._listed[func] = (
+                name in _EXTRA_LOW
+                or default_class(f"aten::{name}", self.device_type) is CastClass.LOWER_PRECISION_FP)
+        return 0.0 if listed else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        flops = self._low_precision(func, args, kwargs, out)
+        outs = [t for t in _tensors(out) if t.is_floating_point()]
+        if not outs:
+            return out
+        flops = self._low_precision(func, args, kwargs, out, outs)
         if flops is not None:
             owner = self.stack[-1] if self.stack else ""
             self.ops.setdefault(owner, []).append((op_name(func), flops))
@@ -100,7 +107,18 @@ class Flow(TorchDispatchMode):
         else:
             sources = self.producers((args, kwargs))
         if sources:
-            for t in tensors_of(out):
-                if t.is_floating_point():
-                    self._sources[id(t)] = (weakref.ref(t), sources)
+            for t in outs:
+                self._sources[id(t)] = (weakref.ref(t), sources)
         return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result: tensors, and tuples, lists and dicts of them
+    (:func:`tensors_of` without pytree's cost, which every op would pay)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []

@@ -7,15 +7,27 @@ How it works. Every run is eager, on a private copy of the model, with a hook on
 2. the default policy: ``torch.autocast(device, dtype)`` (amp_fx reproduces it bit for bit), with
    the loss scaled as ``GradScaler`` starts (2**16 for fp16; bf16 needs no scaling: 1); each
    module's output is compared with the reference as it is produced (error, headroom, underflow)
-   and dropped;
+   and dropped. A dispatch mode (:class:`~amp_fx.inspect._flow.Flow`) records which module ran
+   each *low-precision op* (one autocast runs in the dtype by its lower-precision list: matmuls,
+   convolutions, attention) and, for every value, the modules whose low-precision ops produced it;
+   where a module, the output or the loss reads a value, its error is compared with the error its
+   producers' outputs carried: growth there (a cancellation in the parent's ``forward``, after the
+   module returned) is attributed to the producers (``amplified after``);
 3. if that run is non-finite or its end-to-end error (loss, gradients, outputs against float64)
-   exceeds the target, candidates are ranked from step 2's local measurements (first the module
-   where inf/NaN first appears or whose values or weights do not fit the dtype, then the modules
-   that amplify error most: output error over input error) and policies are tried in order, each
-   one end-to-end run: the hazards; then the next onset of inf/NaN, or the next candidates by rank
-   (1, 2, 4, ... at a time); finally each kept module is dropped again if the rest still meets the
-   target. A policy keeps a module in fp32 the way ``Policy(keep_fp32=...)`` does in amp_fx: every
-   op inside runs in fp32 (here: autocast disabled inside the module, its inputs cast to fp32).
+   exceeds the target, candidates are ranked from step 2's local measurements (first the innermost
+   modules where inf/NaN first appears or whose values or weights do not fit the dtype, then the
+   producers whose rounding grew after them, then the modules that amplify error most: output
+   error over input error) and policies are tried in order, each one end-to-end run: the hazards;
+   then the next onset of inf/NaN, or the next candidates by rank (1, 2, 4, ... at a time); then
+   each kept module with something found inside it is tried as that smaller part (a leaf before
+   its parent); finally each kept module is dropped again if the rest still meets the target. A
+   policy keeps a module in fp32 the way ``Policy(keep_fp32=...)`` does in amp_fx: every op
+   inside runs in fp32 (here: autocast disabled inside the module, its inputs cast to fp32).
+
+Only modules that run a low-precision op are ever kept: keeping any other (a dropout, an
+activation) moves no low-precision op to fp32, it only upcasts the values passing through, and
+keeping the module that produced them does that too; a hazard found in one stands for the
+producers of its inputs.
 
 The number of runs grows with the number of hazards, not with the number of modules: a healthy
 model costs one float64 and one low-precision forward+backward.
@@ -94,29 +106,47 @@ def _rel_error(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], floor: 
     together: an entry that is zero in exact arithmetic divides nothing, and an all-zero reference
     compares against ``floor`` (the dtype's smallest normal number) per entry. inf when ``low``
     is not finite where ``ref`` is."""
+    parts = _error_parts(low, ref)
+    return math.nan if parts is None else _combine(parts, floor)
+
+
+_Part = tuple[float, float, int] | None
+"""One tensor's ``(||low - ref||^2, ||ref||^2, entries)``; the first inf when ``low`` is not finite
+where ``ref`` is; None when ``ref`` itself is not finite (nothing to measure)."""
+
+
+def _error_parts(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> list[_Part] | None:
+    """Per tensor, what :func:`_combine` sums; None when the lists do not match."""
     if not low or len(low) != len(ref) or any(a.shape != b.shape for a, b in zip(low, ref)):
-        return math.nan
-    num = den = 0.0
-    n = 0
+        return None
+    parts: list[_Part] = []
     for a, b in zip(low, ref):
         a, b = a.double(), b.double()
         d = a - b
         if not bool(torch.isfinite(d).all()):
-            if not bool(torch.isfinite(b).all()):
-                continue  # the reference itself is not finite here: nothing to measure
+            parts.append(None if not bool(torch.isfinite(b).all()) else (math.inf, 0.0, 0))
+            continue
+        parts.append((float(d.pow(2).sum()), float(b.pow(2).sum()), b.numel()))
+    return parts
+
+
+def _combine(parts: Sequence[_Part], floor: float) -> float:
+    num = den = 0.0
+    n = 0
+    for p in parts:
+        if p is None:
+            continue
+        if math.isinf(p[0]):
             return math.inf
-        num += float(d.pow(2).sum())
-        den += float(b.pow(2).sum())
-        n += b.numel()
+        num, den, n = num + p[0], den + p[1], n + p[2]
     return math.sqrt(num) / max(math.sqrt(den), floor * math.sqrt(max(n, 1)))
 
 
 def _max_abs(ts: Sequence[torch.Tensor]) -> float:
     best = 0.0
     for t in ts:
-        finite = t[torch.isfinite(t)]
-        if finite.numel():
-            best = max(best, float(finite.abs().max()))
+        if t.numel():
+            best = max(best, float(t.abs().masked_fill(~torch.isfinite(t), 0).max()))
     return best
 
 
@@ -386,18 +416,18 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
     amplified: dict[tuple[str, ...], float] = {}
     fed_by: dict[str, set[str]] = {}
 
-    def read(low: Sequence[torch.Tensor], ref_values: Sequence[torch.Tensor]) -> None:
-        """Where a module, the output or the loss reads values: has their error grown past what
-        their producers' outputs carried (a cancellation in the code between)?"""
-        for t, r in zip(low, ref_values):
+    def read(values: Sequence[torch.Tensor], parts: Sequence[_Part] | None) -> None:
+        """Where a module, the output or the loss reads ``values`` (with their error ``parts``): has
+        their error grown past what their producers' outputs carried (code in between amplified
+        it: a cancellation in the parent's ``forward``)?"""
+        for t, part in zip(values, parts or ()):
             producers = flow.producers(t)
-            t = t.detach()
-            if not producers or len(producers) > _MAX_PRODUCERS or t.shape != r.shape:
+            if part is None or not producers or len(producers) > _MAX_PRODUCERS:
                 continue
             carried = [last_out.get(p) for p in producers]
             if any(c is None or not c[1] for c in carried):
                 continue  # a producer still running (its parent's own op), or already non-finite
-            error = _rel_error([t], [r], finfo.tiny)
+            error = _combine([part], finfo.tiny)
             growth = error / max(max(c[0] for c in carried if c is not None), unit)
             if _grows(growth, error, dtype):
                 group = tuple(sorted(producers))
@@ -406,16 +436,17 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
     def pre(name: str, args: Any, kwargs: Any) -> None:
         with _disable_current_modes():
             s = _CallStats()
-            low_in = _floats((args, kwargs))
+            raw = _float_tensors((args, kwargs))
+            low_in = [t.detach() for t in raw]
             i = starts.get(name, 0)
             starts[name] = i + 1
-            ref_in = ref.inputs.get((name, i), [])
+            parts = _error_parts(low_in, ref.inputs.get((name, i), []))
             s.in_finite = _finite(low_in)
-            s.in_error = _rel_error(low_in, ref_in, finfo.tiny) if low_in else 0.0
+            s.in_error = (0.0 if not low_in else math.nan if parts is None
+                          else _combine(parts, finfo.tiny))
             pending.setdefault(name, []).append(s)
-            raw = _float_tensors((args, kwargs))
             fed_by.setdefault(name, set()).update(flow.producers(raw))
-            read(raw, ref_in)
+            read(raw, parts)
         stack.append(name)
 
     def post(name: str, out: Any) -> None:
@@ -443,11 +474,12 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
         with torch.autocast(device_type, dtype=dtype), flow:
             out = call.copy()(m)
             loss = _loss_of(out, loss_fn)
-    read(_float_tensors(out), ref.out)
-    if loss is not None and ref.loss is not None:
-        read([loss], [ref.loss])
     outs = _floats(out)
-    output_error = _rel_error(outs, ref.out, finfo.tiny)
+    out_parts = _error_parts(outs, ref.out)
+    read(_float_tensors(out), out_parts)
+    if loss is not None and ref.loss is not None:
+        read([loss], _error_parts([loss.detach()], [ref.loss]))
+    output_error = math.nan if out_parts is None else _combine(out_parts, finfo.tiny)
     finite = _finite(outs)
     names = [n for n, p in m.named_parameters()]
     params = [p for p in m.parameters()]
@@ -703,7 +735,7 @@ class Cost:
     """What the advised policy costs, forward pass (counted on the eager run)."""
 
     fp32_flop_share: float
-    """Share of the matmul/conv FLOPs that run in fp32 (0 with the default policy, up to 1)."""
+    """Share of the matmul/conv/attention FLOPs that run in fp32 (0 with the default policy, up to 1)."""
     default_fp32_flop_share: float
     cast_bytes: int
     """Bytes the dtype casts read and write per call with the advised policy."""
@@ -792,7 +824,7 @@ class Advice:
                  "  by part, default / advised: " + "; ".join(
                      f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
                      for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
-                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv FLOPs in fp32 "
+                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
                  f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
                  f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"]
         lines += [f"{'kept:' if i == 0 else '     '} {k}" for i, k in enumerate(self.kept)]

@@ -20,7 +20,11 @@ module that holds the hazard in :data:`HAZARDS`:
   fc2, dropout), so the dropout after it and ``block`` itself hold the same overflowing value:
   keeping the one Linear ``block.fc2`` suffices;
 * ``overflow_then_dropout`` (fp16): ``up``'s output overflows, then passes through the dropout
-  ``drop`` (no low-precision op inside: keeping it would change no op).
+  ``drop`` (no low-precision op inside: keeping it would change no op);
+* ``exp_overflow`` (fp16): inside ``block``, a hand-written softplus ``log1p(exp(inp(x)))`` whose
+  ``exp`` overflows fp16 (``inp``'s outputs reach ~16, and exp(11.1) is fp16's max): ``block`` is
+  where the inf appears, but keeping ``block.inp`` in fp32 is enough (the ``exp`` follows its
+  input's dtype).
 
     >>> model, inputs, loss_fn = build("linear_overflow")
     >>> bool(torch.isfinite(loss_fn(model(*inputs))))
@@ -46,6 +50,7 @@ HAZARDS = {
     "cancellation_after_module": ("bf16", "proj"),
     "overflow_in_block": ("fp16", "block.fc2"),
     "overflow_then_dropout": ("fp16", "up"),
+    "exp_overflow": ("fp16", "block"),
 }
 """name -> (dtype, the module holding the hazard)."""
 
@@ -57,6 +62,7 @@ MINIMAL_KEEP = {
     "cancellation_after_module": ("proj",),
     "overflow_in_block": ("block.fc2",),
     "overflow_then_dropout": ("up",),
+    "exp_overflow": ("block.inp",),
 }
 """name -> the smallest keep-list that meets advise's default target: the module whose
 low-precision op (a Linear's matmul; for ``attention_overflow`` the functional ``q @ k.T``, which
@@ -187,6 +193,28 @@ class OverflowThenDropout(nn.Module):
         return self.head(self.norm(self.drop(self.up(torch.relu(self.fc1(x))))))
 
 
+class _Softplus(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.log1p(torch.exp(self.inp(x))))
+
+
+class ExpOverflow(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.block = _Softplus()
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():  # bias 16: exp(16) ~ 9e6, above fp16's 65504; bias 2: exp ~7, fits
+            self.block.inp.bias.fill_(16.0 if hazard else 2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(x))
+
+
 class WeightOverflow(nn.Module):
     def __init__(self, hazard: bool) -> None:
         super().__init__()
@@ -219,4 +247,6 @@ def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
         return OverflowInBlock(hazard), (torch.randn(4, 16, generator=gen),), _loss
     if name == "overflow_then_dropout":
         return OverflowThenDropout(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "exp_overflow":
+        return ExpOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
     raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS)}")
