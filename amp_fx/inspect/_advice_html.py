@@ -107,6 +107,7 @@ Cost: {cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32; casts m
 <h2>policy</h2>
 <pre>from amp_fx import Policy
 policy = {html.escape(policy_code(advice.policy))}</pre>
+{''.join(f'<p>kept: {html.escape(str(k))}</p>' for k in advice.kept)}
 <h2>measurements</h2>
 <pre>{html.escape(advice.table(limit=None))}</pre>
 {picture}
