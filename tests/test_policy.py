@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from amp_fx import CastClass, Policy
-from amp_fx._devices import DEVICES
+from amp_fx._common.devices import DEVICES
 from amp_fx.policy import DEFAULT_TABLES, _op_from_name, default_class, resolve_dtype
 from amp_fx.testing.real_models import library_missing
 

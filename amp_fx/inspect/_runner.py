@@ -29,9 +29,9 @@ import torch
 import torch.fx
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-from amp_fx._backends import Backend, backend_name, resolve_backend
-from amp_fx._dtype_names import dtype_name
-from amp_fx.backend import GraphRecord, leaves_cast_with_shared_cast, splits_noted_by_caller
+from amp_fx._common.downstream import Backend, backend_name, resolve_backend
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.inspect._probe import (
     clone_tensor,
@@ -42,6 +42,7 @@ from amp_fx.inspect._probe import (
     source_text,
     tensors_of,
 )
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
 
 __all__: list[str] = []

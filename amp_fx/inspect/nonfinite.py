@@ -33,9 +33,8 @@ import torch
 import torch.fx
 from tabulate import tabulate
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.inspect._probe import (
     all_finite,
     format_range,
@@ -53,6 +52,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]

@@ -1,6 +1,6 @@
 """insert_casts: apply the autocast policy to a captured ATen graph by inserting explicit casts.
 
-Assumes (what :func:`amp_fx.capture.capture` guarantees): every ``call_function`` node targets an
+Assumes (what :func:`amp_fx.passes.capture.capture` guarantees): every ``call_function`` node targets an
 ATen ``OpOverload`` or a Python callable such as ``operator.getitem``; every node has
 ``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``.
 
@@ -33,7 +33,7 @@ Guarantees:
 Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> from amp_fx.capture import capture
+    >>> from amp_fx.passes.capture import capture
     >>> from amp_fx.policy import Policy
     >>> with FakeTensorMode() as mode:
     ...     x, w = torch.empty(2, 4), torch.empty(3, 4)
@@ -62,11 +62,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
-from amp_fx._devices import autocast_device_type
-from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import eager_autocast, module_stack
+from amp_fx._common.devices import autocast_device_type
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
+from amp_fx.passes.capture import eager_autocast, module_stack
 from amp_fx.policy import (
     APPEND_DTYPE_REDISPATCH,
     CastClass,
@@ -390,5 +390,5 @@ def insert_casts(
 
 
 def graph_device_type(vals: Sequence[Any]) -> str:
-    """The autocast device type for a graph (the rule in :func:`amp_fx._devices.autocast_device_type`)."""
+    """The autocast device type for a graph (the rule in :func:`amp_fx._common.devices.autocast_device_type`)."""
     return autocast_device_type(vals)

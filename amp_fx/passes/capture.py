@@ -48,7 +48,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
-from amp_fx._compat import current_decomposition_table
+from amp_fx._common.compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
 from amp_fx.policy import CastClass, Policy, _op_from_name, banned_message, default_class
