@@ -27,7 +27,8 @@ import torch
 
 from amp_fx._common.compat import autocast_registrations
 
-__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class"]
+__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
+           "module_matches", "op_from_name"]
 
 
 class CastClass(enum.Enum):
@@ -230,7 +231,7 @@ def op_name(op: torch._ops.OpOverload) -> str:
 
 
 @cache
-def _op_from_name(name: str) -> torch._ops.OpOverload:
+def op_from_name(name: str) -> torch._ops.OpOverload:
     ns, _, rest = name.partition("::")
     packet_name, _, overload = rest.partition(".")
     packet = getattr(getattr(torch.ops, ns), packet_name)
@@ -420,7 +421,7 @@ def module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
 
 
 def _check_class_fits(name: str, cls: CastClass) -> None:
-    op = _op_from_name(name)
+    op = op_from_name(name)
     if cls is CastClass.OWN_KERNEL:
         from amp_fx._common.devices import DEVICES
 

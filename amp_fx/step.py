@@ -74,7 +74,7 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.found_inf import combine_first_op, ranks_of
 from amp_fx._dist.step import LocalShards, check_distributed_step, distributed_forward, is_fsdp2
 from amp_fx.backend.weight_cache import StepWriter
-from amp_fx.compile import _weight_cache_off_for_fsdp2, compile_with
+from amp_fx.compile import compile_with, weight_cache_off_for_fsdp2
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
 from amp_fx.options import Options
 from amp_fx.overflow import OverflowReport, root_names
@@ -210,7 +210,7 @@ class CompiledStep:
         self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
-        if options.weight_cache and _weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
+        if options.weight_cache and weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
             options = options.replace(weight_cache=False)
         self._forward = distributed_forward(  # DDP/FSDP2: per-unit capture, no grad sync within a window
             self, compile_model=lambda m: compile_with(m, options),

@@ -72,9 +72,9 @@ from amp_fx.policy import (
     CastClass,
     Decision,
     Policy,
-    _op_from_name,
     banned_message,
     default_class,
+    op_from_name,
 )
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
@@ -223,7 +223,7 @@ class _Rewriter:
             self.record.dtype_args_set += 1
 
     def append_dtype(self, node: torch.fx.Node) -> None:
-        target = _op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
+        target = op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
         schema = node.target._schema
         args = list(node.args)
         for a in schema.arguments[len(args):]:
