@@ -2,7 +2,8 @@
 
 Assumes (what :func:`amp_fx.passes.capture.capture` guarantees): every ``call_function`` node targets an
 ATen ``OpOverload`` or a Python callable such as ``operator.getitem``; every node has
-``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``.
+``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``. The pipeline checks these in strict
+mode or with DEBUG logging (``passes/pipeline.py``: ``Stage.requires``).
 
 Guarantees:
     * for each op the policy classifies, the op receives exactly the inputs eager autocast would
@@ -30,7 +31,7 @@ Guarantees:
       :mod:`amp_fx.passes.meta`);
     * the graph lints.
 
-Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
+Example (what the pipeline's first two stages do for each Dynamo graph):
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
     >>> from amp_fx.passes.capture import capture

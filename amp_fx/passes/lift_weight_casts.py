@@ -68,6 +68,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes import meta
 
 __all__ = ["Lifted", "lift_weight_casts"]
 
@@ -96,7 +97,7 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     weight = inputs[position[src]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
         return False
-    return bool(node.meta.get("amp_fx_cached")) if weight.requires_grad else True
+    return bool(node.meta.get(meta.CACHED)) if weight.requires_grad else True
 
 
 def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode | None) -> torch.Tensor:
