@@ -51,7 +51,7 @@ from tabulate import tabulate
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.inspect._flow import Flow, compute_flops
 from amp_fx.inspect._probe import tensors_of
 from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
