@@ -436,6 +436,31 @@ def test_real_model_planted_overflow_keeps_only_the_leaf(name: str, leaf: str) -
 
 
 @pytest.mark.models
+def test_real_model_cancellation_after_the_module_keeps_only_it() -> None:
+    """The real-model tier's GPT-2 in bf16 with 4000 added to the bias of block 0's attention output
+    projection (`transformer.h.0.attn.c_proj`, a Conv1D): its bf16 output is as exact as bf16 allows
+    (spacing 16 at 4000), and the LayerNorm `ln_2` after the residual add subtracts the mean,
+    leaving mostly rounding: a cancellation in a module that runs no low-precision op, after the
+    module whose rounding it amplifies. End-to-end error 0.21, under the default target (32 eps) but
+    far above a target of 8 eps, which the healthy model meets by 10x (0.0054). advise attributes
+    the growth to c_proj and keeps it alone (3.7% of the FLOPs); before, it kept the whole
+    `transformer` (92% of the FLOPs). Checked through amp_fx.compile."""
+    entry = REAL_MODELS["hf_gpt2"]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    model, inputs, loss_fn = entry.build()
+    leaf = "transformer.h.0.attn.c_proj"
+    with torch.no_grad():
+        model.get_submodule(leaf).bias.add_(4000.0)
+    target = 8 * 2.0 ** -7
+    advice = amp_fx.advise(model, dtype="bf16", loss_fn=loss_fn, target=target, **inputs)
+    assert advice.keep_fp32 == (leaf,) and advice.verified and advice.runs == 2, str(advice)
+    assert advice.module(leaf).finding == "amplified after"
+    assert _amp_fx_error(model, (), loss_fn, "bf16", amp_fx.Policy(), **inputs) > target
+    assert _amp_fx_error(model, (), loss_fn, "bf16", advice.policy, **inputs) <= target
+
+
+@pytest.mark.models
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_resnet_no_false_alarm(dtype: str) -> None:
     """ResNet-18 in train mode: BatchNorm's backward in the low dtype leaves a gradient error spread
