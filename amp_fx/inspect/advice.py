@@ -72,9 +72,10 @@ _MAX_RUNS = 8
 """End-to-end runs the search may make after the baseline (each one low-precision forward and
 backward): the planted hazards need at most 3."""
 _MAX_PRODUCERS = 4
-"""A value computed from more modules' low-precision ops than this (a residual stream) is not
-attributed to them: keeping all of them is no small fix, and the search would pay one run each to
-find which matter."""
+"""A value computed from more modules' low-precision ops than this (a residual stream) is attributed
+only to those whose outputs carry most of the error (at least a quarter of the largest absolute
+error), and not at all when they are still more: keeping all of them is no small fix, and the
+search would pay one run each to find which matter."""
 _MAX_BACKOFFS = 24
 """Halvings of the loss scale tried when the scaled gradients overflow (GradScaler backs off the
 same way, one halving per skipped step): from 2**16 down to 2**-8."""
@@ -412,7 +413,8 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
     order: list[str] = []
     stack: list[str] = []
     flow = Flow(stack, dtype, device_type)
-    last_out: dict[str, tuple[float, bool]] = {}  # module -> its latest call's (output error, finite)
+    # module -> its latest call's output: (relative error, absolute error ||low - ref||, finite)
+    last_out: dict[str, tuple[float, float, bool]] = {}
     amplified: dict[tuple[str, ...], float] = {}
     fed_by: dict[str, set[str]] = {}
 
@@ -422,13 +424,18 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
         it: a cancellation in the parent's ``forward``)?"""
         for t, part in zip(values, parts or ()):
             producers = flow.producers(t)
-            if part is None or not producers or len(producers) > _MAX_PRODUCERS:
+            if part is None or not producers:
                 continue
-            carried = [last_out.get(p) for p in producers]
-            if any(c is None or not c[1] for c in carried):
+            carried = {p: last_out.get(p) for p in producers}
+            if any(c is None or not c[2] for c in carried.values()):
                 continue  # a producer still running (its parent's own op), or already non-finite
+            if len(producers) > _MAX_PRODUCERS:  # a residual stream: those that carry most error
+                most = max(c[1] for c in carried.values() if c is not None)
+                producers = frozenset(p for p, c in carried.items() if c is not None and c[1] >= most / 4)
+                if len(producers) > _MAX_PRODUCERS:
+                    continue
             error = _combine([part], finfo.tiny)
-            growth = error / max(max(c[0] for c in carried if c is not None), unit)
+            growth = error / max(max(c[0] for p, c in carried.items() if p in producers and c is not None), unit)
             if _grows(growth, error, dtype):
                 group = tuple(sorted(producers))
                 amplified[group] = max(amplified.get(group, 0.0), growth)
@@ -460,11 +467,14 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
             ref_out = ref.outputs.get((name, i), [])
             s.out_finite = _finite(low_out)
             s.out_low = any(t.dtype in _LOW for t in low_out)
-            s.out_error = _rel_error(low_out, ref_out, finfo.tiny)
+            out_parts = _error_parts(low_out, ref_out)
+            s.out_error = math.nan if out_parts is None else _combine(out_parts, finfo.tiny)
             s.out_max = _max_abs(ref_out)
             s.underflow = _underflow(ref_out, dtype) if s.out_low else 0.0
             per_call.setdefault(name, []).append(s)
-            last_out[name] = (s.out_error, s.out_finite)
+            if out_parts is not None:
+                absolute = math.sqrt(sum(p[0] for p in out_parts if p is not None))
+                last_out[name] = (s.out_error, absolute, s.out_finite)
             if name not in order:
                 order.append(name)
 

@@ -21,6 +21,10 @@ module that holds the hazard in :data:`HAZARDS`:
   keeping the one Linear ``block.fc2`` suffices;
 * ``overflow_then_dropout`` (fp16): ``up``'s output overflows, then passes through the dropout
   ``drop`` (no low-precision op inside: keeping it would change no op);
+* ``residual_cancellation`` (bf16): six pre-norm residual blocks (``x + blocks[i](norms[i](x))``)
+  and a final norm; ``blocks.4``'s bias adds 1000 to the residual stream, and every LayerNorm after
+  it subtracts the mean again, leaving mostly the rounding of ``blocks.4``'s bf16 output. The
+  damaged value has five producers (every block before it): keeping ``blocks.4`` alone suffices;
 * ``exp_overflow`` (fp16): inside ``block``, a hand-written softplus ``log1p(exp(inp(x)))`` whose
   ``exp`` overflows fp16 (``inp``'s outputs reach ~16, and exp(11.1) is fp16's max): ``block`` is
   where the inf appears, but keeping ``block.inp`` in fp32 is enough (the ``exp`` follows its
@@ -51,6 +55,7 @@ HAZARDS = {
     "overflow_in_block": ("fp16", "block.fc2"),
     "overflow_then_dropout": ("fp16", "up"),
     "exp_overflow": ("fp16", "block"),
+    "residual_cancellation": ("bf16", "blocks.4"),
 }
 """name -> (dtype, the module holding the hazard)."""
 
@@ -63,6 +68,7 @@ MINIMAL_KEEP = {
     "overflow_in_block": ("block.fc2",),
     "overflow_then_dropout": ("up",),
     "exp_overflow": ("block.inp",),
+    "residual_cancellation": ("blocks.4",),
 }
 """name -> the smallest keep-list that meets advise's default target: the module whose
 low-precision op (a Linear's matmul; for ``attention_overflow`` the functional ``q @ k.T``, which
@@ -215,6 +221,22 @@ class ExpOverflow(nn.Module):
         return self.head(self.block(x))
 
 
+class ResidualCancellation(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(6))
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.blocks[4].bias.add_(1000.0 if hazard else 0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        return self.head(self.norm(x))
+
+
 class WeightOverflow(nn.Module):
     def __init__(self, hazard: bool) -> None:
         super().__init__()
@@ -247,6 +269,8 @@ def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
         return OverflowInBlock(hazard), (torch.randn(4, 16, generator=gen),), _loss
     if name == "overflow_then_dropout":
         return OverflowThenDropout(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "residual_cancellation":
+        return ResidualCancellation(hazard), (torch.randn(4, 16, generator=gen),), _loss
     if name == "exp_overflow":
         return ExpOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
     raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS)}")
