@@ -7,9 +7,9 @@ calls the wrapped module inside a ``_disable_dynamo`` function and FSDP2's hooks
 **The forward, DDP and FSDP2 alike.** DDP's (FSDP2's) ``__call__`` runs eagerly with the
 forwards of the units compiled by ``amp_fx.compile`` (per-unit capture, ``capture.py``), the
 loss under the same autocast as torch's AMP recipe, then the step's own forward-and-loss
-arithmetic (``amp_fx.step.forward.ForwardLoss``: the window division and the scale multiply, one
-home for that rule, handed in as a callable). Every
-micro-batch of an accumulation window but the last runs without gradient synchronisation:
+arithmetic (``amp_fx.step.forward.ForwardLoss``, handed in as a callable: the window division and
+the scale multiply, one home for that rule). Every micro-batch of an accumulation window but the
+last runs without gradient synchronisation:
 DDP's ``no_sync()`` around the forward (DDP decides in the forward), FSDP2's
 ``set_requires_gradient_sync(False)`` (FSDP2 decides in the backward, so the flag is set for
 each micro-batch before its forward and left as the last one set it: True after a window).
