@@ -354,11 +354,19 @@ def _first_line(e: BaseException) -> str:
 
 def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype
                          ) -> BaseException | None:
-    """The error eager ``torch.autocast`` raises on this model, or None if it runs."""
+    """The error eager ``torch.autocast`` raises on this model (forward and backward, as the tools
+    run it), or None if it runs.
+
+    With grad, not under ``no_grad``: a kernel may exist for inference only (oneDNN's fp16 LSTM on
+    CPUs with AMX runs under ``no_grad`` and fails to create its training primitive), and the
+    tools' own run, which failed, had grad on."""
     target = private_copy(model_or_fn)
     try:
-        with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
-            call.copy()(target)
+        with torch.autocast(device_type, dtype=dtype):
+            out = call.copy()(target)
+        floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+        if floats:
+            sum(t.float().sum() for t in floats).backward()
     except Exception as e:
         return e
     return None

@@ -259,7 +259,8 @@ def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Seq
             if check:
                 _check_preconditions(stage, work, done)
             stage.run(options, work)
-    log.debug("amp_fx graph %d:\n%s", index, work.record(options.dtype))
+    if log.isEnabledFor(logging.DEBUG) and work.captured is not None:
+        log.debug("amp_fx graph %d:\n%s", index, work.record(options.dtype))
     return work
 
 
