@@ -97,10 +97,10 @@ class SkipRecord:
         self.group = ranks_of(model) if watch is not None else None
         self.attached, self.unattached = True, None
 
-    def attach_found(self, params: Sequence[torch.Tensor]) -> None:
+    def attach_found(self, optimizer: torch.optim.Optimizer) -> None:
         """Without :meth:`attach`: attach the model compiled with ``watch_nonfinite=True`` whose
-        parameters ``params`` (an optimizer's) are, once, as ``attach`` would for it (under DDP, the
-        DDP module its forward ran in). Several such models, or watched models that all hold other
+        parameters ``optimizer`` holds, once, as ``attach`` would for it (under DDP, the DDP module
+        its forward ran in). Several such models, or watched models that all hold other
         parameters: nothing is attached, and :attr:`unattached` says why.
 
         The outcome depends on the compiled modules alive and the optimizer's parameters only, so
@@ -111,7 +111,7 @@ class SkipRecord:
         models = watched_models()
         if not models:
             return  # nothing was asked to be watched: gradients named by position, as ever
-        ids = {id(p) for p in params}
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
         holding = [(m, w) for m, w in models if any(id(p) in ids for p in m.parameters())]
         if len({id(w) for _, w in holding}) == 1:
             model, watch = holding[0]

@@ -54,7 +54,7 @@ from amp_fx.overflow.record import SkipRecord
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.overflow.watch import forward_watch
 from amp_fx.scaler import rules
-from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot, creates_state, unique_params
+from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot, creates_state
 
 __all__ = ["GradScaler", "ScalerMode", "StepMode"]
 
@@ -460,7 +460,7 @@ class GradScaler(torch.amp.GradScaler):
         per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         per_device_params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         sharded = ShardedGrads()  # FSDP2: DTensor grads are unscaled through their local shard
-        self._skip_record.attach_found(unique_params(optimizer))  # once, unless watch() was called
+        self._skip_record.attach_found(optimizer)  # once, unless watch() was called
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
