@@ -88,7 +88,7 @@ class CompiledStep:
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         params = self._follow.params
-        self._finish = Finish(optimizer, params, record, max_grad_norm=config.max_grad_norm,
+        self._finish = Finish(optimizer, params, record, fused=self._fused, max_grad_norm=config.max_grad_norm,
                               grad_norm=config.grad_norm, writer=None if cache is None else StepWriter(cache, params),
                               shards=shards, backend=options.backend)
         self._finish_backend = self._finish.backend

@@ -112,13 +112,13 @@ class Finish:
     compiled graph itself (compiled on a code object of its own: its own Dynamo cache entries)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], record: SkipRecord, *,
-                 max_grad_norm: float | None, grad_norm: GradNorm, writer: StepWriter | None,
+                 fused: bool, max_grad_norm: float | None, grad_norm: GradNorm, writer: StepWriter | None,
                  shards: StepShards, backend: str | Backend) -> None:
         self.optimizer = optimizer
         self.record = record
         self.max_grad_norm = max_grad_norm
         self.grad_norm = grad_norm
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self.fused = fused  # the optimizer skips on the device itself (``_step_supports_amp_scaling``)
         self.raw_step = raw_step(optimizer)
         self.shards = shards
         self.writer = writer
