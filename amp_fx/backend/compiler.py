@@ -46,8 +46,9 @@ class AmpBackend:
         self.reporter = reporter if reporter is not None else Reporter(options.strict)
         self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
         """amp_fx/backend/weight_cache.py: fills the graphs' lifted weight casts."""
-        self.watch: ForwardWatch | None = ForwardWatch() if options.watch_nonfinite else None
-        """amp_fx/overflow.py: the first non-finite forward op, on the device."""
+        self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
+        """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
+        the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
         self._downstream = resolve_backend(options.backend, inductor_config=options.inductor)
         self.records: list[GraphRecord] = []
         self.runs = RunCount()
