@@ -309,8 +309,9 @@ def compile(
             :func:`uncompile` undoes it. Modules only.
         watch_nonfinite: record, on the device and for each call, the first op (in graph order)
             whose low-precision output holds an inf/NaN (``amp_fx.overflow``); an
-            ``amp_fx.GradScaler`` that ``watch()``-es the model names it in ``overflow_report()``.
-            Values computed are unchanged.
+            ``amp_fx.GradScaler`` whose optimizer trains this model names it in
+            ``overflow_report()`` (it finds the model itself; ``scaler.watch(model)`` says which
+            model when several are watched). Values computed are unchanged.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 

@@ -195,6 +195,16 @@ def _decided(work: GraphWork) -> str | None:
     return None
 
 
+def _cast_decisions_recorded(work: GraphWork) -> str | None:
+    """insert_casts ran: its decisions are on the graph's ops (later passes add ops of their own,
+    such as the watch's checks, which carry none)."""
+    ops = [n for n in work.gm.graph.nodes
+           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    if ops and not any(meta.DECISION in n.meta for n in ops):
+        return f"no op carries meta[{meta.DECISION!r}] (insert_casts has not run?)"
+    return None
+
+
 def _example_per_placeholder(work: GraphWork) -> str | None:
     """One example input per placeholder, in order (lifting appends to both)."""
     n = sum(1 for node in work.gm.graph.nodes if node.op == "placeholder")
@@ -222,7 +232,7 @@ PIPELINE: tuple[Stage, ...] = (
     Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite,
           requires=(_aten_graph, _decided)),
     Stage("lift_weight_casts", _lift_weight_casts, enabled=lambda o: o.weight_cache,
-          requires=(_decided, _example_per_placeholder)),
+          requires=(_cast_decisions_recorded, _example_per_placeholder)),
 )
 """What runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
 
