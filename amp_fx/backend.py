@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import inspect
 import logging
 import re
 import time
@@ -38,6 +39,7 @@ from amp_fx.passes import meta
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import lift_weight_casts
+from amp_fx.passes.watch_backward import WATCHABLE, watching_downstream
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
 from amp_fx.policy import CastClass, Policy, _module_matches
 from amp_fx.weight_cache import WeightCache
@@ -63,6 +65,9 @@ class GraphRecord:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     watched: WatchRecord | None = None
     """The ops ``watch_nonfinite`` watches (None when the watch is off)."""
+    watched_backward: WatchRecord | None = None
+    """The ops of this graph's backward that ``watch_backward`` watches (None until AOTAutograd
+    compiled the backward with the watch on)."""
 
     @property
     def casts(self) -> int:
@@ -129,6 +134,8 @@ class AmpBackend:
         """The module the user compiled: every module path in the graphs is a name under it."""
         self.reporter = reporter if reporter is not None else Reporter()
         """Where this backend's shortfalls go (one per compiled model, shared by its siblings)."""
+        if self.watch is not None:
+            self._report_unwatched_backward(self.watch)
         self.records: list[GraphRecord] = []
         self.runs = _RunCount()
         """How many times a graph of this backend (or a sibling) has run."""
@@ -149,8 +156,10 @@ class AmpBackend:
         other._compiles = {}
         return other
 
-    def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> GraphRecord:
-        """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled)."""
+    def rewrite(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                names: _RootNames | None = None) -> GraphRecord:
+        """Run capture and the passes on one Dynamo graph; returns the record (not yet compiled).
+        ``names``: the frame's objects named under the root (tells module state from data)."""
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         # Fakify through the backend's fake mode (the one AOTAutograd will use), not Dynamo's
         # tracing one, so our fake values and the downstream trace agree (from_tensor memoizes).
@@ -165,7 +174,8 @@ class AmpBackend:
         work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
                           device_type=graph_device_type(fake_args),
                           leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
-                          data_inputs=data_inputs(gm, example_inputs))
+                          data_inputs=data_inputs(gm, example_inputs,
+                                                  names.is_module_state if names is not None else None))
         timings: dict[str, float] = {}
         done: list[str] = []
         for stage in PIPELINE:
@@ -190,13 +200,13 @@ class AmpBackend:
         names = _RootNames(self.root)
         names.rename_module_stacks(gm)
         with torch._C._DisableAutocast():
-            record = self.rewrite(gm, example_inputs)
+            record = self.rewrite(gm, example_inputs, names)
             self.records.append(record)
             if self.weight_cache is not None:
                 compiled = self._compile_with_weight_cache(record, list(example_inputs))
             else:
                 self._report_leaf_casts_split_by_graph_breaks(record, gm, example_inputs, names)
-                compiled = self._downstream(record.rewritten, list(example_inputs))
+                compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
         runs = self.runs
         guarded: set[type] = set()
         watch, index = self.watch, record.index
@@ -226,9 +236,10 @@ class AmpBackend:
         weights itself, and the owner's reporter says so (an error in strict mode) instead of
         the failure surfacing from inside Dynamo."""
         assert self.weight_cache is not None
+        downstream = self._downstream_for(record)
         try:
             graph, lifted_inputs, lifted = lift_weight_casts(record.rewritten, inputs)
-            compiled = self._downstream(graph, lifted_inputs)
+            compiled = downstream(graph, lifted_inputs)
         except AmpFxError:
             raise
         except Exception as e:
@@ -239,8 +250,42 @@ class AmpBackend:
                 f"in every forward instead (no saving, and a weight it shares with another graph of "
                 f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
                 f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."))
-            return self._downstream(record.rewritten, inputs)
+            return downstream(record.rewritten, inputs)
         return self.weight_cache.wrap(compiled, lifted)
+
+    # --- the backward watch (amp_fx/passes/watch_backward.py) ---------------------------------
+
+    def _downstream_for(self, record: GraphRecord) -> Backend:
+        """The downstream compile for ``record``'s graph: with the watch, one that also watches
+        its backward graph where the backend has one amp_fx can reach."""
+        watch = self.watch
+        if watch is None or watch.backward_unwatched or not isinstance(self.backend, str):
+            return self._downstream
+        key, dtype = watch.backward_key(record.index), self.dtype
+
+        def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:
+            watch.add_graph(key, watched.ops)
+            record.watched_backward = watched
+            return functools.partial(watch.ran, key)
+
+        downstream = watching_downstream(self.backend, inductor_config=self.inductor_config, dtype=dtype,
+                                         forward=record.rewritten, on_backward=on_backward)
+        return downstream if downstream is not None else self._downstream
+
+    def _report_unwatched_backward(self, watch: ForwardWatch) -> None:
+        """``watch_nonfinite=True`` with a backend whose backward graph amp_fx cannot reach: the
+        forward is watched, the backward is not; say so once (the report line says it too)."""
+        if isinstance(self.backend, str) and self.backend in WATCHABLE:
+            return
+        if self.backend == "eager":
+            why = "backend 'eager' runs the graphs' ops through eager autograd: there is no backward graph"
+        else:
+            why = f"backend {self.backend_name!r} is not one whose backward graph amp_fx reaches"
+        watch.backward_unwatched = why
+        self.reporter.did_less(("watch_nonfinite", "backward"), (
+            f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
+            f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
+            f"'inductor' to name the backward's first inf too."), stacklevel=5)
 
     def _report_leaf_casts_split_by_graph_breaks(
         self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -515,10 +560,14 @@ class _RootNames:
     """Names under the compiled root module for the objects a Dynamo frame reaches.
 
     Dynamo names modules and parameters by the expression that reaches them from the frame it
-    compiles (``L['self'].head``). That frame is not always the root's: after a graph break inside
-    a submodule, Dynamo compiles the submodule's forward as a frame of its own, whose ``self`` is
-    the submodule. The expression is evaluated against the frame's real locals, and the object it
-    reaches is named by identity, as the root's ``named_modules()``/``named_parameters()`` name it.
+    compiles (``L['self'].head``). The shape of that expression says nothing reliable: after a
+    graph break inside a submodule the frame is the submodule's forward (``self`` is the
+    submodule), and a decorator on ``forward`` (transformers 5.24 wraps ``LlamaForCausalLM.forward``
+    in a ``functools.wraps`` wrapper taking ``*args``) makes the root ``L['args'][0]``. So every
+    object is named by identity, as the root's ``named_modules()``/``named_parameters()`` name it:
+    a module Dynamo records in ``nn_module_stack`` by its key (``str(id(module))``, or the key of
+    the output graph's module table), else by the object its source expression reaches from the
+    frame's real locals.
     """
 
     def __init__(self, root: torch.nn.Module | None) -> None:
@@ -532,15 +581,19 @@ class _RootNames:
             tx = InstructionTranslator.current_tx()
             self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
                           "getattr": getattr}
-            first = _frame_self_name(tx.f_code)
+            own = _frame_self(tx.f_code, tx.f_locals)
+            self._keyed: dict[str, Any] = dict(getattr(tx.output, "nn_modules", None) or {})
         except Exception:  # not called from Dynamo (a test calling the backend directly)
-            self.scope, first = None, None
-        self._modules = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+            self.scope, own, self._keyed = None, None, {}
+        self._modules: dict[int, str] = {}
+        self._by_id: dict[int, torch.nn.Module] = {}
+        for name, module in root.named_modules(remove_duplicate=False):  # a shared module: its first name
+            self._modules.setdefault(id(module), name)
+            self._by_id[id(module)] = module
         # The frame's own module (its first argument, ``self``) when it is a submodule of the
         # root: Dynamo records only the modules called inside the frame, so the ops the frame runs
         # itself would otherwise belong to no module (a graph break inside a submodule, or a
         # DDP/FSDP2 unit compiled on its own).
-        own = self.scope["L"].get(first) if self.scope is not None and first else None
         own_name = self._modules.get(id(own)) if isinstance(own, torch.nn.Module) else None
         self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
@@ -564,15 +617,44 @@ class _RootNames:
         return table.get(id(obj)) if obj is not None else None
 
     def _walk(self, source: str) -> object | None:
-        """``L['module'].2``: Dynamo's module paths are not always Python (an nn.Sequential's
-        child is written ``.2``); walk them attribute by attribute from the frame's local."""
-        match = re.fullmatch(r"L\['(\w+)'\]((?:\.\w+)*)", source)
+        """``L['args'][0].layers.2``: Dynamo's paths are not always Python (an nn.Sequential's
+        child is written ``.2``); walk them step by step (``.name``, ``[0]``, ``['key']``) from the
+        frame's local or global."""
+        match = re.match(r"([LG])\['([^']*)'\]", source)
         if match is None or self.scope is None:
             return None
-        obj = self.scope["L"].get(match.group(1))
-        for part in filter(None, match.group(2).split(".")):
-            obj = getattr(obj, part, None)
+        obj: object = self.scope[match.group(1)].get(match.group(2))
+        rest = source[match.end():]
+        for step in re.finditer(r"\.(\w+)|\[(-?\d+)\]|\['([^']*)'\]|(.)", rest):
+            attr, index, key, other = step.groups()
+            if other is not None or obj is None:
+                return None
+            if attr is not None:
+                obj = getattr(obj, attr, None)
+            elif index is not None:
+                try:
+                    obj = obj[int(index)]  # type: ignore[index]
+                except Exception:
+                    obj = getattr(obj, index, None)  # ``[0]`` of a ModuleList written as an index
+            else:
+                try:
+                    obj = obj[key]  # type: ignore[index]
+                except Exception:
+                    obj = getattr(obj, key, None)
         return obj
+
+    def _keyed_module(self, key: object, mtype: object) -> torch.nn.Module | None:
+        """The module an ``nn_module_stack`` key stands for, by identity: Dynamo keys a module it
+        inlines by ``str(id(module))`` (``@n`` appended for its n-th call) and a module it keeps as a
+        ``call_module`` by its key in the output graph's module table. None where the key names
+        no module of the root of that type."""
+        if not isinstance(key, str):
+            return None
+        base = key.split("@")[0]
+        module = self._by_id.get(int(base)) if base.isdigit() else self._keyed.get(base)
+        if module is None or id(module) not in self._modules or type(module) is not mtype:
+            return None
+        return module
 
     def rename_module_stacks(self, gm: torch.fx.GraphModule) -> None:
         """Rewrite each node's ``nn_module_stack`` sources to names under the root, where found."""
@@ -586,9 +668,17 @@ class _RootNames:
                 continue
             renamed = {}
             for key, value in stack.items():
-                name = self._resolve(value[0], self._modules) if isinstance(value[0], str) else None
+                module = self._keyed_module(key, value[1])
+                if module is not None:
+                    name: str | None = self._modules[id(module)]
+                else:
+                    name = self._resolve(value[0], self._modules) if isinstance(value[0], str) else None
                 renamed[key] = (name, *value[1:]) if name is not None else value
             node.meta["nn_module_stack"] = renamed
+
+    def is_module_state(self, node: torch.fx.Node, value: Any) -> bool:
+        """Whether a graph input is a parameter or buffer of the root (by identity)."""
+        return self.root is not None and id(self.real_tensor(node, value)) in self._tensors
 
     def tensor_name(self, tensor: object) -> str | None:
         return self._tensors.get(id(tensor)) if self.root is not None else None
@@ -610,8 +700,28 @@ class _RootNames:
         return obj if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) else value
 
 
+def _frame_self(code: Any, f_locals: dict[str, Any]) -> object:
+    """The object a Dynamo frame runs for: its first argument (``self``), or the first of its
+    ``*args`` when it has no named one (a decorator's ``wrapper(*args, **kwargs)`` around a
+    ``forward``, as transformers 5.24 writes); None where it has neither."""
+    code = _original_code(code)
+    if code.co_argcount:
+        return f_locals.get(code.co_varnames[0])
+    if code.co_flags & inspect.CO_VARARGS:
+        varargs = f_locals.get(code.co_varnames[code.co_kwonlyargcount])
+        if isinstance(varargs, tuple) and varargs:
+            return varargs[0]
+    return None
+
+
 def _frame_self_name(code: Any) -> str | None:
-    """The name of the first argument (``self``) of the function a Dynamo frame belongs to.
+    """The name of the first argument (``self``) of the function a Dynamo frame belongs to."""
+    code = _original_code(code)
+    return code.co_varnames[0] if code.co_argcount else None
+
+
+def _original_code(code: Any) -> Any:
+    """The code of the function a Dynamo frame belongs to.
 
     A frame resumed after a graph break runs a generated function whose arguments are Dynamo's
     own first; its original code is found through Dynamo's resume-function metadata (a private
@@ -627,7 +737,7 @@ def _frame_self_name(code: Any) -> str | None:
             code = meta[code].code
     except Exception:
         pass
-    return code.co_varnames[0] if code.co_argcount else None
+    return code
 
 
 def _source_name(node: torch.fx.Node) -> str:

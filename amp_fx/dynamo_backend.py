@@ -201,15 +201,15 @@ def _compiled_root() -> torch.nn.Module | None:
 
 
 def _frame_self() -> object:
-    """The first argument (``self``) of the frame Dynamo is compiling, or None."""
+    """The first argument (``self``) of the frame Dynamo is compiling (or the first of its
+    ``*args``, for a decorated ``forward``), or None."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        from amp_fx.backend import _frame_self_name
+        from amp_fx.backend import _frame_self as frame_self
 
         tx = InstructionTranslator.current_tx()
-        first = _frame_self_name(tx.f_code)
-        return tx.f_locals.get(first) if first else None
+        return frame_self(tx.f_code, tx.f_locals)
     except Exception:  # a torch without these internals: the unused-policy check does not run
         return None
 

@@ -15,6 +15,7 @@ And :func:`skip_aware`, which makes an LR scheduler stand still on skipped steps
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Sequence
@@ -27,8 +28,12 @@ from amp_fx.passes.watch_nonfinite import NONE, WatchedOp
 
 __all__ = ["OverflowReport", "FirstOp", "skip_aware"]
 
-# A forward record is graph index * _GRAPH_STRIDE + position in that graph's watched ops.
+# A record is graph key * _GRAPH_STRIDE + position in that graph's watched ops. A forward graph's
+# key is its index; its backward graph's (amp_fx/passes/watch_backward.py) is _BACKWARD + index, so
+# a record combined across ranks (MIN) prefers a forward op to a backward one, and records stay
+# below 2^41 (amp_fx/_dist/found_inf.py packs them with the rank).
 _GRAPH_STRIDE = 1 << 24
+_BACKWARD = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,23 @@ class FirstOp:
     """The node's name in that rewritten graph."""
     rank: int | None = None
     """Under DDP/FSDP2: the (global) rank whose forward it was, the lowest one if several; else None."""
+    backward: bool = False
+    """Whether it was an op of the backward (AOTAutograd's backward graph of graph ``graph``)."""
+    grad_of: str = ""
+    """A backward op: the forward op it differentiates (``aten.linear``; "" where unknown). ``module``
+    is that op's module."""
+    incoming: bool = False
+    """A backward record that is no op: the gradient of the output of ``grad_of`` (in ``module``) was
+    already non-finite when it entered the compiled backward (made after the graph, by the loss
+    say, or the gradient of a non-finite output)."""
 
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
+        if self.incoming:
+            return (f"{self.module or '<root>'} (the gradient of its {self.grad_of or 'output'} output, "
+                    f"{self.dtype}, entered the compiled backward non-finite){where}")
+        if self.backward:
+            return f"{self.module or '<root>'} ({self.op}, {self.dtype}, backward of {self.grad_of or '?'}){where}"
         return f"{self.module or '<root>'} ({self.op}, {self.dtype}){where}"
 
 
@@ -62,24 +81,54 @@ class OverflowReport:
     gradients: tuple[str, ...]
     """Names (under the root module) of the parameters whose gradients held an inf/NaN."""
     first_op: FirstOp | None
-    """The first non-finite low-precision forward output, or None (forward clean, or not watched)."""
+    """The first op whose low-precision output created an inf/NaN, in the forward or (``.backward``)
+    the backward, or None (none was created in a watched graph, or nothing was watched)."""
     skipped: int
     """Skipped steps so far (the scaler's running count)."""
+    watched: tuple[str, ...] = ()
+    """What the watch covered: ``("forward", "backward")``, ``("forward",)`` (the backward could not
+    be watched, see ``backward_unwatched``) or ``()`` (no watch)."""
+    backward_unwatched: str = ""
+    """Why the backward was not watched ("" where it was, or where nothing was)."""
 
     def __str__(self) -> str:
-        where = f"first inf at {self.first_op}" if self.first_op is not None else "forward finite or not watched"
         names = ", ".join(self.gradients[:3]) + (", ..." if len(self.gradients) > 3 else "")
         grads = f"{len(self.gradients)} gradients non-finite ({names})" if self.gradients else "no gradient non-finite"
-        return f"step {self.step} skipped: {where}; {grads}"
+        return f"step {self.step} skipped: {self._where()}; {grads}"
+
+    def _where(self) -> str:
+        """Where the first inf appeared, or exactly what the record knows when no op is named."""
+        if self.first_op is not None:
+            return f"first inf {'in the backward ' if self.first_op.backward else ''}at {self.first_op}"
+        if not self.watched:
+            return "no op named (not watched: compile with watch_nonfinite=True)"
+        if "backward" not in self.watched:
+            return (f"no op named: no forward op created an inf/NaN (a -inf mask or an in-place op is not "
+                    f"named); the backward is not watched ({self.backward_unwatched or 'no backward graph'})")
+        return ("no op named: no forward or backward op created an inf/NaN (a -inf mask, an in-place op "
+                "or code outside the compiled graphs is not named)")
 
 
 class ForwardWatch:
-    """The forward record shared by a compiled model's graphs (its backend and siblings)."""
+    """The record shared by a compiled model's graphs (its backend and siblings): the first op,
+    in the order the graphs ran, of the forward graphs and of their backward graphs
+    (``amp_fx.passes.watch_backward``), whose low-precision output created an inf/NaN."""
 
     def __init__(self) -> None:
         self.ops: dict[int, list[WatchedOp]] = {}
         self.first: torch.Tensor | None = None
         """int64 0-dim: the first non-finite op since the last :meth:`take`, or -1."""
+        self.backward_unwatched = ""
+        """Why the backward graphs are not watched ("" where they are: aot_eager, inductor)."""
+
+    @staticmethod
+    def backward_key(index: int) -> int:
+        """The key of forward graph ``index``'s backward graph in :attr:`ops` and in :meth:`ran`."""
+        return _BACKWARD + index
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        return ("forward",) if self.backward_unwatched else ("forward", "backward")
 
     def add_graph(self, index: int, ops: Sequence[WatchedOp]) -> None:
         if len(ops) >= _GRAPH_STRIDE:
@@ -113,13 +162,17 @@ class ForwardWatch:
         ranks names an op of that rank's graphs, the same as this rank's unless one recompiled)."""
         if code == NONE:
             return None
-        graph, position = divmod(code, _GRAPH_STRIDE)
-        ops = self.ops.get(graph, [])
+        key, position = divmod(code, _GRAPH_STRIDE)
+        ops = self.ops.get(key, [])
+        backward = key >= _BACKWARD
+        graph = key - _BACKWARD if backward else key
         if position >= len(ops):
-            return FirstOp(module="<unknown>", op=f"<op {position} of graph {graph}, not compiled on this rank>",
-                           dtype="?", graph=graph, node="", rank=rank)
+            which = "the backward of graph" if backward else "graph"
+            return FirstOp(module="<unknown>", op=f"<op {position} of {which} {graph}, not compiled on this rank>",
+                           dtype="?", graph=graph, node="", rank=rank, backward=backward)
         op = ops[position]
-        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank)
+        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank,
+                       backward=backward, grad_of=op.grad_of or "", incoming=op.incoming)
 
 
 _WRAPPER_PREFIXES = ("module.",)
@@ -262,9 +315,11 @@ class SkipRecord:
         rank = None if first_rank == NONE else first_rank
         first = self.watch.describe(first_code, rank) if self.watch is not None else None
         if first is not None:
-            first = FirstOp(module=strip_wrappers(first.module, self.prefixes), op=first.op, dtype=first.dtype,
-                            graph=first.graph, node=first.node, rank=first.rank)
-        return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped)
+            first = dataclasses.replace(first, module=strip_wrappers(first.module, self.prefixes))
+        watched = self.watch.watched if self.watch is not None else ()
+        unwatched = self.watch.backward_unwatched if self.watch is not None else ""
+        return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped,
+                              watched=watched, backward_unwatched=unwatched)
 
 
 # ---------------------------------------------------------------------------------------------
