@@ -66,6 +66,7 @@ def first_backward_origin(model: torch.nn.Module, loss: Callable[[], torch.Tenso
     mode, and return where the backward first made an inf/NaN. The hooks are removed after; they
     change no value (a full backward hook wraps the module's inputs and outputs in identities)."""
     running: list[str] = []
+    finishing: set[str] = set()
     entered: list[str] = []
     handles = []
     for name, module in model.named_modules():
@@ -73,13 +74,23 @@ def first_backward_origin(model: torch.nn.Module, loss: Callable[[], torch.Tenso
             continue
 
         def pre(mod: torch.nn.Module, grad_output: tuple[torch.Tensor | None, ...], name: str = name) -> None:
+            while running and running[-1] in finishing:
+                finishing.discard(running.pop())
             running.append(name)
             if not entered and any(g is not None and _nonfinite(g) for g in grad_output):
                 entered.append(name)
 
-        def post(mod: torch.nn.Module, grad_input: object, grad_output: object, name: str = name) -> None:
-            if name in running:
-                del running[len(running) - 1 - running[::-1].index(name)]
+        def post(mod: torch.nn.Module, grad_input: tuple[torch.Tensor | None, ...], grad_output: object,
+                 name: str = name) -> None:
+            if name not in running:
+                return
+            if all(g is None for g in grad_input):
+                # No input requires grad (the first layer): the hook fires with the output
+                # gradient, before the module's weight gradients are computed; those ops are still
+                # its own, until the next module's backward starts.
+                finishing.add(name)
+                return
+            del running[len(running) - 1 - running[::-1].index(name)]
 
         handles.append(module.register_full_backward_pre_hook(pre))
         handles.append(module.register_full_backward_hook(post))
