@@ -10,13 +10,14 @@ and module backward hooks) for the first backward op that made an inf and its mo
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _overflow_cases import batches, loss_fn, make_model
 from torch import nn
 
 import amp_fx
@@ -24,6 +25,7 @@ from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.testing.backward_origin import BackwardOrigin, first_backward_origin
 
 BACKENDS = ["aot_eager", "inductor"]
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "overflow.md"
 RUNNERS = ["grad_scaler", "compile_step"]
 WIDTH, STEPS, PLANTED_STEP = 16, 4, 2
 INIT_SCALE = 2.0**10
@@ -155,6 +157,10 @@ def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend
     assert str(report).startswith(
         f"step {PLANTED_STEP} skipped: first inf in the backward at mid ({origin.op}, fp16, backward of aten.linear); ")
     assert report.watched == ("forward", "backward")
+    # docs/overflow.md shows this run's line
+    shown = [line.strip() for line in DOCS.read_text().splitlines()
+             if line.startswith(f"step {PLANTED_STEP} skipped: first inf in the backward")]
+    assert shown == [str(report)], (shown, str(report))
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -163,9 +169,6 @@ def test_a_too_high_initial_scale_is_named_in_the_backward(backend, runner):
     """``tests/_overflow_cases.PlantedNet`` at torch's default scale 2^16, nothing planted: step 0's
     scaled fp16 gradients overflow in the backward (the scale then backs off and the run is clean).
     The first inf is where eager autograd's backward makes it."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from _overflow_cases import batches, loss_fn, make_model
-
     init_scale = 2.0**16
     ref = _eager_reference(make_model(), lambda i: None, loss_fn, batches(3), init_scale)
     assert ref["skipped"] == [0] and all(ref["finite"]), ref
