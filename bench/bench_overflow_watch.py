@@ -67,7 +67,7 @@ def _compiled(make: Callable[[], torch.nn.Module], watch: bool, backward: bool =
         return step
 
     def forward_watch_only(*args: Any) -> Any:
-        import amp_fx.backend as backend
+        import amp_fx.backend.compiler as backend
 
         hook = backend.watching_downstream
         backend.watching_downstream = lambda *a, **k: None  # the graphs compiled now: no backward watch

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
-from amp_fx.capture import module_stack
+from amp_fx.passes.capture import module_stack
 from amp_fx.testing import assert_bitwise
 
 WIDTH = 8

@@ -28,9 +28,8 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.errors import GraphvizNotFound
 from amp_fx.inspect._graphviz import build_dot, write_svg
 from amp_fx.inspect._probe import (
@@ -53,6 +52,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -517,22 +517,22 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             bug in the model), with the eager error chained; or the compiled model given without
             inputs has not run yet.
     """
-    from amp_fx.compile import AmpCompiledModule, records
+    from amp_fx.compile import AmpCompiledModule, options_of, records
 
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))
         if not recs:
             raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
                              "captured; call it once, or pass example inputs")
-        backend = getattr(model_or_fn, "_amp_fx_backend", None)
+        options = options_of(model_or_fn)
         original = getattr(model_or_fn, "original_module", None)
         forward = original.forward if original is not None else getattr(
             model_or_fn, "__wrapped__", None)
-        return Explanation(recs, policy=getattr(backend, "policy", None),
+        return Explanation(recs, policy=options.policy,
                            labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
-        backend = model_or_fn._amp_fx_backend
-        dtype, policy, fold = backend.dtype, backend.policy, backend.fold
+        options = options_of(model_or_fn)
+        dtype, policy, fold = options.dtype, options.policy, options.fold
         model_or_fn = model_or_fn.original_module
     elif hasattr(model_or_fn, "amp_fx_records"):
         raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "

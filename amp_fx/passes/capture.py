@@ -48,10 +48,10 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
-from amp_fx._compat import current_decomposition_table
+from amp_fx._common.compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
-from amp_fx.policy import CastClass, Policy, _op_from_name, banned_message, default_class
+from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_from_name
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     table: dict[Any, Callable[..., Any]] = {}
     for name, cls in policy.op_classes.items():
         if cls is not default_class(name, device_type):
-            table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
+            table[op_from_name(name)] = _record_without_autocast(op_from_name(name))
     for name, cls in claimed.items():
         if cls is CastClass.BANNED:
-            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name), policy, device_type)
+            table[op_from_name(name)] = _refuse_banned(op_from_name(name), policy, device_type)
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue
