@@ -10,6 +10,7 @@ audits of what was asked against what was done (``audit.py``), the weight cache 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes.pipeline import GraphRecord, GraphWork, run_pipeline
+from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
+from amp_fx.passes.watch_nonfinite import WatchRecord
 
 __all__ = ["AmpBackend"]
 
@@ -50,6 +53,8 @@ class AmpBackend:
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
         self._downstream = resolve_backend(options.backend, inductor_config=options.inductor)
+        if self.watch is not None:
+            self._report_unwatched_backward(self.watch)
         self.records: list[GraphRecord] = []
         self.runs = RunCount()
         """How many times a graph of this backend (or a sibling) has run."""
@@ -76,14 +81,15 @@ class AmpBackend:
         names = RootNames(self.root)
         names.rename_module_stacks(gm)
         with torch._C._DisableAutocast():
-            work = run_pipeline(self.options, gm, example_inputs, index=len(self.records))
+            work = run_pipeline(self.options, gm, example_inputs, index=len(self.records),
+                                is_state=names.is_module_state)
             record = work.record(self.options.dtype)
             self.records.append(record)
             if self.weight_cache is not None:
                 compiled = self._compile_with_weight_cache(work)
             else:
                 self._splits.report(record, gm, example_inputs, names)
-                compiled = self._downstream(record.rewritten, list(example_inputs))
+                compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
         return self._run_wrapper(compiled, record)
 
     def _run_wrapper(self, compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
@@ -118,9 +124,11 @@ class AmpBackend:
         the failure surfacing from inside Dynamo."""
         assert self.weight_cache is not None
         error, lifted = work.lift_error, work.lifted
+        downstream = self._downstream_for(self.records[-1])  # this work's record, appended by __call__
         if lifted is not None:
+            stamp_forward_nodes(lifted.gm)  # the backward watch's names (a copy made before the stamp)
             try:
-                return self.weight_cache.wrap(self._downstream(lifted.gm, lifted.example_inputs), lifted.lifted)
+                return self.weight_cache.wrap(downstream(lifted.gm, lifted.example_inputs), lifted.lifted)
             except AmpFxError:
                 raise
             except Exception as e:
@@ -134,4 +142,39 @@ class AmpBackend:
             f"in every forward instead (no saving, and a weight it shares with another graph of "
             f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
             f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."))
-        return self._downstream(work.gm, list(work.example_inputs))
+        return downstream(work.gm, list(work.example_inputs))
+
+    # --- the backward watch (amp_fx/passes/watch_backward.py) ---------------------------------
+
+    def _downstream_for(self, record: GraphRecord) -> Callable[..., Any]:
+        """The downstream compile for ``record``'s graph: with the watch, one that also watches
+        its backward graph where the backend has one amp_fx can reach."""
+        watch, backend = self.watch, self.options.backend
+        if watch is None or watch.backward_unwatched or not isinstance(backend, str):
+            return self._downstream
+        key = watch.backward_key(record.index)
+
+        def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:
+            watch.add_graph(key, watched.ops)
+            record.watched_backward = watched
+            return functools.partial(watch.ran, key)
+
+        downstream = watching_downstream(backend, inductor_config=self.options.inductor, dtype=self.options.dtype,
+                                         forward=record.rewritten, on_backward=on_backward)
+        return downstream if downstream is not None else self._downstream
+
+    def _report_unwatched_backward(self, watch: ForwardWatch) -> None:
+        """``watch_nonfinite=True`` with a backend whose backward graph amp_fx cannot reach: the
+        forward is watched, the backward is not; say so once (the report line says it too)."""
+        backend = self.options.backend
+        if isinstance(backend, str) and backend in WATCHABLE:
+            return
+        if backend == "eager":
+            why = "backend 'eager' runs the graphs' ops through eager autograd: there is no backward graph"
+        else:
+            why = f"backend {self.options.backend_name!r} is not one whose backward graph amp_fx reaches"
+        watch.backward_unwatched = why
+        self.reporter.did_less(("watch_nonfinite", "backward"), (
+            f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
+            f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
+            f"'inductor' to name the backward's first inf too."), stacklevel=5)

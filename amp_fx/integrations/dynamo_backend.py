@@ -48,7 +48,7 @@ from amp_fx._common.downstream import Backend
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.audit import report_unused_policy
-from amp_fx.backend.names import frame_self_name
+from amp_fx.backend.names import frame_self
 from amp_fx.compile import check_keep_fp32
 from amp_fx.options import Options
 from amp_fx.passes.insert_casts import graph_device_type
@@ -199,13 +199,13 @@ def _compiled_root() -> torch.nn.Module | None:
 
 
 def _frame_self() -> object:
-    """The first argument (``self``) of the frame Dynamo is compiling, or None."""
+    """The first argument (``self``) of the frame Dynamo is compiling (or the first of its
+    ``*args``, for a decorated ``forward``), or None."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
-        first = frame_self_name(tx.f_code)
-        return tx.f_locals.get(first) if first else None
+        return frame_self(tx.f_code, tx.f_locals)
     except Exception:  # a torch without these internals: the unused-policy check does not run
         return None
 

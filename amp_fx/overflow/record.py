@@ -19,6 +19,7 @@ Both users go through the same three doors:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.found_inf import combine_first_op, ranks_of
-from amp_fx.overflow.report import FirstOp, OverflowReport
+from amp_fx.overflow.report import OverflowReport
 from amp_fx.overflow.watch import ForwardWatch, watched_models
 from amp_fx.passes.watch_nonfinite import NONE
 
@@ -226,6 +227,8 @@ class SkipRecord:
         rank = None if first_rank == NONE else first_rank
         first = self.watch.describe(first_code, rank) if self.watch is not None else None
         if first is not None:
-            first = FirstOp(module=strip_wrappers(first.module, self.prefixes), op=first.op, dtype=first.dtype,
-                            graph=first.graph, node=first.node, rank=first.rank)
-        return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped)
+            first = dataclasses.replace(first, module=strip_wrappers(first.module, self.prefixes))
+        watched = self.watch.watched if self.watch is not None else ()
+        unwatched = self.watch.backward_unwatched if self.watch is not None else ""
+        return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped,
+                              watched=watched, backward_unwatched=unwatched)

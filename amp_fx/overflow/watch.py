@@ -23,14 +23,20 @@ from amp_fx.passes.watch_nonfinite import NONE, WatchedOp
 __all__ = ["ForwardWatch", "GRAPH_STRIDE", "forward_watch", "watched_models"]
 
 GRAPH_STRIDE = 1 << 24
-"""A forward record is graph index * GRAPH_STRIDE + position in that graph's watched ops."""
+"""A record is graph key * GRAPH_STRIDE + position in that graph's watched ops. A forward graph's
+key is its index; its backward graph's (amp_fx/passes/watch_backward.py) is BACKWARD + index, so a
+record combined across ranks (MIN) prefers a forward op to a backward one, and records stay below
+2^41 (amp_fx/_dist/found_inf.py packs them with the rank)."""
+BACKWARD = 1 << 16
 
 # The watches of compiled modules alive, oldest first (weak: a watch lives as long as its model).
 _WATCHED: list[weakref.ref[ForwardWatch]] = []
 
 
 class ForwardWatch:
-    """The forward record shared by a compiled model's graphs (its backend and siblings).
+    """The record shared by a compiled model's graphs (its backend and siblings): the first op, in
+    the order the graphs ran, of the forward graphs and of their backward graphs
+    (``amp_fx.passes.watch_backward``), whose low-precision output created an inf/NaN.
 
     ``root``: the module that was compiled (None for a function): the watch registers itself with
     it for :func:`watched_models`.
@@ -42,8 +48,19 @@ class ForwardWatch:
         """int64 0-dim: the first non-finite op since the last :meth:`take`, or -1."""
         self._root = None if root is None else weakref.ref(root)
         self._ddp: weakref.ref[torch.nn.Module] | None = None
+        self.backward_unwatched = ""
+        """Why the backward graphs are not watched ("" where they are: aot_eager, inductor)."""
         if root is not None:
             _WATCHED.append(weakref.ref(self))
+
+    @staticmethod
+    def backward_key(index: int) -> int:
+        """The key of forward graph ``index``'s backward graph in :attr:`ops` and in :meth:`ran`."""
+        return BACKWARD + index
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        return ("forward",) if self.backward_unwatched else ("forward", "backward")
 
     @property
     def root(self) -> torch.nn.Module | None:
@@ -90,13 +107,17 @@ class ForwardWatch:
         ranks names an op of that rank's graphs, the same as this rank's unless one recompiled)."""
         if code == NONE:
             return None
-        graph, position = divmod(code, GRAPH_STRIDE)
-        ops = self.ops.get(graph, [])
+        key, position = divmod(code, GRAPH_STRIDE)
+        ops = self.ops.get(key, [])
+        backward = key >= BACKWARD
+        graph = key - BACKWARD if backward else key
         if position >= len(ops):
-            return FirstOp(module="<unknown>", op=f"<op {position} of graph {graph}, not compiled on this rank>",
-                           dtype="?", graph=graph, node="", rank=rank)
+            which = "the backward of graph" if backward else "graph"
+            return FirstOp(module="<unknown>", op=f"<op {position} of {which} {graph}, not compiled on this rank>",
+                           dtype="?", graph=graph, node="", rank=rank, backward=backward)
         op = ops[position]
-        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank)
+        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank,
+                       backward=backward, grad_of=op.grad_of or "", incoming=op.incoming)
 
 
 def forward_watch(model: object) -> ForwardWatch | None:

@@ -341,17 +341,22 @@ def source_text(node: torch.fx.Node) -> str:
         return ""
 
 
-def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
+def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> list[bool]:
     """Per placeholder of a Dynamo graph: True for a floating tensor the caller handed in (``L['x']``,
     ``L['args'][0]``, or a value a frame resumed after a graph break carries over), False for module
-    state (parameters, buffers, globals), leaves that require grad, and inputs without a source."""
+    state (parameters, buffers, globals), leaves that require grad, and inputs without a source.
+
+    ``is_state(node, value)``: True for a tensor of the compiled root module, found by identity
+    (the backend's): the source's shape alone cannot tell, since a decorator on ``forward`` makes
+    the root ``L['args'][0]`` and its buffers ``L['args'][0].rope.inv_freq``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     flags = []
     for node, value in zip(placeholders, example_inputs, strict=True):
         text = source_text(node)
         flags.append(bool(text) and not text.startswith(MODULE_STATE_SOURCES)
                      and isinstance(value, torch.Tensor) and value.dtype.is_floating_point
-                     and not is_cacheable_leaf(value))
+                     and not is_cacheable_leaf(value) and not (is_state is not None and is_state(node, value)))
     return flags
 
 

@@ -58,6 +58,9 @@ class GraphRecord:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     watched: WatchRecord | None = None
     """The ops ``watch_nonfinite`` watches (None when the watch is off)."""
+    watched_backward: WatchRecord | None = None
+    """The ops of this graph's backward that ``watch_backward`` watches (None until AOTAutograd
+    compiled the backward with the watch on)."""
 
     @property
     def casts(self) -> int:
@@ -237,10 +240,12 @@ PIPELINE: tuple[Stage, ...] = (
 """What runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
 
 
-def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int) -> GraphWork:
+def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
+            is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
     """The work for one Dynamo graph: its inputs fakified through the backend's fake mode (the one
     AOTAutograd will use, not Dynamo's tracing one), so that the passes' fake values and the
-    downstream trace agree (``from_tensor`` memoizes)."""
+    downstream trace agree (``from_tensor`` memoizes). ``is_state``: tells the root's parameters and
+    buffers from the caller's data, by identity (:func:`amp_fx.passes.capture.data_inputs`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = []
@@ -252,13 +257,14 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int)
     return GraphWork(gm=gm, dynamo_graph=gm, example_inputs=list(example_inputs), fake_args=fake_args,
                      fake_mode=fake_mode, device_type=graph_device_type(fake_args),
                      leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
-                     data_inputs=data_inputs(gm, example_inputs))
+                     data_inputs=data_inputs(gm, example_inputs, is_state))
 
 
 def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
-                 index: int = 0, stages: Sequence[Stage] = PIPELINE) -> GraphWork:
+                 index: int = 0, stages: Sequence[Stage] = PIPELINE,
+                 is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
     """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record)."""
-    work = prepare(gm, example_inputs, index)
+    work = prepare(gm, example_inputs, index, is_state)
     check = options.strict or log.isEnabledFor(logging.DEBUG)
     done: list[str] = []
     for stage in stages:
