@@ -33,9 +33,11 @@ from amp_fx._dtype_names import dtype_name
 from amp_fx._report import Reporter
 from amp_fx.capture import capture, data_inputs, is_cacheable_leaf, module_path, module_stack, source_text
 from amp_fx.errors import AmpFxError
+from amp_fx.fp8 import Fp8Config
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes import meta
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
+from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
@@ -63,6 +65,8 @@ class GraphRecord:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     watched: WatchRecord | None = None
     """The ops ``watch_nonfinite`` watches (None when the watch is off)."""
+    fp8: Fp8Record | None = None
+    """The matmuls ``fp8_matmuls`` considered (None when fp8 is off)."""
 
     @property
     def casts(self) -> int:
@@ -113,8 +117,11 @@ class AmpBackend:
     def __init__(self, *, dtype: torch.dtype, policy: Policy, backend: str | Backend,
                  fold: bool = True, inductor_config: dict[str, Any] | None = None,
                  root: torch.nn.Module | None = None, reporter: Reporter | None = None,
-                 weight_cache: WeightCache | None = None, watch_nonfinite: bool = False) -> None:
+                 weight_cache: WeightCache | None = None, watch_nonfinite: bool = False,
+                 fp8: Fp8Config | None = None) -> None:
         self.dtype = dtype
+        self.fp8 = fp8
+        """fp8 training (amp_fx/passes/fp8_matmuls.py), None when off."""
         self.watch: ForwardWatch | None = ForwardWatch() if watch_nonfinite else None
         """amp_fx/overflow.py (``watch_nonfinite=True``): the first non-finite forward op, on the device."""
         self.weight_cache = weight_cache
@@ -165,6 +172,8 @@ class AmpBackend:
         work = _GraphWork(gm=gm, fake_args=fake_args, fake_mode=fake_mode,
                           device_type=graph_device_type(fake_args),
                           leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
+                          parameter_names=[_source_name(n) if isinstance(r, torch.nn.Parameter) else None
+                                           for n, r in zip(placeholders, example_inputs, strict=True)],
                           data_inputs=data_inputs(gm, example_inputs))
         timings: dict[str, float] = {}
         done: list[str] = []
@@ -177,7 +186,7 @@ class AmpBackend:
         record = GraphRecord(index=index, device_type=work.device_type, dtype=self.dtype,
                              dynamo_graph=gm, captured=work.captured, rewritten=work.gm,
                              inserted=work.inserted, folded=work.folded, pass_seconds=timings,
-                             watched=work.watched)
+                             watched=work.watched, fp8=work.fp8)
         log.debug("amp_fx graph %d:\n%s", record.index, record)
         return record
 
@@ -659,6 +668,10 @@ class _GraphWork:
     watched: WatchRecord | None = None
     data_inputs: list[bool] = field(default_factory=list)
     """Per placeholder: data the caller handed in (see :func:`amp_fx.capture.data_inputs`)."""
+    parameter_names: list[str | None] = field(default_factory=list)
+    """Per placeholder: the name of the ``nn.Parameter`` it is, None for other inputs
+    (``meta.PARAMETER``, for fp8_matmuls)."""
+    fp8: Fp8Record | None = None
 
 
 def _capture(backend: AmpBackend, work: _GraphWork) -> None:
@@ -673,6 +686,15 @@ def _insert_casts(backend: AmpBackend, work: _GraphWork) -> None:
     work.gm, work.inserted = insert_casts(work.gm, policy=backend.policy,
                                           device_type=work.device_type, dtype=backend.dtype,
                                           fake_mode=work.fake_mode)
+
+
+def _fp8_matmuls(backend: AmpBackend, work: _GraphWork) -> None:
+    assert backend.fp8 is not None
+    placeholders = [n for n in work.gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, work.parameter_names, strict=True):
+        node.meta[meta.PARAMETER] = name
+    work.gm, work.fp8 = fp8_matmuls(work.gm, config=backend.fp8, policy=backend.policy,
+                                    fake_mode=work.fake_mode)
 
 
 def _fold_casts(backend: AmpBackend, work: _GraphWork) -> None:
@@ -696,6 +718,7 @@ class Stage:
 PIPELINE: tuple[Stage, ...] = (
     Stage("capture", _capture),
     Stage("insert_casts", _insert_casts),
+    Stage("fp8_matmuls", _fp8_matmuls, enabled=lambda backend: backend.fp8 is not None),
     Stage("fold_casts", _fold_casts, enabled=lambda backend: backend.fold),
     Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda backend: backend.watch is not None),
 )

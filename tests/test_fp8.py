@@ -1,0 +1,223 @@
+"""fp8 training (``fp8=``) against torchao 0.18's float8 training, the reference.
+
+The reference is torchao's ``convert_to_float8_training`` under ``torch.autocast("cpu", bf16)``,
+run eagerly on an identical copy of the model in the same test, with one patch: torchao's
+``Float8Linear.forward`` reads CUDA's autocast state to decide whether to cast its input, so on
+the CPU it would scale the fp32 input where a GPU scales the bf16 one;
+``amp_fx.testing.fp8_reference.cpu_autocast_torchao`` points that one branch at the CPU's
+autocast state (amp_fx follows torchao's GPU numerics).
+
+The ladder: the kernel alone (eager), then the pass under ``eager`` and ``aot_eager`` (bitwise:
+loss, every gradient, 20 AdamW steps), then inductor (error against float64 no worse than torchao
++ ``torch.compile``'s, tests/test_fp8_inductor.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from amp_fx._report import Reporter
+from amp_fx.backend import AmpBackend
+from amp_fx.compile import AmpCompiledModule
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.passes import meta
+from amp_fx.policy import Policy
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.fp8_reference import cpu_autocast_torchao, torchao_float8, torchao_missing
+
+pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
+
+RECIPES = [r.value for r in Fp8Recipe]
+
+
+def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
+                policy: Policy | None = None, strict: bool = True) -> nn.Module:
+    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend)``."""
+    amp_backend = AmpBackend(dtype=torch.bfloat16, policy=policy or Policy(), backend=backend,
+                             root=model, reporter=Reporter(strict), fp8=Fp8Config.of(recipe))
+    return AmpCompiledModule(model, amp_backend, {})
+
+
+class MLP(nn.Module):
+    """Linears with and without bias, 3-D input, every size a multiple of 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 48, bias=False)
+        self.head = nn.Linear(48, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.fc2(nn.functional.gelu(self.fc1(x)))))
+
+
+def mlp() -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    return MLP(), torch.randn(2, 16, 32)
+
+
+def loss_fn(out: Tensor) -> Tensor:
+    """Autocast-neutral (no op of the CPU autocast table): the same inside and outside autocast."""
+    return out.float().pow(2).mean()
+
+
+def torchao_step(model: nn.Module, x: Tensor, recipe: str) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """torchao's loss and gradients on a converted copy of ``model``."""
+    ref = torchao_float8(model, recipe)
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        loss = loss_fn(ref(x))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def amp_step(model: nn.Module, x: Tensor, recipe: str, backend: str) -> tuple[Tensor, dict[str, Tensor | None]]:
+    compiled = compile_fp8(model, recipe, backend=backend)
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+# --- the kernel alone ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (2, 16, 32)], ids=["2d", "3d"])
+@pytest.mark.parametrize("recipe", list(Fp8Recipe), ids=RECIPES)
+def test_kernel_bitwise_with_torchao_float8_linear(recipe: Fp8Recipe, shape: tuple[int, ...]) -> None:
+    """fp8_matmul(x.bf16, w.t()) + bias.bf16 is torchao's Float8Linear under bf16 autocast: output,
+    input gradient and weight and bias gradients, bit for bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    x0 = torch.randn(*shape) * 3
+    grad = torch.randn(*shape[:-1], 48, dtype=torch.bfloat16)
+
+    ref = torchao_float8(linear, recipe.value)
+    x_ref = x0.clone().requires_grad_()
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        out_ref = ref(x_ref)
+    out_ref.backward(grad)
+
+    ours = copy.deepcopy(linear)
+    x = x0.clone().requires_grad_()
+    out = fp8_matmul(x.to(torch.bfloat16), ours.weight.t(), recipe) + ours.bias.to(torch.bfloat16)
+    out.backward(grad)
+
+    assert_bitwise(out, out_ref, "output")
+    assert_bitwise(x.grad, x_ref.grad, "grad of x")
+    assert_bitwise(ours.weight.grad, ref.weight.grad, "grad of weight")
+    assert_bitwise(ours.bias.grad, ref.bias.grad, "grad of bias")
+
+
+def test_kernel_is_not_a_bf16_matmul() -> None:
+    """The negative twin: fp8 differs from the bf16 matmul eager autocast runs (else the bitwise
+    tests above could pass with no fp8 at all)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 32, dtype=torch.bfloat16), torch.randn(48, 32)
+    assert not torch.equal(fp8_matmul(x, w.t(), Fp8Recipe.TENSORWISE), x @ w.t().to(torch.bfloat16))
+
+
+# --- the pass, up the backend ladder: bitwise ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_loss_and_gradients_bitwise_with_torchao(recipe: str, backend: str) -> None:
+    model, x = mlp()
+    expected = torchao_step(model, x, recipe)
+    actual = amp_step(copy.deepcopy(model), x, recipe, backend)
+    assert_bitwise(actual, expected, f"amp_fx fp8={recipe} ({backend}) vs torchao")
+
+
+def test_without_fp8_the_loss_differs_from_torchao() -> None:
+    """Negative twin: amp_fx's bf16 (fp8 off) is not torchao's fp8, so the test above can fail."""
+    model, x = mlp()
+    expected, _ = torchao_step(model, x, "tensorwise")
+    actual, _ = amp_step(copy.deepcopy(model), x, None, "aot_eager")  # type: ignore[arg-type]
+    assert not torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
+    """20 AdamW steps: the loss of every step and the final parameters, bit for bit (aot_eager)."""
+    model, x = mlp()
+    ref = torchao_float8(model, recipe)
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    losses_ref, losses = [], []
+    for step in range(20):
+        xs = x * (1 + step / 10)  # a new batch each step, larger each time
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref(xs))
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = loss_fn(compiled(xs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses_ref.append(loss_ref.detach())
+        losses.append(loss.detach())
+    assert_bitwise(losses, losses_ref, "losses")
+    assert_bitwise(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
+
+
+# --- structure ----------------------------------------------------------------------------------
+
+
+def _fp8_nodes(compiled: nn.Module) -> list[torch.fx.Node]:
+    return [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
+            if n.op == "call_function" and n.target is fp8_matmul]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_linear_becomes_one_fp8_matmul(recipe: str) -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, recipe)
+    compiled(x)
+    (record,) = compiled.amp_fx_records
+    nodes = _fp8_nodes(compiled)
+    assert len(nodes) == 3
+    assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
+    # The weight enters in fp32 (torchao scales the master weight): no bf16 cast of a weight is left.
+    weights = {p for p in record.rewritten.graph.nodes if p.op == "placeholder"
+               and (p.meta.get(meta.PARAMETER) or "").endswith("weight")}
+    for w in weights:
+        assert not [u for u in w.users if u.target is torch.ops.aten._to_copy.default], w
+    assert [d.weight for d in record.fp8.decisions] == ["fc1.weight", "fc2.weight", "head.weight"]
+    assert all(d.converted and d.recipe is Fp8Recipe(recipe) for d in record.fp8.decisions)
+    assert [n.meta[meta.FP8].shape for n in nodes] == [(32, 32, 64), (32, 64, 48), (32, 48, 16)]
+
+
+def test_without_fp8_no_fp8_matmul() -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, None)
+    compiled(x)
+    assert not _fp8_nodes(compiled)
+    assert compiled.amp_fx_records[0].fp8 is None
+
+
+@pytest.mark.parametrize("value, recipe", [("rowwise", Fp8Recipe.ROWWISE),
+                                           (Fp8Recipe.TENSORWISE, Fp8Recipe.TENSORWISE),
+                                           (Fp8Config("rowwise_with_gw_hp"), Fp8Recipe.ROWWISE_WITH_GW_HP)])
+def test_config_accepts_a_name_a_recipe_or_a_config(value: object, recipe: Fp8Recipe) -> None:
+    config = Fp8Config.of(value)  # type: ignore[arg-type]
+    assert config is not None and config.recipe is recipe
+
+
+@pytest.mark.parametrize("value, error", [("rowwize", ValueError), (8, TypeError)])
+def test_config_refuses_what_is_not_a_recipe(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="recipe|fp8 must be"):
+        Fp8Config.of(value)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen() -> None:
+    config = Fp8Config("rowwise")
+    with pytest.raises(AttributeError):
+        config.recipe = Fp8Recipe.TENSORWISE  # type: ignore[misc]
+
