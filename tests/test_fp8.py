@@ -36,10 +36,12 @@ RECIPES = [r.value for r in Fp8Recipe]
 
 
 def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
-                policy: Policy | None = None, strict: bool = True) -> nn.Module:
-    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend)``."""
+                policy: Policy | None = None, strict: bool = True,
+                options: dict[str, object] | None = None) -> nn.Module:
+    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, options=options)``."""
     amp_backend = AmpBackend(dtype=torch.bfloat16, policy=policy or Policy(), backend=backend,
-                             root=model, reporter=Reporter(strict), fp8=Fp8Config.of(recipe))
+                             root=model, reporter=Reporter(strict), fp8=Fp8Config.of(recipe),
+                             inductor_config=options)
     return AmpCompiledModule(model, amp_backend, {})
 
 
@@ -165,6 +167,70 @@ def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
         losses.append(loss.detach())
     assert_bitwise(losses, losses_ref, "losses")
     assert_bitwise(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
+
+
+# --- inductor ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
+    """With ``emulate_precision_casts`` (inductor rounds every cast it fuses, as eager does), the
+    inductor build is bitwise with torchao's eager numerics: the fp8 construct reaches inductor
+    whole, scale and cast ops included."""
+    model, x = mlp()
+    expected = torchao_step(model, x, recipe)
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe, backend="inductor", options={"emulate_precision_casts": True})
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
+                   f"amp_fx fp8={recipe} (inductor, emulate_precision_casts) vs torchao")
+
+
+def _relative_error(value: Tensor, reference: Tensor) -> float:
+    return ((value.double() - reference).norm() / reference.norm()).item()
+
+
+# amp_fx's and torchao's inductor builds differ only in which bf16 roundings inductor elides in
+# its fused kernels (they are bitwise equal once it rounds them all, test above). Each elided
+# rounding moves some values to a neighbouring fp8 code, so one batch's error can land either
+# side of the other's (up to 7 % apart on single batches of this model); averaged over 8 batches
+# the two stayed within 1 % (0.984x to 1.009x for the loss and every gradient, 3 recipes).
+# 5 % keeps that margin while a real loss of accuracy (e5m2 where e4m3 belongs, no power-of-2
+# rounding) costs far more.
+INDUCTOR_SLACK = 1.05
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
+    """Default inductor (casts fused, intermediate roundings elided) for both: amp_fx's error
+    against float64, loss and every gradient averaged over 8 batches, is within INDUCTOR_SLACK of
+    torchao + ``torch.compile``'s."""
+    model, x = mlp()
+    exact = copy.deepcopy(model).double()
+    ref = torchao_float8(model, recipe)
+    ref_compiled = torch.compile(ref, backend="inductor")
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe, backend="inductor")
+    errors: dict[str, list[list[float]]] = {"torchao": [], "amp_fx": []}
+    for seed in range(8):
+        xs = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+        for p in (*ref.parameters(), *ours.parameters(), *exact.parameters()):
+            p.grad = None
+        loss64 = loss_fn(exact(xs.double()))
+        loss64.backward()
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref_compiled(xs))
+        loss_ref.backward()
+        loss = loss_fn(compiled(xs))
+        loss.backward()
+        for key, value, module in (("torchao", loss_ref, ref), ("amp_fx", loss, ours)):
+            errors[key].append([_relative_error(value, loss64)] + [
+                _relative_error(p.grad, q.grad) for p, q in zip(module.parameters(), exact.parameters())])
+    names = ["loss"] + [f"{n}.grad" for n, _ in ours.named_parameters()]
+    theirs, mine = torch.tensor(errors["torchao"]).mean(0), torch.tensor(errors["amp_fx"]).mean(0)
+    worse = {n: (m, t) for n, m, t in zip(names, mine.tolist(), theirs.tolist()) if m > INDUCTOR_SLACK * t}
+    assert not worse, f"amp_fx's error (mean of 8 batches) above {INDUCTOR_SLACK} x torchao's: {worse}"
 
 
 # --- structure ----------------------------------------------------------------------------------
