@@ -17,6 +17,7 @@ import logging
 import re
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,6 +342,7 @@ class AmpBackend:
                 f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
                 f"for it. Name a module that runs ops (names are under the module passed to "
                 f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
+        self._report_fp8(stacks)
         for label, op_names, cls in self.policy.op_entries:
             if ops.intersection(op_names) or _unobservable(op_names, cls):
                 continue
@@ -349,6 +351,40 @@ class AmpBackend:
                 f"op in the graphs captured on the first call (the model does not call "
                 f"{', '.join(op_names)}), so it changed nothing. Check the op name and overload "
                 f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+    def _report_fp8(self, stacks: set[tuple[tuple[str, type], ...]]) -> None:
+        """fp8 asked for and honoured nowhere in the graphs of the first call (each matmul's
+        reason is in ``amp_fx.explain``); ``keep_out_of_fp8`` entries that matched no module, or
+        that cannot matter because fp8 is off."""
+        for sel in self.policy.keep_out_of_fp8:
+            label = repr(sel) if isinstance(sel, str) else sel.__name__
+            if self.fp8 is None:
+                self.reporter.did_less(("keep_out_of_fp8", "fp8 off"), (
+                    f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} changes nothing: fp8 is off. "
+                    f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."),
+                    stacklevel=6)
+            elif not any(_module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+                self.reporter.did_less(("keep_out_of_fp8", label), (
+                    f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} matched no op in the graphs "
+                    f"captured on the first call, so no matmul was kept out of fp8 for it. Name a "
+                    f"module that runs matmuls (names are under the module passed to amp_fx.compile, "
+                    f"as in its named_modules()), or drop the entry."), stacklevel=6)
+        if self.fp8 is None:
+            return
+        decisions = [d for r in self.records if r.fp8 is not None for d in r.fp8.decisions]
+        if any(d.converted for d in decisions):
+            return
+        if not decisions:
+            found = ("no graph of the first call has a matmul with a parameter operand "
+                     "(nn.Linear, F.linear, Conv1D's addmm, x @ W)")
+        else:
+            reasons = Counter(d.reason.removeprefix("not fp8: ").split(";")[0] for d in decisions)
+            found = (f"none of its {len(decisions)} matmuls with a parameter operand can run in fp8: "
+                     + "; ".join(f"{n} x {why}" for why, n in reasons.most_common(3)))
+        self.reporter.did_less(("fp8", "nothing converted"), (
+            f"amp_fx: fp8={self.fp8.recipe.value!r} was asked, but {found}. Everything runs in "
+            f"{dtype_name(self.dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."),
+            stacklevel=6)
 
     def report_no_graph(self, target: object) -> None:
         """Report a call of a compiled model or function that captured and ran no graph."""

@@ -14,12 +14,14 @@ loss, every gradient, 20 AdamW steps), then inductor (error against float64 no w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import amp_fx
 from amp_fx._report import Reporter
 from amp_fx.backend import AmpBackend
 from amp_fx.compile import AmpCompiledModule
@@ -28,7 +30,12 @@ from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.passes import meta
 from amp_fx.policy import Policy
 from amp_fx.testing import assert_bitwise
-from amp_fx.testing.fp8_reference import cpu_autocast_torchao, torchao_float8, torchao_missing
+from amp_fx.testing.fp8_reference import (
+    count_gemm_flops,
+    cpu_autocast_torchao,
+    torchao_float8,
+    torchao_missing,
+)
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
 
@@ -287,3 +294,203 @@ def test_config_is_frozen() -> None:
     with pytest.raises(AttributeError):
         config.recipe = Fp8Recipe.TENSORWISE  # type: ignore[misc]
 
+
+
+# --- coverage beyond nn.Linear ------------------------------------------------------------------
+
+
+class Functional(nn.Module):
+    """Matmuls torchao cannot convert (it swaps nn.Linear modules): F.linear on the module's own
+    parameters, x @ W with W as [K, N], and x @ W.t()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.b1 = nn.Parameter(torch.randn(64) / 10)
+        self.w2 = nn.Parameter(torch.randn(64, 48) / 8)
+        self.w3 = nn.Parameter(torch.randn(16, 48) / 7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = nn.functional.gelu(nn.functional.linear(x, self.w1, self.b1))
+        return torch.relu(h @ self.w2) @ self.w3.t()
+
+
+class FunctionalAsLinears(nn.Module):
+    """The same model with nn.Linear modules (w2 transposed): what torchao converts."""
+
+    def __init__(self, f: Functional) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 48, bias=False), nn.Linear(48, 16, bias=False)
+        with torch.no_grad():
+            self.a.weight.copy_(f.w1)
+            self.a.bias.copy_(f.b1)
+            self.b.weight.copy_(f.w2.t())
+            self.c.weight.copy_(f.w3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(torch.relu(self.b(nn.functional.gelu(self.a(x)))))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_functional_linears_in_fp8_where_torchao_converts_none(recipe: str) -> None:
+    """F.linear and x @ W run in fp8 with torchao's numerics: bitwise with torchao on the same
+    model written with nn.Linear, and the same share of GEMM FLOPs in fp8 (counted from the ops
+    that ran, forward and backward), where torchao converts nothing of the functional model."""
+    torch.manual_seed(0)
+    # x requires grad: torchao's eager Function computes the input gradient GEMM of the first
+    # layer whether or not it is needed, a compiled backward only where it is.
+    functional, x = Functional(), torch.randn(2, 16, 32, requires_grad=True)
+    linears = FunctionalAsLinears(functional)
+
+    ref = torchao_float8(linears, recipe)
+    with count_gemm_flops() as ref_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref(x))
+        loss_ref.backward()
+    untouched = torchao_float8(functional, recipe)
+    with count_gemm_flops() as untouched_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_fn(untouched(x)).backward()
+
+    ours = copy.deepcopy(functional)
+    compiled = compile_fp8(ours, recipe)
+    loss_fn(compiled(x)).backward()  # compiles forward and backward outside the count
+    for p in ours.parameters():
+        p.grad = None
+    with count_gemm_flops() as flops:
+        loss = loss_fn(compiled(x))
+        loss.backward()
+
+    assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
+    assert_bitwise(ours.w1.grad, ref.a.weight.grad, "w1.grad")
+    assert_bitwise(ours.b1.grad, ref.a.bias.grad, "b1.grad")
+    assert_bitwise(ours.w2.grad, ref.b.weight.grad.t(), "w2.grad")
+    assert_bitwise(ours.w3.grad, ref.c.weight.grad, "w3.grad")
+    assert untouched_flops.fp8 == 0 and untouched_flops.other > 0
+    assert flops.fp8_share == ref_flops.fp8_share > 0
+
+
+# --- what stays out of fp8, and why ------------------------------------------------------------
+
+
+class Odd(nn.Module):
+    """fc1 fits _scaled_mm; ``odd`` has 40 out features (N not a multiple of 16); ``head`` has
+    40 in features (K); ``experts`` is a 3-D weight used by bmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 40)
+        self.head = nn.Linear(40, 16)
+        self.experts = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.head(self.odd(self.fc1(x)))
+        return torch.bmm(h.reshape(4, 8, 16), self.experts)
+
+
+def _decisions(compiled: nn.Module) -> dict[str, object]:
+    return {d.weight: d for r in compiled.amp_fx_records for d in r.fp8.decisions}
+
+
+def test_shapes_scaled_mm_cannot_take_stay_in_dtype_and_say_why() -> None:
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(2, 16, 32)
+    compiled = compile_fp8(model, "tensorwise")
+    compiled(x)
+    d = _decisions(compiled)
+    assert [w for w, dec in d.items() if dec.converted] == ["fc1.weight"]
+    assert "N=40" in d["odd.weight"].reason and "multiple of 16" in d["odd.weight"].reason
+    assert "K=40" in d["head.weight"].reason and "N=" not in d["head.weight"].reason
+    assert "3-D weight" in d["experts"].reason
+    (record,) = compiled.amp_fx_records
+    linears = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
+    text = str(amp_fx.explain(compiled))
+    assert "N=40 (out features, the input-gradient GEMM's inner dimension) not a multiple of 16" in text
+    assert "1 of 4 (tensorwise)" in text
+
+
+@pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
+def test_rows_not_a_multiple_of_16_matter_only_where_the_weight_gradient_is_fp8(
+        recipe: str, fp8_grad_weight: bool) -> None:
+    """M (batch x tokens) is the inner dimension of the weight-gradient GEMM: 2 x 9 = 18 rows keep
+    rowwise out of fp8, not rowwise_with_gw_hp (whose weight gradient is high precision)."""
+    model, _ = mlp()
+    compiled = compile_fp8(model, recipe, strict=False)
+    with pytest.warns(amp_fx.AmpFxWarning) if fp8_grad_weight else contextlib.nullcontext():
+        compiled(torch.randn(2, 9, 32))
+    d = _decisions(compiled)
+    assert all(dec.converted is not fp8_grad_weight for dec in d.values())
+    if fp8_grad_weight:
+        assert "M=18" in d["fc1.weight"].reason
+
+
+def test_the_bf16_path_is_unchanged_where_nothing_converts() -> None:
+    """A model none of whose matmuls _scaled_mm takes: bitwise amp_fx without fp8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    x = torch.randn(4, 24)
+    with_fp8 = compile_fp8(copy.deepcopy(model), "tensorwise", strict=False)
+    with pytest.warns(amp_fx.AmpFxWarning, match="none of its 2 matmuls"):
+        out = with_fp8(x)
+    assert_bitwise(out, compile_fp8(copy.deepcopy(model), None)(x), "output")
+
+
+def test_strict_mode_refuses_fp8_honoured_nowhere() -> None:
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    with pytest.raises(amp_fx.AmpFxError, match=r"fp8='tensorwise' was asked, but none of its 2 matmuls.*N=40"):
+        compile_fp8(model, "tensorwise")(torch.randn(4, 24))
+
+
+def test_strict_mode_refuses_fp8_on_a_model_without_parameter_matmuls() -> None:
+    class NoWeights(nn.Module):
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            return x @ y
+
+    with pytest.raises(amp_fx.AmpFxError, match="no graph of the first call has a matmul with a parameter"):
+        compile_fp8(NoWeights(), "tensorwise")(torch.randn(16, 16), torch.randn(16, 16))
+
+
+@pytest.mark.parametrize("selector", ["head", nn.Linear], ids=["name", "type"])
+def test_policy_keeps_modules_out_of_fp8_like_torchao_module_filter(selector: object) -> None:
+    """Policy(keep_out_of_fp8=...) by name or type; by name it is torchao's module_filter_fn,
+    bitwise."""
+    model, x = mlp()
+    policy = Policy(keep_out_of_fp8=(selector,))
+    ours = copy.deepcopy(model)
+    if selector is nn.Linear:
+        compiled = compile_fp8(ours, "tensorwise", policy=policy, strict=False)
+        with pytest.warns(amp_fx.AmpFxWarning, match="none of its 3 matmuls.*kept out of fp8 by policy"):
+            compiled(x)
+        assert not any(d.converted for d in _decisions(compiled).values())
+        return
+    compiled = compile_fp8(ours, "tensorwise", policy=policy)
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    d = _decisions(compiled)
+    assert [w for w, dec in d.items() if not dec.converted] == ["head.weight"]
+    assert "kept out of fp8 by policy (head)" in d["head.weight"].reason
+
+    ref = torchao_float8(model, "tensorwise", module_filter_fn=lambda m, fqn: fqn != "head")
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        loss_ref = loss_fn(ref(x))
+    loss_ref.backward()
+    assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()},
+                   {n: p.grad for n, p in ref.named_parameters()}, "grads")
+
+
+def test_keep_fp32_wins_over_fp8() -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, "tensorwise", policy=Policy(keep_fp32=("fc2",)))
+    compiled(x)
+    d = _decisions(compiled)
+    assert not d["fc2.weight"].converted and "kept by policy" in d["fc2.weight"].reason
+    assert d["fc1.weight"].converted and d["head.weight"].converted
+
+
+def test_an_unmatched_keep_out_of_fp8_entry_is_reported() -> None:
+    model, x = mlp()
+    with pytest.raises(amp_fx.AmpFxError, match="keep_out_of_fp8=...\\) entry 'nope' matched no op"):
+        compile_fp8(model, "tensorwise", policy=Policy(keep_out_of_fp8=("nope",)))(x)

@@ -53,6 +53,8 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes import meta
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -122,7 +124,10 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return f"autocast on for {node.next.name} alone: it runs its own autocast kernel"
     if node.target is torch.amp.autocast_mode._exit_autocast:
         return f"autocast off after {node.prev.name}"
+    fp8 = node.meta.get(meta.FP8)
     decision = node.meta.get("amp_fx_decision")
+    if fp8 is not None:
+        return fp8.reason if fp8.converted or decision is None else f"{decision.reason}; {fp8.reason}"
     out = dtype_name(value_dtype(node.meta.get("val")))
     if decision is None:
         return "python op (not a tensor op)" if node.op == "call_function" else ""
@@ -389,7 +394,27 @@ class Explanation:
                 "casts left": r.casts,
                 "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
             })
+            if any(r.fp8 is not None for r in self.records):
+                rows[-1]["fp8 matmuls"] = "-" if r.fp8 is None else (
+                    f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})")
         return rows
+
+    def fp8_decisions(self, graph: int | None = None) -> list[Fp8Decision]:
+        """Every matmul with a parameter operand that the fp8 pass considered (``fp8=`` on), in
+        graph order: converted or not, and why (:class:`~amp_fx.passes.fp8_matmuls.Fp8Decision`)."""
+        return [d for r in (self.records if graph is None else [self.records[graph]])
+                if r.fp8 is not None for d in r.fp8.decisions]
+
+    def fp8_text(self, graph: int) -> str:
+        """The fp8 pass's decision for each matmul of one graph: which run in fp8, with the
+        recipe and the scale granularity of each operand, and why the others stay in dtype."""
+        r = self.records[graph]
+        if r.fp8 is None:
+            return f"graph {graph}: fp8 off"
+        rows = [[d.weight, d.module, d.op, "x".join(map(str, d.shape)) if d.shape else "?",
+                 "fp8" if d.converted else dtype_name(r.dtype), d.reason] for d in r.fp8.decisions]
+        return (f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
+                + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"]))
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
@@ -463,6 +488,8 @@ class Explanation:
                  self.summary()]
         for r in self.records:
             parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
+            if r.fp8 is not None:
+                parts += ["", self.fp8_text(r.index)]
         return "\n".join(parts)
 
     def __repr__(self) -> str:

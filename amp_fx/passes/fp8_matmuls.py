@@ -319,7 +319,9 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             w = match.weight_kn
             if w is None:
-                w = self.call(aten.t.default, (match.weight,), stack, note)
+                w = self.call(aten.t.default, (match.weight,), stack, Decision(
+                    CastClass.NONE, "fp8: the weight as [K, N], in fp32 (the master weight is scaled, "
+                                    "with no round trip through the autocast dtype)"))
             out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
             out.meta[meta.FP8] = decision
             if match.bias is not None:
@@ -331,7 +333,9 @@ class _Rewriter:
                     bias.meta[meta.CAST] = meta.CAST_INSERTED
                     bias.meta[meta.CAST_REASON] = decision.reason
                     bias.meta[meta.CACHED] = False
-                out = self.call(aten.add.Tensor, (out, bias), stack, note)
+                out = self.call(aten.add.Tensor, (out, bias), stack, Decision(
+                    CastClass.NONE, f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
+                                    f"GEMM (as torchao's Float8Linear adds it)"))
         inputs = node.all_input_nodes
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
