@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.unwrap import layers, unwrap_compiled
 from amp_fx.passes.watch_nonfinite import NONE, WatchedOp
 
 __all__ = ["OverflowReport", "FirstOp", "skip_aware"]
@@ -130,14 +131,8 @@ def root_names(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[int, str]]
     its parameter names by ``id``: the same names on every rank. A parameter shared by several
     modules (a tied embedding and head) is named as ``named_parameters()`` names it: by its first
     path."""
-    root = model
-    while True:
-        inner = getattr(root, "original_module", None) or getattr(root, "_orig_mod", None)
-        if isinstance(root, torch.nn.parallel.DistributedDataParallel):
-            inner = root.module
-        if not isinstance(inner, torch.nn.Module) or inner is root:
-            break
-        root = inner
+    root = unwrap_compiled(model, ddp=True)
+    assert isinstance(root, torch.nn.Module)
     return root, {id(p): n for n, p in root.named_parameters()}
 
 
@@ -155,13 +150,10 @@ def strip_wrappers(path: str, prefixes: Sequence[str]) -> str:
 def forward_watch(model: object) -> ForwardWatch | None:
     """The :class:`ForwardWatch` of a model compiled with ``watch_nonfinite=True`` (under DDP and
     ``torch.compile`` wrappers too), else None."""
-    seen = 0
-    while model is not None and seen < 8:
-        watch = getattr(model, "amp_fx_watch", None)
+    for layer in layers(model, any_module_attr=True):
+        watch = getattr(layer, "amp_fx_watch", None)
         if isinstance(watch, ForwardWatch):
             return watch
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        seen += 1
     return None
 
 

@@ -25,9 +25,10 @@ from typing import Union
 
 import torch
 
-from amp_fx._compat import autocast_registrations
+from amp_fx._common.compat import autocast_registrations
 
-__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class"]
+__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
+           "module_matches", "op_from_name"]
 
 
 class CastClass(enum.Enum):
@@ -68,7 +69,7 @@ def _table(dispatch_key: str, **classes: str) -> tuple[Mapping[str, CastClass], 
 
 # The tables list every op that some supported torch (2.11 to 2.15) registers at its Autocast
 # dispatch key, with its class; DEFAULT_TABLES keeps the ones the installed torch registers
-# (amp_fx._compat.autocast_registrations: a feature test, not a version check). An op whose class
+# (amp_fx._common.compat.autocast_registrations: a feature test, not a version check). An op whose class
 # changed between versions would need two entries and a feature test of its own: none has.
 # VERSION_DEPENDENT names every entry that some supported torch does not register; an entry
 # missing from the installed torch and not named there fails tests/test_op_tables.py, and so
@@ -216,7 +217,7 @@ def _has_own_kernel(op_name: str, device_type: str) -> bool:
 
     torch's ops are in the tables (tests/test_policy.py checks it), so only other namespaces count.
     """
-    from amp_fx._devices import DEVICES
+    from amp_fx._common.devices import DEVICES
 
     device = DEVICES.get(device_type)
     if device is None or op_name.startswith("aten::"):
@@ -230,7 +231,7 @@ def op_name(op: torch._ops.OpOverload) -> str:
 
 
 @cache
-def _op_from_name(name: str) -> torch._ops.OpOverload:
+def op_from_name(name: str) -> torch._ops.OpOverload:
     ns, _, rest = name.partition("::")
     packet_name, _, overload = rest.partition(".")
     packet = getattr(getattr(torch.ops, ns), packet_name)
@@ -360,7 +361,7 @@ class Policy:
         """
         for path, mtype in module_types:
             for sel in self.keep_fp32:
-                if _module_matches(sel, path, mtype):
+                if module_matches(sel, path, mtype):
                     label = sel if isinstance(sel, str) else sel.__name__
                     return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by "
                                                     f"policy ({label})", kept_module=path)
@@ -373,7 +374,7 @@ class Policy:
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
         if cls is CastClass.OWN_KERNEL:
-            from amp_fx._devices import DEVICES
+            from amp_fx._common.devices import DEVICES
 
             return Decision(cls, f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} "
                                  "kernel, as in eager autocast")
@@ -429,16 +430,16 @@ def _label(cls: CastClass) -> str:
     return cls.value.replace("_", " ")
 
 
-def _module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
+def module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
     if isinstance(sel, str):
         return path == sel or path.startswith(sel + ".")
     return issubclass(mtype, sel)
 
 
 def _check_class_fits(name: str, cls: CastClass) -> None:
-    op = _op_from_name(name)
+    op = op_from_name(name)
     if cls is CastClass.OWN_KERNEL:
-        from amp_fx._devices import DEVICES
+        from amp_fx._common.devices import DEVICES
 
         if not any(_has_own_kernel(name, d) for d in DEVICES):
             raise ValueError(

@@ -68,20 +68,20 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from amp_fx import _compat
-from amp_fx._backends import resolve_backend
+from amp_fx._common import compat as _compat
+from amp_fx._common.downstream import Backend, resolve_backend
+from amp_fx._common.report import Reporter
 from amp_fx._dist.found_inf import combine_first_op, ranks_of
 from amp_fx._dist.step import LocalShards, check_distributed_step, distributed_forward, is_fsdp2
-from amp_fx._report import Reporter
-from amp_fx.backend import Backend
-from amp_fx.compile import _weight_cache_off_for_fsdp2
-from amp_fx.compile import compile as amp_compile
+from amp_fx.backend.weight_cache import StepWriter
+from amp_fx.compile import compile_with, weight_cache_off_for_fsdp2
+from amp_fx.fp8 import Fp8Like
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
+from amp_fx.options import Options
 from amp_fx.overflow import OverflowReport, root_names
-from amp_fx.policy import Policy, resolve_dtype
+from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
 from amp_fx.scaler.snapshot import copy_state, restore_where_, same_value, unique_params
-from amp_fx.weight_cache import StepWriter
 
 __all__ = ["compile_step", "CompiledStep", "GradNorm"]
 
@@ -147,7 +147,7 @@ def _step_as_eager(optimizer: torch.optim.Optimizer) -> contextlib.AbstractConte
     computes them, one rounding each.
 
     Dynamo rewrites them into a multiply and an add (two roundings where eager's kernel rounds
-    once: ``amp_fx._compat.dynamo_decomposes_number_scalars``), so SGD (2.11), RMSprop and Adadelta
+    once: ``amp_fx._common.compat.dynamo_decomposes_number_scalars``), so SGD (2.11), RMSprop and Adadelta
     drifted from the eager recipe in the last bits. Only for the steps of ``_EAGER_ROUNDING_STEPS``
     with every hyperparameter a Python number: a scheduled lr is a tensor inside the step
     (``_lrs_as_tensors``), which Dynamo traces without a host read only through that rewrite; it
@@ -194,9 +194,7 @@ class CompiledStep:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
-                 config: _Config, scaler: GradScaler, backend: str | Backend, policy: Policy | None,
-                 dynamic: bool | None, strict: bool | None = None, weight_cache: bool = False,
-                 watch_nonfinite: bool = False) -> None:
+                 config: _Config, scaler: GradScaler, options: Options) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -206,22 +204,19 @@ class CompiledStep:
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._raw_step = _raw_step(optimizer)
         self._micro_step = 0
-        self._report = Reporter(strict)
+        self.options = options
+        self._report = Reporter(options.strict)
         # A recompile of the finish that amp_fx caused itself (the first compile, an lr that
         # became a tensor) is expected; any other is reported.
         self._expect_recompile = True
         # Not fullgraph: a graph break in the model (e.g. a logger call in a Hugging Face model)
         # splits the forward into graphs, each rewritten, with no host sync between them.
-        if weight_cache and _weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
-            weight_cache = False
+        if options.weight_cache and weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
+            options = options.replace(weight_cache=False)
         self._forward = distributed_forward(  # DDP/FSDP2: per-unit capture, no grad sync within a window
-            self, compile_model=lambda m: amp_compile(m, dtype=config.dtype, policy=policy, backend=backend,
-                                                      dynamic=dynamic, strict=strict, weight_cache=weight_cache,
-                                                      watch_nonfinite=watch_nonfinite),
-        ) or amp_compile(_own_code(self._forward_loss), dtype=config.dtype, policy=policy,
-                         backend=backend, dynamic=dynamic, strict=strict, weight_cache=weight_cache,
-                         watch_nonfinite=watch_nonfinite)
-        # amp_fx/weight_cache.py: the low-precision copies are written with the update (under
+            self, compile_model=lambda m: compile_with(m, options),
+        ) or compile_with(_own_code(self._forward_loss), options)
+        # amp_fx/backend/weight_cache.py: the low-precision copies are written with the update (under
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         self._lowp_writer = None if cache is None else StepWriter(cache, self._params)
@@ -237,7 +232,7 @@ class CompiledStep:
         # in the found-inf all-reduce of the finish; DDP: one small all-reduce of its own).
         record.group = ranks_of(model) if record.watch is not None else None
         self._slots = record.register(self._params)
-        self._finish_backend = _CountingBackend(backend)
+        self._finish_backend = _CountingBackend(options.backend)
         self._finish = torch.compile(_own_code(self._finish_impl), backend=self._finish_backend,
                                      fullgraph=True, dynamic=False)
         self._seen_groups = _group_values(optimizer)
@@ -420,7 +415,7 @@ class CompiledStep:
         """Report a parameter whose ``requires_grad`` changed where Dynamo would not recompile.
 
         torch 2.11's Dynamo guards no parameter's ``requires_grad`` (plain ``torch.compile``
-        alike, ``amp_fx._compat.dynamo_guards_param_requires_grad``): a layer unfrozen after the
+        alike, ``amp_fx._common.compat.dynamo_guards_param_requires_grad``): a layer unfrozen after the
         first step would keep getting no gradient. Checked on the host before each micro-batch,
         only on such versions; reported once per change (strict mode: an error).
         """
@@ -712,6 +707,7 @@ def compile_step(
     strict: bool | None = None,
     weight_cache: bool = False,
     watch_nonfinite: bool = False,
+    fp8: Fp8Like = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -752,10 +748,12 @@ def compile_step(
             reads) into an ``AmpFxError``. None: the ``AMP_FX_STRICT`` environment
             variable decides.
         weight_cache: cast each fp32 parameter once per optimizer step, in the same pass that
-            updates it (see ``amp_fx.weight_cache``), instead of once per micro-batch.
+            updates it (see ``amp_fx.backend.weight_cache``), instead of once per micro-batch.
         watch_nonfinite: record on the device the first forward op whose low-precision output
             holds an inf/NaN, named by :meth:`CompiledStep.overflow_report` (``amp_fx.overflow``).
             Values are unchanged; the gradients' flags are recorded either way.
+        fp8: train the forward's matmuls in fp8, as :func:`amp_fx.compile`'s ``fp8=`` (a recipe
+            name, an ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``; docs: "fp8 training").
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -763,7 +761,8 @@ def compile_step(
         >>> step = amp_fx.compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
         >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
     """
-    lower = resolve_dtype(dtype)
+    options = Options(dtype=dtype, policy=policy, backend=backend, strict=strict, weight_cache=weight_cache,
+                      watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic}, fp8=fp8)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -772,7 +771,7 @@ def compile_step(
     check_distributed_step(model, optimizer)  # FSDP1, FSDP2 layouts/optimizers: a clear error
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
-    config = _Config(dtype=lower, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
+    config = _Config(dtype=options.dtype, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
                      n_inputs=n_inputs)
     _check_params(model, optimizer)
     params = unique_params(optimizer)
@@ -783,7 +782,7 @@ def compile_step(
         raise ValueError(f"amp_fx.compile_step: parameters on several devices {sorted(map(str, devices))} "
                          "are not supported")
     if scaler is None:
-        scaler = _default_scaler(lower, params[0].device, strict)
+        scaler = _default_scaler(options.dtype, params[0].device, options.strict)
     elif not isinstance(scaler, GradScaler):
         raise TypeError("amp_fx.compile_step: scaler must be an amp_fx GradScaler; to continue from a "
                         "torch.amp.GradScaler, load its state: s = amp_fx.scaler.GradScaler('cpu'); "
@@ -794,6 +793,4 @@ def compile_step(
     if any(isinstance(v, torch.Tensor) and v.requires_grad for g in optimizer.param_groups for v in g.values()
            if not isinstance(v, list)):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
-    return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, backend=backend,
-                        policy=policy, dynamic=dynamic, strict=strict, weight_cache=weight_cache,
-                        watch_nonfinite=watch_nonfinite)
+    return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, options=options)

@@ -22,9 +22,6 @@ import torch
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx._report import Reporter
-from amp_fx.backend import AmpBackend
-from amp_fx.compile import AmpCompiledModule
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.passes import meta
@@ -45,11 +42,10 @@ RECIPES = [r.value for r in Fp8Recipe]
 def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
                 policy: Policy | None = None, strict: bool = True,
                 options: dict[str, object] | None = None) -> nn.Module:
-    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, options=options)``."""
-    amp_backend = AmpBackend(dtype=torch.bfloat16, policy=policy or Policy(), backend=backend,
-                             root=model, reporter=Reporter(strict), fp8=Fp8Config.of(recipe),
-                             inductor_config=options)
-    return AmpCompiledModule(model, amp_backend, {})
+    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, ...)`` (``options``: inductor's)."""
+    extra = {"options": options} if options else {}
+    return amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, policy=policy, strict=strict,
+                          **extra)
 
 
 class MLP(nn.Module):
@@ -490,7 +486,100 @@ def test_keep_fp32_wins_over_fp8() -> None:
     assert d["fc1.weight"].converted and d["head.weight"].converted
 
 
-def test_an_unmatched_keep_out_of_fp8_entry_is_reported() -> None:
+def test_keep_out_of_fp8_names_are_checked_at_compile_time() -> None:
+    model, _ = mlp()
+    with pytest.raises(ValueError, match="Policy.keep_out_of_fp8 names submodule 'fc3'"):
+        compile_fp8(model, "tensorwise", policy=Policy(keep_out_of_fp8=("fc3",)))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", None], ids=["unmatched", "fp8-off"])
+def test_a_keep_out_of_fp8_entry_that_changes_nothing_is_reported(recipe: str | None) -> None:
     model, x = mlp()
-    with pytest.raises(amp_fx.AmpFxError, match="keep_out_of_fp8=...\\) entry 'nope' matched no op"):
-        compile_fp8(model, "tensorwise", policy=Policy(keep_out_of_fp8=("nope",)))(x)
+    policy = Policy(keep_out_of_fp8=(nn.Conv2d,) if recipe else ("head",))
+    why = "entry Conv2d matched no op" if recipe else "entry 'head' changes nothing: fp8 is off"
+    with pytest.raises(amp_fx.AmpFxError, match=why):
+        compile_fp8(model, recipe, policy=policy)(x)
+
+
+# --- the option, wherever amp_fx takes options ---------------------------------------------------
+
+
+def test_options_record_holds_the_config() -> None:
+    model, _ = mlp()
+    compiled = compile_fp8(model, "rowwise")
+    assert amp_fx.options_of(compiled).fp8 == Fp8Config(Fp8Recipe.ROWWISE)
+    assert amp_fx.options_of(compile_fp8(mlp()[0], None)).fp8 is None
+
+
+def test_a_bad_fp8_value_fails_at_compile_time() -> None:
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'rowwize'"):
+        compile_fp8(mlp()[0], "rowwize")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_compile_step_bitwise_with_torchao(recipe: str) -> None:
+    """compile_step(dtype="bf16", fp8=...): 5 AdamW steps (check-only scaler, clipping) bitwise
+    with torchao's eager loop (unscale-free bf16 recipe: backward, clip_grad_norm_, step)."""
+    model, x = mlp()
+    target = torch.randn(2, 16, 16)
+    ref = torchao_float8(model, recipe)
+    ours = copy.deepcopy(model)
+    # fused: compile_step skips an inf/NaN step inside the fused kernel, bitwise torch's eager
+    # step (a non-fused optimizer is traced into the graph: tests/test_step.py says how close).
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
+
+    def mse(out: Tensor, y: Tensor) -> Tensor:
+        return (out.float() - y).pow(2).mean()
+
+    step = amp_fx.compile_step(ours, opt, mse, dtype="bf16", fp8=recipe, backend="aot_eager",
+                               max_grad_norm=1.0)
+    losses, losses_ref = [], []
+    for i in range(5):
+        xs = x * (1 + i / 4)
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = mse(ref(xs), target)
+        loss_ref.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        losses_ref.append(loss_ref.detach())
+        losses.append(step(xs, target))
+    assert_bitwise(losses, losses_ref, "losses")
+    assert_bitwise(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
+
+
+def test_dynamo_backend_by_name_takes_fp8() -> None:
+    """torch.compile(backend="amp_fx", options={"fp8": ...}) under torch.autocast: bitwise torchao."""
+    model, x = mlp()
+    expected = torchao_step(model, x, "rowwise")
+    ours = copy.deepcopy(model)
+    compiled = torch.compile(ours, backend="amp_fx", options={"backend": "aot_eager", "fp8": "rowwise"})
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = loss_fn(compiled(x))
+    loss.backward()
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
+                   "torch.compile(backend='amp_fx', fp8) vs torchao")
+
+
+def test_explain_takes_fp8_and_shows_recipe_and_granularity() -> None:
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(2, 16, 32)
+    ex = amp_fx.explain(model, x, fp8="rowwise_with_gw_hp")
+    (fc1,) = [d for d in ex.fp8_decisions() if d.converted]
+    assert fc1.weight == "fc1.weight" and fc1.recipe is Fp8Recipe.ROWWISE_WITH_GW_HP
+    table = ex.fp8_text(0)
+    assert "x (e4m3 rowwise) @ w (e4m3 rowwise)" in table
+    assert "grad (e4m3 rowwise) @ w (e4m3 tensorwise)" in table
+    assert "x (high precision) @ grad (high precision)" in table
+    assert "fp8 matmuls" in ex.summary() and "1 of 4 (rowwise_with_gw_hp)" in ex.summary()
+    assert not any(n.op == "fp8_matmul" for n in amp_fx.explain(model, x).nodes())  # fp8 off: none
+
+
+def test_explain_shows_why_nothing_converts_instead_of_failing() -> None:
+    """explain is where the reasons are read: strict mode does not stop it (the compiled model
+    itself raises, test_strict_mode_refuses_fp8_honoured_nowhere)."""
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    ex = amp_fx.explain(model, torch.randn(4, 24), fp8="tensorwise")
+    assert any("no matmul runs in fp8" in n for n in ex.notes)
+    assert all("N=40" in d.reason or "K=40" in d.reason for d in ex.fp8_decisions())

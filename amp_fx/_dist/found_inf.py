@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.unwrap import layers
+
 __all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "unpack_overflow",
            "unrank_first_op"]
 
@@ -104,14 +106,10 @@ def ranks_of(model: torch.nn.Module) -> Any:
     ``amp_fx.compile`` wrappers."""
     if _dtensor_type() is None or not torch.distributed.is_initialized():
         return None
-    seen = 0
-    while seen < 8:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model.process_group
-        inner = getattr(model, "original_module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module) or inner is model:
-            break
-        model, seen = inner, seen + 1
+    for layer in layers(model):
+        if isinstance(layer, torch.nn.parallel.DistributedDataParallel):
+            return layer.process_group
+        model = layer
     dtensor = _dtensor_type()
     for p in model.parameters():
         if isinstance(p, dtensor) and any(not pl.is_replicate() for pl in p.placements):

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from amp_fx._dist.capture import FSDP1_ALTERNATIVE, _device_type, distributed_units, is_fsdp1
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
 __all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward", "is_fsdp2"]
 
@@ -238,7 +238,7 @@ def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module],
     # _forward_loss reads model, loss_fn, config and scaler from its first argument.
     view = types.SimpleNamespace(model=compiled, loss_fn=step.loss_fn, config=step.config, scaler=step.scaler)
     forward_loss = type(step)._forward_loss
-    device_type = _device_type(model)
+    device_type = module_device_type(model)
     window = step.config.accumulate
 
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

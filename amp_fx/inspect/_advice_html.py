@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.inspect.nonfinite import policy_code
 
 __all__: list[str] = []

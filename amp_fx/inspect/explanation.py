@@ -28,10 +28,10 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.errors import GraphvizNotFound
+from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._graphviz import build_dot, write_svg
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -55,6 +55,7 @@ from amp_fx.inspect._runner import (
 )
 from amp_fx.passes import meta
 from amp_fx.passes.fp8_matmuls import Fp8Decision
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -280,6 +281,11 @@ class Explanation:
                      for t in [_first_tensor(n)]):
             self.notes.append("no floating-point ops: the graphs compute only on integers or "
                               "booleans, so amp_fx inserted no casts")
+        fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
+        if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
+            self.notes.append(f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
+                              + ("none has a parameter operand" if not any(f.decisions for f in fp8)
+                                 else "each one's reason is in the fp8 table below"))
 
     @classmethod
     def from_records(cls, records: Sequence[GraphRecord]) -> Explanation:
@@ -528,8 +534,13 @@ def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
 
 
 def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
-            policy: Policy | None = None, fold: bool = True, **kwargs: Any) -> Explanation:
+            policy: Policy | None = None, fold: bool = True, fp8: Fp8Like = None,
+            **kwargs: Any) -> Explanation:
     """Explain what amp_fx does to ``model_or_fn`` on these inputs.
+
+    With ``fp8`` (as :func:`amp_fx.compile` takes it), also which matmuls run in fp8, with the
+    recipe and each operand's fp8 dtype and scale granularity, and why the others do not
+    (:meth:`Explanation.fp8_text`, :meth:`Explanation.fp8_decisions`).
 
     Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
     no backward, on a deep copy of the model (your model's parameters and buffers, BatchNorm
@@ -544,22 +555,22 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             bug in the model), with the eager error chained; or the compiled model given without
             inputs has not run yet.
     """
-    from amp_fx.compile import AmpCompiledModule, records
+    from amp_fx.compile import AmpCompiledModule, options_of, records
 
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))
         if not recs:
             raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
                              "captured; call it once, or pass example inputs")
-        backend = getattr(model_or_fn, "_amp_fx_backend", None)
+        options = options_of(model_or_fn)
         original = getattr(model_or_fn, "original_module", None)
         forward = original.forward if original is not None else getattr(
             model_or_fn, "__wrapped__", None)
-        return Explanation(recs, policy=getattr(backend, "policy", None),
+        return Explanation(recs, policy=options.policy,
                            labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
-        backend = model_or_fn._amp_fx_backend
-        dtype, policy, fold = backend.dtype, backend.policy, backend.fold
+        options = options_of(model_or_fn)
+        dtype, policy, fold, fp8 = options.dtype, options.policy, options.fold, options.fp8
         model_or_fn = model_or_fn.original_module
     elif hasattr(model_or_fn, "amp_fx_records"):
         raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
@@ -568,7 +579,7 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
     call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="explain")
     run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
-                  downstream="eager", fold=fold)
+                  downstream="eager", fold=fold, fp8=fp8)
     split = weights_split_by_graph_breaks(run)
     return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
                        notes=[split_weight_note(name, where, lower) for name, where in split.items()],

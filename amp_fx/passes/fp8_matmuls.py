@@ -34,7 +34,7 @@ aliasing (the fp8 call returns a fresh tensor); the graph lints.
 Example:
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> from amp_fx.capture import capture
+    >>> from amp_fx.passes.capture import capture
     >>> from amp_fx.fp8 import Fp8Config
     >>> from amp_fx.passes.insert_casts import insert_casts
     >>> from amp_fx.policy import Policy
@@ -60,12 +60,12 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import module_stack
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul
 from amp_fx.passes import meta
-from amp_fx.policy import CastClass, Decision, Policy, _module_matches
+from amp_fx.passes.capture import module_stack
+from amp_fx.policy import CastClass, Decision, Policy, module_matches
 
 __all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS"]
 
@@ -302,7 +302,7 @@ class _Rewriter:
     def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
         for path, mtype in stack:
             for sel in self.policy.keep_out_of_fp8:
-                if _module_matches(sel, path, mtype):
+                if module_matches(sel, path, mtype):
                     return path, sel if isinstance(sel, str) else sel.__name__
         return None
 

@@ -1,8 +1,8 @@
 """The node-metadata keys amp_fx writes on FX nodes: one home, with who writes and who reads each.
 
-Passes record their decisions on the nodes they touch (habit 5 of STYLE.md: decisions are
-recorded where they are made), and the inspection tools read those records instead of
-recomputing them. Use these names, never the raw strings.
+Passes record their decisions on the nodes they touch (decisions are recorded where they are
+made: ``amp_fx/passes/README.md``, "Invariants every pass keeps"), and the inspection tools read
+those records instead of recomputing them. Use these names, never the raw strings.
 
 =====================  ==============================  ==========================================
 key                    written by                      read by
@@ -19,10 +19,11 @@ key                    written by                      read by
                        inserts: ``CAST_INSERTED``      find_nonfinite
 ``CAST_REASON``        insert_casts, every cast it     explain
                        inserts: the decision's reason
-``CACHED``             insert_casts, every cast it     the backend's
+``CACHED``             insert_casts, every cast it     ``backend/splits.py``'s
                        inserts: shared by all uses     ``leaves_cast_with_shared_cast`` (a weight
                        of a leaf (cast cache)          split by a graph break: reported by the
-                                                       backend, named by the inspection tools)
+                                                       backend, named by the inspection tools);
+                                                       lift_weight_casts (which casts to lift)
 ``FOLDED``             fold_casts, the node that       explain, the graph drawing
                        stands for folded casts: rule
                        names, in order

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import module_stack
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes.capture import module_stack
 
 __all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "NONE"]
 

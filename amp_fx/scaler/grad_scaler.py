@@ -45,8 +45,8 @@ from typing import Any, cast, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
+from amp_fx._common.report import Reporter
 from amp_fx._dist.found_inf import ShardedGrads, combine_first_op, ranks_of
-from amp_fx._report import Reporter
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
 from amp_fx.overflow import OverflowReport, SkipRecord, forward_watch, root_names
 from amp_fx.scaler import rules

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
@@ -442,7 +442,7 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
             steps.append((output_tensors(out), loss.detach(), [p.detach().clone() for p in ours.parameters()],
                           scaler.overflow_report()))
         assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
-        if watched:  # the watch names modules as named_modules() does (amp_fx.capture.module_path)
+        if watched:  # the watch names modules as named_modules() does (amp_fx.passes.capture.module_path)
             paths = {op.module for r in compiled.amp_fx_records for op in r.watched.ops}
             unknown = paths - dict(ours.named_modules()).keys()
             assert paths and not unknown, sorted(unknown)
