@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_missing", "GemmFlops", "count_gemm_flops"]
+__all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_missing", "linear_twin", "GemmFlops",
+           "count_gemm_flops"]
 
 
 def torchao_missing() -> str | None:
@@ -82,6 +83,25 @@ def torchao_float8(model: torch.nn.Module, recipe: str,
                                       config=Float8LinearConfig.from_recipe_name(recipe))
 
 
+def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every transformers ``Conv1D`` (``addmm(bias, x, W)``, W as
+    ``[in, out]``: GPT-2's attention and MLP) replaced by the ``nn.Linear`` that computes the same
+    (its weight ``W.T``), under the same name: the model torchao can convert, to compare amp_fx's
+    fp8 on the original against. Gradients of a twin's weight are the transposes of the original's."""
+    twin = copy.deepcopy(model)
+    for name, module in list(twin.named_modules()):
+        if type(module).__name__ != "Conv1D" or not hasattr(module, "nf"):
+            continue
+        linear = torch.nn.Linear(module.weight.shape[0], module.weight.shape[1], bias=module.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(module.weight.t())
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(twin.get_submodule(parent), child, linear)
+    return twin
+
+
 _GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"})
 _SCALED_MM = "aten::_scaled_mm"
 
@@ -109,6 +129,18 @@ def _gemm_flops(name: str, shapes: list[list[int]]) -> int:
     return 2 * batch * a[-2] * a[-1] * b[-1]
 
 
+def _ancestors(event: Any) -> Iterator[Any]:
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def _compiling(name: str) -> bool:
+    """A profiler range of torch.compile's own work (Dynamo's timers, AOTAutograd's tracing)."""
+    return name.endswith("(dynamo_timed)") or name in ("bytecode_tracing", "backend_compile")
+
+
 def _descendants(event: Any) -> Iterator[Any]:
     for child in event.cpu_children:
         yield child
@@ -122,7 +154,8 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     :class:`~amp_fx.testing.step_reference.HostSyncCounter` sees host reads (a
     ``TorchDispatchMode`` would stop Dynamo from running compiled code).
 
-    Only the outermost GEMM of a nest counts: ``_scaled_mm``'s CPU kernel calls ``aten::mm``, and
+    GEMMs run on fake tensors while torch.compile traces (a recompile inside the window) do not
+    count. Only the outermost GEMM of a nest counts: ``_scaled_mm``'s CPU kernel calls ``aten::mm``, and
     torchao's tensor subclass receives ``aten::mm`` and runs ``_scaled_mm`` inside it. A GEMM is
     fp8 when it is, or contains, a ``_scaled_mm``. Fused attention (CPU sdpa runs as one op) is
     not counted: none of its operands is a parameter, so no recipe puts it in fp8.
@@ -133,11 +166,11 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     for event in prof.events():
         if event.name not in _GEMMS:
             continue
-        parent = event.cpu_parent
-        while parent is not None and parent.name not in _GEMMS:
-            parent = parent.cpu_parent
-        if parent is not None:
+        ancestors = list(_ancestors(event))
+        if any(a.name in _GEMMS for a in ancestors):
             continue  # inside another GEMM
+        if any(_compiling(a.name) for a in ancestors):
+            continue  # run on fake tensors while Dynamo or AOTAutograd traced (a recompile)
         n = _gemm_flops(event.name, event.input_shapes)
         fp8 = event.name == _SCALED_MM or any(d.name == _SCALED_MM for d in _descendants(event))
         if fp8:
