@@ -60,6 +60,11 @@ class _CpuAutocastTorch(types.ModuleType):
         return torch.get_autocast_dtype("cpu")
 
 
+_CPU_AUTOCAST_TORCH = _CpuAutocastTorch()
+"""One object for every use: Dynamo guards on the identity of the global torchao's forward reads,
+so a new one per call would recompile torchao + torch.compile at every call."""
+
+
 @contextlib.contextmanager
 def cpu_autocast_torchao() -> Iterator[None]:
     """Inside: torchao's ``Float8Linear`` casts its input under CPU autocast, as it does under
@@ -67,7 +72,7 @@ def cpu_autocast_torchao() -> Iterator[None]:
     import torchao.float8.float8_linear as float8_linear
 
     original = float8_linear.torch
-    float8_linear.torch = _CpuAutocastTorch()
+    float8_linear.torch = _CPU_AUTOCAST_TORCH
     try:
         yield
     finally:
