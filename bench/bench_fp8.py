@@ -3,6 +3,7 @@
     python bench/bench_fp8.py                              # CPU smoke run: llama-like and hf-gpt2, small
     python bench/bench_fp8.py --device cuda --preset h100  # a GPU: Llama-like 2048 x 4 layers, seq 2048
     python bench/bench_fp8.py --models hf-gpt2 --steps 10
+    python bench/bench_fp8.py --tier                       # coverage on the real-model tier's transformers models
 
 Per model and variant, on one device and one downstream backend (inductor by default):
 
@@ -19,6 +20,12 @@ Per model and variant, on one device and one downstream backend (inductor by def
   (``torch.cuda.max_memory_allocated`` over the timed steps) on CUDA only. On a CPU, fp8 GEMMs run
   as ``_scaled_mm``'s reference kernel (it converts to fp32 and calls ``mm``): its time says nothing
   about a GPU's fp8 tensor cores, so the CPU table leaves both columns out.
+
+``--tier``: per transformers model of the real-model tier (``amp_fx/testing/real_models.py``) and
+recipe, one forward and backward under ``aot_eager``: the matmuls with a parameter operand
+(distinct weights), how many run in fp8, why the others do not, and the fp8 share of GEMM FLOPs
+for amp_fx and for torchao on the model as it is (the tier's tests check amp_fx bitwise against
+torchao converting the same layers: tests/models/test_fp8_real_models.py).
 
 torchao runs under ``torch.autocast(device, bf16)``; on a CPU its input-cast branch is pointed at
 the CPU's autocast state (``cpu_autocast_torchao``: torchao reads CUDA's state there, see
@@ -160,6 +167,38 @@ def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor
     return loss.item(), _grads(model)
 
 
+def tier(recipes: list[str]) -> None:
+    """The coverage table of ``--tier`` (see the module docstring)."""
+    from amp_fx.testing.real_models import REAL_MODELS
+
+    rows = []
+    for name, entry in REAL_MODELS.items():
+        if entry.library != "transformers" or entry.missing():
+            continue
+        for recipe in recipes:
+            torch._dynamo.reset()
+            model, inputs, loss_fn = entry.build()
+            ref = torchao_float8(model, recipe)
+            with count_gemm_flops() as ref_flops:
+                with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+                    loss_fn(ref(**inputs)).backward()
+            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+            for _ in range(2):  # compiles, and recompiles where the model's first call changes its config
+                loss_fn(compiled(**inputs)).backward()
+            with count_gemm_flops() as flops:
+                loss_fn(compiled(**inputs)).backward()
+            decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None
+                         for d in r.fp8.decisions}
+            kept = sorted({d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
+                           for d in decisions.values() if not d.converted})
+            rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
+                         "fp8": sum(d.converted for d in decisions.values()),
+                         "fp8 share amp_fx": f"{flops.fp8_share:.3f}",
+                         "fp8 share torchao": f"{ref_flops.fp8_share:.3f}",
+                         "kept out (why)": "; ".join(kept) or "-"})
+    print(tabulate(rows, headers="keys"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama-like,hf-gpt2")
@@ -168,6 +207,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--recipes", default="tensorwise,rowwise")
     parser.add_argument("--steps", type=int, default=8, help="training steps per variant (3 are warm-up for timing)")
+    parser.add_argument("--tier", action="store_true", help="the coverage table on the real-model tier (CPU)")
     for name in PRESETS["cpu"]:
         parser.add_argument(f"--{name}", type=int, default=None)
     args = parser.parse_args()
@@ -179,6 +219,10 @@ def main() -> None:
     print(f"device {args.device}, backend {args.backend}, dims {dims}, {args.steps} AdamW steps")
     if missing:
         print(f"torchao rows left out: {missing}")
+    if args.tier:
+        warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
+        tier(recipes)
+        return
     if args.device == "cpu":
         print("CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
               "kernel here; its speed says nothing about a GPU's)")

@@ -583,3 +583,26 @@ def test_explain_shows_why_nothing_converts_instead_of_failing() -> None:
     ex = amp_fx.explain(model, torch.randn(4, 24), fp8="tensorwise")
     assert any("no matmul runs in fp8" in n for n in ex.notes)
     assert all("N=40" in d.reason or "K=40" in d.reason for d in ex.fp8_decisions())
+
+
+def test_weight_cache_with_fp8_changes_no_value_and_says_what_it_does_not_cache() -> None:
+    """3 SGD steps: losses and parameters bitwise with the uncached fp8 run (the biases' bf16
+    copies are the cache's, refreshed after each step; the fp8 weights are cast per forward)."""
+    model, x = mlp()
+    plain_model, cached_model = copy.deepcopy(model), copy.deepcopy(model)
+    plain = compile_fp8(plain_model, "tensorwise")
+    with pytest.warns(amp_fx.AmpFxWarning, match="each fp8 matmul still scales and casts its fp32 weight"):
+        cached = amp_fx.compile(cached_model, dtype="bf16", fp8="tensorwise", backend="aot_eager",
+                                weight_cache=True, strict=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain_model, cached_model)]
+    for i in range(3):
+        xs = x * (i + 1)
+        losses = []
+        for run, opt in zip((plain, cached), opts):
+            loss = loss_fn(run(xs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_bitwise(losses[1], losses[0], f"loss {i}")
+    assert_bitwise(dict(cached_model.named_parameters()), dict(plain_model.named_parameters()), "parameters")
