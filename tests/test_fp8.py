@@ -606,3 +606,23 @@ def test_weight_cache_with_fp8_changes_no_value_and_says_what_it_does_not_cache(
             losses.append(loss.detach())
         assert_bitwise(losses[1], losses[0], f"loss {i}")
     assert_bitwise(dict(cached_model.named_parameters()), dict(plain_model.named_parameters()), "parameters")
+
+
+def test_only_parameters_count_as_weights() -> None:
+    """A buffer, and an input that requires grad, as the right operand: not a layer's weight, not
+    fp8 (the negative twins of x @ W on a parameter)."""
+    class NotWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32) / 6)
+            self.register_buffer("b", torch.randn(32, 32) / 6)
+
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            return (x @ self.w) @ self.b @ y
+
+    model = NotWeights()
+    compiled = compile_fp8(model, "tensorwise")
+    compiled(torch.randn(16, 32), torch.randn(32, 16, requires_grad=True))
+    (record,) = compiled.amp_fx_records
+    assert [(d.weight, d.converted) for d in record.fp8.decisions] == [("w", True)]
+    assert len([n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.matmul.default]) == 2

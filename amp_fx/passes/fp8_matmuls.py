@@ -2,7 +2,7 @@
 
 Assumes the graph of ``insert_casts``: ATen ops with ``meta["val"]`` true, ``meta["amp_fx_decision"]``
 on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders marked
-``meta["amp_fx_parameter"]`` (the name of the ``nn.Parameter`` it is) or ``meta["amp_fx_leaf"]``.
+``meta["amp_fx_parameter"]`` (the name of the ``nn.Parameter`` it is, None for other inputs).
 
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
@@ -44,6 +44,8 @@ Example:
     ...                  dtype=torch.bfloat16, leaf_flags=[False, True])
     ...     gm, _ = insert_casts(gm, policy=Policy(), device_type="cpu", dtype=torch.bfloat16,
     ...                          fake_mode=mode)
+    ...     x_node, w_node = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ...     x_node.meta["amp_fx_parameter"], w_node.meta["amp_fx_parameter"] = None, "w"
     ...     gm, record = fp8_matmuls(gm, config=Fp8Config("tensorwise"), policy=Policy(),
     ...                              fake_mode=mode)
     >>> [(d.op, d.shape, d.converted) for d in record.decisions]
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
@@ -168,17 +171,15 @@ def _parameter(node: object) -> torch.fx.Node | None:
     node = _uncast(node)
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
         node = _uncast(node.args[0])
-    if (isinstance(node, torch.fx.Node) and node.op == "placeholder"
-            and (node.meta.get(meta.PARAMETER) or node.meta.get(meta.LEAF))):
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
         return node
     return None
 
 
 def _text(d: object) -> int | str:
-    try:
-        return int(d)  # type: ignore[call-overload]
-    except Exception:  # a symbolic size
-        return str(d)
+    """A size as an int, or as text where it is symbolic (never ``int()`` of a symbol: that would
+    specialise it)."""
+    return int(d) if is_concrete_int(d) else str(d)  # type: ignore[arg-type]
 
 
 class _Rewriter:

@@ -30,7 +30,7 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.passes import meta
-from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name
+from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name, source_text
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
@@ -261,8 +261,14 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int)
                      fake_mode=fake_mode, device_type=graph_device_type(fake_args),
                      leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
                      data_inputs=data_inputs(gm, example_inputs),
-                     parameter_names=[source_name(n) if isinstance(r, torch.nn.Parameter) else None
+                     parameter_names=[source_name(n) if _is_parameter(n, r) else None
                                       for n, r in zip(placeholders, example_inputs, strict=True)])
+
+
+def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
+    """An ``nn.Parameter``, or a fake stand-in for one (Dynamo's DDPOptimizer compiles its pieces on
+    fake tensors): its Dynamo source names a module's ``_parameters``."""
+    return isinstance(value, torch.nn.Parameter) or "_parameters" in source_text(node)
 
 
 def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
