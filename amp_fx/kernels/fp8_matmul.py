@@ -36,6 +36,7 @@ Example (a [32, 16] x [16, 48] matmul in fp8, tensorwise):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -45,7 +46,7 @@ import torch
 
 from amp_fx.fp8 import Fp8Recipe
 
-__all__ = ["fp8_matmul", "RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS"]
+__all__ = ["fp8_matmul", "RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "rowwise_scales_missing"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -91,6 +92,13 @@ class RecipeCasts:
         """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``)."""
         return "rowwise" if self.input.rowwise else "tensorwise"
 
+    @property
+    def rowwise(self) -> bool:
+        """Whether some GEMM takes rowwise scales (``_scaled_mm``'s rowwise kernel)."""
+        return any(c.rowwise for c in (self.input, self.weight, self.grad_output,
+                                       self.input_for_grad_weight, self.weight_for_grad_input,
+                                       self.grad_output_for_grad_weight))
+
 
 _HP = Cast(None)
 RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
@@ -109,6 +117,25 @@ RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
         grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
 })
 """Each recipe's casts, as torchao 0.18 defines them."""
+
+
+@functools.cache
+def rowwise_scales_missing(device_type: str) -> str | None:
+    """None if ``torch._scaled_mm`` takes rowwise scales on ``device_type``, else why not.
+
+    A feature test on a 16 x 16 GEMM, run once: torch 2.11's CPU kernel takes per-tensor scales
+    only ("Now _scaled_mm only supports per-tensor scaling for CPU backend"), 2.13's takes both.
+    CUDA's rowwise kernel needs an sm_89+ GPU and is not probed here (no device is touched)."""
+    if device_type != "cpu":
+        return None
+    a = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t().contiguous().t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0][:120]
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only ({first})"
+    return None
 
 
 class _Fp8(NamedTuple):

@@ -64,8 +64,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul
+from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul, rowwise_scales_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import CastClass, Decision, Policy, module_matches
@@ -367,6 +368,14 @@ def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -
 
 
 def fp8_matmuls(gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy,
-                fake_mode: FakeTensorMode) -> tuple[torch.fx.GraphModule, Fp8Record]:
-    """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done."""
+                fake_mode: FakeTensorMode, device_type: str = "cpu") -> tuple[torch.fx.GraphModule, Fp8Record]:
+    """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done.
+
+    Raises AmpFxError for a rowwise recipe on a device whose ``torch._scaled_mm`` takes no
+    rowwise scales (torch 2.11's CPU kernel), before anything is rewritten."""
+    missing = rowwise_scales_missing(device_type) if RECIPES[config.recipe].rowwise else None
+    if missing is not None:
+        raise AmpFxError(f"amp_fx: fp8={config.recipe.value!r} needs rowwise scales in "
+                         f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
+                         f"newer (or a GPU) for the rowwise recipes.")
     return gm, _Rewriter(gm, config, policy, fake_mode).run()

@@ -159,7 +159,7 @@ def _fp8_matmuls(options: Options, work: GraphWork) -> None:
     for node, name in zip(placeholders, work.parameter_names, strict=True):
         node.meta[meta.PARAMETER] = name
     work.gm, work.fp8 = fp8_matmuls(work.gm, config=options.fp8, policy=options.policy,
-                                    fake_mode=work.fake_mode)
+                                    fake_mode=work.fake_mode, device_type=work.device_type)
 
 
 def _fold_casts(options: Options, work: GraphWork) -> None:
