@@ -15,6 +15,7 @@ import torch._inductor
 
 from amp_fx._common.devices import check_supported
 from amp_fx._common.downstream import Backend
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
@@ -22,6 +23,7 @@ from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1,
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.weight_cache import WeightCache
+from amp_fx.fp8 import Fp8Like
 from amp_fx.options import Options, inductor_config
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes.pipeline import GraphRecord, summarize
@@ -252,19 +254,21 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_keep_fp32(policy: Policy, model: object) -> None:
-    names = [s for s in policy.keep_fp32 if isinstance(s, str)]
-    if not names:
-        return
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"amp_fx: Policy.keep_fp32 names submodules {names}, but {model!r} is a "
-                         "function, not an nn.Module")
-    known = {n for n, _ in model.named_modules() if n}
-    for name in names:
-        if name not in known:
-            close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
-            hint = f" (did you mean {close}?)" if close else ""
-            raise ValueError(f"amp_fx: Policy.keep_fp32 names submodule {name!r}, which "
-                             f"{type(model).__name__} does not have{hint}")
+    """The module names of ``keep_fp32`` and ``keep_out_of_fp8`` are the model's."""
+    for field in ("keep_fp32", "keep_out_of_fp8"):
+        names = [s for s in getattr(policy, field) if isinstance(s, str)]
+        if not names:
+            continue
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"amp_fx: Policy.{field} names submodules {names}, but {model!r} is a "
+                             "function, not an nn.Module")
+        known = {n for n, _ in model.named_modules() if n}
+        for name in names:
+            if name not in known:
+                close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
+                hint = f" (did you mean {close}?)" if close else ""
+                raise ValueError(f"amp_fx: Policy.{field} names submodule {name!r}, which "
+                                 f"{type(model).__name__} does not have{hint}")
 
 
 def _recompile(module: torch.nn.Module, options: Options, training: bool) -> AmpCompiledModule:
@@ -284,6 +288,7 @@ def compile(
     weight_cache: bool = False,
     inplace: bool = False,
     watch_nonfinite: bool = False,
+    fp8: Fp8Like = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -312,6 +317,12 @@ def compile(
             ``amp_fx.GradScaler`` whose optimizer trains this model names it in
             ``overflow_report()`` (it finds the model itself; ``scaler.watch(model)`` says which
             model when several are watched). Values computed are unchanged.
+        fp8: train in fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's
+            float8 training recipes and numerics), an ``amp_fx.Fp8Recipe`` or an
+            ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
+            ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
+            fp8, forward and backward; everything else stays in ``dtype``
+            (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -333,7 +344,8 @@ def compile(
     mode, inductor = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
     options = Options(dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
                       weight_cache=weight_cache, watch_nonfinite=watch_nonfinite,
-                      inductor=inductor_config(backend, mode, inductor), torch_compile=torch_compile_kwargs)
+                      inductor=inductor_config(backend, mode, inductor), torch_compile=torch_compile_kwargs,
+                      fp8=fp8)
     return compile_with(model_or_fn, options, inplace=inplace)
 
 
@@ -358,6 +370,13 @@ def _compile(model_or_fn: F, options: Options) -> F:
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
+    if options.weight_cache and options.fp8 is not None:
+        reporter.did_less("weight_cache:fp8", (
+            f"amp_fx: weight_cache=True with fp8={options.fp8.recipe.value!r}: the cache holds "
+            f"{dtype_name(options.dtype)} copies, so it serves the matmuls that stay in "
+            f"{dtype_name(options.dtype)} (and the biases); each fp8 matmul still scales and casts "
+            "its fp32 weight in every forward, as torchao does. Results are unchanged. Drop "
+            "weight_cache=True, or keep it for the layers outside fp8."), stacklevel=3)
     amp_backend = AmpBackend(options, root=root, reporter=reporter)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)

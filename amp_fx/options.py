@@ -28,6 +28,7 @@ import torch._inductor
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
+from amp_fx.fp8 import Fp8Config
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["Options", "check_backend", "inductor_config"]
@@ -53,11 +54,15 @@ class Options:
     watch_nonfinite: bool = False
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
+    fp8: Fp8Config | None = None
+    """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
+    stored as an ``Fp8Config`` (None: off)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # the one place a frozen record normalises what it was given
         set_(self, "dtype", resolve_dtype(self.dtype))
         set_(self, "strict", resolve_strict(self.strict))
+        set_(self, "fp8", Fp8Config.of(self.fp8))
         if self.policy is None:
             set_(self, "policy", Policy())
         if not isinstance(self.policy, Policy):
@@ -84,7 +89,7 @@ class Options:
 
     def __hash__(self) -> int:  # the dict fields hold user values: hash what identifies a backend
         return hash((self.dtype, self.policy, self.backend, self.fold, self.strict, self.weight_cache,
-                     self.watch_nonfinite, tuple(sorted(self.inductor.items(), key=repr))))
+                     self.watch_nonfinite, tuple(sorted(self.inductor.items(), key=repr)), self.fp8))
 
 
 def inductor_config(backend: object, mode: str | None, options: Mapping[str, Any] | None) -> dict[str, Any]:

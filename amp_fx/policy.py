@@ -294,6 +294,10 @@ class Policy:
         cast_cache: share one lower-precision cast of each fp32 leaf tensor that requires grad
             among all its uses in a graph, as eager autocast's cast cache does. Turning it off
             casts per use (gradients of the uses then add up in fp32).
+        keep_out_of_fp8: with ``fp8=`` on, submodules whose matmuls stay in the autocast dtype,
+            selected as in ``keep_fp32`` (``"lm_head"``, ``torch.nn.Embedding``). Without it,
+            every matmul with a parameter operand whose sizes ``torch._scaled_mm`` takes runs
+            in fp8 (:mod:`amp_fx.passes.fp8_matmuls`).
 
     The policy is hashable and part of amp_fx's compile cache key.
     """
@@ -301,6 +305,7 @@ class Policy:
     op_classes: Mapping[OpLike, CastClass] = field(default_factory=dict)
     keep_fp32: Sequence[ModuleSelector] = ()
     cast_cache: bool = True
+    keep_out_of_fp8: Sequence[ModuleSelector] = ()
     op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(
         init=False, repr=False, compare=False)
     """The entries of ``op_classes`` as given: (label, overload names, class), in order. Labels
@@ -323,23 +328,17 @@ class Policy:
         object.__setattr__(self, "op_entries", tuple(entries))
         if isinstance(self.keep_fp32, (str, type)):
             object.__setattr__(self, "keep_fp32", (self.keep_fp32,))
-        keep = tuple(self.keep_fp32)
-        for sel in keep:
-            is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
-            if not (isinstance(sel, str) and sel) and not is_module_type:
-                raise TypeError(
-                    f"amp_fx: Policy.keep_fp32 entries must be module names or nn.Module "
-                    f"subclasses, got {sel!r}")
-        object.__setattr__(self, "keep_fp32", keep)
+        object.__setattr__(self, "keep_fp32", _selectors("keep_fp32", self.keep_fp32))
+        object.__setattr__(self, "keep_out_of_fp8", _selectors("keep_out_of_fp8", self.keep_out_of_fp8))
 
     def __hash__(self) -> int:
-        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache))
+        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache, self.keep_out_of_fp8))
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The read-only mappings do not pickle; the entries as given rebuild an equal policy
         # (copy.deepcopy, pickle and torch.save all go through here).
         return (Policy, ({label: cls for label, _, cls in self.op_entries}, self.keep_fp32,
-                         self.cast_cache))
+                         self.cast_cache, self.keep_out_of_fp8))
 
     def entry_for(self, op_name: str) -> str | None:
         """The label of the ``op_classes`` entry that decides ``op_name`` ("aten::linear"), if any."""
@@ -380,6 +379,23 @@ class Policy:
             return Decision(cls, f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} "
                                  "kernel, as in eager autocast")
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
+
+
+def _selectors(name: str, value: object) -> tuple[ModuleSelector, ...]:
+    """A ``keep_fp32``-style field as a tuple of module names and types, checked."""
+    if isinstance(value, (str, type)):
+        value = (value,)
+    if not isinstance(value, Sequence):
+        raise TypeError(f"amp_fx: Policy.{name} must be a sequence of module names or nn.Module "
+                        f"subclasses, got {value!r}")
+    keep = tuple(value)
+    for sel in keep:
+        is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
+        if not (isinstance(sel, str) and sel) and not is_module_type:
+            raise TypeError(
+                f"amp_fx: Policy.{name} entries must be module names or nn.Module "
+                f"subclasses, got {sel!r}")
+    return keep
 
 
 def banned_message(op_name: str, policy: Policy, device_type: str) -> str:

@@ -174,7 +174,8 @@ def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensor
             report_no_graph(backend.reporter, target)
         return policy_checked
     if not policy_checked:
-        report_unused_policy(backend.records, backend.options.policy, backend.reporter)
+        report_unused_policy(backend.records, backend.options.policy, backend.reporter,
+                             fp8=backend.options.fp8)
     return True
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from amp_fx.passes.capture import module_path, source_text
+from amp_fx.passes.capture import source_name, source_text
 
 __all__ = ["RootNames", "frame_self", "frame_self_name", "source_name"]
 
@@ -203,9 +203,3 @@ def original_code(code: Any) -> Any:
     except Exception:
         pass
     return code
-
-def source_name(node: torch.fx.Node) -> str:
-    text = source_text(node)
-    if not text:
-        return node.name
-    return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))

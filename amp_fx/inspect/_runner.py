@@ -33,6 +33,7 @@ from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
+from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._probe import (
     clone_tensor,
     describe_value,
@@ -272,7 +273,8 @@ class AmpRun:
 
 def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
             policy: Policy | None, downstream: str | Backend, fold: bool = True,
-            keep_inputs: bool = True, then: Callable[[Any], Any] | None = None) -> AmpRun:
+            keep_inputs: bool = True, then: Callable[[Any], Any] | None = None,
+            fp8: Fp8Like = None) -> AmpRun:
     """Compile a private copy of the model with amp_fx and ``downstream`` (wrapped in an
     :class:`InputRecorder`), call it on copies of the inputs from :data:`SEED`, and pass the output
     to ``then`` (a loss and backward, say) in the same guarded region.
@@ -289,7 +291,7 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
                              keep_inputs=keep_inputs)
     with many_recompiles(), torch.random.fork_rng(devices=[]), splits_noted_by_caller():
         torch.manual_seed(SEED)
-        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold)
+        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8)
         try:
             out = inputs(compiled)
             result = then(out) if then is not None else out

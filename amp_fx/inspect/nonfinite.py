@@ -166,7 +166,8 @@ def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.
     # overloads, not names: Policy reads the name "aten::exp" as every overload of aten.exp
     classes = {op_from_name(k): v for k, v in policy.op_classes.items()}
     return Policy(op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
-                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache)
+                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache,
+                  keep_out_of_fp8=policy.keep_out_of_fp8)
 
 
 def policy_code(policy: Policy) -> str:
@@ -189,6 +190,9 @@ def policy_code(policy: Policy) -> str:
         parts.append("keep_fp32=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
     if not policy.cast_cache:
         parts.append("cast_cache=False")
+    if policy.keep_out_of_fp8:
+        names = [selector(k) for k in policy.keep_out_of_fp8]
+        parts.append("keep_out_of_fp8=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
     return f"Policy({', '.join(parts)})"
 
 

@@ -63,6 +63,8 @@ OPTIONS: Mapping[str, str] = {
     "fold": "run the value-preserving cast-folding pass (default True)",
     "strict": "raise instead of warning where amp_fx does less than asked (default: AMP_FX_STRICT)",
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
+    "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", an amp_fx.Fp8Recipe or '
+           "an amp_fx.Fp8Config (default None: off)",
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 
@@ -144,7 +146,8 @@ class _NamedBackend:
         compiled = backend(gm, example_inputs)
         if root is not None and not getattr(reason, "graph_break", False) and _frame_self() is root:
             # the root's own frame is done: every graph of a call is in
-            report_unused_policy(backend.records, backend.options.policy, backend.reporter)
+            report_unused_policy(backend.records, backend.options.policy, backend.reporter,
+                                 fp8=backend.options.fp8)
         return compiled
 
     def _backend_for(self, root: torch.nn.Module | None, options: Options) -> AmpBackend:

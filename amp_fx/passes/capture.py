@@ -55,7 +55,8 @@ from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_f
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
+__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack",
+           "source_name", "source_text", "data_inputs"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -339,6 +340,15 @@ def source_text(node: torch.fx.Node) -> str:
         return name() if callable(name) else str(name)
     except Exception:  # a source kind without a printable name
         return ""
+
+
+def source_name(node: torch.fx.Node) -> str:
+    """A placeholder's name under the frame's module from its Dynamo source
+    (``L['self'].fc._parameters['weight']`` -> ``fc.weight``); the node's name without one."""
+    text = source_text(node)
+    if not text:
+        return node.name
+    return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
 
 
 def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

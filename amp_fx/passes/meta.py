@@ -27,6 +27,15 @@ key                    written by                      read by
 ``FOLDED``             fold_casts, the node that       explain, the graph drawing
                        stands for folded casts: rule
                        names, in order
+``PARAMETER``          the backend, every placeholder  fp8_matmuls (which matmuls have a weight,
+                       of a graph: the name of the     and its name)
+                       ``nn.Parameter`` it is, or None
+``FP8``                fp8_matmuls, every matmul with  explain, the backend's fp8 report, the
+                       a parameter operand:            GEMM-FLOP counts of the fp8 tests and bench
+                       :class:`~amp_fx.passes.
+                       fp8_matmuls.Fp8Decision` (on
+                       the fp8 call where converted,
+                       on the matmul where not)
 =====================  ==============================  ==========================================
 
 Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
@@ -37,7 +46,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED"]
+           "FOLDED", "PARAMETER", "FP8"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -48,3 +57,5 @@ CAST_INSERTED = "inserted"
 CAST_REASON = "amp_fx_cast_reason"
 CACHED = "amp_fx_cached"
 FOLDED = "amp_fx_folded"
+PARAMETER = "amp_fx_parameter"
+FP8 = "amp_fx_fp8"

@@ -1,7 +1,7 @@
 """The pipeline: every stage amp_fx runs on a graph Dynamo captured, declared and run in one place.
 
-    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> --fold_casts-->
-        [--watch_nonfinite-->] [--lift_weight_casts-->] downstream backend
+    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> [--fp8_matmuls-->]
+        --fold_casts--> [--watch_nonfinite-->] [--lift_weight_casts-->] downstream backend
 
 :data:`PIPELINE` lists the stages in order; :func:`run_pipeline` runs them on one graph through
 one wrapper that times each stage (``GraphRecord.pass_seconds``), logs it on this module's logger
@@ -30,8 +30,9 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.passes import meta
-from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf
+from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name, source_text
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
+from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
@@ -61,6 +62,8 @@ class GraphRecord:
     watched_backward: WatchRecord | None = None
     """The ops of this graph's backward that ``watch_backward`` watches (None until AOTAutograd
     compiled the backward with the watch on)."""
+    fp8: Fp8Record | None = None
+    """The matmuls ``fp8_matmuls`` considered (None when fp8 is off)."""
 
     @property
     def casts(self) -> int:
@@ -115,11 +118,15 @@ class GraphWork:
     """The graph's index in the compiled model's records."""
     data_inputs: list[bool] = field(default_factory=list)
     """Per placeholder: data the caller handed in (see :func:`amp_fx.passes.capture.data_inputs`)."""
+    parameter_names: list[str | None] = field(default_factory=list)
+    """Per placeholder: the name of the ``nn.Parameter`` it is, None for other inputs
+    (``meta.PARAMETER``, read by fp8_matmuls)."""
     captured: torch.fx.GraphModule | None = None
     """A copy of the ATen graph before the passes (for inspection)."""
     inserted: InsertRecord = field(default_factory=InsertRecord)
     folded: FoldRecord = field(default_factory=FoldRecord)
     watched: WatchRecord | None = None
+    fp8: Fp8Record | None = None
     lifted: LiftedGraph | None = None
     """With ``weight_cache=True``: the graph with its weight casts lifted into inputs."""
     lift_error: Exception | None = None
@@ -131,7 +138,7 @@ class GraphWork:
         return GraphRecord(index=self.index, device_type=self.device_type, dtype=dtype,
                            dynamo_graph=self.dynamo_graph, captured=self.captured, rewritten=self.gm,
                            inserted=self.inserted, folded=self.folded, pass_seconds=self.seconds,
-                           watched=self.watched)
+                           watched=self.watched, fp8=self.fp8)
 
 
 # --- the stages ---------------------------------------------------------------------------------
@@ -147,6 +154,15 @@ def _capture(options: Options, work: GraphWork) -> None:
 def _insert_casts(options: Options, work: GraphWork) -> None:
     work.gm, work.inserted = insert_casts(work.gm, policy=options.policy, device_type=work.device_type,
                                           dtype=options.dtype, fake_mode=work.fake_mode)
+
+
+def _fp8_matmuls(options: Options, work: GraphWork) -> None:
+    assert options.fp8 is not None
+    placeholders = [n for n in work.gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, work.parameter_names, strict=True):
+        node.meta[meta.PARAMETER] = name
+    work.gm, work.fp8 = fp8_matmuls(work.gm, config=options.fp8, policy=options.policy,
+                                    fake_mode=work.fake_mode, device_type=work.device_type)
 
 
 def _fold_casts(options: Options, work: GraphWork) -> None:
@@ -231,6 +247,8 @@ class Stage:
 PIPELINE: tuple[Stage, ...] = (
     Stage("capture", _capture),
     Stage("insert_casts", _insert_casts, requires=(_aten_graph, _leaves_marked)),
+    Stage("fp8_matmuls", _fp8_matmuls, enabled=lambda o: o.fp8 is not None,
+          requires=(_aten_graph, _decided, _example_per_placeholder)),
     Stage("fold_casts", _fold_casts, enabled=lambda o: o.fold, requires=(_aten_graph, _decided)),
     Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite,
           requires=(_aten_graph, _decided)),
@@ -257,7 +275,15 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
     return GraphWork(gm=gm, dynamo_graph=gm, example_inputs=list(example_inputs), fake_args=fake_args,
                      fake_mode=fake_mode, device_type=graph_device_type(fake_args),
                      leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
-                     data_inputs=data_inputs(gm, example_inputs, is_state))
+                     data_inputs=data_inputs(gm, example_inputs, is_state),
+                     parameter_names=[source_name(n) if _is_parameter(n, r) else None
+                                      for n, r in zip(placeholders, example_inputs, strict=True)])
+
+
+def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
+    """An ``nn.Parameter``, or a fake stand-in for one (Dynamo's DDPOptimizer compiles its pieces on
+    fake tensors): its Dynamo source names a module's ``_parameters``."""
+    return isinstance(value, torch.nn.Parameter) or "_parameters" in source_text(node)
 
 
 def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,

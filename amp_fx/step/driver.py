@@ -21,6 +21,7 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter
 from amp_fx.compile import weight_cache_off_for_fsdp2
+from amp_fx.fp8 import Fp8Like
 from amp_fx.options import Options
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.policy import Policy
@@ -221,6 +222,7 @@ def compile_step(
     strict: bool | None = None,
     weight_cache: bool = False,
     watch_nonfinite: bool = False,
+    fp8: Fp8Like = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -265,6 +267,8 @@ def compile_step(
         watch_nonfinite: record on the device the first forward op whose low-precision output
             holds an inf/NaN, named by :meth:`CompiledStep.overflow_report` (``amp_fx.overflow``).
             Values are unchanged; the gradients' flags are recorded either way.
+        fp8: train the forward's matmuls in fp8, as :func:`amp_fx.compile`'s ``fp8=`` (a recipe
+            name, an ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``; docs: "fp8 training").
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -273,7 +277,7 @@ def compile_step(
         >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
     """
     options = Options(dtype=dtype, policy=policy, backend=backend, strict=strict, weight_cache=weight_cache,
-                      watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic})
+                      watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic}, fp8=fp8)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
