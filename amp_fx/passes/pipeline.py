@@ -189,11 +189,14 @@ def _lift_weight_casts(options: Options, work: GraphWork) -> None:
 
 
 def _aten_graph(work: GraphWork) -> str | None:
-    """Every op is an ATen op or a Python callable (``operator.getitem``), every value has ``val``."""
+    """Every op is an ATen op or a Python callable (``operator.getitem``, the autocast region
+    markers insert_casts puts around an op with its own autocast kernel), and every ATen op and
+    placeholder has ``val``."""
     for node in work.gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
             return f"{node.format_node()} is not an ATen op (capture has not run?)"
-        if node.op in ("call_function", "placeholder") and "val" not in node.meta:
+        aten = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        if (aten or node.op == "placeholder") and "val" not in node.meta:
             return f"{node.format_node()} has no meta['val']"
     return None
 
