@@ -190,12 +190,13 @@ def _lift_weight_casts(options: Options, work: GraphWork) -> None:
 
 def _aten_graph(work: GraphWork) -> str | None:
     """Every op is an ATen op or a Python callable (``operator.getitem``, the autocast region
-    markers insert_casts puts around an op with its own autocast kernel), and every ATen op and
-    placeholder has ``val``."""
+    markers insert_casts puts around an op with its own autocast kernel), and every placeholder and
+    every ATen op whose value is used has ``val``."""
     for node in work.gm.graph.nodes:
         if node.op in ("call_module", "call_method"):
             return f"{node.format_node()} is not an ATen op (capture has not run?)"
-        aten = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        # an op whose value is used (not a runtime assertion such as aten._assert_scalar)
+        aten = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.users
         if (aten or node.op == "placeholder") and "val" not in node.meta:
             return f"{node.format_node()} has no meta['val']"
     return None
