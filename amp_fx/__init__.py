@@ -5,15 +5,18 @@
 
 import logging
 
-from amp_fx.compile import AmpCompiledModule, compile, records, uncompile
+from amp_fx.compile import AmpCompiledModule, compile, options_of, records, uncompile
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
+from amp_fx.options import Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step
 
-__all__ = ["compile", "AmpCompiledModule", "records", "uncompile", "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
+__all__ = ["compile", "Fp8Recipe", "Fp8Config", "AmpCompiledModule", "records", "uncompile", "Options", "options_of",
+           "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
            "EagerError", "AmpRunError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
            "find_nonfinite", "NonfiniteReport", "advise", "Advice", "compile_step", "CompiledStep", "GradNorm",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import itertools
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,196 +12,26 @@ from typing import Any, TypeVar
 import torch
 import torch._dynamo
 import torch._inductor
-from torch.utils._pytree import tree_flatten
 
-from amp_fx._devices import DEVICES, autocast_device_type, check_supported
+from amp_fx._common.devices import check_supported
+from amp_fx._common.downstream import Backend
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.fresh_code import calls_forward_only
+from amp_fx._common.report import Reporter
+from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, unit_call
-from amp_fx._fresh_code import calls_forward_only, fresh_callable, fresh_forward
-from amp_fx._report import Reporter
-from amp_fx.backend import AmpBackend, Backend, GraphRecord, check_backend, summarize
-from amp_fx.capture import is_cacheable_leaf
-from amp_fx.errors import AmpFxError
+from amp_fx.backend import AmpBackend
+from amp_fx.backend.call import amp_call, checked_units
+from amp_fx.backend.weight_cache import WeightCache
+from amp_fx.fp8 import Fp8Like
+from amp_fx.options import Options, inductor_config
 from amp_fx.overflow import ForwardWatch
-from amp_fx.policy import Policy, resolve_dtype
-from amp_fx.weight_cache import WeightCache
+from amp_fx.passes.pipeline import GraphRecord, summarize
+from amp_fx.policy import Policy
 
-__all__ = ["compile", "AmpCompiledModule", "records", "uncompile"]
+__all__ = ["compile", "AmpCompiledModule", "records", "uncompile", "options_of"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _module_device_type(module: torch.nn.Module) -> str:
-    """The autocast device of the module's first parameter (or buffer); cpu if it has none.
-
-    Only the first: walking every submodule on each call costs more than the call itself for
-    small models, and a module split across cpu and cuda is not something autocast handles.
-    """
-    first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return autocast_device_type([first] if first is not None else [])
-
-
-class _ModuleDevice:
-    """:func:`_module_device_type` of one module, at the cost of a dict lookup per call.
-
-    Finding the first parameter walks every submodule (about 4.5 us for a 3-layer MLP, a fifth of
-    amp_fx's whole per-call overhead). The tensor found is remembered with the dict that holds it
-    and its key there: while that entry still holds the same tensor, its device is the answer
-    (``module.to()`` moves it in place, or swaps its contents); a parameter replaced by another
-    object (``to()`` under ``torch.__future__.set_overwrite_module_params_on_conversion``, a
-    reassigned attribute) makes the next call search again.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self._found: tuple[dict[str, Any], str, torch.Tensor] | None = None
-
-    def __call__(self) -> str:
-        found = self._found
-        if found is not None and found[0].get(found[1]) is found[2]:
-            if found[2].is_cpu:  # without .device, a sixth of its cost
-                return "cpu"
-            device_type = found[2].device.type
-            if device_type in DEVICES:
-                return device_type
-        self._found = self._first()
-        return _module_device_type(self.module)
-
-    def _first(self) -> tuple[dict[str, Any], str, torch.Tensor] | None:
-        modules = list(self.module.modules())
-        for table in ("_parameters", "_buffers"):  # parameters first, as _module_device_type
-            for m in modules:
-                for name, t in getattr(m, table).items():
-                    if t is not None:
-                        return getattr(m, table), name, t
-        return None
-
-
-# Types tree_flatten never looks into: a call whose arguments are all of these needs no flattening.
-_FLAT_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, complex, str, bytes, type(None)})
-
-
-def _call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors of a call's arguments, in ``tree_flatten((args, kwargs))`` order.
-
-    Arguments that are plain tensors and scalars (a model's usual call) are read directly:
-    ``tree_flatten`` costs about 5 us a call, a fifth of amp_fx's per-call overhead before this
-    shortcut. Anything else (containers, other objects) goes through ``tree_flatten``.
-    """
-    for v in itertools.chain(args, kwargs.values()):
-        if type(v) not in _FLAT_TYPES:
-            return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    return [v for v in itertools.chain(args, kwargs.values()) if isinstance(v, torch.Tensor)]
-
-
-def _amp_call(target: Callable[..., Any], backend: AmpBackend,
-              compile_kwargs: dict[str, Any], *, check: bool = True) -> Callable[..., Any]:
-    """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
-
-    The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
-    autocast serves two other purposes: code that Dynamo leaves to eager (graph breaks, skipped
-    modules such as nn.LSTM) runs under eager autocast, exactly as without amp_fx; and Dynamo's
-    own fake propagation sees autocast's dtypes, so Python code that reads ``x.dtype`` (e.g.
-    ``h.to(x.dtype)`` in an RMSNorm) is specialised to the dtype the tensor has at run time.
-
-    Dynamo compiles a code object of this target's own (see :mod:`amp_fx._fresh_code`), so its
-    cache entries are this target's alone and the 9th compiled model compiles like the first.
-
-    Whether a tensor argument is a leaf that requires grad decides whether its cast is shared
-    (eager autocast's cast cache), and Dynamo does not guard on leafness: each pattern of leaf
-    arguments gets its own compiled callable, with a backend that shares the records.
-    amp_fx's own errors are re-raised unwrapped from Dynamo's BackendCompilerFailed.
-
-    After each call, what was done is checked against what was asked (through the backend's
-    reporter): a call that ran no graph is reported, and after the first call that captured
-    graphs, each policy entry that matched no op.
-
-    Every call pays for this over ``torch.compile`` under ``torch.autocast``, so each step is
-    cheap (docs/call-overhead.md has the measurements): "ran no graph" is a run counter the
-    backend's graphs bump, compared on every call (the outputs are scanned only when it did not
-    move); the call's tensors are read without ``tree_flatten`` when the arguments are plain
-    (:func:`_call_tensors`); the model's device is remembered with the parameter it was read
-    from (:class:`_ModuleDevice`).
-    """
-    compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
-    own_call = fresh_callable(target)
-    # A module is compiled from a copy of its own forward where calling it is calling forward
-    # (no hooks): Dynamo's names are then those of torch.compile(module) (L['x'], not L['args'][0]).
-    own_forward = fresh_forward(target) if isinstance(target, torch.nn.Module) else None
-    module_device = _ModuleDevice(target) if isinstance(target, torch.nn.Module) else None
-    policy_checked = False
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal policy_checked
-        tensors = _call_tensors(args, kwargs)
-        direct = own_forward is not None and calls_forward_only(target)
-        leaves = (direct, *map(is_cacheable_leaf, tensors))
-        device_type = autocast_device_type(tensors, default="")
-        if device_type in ("", "cpu"):
-            # a cuda model called with cpu inputs autocasts on cuda
-            device_type = module_device() if module_device is not None else "cpu"
-        compiled = compiled_by_leaves.get(leaves)
-        if compiled is None:
-            sibling = backend if not compiled_by_leaves else backend.sibling()
-            compiled = compiled_by_leaves[leaves] = torch.compile(
-                own_forward if direct else own_call, backend=sibling, **compile_kwargs)
-        runs = backend.runs.count
-        try:
-            with torch.autocast(device_type, dtype=backend.dtype):
-                if backend.weight_cache is None:
-                    out = compiled(*args, **kwargs)
-                else:
-                    with backend.weight_cache.forward():
-                        out = compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, (AmpFxError, ValueError)):
-                raise inner from None
-            raise
-        if not check or (policy_checked and backend.runs.count != runs) or torch.compiler.is_compiling():
-            return out  # checked by the caller; ran graphs, policy checked; traced by an enclosing torch.compile
-        policy_checked = _check_call(backend, target, runs, out, tensors, policy_checked)
-        return out
-
-    if not isinstance(target, torch.nn.Module):
-        call = functools.wraps(target)(call)
-    return call
-
-
-def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensors: list[torch.Tensor],
-                policy_checked: bool) -> bool:
-    """What one call did against what was asked: a call that ran no graph is reported, and after
-    the first call that ran graphs, each policy entry that matched no op. Returns whether the
-    policy has been checked."""
-    if backend.runs.count == runs:
-        if _computed_floats(out, tensors):
-            backend.report_no_graph(target)
-        return policy_checked
-    if not policy_checked:
-        backend.report_unused_policy()
-    return True
-
-
-def _checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend) -> Callable[..., Any]:
-    """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
-    of the policy's modules)."""
-    policy_checked = False
-
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        nonlocal policy_checked
-        runs = backend.runs.count
-        out = call(*args, **kwargs)
-        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked)
-        return out
-
-    return checked
-
-
-def _computed_floats(out: Any, inputs: list[torch.Tensor]) -> bool:
-    """Whether a call returned a floating-point tensor it computed (not one of its inputs): a
-    call that returns its input or only integers had nothing for amp_fx to compile."""
-    given = {id(t) for t in inputs}
-    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in given
-               for t in tree_flatten(out)[0])
 
 
 class AmpCompiledModule(torch.nn.Module):
@@ -214,17 +43,16 @@ class AmpCompiledModule(torch.nn.Module):
     not define are read from the original module.
     """
 
-    def __init__(self, module: torch.nn.Module, backend: AmpBackend, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, backend: AmpBackend) -> None:
         super().__init__()
         for name in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
             self.__dict__[name] = module.__dict__[name]
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
-        self.__dict__["_amp_fx_compile_kwargs"] = dict(compile_kwargs)
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         self.__dict__["_amp_fx_forward"] = (
-            _amp_call(module, backend, compile_kwargs) if units is None
-            else _checked_units(unit_call(module, units, lambda fn: _amp_call(fn, backend, compile_kwargs, check=False),
+            amp_call(module, backend) if units is None
+            else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False),
                                           backend.dtype), module, backend))
         self.training = module.training
 
@@ -232,15 +60,7 @@ class AmpCompiledModule(torch.nn.Module):
         # The compiled callables do not copy or pickle: a copy is the original module (copied
         # by deepcopy, pickled by pickle/torch.save) compiled again with the same options, with
         # no records until it first runs. Its state is independent of this module's.
-        backend = self._amp_fx_backend
-        options = {"dtype": backend.dtype, "policy": backend.policy, "backend": backend.backend,
-                   "fold": backend.fold, "strict": backend.reporter.strict,
-                   "weight_cache": backend.weight_cache is not None,
-                   "watch_nonfinite": backend.watch is not None,
-                   **self._amp_fx_compile_kwargs}
-        if backend.inductor_config:
-            options["options"] = dict(backend.inductor_config)
-        return (_recompile, (self._amp_fx_original, options, self.training))
+        return (_recompile, (self._amp_fx_original, self._amp_fx_backend.options, self.training))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Straight to amp_fx's call where nn.Module.__call__ would only call forward (no hooks on
@@ -380,7 +200,7 @@ class _InplaceCall:
     and Dynamo cache entries.
     """
 
-    def __init__(self, module: torch.nn.Module, options: dict[str, Any]) -> None:
+    def __init__(self, module: torch.nn.Module, options: Options) -> None:
         self.module = module
         self.options = options
         self.compiled: AmpCompiledModule | None = None
@@ -391,7 +211,7 @@ class _InplaceCall:
 
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
-            self.compiled = _compile(self.module, **self.options)
+            self.compiled = _compile(self.module, self.options)
             self.forward = self.compiled._amp_fx_forward
         return self.compiled
 
@@ -406,7 +226,7 @@ class _InplaceCall:
         return (_revive_inplace, (self.module, self.options))
 
 
-def _revive_inplace(module: torch.nn.Module, options: dict[str, Any]) -> _InplaceCall:
+def _revive_inplace(module: torch.nn.Module, options: Options) -> _InplaceCall:
     # Called while ``module`` (the copy) is being rebuilt, before its __setstate__, whose state
     # has no _compiled_call_impl: what is set here stays.
     call = _InplaceCall(module, options)
@@ -433,37 +253,28 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _check_keep_fp32(policy: Policy, model: object) -> None:
-    names = [s for s in policy.keep_fp32 if isinstance(s, str)]
-    if not names:
-        return
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"amp_fx: Policy.keep_fp32 names submodules {names}, but {model!r} is a "
-                         "function, not an nn.Module")
-    known = {n for n, _ in model.named_modules() if n}
-    for name in names:
-        if name not in known:
-            close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
-            hint = f" (did you mean {close}?)" if close else ""
-            raise ValueError(f"amp_fx: Policy.keep_fp32 names submodule {name!r}, which "
-                             f"{type(model).__name__} does not have{hint}")
+def check_keep_fp32(policy: Policy, model: object) -> None:
+    """The module names of ``keep_fp32`` and ``keep_out_of_fp8`` are the model's."""
+    for field in ("keep_fp32", "keep_out_of_fp8"):
+        names = [s for s in getattr(policy, field) if isinstance(s, str)]
+        if not names:
+            continue
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"amp_fx: Policy.{field} names submodules {names}, but {model!r} is a "
+                             "function, not an nn.Module")
+        known = {n for n, _ in model.named_modules() if n}
+        for name in names:
+            if name not in known:
+                close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
+                hint = f" (did you mean {close}?)" if close else ""
+                raise ValueError(f"amp_fx: Policy.{field} names submodule {name!r}, which "
+                                 f"{type(model).__name__} does not have{hint}")
 
 
-def _recompile(module: torch.nn.Module, options: dict[str, Any], training: bool) -> AmpCompiledModule:
-    compiled = compile(module, **options)
+def _recompile(module: torch.nn.Module, options: Options, training: bool) -> AmpCompiledModule:
+    compiled = _compile(module, options)
     compiled.train(training)
     return compiled
-
-
-def _unwrap_compiled(model: object) -> object:
-    """The module under an ``amp_fx.compile`` or ``torch.compile`` wrapper (names are its names)."""
-    while True:
-        if isinstance(model, AmpCompiledModule):
-            model = model.original_module
-        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def compile(
@@ -477,6 +288,7 @@ def compile(
     weight_cache: bool = False,
     inplace: bool = False,
     watch_nonfinite: bool = False,
+    fp8: Fp8Like = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -494,7 +306,7 @@ def compile(
             sides of a graph break, whose gradient then differs from eager's). ``None`` reads the
             ``AMP_FX_STRICT`` environment variable when ``compile`` is called.
         weight_cache: cast each fp32 parameter to ``dtype`` once per optimizer step instead of
-            once per forward, and share that cast across graph breaks (``amp_fx.weight_cache``;
+            once per forward, and share that cast across graph breaks (``amp_fx.backend.weight_cache``;
             keeps a low-precision copy of the parameters alive between steps).
         inplace: compile the module itself, as ``nn.Module.compile()`` does, and return it:
             ``model(...)``, and every method that calls ``self(...)`` (Hugging Face ``generate``),
@@ -502,8 +314,15 @@ def compile(
             :func:`uncompile` undoes it. Modules only.
         watch_nonfinite: record, on the device and for each call, the first op (in graph order)
             whose low-precision output holds an inf/NaN (``amp_fx.overflow``); an
-            ``amp_fx.GradScaler`` that ``watch()``-es the model names it in ``overflow_report()``.
-            Values computed are unchanged.
+            ``amp_fx.GradScaler`` whose optimizer trains this model names it in
+            ``overflow_report()`` (it finds the model itself; ``scaler.watch(model)`` says which
+            model when several are watched). Values computed are unchanged.
+        fp8: train in fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's
+            float8 training recipes and numerics), an ``amp_fx.Fp8Recipe`` or an
+            ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
+            ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
+            fp8, forward and backward; everything else stays in ``dtype``
+            (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -519,41 +338,46 @@ def compile(
         >>> model(torch.randn(2, 4)).dtype
         torch.bfloat16
     """
-    _check_compile_kwargs(torch_compile_kwargs)
+    check_compile_kwargs(torch_compile_kwargs)
     if not isinstance(inplace, bool):
         raise TypeError(f"amp_fx: inplace must be True or False, got {inplace!r}")
+    mode, inductor = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
+    options = Options(dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
+                      weight_cache=weight_cache, watch_nonfinite=watch_nonfinite,
+                      inductor=inductor_config(backend, mode, inductor), torch_compile=torch_compile_kwargs,
+                      fp8=fp8)
+    return compile_with(model_or_fn, options, inplace=inplace)
+
+
+def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False) -> F:
+    """:func:`compile` with its options given as the record (for compile_step and the adapters)."""
     if inplace:
-        return _compile_inplace(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold,
-                                strict=strict, weight_cache=weight_cache, watch_nonfinite=watch_nonfinite,
-                                **torch_compile_kwargs)
+        return _compile_inplace(model_or_fn, options)
     if _inplace_call(model_or_fn) is not None:
         raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
                          "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
                          "or amp_fx.uncompile(model) first to wrap it instead")
-    return _compile(model_or_fn, dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
-                    weight_cache=weight_cache, watch_nonfinite=watch_nonfinite, **torch_compile_kwargs)
+    return _compile(model_or_fn, options)
 
 
-def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None, backend: str | Backend,
-             fold: bool, strict: bool | None, weight_cache: bool, watch_nonfinite: bool,
-             **torch_compile_kwargs: Any) -> F:
-    lower = resolve_dtype(dtype)
-    policy = Policy() if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(policy).__name__}")
-    reporter = Reporter(strict)
-    check_backend(backend)
-    inductor_config = _inductor_config(backend, torch_compile_kwargs)
+def _compile(model_or_fn: F, options: Options) -> F:
+    reporter = Reporter(options.strict)
     if not callable(model_or_fn):
         raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
                         f"{type(model_or_fn).__name__}")
-    model_or_fn = _unwrap_compiled(model_or_fn)  # type: ignore[assignment]
-    _check_keep_fp32(policy, model_or_fn)
+    model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]
+    check_keep_fp32(options.policy, model_or_fn)
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
-    amp_backend = AmpBackend(dtype=lower, policy=policy, backend=backend, fold=fold,
-                             inductor_config=inductor_config, root=root, reporter=reporter,
-                             weight_cache=_weight_cache_for(weight_cache, policy, root, reporter),
-                             watch_nonfinite=bool(watch_nonfinite))
+    if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
+        options = options.replace(weight_cache=False)  # the record holds what is in effect
+    if options.weight_cache and options.fp8 is not None:
+        reporter.did_less("weight_cache:fp8", (
+            f"amp_fx: weight_cache=True with fp8={options.fp8.recipe.value!r}: the cache holds "
+            f"{dtype_name(options.dtype)} copies, so it serves the matmuls that stay in "
+            f"{dtype_name(options.dtype)} (and the biases); each fp8 matmul still scales and casts "
+            "its fp32 weight in every forward, as torchao does. Results are unchanged. Drop "
+            "weight_cache=True, or keep it for the layers outside fp8."), stacklevel=3)
+    amp_backend = AmpBackend(options, root=root, reporter=reporter)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         if is_fsdp1(model_or_fn):
@@ -562,15 +386,16 @@ def _compile(model_or_fn: F, *, dtype: str | torch.dtype, policy: Policy | None,
                 "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
                 "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
                 f"{FSDP1_ALTERNATIVE}."), stacklevel=3)
-        return AmpCompiledModule(model_or_fn, amp_backend, torch_compile_kwargs)  # type: ignore[return-value]
-    compiled = _amp_call(model_or_fn, amp_backend, torch_compile_kwargs)
+        return AmpCompiledModule(model_or_fn, amp_backend)  # type: ignore[return-value]
+    compiled = amp_call(model_or_fn, amp_backend)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
     compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]
+    compiled.amp_fx_options = options  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 
 
-def _compile_inplace(model: object, **options: Any) -> Any:
+def _compile_inplace(model: object, options: Options) -> Any:
     """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
@@ -584,7 +409,7 @@ def _compile_inplace(model: object, **options: Any) -> Any:
     return model
 
 
-def _check_compile_kwargs(kwargs: dict[str, Any]) -> None:
+def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
     """Raise for a keyword that is neither amp_fx's option nor torch.compile's, naming both lists.
 
     Both lists come from the signatures, so options added to either are known here."""
@@ -606,30 +431,26 @@ def _torch_compile_keywords() -> list[str]:
     return [n for n, p in params if p.kind is p.KEYWORD_ONLY and n != "backend"]
 
 
-def _weight_cache_for(wanted: bool, policy: Policy, root: torch.nn.Module | None,
-                      reporter: Reporter) -> WeightCache | None:
-    if not isinstance(wanted, bool):
-        raise TypeError(f"amp_fx: weight_cache must be True or False, got {wanted!r}")
-    if not wanted:
-        return None
-    if root is not None and _weight_cache_off_for_fsdp2(root, reporter, "amp_fx.compile"):
-        return None
+def weight_cache_applies(policy: Policy, root: torch.nn.Module | None, reporter: Reporter, caller: str) -> bool:
+    """Whether ``weight_cache=True`` can be honoured for ``root``; where not, the reporter says why."""
+    if root is not None and weight_cache_off_for_fsdp2(root, reporter, caller):
+        return False
     if not policy.cast_cache:
         reporter.did_less("weight_cache:cast_cache",
                           "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
                           "turns off (each use would get its own gradient cast); the weight cache is off. "
                           "Drop cast_cache=False or weight_cache=True.", stacklevel=4)
-        return None
-    return WeightCache()
+        return False
+    return True
 
 
-def _weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, caller: str) -> bool:
+def weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, caller: str) -> bool:
     """Report (and return True) when ``model`` is sharded with ``fully_shard``: no weight cache.
 
     FSDP2 all-gathers each parameter, every forward, into the same unsharded tensor, under
     ``torch.autograd._unsafe_preserve_version_counter``: neither its version counter nor its
     storage tells the cache that the values changed, and the optimizer steps the *sharded*
-    parameters, so no invalidation rule of amp_fx/weight_cache.py would ever fire and the copy
+    parameters, so no invalidation rule of amp_fx/backend/weight_cache.py would ever fire and the copy
     would stay the first forward's (checked: training drifts from eager FSDP2 after one step).
     DDP keeps whole fp32 parameters on every rank and is supported.
     """
@@ -646,16 +467,6 @@ def _weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, call
     return True
 
 
-def _inductor_config(backend: object, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """torch.compile's ``mode``/``options`` become inductor config patches (popped from kwargs)."""
-    mode, options = kwargs.pop("mode", None), kwargs.pop("options", None)
-    if (mode is not None or options) and backend != "inductor":
-        raise ValueError(f"amp_fx: mode= and options= configure inductor, but backend={backend!r}")
-    config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
-    config.update(options or {})
-    return config
-
-
 def _check_devices(module: torch.nn.Module) -> None:
     for name, t in (*module.named_parameters(), *module.named_buffers()):
         check_supported(t.device.type, name)
@@ -670,4 +481,27 @@ def records(compiled: object) -> list[GraphRecord]:
     found = getattr(compiled, "amp_fx_records", None)
     if found is None:
         raise TypeError(f"amp_fx: {compiled!r} was not returned by amp_fx.compile")
+    return found
+
+
+def options_of(compiled: object) -> Options:
+    """The :class:`~amp_fx.Options` a model or function returned by :func:`compile` (or compiled in
+    place by it) was compiled with: what is in effect (``weight_cache`` is False where amp_fx
+    turned the cache off and said why).
+
+    Raises ``TypeError`` for anything amp_fx did not compile.
+
+    Example:
+        >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="fp16", backend="aot_eager")
+        >>> amp_fx.options_of(model).dtype
+        torch.float16
+    """
+    inplace = _inplace_call(compiled)
+    if inplace is not None:
+        return inplace.options
+    if isinstance(compiled, AmpCompiledModule):
+        return compiled.__dict__["_amp_fx_backend"].options
+    found = getattr(compiled, "amp_fx_options", None)
+    if not isinstance(found, Options):
+        raise TypeError(f"amp_fx.options_of: {type(compiled).__name__} was not compiled by amp_fx.compile")
     return found

@@ -25,9 +25,10 @@ from typing import Union
 
 import torch
 
-from amp_fx._compat import autocast_registrations
+from amp_fx._common.compat import autocast_registrations
 
-__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class"]
+__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
+           "module_matches", "op_from_name"]
 
 
 class CastClass(enum.Enum):
@@ -68,7 +69,7 @@ def _table(dispatch_key: str, **classes: str) -> tuple[Mapping[str, CastClass], 
 
 # The tables list every op that some supported torch (2.11 to 2.15) registers at its Autocast
 # dispatch key, with its class; DEFAULT_TABLES keeps the ones the installed torch registers
-# (amp_fx._compat.autocast_registrations: a feature test, not a version check). An op whose class
+# (amp_fx._common.compat.autocast_registrations: a feature test, not a version check). An op whose class
 # changed between versions would need two entries and a feature test of its own: none has.
 # VERSION_DEPENDENT names every entry that some supported torch does not register; an entry
 # missing from the installed torch and not named there fails tests/test_op_tables.py, and so
@@ -216,7 +217,7 @@ def _has_own_kernel(op_name: str, device_type: str) -> bool:
 
     torch's ops are in the tables (tests/test_policy.py checks it), so only other namespaces count.
     """
-    from amp_fx._devices import DEVICES
+    from amp_fx._common.devices import DEVICES
 
     device = DEVICES.get(device_type)
     if device is None or op_name.startswith("aten::"):
@@ -230,7 +231,7 @@ def op_name(op: torch._ops.OpOverload) -> str:
 
 
 @cache
-def _op_from_name(name: str) -> torch._ops.OpOverload:
+def op_from_name(name: str) -> torch._ops.OpOverload:
     ns, _, rest = name.partition("::")
     packet_name, _, overload = rest.partition(".")
     packet = getattr(getattr(torch.ops, ns), packet_name)
@@ -293,6 +294,10 @@ class Policy:
         cast_cache: share one lower-precision cast of each fp32 leaf tensor that requires grad
             among all its uses in a graph, as eager autocast's cast cache does. Turning it off
             casts per use (gradients of the uses then add up in fp32).
+        keep_out_of_fp8: with ``fp8=`` on, submodules whose matmuls stay in the autocast dtype,
+            selected as in ``keep_fp32`` (``"lm_head"``, ``torch.nn.Embedding``). Without it,
+            every matmul with a parameter operand whose sizes ``torch._scaled_mm`` takes runs
+            in fp8 (:mod:`amp_fx.passes.fp8_matmuls`).
 
     The policy is hashable and part of amp_fx's compile cache key.
     """
@@ -300,6 +305,7 @@ class Policy:
     op_classes: Mapping[OpLike, CastClass] = field(default_factory=dict)
     keep_fp32: Sequence[ModuleSelector] = ()
     cast_cache: bool = True
+    keep_out_of_fp8: Sequence[ModuleSelector] = ()
     op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(
         init=False, repr=False, compare=False)
     """The entries of ``op_classes`` as given: (label, overload names, class), in order. Labels
@@ -322,23 +328,17 @@ class Policy:
         object.__setattr__(self, "op_entries", tuple(entries))
         if isinstance(self.keep_fp32, (str, type)):
             object.__setattr__(self, "keep_fp32", (self.keep_fp32,))
-        keep = tuple(self.keep_fp32)
-        for sel in keep:
-            is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
-            if not (isinstance(sel, str) and sel) and not is_module_type:
-                raise TypeError(
-                    f"amp_fx: Policy.keep_fp32 entries must be module names or nn.Module "
-                    f"subclasses, got {sel!r}")
-        object.__setattr__(self, "keep_fp32", keep)
+        object.__setattr__(self, "keep_fp32", _selectors("keep_fp32", self.keep_fp32))
+        object.__setattr__(self, "keep_out_of_fp8", _selectors("keep_out_of_fp8", self.keep_out_of_fp8))
 
     def __hash__(self) -> int:
-        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache))
+        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache, self.keep_out_of_fp8))
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The read-only mappings do not pickle; the entries as given rebuild an equal policy
         # (copy.deepcopy, pickle and torch.save all go through here).
         return (Policy, ({label: cls for label, _, cls in self.op_entries}, self.keep_fp32,
-                         self.cast_cache))
+                         self.cast_cache, self.keep_out_of_fp8))
 
     def entry_for(self, op_name: str) -> str | None:
         """The label of the ``op_classes`` entry that decides ``op_name`` ("aten::linear"), if any."""
@@ -361,7 +361,7 @@ class Policy:
         """
         for path, mtype in module_types:
             for sel in self.keep_fp32:
-                if _module_matches(sel, path, mtype):
+                if module_matches(sel, path, mtype):
                     label = sel if isinstance(sel, str) else sel.__name__
                     return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by "
                                                     f"policy ({label})", kept_module=path)
@@ -374,11 +374,28 @@ class Policy:
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
         if cls is CastClass.OWN_KERNEL:
-            from amp_fx._devices import DEVICES
+            from amp_fx._common.devices import DEVICES
 
             return Decision(cls, f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} "
                                  "kernel, as in eager autocast")
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
+
+
+def _selectors(name: str, value: object) -> tuple[ModuleSelector, ...]:
+    """A ``keep_fp32``-style field as a tuple of module names and types, checked."""
+    if isinstance(value, (str, type)):
+        value = (value,)
+    if not isinstance(value, Sequence):
+        raise TypeError(f"amp_fx: Policy.{name} must be a sequence of module names or nn.Module "
+                        f"subclasses, got {value!r}")
+    keep = tuple(value)
+    for sel in keep:
+        is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
+        if not (isinstance(sel, str) and sel) and not is_module_type:
+            raise TypeError(
+                f"amp_fx: Policy.{name} entries must be module names or nn.Module "
+                f"subclasses, got {sel!r}")
+    return keep
 
 
 def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
@@ -413,16 +430,16 @@ def _label(cls: CastClass) -> str:
     return cls.value.replace("_", " ")
 
 
-def _module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
+def module_matches(sel: ModuleSelector, path: str, mtype: type) -> bool:
     if isinstance(sel, str):
         return path == sel or path.startswith(sel + ".")
     return issubclass(mtype, sel)
 
 
 def _check_class_fits(name: str, cls: CastClass) -> None:
-    op = _op_from_name(name)
+    op = op_from_name(name)
     if cls is CastClass.OWN_KERNEL:
-        from amp_fx._devices import DEVICES
+        from amp_fx._common.devices import DEVICES
 
         if not any(_has_own_kernel(name, d) for d in DEVICES):
             raise ValueError(

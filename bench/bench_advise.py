@@ -7,7 +7,8 @@ projections scaled by 300 so its attention scores overflow fp16 (a search; in bf
 Eager attention because CPU SDPA computes the scores in fp32 internally, where nothing overflows.
 
 Reported per row: the median of ``--repeats`` advise calls over the median of ``--repeats`` fp32
-forward+backward calls, with p10-p90 of advise's time (spread), and for reference one forward+backward
+forward+backward calls, with p10-p90 of advise's time (spread), the modules kept and the share of the
+matmul/conv/attention FLOPs their keep moves to fp32, and for reference one forward+backward
 under eager autocast in the dtype (bf16/fp16 matmuls on a CPU without low-precision units are
 several times slower than fp32, which bounds what any low-precision measurement can cost).
 
@@ -91,12 +92,14 @@ def main() -> None:
                              f"{low_time / base:.1f}x", f"{statistics.median(ts):.2f}",
                              f"{statistics.median(ts) / base:.1f}x",
                              f"{percentile(ts, 0.1) / base:.1f}-{percentile(ts, 0.9) / base:.1f}x",
-                             a.runs, ", ".join(a.keep_fp32) or "-"])
+                             a.runs, ", ".join(a.keep_fp32) or "-",
+                             f"{sum(k.flop_share for k in a.kept):.1%}" if a.kept else "-"])
     for line in machine_lines():
         print(line)
     print(f"GPT-2 n_embd 128, batch {args.batch} x {args.seq} tokens, {args.repeats} repeats (medians)")
     print(tabulate(rows, headers=["layers", "hazard", "dtype", "fp32 fwd+bwd ms", "autocast fwd+bwd",
-                                  "advise s", "advise / fp32 fwd+bwd", "p10-p90", "policy runs", "kept"]))
+                                  "advise s", "advise / fp32 fwd+bwd", "p10-p90", "policy runs", "kept",
+                                  "kept FLOP share"]))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ The model is the tests' 3-layer MLP (``amp_fx.testing.zoo.MLP``) at width 16 (16
 GELU and ReLU), on a batch of 4, with ``torch.set_num_threads(1)``: its graph runs in a few
 microseconds, so what is timed is mostly the Python around it, which is what ``generate()`` pays on
 every token. Both variants compile to the same kernels (same downstream backend, same dtype);
-amp_fx's difference is its own call path (:func:`amp_fx.compile._amp_call`).
+amp_fx's difference is its own call path (:func:`amp_fx.backend.call.amp_call`).
 
 * baseline: ``with torch.autocast("cpu", dtype=...): out = torch.compile(model)(x)``, the autocast
   region opened per call as a user's loop does;

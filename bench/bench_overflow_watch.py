@@ -5,7 +5,9 @@ Two Hugging Face models with random weights (no download): GPT-2-like (``--gpt2-
 ``--gpt2-width``, 8 heads) and Llama-like (``--llama-layers`` x ``--llama-width``), fp16, SGD.
 
 * ``compile_step(..., watch_nonfinite=True)`` vs ``watch_nonfinite=False`` (inductor): the same
-  compiled step with and without the watch.
+  compiled step with and without the watch: the forward watch alone (the backward watch switched
+  off for the bench: ``--watch forward``), and the forward and backward watch (``--watch both``,
+  what ``watch_nonfinite=True`` does with inductor).
 * eager ``torch.autocast`` + ``torch.amp.GradScaler``, with HF's ``DebugUnderflowOverflow`` (forward
   hooks that read every module's abs-max on the host) vs without.
 * the same eager step under ``torch.autograd.detect_anomaly()`` vs without.
@@ -54,11 +56,26 @@ def lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def _compiled(make: Callable[[], torch.nn.Module], watch: bool) -> Callable[..., Any]:
+def _compiled(make: Callable[[], torch.nn.Module], watch: bool, backward: bool = True) -> Callable[..., Any]:
+    """``backward=False``: the forward watch alone, as before the backward watch existed (the
+    downstream compile without it, amp_fx.backend's hook switched off while this step compiles)."""
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    return amp_fx.compile_step(model, opt, lm_loss, backend="inductor", watch_nonfinite=watch)
+    step = amp_fx.compile_step(model, opt, lm_loss, backend="inductor", watch_nonfinite=watch)
+    if backward:
+        return step
+
+    def forward_watch_only(*args: Any) -> Any:
+        import amp_fx.backend.compiler as backend
+
+        hook = backend.watching_downstream
+        backend.watching_downstream = lambda *a, **k: None  # the graphs compiled now: no backward watch
+        try:
+            return step(*args)
+        finally:
+            backend.watching_downstream = hook
+    return forward_watch_only
 
 
 def _eager(make: Callable[[], torch.nn.Module], variant: str) -> Callable[..., Any]:
@@ -132,6 +149,8 @@ def main() -> None:
     p.add_argument("--llama-width", type=int, default=256)
     p.add_argument("--only", choices=["compiled", "eager"], default=None)
     p.add_argument("--model", choices=["gpt2", "llama"], default=None, help="one model only (default: both)")
+    p.add_argument("--watch", choices=["forward", "both", "all"], default="all",
+                   help="compiled pairs: the forward watch / off, the forward+backward watch / off, or all three pairs")
     args = p.parse_args()
 
     models = {
@@ -149,7 +168,15 @@ def main() -> None:
     for name, make in models.items():
         pairs = {}
         if args.only in (None, "compiled"):
-            pairs["compile_step inductor: watch_nonfinite on / off"] = (_compiled(make, False), _compiled(make, True))
+            if args.watch in ("forward", "all"):
+                pairs["compile_step inductor: forward watch / off"] = (_compiled(make, False),
+                                                                       _compiled(make, True, backward=False))
+            if args.watch in ("both", "all"):
+                pairs["compile_step inductor: forward+backward watch / off"] = (_compiled(make, False),
+                                                                                _compiled(make, True))
+            if args.watch == "all":
+                pairs["compile_step inductor: forward+backward watch / forward watch"] = (
+                    _compiled(make, True, backward=False), _compiled(make, True))
         if args.only in (None, "eager"):
             pairs["eager: DebugUnderflowOverflow / none"] = (_eager(make, "none"), _eager(make, "debug"))
             pairs["eager: detect_anomaly / none"] = (_eager(make, "none"), _eager(make, "anomaly"))

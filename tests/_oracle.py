@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from amp_fx import AmpFxError, Policy
-from amp_fx.capture import capture
+from amp_fx.passes.capture import capture
 from amp_fx.passes.insert_casts import insert_casts
 
 DTYPES = (torch.bfloat16, torch.float16)

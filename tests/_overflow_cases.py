@@ -156,27 +156,31 @@ def fsdp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     """FSDP2 (``fully_shard`` on each layer and the root) on 2 gloo ranks, the overflow planted on
     rank 0 only: ``amp_fx.compile(sharded model, watch_nonfinite=True)`` + ``amp_fx.GradScaler``,
     aot_eager; planted, then clean. Each rank holds a shard of every gradient: its unscale kernel
-    flags its own shards, and the flags are combined in the found-inf all-reduce."""
+    flags its own shards, and the flags are combined in the found-inf all-reduce. Planted again
+    without ``scaler.watch`` (the scaler finds the model itself)."""
     from torch.distributed.fsdp import fully_shard
 
     import amp_fx
 
     out: dict[str, Any] = {}
-    for name, planted in (("planted", PLANTED_STEP if rank == 0 else None), ("clean", None)):
+    planted_here = PLANTED_STEP if rank == 0 else None
+    for name, planted in (("planted", planted_here), ("clean", None), ("planted_unwatched", planted_here)):
         model = make_model()
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
         compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
         scaler = make_scaler()
-        scaler.watch(compiled)
+        if name != "planted_unwatched":  # without watch(): the scaler finds the model itself
+            scaler.watch(compiled)
         out[name] = [overflow_summary(r) for r in run_scaler(model, compiled, scaler, planted)]
     return out
 
 
 def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     """DDP on 2 gloo ranks, the overflow planted on rank 0 only: ``DDP(amp_fx.compile(model))`` +
-    ``amp_fx.GradScaler`` and ``compile_step(DDP(model))``, both watched, aot_eager."""
+    ``amp_fx.GradScaler`` (with ``scaler.watch`` and without) and ``compile_step(DDP(model))``, all
+    watched, aot_eager."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import amp_fx
@@ -189,6 +193,10 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
     scaler = make_scaler()
     scaler.watch(ddp)
     out["scaler"] = [overflow_summary(r) for r in run_scaler(model, ddp, scaler, planted)]
+    # the same without watch(): the scaler finds the compiled model, and the DDP module it ran in
+    model = make_model()
+    ddp = DDP(amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True), broadcast_buffers=False)
+    out["scaler_unwatched"] = [overflow_summary(r) for r in run_scaler(model, ddp, make_scaler(), planted)]
     from amp_fx.testing import HostSyncCounter
 
     for watched in (True, False):

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import amp_fx
-from amp_fx.capture import module_path
+from amp_fx.passes.capture import module_path
 
 
 def _train_step_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype,
@@ -226,7 +226,7 @@ def test_other_higher_order_ops_run_under_eager_autocast(sign):
     torch.manual_seed(0)
     compiled = _train_step_against_eager(WithCond(), torch.randn(4, 8) * sign, torch.bfloat16)
     (record,) = compiled.amp_fx_records
-    assert any(n.target is amp_fx.capture.autocast_hop for n in record.rewritten.graph.nodes)
+    assert any(n.target is amp_fx.passes.capture.autocast_hop for n in record.rewritten.graph.nodes)
 
 
 class WithDropout(nn.Module):

@@ -319,8 +319,8 @@ def test_compiled_module_copies_compute_the_same_and_are_independent(how: str) -
     compiled(*inputs)  # copies after the first call too (compiled state is not copied)
     copied = _COPIES[how](compiled)
     assert isinstance(copied, amp_fx.AmpCompiledModule)
-    assert copied.amp_fx_records == [] and copied._amp_fx_backend.policy == policy
-    assert copied._amp_fx_backend.dtype == torch.float16
+    assert copied.amp_fx_records == [] and amp_fx.options_of(copied).policy == policy
+    assert amp_fx.options_of(copied).dtype == torch.float16
     for (name, p), (_, q) in zip(compiled.named_parameters(), copied.named_parameters()):
         assert p is not q and p.data_ptr() != q.data_ptr(), name
         torch.testing.assert_close(p, q, atol=0, rtol=0)

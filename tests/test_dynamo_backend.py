@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import amp_fx
-import amp_fx.dynamo_backend as db
+import amp_fx.integrations.dynamo_backend as db
 from amp_fx import AmpFxError, AmpFxWarning, Policy
 from amp_fx.testing import assert_bitwise, zoo
 

@@ -30,7 +30,7 @@ def _needs(module: str, extra: str) -> None:
 
 def test_torch_compile_backend_example():
     eps = {e.name: e.value for e in importlib.metadata.entry_points(group="torch_dynamo_backends")}
-    if eps.get("amp_fx") != "amp_fx.dynamo_backend:amp_fx_backend":
+    if eps.get("amp_fx") != "amp_fx.integrations.dynamo_backend:amp_fx_backend":
         pytest.skip("the installed amp_fx declares no torch_dynamo_backends entry points (another checkout's "
                     "install); `pip install -e .` of this one does")
     assert "bitwise equal to eager torch.autocast (output and gradients): True" in _run("torch_compile_backend.py")

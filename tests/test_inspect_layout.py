@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp_fx
-from amp_fx import _backends
+from amp_fx._common import downstream as _backends
 from amp_fx.inspect import _runner
 from tests._inspect_models import TwoLayer, seeded
 
@@ -52,8 +52,8 @@ def test_no_import_cycle_among_the_inspection_modules():
 @pytest.mark.parametrize("pattern, home, scope", [
     (r"def _?is_cast\(", "inspect/_probe.py", ""),
     (r"^_?SEED\s*=", "inspect/_runner.py", "inspect/"),  # the seed the tools run the model from
-    (r"lookup_backend\(", "_backends.py", ""),
-    (r"_SHORT\s*=|replace\(\s*[\"']torch\.[\"']", "_dtype_names.py", ""),
+    (r"lookup_backend\(", "_common/downstream.py", ""),
+    (r"_SHORT\s*=|replace\(\s*[\"']torch\.[\"']", "_common/dtype_names.py", ""),
     (r"def run_eager_checked\(|def private_copy\(|def amp_failure\(", "inspect/_runner.py", ""),
 ])
 def test_one_home_for_each_rule(pattern, home, scope):
@@ -89,7 +89,7 @@ def test_one_backend_resolver(monkeypatch):
         return real(backend, **kwargs)
 
     monkeypatch.setattr(_backends, "resolve_backend", spy)
-    import amp_fx.backend as backend_module
+    import amp_fx.backend.compiler as backend_module
 
     monkeypatch.setattr(backend_module, "resolve_backend", spy)
     monkeypatch.setattr(_runner, "resolve_backend", spy)

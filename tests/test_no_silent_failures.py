@@ -244,7 +244,7 @@ def test_no_graph_message_names_the_working_form_for_ddp_and_fsdp() -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from amp_fx.backend import _wrapper_fix
+    from amp_fx.backend.audit import wrapper_fix as _wrapper_fix
 
     if not dist.is_available():
         pytest.skip("torch built without torch.distributed")

@@ -302,3 +302,47 @@ def test_output_it_cannot_see_into_hides_nothing(backward):
         assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
         if overflow:
             assert (report.op, report.module_path) == ("aten.linear", "inner.up.up")
+
+
+class _DroppedOverflow(torch.nn.Module):
+    """``Overflowing``'s fp16 overflow in ``up``, whose inf the next op drops: ``masked_fill`` of
+    the non-finite entries, or a clamp into fp16's range (Hugging Face T5 clamps its fp16 hidden
+    states so); ``how=None`` (the twin) lets it reach the output."""
+
+    def __init__(self, how: str | None) -> None:
+        super().__init__()
+        self.how = how
+        self.up = torch.nn.Linear(4, 8)
+        self.head = torch.nn.Linear(8, 2)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.how == "masked_fill":
+            h = h.masked_fill(~torch.isfinite(h), 0.0)
+        elif self.how == "clamp":
+            h = torch.clamp(h, -6e4, 6e4)
+        return self.head(h / 1e5)
+
+
+@pytest.mark.parametrize("how", ["masked_fill", "clamp"])
+def test_inf_dropped_by_masked_fill_or_clamp_is_not_reported(how):
+    """The inf of an fp16 overflow that masked_fill or a clamp drops before anything else reads it
+    reaches no output, loss or gradient (checked in eager autocast): find_nonfinite lists `up`'s
+    linear as discarded and reports nothing. Twin: without the drop the same inf reaches the output
+    and is named at `up`."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    for drop in (how, None):
+        torch.manual_seed(0)
+        model = _DroppedOverflow(drop)
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert torch.isinf(model.up(x)).any()  # the planted overflow, checked here
+        assert _eager_autocast_finite(model, x) is (drop is not None)
+        report = amp_fx.find_nonfinite(model, x, dtype="fp16", verify=False)
+        if drop is not None:
+            assert not report.found, str(report)
+            assert len(report.discarded) == 1 and "(aten.linear) in module `up`" in report.discarded[0]
+        else:
+            assert report.found and (report.phase, report.op, report.module_path) == ("forward", "aten.linear", "up")
+            assert report.discarded == []

@@ -310,7 +310,7 @@ def test_cpu_cast_lands_on_the_decomposed_op(fn: Any, args: tuple[Any, ...], exp
 def test_policy_can_move_a_banned_op(dtype: torch.dtype) -> None:
     """Policy(op_classes={binary_cross_entropy: FP32}) runs it as eager runs it on fp32 inputs."""
     from amp_fx import CastClass, Policy
-    from amp_fx.capture import capture
+    from amp_fx.passes.capture import capture
     from amp_fx.passes.insert_casts import insert_casts
 
     policy = Policy(op_classes={"aten::binary_cross_entropy": CastClass.FP32})

@@ -63,6 +63,9 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
         assert f"{len(reference)} gradients non-finite ({reference[0]}, " in line
         if watched:
             assert re.search(rf"first inf at {re.escape(PLANTED_MODULE)} \(aten\.\w+, fp16\)", line), line
+        else:  # what the record knows: nothing was watched (it used to say "forward finite or not watched")
+            assert line.startswith(f"step {PLANTED_STEP} skipped: no op named (not watched: compile with "
+                                   "watch_nonfinite=True); "), line
 
 
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
@@ -232,6 +235,17 @@ def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients)
     assert dist_ranks[1]["fsdp2"]["planted"] == dist_ranks[0]["fsdp2"]["planted"]
 
 
+def test_distributed_scaler_without_watch_names_what_watch_names(dist_ranks, reference_gradients):
+    """DDP(amp_fx.compile(model)) and FSDP2, 2 gloo ranks, the overflow on rank 0 only, the seeds'
+    loop without ``scaler.watch``: every rank finds the model (under DDP, the DDP module its forward
+    ran in, whose ranks combine the forward records), so each rank's reports are those of the run
+    with ``scaler.watch``: rank 1, whose forward was finite, names rank 0's op too."""
+    for rank, res in enumerate(dist_ranks):
+        assert res["ddp"]["scaler_unwatched"] == res["ddp"]["scaler"], rank
+        assert res["fsdp2"]["planted_unwatched"] == res["fsdp2"]["planted"], rank
+        _check_dist_report(res["ddp"]["scaler_unwatched"][PLANTED_STEP], reference_gradients, rank)
+
+
 def test_a_record_of_a_graph_this_rank_did_not_compile_is_named_unknown():
     """A forward record combined across ranks names an op by graph and position; where this rank
     has no such graph (it compiled other graphs), the report says so instead of failing."""
@@ -249,6 +263,98 @@ def test_weight_cache_with_the_watch(reference_gradients):
                                scaler=make_scaler())
     _check_reports(run_step(step, model), reference_gradients, watched=True)
 
+
+
+# ------------------------------------------------------------------ a scaler told nothing (issue 30)
+def _seeds_loop_reports(watch: bool, scaler: Any = None) -> tuple[list[Any], Any]:
+    """The seeds' loop (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``) around
+    ``amp_fx.compile(model, watch_nonfinite=True)``, with or without ``scaler.watch(compiled)``."""
+    model = make_model()
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler = make_scaler() if scaler is None else scaler
+    if watch:
+        scaler.watch(compiled)
+    return run_scaler(model, compiled, scaler), compiled
+
+
+def test_scaler_without_watch_names_what_watch_names(reference_gradients):
+    """No ``scaler.watch``: the scaler finds the compiled model whose parameters its optimizer
+    holds, so the report is the one ``scaler.watch(compiled)`` gives (same step, first op, graph,
+    node and gradient names), which names the planted module and the reference gradients. Before,
+    it read "forward finite or not watched" and named ``<parameter 0>, ...``."""
+    wired, _ = _seeds_loop_reports(watch=True)
+    unwired, _ = _seeds_loop_reports(watch=False)
+    _check_reports(wired, reference_gradients, watched=True)
+    assert unwired == wired
+
+
+def test_scaler_without_watch_says_when_it_cannot_tell():
+    """Two compiled modules with the watch hold the optimizer's parameters (the model compiled twice,
+    both alive): the scaler cannot tell whose forward ran, attaches neither, and the report says so
+    once (a warning; strict mode: an error), naming the gradients by position. Twin: the same run
+    with ``scaler.watch`` names the op and warns nothing."""
+    import warnings
+
+    model = make_model()
+    twice = [amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True) for _ in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for wired in (False, True):
+        scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED, strict=False)
+        if wired:
+            scaler.watch(twice[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reports = []
+            for i, (x, y) in enumerate(batches()):
+                plant(model, i)
+                scaler.scale(loss_fn(twice[1](x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                reports.append(scaler.overflow_report())
+        said = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+        report = reports[PLANTED_STEP]
+        assert report is not None and report.step == PLANTED_STEP
+        if wired:
+            assert said == [] and report.first_op is not None and report.first_op.module == PLANTED_MODULE
+            continue
+        assert report.first_op is None and report.gradients[0].startswith("<parameter "), report
+        assert len(said) == 1 and "belong to 2 models compiled with watch_nonfinite=True" in said[0], said
+        assert "scaler.watch(model)" in said[0]
+    strict = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED, strict=True)
+    with pytest.raises(amp_fx.AmpFxError, match="belong to 2 models"):
+        for i, (x, y) in enumerate(batches(PLANTED_STEP + 1)):
+            plant(model, i)
+            strict.scale(loss_fn(twice[1](x), y)).backward()
+            strict.step(opt)
+            strict.update()
+            opt.zero_grad()
+            strict.overflow_report()
+
+
+def test_scaler_without_watch_says_when_the_watched_model_is_not_the_trained_one():
+    """A model compiled with the watch is alive but the optimizer trains another one: the report
+    names no op and says that no watched model holds the parameters. Twin: with no watched model
+    at all (nothing was asked), the same unwatched run says nothing."""
+    import gc
+    import warnings
+
+    results = {}
+    for watched_elsewhere in (True, False):
+        gc.collect()  # the watched models of earlier tests (and of the first pass) are gone
+        other = make_model(seed=1)
+        elsewhere = amp_fx.compile(other, dtype="fp16", backend="aot_eager", watch_nonfinite=watched_elsewhere)
+        model = make_model()
+        compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager")
+        scaler = amp_fx.GradScaler("cpu", init_scale=2.0**10, step_mode=amp_fx.StepMode.MASKED, strict=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reports = run_scaler(model, compiled, scaler)
+        results[watched_elsewhere] = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+        assert reports[PLANTED_STEP] is not None and reports[PLANTED_STEP].first_op is None
+        del elsewhere
+    assert results[False] == []
+    assert len(results[True]) == 1 and "hold none of the optimizer's parameters" in results[True][0], results
 
 
 # ------------------------------------------------------------------ skip-aware LR scheduling

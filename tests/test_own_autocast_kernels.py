@@ -28,8 +28,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import amp_fx
 from amp_fx import CastClass, Policy
-from amp_fx.capture import capture, eager_autocast
 from amp_fx.passes import meta
+from amp_fx.passes.capture import capture, eager_autocast
 from amp_fx.passes.insert_casts import insert_casts
 from amp_fx.policy import default_class
 from amp_fx.testing import assert_bitwise

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from amp_fx import CastClass, Policy
-from amp_fx._devices import DEVICES
-from amp_fx.policy import DEFAULT_TABLES, _op_from_name, default_class, resolve_dtype
+from amp_fx._common.devices import DEVICES
+from amp_fx.policy import DEFAULT_TABLES, default_class, op_from_name, resolve_dtype
 from amp_fx.testing.real_models import library_missing
 
 aten = torch.ops.aten
@@ -54,7 +54,7 @@ def test_every_autocast_registration_outside_aten_runs_its_own_kernel(device_typ
     assert "amp_fx_policy_test::probe" in others, f"the probe's {key} kernel is not registered"
     for name in sorted(others):
         assert default_class(name, device_type) is CastClass.OWN_KERNEL, name
-        decision = Policy().classify(_op_from_name(name), device_type, ())
+        decision = Policy().classify(op_from_name(name), device_type, ())
         assert decision.cast_class is CastClass.OWN_KERNEL, (name, decision)
         assert decision.reason.endswith(f"runs its own {key} kernel, as in eager autocast"), decision
 

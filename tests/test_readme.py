@@ -68,6 +68,17 @@ loss_fn = torch.nn.functional.cross_entropy
 opt = optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
 loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(4)]
+
+class Fp8Model(nn.Module):  # every matmul size a multiple of 16, as torch._scaled_mm needs (docs/fp8.md)
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+        self.lm_head = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.lm_head(torch.relu(self.fc(x)))
+
+x16 = torch.randn(16, 32)
 """
 
 
@@ -172,6 +183,22 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     },
     "docs/weight-cache-real-models.md": {
         "import torch": Run(needs="transformers"),
+    },
+    # fp8 needs sizes _scaled_mm takes (the context's Model has 8 features and 4 rows: amp_fx would
+    # say nothing runs in fp8), so the blocks take Fp8Model and x16; aot_eager instead of a minute
+    # of inductor compiling, as in docs/compiled-step.md.
+    "docs/fp8.md": {
+        'model = amp_fx.compile(model, dtype="bf16", fp8="tensorwise")   # or "rowwise", "rowwise_with_gw_hp"': Run(
+            replace=(('amp_fx.compile(model, dtype="bf16", fp8="tensorwise")',
+                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", backend="aot_eager")'),),
+            after="model(x16).float().sum().backward()\n"),
+        'policy = amp_fx.Policy(keep_out_of_fp8=("lm_head",))': Run(
+            replace=(('amp_fx.compile(model, dtype="bf16", fp8="rowwise", policy=policy)',
+                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="rowwise", policy=policy, '
+                      'backend="aot_eager")'),),
+            after="model(x16).float().sum().backward()\n"),
+        'report = amp_fx.explain(model, x, dtype="bf16", fp8="tensorwise")': Run(
+            replace=(("amp_fx.explain(model, x,", "amp_fx.explain(Fp8Model(), x16,"),)),
     },
     "docs/weight-cache.md": {
         'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Run(

@@ -21,7 +21,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import amp_fx
-from amp_fx import _compat
+from amp_fx._common import compat as _compat
 from amp_fx.scaler import GradScaler, StepMode
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import HostSyncCounter, assert_bitwise, eager_amp_step
@@ -447,7 +447,7 @@ def test_public_api() -> None:
 def test_sgd_update_is_traced_as_eager_computes_it(momentum: float) -> None:
     """SGD's ``param.add_(grad, alpha=-lr)`` stays one add_ with its alpha in the finish graph: one
     rounding, as eager's kernel. torch 2.11's Dynamo splits a number alpha into mul + add_ (two
-    roundings, amp_fx._compat.dynamo_decomposes_number_scalars) unless told not to; the parameters then
+    roundings, amp_fx._common.compat.dynamo_decomposes_number_scalars) unless told not to; the parameters then
     differed from the eager recipe in the last bits (with these inputs: after the first compiled step)."""
     graphs: list[torch.fx.GraphModule] = []
 

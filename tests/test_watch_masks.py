@@ -4,8 +4,9 @@ nanoGPT-style causal attention in fp16 puts -inf into the scores on purpose (``m
 ``masked_fill_``, ``where(mask, s, -inf)``, or an additive ``full(-inf).triu(1)`` mask); softmax
 turns them into zeros and the forward's output is finite. The watch must not name the mask:
 
-* a gradient-only overflow (a loss scale so large that the fp16 backward overflows) reports
-  ``first_op=None`` on every skipped step;
+* a gradient-only overflow (a loss scale so large that the fp16 backward overflows) names no
+  forward op on any skipped step: it names where the backward's first inf appeared, as eager
+  autograd's backward shows it (``amp_fx.testing.backward_origin``);
 * a forward overflow planted in a named Linear at one step names that Linear.
 
 References: eager ``torch.autocast`` + ``torch.amp.GradScaler`` on the same model and batches, for
@@ -23,6 +24,7 @@ from _overflow_cases import DownProj
 from torch import nn
 
 import amp_fx
+from amp_fx.testing.backward_origin import BackwardOrigin, first_backward_origin
 
 BACKENDS = ["aot_eager", "inductor"]
 MASKS = ["masked_fill", "masked_fill_", "where", "additive", "caller"]
@@ -109,9 +111,11 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), y)
 
 
-def _eager_reference(mask: str, init_scale: float, planted: int | None) -> tuple[list[int], list[bool]]:
+def _eager_reference(mask: str, init_scale: float, planted: int | None,
+                     origins: list[BackwardOrigin] | None = None) -> tuple[list[int], list[bool]]:
     """Eager ``torch.autocast`` + ``torch.amp.GradScaler``: the skipped steps (the scale went down)
-    and, per step, whether the forward output was finite."""
+    and, per step, whether the forward output was finite; ``origins`` gets, per step, where the
+    eager backward first made an inf/NaN."""
     torch.manual_seed(0)
     model = Block(mask)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -119,10 +123,16 @@ def _eager_reference(mask: str, init_scale: float, planted: int | None) -> tuple
     skipped, finite = [], []
     for i, (x, y) in enumerate(_batches()):
         _plant(model, i, planted)
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = _run(model, x, mask)
-        finite.append(bool(torch.isfinite(out).all()))
-        scaler.scale(_loss(out, y)).backward()
+
+        def scaled_loss(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = _run(model, x, mask)
+            finite.append(bool(torch.isfinite(out).all()))
+            return scaler.scale(_loss(out, y))
+
+        origin = first_backward_origin(model, scaled_loss, torch.float16)
+        if origins is not None:
+            origins.append(origin)
         before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
@@ -155,17 +165,27 @@ def _amp_fx_reports(mask: str, backend: str, init_scale: float, planted: int | N
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_only_overflow_names_no_forward_op(backend, mask):
     """At a loss scale of 2^40 the scaled fp16 gradients overflow while the forward stays finite:
-    every skipped step reports ``first_op=None`` (the -inf mask is not an overflow)."""
+    no skipped step names a forward op (the -inf mask is not an overflow). The first inf is the
+    backward's: eager autograd makes it outside the model (the loss's ``out.float()``, whose
+    backward casts the scaled gradient to fp16), and ``head`` is the first module whose output
+    gradient is non-finite; amp_fx compiles the model, not the loss, so it names the gradient of
+    ``head``'s output as it entered the compiled backward."""
     init_scale = 2.0**40
-    skipped, finite = _eager_reference(mask, init_scale, planted=None)
+    origins: list[BackwardOrigin] = []
+    skipped, finite = _eager_reference(mask, init_scale, planted=None, origins=origins)
     # The premise: the eager reference skips steps, and its forward output is finite at every step.
     assert skipped and all(finite), (skipped, finite)
     reports = _amp_fx_reports(mask, backend, init_scale, planted=None)
     assert [i for i, r in enumerate(reports) if r is not None] == skipped, reports
     for i in skipped:
         assert reports[i].step == i and reports[i].gradients, reports[i]
-        assert reports[i].first_op is None, str(reports[i])
-        assert "forward finite or not watched" in str(reports[i])
+        first = reports[i].first_op
+        assert origins[i].module == "" and origins[i].entered == "head", origins[i]
+        assert first is not None and first.backward and first.incoming, str(reports[i])
+        assert first.module == origins[i].entered, (str(reports[i]), origins[i])
+        assert str(reports[i]).startswith(
+            f"step {i} skipped: first inf in the backward at head (the gradient of its aten.linear output, fp16, "
+            "entered the compiled backward non-finite)"), str(reports[i])
 
 
 @pytest.mark.parametrize("mask", MASKS)

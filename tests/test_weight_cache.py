@@ -339,7 +339,7 @@ def test_compile_step_trajectory_bitwise(dtype: torch.dtype, accumulate: int, op
     skipped_windows = 0
     before: list[Tensor | None] = []
     for i, (x, y) in enumerate(_batches(4 * accumulate + 6, _POISON[dtype])):
-        compiled_finish = ours._warmed_up  # else this window's step runs eagerly (warm-up)
+        compiled_finish = ours._follow.warmed_up  # else this window's step runs eagerly (warm-up)
         assert_bitwise(ours(x, y), ref(x, y), f"loss {i}")
         if (i + 1) % accumulate:
             continue

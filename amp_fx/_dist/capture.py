@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "unit_call"]
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "unit_call"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -131,7 +131,7 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
     # one frame lets each unit's forward be compiled as a frame of its own, so its ops are
     # attributed to the unit's name under the root (Policy.keep_fp32 by name).
     compiled = torch._dynamo.disable(compile_fn(_fresh_unit_forward()), recursive=False)
-    device_type = _device_type(module)
+    device_type = module_device_type(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with _forwards_replaced(units, compiled):
@@ -174,7 +174,7 @@ def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype
             "amp_fx casts for compute)")
 
 
-def _device_type(module: torch.nn.Module) -> str:
+def module_device_type(module: torch.nn.Module) -> str:
     for t in module.parameters():
         local = t.to_local() if hasattr(t, "to_local") else t
         return "cuda" if local.is_cuda else "cpu"

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "unpack_overflow",
-           "unrank_first_op"]
+from amp_fx._common.unwrap import layers
 
-# The forward record across ranks (amp_fx/overflow.py): a rank's first non-finite op code (-1: none;
+__all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "running_ddp",
+           "unpack_overflow", "unrank_first_op"]
+
+# The forward record across ranks (amp_fx/overflow): a rank's first non-finite op code (-1: none;
 # the graphs, and so the codes, are the same on every rank) and its global rank, packed as one int64
 # ``code * world_size + rank`` (none: _NO_CODE). Its minimum over the ranks is the earliest op in
 # graph order, and of the ranks that saw it the lowest. Codes are below 2^40 (graph index times
@@ -76,7 +78,7 @@ def combine_first_op(code: torch.Tensor | None, group: Any, device: torch.device
 
 def pack_overflow(found_inf: torch.Tensor, flags: Sequence[torch.Tensor], first_op: torch.Tensor | None
                   ) -> torch.Tensor:
-    """The found-inf flag with what amp_fx/overflow.py records, as one int64 vector for one all-reduce
+    """The found-inf flag with what amp_fx/overflow records, as one int64 vector for one all-reduce
     (MAX), on ``found_inf``'s device: ``[found_inf, *flags, -rank_first_op(first_op)]``. ``flags``:
     per-gradient 0/1 flags (the same gradients, in the same order, on every rank); ``first_op``:
     this rank's forward record (int64, -1: none), negated so that the maximum is the minimum. Every
@@ -104,20 +106,27 @@ def ranks_of(model: torch.nn.Module) -> Any:
     ``amp_fx.compile`` wrappers."""
     if _dtensor_type() is None or not torch.distributed.is_initialized():
         return None
-    seen = 0
-    while seen < 8:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model.process_group
-        inner = getattr(model, "original_module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module) or inner is model:
-            break
-        model, seen = inner, seen + 1
+    for layer in layers(model):
+        if isinstance(layer, torch.nn.parallel.DistributedDataParallel):
+            return layer.process_group
+        model = layer
     dtensor = _dtensor_type()
     for p in model.parameters():
         if isinstance(p, dtensor) and any(not pl.is_replicate() for pl in p.placements):
             mesh = p.device_mesh
             return mesh.get_group() if mesh.ndim == 1 else torch.distributed.group.WORLD
     return None
+
+
+def running_ddp() -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` module whose forward is running now, else None.
+
+    torch notes it around the wrapped module's call (``DistributedDataParallel._active_ddp_module``,
+    for Dynamo's DDPOptimizer; not with DDP's Python reducer, where this gives None), so that code
+    run inside the forward (a compiled model's graphs) can tell which ranks train that model."""
+    if not torch.distributed.is_available():
+        return None
+    return getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
 
 
 class ShardedGrads:
@@ -152,7 +161,7 @@ class ShardedGrads:
         has no flag yet: one is added on ``scale``'s device, because every rank must join the
         collective. Nothing happens (and None is returned) when no gradient was sharded.
         Folded into the same collective, as one int64 vector (every entry an integer, so the flag
-        comes back exactly 0.0 or 1.0): ``grad_flags``, per-gradient 0/1 flags (amp_fx/overflow.py;
+        comes back exactly 0.0 or 1.0): ``grad_flags``, per-gradient 0/1 flags (amp_fx/overflow;
         same length on every rank), combined in place; and ``first_op``, this rank's forward record
         (int64, -1: none), whose combination over the ranks (:func:`combine_first_op`'s, as a MAX of
         the negated packed value) is returned as (record, rank).

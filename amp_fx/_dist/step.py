@@ -6,9 +6,10 @@ calls the wrapped module inside a ``_disable_dynamo`` function and FSDP2's hooks
 
 **The forward, DDP and FSDP2 alike.** DDP's (FSDP2's) ``__call__`` runs eagerly with the
 forwards of the units compiled by ``amp_fx.compile`` (per-unit capture, ``capture.py``), the
-loss under the same autocast as torch's AMP recipe, then the step's own ``_forward_loss``
-arithmetic (the window division and the scale multiply: one home for that rule). Every
-micro-batch of an accumulation window but the last runs without gradient synchronisation:
+loss under the same autocast as torch's AMP recipe, then the step's own forward-and-loss
+arithmetic (``amp_fx.step.forward.ForwardLoss``, handed in as a callable: the window division and
+the scale multiply, one home for that rule). Every micro-batch of an accumulation window but the
+last runs without gradient synchronisation:
 DDP's ``no_sync()`` around the forward (DDP decides in the forward), FSDP2's
 ``set_requires_gradient_sync(False)`` (FSDP2 decides in the backward, so the flag is set for
 each micro-batch before its forward and left as the last one set it: True after a window).
@@ -25,7 +26,7 @@ Two quantities need every rank:
 
 * the found-inf flag: one functional all-reduce (MAX) inside the graph, right after the check,
   on the device; every rank then skips the same steps and updates the same scale. The overflow
-  record (amp_fx/overflow.py) rides in the same collective: which gradients' local shards held
+  record (amp_fx/overflow) rides in the same collective: which gradients' local shards held
   an inf/NaN and, with ``watch_nonfinite``, the first non-finite forward op of any rank.
 * with ``max_grad_norm``, the global norm: ``clip_grad_norm_`` on DTensors gives per-gradient
   norms with a ``_NormPartial(2)`` placement, which DTensor turns into the replicated value by
@@ -46,13 +47,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from amp_fx._dist.capture import FSDP1_ALTERNATIVE, _device_type, distributed_units, is_fsdp1
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
 __all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward", "is_fsdp2"]
 
@@ -190,7 +190,7 @@ class LocalShards:
     def combine_found_inf(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The flag of every rank's shards, in one all-reduce (MAX) on the device (traceable), with
-        what amp_fx/overflow.py records folded into it: ``flags`` (per gradient, 0/1: which local
+        what amp_fx/overflow records folded into it: ``flags`` (per gradient, 0/1: which local
         shards held an inf/NaN; the same gradients, in the same order, on every rank) and the
         forward record ``first_op``, packed as one int64 vector (:func:`~amp_fx._dist.found_inf.pack_overflow`).
         Returns the flag, the flags and (record, rank) or None.
@@ -222,32 +222,31 @@ class LocalShards:
         return funcol.all_reduce(local_sum, "sum", self.group)
 
 
-def distributed_forward(step: Any, *, compile_model: Callable[[torch.nn.Module], Any]) -> Callable[..., Any] | None:
-    """The forward part of a ``CompiledStep`` whose model is DDP or FSDP2, or None for others.
+def distributed_forward(model: torch.nn.Module, forward_loss: Callable[..., tuple[torch.Tensor, torch.Tensor]], *,
+                        dtype: torch.dtype, accumulate: int, micro_step: Callable[[], int],
+                        compile_model: Callable[[torch.nn.Module], Any]) -> Callable[..., Any] | None:
+    """The forward part of a compiled step whose model is DDP or FSDP2, or None for others.
 
-    ``step``: the ``CompiledStep`` being built (its ``model``, ``loss_fn``, ``config``, ``scaler``
-    and ``micro_step`` are read). ``compile_model``: ``amp_fx.compile`` with the step's dtype,
-    policy and backend. The returned callable has ``_forward_loss``'s signature and an
-    ``amp_fx_records`` attribute, as the compiled forward it replaces.
+    ``forward_loss(model, scale, *batch, **model_kwargs) -> (loss, scaled loss)``: the step's
+    forward-and-loss arithmetic, called here with the compiled model, under ``torch.autocast`` with
+    ``dtype``. ``accumulate``: micro-batches per window; ``micro_step()``: how many of this window
+    ran before this one. ``compile_model``: ``amp_fx.compile`` with the step's options. The returned
+    callable takes ``(scale, *batch, **model_kwargs)`` and has the compiled forward's
+    ``amp_fx_records``, ``amp_fx_weight_cache`` and ``amp_fx_watch`` attributes.
     """
-    model = step.model
     ddp, fsdp2 = _is_ddp(model), is_fsdp2(model)
     if not (ddp or fsdp2):
         return None
     compiled = compile_model(model)
-    # _forward_loss reads model, loss_fn, config and scaler from its first argument.
-    view = types.SimpleNamespace(model=compiled, loss_fn=step.loss_fn, config=step.config, scaler=step.scaler)
-    forward_loss = type(step)._forward_loss
-    device_type = _device_type(model)
-    window = step.config.accumulate
+    device_type = module_device_type(model)
 
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        last_of_window = step.micro_step == window - 1
-        if fsdp2 and window > 1:  # FSDP2 reads the flag in the backward, after this call returns
+        last_of_window = micro_step() == accumulate - 1
+        if fsdp2 and accumulate > 1:  # FSDP2 reads the flag in the backward, after this call returns
             model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]
         sync = model.no_sync() if ddp and not last_of_window else contextlib.nullcontext()
-        with sync, torch.autocast(device_type, dtype=step.config.dtype):
-            return forward_loss(view, scale, *batch, **model_kwargs)
+        with sync, torch.autocast(device_type, dtype=dtype):
+            return forward_loss(compiled, scale, *batch, **model_kwargs)
 
     forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
     forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ first appears (find_nonfinite).
     _runner.py      the one runner: eager check, private copies, compile with a recorder, diagnose
     _probe.py       helpers on values and graph nodes shared by the three tools
     _graphviz.py    DOT text and SVG for explain
+    _flow.py        for advise: which module ran each low-precision op, and which produced each value
 
 A new view of a captured graph goes next to the others here: run the model through
 :func:`~amp_fx.inspect._runner.run_amp`, read the ``GraphRecord`` s it returns.

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.inspect.nonfinite import policy_code
 
 __all__: list[str] = []
@@ -100,13 +100,14 @@ overflow:auto}} .legend span{{padding:0 8px;margin-right:8px;color:#fff}}</style
 <h1>amp_fx.advise ({low})</h1>
 <p>End-to-end error vs float64: default policy <b>{advice.baseline_error:.3g}</b>, advised <b>{advice.error:.3g}</b>,
 target {advice.target:.3g}: <b>{'verified' if advice.verified else 'NOT verified'}</b>.
-Cost: {cost.fp32_flop_share:.1%} of matmul/conv FLOPs in fp32; casts move {cost.cast_bytes} B per forward.</p>
+Cost: {cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32; casts move {cost.cast_bytes} B per forward.</p>
 <p class="legend"><span style="background:#ff7f0e">kept in fp32</span><span style="background:#9467bd">finding</span>
 <span style="background:#1f77b4">fine</span><span style="background:#d62728">inf</span></p>
 {''.join(f'<div>{c}</div>' for c in charts)}
 <h2>policy</h2>
 <pre>from amp_fx import Policy
 policy = {html.escape(policy_code(advice.policy))}</pre>
+{''.join(f'<p>kept: {html.escape(str(k))}</p>' for k in advice.kept)}
 <h2>measurements</h2>
 <pre>{html.escape(advice.table(limit=None))}</pre>
 {picture}

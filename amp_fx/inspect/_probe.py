@@ -14,11 +14,11 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx.backend import GraphRecord
-from amp_fx.capture import MODULE_STATE_SOURCES as _ROOTS
-from amp_fx.capture import source_text
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes.capture import MODULE_STATE_SOURCES as _ROOTS
+from amp_fx.passes.capture import source_text
 from amp_fx.passes.insert_casts import CAST_OP
+from amp_fx.passes.pipeline import GraphRecord
 
 __all__: list[str] = []
 
@@ -123,7 +123,7 @@ def _positional_names(forward: Callable[..., Any] | None) -> list[str]:
 
 def source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:
     """What the user calls a graph input, from Dynamo's source name (see :func:`input_labels`)."""
-    from amp_fx.capture import module_path
+    from amp_fx.passes.capture import module_path
 
     text = source_text(node)
     if not text:
@@ -182,7 +182,7 @@ def format_range(r: dict[str, Any]) -> str:
 
 def module_of(node: torch.fx.Node) -> tuple[str, str]:
     """(innermost module path, its type name) of a node; ("", "") outside any submodule."""
-    from amp_fx.capture import module_stack
+    from amp_fx.passes.capture import module_stack
 
     stack = module_stack(node)
     if not stack:

@@ -29,10 +29,11 @@ import torch
 import torch.fx
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
-from amp_fx._backends import Backend, backend_name, resolve_backend
-from amp_fx._dtype_names import dtype_name
-from amp_fx.backend import GraphRecord, leaves_cast_with_shared_cast, splits_noted_by_caller
+from amp_fx._common.downstream import Backend, backend_name, resolve_backend
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
+from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._probe import (
     clone_tensor,
     describe_value,
@@ -42,6 +43,7 @@ from amp_fx.inspect._probe import (
     source_text,
     tensors_of,
 )
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
 
 __all__: list[str] = []
@@ -271,7 +273,8 @@ class AmpRun:
 
 def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
             policy: Policy | None, downstream: str | Backend, fold: bool = True,
-            keep_inputs: bool = True, then: Callable[[Any], Any] | None = None) -> AmpRun:
+            keep_inputs: bool = True, then: Callable[[Any], Any] | None = None,
+            fp8: Fp8Like = None) -> AmpRun:
     """Compile a private copy of the model with amp_fx and ``downstream`` (wrapped in an
     :class:`InputRecorder`), call it on copies of the inputs from :data:`SEED`, and pass the output
     to ``then`` (a loss and backward, say) in the same guarded region.
@@ -288,7 +291,7 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
                              keep_inputs=keep_inputs)
     with many_recompiles(), torch.random.fork_rng(devices=[]), splits_noted_by_caller():
         torch.manual_seed(SEED)
-        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold)
+        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8)
         try:
             out = inputs(compiled)
             result = then(out) if then is not None else out
@@ -353,11 +356,19 @@ def _first_line(e: BaseException) -> str:
 
 def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype
                          ) -> BaseException | None:
-    """The error eager ``torch.autocast`` raises on this model, or None if it runs."""
+    """The error eager ``torch.autocast`` raises on this model (forward and backward, as the tools
+    run it), or None if it runs.
+
+    With grad, not under ``no_grad``: a kernel may exist for inference only (oneDNN's fp16 LSTM on
+    CPUs with AMX runs under ``no_grad`` and fails to create its training primitive), and the
+    tools' own run, which failed, had grad on."""
     target = private_copy(model_or_fn)
     try:
-        with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
-            call.copy()(target)
+        with torch.autocast(device_type, dtype=dtype):
+            out = call.copy()(target)
+        floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
+        if floats:
+            sum(t.float().sum() for t in floats).backward()
     except Exception as e:
         return e
     return None

@@ -7,15 +7,27 @@ How it works. Every run is eager, on a private copy of the model, with a hook on
 2. the default policy: ``torch.autocast(device, dtype)`` (amp_fx reproduces it bit for bit), with
    the loss scaled as ``GradScaler`` starts (2**16 for fp16; bf16 needs no scaling: 1); each
    module's output is compared with the reference as it is produced (error, headroom, underflow)
-   and dropped;
+   and dropped. A dispatch mode (:class:`~amp_fx.inspect._flow.Flow`) records which module ran
+   each *low-precision op* (one autocast runs in the dtype by its lower-precision list: matmuls,
+   convolutions, attention) and, for every value, the modules whose low-precision ops produced it;
+   where a module, the output or the loss reads a value, its error is compared with the error its
+   producers' outputs carried: growth there (a cancellation in the parent's ``forward``, after the
+   module returned) is attributed to the producers (``amplified after``);
 3. if that run is non-finite or its end-to-end error (loss, gradients, outputs against float64)
-   exceeds the target, candidates are ranked from step 2's local measurements (first the module
-   where inf/NaN first appears or whose values or weights do not fit the dtype, then the modules
-   that amplify error most: output error over input error) and policies are tried in order, each
-   one end-to-end run: the hazards; then the next onset of inf/NaN, or the next candidates by rank
-   (1, 2, 4, ... at a time); finally each kept module is dropped again if the rest still meets the
-   target. A policy keeps a module in fp32 the way ``Policy(keep_fp32=...)`` does in amp_fx: every
-   op inside runs in fp32 (here: autocast disabled inside the module, its inputs cast to fp32).
+   exceeds the target, candidates are ranked from step 2's local measurements (first the innermost
+   modules where inf/NaN first appears or whose values or weights do not fit the dtype, then the
+   producers whose rounding grew after them, then the modules that amplify error most: output
+   error over input error) and policies are tried in order, each one end-to-end run: the hazards;
+   then the next onset of inf/NaN, or the next candidates by rank (1, 2, 4, ... at a time); then
+   each kept module with something found inside it is tried as that smaller part (a leaf before
+   its parent); finally each kept module is dropped again if the rest still meets the target. A
+   policy keeps a module in fp32 the way ``Policy(keep_fp32=...)`` does in amp_fx: every op
+   inside runs in fp32 (here: autocast disabled inside the module, its inputs cast to fp32).
+
+Only modules that run a low-precision op are ever kept: keeping any other (a dropout, an
+activation) moves no low-precision op to fp32, it only upcasts the values passing through, and
+keeping the module that produced them does that too; a hazard found in one stands for the
+producers of its inputs.
 
 The number of runs grows with the number of hazards, not with the number of modules: a healthy
 model costs one float64 and one low-precision forward+backward.
@@ -36,16 +48,17 @@ from typing import Any
 
 import torch
 from tabulate import tabulate
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.inspect._flow import Flow, compute_flops
 from amp_fx.inspect._probe import tensors_of
 from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
 from amp_fx.inspect.nonfinite import policy_code
 from amp_fx.policy import Policy, resolve_dtype
 
-__all__ = ["advise", "Advice", "ModuleStats", "Cost", "TrainingComparison", "DEFAULT_TARGETS"]
+__all__ = ["advise", "Advice", "ModuleStats", "KeptModule", "Cost", "TrainingComparison", "DEFAULT_TARGETS"]
 
 DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
@@ -58,6 +71,11 @@ _LOW = (torch.float16, torch.bfloat16)
 _MAX_RUNS = 8
 """End-to-end runs the search may make after the baseline (each one low-precision forward and
 backward): the planted hazards need at most 3."""
+_MAX_PRODUCERS = 4
+"""A value computed from more modules' low-precision ops than this (a residual stream) is attributed
+only to those whose outputs carry most of the error (at least a quarter of the largest absolute
+error), and not at all when they are still more: keeping all of them is no small fix, and the
+search would pay one run each to find which matter."""
 _MAX_BACKOFFS = 24
 """Halvings of the loss scale tried when the scaled gradients overflow (GradScaler backs off the
 same way, one halving per skipped step): from 2**16 down to 2**-8."""
@@ -72,7 +90,12 @@ def _initial_scale(dtype: torch.dtype) -> float:
 
 
 def _floats(value: Any) -> list[torch.Tensor]:
-    return [t.detach() for t in tensors_of(value) if t.is_floating_point()]
+    return [t.detach() for t in _float_tensors(value)]
+
+
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors themselves, not detached: :class:`Flow` knows them by identity."""
+    return [t for t in tensors_of(value) if t.is_floating_point()]
 
 
 def _finite(ts: Sequence[torch.Tensor]) -> bool:
@@ -84,29 +107,47 @@ def _rel_error(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], floor: 
     together: an entry that is zero in exact arithmetic divides nothing, and an all-zero reference
     compares against ``floor`` (the dtype's smallest normal number) per entry. inf when ``low``
     is not finite where ``ref`` is."""
+    parts = _error_parts(low, ref)
+    return math.nan if parts is None else _combine(parts, floor)
+
+
+_Part = tuple[float, float, int] | None
+"""One tensor's ``(||low - ref||^2, ||ref||^2, entries)``; the first inf when ``low`` is not finite
+where ``ref`` is; None when ``ref`` itself is not finite (nothing to measure)."""
+
+
+def _error_parts(low: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> list[_Part] | None:
+    """Per tensor, what :func:`_combine` sums; None when the lists do not match."""
     if not low or len(low) != len(ref) or any(a.shape != b.shape for a, b in zip(low, ref)):
-        return math.nan
-    num = den = 0.0
-    n = 0
+        return None
+    parts: list[_Part] = []
     for a, b in zip(low, ref):
         a, b = a.double(), b.double()
         d = a - b
         if not bool(torch.isfinite(d).all()):
-            if not bool(torch.isfinite(b).all()):
-                continue  # the reference itself is not finite here: nothing to measure
+            parts.append(None if not bool(torch.isfinite(b).all()) else (math.inf, 0.0, 0))
+            continue
+        parts.append((float(d.pow(2).sum()), float(b.pow(2).sum()), b.numel()))
+    return parts
+
+
+def _combine(parts: Sequence[_Part], floor: float) -> float:
+    num = den = 0.0
+    n = 0
+    for p in parts:
+        if p is None:
+            continue
+        if math.isinf(p[0]):
             return math.inf
-        num += float(d.pow(2).sum())
-        den += float(b.pow(2).sum())
-        n += b.numel()
+        num, den, n = num + p[0], den + p[1], n + p[2]
     return math.sqrt(num) / max(math.sqrt(den), floor * math.sqrt(max(n, 1)))
 
 
 def _max_abs(ts: Sequence[torch.Tensor]) -> float:
     best = 0.0
     for t in ts:
-        finite = t[torch.isfinite(t)]
-        if finite.numel():
-            best = max(best, float(finite.abs().max()))
+        if t.numel():
+            best = max(best, float(t.abs().masked_fill(~torch.isfinite(t), 0).max()))
     return best
 
 
@@ -166,10 +207,53 @@ class ModuleStats:
     grad_underflow: float | None = None
     """Fraction of non-zero gradient values that, times the loss scale, are subnormal or zero
     in the dtype."""
+    low_precision_ops: int = 0
+    """Low-precision ops run inside it (its descendants included): ops autocast ran in the dtype by
+    its lower-precision list (matmuls, convolutions, attention). Keeping the module in fp32 moves
+    exactly these; with 0 it would change no op's dtype, and advise never keeps it."""
+    amplified_after: float | None = None
+    """How much the code after it amplified the rounding of its low-precision ops before the next
+    module, the output or the loss read the value (their error there over this module's output
+    error; a cancellation in the parent's ``forward``); None when no such growth was measured."""
     finding: str = ""
     """``non-finite``, ``overflow``, ``weight overflows``, ``gradient overflow``, ``amplifies``
-    (a precision cost), ``discarded inf/NaN`` (its output held inf/NaN but the run's outputs, loss
-    and gradients are finite: a value the model masks, e.g. T5's log of 0; not a hazard) or empty."""
+    (a precision cost), ``amplified after`` (a precision cost, in the code after it: see
+    :attr:`amplified_after`), ``discarded inf/NaN`` (its output held inf/NaN but the run's outputs,
+    loss and gradients are finite: a value the model masks, e.g. T5's log of 0; not a hazard) or
+    empty."""
+
+
+@dataclass(frozen=True)
+class KeptModule:
+    """A module the advice keeps in fp32 and what that moves to fp32: the low-precision ops it (or a
+    descendant) ran under the default policy."""
+
+    name: str
+    type: str
+    ops: tuple[tuple[str, int], ...]
+    """(op, calls per forward), in the order first run, e.g. ``(("aten.addmm", 1),)``."""
+    flop_share: float
+    """Their share of the model's matmul/conv/attention FLOPs in one forward."""
+
+    def __str__(self) -> str:
+        ops = ", ".join(f"{op} x{n}" for op, n in self.ops)
+        return f"{self.name} ({self.type}) moves {ops} to fp32: {self.flop_share:.1%} of the FLOPs"
+
+
+def _kept_modules(keep: Sequence[str], base: _RunResult, total_flops: float) -> tuple[KeptModule, ...]:
+    out = []
+    for name in keep:
+        ops: dict[str, int] = {}
+        flops = 0.0
+        for owner, run_ops in base.low_ops.items():
+            if _inside(owner, name):
+                for op, f in run_ops:
+                    ops[op] = ops.get(op, 0) + 1
+                    flops += f
+        stats = base.modules.get(name)
+        out.append(KeptModule(name, stats.type if stats else "?", tuple(ops.items()),
+                              flops / total_flops if total_flops else 0.0))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -184,6 +268,12 @@ class _RunResult:
     modules: dict[str, ModuleStats]
     order: tuple[str, ...]
     """Module names in the order their first call finished."""
+    low_ops: dict[str, tuple[tuple[str, float], ...]] = field(default_factory=dict)
+    """Innermost module -> the low-precision ops it ran itself (op, FLOPs), in order."""
+    amplified: dict[tuple[str, ...], float] = field(default_factory=dict)
+    """Producers (modules) -> the largest growth of their rounding measured downstream of them."""
+    fed_by: dict[str, frozenset[str]] = field(default_factory=dict)
+    """Module -> the producers of its inputs (over all its calls)."""
 
 
 @dataclass
@@ -230,12 +320,11 @@ def _keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str)
 
 
 class _CostCounter(TorchDispatchMode):
-    """Matmul/conv FLOPs by the dtype they ran in, and bytes the dtype casts moved (forward)."""
+    """Matmul/conv/attention FLOPs by the dtype they ran in, and bytes the dtype casts moved
+    (forward)."""
 
     def __init__(self) -> None:
         super().__init__()
-        from torch.utils.flop_counter import flop_registry
-        self.registry = flop_registry
         self.fp32 = 0.0
         self.total = 0.0
         self.cast_bytes = 0
@@ -243,9 +332,8 @@ class _CostCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet in self.registry:
-            flops = float(self.registry[packet](*args, **kwargs, out_val=out))
+        flops = compute_flops(func, args, kwargs, out)
+        if flops is not None:
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             self.total += flops
             if first is not None and first.dtype not in _LOW:
@@ -312,7 +400,8 @@ def _reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | 
 def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, device_type: str,
                 keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None) -> _RunResult:
     """One forward (and backward with ``loss_fn``) under autocast with ``keep`` in fp32, measured
-    against ``ref`` module by module and end to end."""
+    against ``ref`` module by module and end to end; the forward's low-precision ops and the
+    growth of their rounding after the module that ran them are recorded (:class:`Flow`)."""
     m = private_copy(model)
     _keep_in_fp32(m, keep, device_type)
     finfo = torch.finfo(dtype)
@@ -322,40 +411,85 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
     starts: dict[str, int] = {}  # inputs are keyed by the call's start, outputs by its end
     calls: dict[str, int] = {}
     order: list[str] = []
+    stack: list[str] = []
+    flow = Flow(stack, dtype, device_type)
+    # module -> its latest call's output: (relative error, absolute error ||low - ref||, finite)
+    last_out: dict[str, tuple[float, float, bool]] = {}
+    amplified: dict[tuple[str, ...], float] = {}
+    fed_by: dict[str, set[str]] = {}
+
+    def read(values: Sequence[torch.Tensor], parts: Sequence[_Part] | None) -> None:
+        """Where a module, the output or the loss reads ``values`` (with their error ``parts``): has
+        their error grown past what their producers' outputs carried (code in between amplified
+        it: a cancellation in the parent's ``forward``)?"""
+        for t, part in zip(values, parts or ()):
+            producers = flow.producers(t)
+            if part is None or not producers:
+                continue
+            carried = {p: last_out.get(p) for p in producers}
+            if any(c is None or not c[2] for c in carried.values()):
+                continue  # a producer still running (its parent's own op), or already non-finite
+            if len(producers) > _MAX_PRODUCERS:  # a residual stream: those that carry most error
+                most = max(c[1] for c in carried.values() if c is not None)
+                producers = frozenset(p for p, c in carried.items() if c is not None and c[1] >= most / 4)
+                if len(producers) > _MAX_PRODUCERS:
+                    continue
+            error = _combine([part], finfo.tiny)
+            growth = error / max(max(c[0] for p, c in carried.items() if p in producers and c is not None), unit)
+            if _grows(growth, error, dtype):
+                group = tuple(sorted(producers))
+                amplified[group] = max(amplified.get(group, 0.0), growth)
 
     def pre(name: str, args: Any, kwargs: Any) -> None:
-        s = _CallStats()
-        low_in = _floats((args, kwargs))
-        i = starts.get(name, 0)
-        starts[name] = i + 1
-        ref_in = ref.inputs.get((name, i), [])
-        s.in_finite = _finite(low_in)
-        s.in_error = _rel_error(low_in, ref_in, finfo.tiny) if low_in else 0.0
-        pending.setdefault(name, []).append(s)
+        with _disable_current_modes():
+            s = _CallStats()
+            raw = _float_tensors((args, kwargs))
+            low_in = [t.detach() for t in raw]
+            i = starts.get(name, 0)
+            starts[name] = i + 1
+            parts = _error_parts(low_in, ref.inputs.get((name, i), []))
+            s.in_finite = _finite(low_in)
+            s.in_error = (0.0 if not low_in else math.nan if parts is None
+                          else _combine(parts, finfo.tiny))
+            pending.setdefault(name, []).append(s)
+            fed_by.setdefault(name, set()).update(flow.producers(raw))
+            read(raw, parts)
+        stack.append(name)
 
     def post(name: str, out: Any) -> None:
-        s = pending[name].pop()
-        i = calls.get(name, 0)
-        calls[name] = i + 1
-        low_out = _floats(out)
-        ref_out = ref.outputs.get((name, i), [])
-        s.out_finite = _finite(low_out)
-        s.out_low = any(t.dtype in _LOW for t in low_out)
-        s.out_error = _rel_error(low_out, ref_out, finfo.tiny)
-        s.out_max = _max_abs(ref_out)
-        s.underflow = _underflow(ref_out, dtype) if s.out_low else 0.0
-        per_call.setdefault(name, []).append(s)
-        if name not in order:
-            order.append(name)
+        if name in stack:  # the innermost call of this module ends
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+        with _disable_current_modes():
+            s = pending[name].pop()
+            i = calls.get(name, 0)
+            calls[name] = i + 1
+            low_out = _floats(out)
+            ref_out = ref.outputs.get((name, i), [])
+            s.out_finite = _finite(low_out)
+            s.out_low = any(t.dtype in _LOW for t in low_out)
+            out_parts = _error_parts(low_out, ref_out)
+            s.out_error = math.nan if out_parts is None else _combine(out_parts, finfo.tiny)
+            s.out_max = _max_abs(ref_out)
+            s.underflow = _underflow(ref_out, dtype) if s.out_low else 0.0
+            per_call.setdefault(name, []).append(s)
+            if out_parts is not None:
+                absolute = math.sqrt(sum(p[0] for p in out_parts if p is not None))
+                last_out[name] = (s.out_error, absolute, s.out_finite)
+            if name not in order:
+                order.append(name)
 
     scale = _initial_scale(dtype)
     with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
         torch.manual_seed(SEED)
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype), flow:
             out = call.copy()(m)
             loss = _loss_of(out, loss_fn)
     outs = _floats(out)
-    output_error = _rel_error(outs, ref.out, finfo.tiny)
+    out_parts = _error_parts(outs, ref.out)
+    read(_float_tensors(out), out_parts)
+    if loss is not None and ref.loss is not None:
+        read([loss], _error_parts([loss.detach()], [ref.loss]))
+    output_error = math.nan if out_parts is None else _combine(out_parts, finfo.tiny)
     finite = _finite(outs)
     names = [n for n, p in m.named_parameters()]
     params = [p for p in m.parameters()]
@@ -406,9 +540,13 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
             finite=all(s.out_finite for s in stats), inputs_finite=finite_in,
             grad_error=_rel_error(g_low, g_ref, finfo.tiny) if g_low else None,
             grad_headroom=_max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
-            grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None)
+            grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None,
+            low_precision_ops=sum(len(ops) for o, ops in flow.ops.items() if _inside(o, name)),
+            amplified_after=max((g for group, g in amplified.items() if name in group), default=None))
     return _RunResult(keep, finite, error, loss_error, grad_error, output_error, scale,
-                      _with_findings(modules, dtype, finite), tuple(order))
+                      _with_findings(modules, dtype, finite), tuple(order),
+                      {k: tuple(v) for k, v in flow.ops.items()}, amplified,
+                      {k: frozenset(v) for k, v in fed_by.items()})
 
 
 def _inside(name: str, module: str) -> bool:
@@ -421,14 +559,21 @@ def _onsets(modules: dict[str, ModuleStats]) -> list[str]:
     return [n for n in hits if not any(o != n and _inside(o, n) for o in hits)]
 
 
+def _grows(growth: float, error: float, dtype: torch.dtype) -> bool:
+    # error multiplied by more than 16 roundings' worth, ending above 4 eps: well outside what one
+    # rounding per op gives (amplification ~1-3 in healthy runs)
+    return growth > 16 and error > 4 * torch.finfo(dtype).eps
+
+
 def _amplifies(s: ModuleStats, dtype: torch.dtype) -> bool:
-    # a module that multiplies the error it is handed by more than 16 roundings' worth, and ends
-    # above 4 eps: well outside what one rounding per op gives (amplification ~1-3 in healthy runs)
-    return (math.isfinite(s.amplification) and s.amplification > 16
-            and s.output_error > 4 * torch.finfo(dtype).eps)
+    """The module multiplies the error it is handed (:func:`_grows`)."""
+    return math.isfinite(s.amplification) and _grows(s.amplification, s.output_error, dtype)
 
 
 _DISCARDED = "discarded inf/NaN"
+_AMPLIFIED_AFTER = "amplified after"
+_PRECISION = ("amplifies", _AMPLIFIED_AFTER, _DISCARDED)
+"""Findings that are not hazards: a precision cost, or an inf/NaN the model discards."""
 
 
 def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype, finite: bool) -> dict[str, ModuleStats]:
@@ -449,27 +594,65 @@ def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype, finite: 
             finding = "gradient overflow"
         elif n and _amplifies(s, dtype):
             finding = "amplifies"
+        elif s.amplified_after is not None:
+            finding = _AMPLIFIED_AFTER
         out[n] = ModuleStats(**{**asdict(s), "finding": finding})
     return out
 
 
-def _hazards(run: _RunResult) -> list[str]:
-    """Modules whose values do not fit the dtype, innermost first, deduplicated."""
+def _keepable(base: _RunResult) -> frozenset[str]:
+    """The modules whose fp32 keep moves at least one op to fp32: those that ran a low-precision
+    op (themselves or in a descendant) under the default policy. Not the root: no policy keeps it."""
+    return frozenset(n for n, s in base.modules.items() if n and s.low_precision_ops)
+
+
+def _as_keepable(names: Sequence[str], run: _RunResult, keepable: frozenset[str]) -> list[str]:
+    """``names``, each one that runs no low-precision op (a dropout passing an overflow along, an
+    activation whose ``exp`` overflows) replaced by the producers of its inputs: keeping those
+    upcasts the same values at their source."""
+    out: list[str] = []
+    for n in names:
+        out += [n] if n in keepable else sorted(p for p in run.fed_by.get(n, ()) if p in keepable)
+    return list(dict.fromkeys(out))
+
+
+def _hazards(run: _RunResult, keepable: frozenset[str]) -> list[str]:
+    """Modules whose values do not fit the dtype, innermost: one with another hazard inside it (a
+    block whose output is its Linear's overflowing output) is left out, since keeping the inner one
+    may be enough; when it is not, the next run finds the outer one on its own (see
+    :func:`_as_keepable` for the modules that run no low-precision op)."""
     found = [n for n, s in run.modules.items()
              if n and s.finding in ("non-finite", "weight overflows", "overflow")]
-    return _outermost_first_dedup(found)
+    inner = [n for n in found if not any(o != n and _inside(o, n) for o in found)]
+    return _as_keepable(inner, run, keepable)
 
 
-def _outermost_first_dedup(names: Sequence[str]) -> list[str]:
-    """Drop names inside another name of the list, keeping the list's order."""
-    return [n for n in names if not any(o != n and _inside(n, o) and o for o in names)]
+def _ranked(run: _RunResult, dtype: torch.dtype, keepable: frozenset[str]) -> list[tuple[str, ...]]:
+    """Candidate groups by how much error they let grow: first the producers whose rounding the
+    code after them amplified (``amplified after``), largest growth first, then the modules that
+    amplify the error they are handed, largest amplification first."""
+    after = sorted(((g, x) for g, x in run.amplified.items() if all(n in keepable for n in g)),
+                   key=lambda gx: (-gx[1], gx[0]))
+    groups = [g for g, _ in after]
+    inside = sorted((s for n, s in run.modules.items() if n and _amplifies(s, dtype)),
+                    key=lambda s: (-s.amplification, s.name))
+    groups += [g for g in (tuple(_as_keepable([s.name], run, keepable)) for s in inside) if g]
+    return list(dict.fromkeys(groups))
 
 
-def _ranked(run: _RunResult, dtype: torch.dtype) -> list[str]:
-    """Candidates by how much error each adds: amplification, largest first."""
-    cands = [s for n, s in run.modules.items() if n and _amplifies(s, dtype)]
-    cands.sort(key=lambda s: (-s.amplification, s.name))
-    return [s.name for s in cands]
+def _moved(keep: Sequence[str], base: _RunResult) -> int:
+    """Low-precision ops the keep-list moves to fp32 (counted in the default policy's run)."""
+    return sum(len(ops) for o, ops in base.low_ops.items() if any(_inside(o, k) for k in keep))
+
+
+def _inner_evidence(name: str, runs: Sequence[_RunResult], dtype: torch.dtype,
+                    keepable: frozenset[str]) -> tuple[str, ...]:
+    """What the runs found strictly inside module ``name``: its hazards and candidate groups."""
+    found: list[str] = []
+    for r in runs:
+        groups = [(h,) for h in _hazards(r, keepable)] + _ranked(r, dtype, keepable)
+        found += [n for g in groups if all(n != name and _inside(n, name) for n in g) for n in g]
+    return _add((), found)
 
 
 def _add(keep: Sequence[str], new: Sequence[str]) -> tuple[str, ...]:
@@ -562,7 +745,7 @@ class Cost:
     """What the advised policy costs, forward pass (counted on the eager run)."""
 
     fp32_flop_share: float
-    """Share of the matmul/conv FLOPs that run in fp32 (0 with the default policy, up to 1)."""
+    """Share of the matmul/conv/attention FLOPs that run in fp32 (0 with the default policy, up to 1)."""
     default_fp32_flop_share: float
     cast_bytes: int
     """Bytes the dtype casts read and write per call with the advised policy."""
@@ -600,6 +783,8 @@ class Advice:
     parts: tuple[tuple[str, float | None], ...] = ()
     """The advised policy's end-to-end error by part: (``output``, ``loss``, ``gradients``)."""
     baseline_parts: tuple[tuple[str, float | None], ...] = ()
+    kept: tuple[KeptModule, ...] = ()
+    """Per kept module, the ops the keep moves to fp32 and their share of the FLOPs."""
     _explain: Callable[[Policy], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -609,7 +794,7 @@ class Advice:
     @property
     def hazards(self) -> tuple[ModuleStats, ...]:
         """Modules whose values or gradients do not fit the dtype (not a matter of precision)."""
-        return tuple(s for s in self.modules if s.finding and s.finding not in ("amplifies", _DISCARDED))
+        return tuple(s for s in self.modules if s.finding and s.finding not in _PRECISION)
 
     def module(self, name: str) -> ModuleStats:
         for s in self.modules:
@@ -649,9 +834,10 @@ class Advice:
                  "  by part, default / advised: " + "; ".join(
                      f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
                      for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
-                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv FLOPs in fp32 "
+                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
                  f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
                  f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"]
+        lines += [f"{'kept:' if i == 0 else '     '} {k}" for i, k in enumerate(self.kept)]
         if self.training is not None:
             t = self.training
             lines.append(f"training {t.steps} steps: loss strays from fp32's by at most "
@@ -677,6 +863,8 @@ class Advice:
             "parts": {k: clean(v) for k, v in self.parts},
             "baseline_parts": {k: clean(v) for k, v in self.baseline_parts},
             "cost": {k: clean(v) for k, v in asdict(self.cost).items()},
+            "kept": [{"name": k.name, "type": k.type, "ops": dict(k.ops), "flop_share": k.flop_share}
+                     for k in self.kept],
             "modules": [{k: clean(v) for k, v in asdict(s).items()} for s in self.modules],
             "training": None if self.training is None else {
                 "steps": self.training.steps, "fp32": list(self.training.fp32),
@@ -793,6 +981,7 @@ def advise(
                   baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
                   loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
                   grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base),
+                  kept=_kept_modules(best.keep, base, c0.total),
                   _explain=lambda policy: _explain_model(model, call, low, policy))
 
 
@@ -813,32 +1002,41 @@ def _describe(r: _RunResult) -> str:
 
 def _search(base: _RunResult, run: Callable[[tuple[str, ...]], _RunResult], target: float,
             dtype: torch.dtype, max_runs: int) -> tuple[_RunResult, int, list[str]]:
-    """Grow a keep-list from the hazards, the next inf/NaN onset, then the ranked candidates;
-    then drop what is not needed. Returns the best run, the runs made (the baseline included) and
-    the steps in words."""
+    """Grow a keep-list from the hazards, the next inf/NaN onset, then the ranked candidates; then
+    narrow each kept module to what was found inside it, and drop what is not needed. Only modules
+    that run a low-precision op are ever kept. Returns the best run, the runs made (the baseline
+    included) and the steps in words."""
     words = [f"default policy: {'inf/NaN' if not base.finite else f'error {base.error:.3g}'} "
              f"(target {target:.3g})"]
-    ranked = _ranked(base, dtype)
-    keep = _add((), _hazards(base))
-    if not keep:
-        keep = _add((), ranked[:1])
+    keepable = _keepable(base)
+
+    def meets(r: _RunResult) -> bool:
+        return r.finite and r.error <= target
+
+    ranked = _ranked(base, dtype, keepable)
+    keep = _add((), _hazards(base, keepable))
+    if not keep and ranked:
+        keep = _add((), ranked[0])
     runs, batch = 1, 1
     best: _RunResult | None = None
     last = base
+    seen = [base]
     tried: set[tuple[str, ...]] = set()
     while keep and runs <= max_runs and keep not in tried:
         tried.add(keep)
         last = run(keep)
+        seen.append(last)
         runs += 1
         words.append(_describe(last))
-        if last.finite and last.error <= target:
+        if meets(last):
             best = last
             break
-        new = _hazards(last) if not last.finite else []
+        new = _hazards(last, keepable) if not last.finite else []
         new = [n for n in new if not any(_inside(n, k) for k in keep)]
         if not new:
-            more = [n for n in _ranked(last, dtype) + ranked if not any(_inside(n, k) for k in keep)]
-            new, batch = list(dict.fromkeys(more))[:batch], batch * 2
+            groups = [g for g in dict.fromkeys(_ranked(last, dtype, keepable) + ranked)
+                      if not all(any(_inside(n, k) for k in keep) for n in g)]
+            new, batch = [n for g in groups[:batch] for n in g], batch * 2
         if not new:
             break
         keep = _add(keep, new)
@@ -847,11 +1045,23 @@ def _search(base: _RunResult, run: Callable[[tuple[str, ...]], _RunResult], targ
             words.append("no policy met the target within max_runs; advised: the last one tried, the "
                          "first without inf/NaN")
             return last, runs, words
-        words.append("no policy met the target: no module stands out (no value out of range, none "
-                     "that amplifies error), so the error is spread over the model; advised: the "
-                     "default policy (raise target= to accept it)" if not tried else
+        words.append("no policy met the target: no module stands out (no value out of range, no "
+                     "low-precision op whose error grows in its module or after it), so the error "
+                     "is spread over the model; advised: the default policy (raise target= to accept "
+                     "it)" if not tried else
                      "no policy met the target within max_runs; advised: the default policy")
         return base, runs, words
+    # narrow: a kept module with something found inside it is tried as that smaller part
+    for name in best.keep:
+        inner = _inner_evidence(name, seen, dtype, keepable) if name in best.keep else ()
+        if runs > max_runs or not inner or _moved(inner, base) >= _moved((name,), base):
+            continue
+        r = run(_add(tuple(k for k in best.keep if k != name), inner))
+        seen.append(r)
+        runs += 1
+        words.append(_describe(r) + (f" (instead of {name})" if meets(r) else ""))
+        if meets(r):
+            best = r
     # drop what the target does not need, latest-added first
     for name in reversed(best.keep):
         if len(best.keep) == 1 or runs > max_runs:
@@ -859,7 +1069,7 @@ def _search(base: _RunResult, run: Callable[[tuple[str, ...]], _RunResult], targ
         trial = tuple(k for k in best.keep if k != name)
         r = run(trial)
         runs += 1
-        words.append(_describe(r) + (" (dropped " + name + ")" if r.finite and r.error <= target else ""))
-        if r.finite and r.error <= target:
+        words.append(_describe(r) + (" (dropped " + name + ")" if meets(r) else ""))
+        if meets(r):
             best = r
     return best, runs, words

@@ -43,10 +43,9 @@ import torch.fx
 from tabulate import tabulate
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from amp_fx._backends import Backend, backend_name
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.downstream import Backend, backend_name
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.inspect._probe import (
     ValueInterpreter,
     clone_inputs,
@@ -64,6 +63,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["compare", "CompareReport", "OpComparison", "ValueComparison"]

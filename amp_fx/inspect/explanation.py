@@ -28,10 +28,10 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.errors import GraphvizNotFound
+from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._graphviz import build_dot, write_svg
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -53,6 +53,9 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes import meta
+from amp_fx.passes.fp8_matmuls import Fp8Decision
+from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
 __all__ = ["explain", "Explanation", "NodeInfo", "GraphvizNotFound"]
@@ -122,7 +125,10 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return f"autocast on for {node.next.name} alone: it runs its own autocast kernel"
     if node.target is torch.amp.autocast_mode._exit_autocast:
         return f"autocast off after {node.prev.name}"
+    fp8 = node.meta.get(meta.FP8)
     decision = node.meta.get("amp_fx_decision")
+    if fp8 is not None:
+        return fp8.reason if fp8.converted or decision is None else f"{decision.reason}; {fp8.reason}"
     out = dtype_name(value_dtype(node.meta.get("val")))
     if decision is None:
         return "python op (not a tensor op)" if node.op == "call_function" else ""
@@ -275,6 +281,11 @@ class Explanation:
                      for t in [_first_tensor(n)]):
             self.notes.append("no floating-point ops: the graphs compute only on integers or "
                               "booleans, so amp_fx inserted no casts")
+        fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
+        if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
+            self.notes.append(f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
+                              + ("none has a parameter operand" if not any(f.decisions for f in fp8)
+                                 else "each one's reason is in the fp8 table below"))
 
     @classmethod
     def from_records(cls, records: Sequence[GraphRecord]) -> Explanation:
@@ -389,7 +400,27 @@ class Explanation:
                 "casts left": r.casts,
                 "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
             })
+            if any(r.fp8 is not None for r in self.records):
+                rows[-1]["fp8 matmuls"] = "-" if r.fp8 is None else (
+                    f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})")
         return rows
+
+    def fp8_decisions(self, graph: int | None = None) -> list[Fp8Decision]:
+        """Every matmul with a parameter operand that the fp8 pass considered (``fp8=`` on), in
+        graph order: converted or not, and why (:class:`~amp_fx.passes.fp8_matmuls.Fp8Decision`)."""
+        return [d for r in (self.records if graph is None else [self.records[graph]])
+                if r.fp8 is not None for d in r.fp8.decisions]
+
+    def fp8_text(self, graph: int) -> str:
+        """The fp8 pass's decision for each matmul of one graph: which run in fp8, with the
+        recipe and the scale granularity of each operand, and why the others stay in dtype."""
+        r = self.records[graph]
+        if r.fp8 is None:
+            return f"graph {graph}: fp8 off"
+        rows = [[d.weight, d.module, d.op, "x".join(map(str, d.shape)) if d.shape else "?",
+                 "fp8" if d.converted else dtype_name(r.dtype), d.reason] for d in r.fp8.decisions]
+        return (f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
+                + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"]))
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
@@ -463,6 +494,8 @@ class Explanation:
                  self.summary()]
         for r in self.records:
             parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
+            if r.fp8 is not None:
+                parts += ["", self.fp8_text(r.index)]
         return "\n".join(parts)
 
     def __repr__(self) -> str:
@@ -501,8 +534,13 @@ def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
 
 
 def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
-            policy: Policy | None = None, fold: bool = True, **kwargs: Any) -> Explanation:
+            policy: Policy | None = None, fold: bool = True, fp8: Fp8Like = None,
+            **kwargs: Any) -> Explanation:
     """Explain what amp_fx does to ``model_or_fn`` on these inputs.
+
+    With ``fp8`` (as :func:`amp_fx.compile` takes it), also which matmuls run in fp8, with the
+    recipe and each operand's fp8 dtype and scale granularity, and why the others do not
+    (:meth:`Explanation.fp8_text`, :meth:`Explanation.fp8_decisions`).
 
     Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
     no backward, on a deep copy of the model (your model's parameters and buffers, BatchNorm
@@ -517,22 +555,22 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             bug in the model), with the eager error chained; or the compiled model given without
             inputs has not run yet.
     """
-    from amp_fx.compile import AmpCompiledModule, records
+    from amp_fx.compile import AmpCompiledModule, options_of, records
 
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))
         if not recs:
             raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
                              "captured; call it once, or pass example inputs")
-        backend = getattr(model_or_fn, "_amp_fx_backend", None)
+        options = options_of(model_or_fn)
         original = getattr(model_or_fn, "original_module", None)
         forward = original.forward if original is not None else getattr(
             model_or_fn, "__wrapped__", None)
-        return Explanation(recs, policy=getattr(backend, "policy", None),
+        return Explanation(recs, policy=options.policy,
                            labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
-        backend = model_or_fn._amp_fx_backend
-        dtype, policy, fold = backend.dtype, backend.policy, backend.fold
+        options = options_of(model_or_fn)
+        dtype, policy, fold, fp8 = options.dtype, options.policy, options.fold, options.fp8
         model_or_fn = model_or_fn.original_module
     elif hasattr(model_or_fn, "amp_fx_records"):
         raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
@@ -541,7 +579,7 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
     call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="explain")
     run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
-                  downstream="eager", fold=fold)
+                  downstream="eager", fold=fold, fp8=fp8)
     split = weights_split_by_graph_breaks(run)
     return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
                        notes=[split_weight_note(name, where, lower) for name, where in split.items()],

@@ -33,9 +33,8 @@ import torch
 import torch.fx
 from tabulate import tabulate
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import did_less
-from amp_fx.backend import GraphRecord
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
 from amp_fx.inspect._probe import (
     all_finite,
     format_range,
@@ -53,7 +52,8 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
-from amp_fx.policy import CastClass, Policy, _op_from_name, resolve_dtype
+from amp_fx.passes.pipeline import GraphRecord
+from amp_fx.policy import CastClass, Policy, op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
 
@@ -164,9 +164,10 @@ def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.
             if not (isinstance(k, str) and any(_inside(k, m) and k != m for m in modules))]
     keep += [m for m in modules if m not in keep]
     # overloads, not names: Policy reads the name "aten::exp" as every overload of aten.exp
-    classes = {_op_from_name(k): v for k, v in policy.op_classes.items()}
+    classes = {op_from_name(k): v for k, v in policy.op_classes.items()}
     return Policy(op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
-                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache)
+                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache,
+                  keep_out_of_fp8=policy.keep_out_of_fp8)
 
 
 def policy_code(policy: Policy) -> str:
@@ -189,6 +190,9 @@ def policy_code(policy: Policy) -> str:
         parts.append("keep_fp32=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
     if not policy.cast_cache:
         parts.append("cast_cache=False")
+    if policy.keep_out_of_fp8:
+        names = [selector(k) for k in policy.keep_out_of_fp8]
+        parts.append("keep_out_of_fp8=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
     return f"Policy({', '.join(parts)})"
 
 

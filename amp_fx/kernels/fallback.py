@@ -43,7 +43,7 @@ def _fused_unscale_kernel() -> _UnscaleFn | None:
     try:
         from amp_fx.kernels.unscale import unscale_check_
     except ImportError as e:
-        from amp_fx._report import did_less
+        from amp_fx._common.report import did_less
 
         did_less("kernels.unscale import", f"amp_fx: amp_fx.kernels.unscale could not be imported ({e}); "
                  "GradScaler uses torch's unscale kernel (same results, no fused norm). Install a triton "

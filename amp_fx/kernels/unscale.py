@@ -76,6 +76,14 @@ def _check_flags(flags: torch.Tensor | None, n: int, device: torch.device) -> No
                          f"{flags.dtype} with shape {tuple(flags.shape)} on {flags.device}")
 
 
+def _check_dense(i: int, g: torch.Tensor) -> None:
+    if g.layout != torch.strided:
+        raise ValueError(
+            f"grads[{i}] has layout {g.layout}; only dense gradients are supported "
+            "(for a sparse gradient pass grad.coalesce()._values(), as GradScaler does)"
+        )
+
+
 def _check_group(
     grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
@@ -93,11 +101,7 @@ def _check_group(
     _check_flags(flags, len(grads), device)
     dtype = grads[0].dtype if grads else None
     for i, g in enumerate(grads):
-        if g.layout != torch.strided:
-            raise ValueError(
-                f"grads[{i}] has layout {g.layout}; only dense gradients are supported "
-                "(for a sparse gradient pass grad.coalesce()._values(), as GradScaler does)"
-            )
+        _check_dense(i, g)
         if g.device != device:
             raise ValueError(
                 f"grads[{i}] is on {g.device} but found_inf is on {device}; call once per "
@@ -222,11 +226,7 @@ def _groups(
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"grads[{i}] is a {type(g).__name__}, expected a torch.Tensor")
-        if g.layout != torch.strided:
-            raise ValueError(
-                f"grads[{i}] has layout {g.layout}; only dense gradients are supported "
-                "(for a sparse gradient pass grad.coalesce()._values(), as GradScaler does)"
-            )
+        _check_dense(i, g)
         if g.device != found_inf.device:
             raise ValueError(
                 f"grads[{i}] is on {g.device} but found_inf is on {found_inf.device}; "

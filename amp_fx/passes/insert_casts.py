@@ -1,8 +1,9 @@
 """insert_casts: apply the autocast policy to a captured ATen graph by inserting explicit casts.
 
-Assumes (what :func:`amp_fx.capture.capture` guarantees): every ``call_function`` node targets an
+Assumes (what :func:`amp_fx.passes.capture.capture` guarantees): every ``call_function`` node targets an
 ATen ``OpOverload`` or a Python callable such as ``operator.getitem``; every node has
-``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``.
+``meta["val"]``; placeholders carry ``meta["amp_fx_leaf"]``. The pipeline checks these in strict
+mode or with DEBUG logging (``passes/pipeline.py``: ``Stage.requires``).
 
 Guarantees:
     * for each op the policy classifies, the op receives exactly the inputs eager autocast would
@@ -30,10 +31,10 @@ Guarantees:
       :mod:`amp_fx.passes.meta`);
     * the graph lints.
 
-Example (what :class:`amp_fx.backend.AmpBackend` does for each Dynamo graph):
+Example (what the pipeline's first two stages do for each Dynamo graph):
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> from amp_fx.capture import capture
+    >>> from amp_fx.passes.capture import capture
     >>> from amp_fx.policy import Policy
     >>> with FakeTensorMode() as mode:
     ...     x, w = torch.empty(2, 4), torch.empty(3, 4)
@@ -62,19 +63,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
-from amp_fx._devices import autocast_device_type
-from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import eager_autocast, module_stack
+from amp_fx._common.devices import autocast_device_type
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
+from amp_fx.passes.capture import eager_autocast, module_stack
 from amp_fx.policy import (
     APPEND_DTYPE_REDISPATCH,
     CastClass,
     Decision,
     Policy,
-    _op_from_name,
     banned_message,
     default_class,
+    op_from_name,
 )
 
 __all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
@@ -223,7 +224,7 @@ class _Rewriter:
             self.record.dtype_args_set += 1
 
     def append_dtype(self, node: torch.fx.Node) -> None:
-        target = _op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
+        target = op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
         schema = node.target._schema
         args = list(node.args)
         for a in schema.arguments[len(args):]:
@@ -390,5 +391,5 @@ def insert_casts(
 
 
 def graph_device_type(vals: Sequence[Any]) -> str:
-    """The autocast device type for a graph (the rule in :func:`amp_fx._devices.autocast_device_type`)."""
+    """The autocast device type for a graph (the rule in :func:`amp_fx._common.devices.autocast_device_type`)."""
     return autocast_device_type(vals)

@@ -12,7 +12,7 @@ appended after the existing ones:
 * a parameter that requires grad is lifted only where its cast is eager autocast's shared cast
   (``meta["amp_fx_cached"]``), and each *use* of the cast (each occurrence among its users'
   inputs) gets an input of its own. The weight cache feeds all of them the one autograd node of
-  the forward (:mod:`amp_fx.weight_cache`), so the graph's backward returns one low-precision
+  the forward (:mod:`amp_fx.backend.weight_cache`), so the graph's backward returns one low-precision
   gradient per use and the autograd engine adds them into that node's buffer, as it adds eager
   autocast's uses into its cached cast's. A single input would have the graph add its uses
   first, and (a + b) + c is not a + (b + c) in bf16: not bitwise once a later graph of the same
@@ -67,7 +67,8 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes import meta
 
 __all__ = ["Lifted", "lift_weight_casts"]
 
@@ -96,7 +97,7 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     weight = inputs[position[src]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
         return False
-    return bool(node.meta.get("amp_fx_cached")) if weight.requires_grad else True
+    return bool(node.meta.get(meta.CACHED)) if weight.requires_grad else True
 
 
 def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The node-metadata keys amp_fx writes on FX nodes: one home, with who writes and who reads each.
 
-Passes record their decisions on the nodes they touch (habit 5 of STYLE.md: decisions are
-recorded where they are made), and the inspection tools read those records instead of
-recomputing them. Use these names, never the raw strings.
+Passes record their decisions on the nodes they touch (decisions are recorded where they are
+made: ``amp_fx/passes/README.md``, "Invariants every pass keeps"), and the inspection tools read
+those records instead of recomputing them. Use these names, never the raw strings.
 
 =====================  ==============================  ==========================================
 key                    written by                      read by
@@ -19,13 +19,23 @@ key                    written by                      read by
                        inserts: ``CAST_INSERTED``      find_nonfinite
 ``CAST_REASON``        insert_casts, every cast it     explain
                        inserts: the decision's reason
-``CACHED``             insert_casts, every cast it     the backend's
+``CACHED``             insert_casts, every cast it     ``backend/splits.py``'s
                        inserts: shared by all uses     ``leaves_cast_with_shared_cast`` (a weight
                        of a leaf (cast cache)          split by a graph break: reported by the
-                                                       backend, named by the inspection tools)
+                                                       backend, named by the inspection tools);
+                                                       lift_weight_casts (which casts to lift)
 ``FOLDED``             fold_casts, the node that       explain, the graph drawing
                        stands for folded casts: rule
                        names, in order
+``PARAMETER``          the backend, every placeholder  fp8_matmuls (which matmuls have a weight,
+                       of a graph: the name of the     and its name)
+                       ``nn.Parameter`` it is, or None
+``FP8``                fp8_matmuls, every matmul with  explain, the backend's fp8 report, the
+                       a parameter operand:            GEMM-FLOP counts of the fp8 tests and bench
+                       :class:`~amp_fx.passes.
+                       fp8_matmuls.Fp8Decision` (on
+                       the fp8 call where converted,
+                       on the matmul where not)
 =====================  ==============================  ==========================================
 
 Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
@@ -36,7 +46,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED"]
+           "FOLDED", "PARAMETER", "FP8"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -47,3 +57,5 @@ CAST_INSERTED = "inserted"
 CAST_REASON = "amp_fx_cast_reason"
 CACHED = "amp_fx_cached"
 FOLDED = "amp_fx_folded"
+PARAMETER = "amp_fx_parameter"
+FP8 = "amp_fx_fp8"

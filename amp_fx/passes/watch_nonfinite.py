@@ -49,16 +49,16 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
-from amp_fx._dtype_names import dtype_name
-from amp_fx.capture import module_stack
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes.capture import module_stack
 
-__all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "NONE"]
+__all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "append_first_origin", "op_name", "NONE"]
 
 aten = torch.ops.aten
 
@@ -77,7 +77,13 @@ class WatchedOp:
     dtype: str
     """The output dtype's short name (``fp16``, ``bf16``)."""
     node: str
-    """The FX node's name in the rewritten graph."""
+    """The FX node's name in the rewritten graph (for a backward op: in AOTAutograd's backward graph)."""
+    grad_of: str | None = None
+    """A backward op (``amp_fx.passes.watch_backward``): the forward op it differentiates
+    (``aten.linear``; "" where unknown); None for a forward op."""
+    incoming: bool = False
+    """A backward graph's incoming gradient (not an op): the gradient of the graph output that
+    ``op`` computed in the forward, as it entered the compiled backward."""
 
 
 @dataclass
@@ -87,7 +93,8 @@ class WatchRecord:
     ops: list[WatchedOp] = field(default_factory=list)
 
 
-def _op_name(target: object) -> str:
+def op_name(target: object) -> str:
+    """``aten.mm`` for ``aten.mm.default``; another namespace's op by its full name."""
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target.__name__.split('.')[0]}" if target.namespace == "aten" else str(target)
     return getattr(target, "__name__", str(target))
@@ -184,8 +191,12 @@ class _Checks:
     """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
     reductions until a mutation may have changed the value they read."""
 
-    def __init__(self, graph: torch.fx.Graph, data: set[torch.fx.Node]) -> None:
+    def __init__(self, graph: torch.fx.Graph, data: set[torch.fx.Node], lowered: bool = False) -> None:
         self.graph = graph
+        self.lowered = lowered
+        """Build the checks from ops every backend lowers as they are (``isinf | isnan``, not
+        ``isfinite``): for a graph already decomposed for its backend (AOTAutograd's backward
+        graph, which inductor compiles without decomposing it again)."""
         self.holds_memo: dict[torch.fx.Node, torch.fx.Node] = {}
         self.data = data
         """Values derived from the caller's data without a watched op in between: their inf/NaN
@@ -198,6 +209,9 @@ class _Checks:
             del self.holds_memo[key]
 
     def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
+        if self.lowered:
+            return _call(self.graph, aten.logical_or.default, (_call(self.graph, aten.isinf.default, (value,)),
+                                                               _call(self.graph, aten.isnan.default, (value,))))
         return _call(self.graph, aten.logical_not.default, (_call(self.graph, aten.isfinite.default, (value,)),))
 
     def explains(self, value: torch.fx.Node) -> torch.fx.Node:
@@ -244,18 +258,48 @@ def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
 
     ``data_inputs``: per placeholder, True where it is data the caller handed in (a batch) rather
     than module state; empty (or of another length) treats none as data."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    data = ({n for n, flag in zip(placeholders, data_inputs, strict=True) if flag}
+            if len(data_inputs) == len(placeholders) else set())
+    return append_first_origin(gm, dtype=dtype, data=data, describe=_forward_op)
+
+
+def _forward_op(node: torch.fx.Node, op: object, dtype: torch.dtype) -> WatchedOp | None:
+    path = module_stack(node)
+    return WatchedOp(module=path[-1][0] if path else "", op=op_name(op), dtype=dtype_name(dtype), node=node.name)
+
+
+Describe = Callable[[torch.fx.Node, object, torch.dtype], "WatchedOp | None"]
+"""How a pass names a watched node (None: do not watch it)."""
+
+
+def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: set[torch.fx.Node],
+                        describe: Describe, entering: Sequence[tuple[torch.fx.Node, WatchedOp]] = (),
+                        lowered: bool = False) -> tuple[torch.fx.GraphModule, WatchRecord]:
+    """The pass itself, shared by the forward watch and the backward watch
+    (``amp_fx.passes.watch_backward``): checks after every watched node, in graph order, and one
+    more output, the position of the first flagged one (-1: none).
+
+    ``data``: values of the caller's data (module docstring); ``describe``: names a watched node;
+    ``entering``: graph inputs checked before any op (``any(~isfinite(input))``), each with the
+    record that names it, first in the record; ``lowered``: checks made of ops every backend lowers
+    as they are (for a graph that is not decomposed again, :class:`_Checks`)."""
     record = WatchRecord()
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    data = ({n for n, flag in zip(placeholders, data_inputs, strict=True) if flag}
-            if len(data_inputs) == len(placeholders) else set())
-    checks = _Checks(graph, data)
+    checks = _Checks(graph, data, lowered)
     flags: list[torch.fx.Node] = []
+    if entering:
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_op):
+            for value, named in entering:
+                record.ops.append(named)
+                flags.append(checks.holds(value))
     for node in list(graph.nodes):
         target = node.target
         op = _watched(node, dtype)
-        if op is None or _has_nonfinite_scalar(node):  # an op given an inf/NaN number (a -inf mask) is no origin
+        named = None if op is None or _has_nonfinite_scalar(node) else describe(node, op, dtype)
+        if named is None:  # an op given an inf/NaN number (a -inf mask) is no origin
             # Not watched: a value computed from the caller's data stays "data" until a watched
             # op reads it (fp32 ops before the first cast, views, in-place updates).
             if node.op == "call_function" and any(a in data for a in node.all_input_nodes):
@@ -263,18 +307,21 @@ def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
             if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
                 checks.mutated(node)
             continue
-        path = module_stack(node)
-        record.ops.append(WatchedOp(module=path[-1][0] if path else "", op=_op_name(op),
-                                    dtype=dtype_name(dtype), node=node.name))
+        record.ops.append(named)
         # Right after the node: the checks read its value before any later in-place op changes it.
         with graph.inserting_before(node.next):
             flags.append(checks.origin(node, op))
     with graph.inserting_before(output):
         if flags:
-            stacked = _call(graph, aten.stack.default, (flags,))
+            if lowered:
+                rows = [_call(graph, aten.unsqueeze.default, (f, 0)) for f in flags]
+                stacked = _call(graph, aten.cat.default, (rows,))
+                as_int = _call(graph, torch.ops.prims.convert_element_type.default, (stacked, torch.int32))
+            else:
+                stacked = _call(graph, aten.stack.default, (flags,))
+                as_int = _call(graph, aten._to_copy.default, (stacked,), {"dtype": torch.int32})
             # argmax of the flags as int32 is the first flagged position (argmax returns the first
             # maximum); -1 where none is flagged.
-            as_int = _call(graph, aten._to_copy.default, (stacked,), {"dtype": torch.int32})
             first = _call(graph, aten.argmax.default, (as_int,))
             anyflag = _call(graph, aten.any.default, (stacked,))
             code = _call(graph, aten.where.ScalarOther, (anyflag, first, NONE))

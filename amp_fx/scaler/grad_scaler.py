@@ -27,7 +27,9 @@ Device-side statistics: ``skipped_steps`` and ``last_step_skipped`` are 0-dim te
 without a sync until the caller reads them. Overflow provenance (``amp_fx.overflow``): the fused
 unscale also flags each non-finite gradient; ``update()`` keeps the most recent skipped step's
 index and flags (and, after ``watch(model)`` of a model compiled with ``watch_nonfinite=True``, its
-first non-finite forward op) on the device; ``overflow_report()`` reads them when asked.
+first non-finite forward op) on the device; ``overflow_report()`` reads them when asked. Without
+``watch()``, the first ``unscale_`` looks for the model compiled with ``watch_nonfinite=True`` that
+holds the optimizer's parameters and watches it (``amp_fx.overflow.SkipRecord.attach_found``).
 """
 
 from __future__ import annotations
@@ -45,12 +47,14 @@ from typing import Any, cast, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from amp_fx._dist.found_inf import ShardedGrads, combine_first_op, ranks_of
-from amp_fx._report import Reporter
+from amp_fx._common.report import Reporter
+from amp_fx._dist.found_inf import ShardedGrads
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
-from amp_fx.overflow import OverflowReport, SkipRecord, forward_watch, root_names
+from amp_fx.overflow.record import SkipRecord
+from amp_fx.overflow.report import OverflowReport
+from amp_fx.overflow.watch import forward_watch
 from amp_fx.scaler import rules
-from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot
+from amp_fx.scaler.snapshot import STATE_CREATED, Snapshot, creates_state
 
 __all__ = ["GradScaler", "ScalerMode", "StepMode"]
 
@@ -217,7 +221,7 @@ class GradScaler(torch.amp.GradScaler):
         self._init_skipped_steps = 0
         self._skipped_steps: torch.Tensor | None = None
         self._last_found_inf: torch.Tensor | None = None
-        # amp_fx/overflow.py: the most recent skipped step (index, gradient flags, forward op).
+        # amp_fx/overflow: the most recent skipped step (index, gradient flags, forward op).
         self._skip_record = SkipRecord()
         # Says once per optimizer that a masked step reads the flag on the host (strict=True, or
         # AMP_FX_STRICT when strict is None, turns that into an error).
@@ -272,12 +276,19 @@ class GradScaler(torch.amp.GradScaler):
         Under DDP or FSDP2 (with the watch) each ``update()`` combines the ranks' forward records
         in one small all-reduce on the device, so every rank names the op and the rank that saw
         it: call ``watch`` on every rank (a rank that does not would leave the others waiting).
+
+        Without a call, the first ``unscale_`` (or ``step``) watches the model compiled with
+        ``watch_nonfinite=True`` whose parameters the optimizer holds, the same way on every rank;
+        where several such models hold them, or none does, the report names no forward op and
+        says so (once, through an ``AmpFxWarning``).
         """
-        _, names = root_names(model)
-        record = self._skip_record
-        record.names = names
-        record.watch = forward_watch(model)
-        record.group = ranks_of(model) if record.watch is not None else None
+        self._skip_record.attach(model, watch=forward_watch(model))
+
+    @property
+    def skip_record(self) -> SkipRecord:
+        """The device record behind :meth:`overflow_report` (``amp_fx.overflow.SkipRecord``), for
+        code that steps with this scaler's rules itself (``compile_step``'s finish)."""
+        return self._skip_record
 
     def overflow_report(self) -> OverflowReport | None:
         """Why the most recent skipped step was skipped; None if no step was skipped since the
@@ -288,7 +299,14 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled or self._skipped_steps is None:
             return None
-        return self._skip_record.report(self._skipped_steps)
+        record = self._skip_record
+        report = record.report(self._skipped_steps)
+        if report is not None and record.unattached is not None:
+            self._report.did_less(("overflow watch", record.unattached), (
+                f"amp_fx.GradScaler.overflow_report(): {record.unattached}; the report names no forward op "
+                "and the gradients by position. Call scaler.watch(model) with the model being trained "
+                "(on every rank)."))
+        return report
 
     @property
     def last_skipped_step(self) -> torch.Tensor:
@@ -442,6 +460,7 @@ class GradScaler(torch.amp.GradScaler):
         per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         per_device_params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         sharded = ShardedGrads()  # FSDP2: DTensor grads are unscaled through their local shard
+        self._skip_record.attach_found(optimizer)  # once, unless watch() was called
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -467,7 +486,7 @@ class GradScaler(torch.amp.GradScaler):
 
             grad_flags: list[tuple[list[torch.Tensor], torch.Tensor]] = []
             for device, grads in per_device_grads.items():
-                # amp_fx/overflow.py: which gradients held an inf/NaN, from the same kernel pass
+                # amp_fx/overflow: which gradients held an inf/NaN, from the same kernel pass
                 flags = torch.zeros(len(grads), dtype=torch.float32, device=device)
                 unscale_check_any_dtype_(
                     grads, per_device_found_inf.get(device), per_device_inv_scale.get(device), flags
@@ -700,13 +719,7 @@ class GradScaler(torch.amp.GradScaler):
         parameter with a gradient has no state (a checkpoint-loaded optimizer has state, so
         it never pays the one host sync this costs).
         """
-        if optimizer in self._stepped_optimizers:
-            return False
-        return any(
-            p.grad is not None and not optimizer.state.get(p)
-            for group in optimizer.param_groups
-            for p in group["params"]
-        )
+        return optimizer not in self._stepped_optimizers and creates_state(optimizer)
 
     # ---------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -762,18 +775,13 @@ class GradScaler(torch.amp.GradScaler):
             rules.record_step_(state, found_inf_combined)
             record = self._skip_record
             pairs = [pair for s in self._per_optimizer_states.values() for pair in s.get("amp_fx_grad_flags", ())]
-            watch = record.watch
-            code = watch.take() if watch is not None else None
-            rank = None
             # FSDP2: every rank's forward record came with the found-inf all-reduce of unscale_
-            # (the last optimizer's); DDP (no such collective): one all-reduce of the record here.
+            # (the last optimizer's); DDP (no such collective): close_ all-reduces the record.
             combined = [s["amp_fx_first_op"] for s in self._per_optimizer_states.values() if "amp_fx_first_op" in s]
-            if watch is not None and combined:
-                code, rank = combined[-1]
-            elif watch is not None and record.group is not None:
-                code, rank = combine_first_op(code, record.group, _scale.device)
-            record.record_(found_inf_combined, record.step_flags(pairs) if pairs else record.flags.new_zeros(
-                record.flags.numel()), code, rank)
+            assert record.flags is not None
+            flags = record.step_flags(pairs) if pairs else record.flags.new_zeros(record.flags.numel())
+            record.close_(found_inf_combined, flags, record.take_first_op(_scale.device),
+                          combined[-1] if combined else None)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters

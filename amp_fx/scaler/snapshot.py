@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "restore_where_", "same_value", "unique_params"]
+__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "creates_state", "restore_where_", "same_value",
+           "unique_params"]
 
 # Why a step could not be undone on the device, when the optimizer created its state.
 STATE_CREATED = "optimizer state was created"
@@ -31,6 +32,18 @@ def unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 seen.add(id(p))
                 params.append(p)
     return params
+
+
+def creates_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's next step may create state: some parameter with a gradient has none.
+
+    The one warm-up test: ``GradScaler`` decides a self-scaling optimizer's first step on the host
+    while it holds (a skipped first step cannot be undone on the device: torch's fused SGD would
+    even keep uninitialised momentum buffers), and ``compile_step`` runs its eager warm-up while it
+    holds. A checkpoint-loaded optimizer has state, so it pays neither.
+    """
+    state = optimizer.state
+    return any(p.grad is not None and not state.get(p) for p in unique_params(optimizer))
 
 
 def copy_state(

@@ -11,7 +11,24 @@ module that holds the hazard in :data:`HAZARDS`:
 * ``cancellation`` (bf16): ``shift`` computes ``proj(x) - offset`` where ``proj(x)`` is a signal
   of size ~1 riding on an offset of 1000; bf16's spacing at 1000 is 4, so the signal is lost;
 * ``weight_overflow`` (fp16): one entry of ``big.weight`` is 1e5, so its fp16 cast is inf (the
-  input it multiplies is ~1e-3, so the fp32 output is ~100).
+  input it multiplies is ~1e-3, so the fp32 output is ~100);
+* ``cancellation_after_module`` (bf16): the cancellation of ``cancellation`` in the root's own
+  ``forward``, after ``proj`` returned: ``proj``'s output is as exact as bf16 allows (the offset of
+  1000 rides in its bias); the functional ``- offset`` that follows loses the signal. Keeping
+  ``proj`` in fp32 fixes it;
+* ``overflow_in_block`` (fp16): ``block.fc2``'s output reaches ~2e5 inside ``block`` (fc1, ReLU,
+  fc2, dropout), so the dropout after it and ``block`` itself hold the same overflowing value:
+  keeping the one Linear ``block.fc2`` suffices;
+* ``overflow_then_dropout`` (fp16): ``up``'s output overflows, then passes through the dropout
+  ``drop`` (no low-precision op inside: keeping it would change no op);
+* ``residual_cancellation`` (bf16): six pre-norm residual blocks (``x + blocks[i](norms[i](x))``)
+  and a final norm; ``blocks.4``'s bias adds 1000 to the residual stream, and every LayerNorm after
+  it subtracts the mean again, leaving mostly the rounding of ``blocks.4``'s bf16 output. The
+  damaged value has five producers (every block before it): keeping ``blocks.4`` alone suffices;
+* ``exp_overflow`` (fp16): inside ``block``, a hand-written softplus ``log1p(exp(inp(x)))`` whose
+  ``exp`` overflows fp16 (``inp``'s outputs reach ~16, and exp(11.1) is fp16's max): ``block`` is
+  where the inf appears, but keeping ``block.inp`` in fp32 is enough (the ``exp`` follows its
+  input's dtype).
 
     >>> model, inputs, loss_fn = build("linear_overflow")
     >>> bool(torch.isfinite(loss_fn(model(*inputs))))
@@ -27,15 +44,35 @@ from torch import Tensor, nn
 
 from amp_fx.testing.zoo import Built
 
-__all__ = ["HAZARDS", "build"]
+__all__ = ["HAZARDS", "MINIMAL_KEEP", "build"]
 
 HAZARDS = {
     "linear_overflow": ("fp16", "up"),
     "attention_overflow": ("fp16", "attn"),
     "cancellation": ("bf16", "shift"),
     "weight_overflow": ("fp16", "big"),
+    "cancellation_after_module": ("bf16", "proj"),
+    "overflow_in_block": ("fp16", "block.fc2"),
+    "overflow_then_dropout": ("fp16", "up"),
+    "exp_overflow": ("fp16", "block"),
+    "residual_cancellation": ("bf16", "blocks.4"),
 }
 """name -> (dtype, the module holding the hazard)."""
+
+MINIMAL_KEEP = {
+    "linear_overflow": ("up",),
+    "attention_overflow": ("attn",),
+    "cancellation": ("shift.proj",),
+    "weight_overflow": ("big",),
+    "cancellation_after_module": ("proj",),
+    "overflow_in_block": ("block.fc2",),
+    "overflow_then_dropout": ("up",),
+    "exp_overflow": ("block.inp",),
+    "residual_cancellation": ("blocks.4",),
+}
+"""name -> the smallest keep-list that meets advise's default target: the module whose
+low-precision op (a Linear's matmul; for ``attention_overflow`` the functional ``q @ k.T``, which
+only ``attn`` itself runs) is at fault, never its parent or a module with no low-precision op."""
 
 
 def _loss(out: Tensor) -> Tensor:
@@ -107,6 +144,99 @@ class Cancellation(nn.Module):
         return self.head(torch.tanh(self.shift(x)))
 
 
+class CancellationAfterModule(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("offset", torch.full((16,), 1000.0 if hazard else 0.0))
+        with torch.no_grad():
+            self.proj.bias.add_(self.offset)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # proj's bf16 output ~1000 holds the signal to 4 (bf16's spacing at 1000): its relative
+        # error is one rounding, but after the subtraction the signal (~1) is mostly rounding
+        return self.head(torch.tanh(self.proj(x) - self.offset))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(torch.relu(self.fc1(x))))
+
+
+class OverflowInBlock(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            # as LinearOverflow's `up`: positive weights x40000 on ~0.3 inputs: ~1e5 > 65504
+            self.block.fc2.weight.abs_().mul_(40000.0 if hazard else 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.block(x)))
+
+
+class OverflowThenDropout(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.up = nn.Linear(64, 64)
+        self.drop = nn.Dropout(0.0)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 4)
+        with torch.no_grad():
+            self.up.weight.abs_().mul_(40000.0 if hazard else 1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.norm(self.drop(self.up(torch.relu(self.fc1(x))))))
+
+
+class _Softplus(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.log1p(torch.exp(self.inp(x))))
+
+
+class ExpOverflow(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.block = _Softplus()
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():  # bias 16: exp(16) ~ 9e6, above fp16's 65504; bias 2: exp ~7, fits
+            self.block.inp.bias.fill_(16.0 if hazard else 2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(x))
+
+
+class ResidualCancellation(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(6))
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.blocks[4].bias.add_(1000.0 if hazard else 0.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for norm, block in zip(self.norms, self.blocks):
+            x = x + block(norm(x))
+        return self.head(self.norm(x))
+
+
 class WeightOverflow(nn.Module):
     def __init__(self, hazard: bool) -> None:
         super().__init__()
@@ -133,4 +263,14 @@ def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
         x = torch.randn(4, 16, generator=gen)
         x[:, 0] = 1e-3  # the input the 1e5 weight multiplies: the fp32 product is ~100
         return WeightOverflow(hazard), (x,), _loss
+    if name == "cancellation_after_module":
+        return CancellationAfterModule(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "overflow_in_block":
+        return OverflowInBlock(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "overflow_then_dropout":
+        return OverflowThenDropout(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "residual_cancellation":
+        return ResidualCancellation(hazard), (torch.randn(4, 16, generator=gen),), _loss
+    if name == "exp_overflow":
+        return ExpOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
     raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS)}")

@@ -1,6 +1,8 @@
 """torch baselines for the unscale kernels, shared by the tests and ``bench/bench_unscale.py``.
 
-These are what amp_fx's kernels are measured against, so they call only torch.
+These are what amp_fx's kernels are measured against, so they call only torch: the unscale is
+``amp_fx.kernels.fallback.torch_unscale_check_``, torch's kernel once per dtype (the library's own
+fallback, itself nothing but torch's kernel), named here as the reference.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from amp_fx.kernels.fallback import torch_unscale_check_
+
 __all__ = [
     "reference_sum_of_squares_fp64",
     "reference_unscale_check_",
@@ -16,15 +20,8 @@ __all__ = [
 ]
 
 
-def reference_unscale_check_(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` per dtype, as GradScaler calls it."""
-    per_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        per_dtype.setdefault(g.dtype, []).append(g)
-    for group in per_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+reference_unscale_check_ = torch_unscale_check_
+"""``torch._amp_foreach_non_finite_check_and_unscale_`` per dtype, as GradScaler calls it."""
 
 
 def reference_sum_of_squares_fp64(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -37,9 +37,10 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
-from amp_fx._dtype_names import dtype_name
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
+from amp_fx.testing.backward_origin import first_backward_origin
 from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
 from amp_fx.testing.real_models import (
     LLAMA_GQA,
@@ -56,7 +57,7 @@ pytestmark = pytest.mark.models
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FEATURES = ("compile", "weight_cache", "compile_step", "inspect")
 # Overflow provenance: loss scaling, so fp16 only (bf16's range holds the planted overflow).
-OVERFLOW_FEATURES = ("overflow_watch", "overflow_named")
+OVERFLOW_FEATURES = ("overflow_watch", "overflow_named", "overflow_backward")
 
 # What a default run covers, by library and dtype; every other case is `models_slow`, deselected
 # by default (`python -m pytest -m models_slow tests/models` runs them). The tier's cost, measured
@@ -74,13 +75,25 @@ _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
-# GPT-2: a tied head and Conv1D layers (the other models run it under models_slow)
-_OVERFLOW_WATCH_DEFAULT = ("hf_gpt2",)
+# GPT-2: a tied head and Conv1D layers; Llama: transformers 5.24 decorates its forward (the root
+# reaches Dynamo as L['args'][0]), and this test checks that every watched module is one of
+# named_modules() (the other models run it under models_slow)
+_OVERFLOW_WATCH_DEFAULT = ("hf_gpt2", "hf_llama")
+# The backward watch: Llama (the model transformers 5.24 decorates); the others under models_slow.
+_OVERFLOW_BACKWARD_DEFAULT = ("hf_llama",)
+# Models the eager reference (full backward hooks on every module) cannot run: a hook's identity
+# output is then written in place (torch 2.11: "Output 0 of BackwardHookFunctionBackward is a view
+# and is being modified inplace").
+_BACKWARD_REFERENCE_FAILS = {
+    "tv_efficientnet_b0": "the eager reference's module backward hooks fail on EfficientNet-B0's in-place "
+                          "activations (torch 2.11, torchvision 0.26: a BackwardHookFunction output modified "
+                          "in place); the reference needs hooks that do not wrap outputs",
+}
 
 # Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
 _KNOWN: dict[tuple[str, str], str] = {}
 
-for _feature in OVERFLOW_FEATURES:
+for _feature in ("overflow_watch", "overflow_named"):
     _KNOWN["tv_efficientnet_b0", _feature] = (
         "no clean fp16 run to plant in: at loss scale 2^10 EfficientNet-B0's scaled gradients overflow in the "
         "backward at random init while its forward is finite (8 conv weights, features.0.0 and depthwise "
@@ -98,7 +111,8 @@ def _cases(feature: str) -> list[Any]:
         for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
             default = (feature in _DEFAULT[entry.library][dtype_id]
-                       or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT))
+                       or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT)
+                       or (feature == "overflow_backward" and name in _OVERFLOW_BACKWARD_DEFAULT))
             if name in _ALL_SLOW or not default:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
@@ -442,7 +456,7 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
             steps.append((output_tensors(out), loss.detach(), [p.detach().clone() for p in ours.parameters()],
                           scaler.overflow_report()))
         assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
-        if watched:  # the watch names modules as named_modules() does (amp_fx.capture.module_path)
+        if watched:  # the watch names modules as named_modules() does (amp_fx.passes.capture.module_path)
             paths = {op.module for r in compiled.amp_fx_records for op in r.watched.ops}
             unknown = paths - dict(ours.named_modules()).keys()
             assert paths and not unknown, sorted(unknown)
@@ -482,3 +496,59 @@ def test_overflow_planted_is_named_as_eager_finds_it(name: str, dtype_id: str) -
     _check_planted_report(report, module, watched=True)
     assert list(report.gradients) == reference
     assert int(step.skipped_steps) == 1
+
+
+def _backward_overflow(model: nn.Module, inputs: dict[str, Tensor], loss_fn: Any) -> tuple[float, Any, list[str]]:
+    """The smallest loss scale 2^k (k from 0 to 100) at which eager fp16 autocast's first backward
+    makes a gradient non-finite, found by bisection (a gradient grows with the scale until it
+    overflows), with eager autograd's first backward inf there (``first_backward_origin``) and the
+    non-finite gradients (``named_parameters`` order). Asserts the premise: the forward is finite."""
+    def run(k: int) -> tuple[Any, list[str]]:
+        ours = copy.deepcopy(model)
+
+        def scaled_loss() -> Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = ours(**inputs)
+            assert all(torch.isfinite(t).all() for t in output_tensors(out).values()), "eager fp16 forward non-finite"
+            return loss_fn(out) * 2.0**k
+
+        origin = first_backward_origin(ours, scaled_loss, torch.float16)
+        grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+        return origin, [n for n, g in grads.items() if not torch.isfinite(g).all()]
+
+    low, high = 0, 100
+    assert run(high)[1], "no gradient overflows even at scale 2^100"
+    if run(low)[1]:
+        high = low
+    while high - low > 1:  # run(high) overflows, run(low) does not
+        mid = (low + high) // 2
+        if run(mid)[1]:
+            high = mid
+        else:
+            low = mid
+    origin, names = run(high)
+    return 2.0**high, origin, names
+
+
+@pytest.mark.parametrize("name,dtype_id", _cases("overflow_backward"))
+def test_overflow_backward_named_as_eager_finds_it(name: str, dtype_id: str) -> None:
+    """``compile_step`` (SGD, ``watch_nonfinite=True``, aot_eager) at the smallest loss scale at which
+    the model's first backward overflows in eager fp16 autocast (the forward finite): step 0 is
+    skipped, and ``overflow_report()`` names a backward op, with the module and ATen op at which eager
+    autograd's backward made its first inf, and exactly the gradients eager finds non-finite."""
+    if name in _BACKWARD_REFERENCE_FAILS:
+        pytest.skip(_BACKWARD_REFERENCE_FAILS[name])
+    model, inputs, loss_fn = _entry(name).build()
+    scale, origin, reference = _backward_overflow(copy.deepcopy(model), inputs, loss_fn)
+    assert origin.op is not None and reference, (scale, origin, reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = GradScaler("cpu", init_scale=scale, step_mode=StepMode.MASKED)
+    step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
+                               watch_nonfinite=True)
+    step(**inputs)
+    report = step.overflow_report()
+    assert report is not None and report.step == 0, report
+    first = report.first_op
+    assert first is not None and first.backward, f"scale {scale}: {report}"
+    assert (first.module, first.op) == (origin.module, origin.op), f"scale {scale}: {report} / eager {origin}"
+    assert list(report.gradients) == reference

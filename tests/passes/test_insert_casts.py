@@ -152,7 +152,7 @@ def test_set_opt_dtype_sets_float32_on_cuda_softmax_only_when_unset():
     # On CUDA, softmax is FP32_SET_OPT_DTYPE; checked on fake CUDA tensors (no GPU needed).
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from amp_fx.capture import capture
+    from amp_fx.passes.capture import capture
     from amp_fx.passes.insert_casts import insert_casts
 
     for given, expected in [(None, torch.float32), (torch.float16, torch.float16)]:

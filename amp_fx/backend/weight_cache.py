@@ -34,7 +34,7 @@ Not detectable cheaply, hence documented: in-place edits through ``param.data`` 
 counter, autograd's own checks miss them too) and fused kernels run outside a
 ``torch.optim.Optimizer``. Call :meth:`WeightCache.invalidate` after those.
 
-Not supported, hence refused (``amp_fx.compile._weight_cache_off_for_fsdp2``): FSDP2 models.
+Not supported, hence refused (``amp_fx.compile.weight_cache_off_for_fsdp2``): FSDP2 models.
 FSDP2 all-gathers each parameter into the same unsharded tensor every forward without bumping its
 version counter, and its optimizer steps the sharded parameters. DDP is supported: every rank
 holds and updates whole fp32 parameters, and DDP's reducer hooks sit on their AccumulateGrad

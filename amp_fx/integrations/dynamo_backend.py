@@ -44,12 +44,15 @@ import torch._dynamo
 import torch._inductor
 import torch.fx
 
-from amp_fx._backends import Backend
-from amp_fx._dtype_names import dtype_name
-from amp_fx._report import Reporter
-from amp_fx.backend import AmpBackend, check_backend
+from amp_fx._common.downstream import Backend
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.backend import AmpBackend
+from amp_fx.backend.audit import report_unused_policy
+from amp_fx.backend.names import frame_self
+from amp_fx.compile import check_keep_fp32
+from amp_fx.options import Options
 from amp_fx.passes.insert_casts import graph_device_type
-from amp_fx.policy import Policy, resolve_dtype
+from amp_fx.policy import Policy
 
 __all__ = ["amp_fx_backend", "amp_fx_bf16_backend", "amp_fx_fp16_backend", "register_backend", "backend_of", "OPTIONS"]
 
@@ -60,29 +63,26 @@ OPTIONS: Mapping[str, str] = {
     "fold": "run the value-preserving cast-folding pass (default True)",
     "strict": "raise instead of warning where amp_fx does less than asked (default: AMP_FX_STRICT)",
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
+    "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", an amp_fx.Fp8Recipe or '
+           "an amp_fx.Fp8Config (default None: off)",
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 
 
 @dataclass(frozen=True)
 class _Config:
-    """One named backend's configuration (``dtype=None``: the ambient autocast's, else bf16)."""
+    """One named backend's configuration: the options, and whether its dtype was given (else the
+    ambient autocast's dtype at each compile, or bf16 outside one)."""
 
-    dtype: torch.dtype | None = None
-    policy: Policy = field(default_factory=Policy)
-    backend: str | Backend = "inductor"
-    fold: bool = True
-    strict: bool | None = None
-    inductor: Mapping[str, Any] = field(default_factory=dict)
+    options: Options = field(default_factory=Options)
+    dtype_given: bool = False
+    strict_given: bool = False
+    """Otherwise ``AMP_FX_STRICT`` decides when a compiled model's backend is made."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.policy, Policy):
-            raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(self.policy).__name__}")
-        check_backend(self.backend)
-        if not isinstance(self.fold, bool):
-            raise TypeError(f"amp_fx: fold must be True or False, got {self.fold!r}")
-        if self.inductor and self.backend != "inductor":
-            raise ValueError(f"amp_fx: inductor options (or mode=) configure inductor, but backend={self.backend!r}")
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype given, or None: the ambient autocast's at each compile, else bf16."""
+        return self.options.dtype if self.dtype_given else None
 
     def merged(self, options: Mapping[str, Any] | None, mode: str | None) -> _Config:
         """This configuration with torch.compile's ``options=``/``mode=`` applied (checked)."""
@@ -92,16 +92,19 @@ class _Config:
             known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
             raise ValueError(f"amp_fx backend: unknown option(s) {unknown} in torch.compile(options=...); "
                              f"amp_fx reads {known}")
-        if "dtype" in options:
-            options["dtype"] = resolve_dtype(options["dtype"])
         inductor = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
-        inductor.update(options.pop("inductor", None) or self.inductor)
-        kwargs = {"dtype": self.dtype, "policy": self.policy, "backend": self.backend, "fold": self.fold,
-                  "strict": self.strict, **options, "inductor": inductor}
-        return _Config(**kwargs)
+        inductor.update(options.pop("inductor", None) or self.options.inductor)
+        return _Config(self.options.replace(**options, inductor=inductor),
+                       dtype_given=self.dtype_given or "dtype" in options,
+                       strict_given=self.strict_given or options.get("strict") is not None)
 
-    def key(self, dtype: torch.dtype) -> tuple[object, ...]:
-        return (dtype, self.policy, self.backend, self.fold, self.strict, tuple(sorted(self.inductor.items())))
+    def resolved(self, ambient: torch.dtype | None) -> Options:
+        """The options for one compile: the ambient autocast's dtype where none was given, strict
+        mode from the environment where it was not given."""
+        changes: dict[str, Any] = {} if self.strict_given else {"strict": None}
+        if not self.dtype_given and ambient is not None:
+            changes["dtype"] = ambient
+        return self.options.replace(**changes) if changes else self.options
 
 
 class _NamedBackend:
@@ -111,9 +114,9 @@ class _NamedBackend:
         self.__name__ = name
         self.config = config
         # root module -> config key -> backend; the function-compiled (rootless) ones by key
-        self._by_root: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[object, ...], AmpBackend]] = (
+        self._by_root: weakref.WeakKeyDictionary[torch.nn.Module, dict[Options, AmpBackend]] = (
             weakref.WeakKeyDictionary())
-        self._rootless: dict[tuple[object, ...], AmpBackend] = {}
+        self._rootless: dict[Options, AmpBackend] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                  options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable[..., Any]:
@@ -121,9 +124,10 @@ class _NamedBackend:
         device_type = graph_device_type(example_inputs)
         ambient = torch.is_autocast_enabled(device_type)
         ambient_dtype = torch.get_autocast_dtype(device_type) if ambient else None
-        dtype = config.dtype or ambient_dtype or torch.bfloat16
+        resolved = config.resolved(ambient_dtype)
+        dtype = resolved.dtype
         root = _compiled_root()
-        backend = self._backend_for(root, config, dtype)
+        backend = self._backend_for(root, resolved)
         if ambient_dtype is not None and ambient_dtype != dtype:
             backend.reporter.did_less(("ambient dtype", ambient_dtype), (
                 f"amp_fx backend {self.__name__!r}: the model runs inside torch.autocast(dtype="
@@ -141,28 +145,25 @@ class _NamedBackend:
                 f"match eager autocast."), stacklevel=2)
         compiled = backend(gm, example_inputs)
         if root is not None and not getattr(reason, "graph_break", False) and _frame_self() is root:
-            backend.report_unused_policy()  # the root's own frame is done: every graph of a call is in
+            # the root's own frame is done: every graph of a call is in
+            report_unused_policy(backend.records, backend.options.policy, backend.reporter,
+                                 fp8=backend.options.fp8)
         return compiled
 
-    def _backend_for(self, root: torch.nn.Module | None, config: _Config, dtype: torch.dtype) -> AmpBackend:
-        key = config.key(dtype)
+    def _backend_for(self, root: torch.nn.Module | None, options: Options) -> AmpBackend:
         table = self._rootless if root is None else self._by_root.setdefault(root, {})
-        found = table.get(key)
+        found = table.get(options)
         if found is not None:
             return found
-        reporter = Reporter(config.strict)
-        names = [s for s in config.policy.keep_fp32 if isinstance(s, str)]
+        names = [s for s in options.policy.keep_fp32 if isinstance(s, str)]
         if root is None and names:
             raise ValueError(f"amp_fx backend {self.__name__!r}: Policy.keep_fp32 names submodules {names}, but "
                              "the compiled code is not a module called through torch.compile(module) or "
                              "module.compile(), so the backend has no root module to find them under. "
                              "Compile the module, or use amp_fx.compile(module).")
         if root is not None:
-            from amp_fx.compile import _check_keep_fp32
-
-            _check_keep_fp32(config.policy, root)
-        found = table[key] = AmpBackend(dtype=dtype, policy=config.policy, backend=config.backend, fold=config.fold,
-                                        inductor_config=dict(config.inductor), root=root, reporter=reporter)
+            check_keep_fp32(options.policy, root)
+        found = table[options] = AmpBackend(options, root=root)
         return found
 
     def reset(self) -> None:
@@ -201,15 +202,13 @@ def _compiled_root() -> torch.nn.Module | None:
 
 
 def _frame_self() -> object:
-    """The first argument (``self``) of the frame Dynamo is compiling, or None."""
+    """The first argument (``self``) of the frame Dynamo is compiling (or the first of its
+    ``*args``, for a decorated ``forward``), or None."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        from amp_fx.backend import _frame_self_name
-
         tx = InstructionTranslator.current_tx()
-        first = _frame_self_name(tx.f_code)
-        return tx.f_locals.get(first) if first else None
+        return frame_self(tx.f_code, tx.f_locals)
     except Exception:  # a torch without these internals: the unused-policy check does not run
         return None
 
@@ -220,9 +219,9 @@ def _root_label(root: torch.nn.Module | None) -> str:
 
 amp_fx_backend = _NamedBackend("amp_fx", _Config())
 """``torch.compile(..., backend="amp_fx")``: the ambient autocast's dtype, else bf16."""
-amp_fx_bf16_backend = _NamedBackend("amp_fx_bf16", _Config(dtype=torch.bfloat16))
+amp_fx_bf16_backend = _NamedBackend("amp_fx_bf16", _Config(Options(dtype=torch.bfloat16), dtype_given=True))
 """``torch.compile(..., backend="amp_fx_bf16")``."""
-amp_fx_fp16_backend = _NamedBackend("amp_fx_fp16", _Config(dtype=torch.float16))
+amp_fx_fp16_backend = _NamedBackend("amp_fx_fp16", _Config(Options(dtype=torch.float16), dtype_given=True))
 """``torch.compile(..., backend="amp_fx_fp16")``."""
 
 _NAMED: dict[str, _NamedBackend] = {b.__name__: b for b in (amp_fx_backend, amp_fx_bf16_backend, amp_fx_fp16_backend)}
@@ -237,7 +236,7 @@ def register_backend(name: str, *, dtype: str | torch.dtype | None = None, polic
     The options are those of :data:`OPTIONS`; ``dtype=None`` takes the ambient autocast's, else bf16.
     Returns ``name``.
 
-    >>> import amp_fx.dynamo_backend as db, torch
+    >>> import amp_fx.integrations.dynamo_backend as db, torch
     >>> db.register_backend("amp_fx_fp16_eager_doc", dtype="fp16", backend="aot_eager")
     'amp_fx_fp16_eager_doc'
     >>> torch.compile(torch.nn.Linear(4, 4), backend="amp_fx_fp16_eager_doc")(torch.randn(2, 4)).dtype
@@ -247,9 +246,9 @@ def register_backend(name: str, *, dtype: str | torch.dtype | None = None, polic
         raise TypeError(f"amp_fx: register_backend needs a non-empty str name, got {name!r}")
     if name in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"amp_fx: a torch.compile backend named {name!r} already exists; choose another name")
-    config = _Config(dtype=None if dtype is None else resolve_dtype(dtype),
-                     policy=Policy() if policy is None else policy, backend=backend, fold=fold, strict=strict,
-                     inductor=dict(inductor or {}))
+    config = _Config(Options(dtype=torch.bfloat16 if dtype is None else dtype, policy=policy, backend=backend,
+                             fold=fold, strict=strict, inductor=dict(inductor or {})), dtype_given=dtype is not None,
+                     strict_given=strict is not None)
     named = _NAMED[name] = _NamedBackend(name, config)
     torch._dynamo.register_backend(named, name=name)
     return name

@@ -48,14 +48,15 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
-from amp_fx._compat import current_decomposition_table
+from amp_fx._common.compat import current_decomposition_table
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
-from amp_fx.policy import CastClass, Policy, _op_from_name, banned_message, default_class
+from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_from_name
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack"]
+__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack",
+           "source_name", "source_text", "data_inputs"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -117,10 +118,10 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     table: dict[Any, Callable[..., Any]] = {}
     for name, cls in policy.op_classes.items():
         if cls is not default_class(name, device_type):
-            table[_op_from_name(name)] = _record_without_autocast(_op_from_name(name))
+            table[op_from_name(name)] = _record_without_autocast(op_from_name(name))
     for name, cls in claimed.items():
         if cls is CastClass.BANNED:
-            table[_op_from_name(name)] = _refuse_banned(_op_from_name(name), policy, device_type)
+            table[op_from_name(name)] = _refuse_banned(op_from_name(name), policy, device_type)
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue
@@ -341,17 +342,31 @@ def source_text(node: torch.fx.Node) -> str:
         return ""
 
 
-def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[bool]:
+def source_name(node: torch.fx.Node) -> str:
+    """A placeholder's name under the frame's module from its Dynamo source
+    (``L['self'].fc._parameters['weight']`` -> ``fc.weight``); the node's name without one."""
+    text = source_text(node)
+    if not text:
+        return node.name
+    return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
+
+
+def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> list[bool]:
     """Per placeholder of a Dynamo graph: True for a floating tensor the caller handed in (``L['x']``,
     ``L['args'][0]``, or a value a frame resumed after a graph break carries over), False for module
-    state (parameters, buffers, globals), leaves that require grad, and inputs without a source."""
+    state (parameters, buffers, globals), leaves that require grad, and inputs without a source.
+
+    ``is_state(node, value)``: True for a tensor of the compiled root module, found by identity
+    (the backend's): the source's shape alone cannot tell, since a decorator on ``forward`` makes
+    the root ``L['args'][0]`` and its buffers ``L['args'][0].rope.inv_freq``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     flags = []
     for node, value in zip(placeholders, example_inputs, strict=True):
         text = source_text(node)
         flags.append(bool(text) and not text.startswith(MODULE_STATE_SOURCES)
                      and isinstance(value, torch.Tensor) and value.dtype.is_floating_point
-                     and not is_cacheable_leaf(value))
+                     and not is_cacheable_leaf(value) and not (is_state is not None and is_state(node, value)))
     return flags
 
 

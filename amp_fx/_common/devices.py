@@ -29,14 +29,8 @@ class AutocastDevice:
     type: str
     """``torch.device(...).type``."""
     dispatch_key: str
-    """The dispatch key of eager autocast's kernels for it (its table's source of truth)."""
-
-    @property
-    def table(self) -> Mapping[str, object]:
-        """Eager autocast's op classes for this device (``amp_fx.policy.DEFAULT_TABLES``)."""
-        from amp_fx.policy import DEFAULT_TABLES
-
-        return DEFAULT_TABLES[self.type]
+    """The dispatch key of eager autocast's kernels for it (its op table, ``amp_fx.policy.DEFAULT_TABLES``,
+    is checked against this key's registrations)."""
 
 
 DEVICES: Mapping[str, AutocastDevice] = MappingProxyType({

@@ -1,0 +1,144 @@
+"""What a compiled model was asked against what it did: policy entries that matched no op, and
+calls that captured no graph (with the fix for a wrapper Dynamo does not compile through).
+Reported through the compiled model's :class:`~amp_fx._common.report.Reporter`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import Reporter
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
+from amp_fx.backend.splits import noted_by_caller
+from amp_fx.fp8 import Fp8Config
+from amp_fx.passes.capture import module_stack
+from amp_fx.passes.pipeline import GraphRecord
+from amp_fx.policy import CastClass, Policy, module_matches
+
+__all__ = ["report_no_graph", "report_unused_policy", "wrapper_fix"]
+
+
+def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
+                         fp8: Fp8Config | None = None) -> None:
+    """Report each policy entry that decided no op of the graphs captured so far, and an fp8
+    request honoured nowhere.
+
+    A ``keep_fp32`` entry matches an op inside a module it selects; an ``op_classes`` entry
+    matches an op it names. Called after a compiled model's first call.
+    """
+    nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
+    stacks = {module_stack(n) for n in nodes}
+    ops = {n.target.name() for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
+    for sel in policy.keep_fp32:
+        if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+            continue
+        label = repr(sel) if isinstance(sel, str) else sel.__name__
+        reporter.did_less(("keep_fp32", label), (
+            f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
+            f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
+            f"for it. Name a module that runs ops (names are under the module passed to "
+            f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
+    _report_fp8(records, policy, reporter, fp8, stacks)
+    for label, op_names, cls in policy.op_entries:
+        if ops.intersection(op_names) or _unobservable(op_names, cls):
+            continue
+        reporter.did_less(("op_classes", label), (
+            f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
+            f"op in the graphs captured on the first call (the model does not call "
+            f"{', '.join(op_names)}), so it changed nothing. Check the op name and overload "
+            f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+
+def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, fp8: Fp8Config | None,
+                stacks: set[tuple[tuple[str, type], ...]]) -> None:
+    """fp8 asked for and honoured nowhere in the graphs of the first call (each matmul's
+    reason is in ``amp_fx.explain``); ``keep_out_of_fp8`` entries that matched no module, or
+    that cannot matter because fp8 is off."""
+    for sel in policy.keep_out_of_fp8:
+        label = repr(sel) if isinstance(sel, str) else sel.__name__
+        if fp8 is None:
+            reporter.did_less(("keep_out_of_fp8", "fp8 off"), (
+                f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} changes nothing: fp8 is off. "
+                f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."),
+                stacklevel=5)
+        elif not any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+            reporter.did_less(("keep_out_of_fp8", label), (
+                f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} matched no op in the graphs "
+                f"captured on the first call, so no matmul was kept out of fp8 for it. Name a "
+                f"module that runs matmuls (names are under the module passed to amp_fx.compile, "
+                f"as in its named_modules()), or drop the entry."), stacklevel=5)
+    if fp8 is None or not records or noted_by_caller():
+        return
+    decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
+    if any(d.converted for d in decisions):
+        return
+    if not decisions:
+        found = ("no graph of the first call has a matmul with a parameter operand "
+                 "(nn.Linear, F.linear, Conv1D's addmm, x @ W)")
+    else:
+        reasons = Counter(d.reason.removeprefix("not fp8: ").split(";")[0] for d in decisions)
+        found = (f"none of its {len(decisions)} matmuls with a parameter operand can run in fp8: "
+                 + "; ".join(f"{n} x {why}" for why, n in reasons.most_common(3)))
+    reporter.did_less(("fp8", "nothing converted"), (
+        f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
+        f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."),
+        stacklevel=5)
+
+
+def report_no_graph(reporter: Reporter, target: object) -> None:
+    """Report a call of a compiled model or function that captured and ran no graph."""
+    what = type(target).__name__ if isinstance(target, torch.nn.Module) else \
+        getattr(target, "__qualname__", repr(target))
+    fix = wrapper_fix(target) or (
+        "Dynamo skipped or gave up on every frame of the call (TORCH_LOGS=graph_breaks,"
+        "recompiles says why); compile the module that does the work, or run it under "
+        "torch.autocast if it cannot be compiled.")
+    reporter.did_less(("no_graph",), (
+        f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
+        f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
+
+
+def wrapper_fix(target: object) -> str | None:
+    """What to do instead when ``target`` is a distributed wrapper Dynamo does not compile through."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if isinstance(target, DistributedDataParallel):
+        return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
+                "the model inside it instead: DDP(amp_fx.compile(model)).")
+    if isinstance(target, torch.nn.Module) and (is_fsdp1(target) or any(
+            getattr(p, "_fsdp_flattened", False) for p in target.parameters())):
+        # FSDP1 around the model, or the model inside FSDP1 (its parameters are views of
+        # FSDP1's FlatParameter, marked _fsdp_flattened).
+        return (f"{type(target).__name__} is sharded by FullyShardedDataParallel (FSDP1), whose flat "
+                f"parameters and hooks Dynamo does not capture; it trains as eager FSDP1 under autocast. "
+                f"To compile it, {FSDP1_ALTERNATIVE}.")
+    fsdp_types: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        fsdp_types = [FSDPModule, FullyShardedDataParallel]
+    except ImportError:  # pragma: no cover
+        pass
+    if fsdp_types and isinstance(target, tuple(fsdp_types)):
+        return (f"Dynamo captures nothing through this FSDP-sharded {type(target).__name__}; it "
+                "trains as eager FSDP under autocast. Compile the unsharded model's layers with "
+                "amp_fx.compile before sharding them, or run the model under torch.autocast.")
+    return None
+
+
+def _unobservable(op_names: Sequence[str], cls: CastClass) -> bool:
+    """An entry that moves composite ops to NONE lets them decompose: the op itself never appears."""
+    registered = _composite_ops()
+    return cls is CastClass.NONE and all(n in registered for n in op_names)
+
+
+@functools.cache
+def _composite_ops() -> frozenset[str]:
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))

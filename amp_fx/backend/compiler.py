@@ -1,0 +1,180 @@
+"""The torch.compile backend: run the pipeline on each graph, hand it to the downstream backend.
+
+Every graph Dynamo captures (one per graph break) goes through :func:`amp_fx.passes.pipeline.run_pipeline`
+and leaves a :class:`~amp_fx.passes.pipeline.GraphRecord` on the backend, in capture order, for the
+inspection tools. What the backend keeps around the graphs lives beside it: names under the root
+module (``names.py``), weights split by graph breaks (``splits.py``), guards (``guards.py``), the
+audits of what was asked against what was done (``audit.py``), the weight cache (``weight_cache.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from amp_fx._common.downstream import resolve_backend
+from amp_fx._common.report import Reporter
+from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
+from amp_fx.backend.names import RootNames
+from amp_fx.backend.splits import SplitTracker
+from amp_fx.backend.weight_cache import WeightCache
+from amp_fx.errors import AmpFxError
+from amp_fx.options import Options
+from amp_fx.overflow import ForwardWatch
+from amp_fx.passes.pipeline import GraphRecord, GraphWork, run_pipeline
+from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
+from amp_fx.passes.watch_nonfinite import WatchRecord
+
+__all__ = ["AmpBackend"]
+
+
+class AmpBackend:
+    """A torch.compile backend that rewrites each graph for mixed precision, then delegates.
+
+    ``options`` says what to do; the rest is the compiled model's state: ``root`` (the module the
+    user compiled: every module path in the graphs is a name under it), ``reporter`` (where its
+    shortfalls go, shared by its siblings), the weight cache and the forward watch that its graphs
+    feed (``weight_cache=True``, ``watch_nonfinite=True``), and the records of its graphs.
+    """
+
+    def __init__(self, options: Options, *, root: torch.nn.Module | None = None,
+                 reporter: Reporter | None = None) -> None:
+        self.options = options
+        self.root = root
+        self.reporter = reporter if reporter is not None else Reporter(options.strict)
+        self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
+        """amp_fx/backend/weight_cache.py: fills the graphs' lifted weight casts."""
+        self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
+        """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
+        the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
+        self._downstream = resolve_backend(options.backend, inductor_config=options.inductor)
+        if self.watch is not None:
+            self._report_unwatched_backward(self.watch)
+        self.records: list[GraphRecord] = []
+        self.runs = RunCount()
+        """How many times a graph of this backend (or a sibling) has run."""
+        self._splits = SplitTracker(options.dtype, self.reporter)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.options.dtype
+
+    def sibling(self) -> AmpBackend:
+        """A backend with the same options, state and records, but its own identity (Dynamo keeps
+        separate cache entries per backend object) and its own split tracking (a sibling compiles
+        another entry point, whose graphs repeat the model's whole forward)."""
+        other = copy.copy(self)
+        other._splits = SplitTracker(self.options.dtype, self.reporter)
+        return other
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
+        # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
+        # are explicit, so autocast is off while we capture, while the downstream backend traces,
+        # and while the compiled graph runs: nothing is cast twice.
+        guard_module_hooks()
+        names = RootNames(self.root)
+        names.rename_module_stacks(gm)
+        with torch._C._DisableAutocast():
+            work = run_pipeline(self.options, gm, example_inputs, index=len(self.records),
+                                is_state=names.is_module_state)
+            record = work.record(self.options.dtype)
+            self.records.append(record)
+            if self.weight_cache is not None:
+                compiled = self._compile_with_weight_cache(work)
+            else:
+                self._splits.report(record, gm, example_inputs, names)
+                compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
+        return self._run_wrapper(compiled, record)
+
+    def _run_wrapper(self, compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
+        """The compiled graph as Dynamo calls it: autocast off, the run counted, the watch's extra
+        output taken off, a double backward refused with amp_fx's error."""
+        runs = self.runs
+        guarded: set[type] = set()
+        watch, index = self.watch, record.index
+        if watch is not None:
+            assert record.watched is not None
+            watch.add_graph(index, record.watched.ops)
+
+        def run_without_autocast(*args: Any) -> Any:
+            runs.count += 1
+            with torch._C._DisableAutocast():
+                out = compiled(*args)
+            if watch is not None:  # the watch's output (amp_fx/passes/watch_nonfinite.py) is the last
+                watch.ran(index, out[-1])
+                out = type(out)(out[:-1])
+            if not guarded and torch.is_grad_enabled():  # this graph's backward class, once guarded, stays guarded
+                refuse_double_backward(out, guarded)
+            return out
+
+        run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run_without_autocast
+
+    def _compile_with_weight_cache(self, work: GraphWork) -> Callable[..., Any]:
+        """The weight cache: the lifted graph, its parameter casts inputs the cache fills.
+
+        Where lifting or the downstream backend fails on the lifted graph, this graph casts its
+        weights itself, and the owner's reporter says so (an error in strict mode) instead of
+        the failure surfacing from inside Dynamo."""
+        assert self.weight_cache is not None
+        error, lifted = work.lift_error, work.lifted
+        downstream = self._downstream_for(self.records[-1])  # this work's record, appended by __call__
+        if lifted is not None:
+            stamp_forward_nodes(lifted.gm)  # the backward watch's names (a copy made before the stamp)
+            try:
+                return self.weight_cache.wrap(downstream(lifted.gm, lifted.example_inputs), lifted.lifted)
+            except AmpFxError:
+                raise
+            except Exception as e:
+                error = e
+        assert error is not None
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        self.reporter.did_less(("weight_cache", type(error).__name__), (
+            f"amp_fx: weight_cache=True: the {self.options.backend_name} backend failed on graph "
+            f"{work.index} with its weight casts lifted into inputs ({type(error).__name__}: "
+            f"{first_line}); that graph casts its weights itself "
+            f"in every forward instead (no saving, and a weight it shares with another graph of "
+            f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
+            f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."))
+        return downstream(work.gm, list(work.example_inputs))
+
+    # --- the backward watch (amp_fx/passes/watch_backward.py) ---------------------------------
+
+    def _downstream_for(self, record: GraphRecord) -> Callable[..., Any]:
+        """The downstream compile for ``record``'s graph: with the watch, one that also watches
+        its backward graph where the backend has one amp_fx can reach."""
+        watch, backend = self.watch, self.options.backend
+        if watch is None or watch.backward_unwatched or not isinstance(backend, str):
+            return self._downstream
+        key = watch.backward_key(record.index)
+
+        def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:
+            watch.add_graph(key, watched.ops)
+            record.watched_backward = watched
+            return functools.partial(watch.ran, key)
+
+        downstream = watching_downstream(backend, inductor_config=self.options.inductor, dtype=self.options.dtype,
+                                         forward=record.rewritten, on_backward=on_backward)
+        return downstream if downstream is not None else self._downstream
+
+    def _report_unwatched_backward(self, watch: ForwardWatch) -> None:
+        """``watch_nonfinite=True`` with a backend whose backward graph amp_fx cannot reach: the
+        forward is watched, the backward is not; say so once (the report line says it too)."""
+        backend = self.options.backend
+        if isinstance(backend, str) and backend in WATCHABLE:
+            return
+        if backend == "eager":
+            why = "backend 'eager' runs the graphs' ops through eager autograd: there is no backward graph"
+        else:
+            why = f"backend {self.options.backend_name!r} is not one whose backward graph amp_fx reaches"
+        watch.backward_unwatched = why
+        self.reporter.did_less(("watch_nonfinite", "backward"), (
+            f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
+            f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
+            f"'inductor' to name the backward's first inf too."), stacklevel=5)

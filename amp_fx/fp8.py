@@ -1,0 +1,84 @@
+"""fp8 training: the recipes and their configuration (``amp_fx.compile(..., fp8=...)``).
+
+With ``fp8`` set, every matmul of a captured graph that has a parameter (or a view of one) as its
+right operand, and whose dimensions ``torch._scaled_mm`` takes, runs as an fp8 matmul in the
+forward and in both backward GEMMs (:mod:`amp_fx.passes.fp8_matmuls`), with torchao 0.18's
+float8 training numerics (:mod:`amp_fx.kernels.fp8_matmul`). Everything else runs in ``dtype``
+as before.
+
+    >>> Fp8Config.of("rowwise")
+    Fp8Config(recipe=<Fp8Recipe.ROWWISE: 'rowwise'>)
+    >>> Fp8Config.of(None) is None
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["Fp8Recipe", "Fp8Config", "Fp8Like"]
+
+
+class Fp8Recipe(enum.Enum):
+    """torchao's float8 training recipes (``torchao.float8.Float8LinearRecipeName``).
+
+    The three GEMMs of a matmul ``out = x @ w``: ``out`` (forward), ``grad_x = grad_out @ w.T`` and
+    ``grad_w = x.T @ grad_out``. Scales are ``fp8_max / amax``, computed in float64 and stored as
+    float32, from the amax of the whole tensor (tensorwise) or of each row along the GEMM's inner
+    dimension (rowwise, rounded down to a power of two).
+    """
+
+    TENSORWISE = "tensorwise"
+    """One scale per tensor; ``x`` and ``w`` in e4m3, ``grad_out`` in e5m2. torchao's default
+    and fastest recipe."""
+    ROWWISE = "rowwise"
+    """One scale per row along the inner dimension of each GEMM, rounded down to a power of
+    two; every operand in e4m3."""
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
+    """Rowwise for ``out`` and ``grad_x`` (``w`` tensorwise in ``grad_x``), and ``grad_w`` in the
+    high-precision dtype: torchao's most accurate recipe."""
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """fp8 training, as given to ``amp_fx.compile(..., fp8=...)``.
+
+    Args:
+        recipe: an :class:`Fp8Recipe` or its name (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``).
+
+    Which matmuls stay out of fp8 is the policy's business (``Policy(keep_out_of_fp8=...)``);
+    shapes ``torch._scaled_mm`` cannot take stay in ``dtype`` on their own, and ``amp_fx.explain``
+    says why for each.
+    """
+
+    recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
+
+    def __post_init__(self) -> None:
+        recipe = self.recipe
+        if isinstance(recipe, str):
+            try:
+                recipe = Fp8Recipe(recipe)
+            except ValueError:
+                raise ValueError(f"amp_fx: unknown fp8 recipe {self.recipe!r}; expected one of "
+                                 f"{[r.value for r in Fp8Recipe]}") from None
+        if not isinstance(recipe, Fp8Recipe):
+            raise TypeError(f"amp_fx: Fp8Config.recipe must be an amp_fx.Fp8Recipe or its name, "
+                            f"got {self.recipe!r} ({type(self.recipe).__name__})")
+        object.__setattr__(self, "recipe", recipe)
+
+    @staticmethod
+    def of(value: Fp8Like) -> Fp8Config | None:
+        """The config for an ``fp8=`` argument: None (fp8 off), a recipe, its name, or a config."""
+        if value is None or isinstance(value, Fp8Config):
+            return value
+        if isinstance(value, (str, Fp8Recipe)):
+            return Fp8Config(recipe=value)
+        raise TypeError(f"amp_fx: fp8 must be None, a recipe name {[r.value for r in Fp8Recipe]}, an "
+                        f"amp_fx.Fp8Recipe or an amp_fx.Fp8Config, got {value!r} "
+                        f"({type(value).__name__})")
+
+
+Fp8Like = Union[None, str, Fp8Recipe, Fp8Config]

@@ -1,0 +1,292 @@
+"""The fp8 matmul of fp8 training: torchao 0.18's float8 training numerics, without its tensor subclass.
+
+:func:`fp8_matmul` computes ``x @ w`` (``x``: ``[..., K]`` in the high-precision dtype, ``w``:
+``[K, N]``, usually a transposed fp32 weight) with the three GEMMs of a linear layer in fp8:
+
+    out    = x      @ w        (forward;   operands "input" and "weight")
+    grad_x = grad   @ w.T      (backward;  "grad_output" and "weight")
+    grad_w = x.T    @ grad     (backward;  "input" and "grad_output"; the result is w's gradient)
+
+each operand scaled and cast as its recipe says (:data:`RECIPES`), and ``torch._scaled_mm`` run
+on exactly the layouts, scales and output dtype torchao's ``Float8TrainingTensor`` gives it. The
+op sequence is torchao's, function for function (the name of the torchao function each helper
+reproduces is in its docstring), so the results are bitwise with ``convert_to_float8_training``
+on the same inputs; ``tests/test_fp8.py`` checks it against torchao itself.
+
+Why an ``autograd.Function`` of ATen ops and not a custom op: the fp8 pass puts a call of
+:func:`fp8_matmul` in the captured graph, and AOTAutograd traces through the Function into the
+forward graph and its backward into the backward graph, as ATen ops (``abs``, ``amax``, ``mul``,
+``clamp``, the cast to fp8, ``_scaled_mm``). Inductor then fuses each amax and each
+scale-and-cast into a few kernels around the ``_scaled_mm`` extern call, as it does for
+torchao's own Function. A ``torch.library`` custom op would be opaque to inductor: its casts
+would run as separate eager kernels.
+
+Example (a [32, 16] x [16, 48] matmul in fp8, tensorwise):
+    >>> import torch
+    >>> from amp_fx.fp8 import Fp8Recipe
+    >>> x = torch.randn(32, 16, dtype=torch.bfloat16, requires_grad=True)
+    >>> w = torch.randn(48, 16, requires_grad=True)
+    >>> out = fp8_matmul(x, w.t(), Fp8Recipe.TENSORWISE)
+    >>> out.dtype, out.shape
+    (torch.bfloat16, torch.Size([32, 48]))
+    >>> out.float().sum().backward()
+    >>> x.grad.dtype, w.grad.dtype
+    (torch.bfloat16, torch.float32)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import torch
+
+from amp_fx.fp8 import Fp8Recipe
+
+__all__ = ["fp8_matmul", "RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "rowwise_scales_missing"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+EPS = 1e-12
+"""torchao's floor on amax (``torchao.float8.float8_utils.EPS``): a zero tensor gets a finite scale."""
+
+
+@dataclass(frozen=True)
+class Cast:
+    """How one operand enters one GEMM: its fp8 dtype and scale granularity; ``dtype=None``
+    keeps it in the high-precision dtype (torchao's ``ScalingType.DISABLED``)."""
+
+    dtype: torch.dtype | None
+    rowwise: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.dtype is None:
+            return "high precision"
+        return f"{'e4m3' if self.dtype is E4M3 else 'e5m2'} {'rowwise' if self.rowwise else 'tensorwise'}"
+
+
+@dataclass(frozen=True)
+class RecipeCasts:
+    """A recipe as torchao's ``Float8LinearConfig.from_recipe_name`` builds it: the cast of each
+    operand in each GEMM (the ``cast_config_*`` fields), whether scales are rounded down to a
+    power of two, and ``use_fast_accum`` per GEMM (``gemm_config_*``; the default
+    ``Float8LinearConfig`` asks for it on the output GEMM only)."""
+
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+    input_for_grad_weight: Cast
+    weight_for_grad_input: Cast
+    grad_output_for_grad_weight: Cast
+    round_scales_to_power_of_2: bool
+    fast_accum_output: bool = True
+    fast_accum_grad_input: bool = False
+    fast_accum_grad_weight: bool = False
+
+    @property
+    def granularity(self) -> str:
+        """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``)."""
+        return "rowwise" if self.input.rowwise else "tensorwise"
+
+    @property
+    def rowwise(self) -> bool:
+        """Whether some GEMM takes rowwise scales (``_scaled_mm``'s rowwise kernel)."""
+        return any(c.rowwise for c in (self.input, self.weight, self.grad_output,
+                                       self.input_for_grad_weight, self.weight_for_grad_input,
+                                       self.grad_output_for_grad_weight))
+
+
+_HP = Cast(None)
+RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
+    # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
+    Fp8Recipe.TENSORWISE: RecipeCasts(
+        input=Cast(E4M3), weight=Cast(E4M3), grad_output=Cast(E5M2),
+        input_for_grad_weight=Cast(E4M3), weight_for_grad_input=Cast(E4M3),
+        grad_output_for_grad_weight=Cast(E5M2), round_scales_to_power_of_2=False),
+    Fp8Recipe.ROWWISE: RecipeCasts(
+        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
+        input_for_grad_weight=Cast(E4M3, True), weight_for_grad_input=Cast(E4M3, True),
+        grad_output_for_grad_weight=Cast(E4M3, True), round_scales_to_power_of_2=True),
+    Fp8Recipe.ROWWISE_WITH_GW_HP: RecipeCasts(
+        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
+        input_for_grad_weight=_HP, weight_for_grad_input=Cast(E4M3),
+        grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
+})
+"""Each recipe's casts, as torchao 0.18 defines them."""
+
+
+@functools.cache
+def rowwise_scales_missing(device_type: str) -> str | None:
+    """None if ``torch._scaled_mm`` takes rowwise scales on ``device_type``, else why not.
+
+    A feature test on a 16 x 16 GEMM, run once: torch 2.11's CPU kernel takes per-tensor scales
+    only ("Now _scaled_mm only supports per-tensor scaling for CPU backend"), 2.13's takes both.
+    CUDA's rowwise kernel needs an sm_89+ GPU and is not probed here (no device is touched)."""
+    if device_type != "cpu":
+        return None
+    a = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t().contiguous().t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0][:120]
+        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only ({first})"
+    return None
+
+
+class _Fp8(NamedTuple):
+    """An operand cast to fp8 (the fields of torchao's ``Float8TrainingTensor``)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    """fp32: ``data = saturate(hp * scale)``; 0-dim (tensorwise) or keepdim-reduced (rowwise)."""
+    orig_dtype: torch.dtype
+    axiswise_dim: int | None
+    """The dimension the scale was reduced over (0 or -1), None for tensorwise."""
+
+
+@torch.no_grad()
+def _scale(x: torch.Tensor, dtype: torch.dtype, axiswise_dim: int | None, pow2: bool) -> torch.Tensor:
+    """torchao ``tensor_to_scale``: ``fp8_max / max(amax, EPS)`` in float64, stored as float32,
+    optionally rounded down to a power of two (``_round_scale_down_to_power_of_2``)."""
+    if axiswise_dim is None:
+        amax = torch.max(torch.abs(x))
+    else:
+        amax = torch.amax(torch.abs(x), dim=axiswise_dim, keepdim=True)
+    # torchao: "torch.compile and eager show different numerics for 1.0 / float32"; so float64.
+    amax = amax.to(torch.float64)
+    res = torch.finfo(dtype).max / torch.clamp(amax, min=EPS)
+    res = res.to(torch.float32)
+    if pow2:
+        res = torch.exp2(torch.floor(torch.log2(res)))
+    return res
+
+
+def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> _Fp8 | torch.Tensor:
+    """torchao ``hp_tensor_to_float8_dynamic``: scale, multiply in fp32, saturate, cast
+    (``_ToFloat8ConstrFunc.forward`` and ``to_fp8_saturated``). ``x`` itself when the cast keeps
+    it in high precision."""
+    if cast.dtype is None:
+        return x
+    dim = axiswise_dim if cast.rowwise else None
+    scale = _scale(x, cast.dtype, dim, pow2)
+    scaled = x.to(torch.float32) * scale
+    fp8_max = torch.finfo(cast.dtype).max
+    data = scaled.clamp(min=-fp8_max, max=fp8_max).to(cast.dtype)
+    return _Fp8(data, scale, x.dtype, dim)
+
+
+def _t(a: _Fp8 | torch.Tensor) -> _Fp8 | torch.Tensor:
+    """torchao ``float8_transpose`` for ``aten.t``."""
+    if isinstance(a, torch.Tensor):
+        return a.t()
+    scale = a.scale.t() if a.scale.ndim > 1 else a.scale
+    dim = None if a.axiswise_dim is None else (-1 if a.axiswise_dim == 0 else 0)
+    return _Fp8(a.data.t(), scale, a.orig_dtype, dim)
+
+
+def _rows(a: _Fp8 | torch.Tensor) -> _Fp8 | torch.Tensor:
+    """``a.reshape(-1, K)`` (torchao ``float8_view``/``float8_desugar_op``: a rowwise scale over
+    the last dimension becomes one per row of the result)."""
+    if isinstance(a, torch.Tensor):
+        return a.reshape(-1, a.shape[-1])
+    data = a.data.reshape(-1, a.data.shape[-1])
+    if a.scale.ndim < 2 or list(data.shape) == list(a.data.shape):
+        return _Fp8(data, a.scale, a.orig_dtype, a.axiswise_dim)
+    assert a.axiswise_dim == -1, "a rowwise input is scaled over its last dimension"
+    return _Fp8(data, a.scale.reshape(data.shape[0], 1), a.orig_dtype, -1)
+
+
+def _row_major(stride: tuple[int, ...]) -> bool:
+    """torchao ``is_row_major``."""
+    return stride[0] > stride[1] and stride[1] == 1
+
+
+def _mm(a: _Fp8 | torch.Tensor, b: _Fp8 | torch.Tensor, fast_accum: bool) -> torch.Tensor:
+    """torchao ``float8_mm`` (``preprocess_addmm`` + ``addmm_float8_unwrapped``); a plain
+    ``torch.mm`` where both operands stay in high precision."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), \
+            "a GEMM's operands are both fp8 or both high precision"
+        return torch.mm(a, b)
+    a_data, a_scale, b_data, b_scale = a.data, a.scale, b.data, b.scale
+    if not _row_major(a_data.stride()):
+        a_data = a_data.contiguous()
+    if _row_major(b_data.stride()):
+        b_data = b_data.t().contiguous().t()
+    # _scaled_mm takes one granularity for both operands: a tensorwise scale is repeated.
+    if a.axiswise_dim is None and b.axiswise_dim is not None:
+        a_scale = a_scale.repeat(a_data.shape[0]).reshape(-1, 1)
+    elif a.axiswise_dim is not None and b.axiswise_dim is None:
+        b_scale = b_scale.repeat(b_data.shape[1]).reshape(1, -1)
+    output_dtype = a.orig_dtype
+
+    a_inverse_scale = a_scale.reciprocal()
+    b_inverse_scale = b_scale.reciprocal()
+    post_inverse_scale = None
+    rowwise = a_scale.shape == (a_data.shape[0], 1) and b_scale.shape == (1, b_data.shape[1])
+    if rowwise and not fast_accum:
+        # torchao: the rowwise kernel is slow without fast accumulation, so the tensorwise kernel
+        # runs with unit scales and the scales are applied to its (rounded) output.
+        post_inverse_scale = a_inverse_scale * b_inverse_scale
+        a_inverse_scale = a_inverse_scale.new_ones(())
+        b_inverse_scale = a_inverse_scale.new_ones(())
+    orig_dtype = output_dtype
+    if orig_dtype in (torch.float16, torch.float32) and rowwise:
+        output_dtype = torch.bfloat16  # rowwise _scaled_mm has no fp16/fp32 output
+    output = torch._scaled_mm(a_data, b_data, scale_a=a_inverse_scale, scale_b=b_inverse_scale,
+                              bias=None, scale_result=None, out_dtype=output_dtype,
+                              use_fast_accum=fast_accum)
+    if post_inverse_scale is not None:
+        output *= post_inverse_scale
+    if orig_dtype in (torch.float16, torch.float32) and rowwise:
+        output = output.to(orig_dtype)
+    return output
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """torchao ``matmul_with_hp_or_float8_args``: the hp inputs are saved, every cast is done
+    where its GEMM needs it (the weight's forward cast is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.recipe = recipe
+        c = RECIPES[recipe]
+        pow2 = c.round_scales_to_power_of_2
+        x_fp8 = _to_fp8(x, c.input, -1, pow2)
+        w_fp8 = _to_fp8(w, c.weight, 0, pow2)
+        out = _mm(_rows(x_fp8), w_fp8, c.fast_accum_output)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        c = RECIPES[ctx.recipe]
+        pow2 = c.round_scales_to_power_of_2
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+
+        grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
+        w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, pow2)
+        grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
+        grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
+
+        x_2d = x.reshape(-1, x.shape[-1])
+        grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
+        x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
+        grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
+        return grad_x, grad_w.t(), None
+
+
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """``x @ w`` in fp8 with ``recipe``'s numerics; the result has ``x``'s dtype.
+
+    ``x``: ``[..., K]``, bf16/fp16 (fp32 runs too); ``w``: ``[K, N]`` in any float dtype (fp32
+    for a master weight; torchao scales it from fp32, without a bf16 round trip). The
+    gradients have the dtype of ``grad`` (the result's); autograd casts ``w``'s to ``w``'s dtype.
+    """
+    return _Fp8Matmul.apply(x, w, recipe)

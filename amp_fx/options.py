@@ -1,0 +1,114 @@
+"""The options of a compiled model or step: one frozen record, built and checked once.
+
+``amp_fx.compile``, ``amp_fx.compile_step`` and the backend by name (``torch.compile(backend="amp_fx",
+options={...})``) each build one :class:`Options` from what the user passed; everything downstream
+(the backend object, the pipeline's stages, copies of a compiled model, the frameworks' adapters and
+``explain``) reads that record. ``amp_fx.options_of(compiled)`` is the one public way to read a compiled
+model's.
+
+    >>> import torch, amp_fx
+    >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="fp16", backend="aot_eager")
+    >>> amp_fx.options_of(model).dtype
+    torch.float16
+
+Adding an option means a field here, its check in :meth:`Options.__post_init__`, and the code
+that uses it (the keyword of ``compile``/``compile_step`` is derived from the field list).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._inductor
+
+from amp_fx._common.downstream import Backend, backend_name
+from amp_fx._common.report import resolve_strict
+from amp_fx.fp8 import Fp8Config
+from amp_fx.policy import Policy, resolve_dtype
+
+__all__ = ["Options", "check_backend", "inductor_config"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """What amp_fx was asked to do: validated on construction, never changed afterwards.
+
+    ``dtype`` accepts the spellings of ``amp_fx.compile`` ("bf16", "fp16", torch dtypes) and is
+    stored as a torch dtype; ``strict=None`` reads ``AMP_FX_STRICT`` when the record is built.
+    ``inductor`` holds inductor config patches (torch.compile's ``mode=``/``options=``);
+    ``torch_compile`` the keywords passed on to ``torch.compile`` (``fullgraph``, ``dynamic``, ...).
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    policy: Policy = field(default_factory=Policy)
+    backend: str | Backend = "inductor"
+    fold: bool = True
+    strict: bool | None = None
+    """Always a bool once built (``None``: the ``AMP_FX_STRICT`` environment variable, read then)."""
+    weight_cache: bool = False
+    watch_nonfinite: bool = False
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+    torch_compile: Mapping[str, Any] = field(default_factory=dict)
+    fp8: Fp8Config | None = None
+    """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
+    stored as an ``Fp8Config`` (None: off)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # the one place a frozen record normalises what it was given
+        set_(self, "dtype", resolve_dtype(self.dtype))
+        set_(self, "strict", resolve_strict(self.strict))
+        set_(self, "fp8", Fp8Config.of(self.fp8))
+        if self.policy is None:
+            set_(self, "policy", Policy())
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(self.policy).__name__}")
+        check_backend(self.backend)
+        for name in ("fold", "weight_cache", "watch_nonfinite"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"amp_fx: {name} must be True or False, got {value!r}")
+        set_(self, "inductor", dict(self.inductor))
+        set_(self, "torch_compile", dict(self.torch_compile))
+        if self.inductor and self.backend != "inductor":
+            raise ValueError(f"amp_fx: inductor options {dict(self.inductor)} are set, but backend="
+                             f"{self.backend!r}: mode= and options= configure inductor")
+
+    @property
+    def backend_name(self) -> str:
+        """The downstream backend as messages and records name it."""
+        return backend_name(self.backend)
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with ``changes`` applied (and checked)."""
+        return dataclasses.replace(self, **changes)
+
+    def __hash__(self) -> int:  # the dict fields hold user values: hash what identifies a backend
+        return hash((self.dtype, self.policy, self.backend, self.fold, self.strict, self.weight_cache,
+                     self.watch_nonfinite, tuple(sorted(self.inductor.items(), key=repr)), self.fp8))
+
+
+def inductor_config(backend: object, mode: str | None, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """torch.compile's ``mode=``/``options=`` as inductor config patches (checked against ``backend``)."""
+    if (mode is not None or options) and backend != "inductor":
+        raise ValueError(f"amp_fx: mode= and options= configure inductor (inductor options), but backend={backend!r}")
+    config = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    config.update(options or {})
+    return config
+
+
+def check_backend(backend: object) -> None:
+    """Raise at build time for a backend torch.compile would only reject at the first call."""
+    if callable(backend):
+        return
+    if not isinstance(backend, str):
+        raise TypeError(f"amp_fx: backend must be a torch.compile backend name (a str such as "
+                        f"'inductor', 'aot_eager', 'eager') or a callable, got {backend!r} "
+                        f"({type(backend).__name__})")
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"amp_fx: unknown backend {backend!r}; torch.compile knows {sorted(known)}")

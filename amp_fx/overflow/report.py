@@ -1,0 +1,81 @@
+"""What ``overflow_report()`` returns after its one host read: :class:`OverflowReport`, and the
+first non-finite forward op it names, :class:`FirstOp`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["FirstOp", "OverflowReport"]
+
+
+@dataclass(frozen=True)
+class FirstOp:
+    """The first op (in graph order, in the first graph that ran it) whose output was non-finite."""
+
+    module: str
+    """Module path under the root module ("" for code of the root itself)."""
+    op: str
+    """ATen op, e.g. ``aten.mm``."""
+    dtype: str
+    """Output dtype (``fp16``/``bf16``)."""
+    graph: int
+    """Index of the captured graph (``amp_fx_records``) that holds it."""
+    node: str
+    """The node's name in that rewritten graph."""
+    rank: int | None = None
+    """Under DDP/FSDP2: the (global) rank whose forward it was, the lowest one if several; else None."""
+    backward: bool = False
+    """Whether it was an op of the backward (AOTAutograd's backward graph of graph ``graph``)."""
+    grad_of: str = ""
+    """A backward op: the forward op it differentiates (``aten.linear``; "" where unknown). ``module``
+    is that op's module."""
+    incoming: bool = False
+    """A backward record that is no op: the gradient of the output of ``grad_of`` (in ``module``) was
+    already non-finite when it entered the compiled backward (made after the graph, by the loss
+    say, or the gradient of a non-finite output)."""
+
+    def __str__(self) -> str:
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        if self.incoming:
+            return (f"{self.module or '<root>'} (the gradient of its {self.grad_of or 'output'} output, "
+                    f"{self.dtype}, entered the compiled backward non-finite){where}")
+        if self.backward:
+            return f"{self.module or '<root>'} ({self.op}, {self.dtype}, backward of {self.grad_of or '?'}){where}"
+        return f"{self.module or '<root>'} ({self.op}, {self.dtype}){where}"
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """The most recent skipped step, as read by ``overflow_report()``."""
+
+    step: int
+    """Index of the skipped optimizer step: how many ``update()`` calls (compiled steps) came before it."""
+    gradients: tuple[str, ...]
+    """Names (under the root module) of the parameters whose gradients held an inf/NaN."""
+    first_op: FirstOp | None
+    """The first op whose low-precision output created an inf/NaN, in the forward or (``.backward``)
+    the backward, or None (none was created in a watched graph, or nothing was watched)."""
+    skipped: int
+    """Skipped steps so far (the scaler's running count)."""
+    watched: tuple[str, ...] = ()
+    """What the watch covered: ``("forward", "backward")``, ``("forward",)`` (the backward could not
+    be watched, see ``backward_unwatched``) or ``()`` (no watch)."""
+    backward_unwatched: str = ""
+    """Why the backward was not watched ("" where it was, or where nothing was)."""
+
+    def __str__(self) -> str:
+        names = ", ".join(self.gradients[:3]) + (", ..." if len(self.gradients) > 3 else "")
+        grads = f"{len(self.gradients)} gradients non-finite ({names})" if self.gradients else "no gradient non-finite"
+        return f"step {self.step} skipped: {self._where()}; {grads}"
+
+    def _where(self) -> str:
+        """Where the first inf appeared, or exactly what the record knows when no op is named."""
+        if self.first_op is not None:
+            return f"first inf {'in the backward ' if self.first_op.backward else ''}at {self.first_op}"
+        if not self.watched:
+            return "no op named (not watched: compile with watch_nonfinite=True)"
+        if "backward" not in self.watched:
+            return (f"no op named: no forward op created an inf/NaN (a -inf mask or an in-place op is not "
+                    f"named); the backward is not watched ({self.backward_unwatched or 'no backward graph'})")
+        return ("no op named: no forward or backward op created an inf/NaN (a -inf mask, an in-place op "
+                "or code outside the compiled graphs is not named)")

@@ -1,0 +1,144 @@
+"""The forward watch: the first non-finite op of a compiled model's forward, kept on the device.
+
+With ``watch_nonfinite=True`` each rewritten graph returns the position of its first op whose
+low-precision output held an inf/NaN (``amp_fx.passes.watch_nonfinite``); the model's
+:class:`ForwardWatch` keeps the first such op since it was last taken, across graphs and
+micro-batches. A watch made for a compiled module registers itself (weakly) with that module, so
+that a ``GradScaler`` that was not told which model it trains can find it by the parameters its
+optimizer holds (:func:`watched_models`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from amp_fx._common.unwrap import layers
+from amp_fx._dist.found_inf import running_ddp
+from amp_fx.overflow.report import FirstOp
+from amp_fx.passes.watch_nonfinite import NONE, WatchedOp
+
+__all__ = ["ForwardWatch", "GRAPH_STRIDE", "forward_watch", "watched_models"]
+
+GRAPH_STRIDE = 1 << 24
+"""A record is graph key * GRAPH_STRIDE + position in that graph's watched ops. A forward graph's
+key is its index; its backward graph's (amp_fx/passes/watch_backward.py) is BACKWARD + index, so a
+record combined across ranks (MIN) prefers a forward op to a backward one, and records stay below
+2^41 (amp_fx/_dist/found_inf.py packs them with the rank)."""
+BACKWARD = 1 << 16
+
+# The watches of compiled modules alive, oldest first (weak: a watch lives as long as its model).
+_WATCHED: list[weakref.ref[ForwardWatch]] = []
+
+
+class ForwardWatch:
+    """The record shared by a compiled model's graphs (its backend and siblings): the first op, in
+    the order the graphs ran, of the forward graphs and of their backward graphs
+    (``amp_fx.passes.watch_backward``), whose low-precision output created an inf/NaN.
+
+    ``root``: the module that was compiled (None for a function): the watch registers itself with
+    it for :func:`watched_models`.
+    """
+
+    def __init__(self, root: torch.nn.Module | None = None) -> None:
+        self.ops: dict[int, list[WatchedOp]] = {}
+        self.first: torch.Tensor | None = None
+        """int64 0-dim: the first non-finite op since the last :meth:`take`, or -1."""
+        self._root = None if root is None else weakref.ref(root)
+        self._ddp: weakref.ref[torch.nn.Module] | None = None
+        self.backward_unwatched = ""
+        """Why the backward graphs are not watched ("" where they are: aot_eager, inductor)."""
+        if root is not None:
+            _WATCHED.append(weakref.ref(self))
+
+    @staticmethod
+    def backward_key(index: int) -> int:
+        """The key of forward graph ``index``'s backward graph in :attr:`ops` and in :meth:`ran`."""
+        return BACKWARD + index
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        return ("forward",) if self.backward_unwatched else ("forward", "backward")
+
+    @property
+    def root(self) -> torch.nn.Module | None:
+        """The compiled module (None for a function, or once the module is gone)."""
+        return None if self._root is None else self._root()
+
+    @property
+    def ddp(self) -> torch.nn.Module | None:
+        """The ``DistributedDataParallel`` module whose forward ran this watch's graphs, if any: the
+        module whose ranks train it together (``DDP(amp_fx.compile(model))``)."""
+        return None if self._ddp is None else self._ddp()
+
+    def add_graph(self, index: int, ops: Sequence[WatchedOp]) -> None:
+        if len(ops) >= GRAPH_STRIDE:
+            raise ValueError(f"amp_fx: graph {index} has {len(ops)} watched ops, more than {GRAPH_STRIDE}")
+        self.ops[index] = list(ops)
+
+    def ran(self, index: int, position: torch.Tensor) -> None:
+        """A graph ran; ``position`` is its in-graph record (-1 when its outputs were finite)."""
+        if self._ddp is None and self._root is not None and (ddp := running_ddp()) is not None:
+            self._ddp = weakref.ref(ddp)
+        code = torch.where(position == NONE, NONE, position + index * GRAPH_STRIDE)
+        if self.first is None:
+            self.first = code.clone()
+            return
+        self.first.copy_(torch.where(self.first == NONE, code, self.first))
+
+    def peek(self, device: torch.device) -> torch.Tensor:
+        """The record so far (a copy; -1 before any run), without a fresh start."""
+        if self.first is None:
+            return torch.full((), NONE, dtype=torch.int64, device=device)
+        return self.first.clone()
+
+    def take(self) -> torch.Tensor | None:
+        """The record since the last take (a copy), and a fresh start; None before any run."""
+        if self.first is None:
+            return None
+        taken = self.first.clone()
+        self.first.fill_(NONE)
+        return taken
+
+    def describe(self, code: int, rank: int | None = None) -> FirstOp | None:
+        """The op a record names; ``rank``: the rank whose forward it was (a record combined across
+        ranks names an op of that rank's graphs, the same as this rank's unless one recompiled)."""
+        if code == NONE:
+            return None
+        key, position = divmod(code, GRAPH_STRIDE)
+        ops = self.ops.get(key, [])
+        backward = key >= BACKWARD
+        graph = key - BACKWARD if backward else key
+        if position >= len(ops):
+            which = "the backward of graph" if backward else "graph"
+            return FirstOp(module="<unknown>", op=f"<op {position} of {which} {graph}, not compiled on this rank>",
+                           dtype="?", graph=graph, node="", rank=rank, backward=backward)
+        op = ops[position]
+        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank,
+                       backward=backward, grad_of=op.grad_of or "", incoming=op.incoming)
+
+
+def forward_watch(model: object) -> ForwardWatch | None:
+    """The :class:`ForwardWatch` of a model compiled with ``watch_nonfinite=True`` (under DDP and
+    ``torch.compile`` wrappers too), else None."""
+    for layer in layers(model, any_module_attr=True):
+        watch = getattr(layer, "amp_fx_watch", None)
+        if isinstance(watch, ForwardWatch):
+            return watch
+    return None
+
+
+def watched_models() -> list[tuple[torch.nn.Module, ForwardWatch]]:
+    """The modules compiled with ``watch_nonfinite=True`` that are alive, with their watches, in
+    the order they were compiled."""
+    live = []
+    for ref in list(_WATCHED):
+        watch = ref()
+        root = None if watch is None else watch.root
+        if watch is None or root is None:
+            _WATCHED.remove(ref)
+        else:
+            live.append((root, watch))
+    return live

@@ -1,0 +1,381 @@
+"""fp8_matmuls: run every matmul with a parameter operand as an fp8 matmul (``amp_fx.compile(..., fp8=...)``).
+
+Assumes the graph of ``insert_casts``: ATen ops with ``meta["val"]`` true, ``meta["amp_fx_decision"]``
+on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders marked
+``meta["amp_fx_parameter"]`` (the name of the ``nn.Parameter`` it is, None for other inputs).
+
+Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
+(transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
+weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``), seen
+through the cast ``insert_casts`` gave it. Each is *considered*: converted, or left in ``dtype``
+with the reason recorded. A matmul stays in ``dtype`` when
+
+* the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
+  input is not bf16/fp16;
+* its module is kept out of fp8 by ``Policy(keep_out_of_fp8=...)``;
+* a dimension of one of its three GEMMs is not a multiple of 16, which ``torch._scaled_mm``
+  needs on the GPU: ``K`` (in features) and ``N`` (out features) always, ``M`` (the rows of ``x``,
+  batch times tokens) for the recipes whose weight-gradient GEMM is fp8 (its inner dimension);
+* the parameter is the left operand, or the weight is 3-D (batched matmul, ``bmm``).
+
+A converted matmul becomes :func:`amp_fx.kernels.fp8_matmul.fp8_matmul` on the input as
+``insert_casts`` cast it (the autocast dtype) and the *fp32* weight, transposed to ``[K, N]``
+(torchao scales the master weight, with no bf16 round trip), plus ``aten.add`` of the bias cast to
+the output's dtype (torchao's ``Float8Linear`` adds it after the GEMM). Casts left without users
+are removed. The call stays a Python call in the graph: AOTAutograd traces through it (see that
+module's docstring for why).
+
+Guarantees: ``meta["val"]`` set on every new node (the converted matmul's value has the original
+node's dtype and shape); every considered matmul carries ``meta["amp_fx_fp8"]`` (an
+:class:`Fp8Decision`: converted or not, and why), on the fp8 call where it was converted and on
+the matmul node where it was not; new nodes keep the matmul's ``nn_module_stack``; no new
+aliasing (the fp8 call returns a fresh tensor); the graph lints.
+
+Example:
+    >>> import torch
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> from amp_fx.passes.capture import capture
+    >>> from amp_fx.fp8 import Fp8Config
+    >>> from amp_fx.passes.insert_casts import insert_casts
+    >>> from amp_fx.policy import Policy
+    >>> with FakeTensorMode() as mode:
+    ...     x, w = torch.empty(32, 64), torch.nn.Parameter(torch.empty(16, 64))
+    ...     gm = capture(torch.nn.functional.linear, [x, w], policy=Policy(), device_type="cpu",
+    ...                  dtype=torch.bfloat16, leaf_flags=[False, True])
+    ...     gm, _ = insert_casts(gm, policy=Policy(), device_type="cpu", dtype=torch.bfloat16,
+    ...                          fake_mode=mode)
+    ...     x_node, w_node = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ...     x_node.meta["amp_fx_parameter"], w_node.meta["amp_fx_parameter"] = None, "w"
+    ...     gm, record = fp8_matmuls(gm, config=Fp8Config("tensorwise"), policy=Policy(),
+    ...                              fake_mode=mode)
+    >>> [(d.op, d.shape, d.converted) for d in record.decisions]
+    [('aten.linear', (32, 64, 16), True)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.errors import AmpFxError
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul, rowwise_scales_missing
+from amp_fx.passes import meta
+from amp_fx.passes.capture import module_stack
+from amp_fx.policy import CastClass, Decision, Policy, module_matches
+
+__all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS"]
+
+aten = torch.ops.aten
+
+ALIGNMENT = 16
+"""``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
+multiples of 16 (the CPU kernel takes any size; amp_fx applies the GPU's rule everywhere, so a
+model converts the same matmuls on both)."""
+
+MATMULS = {
+    aten.linear.default: "aten.linear",
+    aten.addmm.default: "aten.addmm",
+    aten.mm.default: "aten.mm",
+    aten.matmul.default: "aten.matmul",
+    aten.bmm.default: "aten.bmm",
+    aten.baddbmm.default: "aten.baddbmm",
+}
+"""The ops the pass considers (bmm/baddbmm are recorded as not convertible)."""
+
+_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+          aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
+          aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default}
+"""Ops through which a weight operand is still "a view of a parameter"."""
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Fp8Decision:
+    """Why one matmul runs in fp8 or not: ``meta["amp_fx_fp8"]``."""
+
+    converted: bool
+    reason: str
+    op: str
+    """The ATen op the model called (``aten.linear``, ``aten.addmm``, ...)."""
+    weight: str
+    """The parameter operand's name (``fc1.weight``), or its graph input's where unknown."""
+    module: str
+    """The innermost module under the compiled root ("" for the root's own code)."""
+    shape: tuple[int | str, int | str, int | str] | None = None
+    """(M, K, N) of the forward GEMM (a symbolic size as text), where known."""
+    recipe: Fp8Recipe | None = None
+    """The recipe the matmul runs with, where converted."""
+
+    @property
+    def flops(self) -> int:
+        """The multiply-adds times two of the forward GEMM (0 where a size is symbolic)."""
+        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
+            return 0
+        m, k, n = self.shape
+        return 2 * m * k * n  # type: ignore[operator]
+
+
+@dataclass
+class Fp8Record:
+    """What fp8_matmuls did to one graph."""
+
+    recipe: Fp8Recipe
+    decisions: list[Fp8Decision] = field(default_factory=list)
+    """Every matmul considered, in graph order."""
+
+    @property
+    def converted(self) -> list[Fp8Decision]:
+        return [d for d in self.decisions if d.converted]
+
+    @property
+    def kept(self) -> list[Fp8Decision]:
+        return [d for d in self.decisions if not d.converted]
+
+
+@dataclass(frozen=True)
+class _Match:
+    """A matmul with a parameter on the right: its operands as the fp8 matmul takes them."""
+
+    x: torch.fx.Node
+    """The input, as insert_casts cast it."""
+    weight_kn: torch.fx.Node | None
+    """The weight as ``[K, N]`` (uncast); None for ``aten.linear``, whose ``[N, K]`` weight is
+    transposed by a new ``aten.t`` node."""
+    weight: torch.fx.Node
+    """The parameter placeholder."""
+    bias: torch.fx.Node | None
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+
+
+def _uncast(node: object) -> object:
+    """The value before a cast insert_casts inserted (the user's own casts are kept)."""
+    while (isinstance(node, torch.fx.Node) and node.meta.get(meta.CAST) == meta.CAST_INSERTED
+           and node.args):
+        node = node.args[0]
+    return node
+
+
+def _parameter(node: object) -> torch.fx.Node | None:
+    """The parameter placeholder ``node`` is (a view of), through insert_casts' casts."""
+    node = _uncast(node)
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        node = _uncast(node.args[0])
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
+        return node
+    return None
+
+
+def _text(d: object) -> int | str:
+    """A size as an int, or as text where it is symbolic (never ``int()`` of a symbol: that would
+    specialise it)."""
+    return int(d) if is_concrete_int(d) else str(d)  # type: ignore[arg-type]
+
+
+class _Rewriter:
+    def __init__(self, gm: torch.fx.GraphModule, config: Fp8Config, policy: Policy,
+                 fake_mode: FakeTensorMode) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.recipe = config.recipe
+        self.casts = RECIPES[config.recipe]
+        self.policy = policy
+        self.fake_mode = fake_mode
+        self.record = Fp8Record(config.recipe)
+
+    def run(self) -> Fp8Record:
+        for node in list(self.graph.nodes):
+            if node.op == "call_function" and node.target in MATMULS:
+                self.visit(node)
+        self.graph.lint()
+        self.gm.recompile()
+        return self.record
+
+    def visit(self, node: torch.fx.Node) -> None:
+        op = MATMULS[node.target]
+        stack = module_stack(node)
+        module = stack[-1][0] if stack else ""
+        weight = next((p for p in map(_parameter, node.args) if p is not None), None)
+        if weight is None:
+            return  # no parameter operand: not a matmul of a layer, never fp8
+        match, why = self.match(node)
+        shape = self.shape(match) if match is not None else None
+
+        def decide(converted: bool, reason: str) -> Fp8Decision:
+            name = weight.meta.get(meta.PARAMETER) or weight.name
+            d = Fp8Decision(converted, reason, op, name, module, shape,
+                            self.recipe if converted else None)
+            self.record.decisions.append(d)
+            return d
+
+        if match is None:
+            node.meta[meta.FP8] = decide(False, f"not fp8: {why}")
+            return
+        decision: Decision | None = node.meta.get(meta.DECISION)
+        x_dtype = _val(match.x).dtype
+        if decision is not None and decision.kept_module is not None:
+            node.meta[meta.FP8] = decide(False, f"not fp8: {decision.reason}")
+            return
+        low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
+        if not low or x_dtype not in _LOW:
+            why = f" ({decision.reason})" if decision is not None else ""
+            node.meta[meta.FP8] = decide(False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, "
+                                                f"not in the autocast dtype{why}")
+            return
+        excluded = self.excluded(stack)
+        if excluded is not None:
+            node.meta[meta.FP8] = decide(False, f"not fp8: module {excluded[0] or '<root>'} kept out of "
+                                                f"fp8 by policy ({excluded[1]})")
+            return
+        misaligned = self.misaligned(shape)
+        if misaligned:
+            node.meta[meta.FP8] = decide(False, f"not fp8: {misaligned}")
+            return
+        self.convert(node, match, decide(True, self.converted_reason()))
+
+    def match(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
+        """The operands of a matmul whose right operand is a 2-D parameter, or why not."""
+        target, args = node.target, node.args
+        if target in (aten.bmm.default, aten.baddbmm.default):
+            return None, ("a batched matmul (aten.bmm): _scaled_mm takes 2-D operands, so a 3-D "
+                          "weight stays in the autocast dtype")
+        if target is aten.linear.default:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+            weight = _parameter(w)
+            if weight is None:
+                return None, "the parameter is the input of F.linear, not its weight"
+            if _val(w).dim() != 2:
+                return None, "the weight is not 2-D"
+            return _Match(x, None, weight, bias), ""
+        if target is aten.addmm.default:
+            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(args) > 3:
+                return None, "addmm with beta or alpha other than 1"
+            bias, x, w = args[0], args[1], args[2]
+        else:
+            x, w = args[0], args[1]
+            bias = None
+        weight = _parameter(w)
+        if weight is None:
+            return None, "the parameter is the left operand (w @ x); fp8 takes it on the right (x @ w)"
+        if _val(w).dim() != 2:
+            return None, f"the weight operand is {_val(w).dim()}-D; _scaled_mm takes 2-D operands"
+        if _val(x).dim() < 2:
+            return None, "the input is 1-D"
+        if bias is not None and _val(bias).dim() > 1:
+            return None, "addmm with a 2-D bias"
+        return _Match(x, _uncast(w), weight, bias), ""
+
+    def shape(self, match: _Match) -> tuple[int | str, int | str, int | str]:
+        xv = _val(match.x)
+        k = xv.shape[-1]
+        n = _val(match.weight_kn).shape[1] if match.weight_kn is not None else _val(match.weight).shape[0]
+        m = math.prod(xv.shape[:-1])
+        return _text(m), _text(k), _text(n)
+
+    def misaligned(self, shape: tuple[int | str, int | str, int | str] | None) -> str:
+        """Why _scaled_mm cannot take these sizes ("" if it can)."""
+        assert shape is not None
+        m, k, n = shape
+        bad = []
+        for name, size, role in (("K", k, "in features, the forward GEMM's inner dimension"),
+                                 ("N", n, "out features, the input-gradient GEMM's inner dimension")):
+            if isinstance(size, str) or size % ALIGNMENT:
+                bad.append(f"{name}={size} ({role})")
+        fp8_grad_weight = self.casts.input_for_grad_weight.dtype is not None
+        if fp8_grad_weight and isinstance(m, int) and m % ALIGNMENT:
+            bad.append(f"M={m} (rows of the input, the weight-gradient GEMM's inner dimension)")
+        if not bad:
+            return ""
+        return (f"{' and '.join(bad)} not a multiple of {ALIGNMENT}, which torch._scaled_mm needs; "
+                f"it stays in the autocast dtype")
+
+    def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
+        for path, mtype in stack:
+            for sel in self.policy.keep_out_of_fp8:
+                if module_matches(sel, path, mtype):
+                    return path, sel if isinstance(sel, str) else sel.__name__
+        return None
+
+    def converted_reason(self) -> str:
+        c = self.casts
+        return (f"fp8 {self.recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
+                f"grad_x: grad ({c.grad_output.label}) @ w ({c.weight_for_grad_input.label}); "
+                f"grad_w: x ({c.input_for_grad_weight.label}) @ grad "
+                f"({c.grad_output_for_grad_weight.label})")
+
+    def convert(self, node: torch.fx.Node, match: _Match, decision: Fp8Decision) -> None:
+        stack = node.meta.get("nn_module_stack", {})
+        note = Decision(CastClass.NONE, decision.reason)
+        with self.graph.inserting_before(node):
+            w = match.weight_kn
+            if w is None:
+                w = self.call(aten.t.default, (match.weight,), stack, Decision(
+                    CastClass.NONE, "fp8: the weight as [K, N], in fp32 (the master weight is scaled, "
+                                    "with no round trip through the autocast dtype)"))
+            out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
+            out.meta[meta.FP8] = decision
+            if match.bias is not None:
+                # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
+                bias, out_dtype = match.bias, _val(out).dtype
+                if _val(bias).dtype != out_dtype:
+                    bias = self.call(aten._to_copy.default, (_uncast(bias),), stack, note,
+                                     {"dtype": out_dtype})
+                    bias.meta[meta.CAST] = meta.CAST_INSERTED
+                    bias.meta[meta.CAST_REASON] = decision.reason
+                    bias.meta[meta.CACHED] = False
+                out = self.call(aten.add.Tensor, (out, bias), stack, Decision(
+                    CastClass.NONE, f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
+                                    f"GEMM (as torchao's Float8Linear adds it)"))
+        inputs = node.all_input_nodes
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+        _erase_unused_casts(self.graph, inputs)
+
+    def call(self, target: object, args: tuple[object, ...], stack: dict[str, object],
+             decision: Decision, kwargs: dict[str, object] | None = None) -> torch.fx.Node:
+        node = self.graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]
+        vals = [_val(a) for a in args]
+        with self.fake_mode, torch.no_grad():
+            node.meta["val"] = target(*vals, **(kwargs or {}))  # type: ignore[operator]
+        node.meta["nn_module_stack"] = stack
+        node.meta[meta.DECISION] = decision
+        return node
+
+
+def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -> None:
+    """Erase the casts insert_casts inserted that the rewrite left without users (the weight's
+    bf16 cast, unless another op still reads it), and the views of the weight they read."""
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node.users or node.op != "call_function":
+            continue
+        if node.meta.get(meta.CAST) == meta.CAST_INSERTED or node.target in _VIEWS:
+            todo.extend(node.all_input_nodes)
+            graph.erase_node(node)
+
+
+def fp8_matmuls(gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy,
+                fake_mode: FakeTensorMode, device_type: str = "cpu") -> tuple[torch.fx.GraphModule, Fp8Record]:
+    """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done.
+
+    Raises AmpFxError for a rowwise recipe on a device whose ``torch._scaled_mm`` takes no
+    rowwise scales (torch 2.11's CPU kernel), before anything is rewritten."""
+    missing = rowwise_scales_missing(device_type) if RECIPES[config.recipe].rowwise else None
+    if missing is not None:
+        raise AmpFxError(f"amp_fx: fp8={config.recipe.value!r} needs rowwise scales in "
+                         f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
+                         f"newer (or a GPU) for the rowwise recipes.")
+    return gm, _Rewriter(gm, config, policy, fake_mode).run()

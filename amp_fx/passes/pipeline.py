@@ -1,0 +1,343 @@
+"""The pipeline: every stage amp_fx runs on a graph Dynamo captured, declared and run in one place.
+
+    Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> [--fp8_matmuls-->]
+        --fold_casts--> [--watch_nonfinite-->] [--lift_weight_casts-->] downstream backend
+
+:data:`PIPELINE` lists the stages in order; :func:`run_pipeline` runs them on one graph through
+one wrapper that times each stage (``GraphRecord.pass_seconds``), logs it on this module's logger
+at DEBUG, checks its preconditions in strict mode or when that logger is at DEBUG, and turns an
+unexpected exception into an ``AmpFxError`` naming the stage, the graph and the stages before it.
+A stage takes the compile's :class:`~amp_fx.options.Options` and the :class:`GraphWork` of one
+graph; it never sees the backend object. ``amp_fx/passes/README.md`` is the table of stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from tabulate import tabulate
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.errors import AmpFxError
+from amp_fx.options import Options
+from amp_fx.passes import meta
+from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name, source_text
+from amp_fx.passes.fold_casts import FoldRecord, fold_casts
+from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
+from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
+from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
+from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
+
+__all__ = ["GraphRecord", "GraphWork", "PIPELINE", "Stage", "run_pipeline", "summarize"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphRecord:
+    """What the passes did to one captured graph."""
+
+    index: int
+    device_type: str
+    dtype: torch.dtype
+    dynamo_graph: torch.fx.GraphModule
+    captured: torch.fx.GraphModule
+    """The pre-dispatch ATen graph before the passes (a copy)."""
+    rewritten: torch.fx.GraphModule
+    """The graph handed to the downstream backend (before the weight cache lifts its weight casts)."""
+    inserted: InsertRecord
+    folded: FoldRecord
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+    watched: WatchRecord | None = None
+    """The ops ``watch_nonfinite`` watches (None when the watch is off)."""
+    watched_backward: WatchRecord | None = None
+    """The ops of this graph's backward that ``watch_backward`` watches (None until AOTAutograd
+    compiled the backward with the watch on)."""
+    fp8: Fp8Record | None = None
+    """The matmuls ``fp8_matmuls`` considered (None when fp8 is off)."""
+
+    @property
+    def casts(self) -> int:
+        """Casts in the rewritten graph (inserted ones that survived folding, and the user's)."""
+        return sum(1 for n in self.rewritten.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
+
+    def summary_rows(self) -> list[list[object]]:
+        ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
+        return [[self.index, self.device_type, dtype_name(self.dtype), ops,
+                 self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
+                 ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
+                 self.casts]]
+
+    def __str__(self) -> str:
+        return summarize([self])
+
+
+_HEADERS = ["graph", "device", "dtype", "ops", "casts inserted", "leaf casts shared",
+            "casts folded", "folded by rule", "casts left"]
+
+
+def summarize(records: Sequence[GraphRecord]) -> str:
+    """A table of what the passes did, one row per captured graph."""
+    rows = [row for r in records for row in r.summary_rows()]
+    return tabulate(rows, headers=_HEADERS)
+
+
+@dataclass
+class LiftedGraph:
+    """``lift_weight_casts``' result: the graph the weight cache's inputs feed, and those inputs."""
+
+    gm: torch.fx.GraphModule
+    example_inputs: list[Any]
+    lifted: list[Lifted]
+
+
+@dataclass
+class GraphWork:
+    """What flows through the pipeline for one Dynamo graph; each stage fills in its part."""
+
+    gm: torch.fx.GraphModule
+    """Dynamo's graph; after capture the ATen graph, which the passes rewrite in place."""
+    dynamo_graph: torch.fx.GraphModule
+    example_inputs: list[Any]
+    """What Dynamo handed the backend (real parameters, fake or real activations)."""
+    fake_args: list[Any]
+    fake_mode: FakeTensorMode
+    device_type: str
+    leaf_flags: list[bool]
+    index: int = 0
+    """The graph's index in the compiled model's records."""
+    data_inputs: list[bool] = field(default_factory=list)
+    """Per placeholder: data the caller handed in (see :func:`amp_fx.passes.capture.data_inputs`)."""
+    parameter_names: list[str | None] = field(default_factory=list)
+    """Per placeholder: the name of the ``nn.Parameter`` it is, None for other inputs
+    (``meta.PARAMETER``, read by fp8_matmuls)."""
+    captured: torch.fx.GraphModule | None = None
+    """A copy of the ATen graph before the passes (for inspection)."""
+    inserted: InsertRecord = field(default_factory=InsertRecord)
+    folded: FoldRecord = field(default_factory=FoldRecord)
+    watched: WatchRecord | None = None
+    fp8: Fp8Record | None = None
+    lifted: LiftedGraph | None = None
+    """With ``weight_cache=True``: the graph with its weight casts lifted into inputs."""
+    lift_error: Exception | None = None
+    """Why lifting failed (the backend then compiles ``gm``, casting its weights itself, and says so)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def record(self, dtype: torch.dtype) -> GraphRecord:
+        assert self.captured is not None, "the capture stage always runs"
+        return GraphRecord(index=self.index, device_type=self.device_type, dtype=dtype,
+                           dynamo_graph=self.dynamo_graph, captured=self.captured, rewritten=self.gm,
+                           inserted=self.inserted, folded=self.folded, pass_seconds=self.seconds,
+                           watched=self.watched, fp8=self.fp8)
+
+
+# --- the stages ---------------------------------------------------------------------------------
+
+
+def _capture(options: Options, work: GraphWork) -> None:
+    with work.fake_mode:
+        work.gm = capture(work.gm, work.fake_args, policy=options.policy, device_type=work.device_type,
+                          dtype=options.dtype, leaf_flags=work.leaf_flags)
+    work.captured = _copy_graph_module(work.gm)
+
+
+def _insert_casts(options: Options, work: GraphWork) -> None:
+    work.gm, work.inserted = insert_casts(work.gm, policy=options.policy, device_type=work.device_type,
+                                          dtype=options.dtype, fake_mode=work.fake_mode)
+
+
+def _fp8_matmuls(options: Options, work: GraphWork) -> None:
+    assert options.fp8 is not None
+    placeholders = [n for n in work.gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, work.parameter_names, strict=True):
+        node.meta[meta.PARAMETER] = name
+    work.gm, work.fp8 = fp8_matmuls(work.gm, config=options.fp8, policy=options.policy,
+                                    fake_mode=work.fake_mode, device_type=work.device_type)
+
+
+def _fold_casts(options: Options, work: GraphWork) -> None:
+    work.gm, work.folded = fold_casts(work.gm)
+
+
+def _watch_nonfinite(options: Options, work: GraphWork) -> None:
+    with work.fake_mode:
+        work.gm, work.watched = watch_nonfinite(work.gm, dtype=options.dtype, data_inputs=work.data_inputs)
+
+
+def _lift_weight_casts(options: Options, work: GraphWork) -> None:
+    # On a copy: work.gm stays the graph the inspection tools see and the fallback compiles. A
+    # failure is the weight cache's shortfall, not the compile's: the backend falls back and reports.
+    try:
+        work.lifted = LiftedGraph(*lift_weight_casts(work.gm, work.example_inputs))
+    except AmpFxError:
+        raise
+    except Exception as e:
+        work.lift_error = e
+
+
+# --- preconditions (checked in strict mode, or with this module's logger at DEBUG) ---------------
+
+
+def _aten_graph(work: GraphWork) -> str | None:
+    """Every op is an ATen op or a Python callable (``operator.getitem``, the autocast region
+    markers insert_casts puts around an op with its own autocast kernel), and every placeholder and
+    every ATen op whose value is used has ``val``."""
+    for node in work.gm.graph.nodes:
+        if node.op in ("call_module", "call_method"):
+            return f"{node.format_node()} is not an ATen op (capture has not run?)"
+        # an op whose value is used (not a runtime assertion such as aten._assert_scalar)
+        aten = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.users
+        if (aten or node.op == "placeholder") and "val" not in node.meta:
+            return f"{node.format_node()} has no meta['val']"
+    return None
+
+
+def _leaves_marked(work: GraphWork) -> str | None:
+    """Placeholders carry ``meta[LEAF]`` (capture writes it; insert_casts reads it)."""
+    missing = [n.name for n in work.gm.graph.nodes if n.op == "placeholder" and meta.LEAF not in n.meta]
+    return f"placeholders {missing} have no meta[{meta.LEAF!r}]" if missing else None
+
+
+def _decided(work: GraphWork) -> str | None:
+    """Every ATen op carries insert_casts' decision (what fold_casts, the watch and lifting read)."""
+    for node in work.gm.graph.nodes:
+        if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+                and meta.DECISION not in node.meta and meta.CAST not in node.meta
+                and node.target is not torch.ops.aten._to_copy.default):
+            return f"{node.format_node()} has no meta[{meta.DECISION!r}] (insert_casts has not run?)"
+    return None
+
+
+def _cast_decisions_recorded(work: GraphWork) -> str | None:
+    """insert_casts ran: its decisions are on the graph's ops (later passes add ops of their own,
+    such as the watch's checks, which carry none)."""
+    ops = [n for n in work.gm.graph.nodes
+           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    if ops and not any(meta.DECISION in n.meta for n in ops):
+        return f"no op carries meta[{meta.DECISION!r}] (insert_casts has not run?)"
+    return None
+
+
+def _example_per_placeholder(work: GraphWork) -> str | None:
+    """One example input per placeholder, in order (lifting appends to both)."""
+    n = sum(1 for node in work.gm.graph.nodes if node.op == "placeholder")
+    return None if n == len(work.example_inputs) else f"{n} placeholders but {len(work.example_inputs)} inputs"
+
+
+Precondition = Callable[[GraphWork], "str | None"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the pipeline: its name (in timings, logs and errors), what it runs, when it is
+    on, and what it assumes of the graph (predicates returning ``None`` or what is wrong)."""
+
+    name: str
+    run: Callable[[Options, GraphWork], None]
+    enabled: Callable[[Options], bool] = lambda options: True
+    requires: tuple[Precondition, ...] = ()
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("capture", _capture),
+    Stage("insert_casts", _insert_casts, requires=(_aten_graph, _leaves_marked)),
+    Stage("fp8_matmuls", _fp8_matmuls, enabled=lambda o: o.fp8 is not None,
+          requires=(_aten_graph, _decided, _example_per_placeholder)),
+    Stage("fold_casts", _fold_casts, enabled=lambda o: o.fold, requires=(_aten_graph, _decided)),
+    Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite,
+          requires=(_aten_graph, _decided)),
+    Stage("lift_weight_casts", _lift_weight_casts, enabled=lambda o: o.weight_cache,
+          requires=(_cast_decisions_recorded, _example_per_placeholder)),
+)
+"""What runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
+
+
+def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
+            is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
+    """The work for one Dynamo graph: its inputs fakified through the backend's fake mode (the one
+    AOTAutograd will use, not Dynamo's tracing one), so that the passes' fake values and the
+    downstream trace agree (``from_tensor`` memoizes). ``is_state``: tells the root's parameters and
+    buffers from the caller's data, by identity (:func:`amp_fx.passes.capture.data_inputs`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = []
+    for node, real in zip(placeholders, example_inputs, strict=True):
+        if isinstance(real, torch.Tensor):
+            fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
+        else:
+            fake_args.append(node.meta.get("example_value", real))
+    return GraphWork(gm=gm, dynamo_graph=gm, example_inputs=list(example_inputs), fake_args=fake_args,
+                     fake_mode=fake_mode, device_type=graph_device_type(fake_args),
+                     leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
+                     data_inputs=data_inputs(gm, example_inputs, is_state),
+                     parameter_names=[source_name(n) if _is_parameter(n, r) else None
+                                      for n, r in zip(placeholders, example_inputs, strict=True)])
+
+
+def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
+    """An ``nn.Parameter``, or a fake stand-in for one (Dynamo's DDPOptimizer compiles its pieces on
+    fake tensors): its Dynamo source names a module's ``_parameters``."""
+    return isinstance(value, torch.nn.Parameter) or "_parameters" in source_text(node)
+
+
+def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 index: int = 0, stages: Sequence[Stage] = PIPELINE,
+                 is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
+    """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record)."""
+    work = prepare(gm, example_inputs, index, is_state)
+    check = options.strict or log.isEnabledFor(logging.DEBUG)
+    done: list[str] = []
+    for stage in stages:
+        if not stage.enabled(options):
+            work.seconds[stage.name] = 0.0
+            continue
+        with _running(stage.name, index, done, work.seconds):
+            if check:
+                _check_preconditions(stage, work, done)
+            stage.run(options, work)
+    if log.isEnabledFor(logging.DEBUG) and work.captured is not None:
+        log.debug("amp_fx graph %d:\n%s", index, work.record(options.dtype))
+    return work
+
+
+def _check_preconditions(stage: Stage, work: GraphWork, done: list[str]) -> None:
+    for precondition in stage.requires:
+        problem = precondition(work)
+        if problem is not None:
+            raise AmpFxError(f"amp_fx: {stage.name} on graph {work.index}: precondition "
+                             f"{precondition.__name__.lstrip('_')} does not hold ({problem}); stages run "
+                             f"before it: {', '.join(done) or 'none'}")
+
+
+@contextlib.contextmanager
+def _running(stage: str, index: int, done: list[str], timings: dict[str, float]) -> Iterator[None]:
+    """Time and log one stage; name it (and the stages run before it) when it fails unexpectedly."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except AmpFxError:
+        raise
+    except Exception as e:
+        before = ", ".join(done) or "none"
+        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {before}): "
+                         f"{type(e).__name__}: {e}") from e
+    timings[stage] = time.perf_counter() - t0
+    done.append(stage)
+    log.debug("amp_fx graph %d: %s took %.1f ms", index, stage, 1e3 * timings[stage])
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env = graph.graph_copy(gm.graph, {})
+    graph.output(env)
+    return torch.fx.GraphModule(gm, graph)

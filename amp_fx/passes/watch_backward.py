@@ -1,0 +1,179 @@
+"""The ``watch_backward`` pass: the forward watch's device record, for AOTAutograd's backward graph
+(``amp_fx.compile(..., watch_nonfinite=True)`` with ``backend="aot_eager"`` or ``"inductor"``).
+
+In fp16 training most skipped steps come from the backward: the scaled loss gradient overflows a
+low-precision op (the first steps at a too-high scale, a layer whose gradients grow). The forward
+watch (``amp_fx.passes.watch_nonfinite``) cannot see them: AOTAutograd builds the backward graph
+from the rewritten forward graph after the backend's pipeline has run. This pass runs on that
+backward graph, where the downstream backend compiles it (:func:`watching_downstream` hands the
+downstream compile a backward compiler that runs the pass first), with the same rule as the
+forward: the first node, in graph order, whose fp16/bf16 output holds an inf/NaN that its inputs do
+not explain, recorded on the device as one more int64 output that is stripped before AOTAutograd
+sees the gradients. No host read.
+
+Assumes AOTAutograd's backward graph: every node's ``meta["val"]`` is true; the backward nodes
+carry ``meta["custom"]["amp_fx_node"]``, the rewritten forward node they differentiate
+(:func:`stamp_forward_nodes` writes it on the forward graph before the downstream compile;
+AOTAutograd copies ``custom`` onto the nodes it traces for that node, backward included), with
+``meta["fwd_nn_module_stack"]`` as a fallback for the module. Inputs are the values the forward saved
+(an inf/NaN there is explained, as a forward value) and the incoming gradients (``tangents_*``).
+
+What it records, in this order:
+
+* each floating incoming gradient, checked first (``any(~isfinite(tangent))``): an inf/NaN made
+  after the compiled graph (the loss, a cast of the output in eager code) enters the backward
+  there, before any op of it could create one. It is named by the forward op whose output it is
+  the gradient of (``incoming=True``);
+* each watched backward node, named by its own op (``aten.mm``), the forward op it differentiates
+  (``grad_of``, ``aten.linear``) and that op's module. Nodes the partitioner recomputes from the
+  forward (``partitioner_tag == "is_forward"``) are not watched again: the forward watch saw them.
+
+Guarantees: as the forward pass (values unchanged, no new aliasing, ``meta["val"]`` on every new
+node, the graph lints); the backward's outputs as AOTAutograd sees them are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes.capture import module_path, module_stack
+from amp_fx.passes.watch_nonfinite import WatchedOp, WatchRecord, append_first_origin, op_name
+
+__all__ = ["watch_backward", "stamp_forward_nodes", "watching_downstream", "FORWARD_NODE", "WATCHABLE"]
+
+FORWARD_NODE = "amp_fx_node"
+"""The key in a node's ``meta["custom"]`` that names the rewritten forward node it comes from."""
+
+WATCHABLE = ("aot_eager", "inductor")
+"""The downstream backends whose backward graph the pass can reach (named as torch.compile names
+them). ``eager`` runs the graph's ops through eager autograd: there is no backward graph."""
+
+
+def stamp_forward_nodes(gm: torch.fx.GraphModule) -> None:
+    """Write each op node's name into its ``meta["custom"]`` (kept beside the user's own entries),
+    so that the nodes AOTAutograd traces from it, in the forward and the backward, name it."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), FORWARD_NODE: node.name}
+
+
+def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
+                   forward: torch.fx.GraphModule | None = None) -> tuple[torch.fx.GraphModule, WatchRecord]:
+    """Append the first-origin record to the backward graph ``gm`` (see the module docstring).
+
+    ``forward``: the rewritten forward graph (stamped by :func:`stamp_forward_nodes`), to name
+    the forward op and module of each backward node.
+
+    Example (``dtype`` fp16; the record's last entry is the first Linear's backward ``mm``)::
+
+        >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="fp16", backend="aot_eager",
+        ...                        watch_nonfinite=True)
+        >>> model(torch.randn(2, 4)).float().sum().backward()
+        >>> [(o.op, o.grad_of) for o in model.amp_fx_watch.ops[model.amp_fx_watch.backward_key(0)]][-1]
+        ('aten.mm', 'aten.linear')
+    """
+    forward_nodes = {n.name: n for n in forward.graph.nodes} if forward is not None else {}
+
+    def source(node: torch.fx.Node) -> tuple[str, str]:
+        """(module, forward op) of the forward node ``node`` was traced for."""
+        name = (node.meta.get("custom") or {}).get(FORWARD_NODE)
+        fwd = forward_nodes.get(name) if isinstance(name, str) else None
+        if fwd is not None:
+            stack = module_stack(fwd)
+            return (stack[-1][0] if stack else "", op_name(fwd.target))
+        stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack") or {}
+        paths = [v[0] for v in stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
+        return (module_path(paths[-1]) if paths else "", "")
+
+    def describe(node: torch.fx.Node, op: object, dtype: torch.dtype) -> WatchedOp | None:
+        if node.meta.get("partitioner_tag") == "is_forward":
+            return None  # recomputed from the forward: the forward watch saw this value
+        module, grad_of = source(node)
+        return WatchedOp(module=module, op=op_name(op), dtype=dtype_name(dtype), node=node.name, grad_of=grad_of)
+
+    entering = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or not _is_tangent(node) or not isinstance(val, torch.Tensor):
+            continue
+        if not val.dtype.is_floating_point:
+            continue
+        user = next((u for u in node.users if (u.meta.get("custom") or {}).get(FORWARD_NODE)), None)
+        module, of = source(user) if user is not None else ("", "")
+        entering.append((node, WatchedOp(module=module, op=of, dtype=dtype_name(val.dtype), node=node.name,
+                                         grad_of=of, incoming=True)))
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(vals)
+    with fake_mode if fake_mode is not None else torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        return append_first_origin(gm, dtype=dtype, data=set(), describe=describe, entering=entering, lowered=True)
+
+
+def _is_tangent(node: torch.fx.Node) -> bool:
+    """AOTAutograd names the backward graph's incoming gradients ``tangents_1``, ``tangents_2``, ..."""
+    return isinstance(node.target, str) and node.target.startswith("tangents")
+
+
+Downstream = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+OnBackward = Callable[[WatchRecord], Callable[[torch.Tensor], None]]
+"""Called once the backward graph is watched, with its record; returns what each run calls with
+its position (int64, -1: none)."""
+
+
+def watching_downstream(backend: str, *, inductor_config: Mapping[str, Any] | None, dtype: torch.dtype,
+                        forward: torch.fx.GraphModule, on_backward: OnBackward) -> Downstream | None:
+    """The downstream compile of ``backend`` with the pass on its backward graph, or None where
+    the backend has no backward graph amp_fx can reach (``eager``, another name, a callable).
+
+    ``aot_eager``: torch's ``aot_eager`` with a backward compiler that runs the pass, then its nop
+    compiler. ``inductor``: ``compile_fx`` with an ``inner_compile`` that runs the pass on the
+    backward graph (``is_backward=True``) before ``compile_fx_inner``; AOTAutograd's cache is off for
+    this compile, since its entries hold the compiled backward without the wrapper that strips the
+    record (inductor's own FX graph cache, keyed on the watched graph, still serves)."""
+    stamp_forward_nodes(forward)
+
+    def watched(gm: torch.fx.GraphModule, example_inputs: Any, compile_graph: Downstream) -> Callable[..., Any]:
+        gm, record = watch_backward(gm, dtype=dtype, forward=forward)
+        ran = on_backward(record)
+        return _strip_record(compile_graph(gm, example_inputs), ran)
+
+    if backend == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+        return functools.partial(aot_eager, bw_compiler=lambda gm, ex: watched(gm, ex, boxed_nop))
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("is_backward"):
+                return compile_fx_inner(gm, example_inputs, **kwargs)
+            return watched(gm, example_inputs, lambda g, ex: compile_fx_inner(g, ex, **kwargs))
+
+        def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(gm, example_inputs, inner_compile=inner,
+                                  config_patches=dict(inductor_config or {}))
+
+        return compile_inductor
+    return None
+
+
+def _strip_record(compiled: Callable[..., Any], ran: Callable[[torch.Tensor], None]) -> Callable[..., Any]:
+    """``compiled`` (boxed: called with one list of arguments, as AOTAutograd calls a backward),
+    with its last output, the record, handed to ``ran`` and removed."""
+
+    boxed = getattr(compiled, "_boxed_call", False)
+
+    def run(args: list[Any]) -> Any:
+        out = compiled(args) if boxed else compiled(*args)
+        ran(out[-1])
+        return type(out)(out[:-1]) if isinstance(out, tuple) else list(out[:-1])
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,66 @@
+"""FSDP2 wiring of a compiled step: the local shards its finish works on.
+
+On an FSDP2 model the finish graph runs on each rank's local shards
+(``amp_fx._dist.step.LocalShards``: the local tensors of the parameters, gradients and optimizer
+state, and the cross-rank reductions). :class:`StepShards` builds that view once the warm-up has
+created the optimizer's state, points it at each step's gradients before the finish and drops them
+after, and rebuilds it when the optimizer's parameters change. A fused optimizer's kernel then
+runs on the view with the flag combined across ranks (:func:`amp_flags` sets the flags the way
+``torch.amp.GradScaler.step`` hands them to a fused optimizer, also used on one device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from amp_fx._dist.step import LocalShards, is_fsdp2
+
+__all__ = ["StepShards", "amp_flags"]
+
+
+@contextlib.contextmanager
+def amp_flags(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None,
+              found_inf: torch.Tensor) -> Iterator[None]:
+    """``optimizer.grad_scale`` and ``optimizer.found_inf`` set for a fused optimizer's step inside
+    (it divides by the one and skips on the device where the other is 1.0), deleted after."""
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+class StepShards:
+    """The local view of a compiled step's optimizer on an FSDP2 model (``view``; None before the
+    first compiled finish, after :meth:`reset`, and on other models)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.enabled = is_fsdp2(model)
+        self.view: LocalShards | None = None
+
+    def reset(self) -> None:
+        """The optimizer's parameters changed: the next finish builds a new view."""
+        self.view = None
+
+    def before_finish(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> LocalShards | None:
+        """FSDP2: the local view, pointed at this step's gradients and state; else None."""
+        if not self.enabled:
+            return None
+        if self.view is None:
+            self.view = LocalShards(optimizer, params)
+        self.view.before_finish()
+        return self.view
+
+    def fused_step(self, raw_step: Callable[[torch.optim.Optimizer], Any], grad_scale: torch.Tensor | None,
+                   found_inf: torch.Tensor) -> None:
+        """A fused optimizer's kernel on the local shards, skipped on the device where found_inf
+        (the flag already combined across ranks); its hooks run around it, on the user's optimizer."""
+        assert self.view is not None
+        with amp_flags(self.view.optimizer, grad_scale, found_inf):
+            raw_step(self.view.optimizer)

@@ -1,0 +1,245 @@
+"""fp8 training: amp_fx's fp8 (tensorwise, rowwise) against amp_fx bf16 and torchao float8 + torch.compile.
+
+    python bench/bench_fp8.py                              # CPU smoke run: llama-like and hf-gpt2, small
+    python bench/bench_fp8.py --device cuda --preset h100  # a GPU: Llama-like 2048 x 4 layers, seq 2048
+    python bench/bench_fp8.py --models hf-gpt2 --steps 10
+    python bench/bench_fp8.py --tier                       # coverage on the real-model tier's transformers models
+
+Per model and variant, on one device and one downstream backend (inductor by default):
+
+* **fp8 share**: GEMM FLOPs (2 M K N per mm/addmm/bmm/_scaled_mm, forward and backward) that
+  ran in fp8, counted from the ops of one training step by the profiler
+  (``amp_fx.testing.fp8_reference.count_gemm_flops``, the counter the tests use). torchao converts
+  ``nn.Linear`` only: on ``hf-gpt2`` (transformers' ``Conv1D`` layers) it reaches the tied head alone.
+* **loss err, grad err**: relative error against the same model in float64 (eager, no autocast)
+  on the first batch: ``|loss - loss64| / |loss64|``, and ``||g - g64|| / ||g64||`` over all
+  gradients flattened together.
+* **loss after N**: the training loss at the last of ``--steps`` AdamW steps (lr 1e-3) on a fixed
+  stream of random token batches (the same for every variant).
+* **tokens/s** (median step time after 3 warm-up steps) and **peak memory**
+  (``torch.cuda.max_memory_allocated`` over the timed steps) on CUDA only. On a CPU, fp8 GEMMs run
+  as ``_scaled_mm``'s reference kernel (it converts to fp32 and calls ``mm``): its time says nothing
+  about a GPU's fp8 tensor cores, so the CPU table leaves both columns out.
+
+``--tier``: per transformers model of the real-model tier (``amp_fx/testing/real_models.py``) and
+recipe, one forward and backward under ``aot_eager``: the matmuls with a parameter operand
+(distinct weights), how many run in fp8, why the others do not, and the fp8 share of GEMM FLOPs
+for amp_fx and for torchao on the model as it is (the tier's tests check amp_fx bitwise against
+torchao converting the same layers: tests/models/test_fp8_real_models.py).
+
+torchao runs under ``torch.autocast(device, bf16)``; on a CPU its input-cast branch is pointed at
+the CPU's autocast state (``cpu_autocast_torchao``: torchao reads CUDA's state there, see
+``amp_fx/testing/fp8_reference.py``). Models: ``llama-like`` and ``gpt2-like`` (plain torch,
+``bench/bench_weight_casts.py``: they need nothing but torch, so they run on a GPU machine
+without transformers), ``hf-gpt2`` and ``hf-llama`` (transformers, random init).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+from torch import Tensor, nn
+
+import amp_fx
+from amp_fx.testing.bench import machine_lines
+from amp_fx.testing.fp8_reference import count_gemm_flops, cpu_autocast_torchao, torchao_float8, torchao_missing
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_weight_casts import MODELS, lm_loss  # noqa: E402 (the same models as the weight-cast bench)
+
+PRESETS = {
+    "cpu": dict(vocab=512, d=128, layers=2, heads=4, seq=128, batch=4),
+    "h100": dict(vocab=32000, d=2048, layers=4, heads=16, seq=2048, batch=4),
+}
+
+
+@dataclass
+class Variant:
+    name: str
+    build: Callable[[nn.Module], nn.Module]
+    """The model to train, from a fresh copy of the fp32 model."""
+    region: Callable[[], AbstractContextManager[object]]
+    """What the forward runs inside (torch.autocast for torchao; nothing for amp_fx)."""
+
+
+def variants(device: str, backend: str, recipes: list[str], with_torchao: bool) -> list[Variant]:
+    out = [Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", backend=backend), nullcontext)]
+    for r in recipes:
+        out.append(Variant(f"amp_fx fp8 {r}", lambda m, r=r: amp_fx.compile(
+            m, dtype="bf16", fp8=r, backend=backend, strict=False), nullcontext))
+    if with_torchao:
+        def autocast() -> AbstractContextManager[object]:
+            stack = ExitStack()
+            if device == "cpu":
+                stack.enter_context(cpu_autocast_torchao())
+            stack.enter_context(torch.autocast(device, torch.bfloat16))
+            return stack
+
+        for r in recipes:  # torchao_float8 converts a copy: the variant trains the copy's parameters
+            out.append(Variant(f"torchao {r} + torch.compile", lambda m, r=r: torch.compile(
+                torchao_float8(m, r), backend=backend), autocast))
+    return out
+
+
+def _batches(n: int, vocab: int, batch: int, seq: int, device: str) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(n)]
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in ids]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _grads(model: nn.Module) -> Tensor:
+    return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
+
+
+def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[Tensor, Tensor]],
+        exact: tuple[float, Tensor], device: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    base = MODELS[kind](dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(device)
+    model = variant.build(base)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step(ids: Tensor, targets: Tensor) -> Tensor:
+        with variant.region():
+            logits = model(ids)
+        loss = lm_loss(logits, targets)
+        loss.backward()
+        return loss
+
+    # error against float64, on the first batch (the first call compiles)
+    loss = step(*batches[0])
+    loss64, grads64 = exact
+    loss_err = abs(loss.item() - loss64) / abs(loss64)
+    grad_err = ((_grads(model) - grads64).norm() / grads64.norm()).item()
+    opt.zero_grad(set_to_none=True)
+    step(*batches[0])  # a second call: recompiles, if any, happen here, not in the count
+    opt.zero_grad(set_to_none=True)
+    with count_gemm_flops() as flops:
+        step(*batches[0])
+    opt.zero_grad(set_to_none=True)
+
+    times = []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i, (ids, targets) in enumerate(batches):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step(ids, targets)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    row: dict[str, object] = {
+        "variant": variant.name,
+        "fp8 share": f"{flops.fp8_share:.3f}",
+        "loss err": f"{loss_err:.2e}",
+        "grad err": f"{grad_err:.2e}",
+        f"loss after {len(batches)}": f"{loss.item():.4f}",
+    }
+    if device == "cuda":
+        tokens = dims["batch"] * dims["seq"]
+        row["tokens/s"] = f"{tokens / statistics.median(times):,.0f}" if times else "-"
+        row["peak GiB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"
+    return row
+
+
+def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor], device: str
+                    ) -> tuple[float, Tensor]:
+    torch.manual_seed(0)
+    model = MODELS[kind](dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(device).double()
+    loss = lm_loss(model(batch[0]), batch[1])
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+def tier(recipes: list[str]) -> None:
+    """The coverage table of ``--tier`` (see the module docstring)."""
+    from amp_fx.testing.real_models import REAL_MODELS
+
+    rows = []
+    for name, entry in REAL_MODELS.items():
+        if entry.library != "transformers" or entry.missing():
+            continue
+        for recipe in recipes:
+            torch._dynamo.reset()
+            model, inputs, loss_fn = entry.build()
+            ref = torchao_float8(model, recipe)
+            with count_gemm_flops() as ref_flops:
+                with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+                    loss_fn(ref(**inputs)).backward()
+            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+            for _ in range(2):  # compiles, and recompiles where the model's first call changes its config
+                loss_fn(compiled(**inputs)).backward()
+            with count_gemm_flops() as flops:
+                loss_fn(compiled(**inputs)).backward()
+            decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None
+                         for d in r.fp8.decisions}
+            kept = sorted({d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
+                           for d in decisions.values() if not d.converted})
+            rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
+                         "fp8": sum(d.converted for d in decisions.values()),
+                         "fp8 share amp_fx": f"{flops.fp8_share:.3f}",
+                         "fp8 share torchao": f"{ref_flops.fp8_share:.3f}",
+                         "kept out (why)": "; ".join(kept) or "-"})
+    print(tabulate(rows, headers="keys"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama-like,hf-gpt2")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--recipes", default="tensorwise,rowwise")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per variant (3 are warm-up for timing)")
+    parser.add_argument("--tier", action="store_true", help="the coverage table on the real-model tier (CPU)")
+    for name in PRESETS["cpu"]:
+        parser.add_argument(f"--{name}", type=int, default=None)
+    args = parser.parse_args()
+    dims = dict(PRESETS[args.preset or ("h100" if args.device == "cuda" else "cpu")])
+    dims.update({k: getattr(args, k) for k in dims if getattr(args, k) is not None})
+    recipes = args.recipes.split(",")
+    missing = torchao_missing()
+    print("\n".join(machine_lines()))
+    print(f"device {args.device}, backend {args.backend}, dims {dims}, {args.steps} AdamW steps")
+    if missing:
+        print(f"torchao rows left out: {missing}")
+    if args.tier:
+        warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
+        tier(recipes)
+        return
+    if args.device == "cpu":
+        print("CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
+              "kernel here; its speed says nothing about a GPU's)")
+    warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
+    for kind in args.models.split(","):
+        batches = _batches(args.steps, dims["vocab"], dims["batch"], dims["seq"], args.device)
+        exact = exact_reference(kind, dims, batches[0], args.device)
+        rows = []
+        for variant in variants(args.device, args.backend, recipes, missing is None):
+            torch._dynamo.reset()
+            try:
+                rows.append(run(kind, dims, variant, batches, exact, args.device))
+            except Exception as e:  # noqa: BLE001 - one variant's failure is a row, not the end of the table
+                rows.append({"variant": variant.name, "fp8 share": f"failed: {type(e).__name__}: {str(e)[:80]}"})
+        print(f"\n{kind}")
+        print(tabulate(rows, headers="keys"))
+
+
+if __name__ == "__main__":
+    main()

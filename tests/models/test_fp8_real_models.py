@@ -1,0 +1,105 @@
+"""fp8 on the real-model tier's transformers models, against torchao converting the same layers.
+
+Per model and recipe, ``amp_fx.compile(dtype="bf16", fp8=recipe, backend="aot_eager")`` runs one
+forward and backward; the reference is torchao's ``convert_to_float8_training`` under CPU bf16
+autocast (``amp_fx.testing.fp8_reference``: its input-cast branch pointed at the CPU's autocast
+state) on the model's ``nn.Linear`` twin (GPT-2's ``Conv1D`` layers as the equivalent
+``nn.Linear``), converting exactly the layers amp_fx ran in fp8 (``module_filter_fn``). The loss
+and every gradient must be bitwise, and the share of GEMM FLOPs in fp8 (forward and backward,
+counted from the ops that ran) the same. Every matmul amp_fx kept out of fp8 must say why.
+
+Where amp_fx converts layers torchao cannot (GPT-2: every ``Conv1D``), the test also shows the
+share torchao reaches on the model as it is. Layers amp_fx keeps out that torchao would convert
+(sizes ``_scaled_mm`` does not take on a GPU: ViT's 2 x 17 tokens, ConvNeXt's 10-class head) are
+the other direction of the same comparison; docs/fp8.md has the table.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import amp_fx
+from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.fp8_reference import (
+    count_gemm_flops,
+    cpu_autocast_torchao,
+    linear_twin,
+    torchao_float8,
+    torchao_missing,
+)
+from amp_fx.testing.real_models import REAL_MODELS
+
+pytestmark = [pytest.mark.models,
+              pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))]
+
+TRANSFORMERS = [n for n, e in REAL_MODELS.items() if e.library == "transformers"]
+RECIPES = ("tensorwise", "rowwise")
+# Default run: GPT-2 (Conv1D) and Llama (all nn.Linear) in both recipes, the others tensorwise;
+# the rest is models_slow (about 20 s a case here).
+_DEFAULT = {("hf_gpt2", "rowwise"), ("hf_llama", "rowwise")} | {(n, "tensorwise") for n in TRANSFORMERS}
+
+
+_NO_ROWWISE = rowwise_scales_missing("cpu")  # torch 2.11's CPU _scaled_mm: per-tensor scales only
+
+
+def _cases() -> list[object]:
+    return [pytest.param(n, r, id=f"{n}-{r}", marks=[
+        *(() if (n, r) in _DEFAULT else (pytest.mark.models_slow,)),
+        pytest.mark.skipif(r != "tensorwise" and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE))])
+        for n in TRANSFORMERS for r in RECIPES]
+
+
+@pytest.mark.parametrize("name, recipe", _cases())
+def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: str) -> None:
+    entry = REAL_MODELS[name]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    model, inputs, loss_fn = entry.build()
+    ours = copy.deepcopy(model)
+    compiled = amp_fx.compile(ours, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:  # compiles forward and backward
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        loss_fn(compiled(**inputs)).backward()
+    for p in ours.parameters():
+        p.grad = None
+    with count_gemm_flops() as flops:
+        loss = loss_fn(compiled(**inputs))
+        loss.backward()
+
+    decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
+    converted = {d.module for d in decisions if d.converted}
+    for d in decisions:
+        if not d.converted:
+            assert d.reason.startswith("not fp8: ") and len(d.reason) > 20, d
+    if not converted:  # then amp_fx says so
+        assert any("was asked, but none of its" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+    twin = linear_twin(model)
+    linears = {n for n, m in twin.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert converted <= linears, f"converted outside nn.Linear (no torchao twin): {converted - linears}"
+    ref = torchao_float8(twin, recipe, module_filter_fn=lambda m, fqn: fqn in converted)
+    with count_gemm_flops() as ref_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref(**inputs))
+        loss_ref.backward()
+
+    assert_bitwise(loss.detach(), loss_ref.detach(), f"{name} fp8={recipe}: loss")
+    conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    ref_grads = {}
+    for n, p in ref.named_parameters():
+        transposed = n.rpartition(".")[0] in conv1d and n.endswith("weight")
+        ref_grads[n] = p.grad.t() if transposed and p.grad is not None else p.grad
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, ref_grads, f"{name} fp8={recipe}: grads")
+    assert flops.fp8_share == ref_flops.fp8_share, (flops, ref_flops)
+
+    if conv1d:  # what torchao reaches on the model as it is: its Conv1D layers stay in bf16
+        as_is = torchao_float8(model, recipe)
+        with count_gemm_flops() as as_is_flops:
+            with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+                loss_fn(as_is(**inputs)).backward()
+        assert as_is_flops.fp8_share < flops.fp8_share

@@ -1,0 +1,671 @@
+"""fp8 training (``fp8=``) against torchao 0.18's float8 training, the reference.
+
+The reference is torchao's ``convert_to_float8_training`` under ``torch.autocast("cpu", bf16)``,
+run eagerly on an identical copy of the model in the same test, with one patch: torchao's
+``Float8Linear.forward`` reads CUDA's autocast state to decide whether to cast its input, so on
+the CPU it would scale the fp32 input where a GPU scales the bf16 one;
+``amp_fx.testing.fp8_reference.cpu_autocast_torchao`` points that one branch at the CPU's
+autocast state (amp_fx follows torchao's GPU numerics).
+
+The ladder: the kernel alone (eager), then the pass under ``eager`` and ``aot_eager`` (bitwise:
+loss, every gradient, 20 AdamW steps), then inductor (error against float64 no worse than torchao
++ ``torch.compile``'s, tests/test_fp8_inductor.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import amp_fx
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import RECIPES as KERNEL_RECIPES
+from amp_fx.kernels.fp8_matmul import fp8_matmul, rowwise_scales_missing
+from amp_fx.passes import meta
+from amp_fx.policy import Policy
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.fp8_reference import (
+    count_gemm_flops,
+    cpu_autocast_torchao,
+    torchao_float8,
+    torchao_missing,
+)
+
+pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
+
+_NO_ROWWISE = rowwise_scales_missing("cpu")
+"""torch 2.11's CPU _scaled_mm takes per-tensor scales only: the rowwise recipes cannot run there
+(amp_fx refuses them with a clear error, test_rowwise_without_rowwise_scaled_mm_is_refused)."""
+
+
+def _recipe(r: Fp8Recipe | str, value: object = None) -> object:
+    """A recipe as a test parameter, skipped with the reason where this torch cannot run it."""
+    rowwise = KERNEL_RECIPES[Fp8Recipe(r)].rowwise
+    return pytest.param(r if value is None else value, id=Fp8Recipe(r).value,
+                        marks=pytest.mark.skipif(rowwise and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE)))
+
+
+def _needs_rowwise() -> None:
+    if _NO_ROWWISE is not None:
+        pytest.skip(_NO_ROWWISE)
+
+
+RECIPES = [_recipe(r.value) for r in Fp8Recipe]
+
+
+def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
+                policy: Policy | None = None, strict: bool = True,
+                options: dict[str, object] | None = None) -> nn.Module:
+    """``amp_fx.compile(model, dtype="bf16", fp8=recipe, ...)`` (``options``: inductor's)."""
+    extra = {"options": options} if options else {}
+    return amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, policy=policy, strict=strict,
+                          **extra)
+
+
+class MLP(nn.Module):
+    """Linears with and without bias, 3-D input, every size a multiple of 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 48, bias=False)
+        self.head = nn.Linear(48, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.fc2(nn.functional.gelu(self.fc1(x)))))
+
+
+def mlp() -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    return MLP(), torch.randn(2, 16, 32)
+
+
+def loss_fn(out: Tensor) -> Tensor:
+    """Autocast-neutral (no op of the CPU autocast table): the same inside and outside autocast."""
+    return out.float().pow(2).mean()
+
+
+def torchao_step(model: nn.Module, x: Tensor, recipe: str) -> tuple[Tensor, dict[str, Tensor | None]]:
+    """torchao's loss and gradients on a converted copy of ``model``."""
+    ref = torchao_float8(model, recipe)
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        loss = loss_fn(ref(x))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def amp_step(model: nn.Module, x: Tensor, recipe: str, backend: str) -> tuple[Tensor, dict[str, Tensor | None]]:
+    compiled = compile_fp8(model, recipe, backend=backend)
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+# --- the kernel alone ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(32, 32), (2, 16, 32)], ids=["2d", "3d"])
+@pytest.mark.parametrize("recipe", [_recipe(r, r) for r in Fp8Recipe])
+def test_kernel_bitwise_with_torchao_float8_linear(recipe: Fp8Recipe, shape: tuple[int, ...]) -> None:
+    """fp8_matmul(x.bf16, w.t()) + bias.bf16 is torchao's Float8Linear under bf16 autocast: output,
+    input gradient and weight and bias gradients, bit for bit."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48)
+    x0 = torch.randn(*shape) * 3
+    grad = torch.randn(*shape[:-1], 48, dtype=torch.bfloat16)
+
+    ref = torchao_float8(linear, recipe.value)
+    x_ref = x0.clone().requires_grad_()
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        out_ref = ref(x_ref)
+    out_ref.backward(grad)
+
+    ours = copy.deepcopy(linear)
+    x = x0.clone().requires_grad_()
+    out = fp8_matmul(x.to(torch.bfloat16), ours.weight.t(), recipe) + ours.bias.to(torch.bfloat16)
+    out.backward(grad)
+
+    assert_bitwise(out, out_ref, "output")
+    assert_bitwise(x.grad, x_ref.grad, "grad of x")
+    assert_bitwise(ours.weight.grad, ref.weight.grad, "grad of weight")
+    assert_bitwise(ours.bias.grad, ref.bias.grad, "grad of bias")
+
+
+def test_kernel_is_not_a_bf16_matmul() -> None:
+    """The negative twin: fp8 differs from the bf16 matmul eager autocast runs (else the bitwise
+    tests above could pass with no fp8 at all)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 32, dtype=torch.bfloat16), torch.randn(48, 32)
+    assert not torch.equal(fp8_matmul(x, w.t(), Fp8Recipe.TENSORWISE), x @ w.t().to(torch.bfloat16))
+
+
+# --- the pass, up the backend ladder: bitwise ---------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_loss_and_gradients_bitwise_with_torchao(recipe: str, backend: str) -> None:
+    model, x = mlp()
+    expected = torchao_step(model, x, recipe)
+    actual = amp_step(copy.deepcopy(model), x, recipe, backend)
+    assert_bitwise(actual, expected, f"amp_fx fp8={recipe} ({backend}) vs torchao")
+
+
+def test_without_fp8_the_loss_differs_from_torchao() -> None:
+    """Negative twin: amp_fx's bf16 (fp8 off) is not torchao's fp8, so the test above can fail."""
+    model, x = mlp()
+    expected, _ = torchao_step(model, x, "tensorwise")
+    actual, _ = amp_step(copy.deepcopy(model), x, None, "aot_eager")  # type: ignore[arg-type]
+    assert not torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
+    """20 AdamW steps: the loss of every step and the final parameters, bit for bit (aot_eager)."""
+    model, x = mlp()
+    ref = torchao_float8(model, recipe)
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    losses_ref, losses = [], []
+    for step in range(20):
+        xs = x * (1 + step / 10)  # a new batch each step, larger each time
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref(xs))
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = loss_fn(compiled(xs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses_ref.append(loss_ref.detach())
+        losses.append(loss.detach())
+    assert_bitwise(losses, losses_ref, "losses")
+    assert_bitwise(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
+
+
+# --- inductor ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
+    """With ``emulate_precision_casts`` (inductor rounds every cast it fuses, as eager does), the
+    inductor build is bitwise with torchao's eager numerics: the fp8 construct reaches inductor
+    whole, scale and cast ops included."""
+    model, x = mlp()
+    expected = torchao_step(model, x, recipe)
+    ref = torch.compile(torchao_float8(model, recipe), backend="inductor",
+                        options={"emulate_precision_casts": True})
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        loss_ref = loss_fn(ref(x))
+    if not torch.equal(loss_ref, expected[0]):
+        pytest.skip(f"torch {torch.__version__}'s inductor does not reproduce eager's roundings even "
+                    f"with emulate_precision_casts: torchao + torch.compile's own loss differs from its "
+                    f"eager one ({loss_ref.item()!r} != {expected[0].item()!r}); the error test below applies")
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe, backend="inductor", options={"emulate_precision_casts": True})
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
+                   f"amp_fx fp8={recipe} (inductor, emulate_precision_casts) vs torchao")
+
+
+def _relative_error(value: Tensor, reference: Tensor) -> float:
+    return ((value.double() - reference).norm() / reference.norm()).item()
+
+
+# amp_fx's and torchao's inductor builds differ only in which bf16 roundings inductor elides in
+# its fused kernels (they are bitwise equal once it rounds them all, test above). Each elided
+# rounding moves some values to a neighbouring fp8 code, so one batch's error can land either
+# side of the other's (up to 7 % apart on single batches of this model); averaged over 8 batches
+# the two stayed within 1 % (0.984x to 1.009x for the loss and every gradient, 3 recipes).
+# 5 % keeps that margin while a real loss of accuracy (e5m2 where e4m3 belongs, no power-of-2
+# rounding) costs far more.
+INDUCTOR_SLACK = 1.05
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
+    """Default inductor (casts fused, intermediate roundings elided) for both: amp_fx's error
+    against float64, loss and every gradient averaged over 8 batches, is within INDUCTOR_SLACK of
+    torchao + ``torch.compile``'s."""
+    model, x = mlp()
+    exact = copy.deepcopy(model).double()
+    ref = torchao_float8(model, recipe)
+    ref_compiled = torch.compile(ref, backend="inductor")
+    ours = copy.deepcopy(model)
+    compiled = compile_fp8(ours, recipe, backend="inductor")
+    errors: dict[str, list[list[float]]] = {"torchao": [], "amp_fx": []}
+    for seed in range(8):
+        xs = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+        for p in (*ref.parameters(), *ours.parameters(), *exact.parameters()):
+            p.grad = None
+        loss64 = loss_fn(exact(xs.double()))
+        loss64.backward()
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref_compiled(xs))
+        loss_ref.backward()
+        loss = loss_fn(compiled(xs))
+        loss.backward()
+        for key, value, module in (("torchao", loss_ref, ref), ("amp_fx", loss, ours)):
+            errors[key].append([_relative_error(value, loss64)] + [
+                _relative_error(p.grad, q.grad) for p, q in zip(module.parameters(), exact.parameters())])
+    names = ["loss"] + [f"{n}.grad" for n, _ in ours.named_parameters()]
+    theirs, mine = torch.tensor(errors["torchao"]).mean(0), torch.tensor(errors["amp_fx"]).mean(0)
+    worse = {n: (m, t) for n, m, t in zip(names, mine.tolist(), theirs.tolist()) if m > INDUCTOR_SLACK * t}
+    assert not worse, f"amp_fx's error (mean of 8 batches) above {INDUCTOR_SLACK} x torchao's: {worse}"
+
+
+# --- structure ----------------------------------------------------------------------------------
+
+
+def _fp8_nodes(compiled: nn.Module) -> list[torch.fx.Node]:
+    return [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
+            if n.op == "call_function" and n.target is fp8_matmul]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_linear_becomes_one_fp8_matmul(recipe: str) -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, recipe)
+    compiled(x)
+    (record,) = compiled.amp_fx_records
+    nodes = _fp8_nodes(compiled)
+    assert len(nodes) == 3
+    assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
+    # The weight enters in fp32 (torchao scales the master weight): no bf16 cast of a weight is left.
+    weights = {p for p in record.rewritten.graph.nodes if p.op == "placeholder"
+               and (p.meta.get(meta.PARAMETER) or "").endswith("weight")}
+    for w in weights:
+        assert not [u for u in w.users if u.target is torch.ops.aten._to_copy.default], w
+    assert [d.weight for d in record.fp8.decisions] == ["fc1.weight", "fc2.weight", "head.weight"]
+    assert all(d.converted and d.recipe is Fp8Recipe(recipe) for d in record.fp8.decisions)
+    assert [n.meta[meta.FP8].shape for n in nodes] == [(32, 32, 64), (32, 64, 48), (32, 48, 16)]
+
+
+def test_without_fp8_no_fp8_matmul() -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, None)
+    compiled(x)
+    assert not _fp8_nodes(compiled)
+    assert compiled.amp_fx_records[0].fp8 is None
+
+
+@pytest.mark.parametrize("value, recipe", [("rowwise", Fp8Recipe.ROWWISE),
+                                           (Fp8Recipe.TENSORWISE, Fp8Recipe.TENSORWISE),
+                                           (Fp8Config("rowwise_with_gw_hp"), Fp8Recipe.ROWWISE_WITH_GW_HP)])
+def test_config_accepts_a_name_a_recipe_or_a_config(value: object, recipe: Fp8Recipe) -> None:
+    config = Fp8Config.of(value)  # type: ignore[arg-type]
+    assert config is not None and config.recipe is recipe
+
+
+@pytest.mark.parametrize("value, error", [("rowwize", ValueError), (8, TypeError)])
+def test_config_refuses_what_is_not_a_recipe(value: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="recipe|fp8 must be"):
+        Fp8Config.of(value)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen() -> None:
+    config = Fp8Config("rowwise")
+    with pytest.raises(AttributeError):
+        config.recipe = Fp8Recipe.TENSORWISE  # type: ignore[misc]
+
+
+
+# --- coverage beyond nn.Linear ------------------------------------------------------------------
+
+
+class Functional(nn.Module):
+    """Matmuls torchao cannot convert (it swaps nn.Linear modules): F.linear on the module's own
+    parameters, x @ W with W as [K, N], and x @ W.t()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.b1 = nn.Parameter(torch.randn(64) / 10)
+        self.w2 = nn.Parameter(torch.randn(64, 48) / 8)
+        self.w3 = nn.Parameter(torch.randn(16, 48) / 7)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = nn.functional.gelu(nn.functional.linear(x, self.w1, self.b1))
+        return torch.relu(h @ self.w2) @ self.w3.t()
+
+
+class FunctionalAsLinears(nn.Module):
+    """The same model with nn.Linear modules (w2 transposed): what torchao converts."""
+
+    def __init__(self, f: Functional) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(32, 64), nn.Linear(64, 48, bias=False), nn.Linear(48, 16, bias=False)
+        with torch.no_grad():
+            self.a.weight.copy_(f.w1)
+            self.a.bias.copy_(f.b1)
+            self.b.weight.copy_(f.w2.t())
+            self.c.weight.copy_(f.w3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(torch.relu(self.b(nn.functional.gelu(self.a(x)))))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_functional_linears_in_fp8_where_torchao_converts_none(recipe: str) -> None:
+    """F.linear and x @ W run in fp8 with torchao's numerics: bitwise with torchao on the same
+    model written with nn.Linear, and the same share of GEMM FLOPs in fp8 (counted from the ops
+    that ran, forward and backward), where torchao converts nothing of the functional model."""
+    torch.manual_seed(0)
+    # x requires grad: torchao's eager Function computes the input gradient GEMM of the first
+    # layer whether or not it is needed, a compiled backward only where it is.
+    functional, x = Functional(), torch.randn(2, 16, 32, requires_grad=True)
+    linears = FunctionalAsLinears(functional)
+
+    ref = torchao_float8(linears, recipe)
+    with count_gemm_flops() as ref_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = loss_fn(ref(x))
+        loss_ref.backward()
+    untouched = torchao_float8(functional, recipe)
+    with count_gemm_flops() as untouched_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_fn(untouched(x)).backward()
+
+    ours = copy.deepcopy(functional)
+    compiled = compile_fp8(ours, recipe)
+    loss_fn(compiled(x)).backward()  # compiles forward and backward outside the count
+    for p in ours.parameters():
+        p.grad = None
+    with count_gemm_flops() as flops:
+        loss = loss_fn(compiled(x))
+        loss.backward()
+
+    assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
+    assert_bitwise(ours.w1.grad, ref.a.weight.grad, "w1.grad")
+    assert_bitwise(ours.b1.grad, ref.a.bias.grad, "b1.grad")
+    assert_bitwise(ours.w2.grad, ref.b.weight.grad.t(), "w2.grad")
+    assert_bitwise(ours.w3.grad, ref.c.weight.grad, "w3.grad")
+    assert untouched_flops.fp8 == 0 and untouched_flops.other > 0
+    assert flops.fp8_share == ref_flops.fp8_share > 0
+
+
+# --- what stays out of fp8, and why ------------------------------------------------------------
+
+
+class Odd(nn.Module):
+    """fc1 fits _scaled_mm; ``odd`` has 40 out features (N not a multiple of 16); ``head`` has
+    40 in features (K); ``experts`` is a 3-D weight used by bmm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 40)
+        self.head = nn.Linear(40, 16)
+        self.experts = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.head(self.odd(self.fc1(x)))
+        return torch.bmm(h.reshape(4, 8, 16), self.experts)
+
+
+def _decisions(compiled: nn.Module) -> dict[str, object]:
+    return {d.weight: d for r in compiled.amp_fx_records for d in r.fp8.decisions}
+
+
+def test_shapes_scaled_mm_cannot_take_stay_in_dtype_and_say_why() -> None:
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(2, 16, 32)
+    compiled = compile_fp8(model, "tensorwise")
+    compiled(x)
+    d = _decisions(compiled)
+    assert [w for w, dec in d.items() if dec.converted] == ["fc1.weight"]
+    assert "N=40" in d["odd.weight"].reason and "multiple of 16" in d["odd.weight"].reason
+    assert "K=40" in d["head.weight"].reason and "N=" not in d["head.weight"].reason
+    assert "3-D weight" in d["experts"].reason
+    (record,) = compiled.amp_fx_records
+    linears = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
+    text = str(amp_fx.explain(compiled))
+    assert "N=40 (out features, the input-gradient GEMM's inner dimension) not a multiple of 16" in text
+    assert "1 of 4 (tensorwise)" in text
+
+
+@pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
+def test_rows_not_a_multiple_of_16_matter_only_where_the_weight_gradient_is_fp8(
+        recipe: str, fp8_grad_weight: bool) -> None:
+    _needs_rowwise()
+    """M (batch x tokens) is the inner dimension of the weight-gradient GEMM: 2 x 9 = 18 rows keep
+    rowwise out of fp8, not rowwise_with_gw_hp (whose weight gradient is high precision)."""
+    model, _ = mlp()
+    compiled = compile_fp8(model, recipe, strict=False)
+    with pytest.warns(amp_fx.AmpFxWarning) if fp8_grad_weight else contextlib.nullcontext():
+        compiled(torch.randn(2, 9, 32))
+    d = _decisions(compiled)
+    assert all(dec.converted is not fp8_grad_weight for dec in d.values())
+    if fp8_grad_weight:
+        assert "M=18" in d["fc1.weight"].reason
+
+
+def test_the_bf16_path_is_unchanged_where_nothing_converts() -> None:
+    """A model none of whose matmuls _scaled_mm takes: bitwise amp_fx without fp8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    x = torch.randn(4, 24)
+    with_fp8 = compile_fp8(copy.deepcopy(model), "tensorwise", strict=False)
+    with pytest.warns(amp_fx.AmpFxWarning, match="none of its 2 matmuls"):
+        out = with_fp8(x)
+    assert_bitwise(out, compile_fp8(copy.deepcopy(model), None)(x), "output")
+
+
+def test_strict_mode_refuses_fp8_honoured_nowhere() -> None:
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    with pytest.raises(amp_fx.AmpFxError, match=r"fp8='tensorwise' was asked, but none of its 2 matmuls.*N=40"):
+        compile_fp8(model, "tensorwise")(torch.randn(4, 24))
+
+
+def test_strict_mode_refuses_fp8_on_a_model_without_parameter_matmuls() -> None:
+    class NoWeights(nn.Module):
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            return x @ y
+
+    with pytest.raises(amp_fx.AmpFxError, match="no graph of the first call has a matmul with a parameter"):
+        compile_fp8(NoWeights(), "tensorwise")(torch.randn(16, 16), torch.randn(16, 16))
+
+
+@pytest.mark.parametrize("selector", ["head", nn.Linear], ids=["name", "type"])
+def test_policy_keeps_modules_out_of_fp8_like_torchao_module_filter(selector: object) -> None:
+    """Policy(keep_out_of_fp8=...) by name or type; by name it is torchao's module_filter_fn,
+    bitwise."""
+    model, x = mlp()
+    policy = Policy(keep_out_of_fp8=(selector,))
+    ours = copy.deepcopy(model)
+    if selector is nn.Linear:
+        compiled = compile_fp8(ours, "tensorwise", policy=policy, strict=False)
+        with pytest.warns(amp_fx.AmpFxWarning, match="none of its 3 matmuls.*kept out of fp8 by policy"):
+            compiled(x)
+        assert not any(d.converted for d in _decisions(compiled).values())
+        return
+    compiled = compile_fp8(ours, "tensorwise", policy=policy)
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    d = _decisions(compiled)
+    assert [w for w, dec in d.items() if not dec.converted] == ["head.weight"]
+    assert "kept out of fp8 by policy (head)" in d["head.weight"].reason
+
+    ref = torchao_float8(model, "tensorwise", module_filter_fn=lambda m, fqn: fqn != "head")
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        loss_ref = loss_fn(ref(x))
+    loss_ref.backward()
+    assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()},
+                   {n: p.grad for n, p in ref.named_parameters()}, "grads")
+
+
+def test_keep_fp32_wins_over_fp8() -> None:
+    model, x = mlp()
+    compiled = compile_fp8(model, "tensorwise", policy=Policy(keep_fp32=("fc2",)))
+    compiled(x)
+    d = _decisions(compiled)
+    assert not d["fc2.weight"].converted and "kept by policy" in d["fc2.weight"].reason
+    assert d["fc1.weight"].converted and d["head.weight"].converted
+
+
+def test_keep_out_of_fp8_names_are_checked_at_compile_time() -> None:
+    model, _ = mlp()
+    with pytest.raises(ValueError, match="Policy.keep_out_of_fp8 names submodule 'fc3'"):
+        compile_fp8(model, "tensorwise", policy=Policy(keep_out_of_fp8=("fc3",)))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", None], ids=["unmatched", "fp8-off"])
+def test_a_keep_out_of_fp8_entry_that_changes_nothing_is_reported(recipe: str | None) -> None:
+    model, x = mlp()
+    policy = Policy(keep_out_of_fp8=(nn.Conv2d,) if recipe else ("head",))
+    why = "entry Conv2d matched no op" if recipe else "entry 'head' changes nothing: fp8 is off"
+    with pytest.raises(amp_fx.AmpFxError, match=why):
+        compile_fp8(model, recipe, policy=policy)(x)
+
+
+# --- the option, wherever amp_fx takes options ---------------------------------------------------
+
+
+def test_options_record_holds_the_config() -> None:
+    model, _ = mlp()
+    compiled = compile_fp8(model, "rowwise")
+    assert amp_fx.options_of(compiled).fp8 == Fp8Config(Fp8Recipe.ROWWISE)
+    assert amp_fx.options_of(compile_fp8(mlp()[0], None)).fp8 is None
+
+
+def test_a_bad_fp8_value_fails_at_compile_time() -> None:
+    with pytest.raises(ValueError, match="unknown fp8 recipe 'rowwize'"):
+        compile_fp8(mlp()[0], "rowwize")
+
+
+@pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("rowwise_with_gw_hp")])
+def test_compile_step_bitwise_with_torchao(recipe: str) -> None:
+    """compile_step(dtype="bf16", fp8=...): 5 AdamW steps (check-only scaler, clipping) bitwise
+    with torchao's eager loop (unscale-free bf16 recipe: backward, clip_grad_norm_, step)."""
+    model, x = mlp()
+    target = torch.randn(2, 16, 16)
+    ref = torchao_float8(model, recipe)
+    ours = copy.deepcopy(model)
+    # fused: compile_step skips an inf/NaN step inside the fused kernel, bitwise torch's eager
+    # step (a non-fused optimizer is traced into the graph: tests/test_step.py says how close).
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
+
+    def mse(out: Tensor, y: Tensor) -> Tensor:
+        return (out.float() - y).pow(2).mean()
+
+    step = amp_fx.compile_step(ours, opt, mse, dtype="bf16", fp8=recipe, backend="aot_eager",
+                               max_grad_norm=1.0)
+    losses, losses_ref = [], []
+    for i in range(5):
+        xs = x * (1 + i / 4)
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            loss_ref = mse(ref(xs), target)
+        loss_ref.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        losses_ref.append(loss_ref.detach())
+        losses.append(step(xs, target))
+    assert_bitwise(losses, losses_ref, "losses")
+    assert_bitwise(dict(ours.named_parameters()), dict(ref.named_parameters()), "parameters")
+
+
+def test_dynamo_backend_by_name_takes_fp8() -> None:
+    """torch.compile(backend="amp_fx", options={"fp8": ...}) under torch.autocast: bitwise torchao."""
+    _needs_rowwise()
+    model, x = mlp()
+    expected = torchao_step(model, x, "rowwise")
+    ours = copy.deepcopy(model)
+    compiled = torch.compile(ours, backend="amp_fx", options={"backend": "aot_eager", "fp8": "rowwise"})
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = loss_fn(compiled(x))
+    loss.backward()
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
+                   "torch.compile(backend='amp_fx', fp8) vs torchao")
+
+
+def test_explain_takes_fp8_and_shows_recipe_and_granularity() -> None:
+    _needs_rowwise()
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(2, 16, 32)
+    ex = amp_fx.explain(model, x, fp8="rowwise_with_gw_hp")
+    (fc1,) = [d for d in ex.fp8_decisions() if d.converted]
+    assert fc1.weight == "fc1.weight" and fc1.recipe is Fp8Recipe.ROWWISE_WITH_GW_HP
+    table = ex.fp8_text(0)
+    assert "x (e4m3 rowwise) @ w (e4m3 rowwise)" in table
+    assert "grad (e4m3 rowwise) @ w (e4m3 tensorwise)" in table
+    assert "x (high precision) @ grad (high precision)" in table
+    assert "fp8 matmuls" in ex.summary() and "1 of 4 (rowwise_with_gw_hp)" in ex.summary()
+    assert not any(n.op == "fp8_matmul" for n in amp_fx.explain(model, x).nodes())  # fp8 off: none
+
+
+def test_explain_shows_why_nothing_converts_instead_of_failing() -> None:
+    """explain is where the reasons are read: strict mode does not stop it (the compiled model
+    itself raises, test_strict_mode_refuses_fp8_honoured_nowhere)."""
+    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    ex = amp_fx.explain(model, torch.randn(4, 24), fp8="tensorwise")
+    assert any("no matmul runs in fp8" in n for n in ex.notes)
+    assert all("N=40" in d.reason or "K=40" in d.reason for d in ex.fp8_decisions())
+
+
+def test_weight_cache_with_fp8_changes_no_value_and_says_what_it_does_not_cache() -> None:
+    """3 SGD steps: losses and parameters bitwise with the uncached fp8 run (the biases' bf16
+    copies are the cache's, refreshed after each step; the fp8 weights are cast per forward)."""
+    model, x = mlp()
+    plain_model, cached_model = copy.deepcopy(model), copy.deepcopy(model)
+    plain = compile_fp8(plain_model, "tensorwise")
+    with pytest.warns(amp_fx.AmpFxWarning, match="each fp8 matmul still scales and casts its fp32 weight"):
+        cached = amp_fx.compile(cached_model, dtype="bf16", fp8="tensorwise", backend="aot_eager",
+                                weight_cache=True, strict=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain_model, cached_model)]
+    for i in range(3):
+        xs = x * (i + 1)
+        losses = []
+        for run, opt in zip((plain, cached), opts):
+            loss = loss_fn(run(xs))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_bitwise(losses[1], losses[0], f"loss {i}")
+    assert_bitwise(dict(cached_model.named_parameters()), dict(plain_model.named_parameters()), "parameters")
+
+
+def test_only_parameters_count_as_weights() -> None:
+    """A buffer, and an input that requires grad, as the right operand: not a layer's weight, not
+    fp8 (the negative twins of x @ W on a parameter)."""
+    class NotWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32) / 6)
+            self.register_buffer("b", torch.randn(32, 32) / 6)
+
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            return (x @ self.w) @ self.b @ y
+
+    model = NotWeights()
+    compiled = compile_fp8(model, "tensorwise")
+    compiled(torch.randn(16, 32), torch.randn(32, 16, requires_grad=True))
+    (record,) = compiled.amp_fx_records
+    assert [(d.weight, d.converted) for d in record.fp8.decisions] == [("w", True)]
+    assert len([n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.matmul.default]) == 2
+
+
+def test_rowwise_without_rowwise_scaled_mm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where _scaled_mm takes no rowwise scales (torch 2.11's CPU kernel; simulated here where it
+    does), a rowwise recipe is refused at compile time with the reason and the fix, not by an
+    internal assert of _scaled_mm at the first GEMM. tensorwise still runs."""
+    import amp_fx.passes.fp8_matmuls as fp8_matmuls
+
+    monkeypatch.setattr(fp8_matmuls, "rowwise_scales_missing", lambda device_type: "no rowwise here")
+    model, x = mlp()
+    why = "fp8='rowwise' needs rowwise scales.*no rowwise here.*fp8='tensorwise'"
+    with pytest.raises(amp_fx.AmpFxError, match=why):
+        compile_fp8(copy.deepcopy(model), "rowwise")(x)
+    compile_fp8(model, "tensorwise")(x)

@@ -1,0 +1,280 @@
+"""The backward watch (issue 30): a step skipped because the backward overflowed names the backward
+op, its module and the forward op it differentiates, and says it was the backward; a report that
+names no op says exactly what was and was not watched.
+
+References: eager ``torch.autocast`` + ``torch.amp.GradScaler`` on the same model and batches for
+which steps are skipped, whether the forward output was finite and which gradients were
+non-finite; ``amp_fx.testing.backward_origin`` (eager autograd's backward under a dispatch mode
+and module backward hooks) for the first backward op that made an inf and its module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _overflow_cases import batches, loss_fn, make_model
+from torch import nn
+
+import amp_fx
+from amp_fx.errors import AmpFxError, AmpFxWarning
+from amp_fx.testing.backward_origin import BackwardOrigin, first_backward_origin
+
+BACKENDS = ["aot_eager", "inductor"]
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "overflow.md"
+RUNNERS = ["grad_scaler", "compile_step"]
+WIDTH, STEPS, PLANTED_STEP = 16, 4, 2
+INIT_SCALE = 2.0**10
+# mid's weight times GAIN at the planted step: its input is shrunk by 1e-3 first, so its forward
+# output stays near 1 (finite in fp16), while the gradient of its input, g @ (W * GAIN) with g the
+# scaled output gradient (about 2^10 * 0.1), exceeds 65504 (the eager reference checks both).
+GAIN = 1e4
+
+
+class Mid(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(WIDTH, WIDTH)
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.gain, self.bias)
+
+
+class GrowNet(nn.Module):
+    """A layer (``mid``) whose gradient alone overflows at the planted step: the forward is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.mid = Mid()
+        self.out = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.mid(self.inp(x) * 1e-3)))
+
+
+def _make() -> GrowNet:
+    torch.manual_seed(0)
+    return GrowNet()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, WIDTH, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(STEPS)]
+
+
+def _plant(model: GrowNet, step: int, planted: int | None) -> None:
+    model.mid.gain.fill_(GAIN if step == planted else 1.0)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), y)
+
+
+def _eager_reference(model: nn.Module, plant: Callable[[int], None], loss_fn: Callable[..., torch.Tensor],
+                     batches: list[Any], init_scale: float) -> dict[str, Any]:
+    """Eager ``torch.autocast`` + ``torch.amp.GradScaler``: skipped steps, forward finite per step,
+    per step the backward's first inf (``first_backward_origin``) and the non-finite gradients."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    out: dict[str, Any] = {"skipped": [], "finite": [], "origins": [], "gradients": []}
+    for i, (x, y) in enumerate(batches):
+        plant(i)
+
+        def scaled_loss(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.float16):
+                result = model(x)
+            out["finite"].append(all(bool(torch.isfinite(t).all()) for t in
+                                     (result if isinstance(result, tuple) else (result,))))
+            return scaler.scale(loss_fn(result, y))
+
+        out["origins"].append(first_backward_origin(model, scaled_loss, torch.float16))
+        out["gradients"].append([n for n, p in model.named_parameters()
+                                 if p.grad is not None and not torch.isfinite(p.grad).all()])
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.get_scale() < before:
+            out["skipped"].append(i)
+    return out
+
+
+def _amp_fx_reports(runner: str, model: nn.Module, plant: Callable[[int], None], loss_fn: Callable[..., Any],
+                    batches: list[Any], init_scale: float, **options: Any) -> list[Any]:
+    """The report after each step: ``amp_fx.compile`` + ``amp_fx.GradScaler``, or ``compile_step``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = amp_fx.GradScaler("cpu", init_scale=init_scale, step_mode=amp_fx.StepMode.MASKED)
+    reports = []
+    if runner == "compile_step":
+        step = amp_fx.compile_step(model, opt, loss_fn, scaler=scaler, **options)
+        for i, (x, y) in enumerate(batches):
+            plant(i)
+            step(x, y)
+            reports.append(step.overflow_report())
+        return reports
+    compiled = amp_fx.compile(model, dtype="fp16", **options)
+    scaler.watch(compiled)
+    for i, (x, y) in enumerate(batches):
+        plant(i)
+        scaler.scale(loss_fn(compiled(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        reports.append(scaler.overflow_report())
+    return reports
+
+
+@pytest.fixture(scope="module")
+def grow_reference() -> dict[str, Any]:
+    model = _make()
+    ref = _eager_reference(model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(), INIT_SCALE)
+    # The premise: the planted step is the only skip, the forward is finite at every step, and the
+    # eager backward's first inf is an op of mid's backward (made from finite inputs).
+    assert ref["skipped"] == [PLANTED_STEP] and all(ref["finite"]), ref
+    origin: BackwardOrigin = ref["origins"][PLANTED_STEP]
+    assert origin.module == "mid" and origin.op is not None, origin
+    return ref
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend, runner, grow_reference):
+    model = _make()
+    reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
+                              INIT_SCALE, backend=backend, watch_nonfinite=True)
+    assert [i for i, r in enumerate(reports) if r is not None] == grow_reference["skipped"], reports
+    report = reports[PLANTED_STEP]
+    origin = grow_reference["origins"][PLANTED_STEP]
+    first = report.first_op
+    assert first is not None and first.backward and not first.incoming, str(report)
+    assert (first.module, first.op, first.grad_of) == (origin.module, origin.op, "aten.linear"), (str(report), origin)
+    assert list(report.gradients) == grow_reference["gradients"][PLANTED_STEP]
+    assert str(report).startswith(
+        f"step {PLANTED_STEP} skipped: first inf in the backward at mid ({origin.op}, fp16, backward of aten.linear); ")
+    assert report.watched == ("forward", "backward")
+    # docs/overflow.md shows this run's line
+    shown = [line.strip() for line in DOCS.read_text().splitlines()
+             if line.startswith(f"step {PLANTED_STEP} skipped: first inf in the backward")]
+    assert shown == [str(report)], (shown, str(report))
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_too_high_initial_scale_is_named_in_the_backward(backend, runner):
+    """``tests/_overflow_cases.PlantedNet`` at torch's default scale 2^16, nothing planted: step 0's
+    scaled fp16 gradients overflow in the backward (the scale then backs off and the run is clean).
+    The first inf is where eager autograd's backward makes it."""
+    init_scale = 2.0**16
+    ref = _eager_reference(make_model(), lambda i: None, loss_fn, batches(3), init_scale)
+    assert ref["skipped"] == [0] and all(ref["finite"]), ref
+    origin = ref["origins"][0]
+    assert origin.op is not None and origin.module, origin  # an op inside the model
+    reports = _amp_fx_reports(runner, make_model(), lambda i: None, loss_fn, batches(3), init_scale,
+                              backend=backend, watch_nonfinite=True)
+    assert [i for i, r in enumerate(reports) if r is not None] == [0], reports
+    first = reports[0].first_op
+    assert first is not None and first.backward, str(reports[0])
+    assert (first.module, first.op) == (origin.module, origin.op), (str(reports[0]), origin)
+    assert list(reports[0].gradients) == ref["gradients"][0]
+
+
+# --- the line when no op is named ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_unwatched_line_says_the_watch_is_off(runner, grow_reference):
+    model = _make()
+    reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
+                              INIT_SCALE, backend="aot_eager", watch_nonfinite=False)
+    report = reports[PLANTED_STEP]
+    assert report is not None and report.first_op is None and report.watched == ()
+    assert str(report).startswith(f"step {PLANTED_STEP} skipped: no op named (not watched: compile with "
+                                  "watch_nonfinite=True); "), str(report)
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_eager_backend_watches_the_forward_only_and_says_so(runner, grow_reference):
+    """``backend="eager"`` has no AOTAutograd backward graph: amp_fx warns once when the model is
+    compiled, and the report says the backward was not watched (and names no forward op: the
+    forward was finite, as the reference shows)."""
+    model = _make()
+    with pytest.warns(AmpFxWarning, match="watches the forward only") as caught:
+        reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
+                                  INIT_SCALE, backend="eager", watch_nonfinite=True, strict=False)
+    assert sum("watches the forward only" in str(w.message) for w in caught) == 1
+    assert [i for i, r in enumerate(reports) if r is not None] == grow_reference["skipped"], reports
+    report = reports[PLANTED_STEP]
+    assert report.first_op is None and report.watched == ("forward",), str(report)
+    assert str(report).startswith(
+        f"step {PLANTED_STEP} skipped: no op named: no forward op created an inf/NaN (a -inf mask or an in-place "
+        "op is not named); the backward is not watched (backend 'eager' runs the graphs' ops through eager "
+        "autograd: there is no backward graph); "), str(report)
+
+
+def test_eager_backend_with_the_watch_raises_in_strict_mode():
+    with pytest.raises(AmpFxError, match="watches the forward only"):
+        amp_fx.compile(_make(), dtype="fp16", backend="eager", watch_nonfinite=True, strict=True)
+
+
+class _ScaledInput(nn.Linear):
+    """``x * gain`` against ``weight / gain``: the output is the Linear's, while the weight's
+    gradient, ``g^T (x * gain)`` in fp16, grows with the gain (past 65504 at 3e3, checked by the
+    reference)."""
+
+    def __init__(self) -> None:
+        super().__init__(WIDTH, WIDTH)
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x * self.gain, self.weight / self.gain, self.bias)
+
+
+class _EagerFirst(nn.Module):
+    """``pre`` runs outside the compiled graphs (``torch._dynamo.disable``, under eager autocast),
+    and its weight gradient overflows in its own (eager) backward; the compiled rest stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = _ScaledInput()
+        self.body = nn.Linear(WIDTH, 4)
+
+    @torch._dynamo.disable
+    def _pre(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(F.relu(self._pre(x)))
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_overflow_outside_the_compiled_graphs_is_not_named_and_the_line_says_why(backend, runner):
+    """The first inf of the backward is made by ``pre``'s backward, which eager autograd runs
+    (the eager reference names it): the compiled graphs' forward and backward saw no inf made, and
+    the line says exactly that, where it used to say "forward finite or not watched"."""
+    def make() -> _EagerFirst:
+        torch.manual_seed(0)
+        return _EagerFirst()
+
+    def plant(model: _EagerFirst, i: int) -> None:
+        model.pre.gain.fill_(3e3 if i == PLANTED_STEP else 1.0)
+
+    model = make()
+    ref = _eager_reference(model, lambda i: plant(model, i), _loss, _batches(), INIT_SCALE)
+    assert ref["skipped"] == [PLANTED_STEP] and all(ref["finite"]), ref
+    assert ref["origins"][PLANTED_STEP].module == "pre", ref["origins"][PLANTED_STEP]
+    model = make()
+    reports = _amp_fx_reports(runner, model, lambda i: plant(model, i), _loss, _batches(), INIT_SCALE,
+                              backend=backend, watch_nonfinite=True)
+    assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], reports
+    report = reports[PLANTED_STEP]
+    assert report.first_op is None and report.watched == ("forward", "backward"), str(report)
+    assert list(report.gradients) == ref["gradients"][PLANTED_STEP]
+    assert str(report).startswith(
+        f"step {PLANTED_STEP} skipped: no op named: no forward or backward op created an inf/NaN (a -inf mask, "
+        "an in-place op or code outside the compiled graphs is not named); "), str(report)
