@@ -337,7 +337,7 @@ _PHASES: tuple[tuple[str, tuple[str, str]], ...] = (
     ("Dynamo: trace, compile the frame (forward)", ("convert_frame.py", "_compile")),
     (". Dynamo: build guards", ("convert_frame.py", "build_guards")),
     (". backend call (amp_fx: its passes too)", ("output_graph.py", "_call_user_compiler")),
-    (". . amp_fx: capture and passes", ("backend.py", "rewrite")),
+    (". . amp_fx: capture and passes", ("pipeline.py", "run_pipeline")),
     (". . . amp_fx: capture", ("capture.py", "capture")),
     (". . . amp_fx: insert_casts", ("insert_casts.py", "insert_casts")),
     (". . AOTAutograd and inductor (forward)", ("compile_fx.py", "compile_fx")),
