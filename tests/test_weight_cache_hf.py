@@ -32,7 +32,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
 from amp_fx.testing import assert_bitwise
-from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face tier needs transformers (pip install transformers)")
@@ -133,18 +132,8 @@ def _compile(model: nn.Module, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
 # --- training with accumulation: bitwise with eager autocast -----------------------------------
 
 
-# torch 2.11: amp_fx.compile is not bitwise with eager autocast on these models' gradients with or
-# without the cache (amp_fx.testing.known), so the cache cannot be; the other models are bitwise there too.
-_NOT_BITWISE_ON_2_11 = {"llama", "mixtral", "t5"}
-
-
-def _xfail_on_2_11(name: str) -> Any:
-    return pytest.param(name, marks=pytest.mark.xfail(
-        TORCH_2_11 and name in _NOT_BITWISE_ON_2_11, strict=True, reason=TORCH_2_11_GRADIENTS_DIFFER))
-
-
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", [_xfail_on_2_11(n) for n in MODELS])
+@pytest.mark.parametrize("name", MODELS)
 def test_training_with_accumulation_bitwise(name: str, dtype: torch.dtype) -> None:
     """ACCUMULATE micro-batches then an optimizer step, WINDOWS times: every loss, every gradient
     before each step and every parameter after it bitwise eager autocast's (fp16: both sides

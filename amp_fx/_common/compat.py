@@ -8,6 +8,7 @@ than by its version string; each function says which versions take which branch 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, MutableMapping
 from functools import cache
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 import torch._dynamo
 
 __all__ = ["autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
-           "number_scalars_as_eager"]
+           "dynamo_folds_is_exporting", "is_exporting_as_eager", "number_scalars_as_eager"]
 
 
 @cache
@@ -134,3 +135,76 @@ def dynamo_guards_param_requires_grad() -> bool:
             return True
         _guards_requires_grad = len(graphs) == 2
     return _guards_requires_grad
+
+
+_folds_is_exporting: bool | None = None
+_reads_exporting_flag = contextvars.ContextVar("amp_fx_reads_exporting_flag", default=False)
+
+
+def dynamo_folds_is_exporting() -> bool:
+    """Whether Dynamo traces ``torch.compiler.is_exporting()`` as ``True`` under ``torch.compile``,
+    not only under ``torch.export``.
+
+    2.11 does (its ``tracing_state_functions`` table maps ``is_exporting`` to ``True``); 2.13 and
+    2.15 read the real flag (pytorch#176499). Libraries branch on it: transformers' masks
+    (``masking_utils._ignore_causal_mask_sdpa``) then never skip the causal mask while compiling, so
+    a compiled T5 or Llama runs a materialised mask where eager runs ``is_causal`` (for T5 a
+    position-bias gradient summed over the batch in another order). Found by tracing a function
+    that branches on it (about 0.2 s, the first time it is asked).
+    """
+    global _folds_is_exporting
+    if _folds_is_exporting is None:
+        seen: list[bool] = []
+
+        def record(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            seen.append(any(n.target is torch.add for n in gm.graph.nodes))
+            return gm.forward
+
+        def probe(x: torch.Tensor) -> torch.Tensor:
+            return torch.add(x, 1) if torch.compiler.is_exporting() else torch.mul(x, 2)
+
+        torch.compile(probe, backend=record, fullgraph=True)(torch.zeros(1))
+        if not seen:  # Dynamo did not trace (e.g. a force_eager stance): ask again later
+            return False
+        _folds_is_exporting = seen[0]
+        table = getattr(torch._dynamo.variables.torch, "tracing_state_functions", None)
+        if _folds_is_exporting and callable(table):  # the table 2.11's Dynamo consults
+            _install_exporting_flag_reader(table)
+    return _folds_is_exporting
+
+
+def _install_exporting_flag_reader(table: Callable[[], dict[Callable[[], Any], Any]]) -> None:
+    """Replace Dynamo's ``tracing_state_functions`` with one that, inside
+    :func:`is_exporting_as_eager`, maps ``torch.compiler.is_exporting`` to the real flag (as 2.13
+    does). Outside it, every other ``torch.compile`` in the process sees Dynamo's own table."""
+
+    def tracing_state_functions() -> dict[Callable[[], Any], Any]:
+        found = table()
+        if _reads_exporting_flag.get():
+            return {**found, torch.compiler.is_exporting: torch.compiler._is_exporting_flag}
+        return found
+
+    torch._dynamo.variables.torch.tracing_state_functions = tracing_state_functions  # type: ignore[attr-defined]
+
+
+def is_exporting_as_eager() -> contextlib.AbstractContextManager[None]:
+    """Inside, Dynamo traces ``torch.compiler.is_exporting()`` as what it returns at run time
+    (``False`` outside ``torch.export``), so code that branches on it traces the branch eager runs.
+
+    Where Dynamo folds it to ``True`` (:func:`dynamo_folds_is_exporting`: torch 2.11) amp_fx's own
+    compiles run inside this; elsewhere it is a shared ``nullcontext`` (each compiled call enters
+    it). ``torch.compile(backend="amp_fx")`` is traced before amp_fx is called and keeps Dynamo's
+    answer.
+    """
+    return _ReadExportingFlag() if dynamo_folds_is_exporting() else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+class _ReadExportingFlag:
+    def __enter__(self) -> None:
+        self.token = _reads_exporting_flag.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _reads_exporting_flag.reset(self.token)

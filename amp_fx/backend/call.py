@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._common.compat import is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx.backend.audit import report_no_graph, report_unused_policy
@@ -143,7 +144,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
                 own_forward if direct else own_call, backend=sibling, **compile_kwargs)
         runs = backend.runs.count
         try:
-            with torch.autocast(device_type, dtype=backend.dtype):
+            with torch.autocast(device_type, dtype=backend.dtype), is_exporting_as_eager():
                 if backend.weight_cache is None:
                     out = compiled(*args, **kwargs)
                 else:

@@ -41,7 +41,6 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.backward_origin import first_backward_origin
-from amp_fx.testing.known import TORCH_2_11, TORCH_2_11_GRADIENTS_DIFFER
 from amp_fx.testing.real_models import (
     LLAMA_GQA,
     REAL_MODELS,
@@ -100,10 +99,6 @@ for _feature in ("overflow_watch", "overflow_named"):
         "convolutions; eager autocast + torch.amp.GradScaler skip the clean steps too; finite at scale 1; "
         "torch 2.11, torchvision 0.26)")
 
-# torch 2.11 only (amp_fx.testing.known): T5's gradients differ from eager autocast; every feature
-# that compares them (inspect: compare's bitwise verdict; find_nonfinite on T5 is quiet on 2.11 too).
-_KNOWN_ON_2_11 = {("hf_t5", feature) for feature in ("compile", "weight_cache", "compile_step", "inspect")}
-
 
 def _cases(feature: str) -> list[Any]:
     out = []
@@ -117,8 +112,6 @@ def _cases(feature: str) -> list[Any]:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
-            if TORCH_2_11 and (name, feature) in _KNOWN_ON_2_11:
-                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=TORCH_2_11_GRADIENTS_DIFFER))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
 
@@ -156,10 +149,12 @@ def test_compile_bitwise(name: str, dtype_id: str) -> None:
 
 @pytest.mark.parametrize("dtype_id", DTYPES)
 def test_grouped_query_attention_differs_as_torch_compile_does(dtype_id: str) -> None:
-    """Llama with grouped-query attention: transformers repeats k and v in the low dtype
-    (``repeat_kv``), and torch.compile's k/v gradients then differ from eager autocast's; amp_fx
-    is bitwise torch.compile under an ambient autocast (the graph Dynamo gives both), so the
-    difference is torch.compile's, not amp_fx's casts. Negative twin: test_compile_bitwise on
+    """Llama with grouped-query attention: traced, transformers cannot check ``position_ids`` for
+    packed sequences, builds a causal mask and repeats k and v in the low dtype (``repeat_kv``);
+    eager passes no mask and calls sdpa with ``enable_gqa`` (docs/parity.md, "Models that branch
+    on being compiled"). The compiled k/v gradients then differ from eager autocast's; amp_fx is
+    bitwise torch.compile under an ambient autocast (the graph Dynamo gives both), so the
+    difference is the traced path's, not amp_fx's casts. Negative twin: test_compile_bitwise on
     hf_llama (one key/value head per query head) is bitwise."""
     dtype = DTYPES[dtype_id]
     model, inputs, loss_fn = _entry(LLAMA_GQA.name).build()
@@ -176,6 +171,22 @@ def test_grouped_query_attention_differs_as_torch_compile_does(dtype_id: str) ->
     assert_bitwise(ours.grads, torch_compile_grads, "grads vs torch.compile under autocast")
     differ = [n for n, g in eager.grads.items() if not torch.equal(g, ours.grads[n])]
     assert any(".k_proj." in n for n in differ), f"the known difference is gone: {differ}"
+
+
+@pytest.mark.parametrize("dtype_id", DTYPES)
+def test_grouped_query_attention_bitwise_with_eager_on_the_traced_path(dtype_id: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cause of the difference above, and that it is the only one: with transformers'
+    ``is_tracing`` forced true in the eager reference (so eager builds the mask and repeats k/v
+    as the trace does), amp_fx is bitwise eager autocast's, gradients included."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    dtype = DTYPES[dtype_id]
+    model, inputs, loss_fn = _entry(LLAMA_GQA.name).build()
+    with monkeypatch.context() as patched:
+        patched.setattr(masking_utils, "is_tracing", lambda tensor: True)
+        expected = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
+    actual = real_step(amp_fx.compile(model, dtype=dtype, backend="aot_eager"), model, inputs, loss_fn)
+    _assert_step_bitwise(actual, expected)
 
 
 # --- weight_cache=True ---------------------------------------------------------------------------
