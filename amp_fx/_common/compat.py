@@ -193,10 +193,12 @@ def is_exporting_as_eager() -> contextlib.AbstractContextManager[None]:
 
     Where Dynamo folds it to ``True`` (:func:`dynamo_folds_is_exporting`: torch 2.11) amp_fx's own
     compiles run inside this; elsewhere it is a shared ``nullcontext`` (each compiled call enters
-    it). ``torch.compile(backend="amp_fx")`` is traced before amp_fx is called and keeps Dynamo's
+    it). It reads the answer :func:`dynamo_folds_is_exporting` found, never probes: a call inside
+    an enclosing trace must not compile; ``amp_call`` asks when the model is compiled.
+    ``torch.compile(backend="amp_fx")`` is traced before amp_fx is called and keeps Dynamo's
     answer.
     """
-    return _ReadExportingFlag() if dynamo_folds_is_exporting() else _NOTHING
+    return _ReadExportingFlag() if _folds_is_exporting else _NOTHING
 
 
 _NOTHING = contextlib.nullcontext()

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 from torch.utils._pytree import tree_flatten
 
-from amp_fx._common.compat import is_exporting_as_eager
+from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx.backend.audit import report_no_graph, report_unused_policy
@@ -120,6 +120,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     from (:class:`_ModuleDevice`).
     """
     compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
+    dynamo_folds_is_exporting()  # found once, here, outside any trace (is_exporting_as_eager reads it)
     compile_kwargs = backend.options.torch_compile
     own_call = fresh_callable(target)
     # A module is compiled from a copy of its own forward where calling it is calling forward
