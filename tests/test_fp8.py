@@ -193,6 +193,7 @@ def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
 # --- inductor ----------------------------------------------------------------------------------
 
 
+@pytest.mark.primary
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
     """With ``emulate_precision_casts`` (inductor rounds every cast it fuses, as eager does), the
@@ -230,6 +231,7 @@ def _relative_error(value: Tensor, reference: Tensor) -> float:
 INDUCTOR_SLACK = 1.05
 
 
+@pytest.mark.primary
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
     """Default inductor (casts fused, intermediate roundings elided) for both: amp_fx's error

@@ -22,6 +22,7 @@ from amp_fx._common.report import Reporter
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
+from amp_fx.backend.traced_paths import report_traced_paths
 from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
@@ -80,6 +81,7 @@ class AmpBackend:
         guard_module_hooks()
         names = RootNames(self.root)
         names.rename_module_stacks(gm)
+        report_traced_paths(gm, self.reporter)
         with torch._C._DisableAutocast():
             work = run_pipeline(self.options, gm, example_inputs, index=len(self.records),
                                 is_state=names.is_module_state)
