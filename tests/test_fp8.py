@@ -671,3 +671,83 @@ def test_rowwise_without_rowwise_scaled_mm_is_refused(monkeypatch: pytest.Monkey
     with pytest.raises(amp_fx.AmpFxError, match=why):
         compile_fp8(copy.deepcopy(model), "rowwise")(x)
     compile_fp8(model, "tensorwise")(x)
+
+
+# --- watch_nonfinite with fp8 ----------------------------------------------------------------------
+
+
+class _Boosted(nn.Module):
+    """Two fp8-sized linears with a multiplier between them (a buffer: 1 is healthy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 32)
+        self.register_buffer("boost", torch.tensor(1.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)) * self.boost)
+
+
+def _planted(where: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = _Boosted()
+    with torch.no_grad():
+        if where == "forward":  # b's fp8 GEMM sums 64 products of ~0.4 x 3e37: past bf16's range
+            model.b.weight.fill_(3e37)
+        else:  # b's input ~1e38: its weight-gradient GEMM (x.T @ grad) overflows in the backward
+            model.boost.fill_(1e38)
+    return model
+
+
+def _first_nonfinite_module_output(model: nn.Module, run: Any) -> str | None:
+    """The reference for a forward origin: the first module (in execution order) whose output
+    holds an inf/NaN, from forward hooks on the eager torchao model."""
+    found: list[str] = []
+    handles = [m.register_forward_hook(lambda mod, args, out, name=name: found.append(name)
+                                       if not found and not bool(torch.isfinite(out).all()) else None)
+               for name, m in model.named_modules() if name]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_watch_names_an_inf_made_by_an_fp8_gemm(where: str) -> None:
+    """fp8 with ``watch_nonfinite=True``: the fp8 operands are checked through an fp32 copy (no
+    ``isinf`` kernel for fp8: the backward watch crashed on them) and the fp8 matmul is a watched
+    op. The report names the same module and, in the backward, the same op as the reference:
+    torchao's Float8Linear under eager autocast (forward hooks for the forward;
+    ``amp_fx.testing.backward_origin`` for the backward)."""
+    from amp_fx.testing.backward_origin import first_backward_origin
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    model = _planted(where)
+    ref = torchao_float8(model, "tensorwise")
+
+    def ref_loss() -> Tensor:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            return ref(x).float().mean()
+
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", watch_nonfinite=True, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amp_fx.GradScaler("cpu")
+    scaler.scale(compiled(x).float().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    first = report.first_op
+    if where == "forward":
+        assert _first_nonfinite_module_output(ref, ref_loss) == "b"
+        assert (first.backward, first.module, first.op) == (False, "b", "fp8_matmul"), str(report)
+    else:
+        assert _first_nonfinite_module_output(ref, ref_loss) is None  # the forward is finite
+        origin = first_backward_origin(ref, lambda: ref_loss() * 2.0**16, torch.bfloat16)
+        # torchao's is its subclass's aten.mm, which runs the _scaled_mm amp_fx's graph shows
+        assert (origin.module, origin.op) == ("b", "aten.mm"), origin
+        assert (first.backward, first.module, first.op, first.grad_of) == (True, "b", "aten._scaled_mm", "fp8_matmul"), \
+            str(report)

@@ -56,6 +56,7 @@ import torch
 import torch.fx
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.passes.capture import module_stack
 
 __all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "append_first_origin", "op_name", "NONE"]
@@ -106,6 +107,8 @@ def _computing_op(node: torch.fx.Node) -> object | None:
     if target is operator.getitem:  # one output of a multi-output op
         parent = node.args[0]
         return _computing_op(parent) if isinstance(parent, torch.fx.Node) else None
+    if target is fp8_matmul:  # fp8=: the fp8 matmul pass's call, a fresh value like the matmul it replaced
+        return target
     if not isinstance(target, torch._ops.OpOverload):
         return None
     schema = target._schema
@@ -187,6 +190,10 @@ def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+_FLOAT8 = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                        "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+
+
 class _Checks:
     """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
     reductions until a mutation may have changed the value they read."""
@@ -208,7 +215,16 @@ class _Checks:
         for key in [k for k in self.holds_memo if _base(k) in bases]:
             del self.holds_memo[key]
 
+    def checkable(self, value: torch.fx.Node) -> torch.fx.Node:
+        """``value``, or its fp32 copy where its dtype has no ``isinf``/``isnan`` kernel (fp8: the
+        fp8 matmul's operands, ``fp8=``). Exact: every fp8 value, inf and NaN included, is an fp32 one."""
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype in _FLOAT8:
+            return _call(self.graph, torch.ops.prims.convert_element_type.default, (value, torch.float32))
+        return value
+
     def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
+        value = self.checkable(value)
         if self.lowered:
             return _call(self.graph, aten.logical_or.default, (_call(self.graph, aten.isinf.default, (value,)),
                                                                _call(self.graph, aten.isnan.default, (value,))))
@@ -218,7 +234,7 @@ class _Checks:
         """Where an input's element explains an inf/NaN in the output: any inf/NaN, or only -inf
         in a value derived from the caller's data."""
         if value in self.data:
-            return _call(self.graph, aten.isneginf.default, (value,))
+            return _call(self.graph, aten.isneginf.default, (self.checkable(value),))
         return self.nonfinite(value)
 
     def holds(self, value: torch.fx.Node) -> torch.fx.Node:

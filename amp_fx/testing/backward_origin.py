@@ -37,7 +37,17 @@ class BackwardOrigin:
     """The first module whose output gradient was non-finite when its backward started, or None."""
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``, or the plain tensors a traceable wrapper subclass holds."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or flatten is None:
+        return [t]
+    return [inner for name in flatten()[0] for inner in _plain(getattr(t, name))]
+
+
 def _nonfinite(t: torch.Tensor) -> bool:
+    if t.is_floating_point() and t.element_size() == 1:  # fp8 has no isfinite kernel; exact in fp32
+        t = t.float()
     return (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
 
 
@@ -51,8 +61,12 @@ class _FirstOrigin(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if self.found is None:
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == self.dtype]
-            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outs = [inner for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == self.dtype
+                    for inner in _plain(t)]
+            # A tensor subclass's op (torchao's Float8TrainingTensor: its ``aten.mm`` runs
+            # ``_scaled_mm`` out of this mode's sight) is checked through the plain tensors it holds.
+            ins = [inner for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                   for inner in _plain(t)]
             if any(_nonfinite(t) for t in outs) and not any(_nonfinite(t) for t in ins):
                 name = f"{func.namespace}.{func.__name__.split('.')[0]}"
                 self.found = (name, self.running[-1] if self.running else "")
