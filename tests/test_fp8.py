@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -700,7 +701,7 @@ def _planted(where: str) -> nn.Module:
     return model
 
 
-def _first_nonfinite_module_output(model: nn.Module, run: Any) -> str | None:
+def _first_nonfinite_module_output(model: nn.Module, run: Callable[[], object]) -> str | None:
     """The reference for a forward origin: the first module (in execution order) whose output
     holds an inf/NaN, from forward hooks on the eager torchao model."""
     found: list[str] = []
@@ -749,5 +750,5 @@ def test_watch_names_an_inf_made_by_an_fp8_gemm(where: str) -> None:
         origin = first_backward_origin(ref, lambda: ref_loss() * 2.0**16, torch.bfloat16)
         # torchao's is its subclass's aten.mm, which runs the _scaled_mm amp_fx's graph shows
         assert (origin.module, origin.op) == ("b", "aten.mm"), origin
-        assert (first.backward, first.module, first.op, first.grad_of) == (True, "b", "aten._scaled_mm", "fp8_matmul"), \
-            str(report)
+        expected = (True, "b", "aten._scaled_mm", "fp8_matmul")
+        assert (first.backward, first.module, first.op, first.grad_of) == expected, str(report)

@@ -202,8 +202,8 @@ def test_grouped_query_attention_is_reported_once_at_compile_time() -> None:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
         for _ in range(2):
             loss_fn(compiled(**inputs)).backward()
-    assert [str(w.message) for w in caught].count(next((str(w.message) for w in caught if _GQA_REPORT in str(w.message)),
-                                                       "<none>")) == 1, [str(w.message)[:120] for w in caught]
+    reported = [str(w.message) for w in caught if _GQA_REPORT in str(w.message)]
+    assert len(reported) == 1, [str(w.message)[:120] for w in caught]
     strict = amp_fx.compile(copy.deepcopy(model), dtype="bf16", backend="aot_eager", strict=True)
     with pytest.raises(amp_fx.AmpFxError, match=_GQA_REPORT):
         strict(**inputs)
