@@ -193,8 +193,8 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
                       'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", backend="aot_eager")'),),
             after="model(x16).float().sum().backward()\n"),
         'policy = amp_fx.Policy(keep_out_of_fp8=("lm_head",))': Run(
-            replace=(('amp_fx.compile(model, dtype="bf16", fp8="rowwise", policy=policy)',
-                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="rowwise", policy=policy, '
+            replace=(('amp_fx.compile(model, dtype="bf16", fp8="tensorwise", policy=policy)',
+                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", policy=policy, '
                       'backend="aot_eager")'),),
             after="model(x16).float().sum().backward()\n"),
         'report = amp_fx.explain(model, x, dtype="bf16", fp8="tensorwise")': Run(

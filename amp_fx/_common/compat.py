@@ -198,7 +198,11 @@ def is_exporting_as_eager() -> contextlib.AbstractContextManager[None]:
     ``torch.compile(backend="amp_fx")`` is traced before amp_fx is called and keeps Dynamo's
     answer.
     """
-    return _ReadExportingFlag() if _folds_is_exporting else _NOTHING
+    if not _folds_is_exporting or torch.compiler.is_compiling():
+        # Inside an enclosing trace (an amp_fx model called from compile_step's forward) the
+        # enclosing call set the flag already, and Dynamo cannot trace a ContextVar's set.
+        return _NOTHING
+    return _ReadExportingFlag()
 
 
 _NOTHING = contextlib.nullcontext()
