@@ -190,10 +190,6 @@ def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-_FLOAT8 = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                                        "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
-
-
 class _Checks:
     """Builds the check nodes, each right after the node it checks, and reuses "holds an inf/NaN"
     reductions until a mutation may have changed the value they read."""
@@ -219,7 +215,7 @@ class _Checks:
         """``value``, or its fp32 copy where its dtype has no ``isinf``/``isnan`` kernel (fp8: the
         fp8 matmul's operands, ``fp8=``). Exact: every fp8 value, inf and NaN included, is an fp32 one."""
         val = value.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dtype in _FLOAT8:
+        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point and val.dtype.itemsize == 1:
             return _call(self.graph, torch.ops.prims.convert_element_type.default, (value, torch.float32))
         return value
 
