@@ -15,7 +15,6 @@ import torch._inductor
 
 from amp_fx._common.devices import check_supported
 from amp_fx._common.downstream import Backend
-from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
@@ -370,13 +369,6 @@ def _compile(model_or_fn: F, options: Options) -> F:
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
-    if options.weight_cache and options.fp8 is not None:
-        reporter.did_less("weight_cache:fp8", (
-            f"amp_fx: weight_cache=True with fp8={options.fp8.recipe.value!r}: the cache holds "
-            f"{dtype_name(options.dtype)} copies, so it serves the matmuls that stay in "
-            f"{dtype_name(options.dtype)} (and the biases); each fp8 matmul still scales and casts "
-            "its fp32 weight in every forward, as torchao does. Results are unchanged. Drop "
-            "weight_cache=True, or keep it for the layers outside fp8."), stacklevel=3)
     amp_backend = AmpBackend(options, root=root, reporter=reporter)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)

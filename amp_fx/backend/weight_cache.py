@@ -20,6 +20,11 @@ of its contributions matters, each fed through a node of its own (:class:`_Use`)
 graph made in the order eager makes them: the engine then adds the cast's and the fp32 uses'
 contributions into the weight's ``.grad`` in eager's order.
 
+With ``fp8=``, an fp8 matmul's weight casts (amax, scale, fp8 data; :meth:`WeightCache.fp8_casts`)
+are cached the same way, keyed by recipe and the views the matmul reads the weight through;
+they carry no gradient. ``compile_step``'s finish graph does not rewrite them: the next forward
+recomputes them, once.
+
 When a copy is stale (any of these makes it so; checked on the host, no device sync):
 
 * the parameter's version counter moved (``optimizer.step()`` of non-fused optimizers,
@@ -58,7 +63,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-from amp_fx.passes.lift_weight_casts import Lifted
+from amp_fx.kernels.fp8_matmul import weight_casts
+from amp_fx.passes.lift_weight_casts import Fp8WeightCast, Lifted
 
 __all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
 
@@ -104,7 +110,8 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
 
 @dataclass
 class _Entry:
-    lowp: torch.Tensor
+    lowp: Any
+    """The low-precision copy, or an fp8 matmul's weight casts (a tuple of tensors)."""
     version: int
     storage: StorageWeakRef
     layout: tuple[Any, ...]
@@ -152,7 +159,7 @@ class WeightCache:
     """
 
     def __init__(self) -> None:
-        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype: _Entry}
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> {dtype or (fp8 recipe, views): _Entry}
         self._forward = _ForwardState()
         self.refreshes = 0
         self.hits = 0
@@ -209,6 +216,23 @@ class WeightCache:
         self.refreshes += 1
         return lowp
 
+    def fp8_casts(self, weight: torch.Tensor, cast: Fp8WeightCast) -> tuple[torch.Tensor, ...]:
+        """The fp8 casts of ``weight`` for an fp8 matmul (:func:`amp_fx.kernels.fp8_matmul.weight_casts`
+        of ``cast.operand(weight)``), computed when stale, as a low-precision copy is. They carry no
+        gradient: the matmul's weight-gradient GEMM reads the input and the output gradient."""
+        per_key = self._entries.get(weight)
+        if per_key is None:
+            per_key = self._entries[weight] = {}
+        key = (cast.recipe, cast.views)
+        entry = per_key.get(key)
+        if entry is not None and entry.fresh_for(weight):
+            self.hits += 1
+            return entry.lowp
+        casts = weight_casts(cast.operand(weight.detach()), cast.recipe)
+        per_key[key] = _Entry(casts, weight._version, StorageWeakRef(weight.untyped_storage()), _layout(weight))
+        self.refreshes += 1
+        return casts
+
     # ------------------------------------------------------------------ invalidation
     def invalidate(self, weights: Sequence[torch.Tensor] | None = None) -> None:
         """Drop the copies of ``weights`` (all if None): for edits no check can see (``p.data``)."""
@@ -231,7 +255,8 @@ class WeightCache:
         out = []
         for w in weights:
             for entry in (self._entries.get(w) or {}).values():
-                out.append((w, entry.lowp))
+                if isinstance(entry.lowp, torch.Tensor):  # fp8 casts are recomputed by the next forward
+                    out.append((w, entry.lowp))
         return out
 
     def is_fresh(self, weight: torch.Tensor, lowp: torch.Tensor) -> bool:
@@ -279,9 +304,16 @@ class WeightCache:
         def run(*args: Any) -> Any:
             fed: list[Any] = [None] * len(lifted)
             casts: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+            fp8: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
             for j in order:
-                i, dtype, _ = lifted[j]
+                i, dtype, _, fp8_cast = lifted[j]
                 weight = args[i]
+                if fp8_cast is not None:
+                    key = (i, fp8_cast.recipe, fp8_cast.views)
+                    if key not in fp8:
+                        fp8[key] = self.fp8_casts(weight, fp8_cast)
+                    fed[j] = fp8[key][fp8_cast.part]
+                    continue
                 if dtype == weight.dtype:
                     fed[j] = self.use(weight)
                     continue

@@ -46,7 +46,8 @@ import torch
 
 from amp_fx.fp8 import Fp8Recipe
 
-__all__ = ["fp8_matmul", "RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "rowwise_scales_missing"]
+__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
+           "E5M2", "EPS", "rowwise_scales_missing"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -280,6 +281,76 @@ class _Fp8Matmul(torch.autograd.Function):
         x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
         grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
         return grad_x, grad_w.t(), None
+
+
+def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight's two casts of ``recipe``, as :class:`_Fp8Matmul` computes them from ``w``
+    (``[K, N]``): ``(data, scale)`` for the forward GEMM, then for the input-gradient GEMM. What
+    the weight cache (``weight_cache=True``) computes once per optimizer step and hands to
+    :func:`fp8_matmul_cached_weight`. Same ops on the same values as the uncached path: bitwise.
+    A cast that keeps the weight in high precision gives ``(w, empty scale)``."""
+    c = RECIPES[recipe]
+    pow2 = c.round_scales_to_power_of_2
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for cast, dim in ((c.weight, 0), (c.weight_for_grad_input, -1)):
+            if out and cast == c.weight and not cast.rowwise:  # tensorwise twice: the same cast
+                out += out[:2]
+                continue
+            a = _to_fp8(w, cast, dim, pow2)
+            out += [a.data, a.scale] if isinstance(a, _Fp8) else [a, a.new_empty(0, dtype=torch.float32)]
+    return out[0], out[1], out[2], out[3]
+
+
+def _cached(data: torch.Tensor, scale: torch.Tensor, cast: Cast, dim: int) -> _Fp8 | torch.Tensor:
+    """A cast :func:`weight_casts` made, as the uncached path's ``_to_fp8`` returns it (the
+    weight is always the right operand, whose ``orig_dtype`` no GEMM reads)."""
+    if cast.dtype is None:
+        return data
+    return _Fp8(data, scale, torch.float32, dim if cast.rowwise else None)
+
+
+class _Fp8MatmulCachedWeight(torch.autograd.Function):
+    """:class:`_Fp8Matmul` with the weight's casts given (:func:`weight_casts`): the same GEMMs on
+    the same operands; ``w`` carries the weight's gradient and is not read. Saves ``x`` and the
+    input-gradient cast of the weight (one byte per element) instead of the fp32 weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                wg_data: torch.Tensor, wg_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+        ctx.save_for_backward(x, wg_data, wg_scale)
+        ctx.recipe = recipe
+        c = RECIPES[recipe]
+        x_fp8 = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+        w_fp8 = _cached(w_data, w_scale, c.weight, 0)
+        out = _mm(_rows(x_fp8), w_fp8, c.fast_accum_output)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, wg_data, wg_scale = ctx.saved_tensors
+        c = RECIPES[ctx.recipe]
+        pow2 = c.round_scales_to_power_of_2
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+
+        grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
+        w_dim0 = _cached(wg_data, wg_scale, c.weight_for_grad_input, -1)
+        grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
+        grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
+
+        x_2d = x.reshape(-1, x.shape[-1])
+        grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
+        x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
+        grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
+        return grad_x, grad_w.t(), None, None, None, None, None
+
+
+def fp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
+                             wg_data: torch.Tensor, wg_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """:func:`fp8_matmul` with the weight's casts computed beforehand by :func:`weight_casts`
+    (``weight_cache=True``: once per optimizer step); bitwise with ``fp8_matmul(x, w, recipe)``.
+    ``w`` (the weight as ``[K, N]``) receives the gradient; its values are not read."""
+    return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe)
 
 
 def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:

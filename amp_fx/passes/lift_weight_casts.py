@@ -32,6 +32,14 @@ lookups, then the tied head) gets ``(enc + dec) + head`` where eager computes
 ``(head + dec) + enc``, not bitwise in fp32. Each such input is fed its own autograd node
 (``WeightCache.use``), made in eager's creation order (:attr:`Lifted.created`).
 
+An fp8 matmul of the fp8 pass (``fp8_matmul(x, w, recipe)``, ``w`` a view of an fp32 parameter
+with constant arguments: ``aten.t`` of a linear's weight) becomes ``fp8_matmul_cached_weight``,
+its weight's four cast tensors (:func:`amp_fx.kernels.fp8_matmul.weight_casts`: data and scale for
+the forward GEMM and for the input-gradient GEMM) new inputs, appended first, one set per
+(weight, views, recipe) (:attr:`Lifted.fp8` says which part each is). No gradient flows through
+them: ``w`` still carries the weight's. A weight operand that is not such a view raises (the
+backend then compiles the graph uncached and says so).
+
 Guarantees: values unchanged when the new inputs hold ``w.to(d)`` (``w`` itself for an fp32 use);
 ``meta["val"]`` of each new placeholder is the cast's (the weight's); the new inputs have the
 weight's static sizes (fake tensors of Dynamo's tracing mode under Dynamo); the graph lints.
@@ -60,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -68,12 +77,35 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
 from amp_fx.passes import meta
 
-__all__ = ["Lifted", "lift_weight_casts"]
+__all__ = ["Lifted", "Fp8WeightCast", "lift_weight_casts"]
 
 _CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
+_FP8_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+              torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default,
+              torch.ops.aten._unsafe_view.default}
+
+
+@dataclass(frozen=True)
+class Fp8WeightCast:
+    """What an input of an fp8 matmul's weight holds (``fp8=`` with ``weight_cache=True``): part
+    ``part`` of :func:`amp_fx.kernels.fp8_matmul.weight_casts` of the weight as the matmul reads
+    it (the weight with ``views`` applied: ``aten.t`` for a linear's ``[N, K]`` weight)."""
+
+    recipe: Fp8Recipe
+    views: tuple[tuple[Any, tuple[Any, ...]], ...]
+    """``(ATen view op, its arguments after the tensor)``, applied in order."""
+    part: int
+    """0, 1: the forward GEMM's cast (data, scale); 2, 3: the input-gradient GEMM's."""
+
+    def operand(self, weight: torch.Tensor) -> torch.Tensor:
+        for op, args in self.views:
+            weight = op(weight, *args)
+        return weight
 
 
 class Lifted(NamedTuple):
@@ -86,6 +118,8 @@ class Lifted(NamedTuple):
     created: int
     """When eager autograd creates the node this input stands for, relative to the graph's other
     new inputs (ascending; the uses of one cast share its node and its rank)."""
+    fp8: Fp8WeightCast | None = None
+    """For an input of an fp8 matmul: which of its weight's casts (no gradient flows through it)."""
 
 
 def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: Sequence[Any]) -> bool:
@@ -165,12 +199,17 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     position = {n: i for i, n in enumerate(placeholders)}
     where = {n: i for i, n in enumerate(graph.nodes)}
+    lifted: list[Lifted] = []
+    inputs = list(example_inputs)
+    last = placeholders[-1]
+    fake_mode = detect_fake_mode(example_inputs)
+    last = _lift_fp8_weight_casts(graph, position, example_inputs, fake_mode, last, lifted, inputs)
     casts = [n for n in graph.nodes if _liftable(n, position, example_inputs)]
     by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
     for cast in casts:
         by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
     fp32_uses = _fp32_uses_to_lift(placeholders, example_inputs, set(casts), {src for src, _ in by_weight}, where)
-    if not casts and not fp32_uses:
+    if not casts and not fp32_uses and not lifted:
         return gm, list(example_inputs), []
     # eager's creation order: a cast at its first user (before that user's own node), an fp32
     # use at its user, a user's occurrences last argument first (autograd adds one node's
@@ -185,11 +224,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                 events[(where[user], 1, n - 1 - k, src.name, "")] = None
     rank = {event: i for i, event in enumerate(sorted(events))}
 
-    lifted: list[Lifted] = []
-    inputs = list(example_inputs)
-    last = placeholders[-1]
     names: dict[str, int] = {}
-    fake_mode = detect_fake_mode(example_inputs)
 
     def new_input(src: torch.fx.Node, dtype: torch.dtype, val: Any, created: int) -> torch.fx.Node:
         nonlocal last
@@ -233,6 +268,68 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 
 _CAST_KEY = "amp_fx_weight_cache"
 _USE_KEY = "amp_fx_weight_use"
+_FP8_PARTS = ("w8", "w8_scale", "w8_grad", "w8_grad_scale")
+
+
+def _constant(a: Any) -> bool:
+    return isinstance(a, int) or (isinstance(a, (list, tuple)) and all(isinstance(b, int) for b in a))
+
+
+def _weight_operand(node: Any, position: dict[torch.fx.Node, int], inputs: Sequence[Any]
+                    ) -> tuple[torch.fx.Node, tuple[tuple[Any, tuple[Any, ...]], ...]] | None:
+    """The fp32 parameter placeholder an fp8 matmul's weight operand is a view of, and the views
+    (each an ATen view op whose other arguments are constants), or None."""
+    views: list[tuple[Any, tuple[Any, ...]]] = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _FP8_VIEWS:
+        rest = node.args[1:]
+        if node.kwargs or not all(_constant(a) for a in rest):
+            return None
+        views.append((node.target, tuple(rest)))
+        node = node.args[0]
+    if not isinstance(node, torch.fx.Node) or node not in position:
+        return None
+    weight = inputs[position[node]]
+    if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
+        return None
+    return node, tuple(reversed(views))
+
+
+def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, int], example_inputs: Sequence[Any],
+                           fake_mode: FakeTensorMode | None, last: torch.fx.Node, lifted: list[Lifted],
+                           inputs: list[Any]) -> torch.fx.Node:
+    """Each fp8 matmul (``fp8_matmul(x, w, recipe)`` of the fp8 pass) becomes
+    ``fp8_matmul_cached_weight(x, w, *casts, recipe)``, its weight's four cast tensors new
+    inputs (appended after ``last``; one set per (weight, views, recipe), shared by the matmuls
+    that read the same operand). Raises if a weight operand is not a constant view of an fp32
+    parameter (the backend then compiles the graph uncached and says so)."""
+    shared: dict[tuple[Any, ...], list[torch.fx.Node]] = {}
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is fp8_matmul]:
+        x, w, recipe = node.args
+        found = _weight_operand(w, position, example_inputs)
+        if found is None:
+            raise ValueError(f"the weight operand of fp8 matmul {node.name} ({w}) is not a view of an fp32 "
+                             f"parameter with constant arguments: its fp8 casts cannot be cached")
+        src, views = found
+        key = (src, views, recipe)
+        if key not in shared:
+            weight = _example(example_inputs[position[src]], torch.float32, fake_mode).detach()
+            with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
+                examples = weight_casts(Fp8WeightCast(recipe, views, 0).operand(weight), recipe)
+            vals = weight_casts(w.meta["val"], recipe) if "val" in w.meta else examples
+            new = []
+            for part, (example, val) in enumerate(zip(examples, vals, strict=True)):
+                with graph.inserting_after(last):
+                    ph = graph.placeholder(f"{src.name}_{_FP8_PARTS[part]}_{len(shared)}")
+                ph.meta["val"] = val
+                ph.meta[_CAST_KEY] = True
+                last = ph
+                lifted.append(Lifted(position[src], example.dtype, -1, Fp8WeightCast(recipe, views, part)))
+                inputs.append(example)
+                new.append(ph)
+            shared[key] = new
+        node.target = fp8_matmul_cached_weight
+        node.args = (x, w, *shared[key], recipe)
+    return last
 
 
 def _fp32_uses_to_lift(placeholders: Sequence[torch.fx.Node], example_inputs: Sequence[Any],
