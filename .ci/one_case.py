@@ -5,14 +5,14 @@ than one case whose cases took at least THRESHOLD seconds together and 0.5 s eac
 AMP_FX_ONE_CASE); the primary runs them all.
 
     python -m pytest -q -p no:cacheprovider -m "not models_slow and not primary" tests --junitxml=run.xml
-    python .ci/one_case.py run.xml [THRESHOLD=5]
+    python .ci/one_case.py run.xml [THRESHOLD=2]
 """
 
 import collections
 import sys
 import xml.etree.ElementTree as ET
 
-junit, threshold = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+junit, threshold = sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 2.0
 cases: dict[str, list[float]] = collections.defaultdict(list)
 for case in ET.parse(junit).getroot().iter("testcase"):
     path = case.get("classname", "").replace(".", "/") + ".py"

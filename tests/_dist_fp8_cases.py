@@ -69,7 +69,8 @@ def _shard(model: nn.Module) -> nn.Module:
 
 def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dict[str, Any]:
     """``wrapper``: "ddp" or "fsdp2"; ``form``: "torchao" (the reference), "inner"
-    (``DDP(amp_fx.compile(m))``), "outer" (``amp_fx.compile(DDP(m))``, ``amp_fx.compile`` of the
+    (``DDP(amp_fx.compile(m))``), "inner_cached" (the same with ``weight_cache=True``: the fp8
+    weight casts once per step), "outer" (``amp_fx.compile(DDP(m))``, ``amp_fx.compile`` of the
     FSDP2-sharded model), "step" (``amp_fx.compile_step`` of the wrapped model, the same SGD)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -89,8 +90,9 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
             losses = [step(*_batch(rank, i)).detach().clone() for i in range(STEPS)]
             return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
                     "converted": _converted(step._forward), "warnings": [str(w.message) for w in caught]}
-        if wrapper == "ddp" and form == "inner":
-            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+        if wrapper == "ddp" and form in ("inner", "inner_cached"):
+            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False,
+                                      weight_cache=form == "inner_cached")
             wrapped = DDP(compiled)
         else:
             inner = DDP(model) if wrapper == "ddp" else _shard(model)
@@ -101,7 +103,7 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
     return out
 
 
-CASES = [("ddp", "inner"), ("ddp", "outer"), ("ddp", "step"), ("fsdp2", "outer"), ("fsdp2", "step")]
+CASES = [("ddp", "inner"), ("ddp", "inner_cached"), ("ddp", "outer"), ("ddp", "step"), ("fsdp2", "outer"), ("fsdp2", "step")]
 
 
 def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
