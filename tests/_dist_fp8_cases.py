@@ -103,7 +103,8 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
     return out
 
 
-CASES = [("ddp", "inner"), ("ddp", "inner_cached"), ("ddp", "outer"), ("ddp", "step"), ("fsdp2", "outer"), ("fsdp2", "step")]
+CASES = [("ddp", "inner"), ("ddp", "inner_cached"), ("ddp", "outer"), ("ddp", "step"),
+         ("fsdp2", "outer"), ("fsdp2", "step")]
 
 
 def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:

@@ -5,8 +5,9 @@ Reference: torchao 0.18's ``convert_to_float8_training`` on the same model, wrap
 under ``torch.autocast("cpu", bf16)`` with torchao's autocast branch pointed at the CPU
 (``amp_fx.testing.fp8_reference``). amp_fx: ``DDP(amp_fx.compile(m, fp8=...))`` (also with
 ``weight_cache=True``: the fp8 weight casts once per step), ``amp_fx.compile(DDP(m), fp8=...)``,
-``amp_fx.compile`` of the FSDP2-sharded model, and ``compile_step`` of each wrapped model, backend aot_eager. 4 SGD steps, each rank its own batch:
-every loss on every rank and every parameter (FSDP2: each rank's shard) bitwise, both fp8
+``amp_fx.compile`` of the FSDP2-sharded model, and ``compile_step`` of each wrapped model,
+backend aot_eager. 4 SGD steps, each rank its own batch: every loss on every rank and every
+parameter (FSDP2: each rank's shard) bitwise, both fp8
 matmuls converted, nothing reported. All cases run in one spawn (tests/_dist_fp8_cases.py).
 """
 
