@@ -268,19 +268,26 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
-        pow2 = c.round_scales_to_power_of_2
-        grad_2d = grad.reshape(-1, grad.shape[-1])
+        w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, c.round_scales_to_power_of_2)
+        return (*_backward_gemms(c, grad, x, w_dim0), None)
 
-        grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
-        w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, pow2)
-        grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
-        grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
 
-        x_2d = x.reshape(-1, x.shape[-1])
-        grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
-        x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
-        grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
-        return grad_x, grad_w.t(), None
+def _backward_gemms(c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: _Fp8 | torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two backward GEMMs (torchao ``matmul_with_hp_or_float8_args.backward``), given the
+    weight's input-gradient cast ``w_dim0``: ``(grad_x, grad_w as [K, N])``."""
+    pow2 = c.round_scales_to_power_of_2
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+
+    grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
+    grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
+    grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
+
+    x_2d = x.reshape(-1, x.shape[-1])
+    grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
+    x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
+    grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
+    return grad_x, grad_w.t()
 
 
 def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -330,19 +337,8 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, wg_data, wg_scale = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
-        pow2 = c.round_scales_to_power_of_2
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-
-        grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
         w_dim0 = _cached(wg_data, wg_scale, c.weight_for_grad_input, -1)
-        grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
-        grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
-
-        x_2d = x.reshape(-1, x.shape[-1])
-        grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
-        x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
-        grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
-        return grad_x, grad_w.t(), None, None, None, None, None
+        return (*_backward_gemms(c, grad, x, w_dim0), None, None, None, None, None)
 
 
 def fp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,

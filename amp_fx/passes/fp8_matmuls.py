@@ -71,7 +71,7 @@ from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import CastClass, Decision, Policy, module_matches
 
-__all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS"]
+__all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS", "WEIGHT_VIEWS"]
 
 aten = torch.ops.aten
 
@@ -90,7 +90,7 @@ MATMULS = {
 }
 """The ops the pass considers (bmm/baddbmm are recorded as not convertible)."""
 
-_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
           aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default}
 """Ops through which a weight operand is still "a view of a parameter"."""
@@ -170,7 +170,7 @@ def _uncast(node: object) -> object:
 def _parameter(node: object) -> torch.fx.Node | None:
     """The parameter placeholder ``node`` is (a view of), through insert_casts' casts."""
     node = _uncast(node)
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
         node = _uncast(node.args[0])
     if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
         return node
@@ -362,7 +362,7 @@ def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -
         node = todo.pop()
         if node.users or node.op != "call_function":
             continue
-        if node.meta.get(meta.CAST) == meta.CAST_INSERTED or node.target in _VIEWS:
+        if node.meta.get(meta.CAST) == meta.CAST_INSERTED or node.target in WEIGHT_VIEWS:
             todo.extend(node.all_input_nodes)
             graph.erase_node(node)
 

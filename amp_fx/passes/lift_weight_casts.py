@@ -80,14 +80,12 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
 from amp_fx.passes import meta
+from amp_fx.passes.fp8_matmuls import WEIGHT_VIEWS
 
 __all__ = ["Lifted", "Fp8WeightCast", "lift_weight_casts"]
 
 _CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
-_FP8_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-              torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten.alias.default,
-              torch.ops.aten._unsafe_view.default}
 
 
 @dataclass(frozen=True)
@@ -280,7 +278,7 @@ def _weight_operand(node: Any, position: dict[torch.fx.Node, int], inputs: Seque
     """The fp32 parameter placeholder an fp8 matmul's weight operand is a view of, and the views
     (each an ATen view op whose other arguments are constants), or None."""
     views: list[tuple[Any, tuple[Any, ...]]] = []
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _FP8_VIEWS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
         rest = node.args[1:]
         if node.kwargs or not all(_constant(a) for a in rest):
             return None
