@@ -46,7 +46,7 @@ def _fp64(model, inputs, loss_fn, kwargs):
             {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None})
 
 
-def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, **kwargs) -> float:
+def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, fp8: str | None = None, **kwargs) -> float:
     """End-to-end error of amp_fx.compile (aot_eager: bitwise eager autocast) with ``policy``:
     max of the outputs' and the gradients' normwise relative error and the loss's relative error
     against float64; inf when
@@ -54,7 +54,7 @@ def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, **kwargs) -> float
     overflow (GradScaler skips the step and backs off), 1 for bf16."""
     ref_out, ref_loss, ref_grads = _fp64(model, inputs, loss_fn, kwargs)
     m = copy.deepcopy(model)
-    compiled = amp_fx.compile(m, dtype=dtype, policy=policy, backend="aot_eager")
+    compiled = amp_fx.compile(m, dtype=dtype, policy=policy, backend="aot_eager", fp8=fp8)
     out = compiled(*inputs, **kwargs)
     loss = loss_fn(out)
     if not bool(torch.isfinite(loss)):

@@ -58,11 +58,15 @@ class Flow(TorchDispatchMode):
     low-precision ops it ran with their FLOPs (``ops``), and for every floating value its
     producers (:meth:`producers`). Values are not changed."""
 
-    def __init__(self, stack: list[str], dtype: torch.dtype, device_type: str) -> None:
+    def __init__(self, stack: list[str], dtype: torch.dtype, device_type: str,
+                 only: frozenset[str] | None = None) -> None:
         super().__init__()
         self.stack = stack
         self.dtype = dtype
         self.device_type = device_type
+        self.only = only
+        """With it, the low-precision ops are exactly the ops of these names (``{"_scaled_mm"}``:
+        the fp8 GEMMs of an ``fp8=`` run), whatever dtype they return."""
         self.ops: dict[str, list[tuple[str, float]]] = {}
         """Innermost module (``""`` for the root's own code) -> its low-precision ops, in order."""
         self._sources: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[str]]] = {}
@@ -80,6 +84,10 @@ class Flow(TorchDispatchMode):
     def _low_precision(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[torch.Tensor]
                        ) -> float | None:
         """The op's FLOPs if autocast ran it in the low dtype by its lower-precision list."""
+        if self.only is not None:
+            if func._overloadpacket.__name__ not in self.only:
+                return None
+            return compute_flops(func, args, kwargs, out) or 0.0
         if not any(t.dtype == self.dtype for t in outs):
             return None
         flops = compute_flops(func, args, kwargs, out)

@@ -52,13 +52,19 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.report import did_less
+from amp_fx.errors import AmpFxError
+from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.inspect._flow import Flow, compute_flops
+from amp_fx.inspect._fp8_eager import Fp8Call, Fp8Eager
 from amp_fx.inspect._probe import tensors_of
 from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
 from amp_fx.inspect.nonfinite import policy_code
+from amp_fx.kernels.fp8_matmul import E4M3, RECIPES, rowwise_scales_missing
 from amp_fx.policy import Policy, resolve_dtype
 
-__all__ = ["advise", "Advice", "ModuleStats", "KeptModule", "Cost", "TrainingComparison", "DEFAULT_TARGETS"]
+__all__ = ["advise", "Advice", "ModuleStats", "KeptModule", "Cost", "TrainingComparison", "Fp8Matmul",
+           "DEFAULT_TARGETS", "FP8_ERROR_HAZARD"]
 
 DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
@@ -66,6 +72,13 @@ may leave: 32 units of rounding (eps) of the dtype, 0.25 for bf16 and 0.031 for 
 autocast's own error on GPT-2, Llama and BERT (random init, 2 layers x 64) is about 0.75 eps
 (tests/test_advise.py::test_real_model_no_false_alarm), 40 times below, while a hazard (inf/NaN,
 a signal lost to cancellation) costs order 1, hundreds of eps."""
+
+FP8_ERROR_HAZARD = 4 * 2.0 ** -4
+"""With ``fp8=``: a matmul whose fp8 forward GEMM is off its high-precision result by more than this
+(normwise relative, 4 units of e4m3's rounding, 2**-4) is a hazard (finding ``fp8 error``). A healthy
+fp8 GEMM, both operands in e4m3, is off by about 0.6 of a unit: 0.035-0.045 on GPT-2 and on an MLP
+(random init, tensorwise and rowwise); an outlier that flushes the rest of its tensor to zero, or
+an input whose signal sits below e4m3's 3 mantissa bits, costs order 1."""
 
 _LOW = (torch.float16, torch.bfloat16)
 _MAX_RUNS = 8
@@ -211,12 +224,17 @@ class ModuleStats:
     """Low-precision ops run inside it (its descendants included): ops autocast ran in the dtype by
     its lower-precision list (matmuls, convolutions, attention). Keeping the module in fp32 moves
     exactly these; with 0 it would change no op's dtype, and advise never keeps it."""
+    fp8_error: float | None = None
+    """With ``fp8=``: the largest error fp8 added to the forward GEMM of a matmul the module itself
+    ran in fp8 (normwise relative to the same GEMM in fp32 on the same inputs); None where it ran
+    none."""
     amplified_after: float | None = None
     """How much the code after it amplified the rounding of its low-precision ops before the next
     module, the output or the loss read the value (their error there over this module's output
     error; a cancellation in the parent's ``forward``); None when no such growth was measured."""
     finding: str = ""
-    """``non-finite``, ``overflow``, ``weight overflows``, ``gradient overflow``, ``amplifies``
+    """``non-finite``, ``overflow``, ``weight overflows``, ``fp8 error`` (with ``fp8=``: its fp8
+    GEMM's error exceeds :data:`FP8_ERROR_HAZARD`), ``gradient overflow``, ``amplifies``
     (a precision cost), ``amplified after`` (a precision cost, in the code after it: see
     :attr:`amplified_after`), ``discarded inf/NaN`` (its output held inf/NaN but the run's outputs,
     loss and gradients are finite: a value the model masks, e.g. T5's log of 0; not a hazard) or
@@ -234,13 +252,16 @@ class KeptModule:
     """(op, calls per forward), in the order first run, e.g. ``(("aten.addmm", 1),)``."""
     flop_share: float
     """Their share of the model's matmul/conv/attention FLOPs in one forward."""
+    to: str = "fp32"
+    """Where the keep moves them: ``fp32``, or with ``fp8=`` the autocast dtype (out of fp8)."""
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} x{n}" for op, n in self.ops)
-        return f"{self.name} ({self.type}) moves {ops} to fp32: {self.flop_share:.1%} of the FLOPs"
+        return f"{self.name} ({self.type}) moves {ops} to {self.to}: {self.flop_share:.1%} of the FLOPs"
 
 
-def _kept_modules(keep: Sequence[str], base: _RunResult, total_flops: float) -> tuple[KeptModule, ...]:
+def _kept_modules(keep: Sequence[str], base: _RunResult, total_flops: float, to: str = "fp32"
+                  ) -> tuple[KeptModule, ...]:
     out = []
     for name in keep:
         ops: dict[str, int] = {}
@@ -252,7 +273,7 @@ def _kept_modules(keep: Sequence[str], base: _RunResult, total_flops: float) -> 
                     flops += f
         stats = base.modules.get(name)
         out.append(KeptModule(name, stats.type if stats else "?", tuple(ops.items()),
-                              flops / total_flops if total_flops else 0.0))
+                              flops / total_flops if total_flops else 0.0, to))
     return tuple(out)
 
 
@@ -274,6 +295,8 @@ class _RunResult:
     """Producers (modules) -> the largest growth of their rounding measured downstream of them."""
     fed_by: dict[str, frozenset[str]] = field(default_factory=dict)
     """Module -> the producers of its inputs (over all its calls)."""
+    fp8_calls: tuple[Fp8Call, ...] = ()
+    """With ``fp8=``: the matmuls that ran in fp8, in order."""
 
 
 @dataclass
@@ -326,6 +349,7 @@ class _CostCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.fp32 = 0.0
+        self.fp8 = 0.0
         self.total = 0.0
         self.cast_bytes = 0
 
@@ -336,7 +360,9 @@ class _CostCounter(TorchDispatchMode):
         if flops is not None:
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             self.total += flops
-            if first is not None and first.dtype not in _LOW:
+            if func is torch.ops.aten._scaled_mm.default:
+                self.fp8 += flops
+            elif first is not None and first.dtype not in _LOW:
                 self.fp32 += flops
         elif func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
             src, dst = args[0], out
@@ -345,17 +371,38 @@ class _CostCounter(TorchDispatchMode):
         return out
 
 
-def _cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...]
-          ) -> _CostCounter:
-    """One forward under the policy, no grad, counting FLOPs by dtype and cast bytes."""
+def _cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...],
+          fp8: Fp8Config | None = None) -> _CostCounter:
+    """One forward under the policy, no grad, counting FLOPs by dtype and cast bytes (with
+    ``fp8``, ``keep`` is kept out of fp8 instead of in fp32)."""
     m = private_copy(model)
-    _keep_in_fp32(m, keep, device_type)
+    stack: list[str] = []
+    if fp8 is None:
+        _keep_in_fp32(m, keep, device_type)
     counter = _CostCounter()
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _stacked(m, stack):
         torch.manual_seed(SEED)
-        with torch.autocast(device_type, dtype=dtype), counter:
+        with torch.autocast(device_type, dtype=dtype), counter, _fp8_mode(fp8, dtype, device_type, stack, keep,
+                                                                         measure=False):
             call.copy()(m)
     return counter
+
+
+def _stacked(model: torch.nn.Module, stack: list[str]) -> Any:
+    """Module hooks that keep ``stack`` as the running module path, innermost last."""
+    def post(name: str, out: Any) -> None:
+        if name in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+    return _hooks(model, lambda name, args, kwargs: stack.append(name), post)
+
+
+def _fp8_mode(fp8: Fp8Config | None, dtype: torch.dtype, device_type: str, stack: list[str],
+              keep: Sequence[str], *, measure: bool = True) -> Any:
+    """The eager fp8 mode for a run with ``fp8`` (``keep``: out of fp8), or a no-op without."""
+    from contextlib import nullcontext
+
+    return nullcontext(None) if fp8 is None else Fp8Eager(fp8, dtype, device_type, stack, keep,
+                                                            measure=measure)
 
 
 def _loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tensor | None:
@@ -398,21 +445,29 @@ def _reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | 
 
 
 def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, device_type: str,
-                keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None) -> _RunResult:
+                keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None,
+                fp8: Fp8Config | None = None) -> _RunResult:
     """One forward (and backward with ``loss_fn``) under autocast with ``keep`` in fp32, measured
     against ``ref`` module by module and end to end; the forward's low-precision ops and the
-    growth of their rounding after the module that ran them are recorded (:class:`Flow`)."""
+    growth of their rounding after the module that ran them are recorded (:class:`Flow`).
+
+    With ``fp8``: every matmul the fp8 pass converts runs in fp8 (:class:`Fp8Eager`) except inside
+    ``keep``, which is kept out of fp8 (in ``dtype``); the low-precision ops are the fp8 GEMMs, and
+    growth is judged against e4m3's rounding."""
     m = private_copy(model)
-    _keep_in_fp32(m, keep, device_type)
+    if fp8 is None:
+        _keep_in_fp32(m, keep, device_type)
     finfo = torch.finfo(dtype)
-    unit = finfo.eps / 2
+    grain = _grain(dtype, fp8)
+    unit = torch.finfo(grain).eps / 2
     per_call: dict[str, list[_CallStats]] = {}
     pending: dict[str, list[_CallStats]] = {}
     starts: dict[str, int] = {}  # inputs are keyed by the call's start, outputs by its end
     calls: dict[str, int] = {}
     order: list[str] = []
     stack: list[str] = []
-    flow = Flow(stack, dtype, device_type)
+    flow = Flow(stack, dtype, device_type, None if fp8 is None else frozenset({"_scaled_mm"}))
+    fp8_mode = _fp8_mode(fp8, dtype, device_type, stack, keep)
     # module -> its latest call's output: (relative error, absolute error ||low - ref||, finite)
     last_out: dict[str, tuple[float, float, bool]] = {}
     amplified: dict[tuple[str, ...], float] = {}
@@ -436,7 +491,7 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
                     continue
             error = _combine([part], finfo.tiny)
             growth = error / max(max(c[0] for p, c in carried.items() if p in producers and c is not None), unit)
-            if _grows(growth, error, dtype):
+            if _grows(growth, error, grain):
                 group = tuple(sorted(producers))
                 amplified[group] = max(amplified.get(group, 0.0), growth)
 
@@ -481,9 +536,15 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
     scale = _initial_scale(dtype)
     with torch.random.fork_rng(devices=[]), _hooks(m, pre, post):
         torch.manual_seed(SEED)
-        with torch.autocast(device_type, dtype=dtype), flow:
+        with torch.autocast(device_type, dtype=dtype), flow, fp8_mode:
             out = call.copy()(m)
             loss = _loss_of(out, loss_fn)
+    fp8_calls = tuple(fp8_mode.calls) if fp8 is not None else ()
+    low_ops = {k: tuple(v) for k, v in flow.ops.items()}
+    if fp8 is not None:  # the model's matmuls, as the fp8 pass names them
+        low_ops = {}
+        for c in fp8_calls:
+            low_ops[c.module] = (*low_ops.get(c.module, ()), (c.op, float(c.flops)))
     outs = _floats(out)
     out_parts = _error_parts(outs, ref.out)
     read(_float_tensors(out), out_parts)
@@ -541,12 +602,18 @@ def _policy_run(model: Any, call: Call, ref: _Reference, *, dtype: torch.dtype, 
             grad_error=_rel_error(g_low, g_ref, finfo.tiny) if g_low else None,
             grad_headroom=_max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
             grad_underflow=_underflow(g_ref, dtype, init_scale) if g_ref else None,
-            low_precision_ops=sum(len(ops) for o, ops in flow.ops.items() if _inside(o, name)),
+            low_precision_ops=sum(len(ops) for o, ops in low_ops.items() if _inside(o, name)),
+            fp8_error=max((c.error for c in fp8_calls if c.module == name), default=None),
             amplified_after=max((g for group, g in amplified.items() if name in group), default=None))
     return _RunResult(keep, finite, error, loss_error, grad_error, output_error, scale,
-                      _with_findings(modules, dtype, finite), tuple(order),
-                      {k: tuple(v) for k, v in flow.ops.items()}, amplified,
-                      {k: frozenset(v) for k, v in fed_by.items()})
+                      _with_findings(modules, grain, finite), tuple(order), low_ops, amplified,
+                      {k: frozenset(v) for k, v in fed_by.items()}, fp8_calls)
+
+
+def _grain(dtype: torch.dtype, fp8: Fp8Config | None) -> torch.dtype:
+    """The dtype whose rounding judges error growth: e4m3's with fp8 on (an fp8 GEMM's error is
+    e4m3's, 16 times bf16's), else the autocast dtype's."""
+    return E4M3 if fp8 is not None else dtype
 
 
 def _inside(name: str, module: str) -> bool:
@@ -571,6 +638,7 @@ def _amplifies(s: ModuleStats, dtype: torch.dtype) -> bool:
 
 
 _DISCARDED = "discarded inf/NaN"
+_FP8_ERROR = "fp8 error"
 _AMPLIFIED_AFTER = "amplified after"
 _PRECISION = ("amplifies", _AMPLIFIED_AFTER, _DISCARDED)
 """Findings that are not hazards: a precision cost, or an inf/NaN the model discards."""
@@ -589,6 +657,8 @@ def _with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype, finite: 
             finding = "weight overflows"
         elif s.headroom >= 1 and s.low_precision:
             finding = "overflow"
+        elif s.fp8_error is not None and s.fp8_error > FP8_ERROR_HAZARD:
+            finding = _FP8_ERROR
         elif s.grad_headroom is not None and s.grad_headroom >= 1 and not any(
                 c != n and _inside(c, n) and (modules[c].grad_headroom or 0) >= 1 for c in modules):
             finding = "gradient overflow"
@@ -622,7 +692,7 @@ def _hazards(run: _RunResult, keepable: frozenset[str]) -> list[str]:
     may be enough; when it is not, the next run finds the outer one on its own (see
     :func:`_as_keepable` for the modules that run no low-precision op)."""
     found = [n for n, s in run.modules.items()
-             if n and s.finding in ("non-finite", "weight overflows", "overflow")]
+             if n and s.finding in ("non-finite", "weight overflows", "overflow", _FP8_ERROR)]
     inner = [n for n in found if not any(o != n and _inside(o, n) for o in found)]
     return _as_keepable(inner, run, keepable)
 
@@ -709,18 +779,21 @@ def _make_optimizer(optimizer: Any, params: Any) -> torch.optim.Optimizer:
 
 
 def _train(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optimizer: Any, steps: int,
-           *, dtype: torch.dtype | None, device_type: str, keep: tuple[str, ...]) -> tuple[float, ...]:
+           *, dtype: torch.dtype | None, device_type: str, keep: tuple[str, ...],
+           fp8: Fp8Config | None = None) -> tuple[float, ...]:
     m = private_copy(model)
-    if dtype is not None:
+    stack: list[str] = []
+    if dtype is not None and fp8 is None:
         _keep_in_fp32(m, keep, device_type)
     opt = _make_optimizer(optimizer, m.parameters())
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     losses = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _stacked(m, stack):
         torch.manual_seed(SEED)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
+                    _fp8_mode(fp8, dtype or torch.bfloat16, device_type, stack, keep, measure=False):
                 loss = loss_fn(call.copy()(m))
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -751,6 +824,53 @@ class Cost:
     """Bytes the dtype casts read and write per call with the advised policy."""
     default_cast_bytes: int
     matmul_flops: float
+    fp8_flop_share: float | None = None
+    """With ``fp8=``: share of the FLOPs that run in fp8 with the advised policy."""
+    default_fp8_flop_share: float | None = None
+    """The same with every matmul the fp8 pass converts in fp8."""
+
+
+def fp8_too_small(recipe: Fp8Recipe, k: int, n: int) -> bool:
+    """Whether a ``[M, K] x [K, N]`` matmul is too small for fp8 to gain on an H100, by torchao
+    0.18's rule (``torchao.float8.float8_linear_utils._auto_filter_for_recipe``, thresholds from
+    its H100 benchmarks, https://github.com/pytorch/ao/tree/main/torchao/float8#performance):
+    tensorwise gains unless ``K <= 4096 and N <= 1024``; rowwise (torchao has no rule for
+    rowwise_with_gw_hp: rowwise's is used) unless ``N <= 2048``, ``K <= 1024``, or
+    ``N <= 4096 and K <= 2048``. ``K``: in features, ``N``: out features; the rule ignores ``M``
+    (tokens per call), so a layer it passes can still be too small at a small batch."""
+    if recipe is Fp8Recipe.TENSORWISE:
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+@dataclass(frozen=True)
+class Fp8Matmul:
+    """With ``fp8=``: one matmul (module, op, shape) that ran in fp8 with every eligible matmul in
+    fp8, as measured."""
+
+    module: str
+    op: str
+    shape: tuple[int, int, int]
+    """(M, K, N) of the forward GEMM: rows of the input, in features, out features."""
+    calls: int
+    error: float
+    """The largest error fp8 added to its forward GEMM (see :data:`FP8_ERROR_HAZARD`)."""
+    too_small: bool
+    """Too small for fp8 to gain on an H100 (:func:`fp8_too_small`)."""
+
+    @property
+    def flops(self) -> int:
+        """FLOPs of one forward GEMM (2 M K N); the backward adds twice that."""
+        m, k, n = self.shape
+        return 2 * m * k * n
+
+
+def _fp8_matmuls(calls: Sequence[Fp8Call], recipe: Fp8Recipe) -> tuple[Fp8Matmul, ...]:
+    seen: dict[tuple[str, str, tuple[int, int, int]], list[float]] = {}
+    for c in calls:
+        seen.setdefault((c.module, c.op, c.shape), []).append(c.error)
+    return tuple(Fp8Matmul(mod, op, shape, len(errs), max(errs), fp8_too_small(recipe, shape[1], shape[2]))
+                 for (mod, op, shape), errs in seen.items())
 
 
 @dataclass(frozen=True)
@@ -785,11 +905,29 @@ class Advice:
     baseline_parts: tuple[tuple[str, float | None], ...] = ()
     kept: tuple[KeptModule, ...] = ()
     """Per kept module, the ops the keep moves to fp32 and their share of the FLOPs."""
+    fp8: Fp8Config | None = None
+    """The fp8 recipe advised for (``advise(..., fp8=...)``); the policy then keeps modules out of
+    fp8 (:attr:`keep_out_of_fp8`), not in fp32."""
+    fp8_matmuls: tuple[Fp8Matmul, ...] = ()
+    """With ``fp8``: each matmul that ran in fp8 with every eligible matmul in fp8, with its error
+    and whether it is too small to gain."""
     _explain: Callable[[Policy], Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def keep_fp32(self) -> tuple[str, ...]:
         return tuple(k for k in self.policy.keep_fp32 if isinstance(k, str))
+
+    @property
+    def keep_out_of_fp8(self) -> tuple[str, ...]:
+        """With ``fp8``: the modules whose matmuls the advice keeps in the autocast dtype."""
+        return tuple(k for k in self.policy.keep_out_of_fp8 if isinstance(k, str))
+
+    @property
+    def too_small_for_fp8(self) -> tuple[str, ...]:
+        """With ``fp8``: modules whose every fp8 matmul is too small to gain (:func:`fp8_too_small`):
+        candidates to keep out of fp8 for speed, not for error."""
+        mods = dict.fromkeys(m.module for m in self.fp8_matmuls)
+        return tuple(n for n in mods if all(m.too_small for m in self.fp8_matmuls if m.module == n))
 
     @property
     def hazards(self) -> tuple[ModuleStats, ...]:
@@ -811,11 +949,16 @@ class Advice:
                    _fmt(s.weight_headroom, ".2g"), _fmt(s.underflow, ".2g")]
             if self.grads_measured:
                 row += [_fmt(s.grad_error), _fmt(s.grad_headroom), _fmt(s.grad_underflow)]
-            row += [("KEPT " if s.name in self.keep_fp32 else "") + s.finding]
+            if self.fp8 is not None:
+                row += [_fmt(s.fp8_error)]
+            kept = self.keep_out_of_fp8 if self.fp8 is not None else self.keep_fp32
+            row += [("KEPT " if s.name in kept else "") + s.finding]
             rows.append(row)
         headers = ["module", "type", "out err", "amplif.", "headroom", "w headroom", "underflow"]
         if self.grads_measured:
             headers += ["grad err", f"grad headroom (x{_initial_scale(self.dtype):g})", "grad underflow"]
+        if self.fp8 is not None:
+            headers += ["fp8 err"]
         headers += ["finding"]
         text = tabulate(rows, headers=headers)
         hidden = len([s for s in self.modules if s.name]) - len(shown)
@@ -823,10 +966,25 @@ class Advice:
 
     def __str__(self) -> str:
         low = dtype_name(self.dtype)
-        verdict = ("default policy meets the target: nothing to keep in fp32" if not self.keep_fp32
-                   and self.verified else
-                   f"keep {', '.join(self.keep_fp32)} in fp32" if self.keep_fp32 else
-                   "no policy found that meets the target")
+        if self.fp8 is not None:
+            low += f", fp8 {self.fp8.recipe.value}"
+            verdict = ("every matmul in fp8 meets the target: nothing to keep out of fp8"
+                       if not self.keep_out_of_fp8 and self.verified else
+                       f"keep {', '.join(self.keep_out_of_fp8)} out of fp8" if self.keep_out_of_fp8 else
+                       "no policy found that meets the target")
+            if not self.fp8_matmuls:
+                verdict = "no matmul ran in fp8 (none the fp8 pass converts: see amp_fx.explain(..., fp8=...))"
+        else:
+            verdict = ("default policy meets the target: nothing to keep in fp32" if not self.keep_fp32
+                       and self.verified else
+                       f"keep {', '.join(self.keep_fp32)} in fp32" if self.keep_fp32 else
+                       "no policy found that meets the target")
+        cost = (f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
+                f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
+                f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)")
+        if self.fp8 is not None:
+            cost = (f"cost: {_fmt(self.cost.fp8_flop_share, '.1%')} of matmul/conv/attention FLOPs in fp8 "
+                    f"(every eligible matmul: {_fmt(self.cost.default_fp8_flop_share, '.1%')})")
         lines = [f"amp_fx.advise ({low}): {verdict}",
                  f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
                  f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
@@ -834,9 +992,7 @@ class Advice:
                  "  by part, default / advised: " + "; ".join(
                      f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
                      for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
-                 f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
-                 f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
-                 f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"]
+                 cost]
         lines += [f"{'kept:' if i == 0 else '     '} {k}" for i, k in enumerate(self.kept)]
         if self.training is not None:
             t = self.training
@@ -844,10 +1000,30 @@ class Advice:
                          f"{_fmt(t.default_divergence, '.3g')} (default) and "
                          f"{_fmt(t.advised_divergence, '.3g')} (advised), relative")
         lines += ["", "modules (measured with the default policy; hazards first):", self.table()]
+        if self.fp8 is not None and self.fp8_matmuls:
+            lines += ["", "fp8 matmuls (every eligible matmul in fp8):", self.fp8_table()]
         if self.steps:
             lines += ["", "search:"] + [f"  {s}" for s in self.steps]
         lines += ["", "policy:", "  from amp_fx import Policy", f"  policy = {policy_code(self.policy)}"]
         return "\n".join(lines)
+
+    def fp8_table(self, *, limit: int | None = 40) -> str:
+        """With ``fp8``: each matmul that ran in fp8, its shape, FLOPs per call, error and whether
+        it is too small to gain (:func:`fp8_too_small`, whose thresholds the table's note states)."""
+        assert self.fp8 is not None
+        rows = [[m.module or "<root>", m.op, "x".join(map(str, m.shape)), m.calls, f"{m.flops:.3g}",
+                 _fmt(m.error), ("KEPT " if any(_inside(m.module, k) for k in self.keep_out_of_fp8) else "")
+                 + ("too small" if m.too_small else "")]
+                for m in self.fp8_matmuls[:limit]]
+        text = tabulate(rows, headers=["module", "op", "MxKxN", "calls", "FLOPs/call", "fp8 err", ""])
+        hidden = len(self.fp8_matmuls) - len(rows)
+        rule = ("K <= 4096 and N <= 1024" if self.fp8.recipe is Fp8Recipe.TENSORWISE else
+                "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048")
+        small = sum(m.too_small for m in self.fp8_matmuls)
+        return (text + (f"\n... {hidden} more (advice.fp8_matmuls has them all)" if hidden > 0 else "")
+                + f"\n{small} of {len(self.fp8_matmuls)} too small to gain on an H100 by torchao 0.18's "
+                  f"rule for {self.fp8.recipe.value} ({rule}; K in, N out features; from its H100 "
+                  f"benchmarks, _auto_filter_for_recipe)")
 
     def to_dict(self) -> dict[str, Any]:
         """The advice as JSON-ready data (what ``amp-fx advise --json`` prints)."""
@@ -857,6 +1033,9 @@ class Advice:
             return x
         return {
             "dtype": dtype_name(self.dtype), "keep_fp32": list(self.keep_fp32),
+            "fp8": None if self.fp8 is None else self.fp8.recipe.value,
+            "keep_out_of_fp8": list(self.keep_out_of_fp8),
+            "fp8_matmuls": [{**asdict(m), "flops": m.flops} for m in self.fp8_matmuls],
             "policy": policy_code(self.policy), "target": self.target, "error": clean(self.error),
             "baseline_error": clean(self.baseline_error), "verified": self.verified,
             "loss_scale": self.loss_scale, "runs": self.runs, "steps": list(self.steps),
@@ -916,6 +1095,8 @@ def advise(
     optimizer: Any = None,
     steps: int = 0,
     max_runs: int = _MAX_RUNS,
+    fp8: Fp8Like = None,
+    strict: bool | None = None,
     **kwargs: Any,
 ) -> Advice:
     """Advise which modules of ``model`` to keep in fp32 for ``dtype`` training, measured against
@@ -935,6 +1116,15 @@ def advise(
             the advised one (fp16 with ``torch.amp.GradScaler``), and reports the loss curves.
         steps: how many training steps (needs ``optimizer`` and ``loss_fn``).
         max_runs: end-to-end policy runs the search may make after the default policy's.
+        fp8: a recipe (as :func:`amp_fx.compile` takes it): advise which matmuls to keep *out of
+            fp8* instead. The default run has every matmul the fp8 pass converts in fp8 (eager,
+            bitwise with ``amp_fx.compile(..., fp8=..., backend="aot_eager")``), the rest in
+            ``dtype``; the search keeps modules' matmuls in ``dtype`` (``Policy(keep_out_of_fp8=...)``)
+            until the target is met, starting from the matmuls whose fp8 GEMM error exceeds
+            :data:`FP8_ERROR_HAZARD`. The advice also lists each fp8 matmul and whether it is too
+            small to gain (:func:`fp8_too_small`).
+        strict: raise instead of warning where advise does less than asked (``fp8`` set but no
+            matmul runs in fp8); None: the ``AMP_FX_STRICT`` environment variable decides.
 
     Raises:
         EagerError: the model fails in plain fp32 eager mode on these inputs.
@@ -949,46 +1139,65 @@ def advise(
         raise ValueError(f"amp_fx.advise: target must be a positive error bound, got {target!r}")
     if steps < 0 or (steps and (optimizer is None or loss_fn is None)):
         raise ValueError("amp_fx.advise: steps=N needs optimizer=... and loss_fn=... (and N >= 0)")
+    config = Fp8Config.of(fp8)
     call = Call(args, kwargs)
     run_eager_checked(model, call, tool="advise")
     device_type = call.device_type(model)
+    if config is not None and RECIPES[config.recipe].rowwise:
+        missing = rowwise_scales_missing(device_type)
+        if missing is not None:
+            raise AmpFxError(f"amp_fx.advise: fp8={config.recipe.value!r} needs rowwise scales in "
+                             f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 "
+                             f"or newer (or a GPU) for the rowwise recipes.")
     ref = _reference(model, call, loss_fn)
 
     def run(keep: tuple[str, ...]) -> _RunResult:
         return _policy_run(model, call, ref, dtype=low, device_type=device_type, keep=keep,
-                           loss_fn=loss_fn)
+                           loss_fn=loss_fn, fp8=config)
 
     base = run(())
+    if config is not None and not base.fp8_calls:
+        did_less(("advise fp8", type(model)), (
+            f"amp_fx.advise: fp8={config.recipe.value!r} but no matmul of {type(model).__name__} ran in "
+            f"fp8 (none has a parameter as its right operand with sizes torch._scaled_mm takes: "
+            f"K, N{' and M' if RECIPES[config.recipe].input_for_grad_weight.dtype is not None else ''} "
+            f"multiples of 16); the advice is for {dtype_name(low)} alone. amp_fx.explain(model, ..., "
+            f"fp8=...) says why for each matmul."), strict=strict)
     ok = base.finite and base.error <= target
     best, runs, words = base, 1, []
     if not ok:
-        best, runs, words = _search(base, run, target, low, max_runs)
+        best, runs, words = _search(base, run, target, _grain(low, config), max_runs)
     verified = best.finite and best.error <= target
-    policy = Policy(keep_fp32=best.keep)
+    policy = Policy(keep_out_of_fp8=best.keep) if config is not None else Policy(keep_fp32=best.keep)
     training = None
     if steps:
         assert loss_fn is not None
-        curves = [_train(model, call, loss_fn, optimizer, steps, dtype=d, device_type=device_type, keep=k)
+        curves = [_train(model, call, loss_fn, optimizer, steps, dtype=d, device_type=device_type, keep=k,
+                         fp8=config if d is not None else None)
                   for d, k in ((None, ()), (low, ()), (low, best.keep))]
         training = TrainingComparison(steps, *curves)
-    c0 = _cost(model, call, dtype=low, device_type=device_type, keep=())
-    c1 = _cost(model, call, dtype=low, device_type=device_type, keep=best.keep) if best.keep else c0
+    c0 = _cost(model, call, dtype=low, device_type=device_type, keep=(), fp8=config)
+    c1 = _cost(model, call, dtype=low, device_type=device_type, keep=best.keep, fp8=config) if best.keep else c0
     cost = Cost(fp32_flop_share=c1.fp32 / c1.total if c1.total else 0.0,
                 default_fp32_flop_share=c0.fp32 / c0.total if c0.total else 0.0,
-                cast_bytes=c1.cast_bytes, default_cast_bytes=c0.cast_bytes, matmul_flops=c0.total)
+                cast_bytes=c1.cast_bytes, default_cast_bytes=c0.cast_bytes, matmul_flops=c0.total,
+                fp8_flop_share=None if config is None else c1.fp8 / c1.total if c1.total else 0.0,
+                default_fp8_flop_share=None if config is None else c0.fp8 / c0.total if c0.total else 0.0)
     ordered = tuple(base.modules[n] for n in base.order if n in base.modules)
     return Advice(dtype=low, policy=policy, target=target, error=best.error,
                   baseline_error=base.error, verified=verified, modules=ordered, cost=cost,
                   loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
                   grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base),
-                  kept=_kept_modules(best.keep, base, c0.total),
-                  _explain=lambda policy: _explain_model(model, call, low, policy))
+                  kept=_kept_modules(best.keep, base, c0.total, "fp32" if config is None else dtype_name(low)),
+                  fp8=config, fp8_matmuls=() if config is None else _fp8_matmuls(base.fp8_calls, config.recipe),
+                  _explain=lambda policy: _explain_model(model, call, low, policy, config))
 
 
-def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy) -> Any:
+def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy, fp8: Fp8Config | None = None
+                   ) -> Any:
     from amp_fx.inspect.explanation import explain
 
-    return explain(model, *call.args, dtype=dtype, policy=policy, **call.kwargs)
+    return explain(model, *call.args, dtype=dtype, policy=policy, fp8=fp8, **call.kwargs)
 
 
 def _parts(r: _RunResult) -> tuple[tuple[str, float | None], ...]:

@@ -151,7 +151,8 @@ class _Match:
     """The weight as ``[K, N]`` (uncast); None for ``aten.linear``, whose ``[N, K]`` weight is
     transposed by a new ``aten.t`` node."""
     weight: torch.fx.Node
-    """The parameter placeholder."""
+    """The weight operand as the model passed it, uncast: the parameter placeholder or a view of it
+    (``F.linear(x, w.t())`` passes a view, whose shape, not the parameter's, is ``[N, K]``)."""
     bias: torch.fx.Node | None
 
 
@@ -258,7 +259,7 @@ class _Rewriter:
                 return None, "the parameter is the input of F.linear, not its weight"
             if _val(w).dim() != 2:
                 return None, "the weight is not 2-D"
-            return _Match(x, None, weight, bias), ""
+            return _Match(x, None, _uncast(w), bias), ""
         if target is aten.addmm.default:
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(args) > 3:
                 return None, "addmm with beta or alpha other than 1"

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from amp_fx.testing.zoo import Built
 
-__all__ = ["HAZARDS", "MINIMAL_KEEP", "build"]
+__all__ = ["HAZARDS", "MINIMAL_KEEP", "FP8_HAZARDS", "build"]
 
 HAZARDS = {
     "linear_overflow": ("fp16", "up"),
@@ -73,6 +73,25 @@ MINIMAL_KEEP = {
 """name -> the smallest keep-list that meets advise's default target: the module whose
 low-precision op (a Linear's matmul; for ``attention_overflow`` the functional ``q @ k.T``, which
 only ``attn`` itself runs) is at fault, never its parent or a module with no low-precision op."""
+
+
+FP8_HAZARDS = {
+    "fp8_outlier": "up",
+    "fp8_mantissa": "diff",
+}
+"""fp8 hazards (``amp_fx.advise(..., dtype="bf16", fp8=recipe)``, every recipe): name -> the one
+module to keep out of fp8, the smallest keep that meets advise's default target. Both are healthy in
+bf16 and in fp8 without the hazard (``build(name, hazard=False)``).
+
+* ``fp8_outlier``: one channel of ``up``'s input is 10**6 in every token (a "massive activation",
+  which ``up``'s weights ignore); fp8 scales each tensor (tensorwise) or row (rowwise) by its amax,
+  so the 10**6 takes the top of e4m3's range and the other channels, order 1, fall below its
+  smallest subnormal (2**-9 after scaling) and flush to zero. amp_fx's scales never let a finite
+  value saturate (it lands on e4m3's maximum): the range hazard of dynamic scaling is this, the
+  other end.
+* ``fp8_mantissa``: ``diff``'s input is a signal of order 0.5 on an offset of 32, and its weights
+  read differences between features (rows of zero mean, so the offset cancels in the product):
+  e4m3's 3 mantissa bits resolve 32 +- 0.5 in steps of about 2.5, bf16's 8 in steps of 0.25."""
 
 
 def _loss(out: Tensor) -> Tensor:
@@ -249,10 +268,45 @@ class WeightOverflow(nn.Module):
         return self.head(self.big(x))
 
 
+class Fp8Outlier(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.up = nn.Linear(64, 64)
+        self.down = nn.Linear(64, 32)
+        spike = torch.zeros(64)
+        spike[0] = 1e6 if hazard else 0.0
+        self.register_buffer("spike", spike)
+        with torch.no_grad():
+            self.up.weight[:, 0] = 0.0  # the massive channel carries nothing `up` reads
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(torch.relu(self.up(self.inp(x) + self.spike)))
+
+
+class Fp8Mantissa(nn.Module):
+    def __init__(self, hazard: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.diff = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 32)
+        self.register_buffer("offset", torch.full((64,), 32.0 if hazard else 0.0))
+        with torch.no_grad():
+            self.diff.weight.sub_(self.diff.weight.mean(dim=1, keepdim=True))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.relu(self.diff(self.inp(x) + self.offset)))
+
+
 def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
-    """The model ``name`` of :data:`HAZARDS` (or its healthy twin), inputs and loss function."""
+    """The model ``name`` of :data:`HAZARDS` or :data:`FP8_HAZARDS` (or its healthy twin), inputs
+    and loss function."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
+    if name == "fp8_outlier":  # 2 x 16 tokens: every GEMM dimension a multiple of 16
+        return Fp8Outlier(hazard), (torch.randn(2, 16, 32, generator=gen),), _loss
+    if name == "fp8_mantissa":
+        return Fp8Mantissa(hazard), (torch.randn(2, 16, 32, generator=gen),), _loss
     if name == "linear_overflow":
         return LinearOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
     if name == "attention_overflow":
@@ -273,4 +327,4 @@ def build(name: str, *, hazard: bool = True, seed: int = 0) -> Built:
         return ResidualCancellation(hazard), (torch.randn(4, 16, generator=gen),), _loss
     if name == "exp_overflow":
         return ExpOverflow(hazard), (torch.randn(4, 16, generator=gen),), _loss
-    raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS)}")
+    raise ValueError(f"amp_fx.testing.hazards: unknown model {name!r}; known: {sorted(HAZARDS) + sorted(FP8_HAZARDS)}")

@@ -33,6 +33,7 @@ from amp_fx.testing.fp8_reference import (
     torchao_missing,
 )
 from amp_fx.testing.real_models import REAL_MODELS
+from tests.test_advise import _amp_fx_error
 
 pytestmark = [pytest.mark.models,
               pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))]
@@ -130,3 +131,50 @@ def test_fp8_weight_cache_bitwise_on_real_models(name: str) -> None:
             opt.zero_grad()
         runs.append((losses, dict(ours.named_parameters())))
     assert_bitwise(runs[1], runs[0], f"{name}: fp8 weight cache vs uncached")
+
+
+def _float64_loss(model: torch.nn.Module, inputs: dict, loss_fn) -> float:
+    return float(loss_fn(copy.deepcopy(model).double()(**inputs)).detach())
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_fp8_advise_on_real_models(name: str) -> None:
+    """``amp_fx.advise(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama, random init: the
+    fp8 run it measures is amp_fx's (the same matmuls as ``amp_fx.compile(fp8=...)`` converts, and
+    the same loss error against float64, recomputed here from the compiled run), every matmul in
+    fp8 meets the target (nothing kept out, one policy run), and every layer of these small models
+    is too small to gain by torchao's rule. Then one Llama MLP gets a planted outlier (a channel of
+    10**6 entering ``down_proj``, whose weights ignore it; its other weights 20x, so that its output
+    dominates the residual stream and the damage reaches the output): the advice keeps that one
+    ``Linear`` out of fp8, checked through amp_fx.compile against float64 (loss, gradients,
+    outputs)."""
+    entry = REAL_MODELS[name]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    model, inputs, loss_fn = entry.build()
+    advice = amp_fx.advise(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
+    assert advice.keep_out_of_fp8 == () and advice.verified and advice.runs == 1, str(advice)
+    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="tensorwise", backend="aot_eager")
+    loss = float(loss_fn(compiled(**inputs)).detach())
+    converted = {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions
+                 if d.converted}
+    assert {m.module for m in advice.fp8_matmuls} == converted and converted
+    ref = _float64_loss(model, inputs, loss_fn)
+    assert dict(advice.baseline_parts)["loss"] == abs(loss - ref) / abs(ref)
+    assert set(advice.too_small_for_fp8) == converted
+    if name != "hf_llama":
+        return
+
+    leaf = "model.layers.1.mlp.down_proj"
+    down = model.get_submodule(leaf)
+    spike = torch.zeros(down.in_features)
+    spike[0] = 1e6
+    with torch.no_grad():
+        down.weight.mul_(20.0)
+        down.weight[:, 0] = 0.0
+    down.register_forward_pre_hook(lambda m, args: (args[0] + spike.to(args[0].dtype),))
+    advice = amp_fx.advise(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
+    assert advice.keep_out_of_fp8 == (leaf,) and advice.verified and advice.runs == 2, str(advice)
+    default = _amp_fx_error(model, (), loss_fn, "bf16", amp_fx.Policy(), fp8="tensorwise", **inputs)
+    advised = _amp_fx_error(model, (), loss_fn, "bf16", advice.policy, fp8="tensorwise", **inputs)
+    assert default > advice.target >= advised, (default, advised)
