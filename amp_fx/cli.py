@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
                         "then measured too)")
     a.add_argument("--error-target", type=float, default=None, dest="error_target",
                    help="largest end-to-end error vs float64 (default: 32 eps of the dtype)")
+    a.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+                   help="advise which matmuls to keep out of fp8 with this recipe (the rest in --dtype)")
     a.add_argument("--json", action="store_true", help="print the advice as JSON")
     a.add_argument("--html", metavar="PATH", help="also write the advice as a self-contained HTML page")
     return p
@@ -134,7 +136,8 @@ def _advise(model: Any, inputs: tuple[Any, ...], args: argparse.Namespace) -> in
     import amp_fx
 
     loss_fn = _loss_function(args.target, args.loss) if args.loss else None
-    advice = amp_fx.advise(model, *inputs, dtype=args.dtype, loss_fn=loss_fn, target=args.error_target)
+    advice = amp_fx.advise(model, *inputs, dtype=args.dtype, loss_fn=loss_fn, target=args.error_target,
+                           fp8=args.fp8)
     print(advice.to_json() if args.json else advice)
     if args.html:
         path = advice.to_html(args.html)

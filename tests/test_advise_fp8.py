@@ -11,6 +11,9 @@ small to gain are torchao's own verdict. The real-model tier's cases are in
 from __future__ import annotations
 
 import copy
+import html
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +160,29 @@ def test_fp8_advise_says_when_no_matmul_runs_in_fp8() -> None:
     assert "no matmul ran in fp8" in str(advice) and advice.fp8_matmuls == ()
     with pytest.raises(amp_fx.AmpFxError, match="no matmul of Sequential ran in fp8"):
         amp_fx.advise(model, x, dtype="bf16", fp8="tensorwise", strict=True)
+
+
+def test_cli_advise_fp8_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from amp_fx.cli import main
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "advise_fp8.py") + ":build"
+    rc = main(["advise", example, "--loss", "loss_fn", "--dtype", "bf16", "--fp8", "tensorwise", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    model, inputs, loss_fn = build("fp8_outlier")
+    advice = amp_fx.advise(model, *inputs, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn)
+    assert rc == 0 and data["fp8"] == "tensorwise" and data["verified"]
+    assert data["keep_out_of_fp8"] == list(advice.keep_out_of_fp8) == ["up"] and data["keep_fp32"] == []
+    assert data["error"] == advice.error and data["policy"] == 'Policy(keep_out_of_fp8=("up",))'
+    assert [m["module"] for m in data["fp8_matmuls"]] == [m.module for m in advice.fp8_matmuls]
+
+
+def test_fp8_html_page_says_out_of_fp8(tmp_path: Path) -> None:
+    """The HTML page of an fp8 advice names the recipe, the fp8 policy, the fp8 matmul table and
+    the kept module as kept out of fp8 (not in fp32), and its picture (explain with the same fp8
+    recipe and the advised policy) is drawn."""
+    model, inputs, loss_fn = build("fp8_outlier")
+    advice = amp_fx.advise(model, *inputs, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn)
+    text = advice.to_html(tmp_path / "advice.html").read_text()
+    assert "amp_fx.advise (bf16, fp8 tensorwise)" in text and "kept out of fp8" in text
+    assert html.escape('Policy(keep_out_of_fp8=("up",))') in text and "fp8 matmuls" in text
+    assert "amp_fx.explain failed" not in text and "in fp8 (every eligible matmul: 100.0%)" in text

@@ -130,6 +130,7 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     },
     "docs/advise.md": {
         "import amp_fx": Run(),
+        "from amp_fx.testing.hazards import build": Run(),
     },
     "docs/overflow.md": {
         "# compile_step: the report, and a scheduler that stands still on skipped steps": Run(),

@@ -73,7 +73,10 @@ def render(advice: Any, graph: Any = None, note: str = "") -> str:
     """The page for an :class:`~amp_fx.inspect.advice.Advice`."""
     low = dtype_name(advice.dtype)
     mods = [s for s in advice.modules if s.name][:60]
-    kept = set(advice.keep_fp32)
+    fp8 = advice.fp8 is not None
+    kept = set(advice.keep_out_of_fp8 if fp8 else advice.keep_fp32)
+    where = "out of fp8" if fp8 else "in fp32"
+    title = f"{low}, fp8 {advice.fp8.recipe.value}" if fp8 else low
 
     def colour(s: Any) -> str:
         return "#ff7f0e" if s.name in kept else ("#9467bd" if s.finding else "#1f77b4")
@@ -92,16 +95,21 @@ def render(advice: Any, graph: Any = None, note: str = "") -> str:
                                    colour(s)) for s in mods], log_floor=1e-8, mark=1.0, mark_label="overflow"))
     picture = (f"<p>{html.escape(note)}</p>" if note else "") + ("" if graph is None else _picture(graph))
     cost = advice.cost
+    cost_text = (f"Cost: {cost.fp8_flop_share:.1%} of matmul/conv/attention FLOPs in fp8 (every eligible "
+                 f"matmul: {cost.default_fp8_flop_share:.1%})." if fp8 else
+                 f"Cost: {cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32; casts move "
+                 f"{cost.cast_bytes} B per forward.")
+    fp8_part = f"<h2>fp8 matmuls</h2>\n<pre>{html.escape(advice.fp8_table(limit=None))}</pre>" if fp8 else ""
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>amp_fx.advise ({low})</title>
+<html lang="en"><head><meta charset="utf-8"><title>amp_fx.advise ({title})</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1100px}} pre{{background:#f4f4f4;padding:8px;
 overflow:auto}} .legend span{{padding:0 8px;margin-right:8px;color:#fff}}</style></head>
 <body>
-<h1>amp_fx.advise ({low})</h1>
+<h1>amp_fx.advise ({title})</h1>
 <p>End-to-end error vs float64: default policy <b>{advice.baseline_error:.3g}</b>, advised <b>{advice.error:.3g}</b>,
 target {advice.target:.3g}: <b>{'verified' if advice.verified else 'NOT verified'}</b>.
-Cost: {cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32; casts move {cost.cast_bytes} B per forward.</p>
-<p class="legend"><span style="background:#ff7f0e">kept in fp32</span><span style="background:#9467bd">finding</span>
+{cost_text}</p>
+<p class="legend"><span style="background:#ff7f0e">kept {where}</span><span style="background:#9467bd">finding</span>
 <span style="background:#1f77b4">fine</span><span style="background:#d62728">inf</span></p>
 {''.join(f'<div>{c}</div>' for c in charts)}
 <h2>policy</h2>
@@ -110,6 +118,7 @@ policy = {html.escape(policy_code(advice.policy))}</pre>
 {''.join(f'<p>kept: {html.escape(str(k))}</p>' for k in advice.kept)}
 <h2>measurements</h2>
 <pre>{html.escape(advice.table(limit=None))}</pre>
+{fp8_part}
 {picture}
 </body></html>
 """
