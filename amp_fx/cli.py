@@ -101,9 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="per-node dtypes, rules and casts; before/after; picture")
     common(e, "bf16", None)
     e.add_argument("--svg", metavar="PATH", help="write the graph picture (SVG via Graphviz)")
+    e.add_argument("--fp8", default=None, choices=_FP8, help="also which matmuls run in fp8 with this recipe")
     c = sub.add_parser("compare", help="op by op against eager torch.autocast")
     common(c, "bf16", "aot_eager")
     c.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
+    c.add_argument("--fp8", default=None, choices=_FP8,
+                   help="with fp8 on (this recipe) on both sides: the eager side with torchao's numerics")
     f = sub.add_parser("find-nonfinite", help="the first op or gradient holding inf/NaN")
     common(f, "fp16", None)
     f.add_argument("--no-backward", action="store_true", help="check the forward only")
@@ -116,11 +119,15 @@ def _parser() -> argparse.ArgumentParser:
                         "then measured too)")
     a.add_argument("--error-target", type=float, default=None, dest="error_target",
                    help="largest end-to-end error vs float64 (default: 32 eps of the dtype)")
-    a.add_argument("--fp8", default=None, choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"],
+    a.add_argument("--fp8", default=None, choices=_FP8,
                    help="advise which matmuls to keep out of fp8 with this recipe (the rest in --dtype)")
     a.add_argument("--json", action="store_true", help="print the advice as JSON")
     a.add_argument("--html", metavar="PATH", help="also write the advice as a self-contained HTML page")
     return p
+
+
+_FP8 = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+"""amp_fx.Fp8Recipe's values, written out: the parser is built before amp_fx (and torch) is imported."""
 
 
 def _loss_function(target: str, name: str) -> Any:
@@ -177,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _advise(model, inputs, args)
         policy = amp_fx.Policy(keep_fp32=tuple(args.keep_fp32))
         if args.command == "explain":
-            ex = amp_fx.explain(model, *inputs, dtype=args.dtype, policy=policy)
+            ex = amp_fx.explain(model, *inputs, dtype=args.dtype, policy=policy, fp8=args.fp8)
             print(ex)
             if args.svg:
                 try:
@@ -187,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "compare":
             report = amp_fx.compare(model, *inputs, dtype=args.dtype, policy=policy,
-                                    backend=args.backend, grads=not args.no_grads)
+                                    backend=args.backend, grads=not args.no_grads, fp8=args.fp8)
             print(report)
             return 0 if report.ok else 1
         report = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,

@@ -186,3 +186,10 @@ def test_fp8_html_page_says_out_of_fp8(tmp_path: Path) -> None:
     assert "amp_fx.advise (bf16, fp8 tensorwise)" in text and "kept out of fp8" in text
     assert html.escape('Policy(keep_out_of_fp8=("up",))') in text and "fp8 matmuls" in text
     assert "amp_fx.explain failed" not in text and "in fp8 (every eligible matmul: 100.0%)" in text
+
+
+def test_cli_fp8_choices_are_the_recipes() -> None:
+    from amp_fx.cli import _FP8
+    from amp_fx.fp8 import Fp8Recipe
+
+    assert _FP8 == [r.value for r in Fp8Recipe]

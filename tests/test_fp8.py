@@ -825,3 +825,63 @@ def test_watch_names_an_inf_made_by_an_fp8_gemm(where: str) -> None:
         assert (origin.module, origin.op) == ("b", "aten.mm"), origin
         expected = (True, "b", "aten._scaled_mm", "fp8_matmul")
         assert (first.backward, first.module, first.op, first.grad_of) == expected, str(report)
+
+
+# --- compare with fp8 on ---------------------------------------------------------------------------
+
+
+class _Functional(nn.Module):
+    """``x @ W.T`` on a parameter, an ``nn.Linear``, ``F.linear`` with a transposed parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.lin = nn.Linear(64, 48)
+        self.v = nn.Parameter(torch.randn(48, 16) / 48 ** 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(torch.relu(self.lin(x @ self.w.t())), self.v.t())
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compare_with_fp8_is_against_torchaos_numerics(recipe: str) -> None:
+    """``amp_fx.compare(..., fp8=recipe)``: the eager side runs the converted matmuls in fp8, and that
+    eager fp8 run is torchao's (loss and gradients bitwise with ``convert_to_float8_training`` on the
+    MLP); amp_fx agrees with it op by op (each converted matmul matched to the node that replaced
+    it, its rule the fp8 recipe), in the outputs and in every gradient, bitwise. Before,
+    ``fp8=`` was passed on to the model as an input."""
+    from amp_fx.inspect._fp8_eager import Fp8Eager, module_stack
+
+    model, x = mlp()
+    eager = copy.deepcopy(model)
+    stack: list[str] = []
+    with module_stack(eager, stack), torch.autocast("cpu", torch.bfloat16), \
+            Fp8Eager(Fp8Config(recipe), torch.bfloat16, "cpu", stack, measure=False):
+        loss = loss_fn(eager(x))
+    loss.backward()
+    ref_loss, ref_grads = torchao_step(model, x, recipe)
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in eager.named_parameters()}), (ref_loss, ref_grads),
+                   f"eager fp8 vs torchao, {recipe}")
+
+    for m in (model, _Functional()):
+        report = amp_fx.compare(m, x, dtype="bf16", fp8=recipe, loss_fn=loss_fn)
+        assert report.first_divergence is None and all(o.agree for o in report.ops), str(report)
+        assert all(v.agree for v in report.outputs) and report.grads and all(g.agree for g in report.grads)
+        fp8_ops = [o for o in report.ops if o.rule.startswith(f"fp8 {Fp8Recipe(recipe).value}")]
+        assert len(fp8_ops) == 3, str(report)
+        # the float64 columns show fp8's cost: far above bf16's rounding (2**-8)
+        assert all(o.error_vs_reference.rel > 2 ** -6 for o in fp8_ops)
+
+
+def test_compare_with_fp8_honours_keep_out_of_fp8_by_type() -> None:
+    """With ``Policy(keep_out_of_fp8=(nn.Linear,))`` amp_fx keeps the ``nn.Linear`` in bf16 and the
+    functional matmuls in fp8; compare's eager side selects the module by type as the pass does, so
+    everything still agrees (it would not if eager ran that Linear in fp8)."""
+    torch.manual_seed(0)
+    policy = Policy(keep_out_of_fp8=(nn.Linear,))
+    report = amp_fx.compare(_Functional(), torch.randn(2, 16, 32), dtype="bf16", fp8="tensorwise", policy=policy,
+                            loss_fn=loss_fn)
+    assert report.first_divergence is None and all(g.agree for g in report.grads), str(report)
+    matmuls = [(o.module, o.rule) for o in report.ops if o.op in ("aten.linear", "aten.matmul")]
+    assert [m for m, r in matmuls if r.startswith("fp8 tensorwise")] == ["", ""], matmuls  # the root's two
+    assert [m for m, r in matmuls if not r.startswith("fp8")] == ["lin"], matmuls

@@ -19,7 +19,8 @@ adds to the forward GEMM: ``||fp8 - hp|| / ||hp||`` with ``hp`` the same product
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from amp_fx.fp8 import Fp8Config
 from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul
 from amp_fx.passes.fp8_matmuls import ALIGNMENT
+from amp_fx.policy import ModuleSelector, module_matches
 
 __all__: list[str] = []
 
@@ -66,19 +68,78 @@ def _is_weight(t: Any) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
+def _gemm(x: torch.Tensor, w: torch.Tensor, recipe: Any, dtype: torch.dtype, device_type: str
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 GEMM as the pass rewrites a matmul: ``x`` in the autocast dtype, ``w`` as
+    ``[K, N]`` as it is, autocast off. Returns (result, the input in the autocast dtype)."""
+    with torch.autocast(device_type, enabled=False):
+        x_low = x.to(dtype)
+        return fp8_matmul(x_low, w, recipe), x_low
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, device_type: str) -> torch.Tensor:
+    """torchao's Float8Linear: the bias in the output's dtype, added after the GEMM."""
+    if bias is None:
+        return out
+    with torch.autocast(device_type, enabled=False):
+        return out + bias.to(out.dtype)
+
+
+def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: Fp8Config, dtype: torch.dtype,
+             device_type: str) -> torch.Tensor:
+    """A captured ATen matmul (``aten.linear``, ``aten.addmm``, ``aten.mm``, ``aten.matmul``) that
+    the pass converted, computed as the pass rewrote it, on its original (uncast) operands."""
+    name = target._overloadpacket.__name__
+    if name == "linear":
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        w = w.t()
+    elif name == "addmm":
+        bias, x, w = args[0], args[1], args[2]
+    else:
+        (x, w), bias = args[:2], None
+    out, _ = _gemm(x, w, config.recipe, dtype, device_type)
+    return _add_bias(out, bias, device_type)
+
+
+@contextmanager
+def module_stack(model: torch.nn.Module, stack: list[str]) -> Iterator[None]:
+    """Module hooks that keep ``stack`` as the running module path, innermost last."""
+    def pre(name: str) -> Any:
+        return lambda mod, args: stack.append(name) and None
+
+    def post(name: str) -> Any:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if name in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(name)]
+        return hook
+
+    handles = []
+    for name, m in model.named_modules():
+        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class Fp8Eager(TorchFunctionMode):
     """Run the matmuls the fp8 pass converts in fp8 (module doc). ``stack`` is the running module
-    path, innermost last (the caller's module hooks keep it); ``keep`` the module names kept out
-    of fp8. ``calls`` lists what ran in fp8."""
+    path, innermost last (the caller's module hooks keep it); ``keep`` the modules kept out of fp8
+    (names, or types with ``root``, the model the paths are under, as ``Policy.keep_out_of_fp8``
+    selects them). ``calls`` lists what ran in fp8."""
 
     def __init__(self, config: Fp8Config, dtype: torch.dtype, device_type: str, stack: list[str],
-                 keep: Sequence[str] = (), *, measure: bool = True) -> None:
+                 keep: Sequence[ModuleSelector] = (), *, measure: bool = True,
+                 root: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.recipe = config.recipe
         self.dtype = dtype
         self.device_type = device_type
         self.stack = stack
         self.keep = tuple(keep)
+        self.root = root
         self.measure = measure
         self.calls: list[Fp8Call] = []
         self._fp8_grad_weight = RECIPES[self.recipe].input_for_grad_weight.dtype is not None
@@ -97,12 +158,11 @@ class Fp8Eager(TorchFunctionMode):
         """(x, w as [K, N], bias) for a matmul the pass converts, else None."""
         if not torch.is_autocast_enabled(self.device_type) or torch.get_autocast_dtype(self.device_type) != self.dtype:
             return None
-        innermost = self.stack[-1] if self.stack else ""
-        if any(k == "" or innermost == k or innermost.startswith(k + ".") for k in self.keep):
+        if self._kept():
             return None
-        if func in _LINEAR:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if func in _LINEAR:  # F.linear(input, weight, bias=None), positional or by keyword
+            named = dict(zip(("input", "weight", "bias"), args), **kwargs)
+            x, w, bias = named.get("input"), named.get("weight"), named.get("bias")
             if not _is_weight(w):
                 return None
             w = w.t()
@@ -127,18 +187,27 @@ class Fp8Eager(TorchFunctionMode):
             return None
         return x, w, bias
 
+    def _kept(self) -> bool:
+        """The running module is kept out of fp8: it or a module around it is selected by ``keep``."""
+        if not self.keep:
+            return False
+        if "" in self.keep:
+            return True
+        innermost = self.stack[-1] if self.stack else ""
+        if self.root is None:
+            return any(isinstance(k, str) and module_matches(k, innermost, object) for k in self.keep)
+        return any(module_matches(k, path, type(self.root.get_submodule(path)))
+                   for path in self.stack for k in self.keep)
+
     def _run(self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        with torch.autocast(self.device_type, enabled=False):
-            x_low = x.to(self.dtype)
-            out = fp8_matmul(x_low, w, self.recipe)
-            num = den = 0.0
-            if self.measure:
-                with torch.no_grad():
-                    hp = torch.matmul(x_low.detach().float(), w.detach().float())
-                    num = float((out.detach().float() - hp).norm())
-                    den = float(hp.norm())
-            if bias is not None:
-                out = out + bias.to(out.dtype)
+        out, x_low = _gemm(x, w, self.recipe, self.dtype, self.device_type)
+        num = den = 0.0
+        if self.measure:
+            with torch.no_grad():
+                hp = torch.matmul(x_low.detach().float(), w.detach().float())
+                num = float((out.detach().float() - hp).norm())
+                den = float(hp.norm())
+        out = _add_bias(out, bias, self.device_type)
         error = num / den if den > 0 else (0.0 if num == 0 else math.inf)
         shape = (math.prod(x.shape[:-1]), x.shape[-1], w.shape[1])
         self.calls.append(Fp8Call(self.stack[-1] if self.stack else "", op, shape, error))

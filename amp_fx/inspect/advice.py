@@ -56,7 +56,7 @@ from amp_fx._common.report import did_less
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.inspect._flow import Flow, compute_flops
-from amp_fx.inspect._fp8_eager import Fp8Call, Fp8Eager
+from amp_fx.inspect._fp8_eager import Fp8Call, Fp8Eager, module_stack
 from amp_fx.inspect._probe import tensors_of
 from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
 from amp_fx.inspect.nonfinite import policy_code
@@ -380,20 +380,12 @@ def _cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep:
     if fp8 is None:
         _keep_in_fp32(m, keep, device_type)
     counter = _CostCounter()
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), _stacked(m, stack):
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), module_stack(m, stack):
         torch.manual_seed(SEED)
         with torch.autocast(device_type, dtype=dtype), counter, _fp8_mode(fp8, dtype, device_type, stack, keep,
                                                                          measure=False):
             call.copy()(m)
     return counter
-
-
-def _stacked(model: torch.nn.Module, stack: list[str]) -> Any:
-    """Module hooks that keep ``stack`` as the running module path, innermost last."""
-    def post(name: str, out: Any) -> None:
-        if name in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(name)]
-    return _hooks(model, lambda name, args, kwargs: stack.append(name), post)
 
 
 def _fp8_mode(fp8: Fp8Config | None, dtype: torch.dtype, device_type: str, stack: list[str],
@@ -788,7 +780,7 @@ def _train(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optim
     opt = _make_optimizer(optimizer, m.parameters())
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     losses = []
-    with torch.random.fork_rng(devices=[]), _stacked(m, stack):
+    with torch.random.fork_rng(devices=[]), module_stack(m, stack):
         torch.manual_seed(SEED)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)

@@ -26,12 +26,21 @@ other backends (inductor) fuse ops and keep intermediates in fp32 (excess precis
 and gradients agree within ``rtol = atol_scale = 2 * eps(dtype)`` (two roundings of the lower
 dtype), the absolute tolerance relative to the largest magnitude of the eager value.
 
+With ``fp8=`` (a recipe, as :func:`amp_fx.compile` takes it) the eager side is eager autocast with
+fp8 where amp_fx put it: in (b) each matmul the fp8 pass converted runs as the pass rewrote it
+(``amp_fx.kernels.fp8_matmul``, torchao 0.18's float8 training numerics, bitwise with torchao's
+``convert_to_float8_training``: tests/test_fp8.py), matched to the node that replaced it in the
+rewritten graph; end to end, the eager model runs with the same matmuls in fp8
+(:class:`~amp_fx.inspect._fp8_eager.Fp8Eager`, honouring ``Policy(keep_out_of_fp8=...)``). The float64
+reference stays float64, so its columns show what fp8 costs.
+
 All runs use deep copies of the model and inputs; your model's parameters, buffers and RNG state
 are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -46,6 +55,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
+from amp_fx.fp8 import Fp8Config, Fp8Like
+from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
 from amp_fx.inspect._probe import (
     ValueInterpreter,
     clone_inputs,
@@ -63,6 +74,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes import meta
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy, resolve_dtype
 
@@ -209,6 +221,12 @@ class CompareReport:
     grads: list[ValueComparison] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     reference_dtype: str = "fp64"
+    fp8: str | None = None
+    """The fp8 recipe both sides ran (``compare(..., fp8=...)``), or None."""
+
+    def _what(self) -> str:
+        fp8 = f", matmuls in fp8 {self.fp8} with torchao's numerics" if self.fp8 else ""
+        return dtype_name(self.dtype) + fp8
 
     @property
     def ok(self) -> bool:
@@ -258,11 +276,11 @@ class CompareReport:
                     "names the first op)")
         if self.ok:
             ops = sum(o.status != "folded" for o in self.ops)
-            return (f"OK: amp_fx agrees with eager torch.autocast ({dtype_name(self.dtype)}) on "
+            return (f"OK: amp_fx agrees with eager torch.autocast ({self._what()}) on "
                     f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
                     f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}")
         first = self.first_divergence
-        lines = [f"DIFFERS from eager torch.autocast ({dtype_name(self.dtype)}, {mode}){flag}"]
+        lines = [f"DIFFERS from eager torch.autocast ({self._what()}, {mode}){flag}"]
         if first is not None:
             what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
                     if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
@@ -319,14 +337,19 @@ class _GraphRunError(Exception):
         super().__init__(f"{type(error).__name__}{at}: {first}")
 
 
-def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, torch.dtype] | None
-         ) -> dict[str, Any]:
+def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, torch.dtype] | None,
+         fp8: tuple[Fp8Config, frozenset[str]] | None = None) -> dict[str, Any]:
+    """Every node's value; with ``fp8`` (and ``autocast``), the nodes it names (matmuls the fp8 pass
+    converted) computed as the pass rewrote them."""
     interp = ValueInterpreter(gm)
     current: list[torch.fx.Node] = []
     run_node = interp.run_node
 
     def tracked(n: torch.fx.Node) -> Any:
         current[:] = [n]
+        if fp8 is not None and autocast is not None and n.name in fp8[1]:
+            args, kwargs = interp.fetch_args_kwargs_from_env(n)
+            return fp8_aten(n.target, args, kwargs, fp8[0], autocast[1], autocast[0])
         return run_node(n)
 
     interp.run_node = tracked  # type: ignore[method-assign]
@@ -367,12 +390,15 @@ def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report
 
 
 def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport,
-                   run: AmpRun) -> None:
+                   run: AmpRun, fp8: Fp8Config | None = None) -> None:
     flags = leaf_flags(record)
+    # captured matmul -> the node that replaced it in the rewritten graph (fp8 call or bias add)
+    replaced = {n.meta[meta.FP8_OF]: n for n in record.rewritten.graph.nodes if meta.FP8_OF in n.meta}
     try:
         amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
         eager = _run(record.captured, clone_inputs(inputs, flags),
-                     autocast=(record.device_type, record.dtype))
+                     autocast=(record.device_type, record.dtype),
+                     fp8=(fp8, frozenset(replaced)) if fp8 is not None and replaced else None)
     except _GraphRunError as e:
         report.notes.append(f"graph {record.index} not compared op by op: re-running it on its "
                             f"recorded inputs fails ({e}); the end-to-end comparison still runs")
@@ -387,6 +413,17 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
         path, _ = run.module_of(record, node)
         new = rewritten.get(node.name)
         e_val = eager[node.name]
+        if new is None and node.name in replaced:  # converted to fp8: compared with eager's fp8
+            new = replaced[node.name]
+            call = new if meta.FP8 in new.meta else new.args[0]
+            decision = call.meta.get(meta.FP8) if isinstance(call, torch.fx.Node) else None
+            a_val, r_val = amp[new.name], ref.get(node.name)
+            agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
+            report.ops.append(OpComparison(
+                record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
+                _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val),
+                decision.reason if decision is not None else "fp8"))
+            continue
         if new is None:
             report.ops.append(OpComparison(
                 record.index, node.name, op_label(node), path, _dtypes(e_val), "-", True,
@@ -443,14 +480,22 @@ def _grads_of(model: Any) -> dict[str, torch.Tensor]:
 
 def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype] | None,
                     grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
-                    to: torch.dtype | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+                    to: torch.dtype | None = None, fp8: Fp8Config | None = None,
+                    keep_out_of_fp8: Sequence[Any] = ()) -> tuple[Any, dict[str, torch.Tensor]]:
     """Eager autocast's run (``autocast`` given) or the reference's: the loss ``loss_fn`` gives is
-    computed inside the autocast region, the default projection outside it."""
+    computed inside the autocast region, the default projection outside it. With ``fp8`` (and
+    ``autocast``), the matmuls the fp8 pass converts run in fp8 outside ``keep_out_of_fp8``."""
     inputs = call.copy(to=to)
-    with torch.random.fork_rng(devices=[]):
+    stack: list[str] = []
+    root = model if isinstance(model, torch.nn.Module) else None
+    fp8_mode: Any = contextlib.nullcontext()
+    if fp8 is not None and autocast is not None:
+        fp8_mode = Fp8Eager(fp8, autocast[1], autocast[0], stack, keep_out_of_fp8, measure=False, root=root)
+    hooks: Any = module_stack(root, stack) if root is not None and fp8 is not None else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), hooks:
         torch.manual_seed(SEED)
         if autocast is not None:
-            with torch.autocast(autocast[0], dtype=autocast[1]):
+            with torch.autocast(autocast[0], dtype=autocast[1]), fp8_mode:
                 out = inputs(model)
                 loss = _loss(out, loss_fn) if loss_fn is not None else None
         else:
@@ -471,6 +516,7 @@ def compare(
     backend: str | Backend = "aot_eager",
     grads: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    fp8: Fp8Like = None,
     **kwargs: Any,
 ) -> CompareReport:
     """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
@@ -490,6 +536,8 @@ def compare(
         grads: also compare the parameters' gradients.
         loss_fn: maps the output to the scalar to differentiate; by default a fixed random
             projection of every floating output. Eager computes it inside the autocast region.
+        fp8: a recipe (as :func:`amp_fx.compile` takes it): amp_fx runs with fp8 on, and the eager
+            side runs the same matmuls in fp8 with torchao's numerics (see the module doc).
         **kwargs: example inputs by keyword, as the model takes them
             (``compare(model, input_ids=ids, labels=labels)``).
 
@@ -503,8 +551,10 @@ def compare(
     run_eager_checked(model_or_fn, call, tool="compare")
     device_type = call.device_type(model_or_fn)
 
+    config = Fp8Config.of(fp8)
+    report.fp8 = None if config is None else config.recipe.value
     run = run_amp(model_or_fn, call, tool="compare", dtype=lower, policy=policy,
-                  downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads))
+                  downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads), fp8=config)
     amp_out, amp_grads = run.result, _grads_of(run.compiled)
     recs, recorder = run.records, run.recorder
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
@@ -515,14 +565,15 @@ def compare(
         if inputs is None:
             report.notes.append(f"graph {r.index} was compiled but not called; not compared")
             continue
-        _compare_graph(r, inputs, exact, report, run)
+        _compare_graph(r, inputs, exact, report, run, config)
     if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype
                         for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
 
     eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
                                              autocast=(device_type, lower), grads=grads,
-                                             loss_fn=loss_fn)
+                                             loss_fn=loss_fn, fp8=config,
+                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8)
     try:
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):

@@ -339,6 +339,7 @@ class _Rewriter:
                 out = self.call(aten.add.Tensor, (out, bias), stack, Decision(
                     CastClass.NONE, f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
                                     f"GEMM (as torchao's Float8Linear adds it)"))
+        out.meta[meta.FP8_OF] = node.name
         inputs = node.all_input_nodes
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)

@@ -36,6 +36,10 @@ key                    written by                      read by
                        fp8_matmuls.Fp8Decision` (on
                        the fp8 call where converted,
                        on the matmul where not)
+``FP8_OF``             fp8_matmuls, the node that      compare (which captured op it stands for)
+                       replaced a converted matmul
+                       (the fp8 call, or the bias add
+                       after it): the matmul's name
 =====================  ==============================  ==========================================
 
 Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
@@ -46,7 +50,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED", "PARAMETER", "FP8"]
+           "FOLDED", "PARAMETER", "FP8", "FP8_OF"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -59,3 +63,4 @@ CACHED = "amp_fx_cached"
 FOLDED = "amp_fx_folded"
 PARAMETER = "amp_fx_parameter"
 FP8 = "amp_fx_fp8"
+FP8_OF = "amp_fx_fp8_of"
