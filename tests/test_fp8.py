@@ -885,3 +885,110 @@ def test_compare_with_fp8_honours_keep_out_of_fp8_by_type() -> None:
     matmuls = [(o.module, o.rule) for o in report.ops if o.op in ("aten.linear", "aten.matmul")]
     assert [m for m, r in matmuls if r.startswith("fp8 tensorwise")] == ["", ""], matmuls  # the root's two
     assert [m for m, r in matmuls if not r.startswith("fp8")] == ["lin"], matmuls
+
+
+# --- experts held as one 3-D parameter -------------------------------------------------------------
+
+
+class _DenseMixture(nn.Module):
+    """A mixture whose experts are one 3-D parameter per projection (``[E, in, out]``), every expert
+    on every token, weighted by a softmax router (no data-dependent routing: the matmuls stay in the
+    graph). The router's ``N=4`` is not a multiple of 16: it stays in bf16."""
+
+    def __init__(self, experts: int = 4, d: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) / d ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.w_in.shape[0]):
+            out = out + gate[..., e:e + 1] * (torch.relu(x @ self.w_in[e]) @ self.w_out[e])
+        return out
+
+
+class _MixtureTwin(nn.Module):
+    """The same mixture with each expert's projections as ``nn.Linear`` (weights ``w[e].T``): what
+    torchao can convert."""
+
+    def __init__(self, m: _DenseMixture) -> None:
+        super().__init__()
+        self.router = copy.deepcopy(m.router)
+        experts, d, hidden = m.w_in.shape
+        self.inp = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(experts))
+        self.out = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(experts))
+        with torch.no_grad():
+            for e in range(experts):
+                self.inp[e].weight.copy_(m.w_in[e].t())
+                self.out[e].weight.copy_(m.w_out[e].t())
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(len(self.inp)):
+            out = out + gate[..., e:e + 1] * self.out[e](torch.relu(self.inp[e](x)))
+        return out
+
+
+@pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("rowwise")])
+def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
+    """Experts held as one 3-D parameter and read per expert (``x @ self.w_in[e]``, an
+    ``aten.select`` view): each expert's matmuls run in fp8, bitwise with torchao converting the
+    ``nn.Linear`` twin's experts (loss, every gradient, the fp8 share of GEMM FLOPs); the router
+    stays in bf16 with its reason. torchao cannot convert the 3-D parameter itself. Before, a
+    ``select`` of a parameter was not a weight operand: the experts ran in bf16."""
+    torch.manual_seed(0)
+    model, x = _DenseMixture(), torch.randn(2, 16, 32)
+    twin = _MixtureTwin(model)
+    compiled = compile_fp8(copy.deepcopy(model), recipe, strict=True)
+    loss_fn(compiled(x)).backward()  # compile forward and backward
+    for p in compiled.parameters():
+        p.grad = None
+    with count_gemm_flops() as flops:
+        loss = loss_fn(compiled(x))
+        loss.backward()
+    decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
+    assert sum(d.converted for d in decisions) == 8
+    assert [d.module for d in decisions if not d.converted] == ["router"]
+    ref = torchao_float8(twin, recipe, module_filter_fn=lambda m, fqn: fqn != "router")
+    with count_gemm_flops() as ref_flops:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            ref_loss = loss_fn(ref(x))
+        ref_loss.backward()
+    assert_bitwise(loss.detach(), ref_loss.detach(), f"{recipe}: loss")
+    grads = dict(compiled.named_parameters())
+    expected = {"router.weight": ref.router.weight.grad, "router.bias": ref.router.bias.grad,
+                "w_in": torch.stack([ref.inp[e].weight.grad.t() for e in range(4)]),
+                "w_out": torch.stack([ref.out[e].weight.grad.t() for e in range(4)])}
+    assert_bitwise({n: p.grad for n, p in grads.items()}, expected, f"{recipe}: gradients")
+    # the same GEMMs in bf16 (the router's); in fp8, torchao's 24 (8 matmuls x 3) less the 4 input
+    # gradients of the experts' first matmuls, whose input (x) needs none: AOTAutograd drops them,
+    # torchao's Function computes them
+    assert flops.other == ref_flops.other and ref_flops.calls["fp8"] == 24, (flops, ref_flops)
+    assert flops.calls["fp8"] == 20 and flops.fp8_share > 0.99, (flops, ref_flops)
+
+
+def test_experts_in_one_3d_parameter_with_the_weight_cache() -> None:
+    """The weight cache lifts an expert's fp8 casts through the ``select`` view: 2 SGD steps of 2
+    micro-batches, losses and parameters bitwise with the uncached fp8 run (strict: nothing
+    compiled uncached)."""
+    torch.manual_seed(0)
+    model, x = _DenseMixture(), torch.randn(2, 16, 32)
+    runs = []
+    for cached in (False, True):
+        m = copy.deepcopy(model)
+        compiled = amp_fx.compile(m, dtype="bf16", fp8="tensorwise", backend="aot_eager", weight_cache=cached,
+                                  strict=True)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for _ in range(2):
+            for _ in range(2):
+                loss = loss_fn(compiled(x))
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        runs.append((losses, dict(m.named_parameters())))
+    assert_bitwise(runs[1], runs[0], "3-D experts: fp8 weight cache vs uncached")

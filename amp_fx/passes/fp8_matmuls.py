@@ -6,8 +6,8 @@ on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders mar
 
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
-weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``), seen
-through the cast ``insert_casts`` gave it. Each is *considered*: converted, or left in ``dtype``
+weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``, ``w[e]``
+of a 3-D parameter), seen through the cast ``insert_casts`` gave it. Each is *considered*: converted, or left in ``dtype``
 with the reason recorded. A matmul stays in ``dtype`` when
 
 * the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
@@ -92,8 +92,10 @@ MATMULS = {
 
 WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-          aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default}
-"""Ops through which a weight operand is still "a view of a parameter"."""
+          aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+          aten.select.int}
+"""Ops through which a weight operand is still "a view of a parameter". ``aten.select``: one
+expert of a mixture whose experts are one 3-D parameter (``x @ self.w[e]``)."""
 
 _LOW = (torch.bfloat16, torch.float16)
 
