@@ -7,8 +7,8 @@ on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders mar
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
 weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``, ``w[e]``
-of a 3-D parameter), seen through the cast ``insert_casts`` gave it. Each is *considered*: converted, or left in ``dtype``
-with the reason recorded. A matmul stays in ``dtype`` when
+of a 3-D parameter), seen through the cast ``insert_casts`` gave it. Each is *considered*:
+converted, or left in ``dtype`` with the reason recorded. A matmul stays in ``dtype`` when
 
 * the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
   input is not bf16/fp16;
