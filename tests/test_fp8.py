@@ -106,6 +106,28 @@ def amp_step(model: nn.Module, x: Tensor, recipe: str, backend: str) -> tuple[Te
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def sgd_uncached_and_cached(model: nn.Module, steps: list, *, lr: float, **compile_kwargs: object
+                            ) -> list[tuple[list[Tensor], dict[str, Tensor]]]:
+    """``amp_fx.compile(copy of model, dtype="bf16", weight_cache=False, then True, **compile_kwargs)``,
+    each trained with SGD: per optimizer step, ``loss_fn`` and a backward for each of its
+    micro-batches, then the update. Per run (uncached first): the losses and the parameters."""
+    runs = []
+    for cached in (False, True):
+        ours = copy.deepcopy(model)
+        compiled = amp_fx.compile(ours, dtype="bf16", weight_cache=cached, **compile_kwargs)
+        opt = torch.optim.SGD(ours.parameters(), lr=lr)
+        losses = []
+        for micro_batches in steps:
+            for mb in micro_batches:
+                loss = loss_fn(compiled(mb))
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        runs.append((losses, dict(ours.named_parameters())))
+    return runs
+
+
 # --- the kernel alone ---------------------------------------------------------------------------
 
 
@@ -695,21 +717,8 @@ def test_weight_cache_fp8_under_inductor_bitwise_when_casts_round() -> None:
     eager) are bitwise with the uncached build's: 2 SGD steps of 2 micro-batches."""
     model, _ = mlp()
     batches = torch.randn(2, 5, 16, 32)
-    runs = []
-    for cached in (False, True):
-        ours = copy.deepcopy(model)
-        compiled = amp_fx.compile(ours, dtype="bf16", fp8="tensorwise", backend="inductor", weight_cache=cached,
-                                  options={"emulate_precision_casts": True})
-        opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-        losses = []
-        for step in range(2):
-            for mb in batches * (step + 1):
-                loss = loss_fn(compiled(mb))
-                loss.backward()
-                losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad()
-        runs.append((losses, dict(ours.named_parameters())))
+    runs = sgd_uncached_and_cached(model, [batches * (step + 1) for step in range(2)], lr=0.5, fp8="tensorwise",
+                                   backend="inductor", options={"emulate_precision_casts": True})
     assert_bitwise(runs[1], runs[0], "inductor, fp8 weight cache vs without")
 
 
@@ -976,19 +985,6 @@ def test_experts_in_one_3d_parameter_with_the_weight_cache() -> None:
     compiled uncached)."""
     torch.manual_seed(0)
     model, x = _DenseMixture(), torch.randn(2, 16, 32)
-    runs = []
-    for cached in (False, True):
-        m = copy.deepcopy(model)
-        compiled = amp_fx.compile(m, dtype="bf16", fp8="tensorwise", backend="aot_eager", weight_cache=cached,
-                                  strict=True)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        losses = []
-        for _ in range(2):
-            for _ in range(2):
-                loss = loss_fn(compiled(x))
-                loss.backward()
-                losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad()
-        runs.append((losses, dict(m.named_parameters())))
+    runs = sgd_uncached_and_cached(model, [[x, x], [x, x]], lr=0.1, fp8="tensorwise", backend="aot_eager",
+                                   strict=True)
     assert_bitwise(runs[1], runs[0], "3-D experts: fp8 weight cache vs uncached")

@@ -19,8 +19,8 @@ adds to the forward GEMM: ``||fp8 - hp|| / ||hp||`` with ``hp`` the same product
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from amp_fx.fp8 import Fp8Config
+from amp_fx.inspect._probe import module_hooks
 from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul
 from amp_fx.passes.fp8_matmuls import ALIGNMENT
 from amp_fx.policy import ModuleSelector, module_matches
@@ -35,12 +36,10 @@ from amp_fx.policy import ModuleSelector, module_matches
 __all__: list[str] = []
 
 F = torch.nn.functional
-_LINEAR = (F.linear,)
-_ADDMM = (torch.addmm, torch.Tensor.addmm)
-_MM = (torch.mm, torch.Tensor.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
-_OPS = {**{f: "aten.linear" for f in _LINEAR}, **{f: "aten.addmm" for f in _ADDMM},
+_OPS = {F.linear: "aten.linear", torch.addmm: "aten.addmm", torch.Tensor.addmm: "aten.addmm",
         torch.mm: "aten.mm", torch.Tensor.mm: "aten.mm", torch.matmul: "aten.matmul",
         torch.Tensor.matmul: "aten.matmul", torch.Tensor.__matmul__: "aten.matmul"}
+"""The torch functions the eager mode looks at, by the ATen op the fp8 pass sees for each."""
 
 
 @dataclass(frozen=True)
@@ -85,43 +84,39 @@ def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, device_type: str) ->
         return out + bias.to(out.dtype)
 
 
+def _operands(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(input, weight operand as passed, bias) of a matmul ``op`` (``aten.linear``: ``(input, weight,
+    bias=None)``, positional or by keyword; ``aten.addmm``: ``(bias, x, w)``; ``mm``/``matmul``:
+    ``(x, w)``), called as a torch function or as its ATen op."""
+    if op == "aten.linear":
+        named = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        return named.get("input"), named.get("weight"), named.get("bias")
+    if op == "aten.addmm":
+        return args[1], args[2], args[0]
+    return args[0], args[1], None
+
+
+def _as_kn(op: str, w: torch.Tensor) -> torch.Tensor:
+    """The weight operand as ``[K, N]``: a linear's ``[N, K]`` weight transposed."""
+    return w.t() if op == "aten.linear" else w
+
+
 def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: Fp8Config, dtype: torch.dtype,
              device_type: str) -> torch.Tensor:
     """A captured ATen matmul (``aten.linear``, ``aten.addmm``, ``aten.mm``, ``aten.matmul``) that
     the pass converted, computed as the pass rewrote it, on its original (uncast) operands."""
-    name = target._overloadpacket.__name__
-    if name == "linear":
-        x, w = args[0], args[1]
-        bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        w = w.t()
-    elif name == "addmm":
-        bias, x, w = args[0], args[1], args[2]
-    else:
-        (x, w), bias = args[:2], None
-    out, _ = _gemm(x, w, config.recipe, dtype, device_type)
+    op = f"aten.{target._overloadpacket.__name__}"
+    x, w, bias = _operands(op, args, kwargs)
+    out, _ = _gemm(x, _as_kn(op, w), config.recipe, dtype, device_type)
     return _add_bias(out, bias, device_type)
 
 
-@contextmanager
-def module_stack(model: torch.nn.Module, stack: list[str]) -> Iterator[None]:
+def module_stack(model: torch.nn.Module, stack: list[str]) -> AbstractContextManager[None]:
     """Module hooks that keep ``stack`` as the running module path, innermost last."""
-    def pre(name: str) -> Any:
-        return lambda mod, args: stack.append(name) and None
-
-    def post(name: str) -> Any:
-        def hook(mod: Any, args: Any, out: Any) -> None:
-            if name in stack:
-                del stack[len(stack) - 1 - stack[::-1].index(name)]
-        return hook
-
-    handles = []
-    for name, m in model.named_modules():
-        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name))]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    def post(name: str, out: Any) -> None:
+        if name in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+    return module_hooks(model, lambda name, args, kwargs: stack.append(name), post)
 
 
 class Fp8Eager(TorchFunctionMode):
@@ -148,38 +143,30 @@ class Fp8Eager(TorchFunctionMode):
         kwargs = kwargs or {}
         op = _OPS.get(func)
         if op is not None:
-            match = self._match(func, args, kwargs)
+            match = self._match(op, args, kwargs)
             if match is not None:
                 return self._run(op, *match)
         return func(*args, **kwargs)
 
-    def _match(self, func: Any, args: Any, kwargs: dict[str, Any]
+    def _match(self, op: str, args: Any, kwargs: dict[str, Any]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(x, w as [K, N], bias) for a matmul the pass converts, else None."""
         if not torch.is_autocast_enabled(self.device_type) or torch.get_autocast_dtype(self.device_type) != self.dtype:
             return None
         if self._kept():
             return None
-        if func in _LINEAR:  # F.linear(input, weight, bias=None), positional or by keyword
-            named = dict(zip(("input", "weight", "bias"), args), **kwargs)
-            x, w, bias = named.get("input"), named.get("weight"), named.get("bias")
-            if not _is_weight(w):
-                return None
-            w = w.t()
-        elif func in _ADDMM:
+        if op == "aten.addmm":
             scaled = kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1
             if scaled or len(args) != 3 or kwargs.keys() - {"beta", "alpha"}:
                 return None
-            bias, x, w = args
-            if not _is_weight(w) or not isinstance(bias, torch.Tensor) or bias.dim() > 1:
-                return None
-        else:
-            if len(args) != 2 or kwargs:
-                return None
-            x, w = args
-            bias = None
-            if not _is_weight(w):
-                return None
+        elif op != "aten.linear" and (len(args) != 2 or kwargs):
+            return None
+        x, w, bias = _operands(op, args, kwargs)
+        if not _is_weight(w):
+            return None
+        if op == "aten.addmm" and (not isinstance(bias, torch.Tensor) or bias.dim() > 1):
+            return None
+        w = _as_kn(op, w)
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point() or x.dtype == torch.float64:
             return None
         m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]

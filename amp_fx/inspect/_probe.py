@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -197,3 +198,21 @@ def op_label(node: torch.fx.Node) -> str:
         name = target.name().replace("::", ".")
         return name
     return getattr(target, "__name__", str(target))
+
+
+@contextmanager
+def module_hooks(model: torch.nn.Module, on_pre: Callable[..., None], on_post: Callable[..., None]
+                 ) -> Iterator[None]:
+    """Call ``on_pre(name, args, kwargs)`` before and ``on_post(name, output)`` after every module's
+    forward (``name`` as ``named_modules()`` gives it), while the context is open."""
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, kwargs, name=name: on_pre(name, args, kwargs), with_kwargs=True))
+        handles.append(m.register_forward_hook(
+            lambda mod, args, out, name=name: on_post(name, out)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

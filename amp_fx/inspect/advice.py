@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.inspect._flow import Flow, compute_flops
 from amp_fx.inspect._fp8_eager import Fp8Call, Fp8Eager, module_stack
+from amp_fx.inspect._probe import module_hooks as _hooks
 from amp_fx.inspect._probe import tensors_of
 from amp_fx.inspect._runner import SEED, Call, private_copy, run_eager_checked
 from amp_fx.inspect.nonfinite import policy_code
@@ -306,22 +306,6 @@ class _Reference:
     out: list[torch.Tensor]
     loss: torch.Tensor | None
     grads: dict[str, torch.Tensor]
-
-
-@contextmanager
-def _hooks(model: torch.nn.Module, on_pre: Callable[..., None], on_post: Callable[..., None]
-           ) -> Iterator[None]:
-    handles = []
-    for name, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(
-            lambda mod, args, kwargs, name=name: on_pre(name, args, kwargs), with_kwargs=True))
-        handles.append(m.register_forward_hook(
-            lambda mod, args, out, name=name: on_post(name, out)))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str) -> None:

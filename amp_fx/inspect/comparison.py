@@ -412,29 +412,25 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
             continue
         path, _ = run.module_of(record, node)
         new = rewritten.get(node.name)
-        e_val = eager[node.name]
+        rule = None
         if new is None and node.name in replaced:  # converted to fp8: compared with eager's fp8
             new = replaced[node.name]
             call = new if meta.FP8 in new.meta else new.args[0]
             decision = call.meta.get(meta.FP8) if isinstance(call, torch.fx.Node) else None
-            a_val, r_val = amp[new.name], ref.get(node.name)
-            agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
-            report.ops.append(OpComparison(
-                record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
-                _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val),
-                decision.reason if decision is not None else "fp8"))
-            continue
+            rule = decision.reason if decision is not None else "fp8"
+        e_val = eager[node.name]
         if new is None:
             report.ops.append(OpComparison(
                 record.index, node.name, op_label(node), path, _dtypes(e_val), "-", True,
                 Error(math.nan, math.nan), Error(math.nan, math.nan), Error(math.nan, math.nan),
                 "cast removed by fold_casts (value-preserving)", status="folded"))
             continue
-        a_val, r_val = amp[node.name], ref.get(node.name)
+        a_val, r_val = amp[new.name], ref.get(node.name)
         agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
         report.ops.append(OpComparison(
             record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
-            _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val), _rule_of(new)))
+            _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val),
+            rule if rule is not None else _rule_of(new)))
 
 
 def _cotangents(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
