@@ -178,3 +178,21 @@ def test_fp8_advise_on_real_models(name: str) -> None:
     default = _amp_fx_error(model, (), loss_fn, "bf16", amp_fx.Policy(), fp8="tensorwise", **inputs)
     advised = _amp_fx_error(model, (), loss_fn, "bf16", advice.policy, fp8="tensorwise", **inputs)
     assert default > advice.target >= advised, (default, advised)
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+def test_fp8_compare_on_real_models(name: str) -> None:
+    """``amp_fx.compare(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama: every op, the
+    outputs and every gradient agree bit for bit with eager autocast running the same matmuls in
+    fp8 (torchao's numerics), and the ops compared as fp8 are exactly the matmuls amp_fx converted."""
+    entry = REAL_MODELS[name]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    model, inputs, loss_fn = entry.build()
+    report = amp_fx.compare(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
+    assert report.ok and report.grads, str(report)
+    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="tensorwise", backend="aot_eager")
+    loss_fn(compiled(**inputs))
+    converted = sorted(d.module for r in amp_fx.records(compiled) if r.fp8 is not None
+                       for d in r.fp8.decisions if d.converted)
+    assert sorted(o.module for o in report.ops if o.rule.startswith("fp8 tensorwise")) == converted and converted
