@@ -8,6 +8,13 @@ os.environ["AMP_FX_STRICT"] = "1"
 import pytest
 import torch
 
+# pytest-xdist (pyproject's addopts: -n 2): each worker takes its share of the cores for torch's
+# intra-op threads; two workers with every core each oversubscribe the 2-core CI machine. Results
+# compared bit for bit are computed in one process, under one thread count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -19,24 +26,19 @@ def _fresh_dynamo():
     torch._dynamo.utils.counters.clear()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``AMP_FX_ONE_CASE=FILE`` (set by .ci/matrix for the non-primary torch versions): each test
-    function listed in FILE (``path::name`` per line; ``#`` comments) runs its first collected
-    case only, the others are deselected. The primary torch runs every case."""
-    listing = os.environ.get("AMP_FX_ONE_CASE")
-    if not listing:
-        return
-    with open(listing) as f:
-        listed = {line.split("#")[0].strip() for line in f} - {""}
+    """``@pytest.mark.slow_cases`` on a test function: its first collected case stays in the inner
+    loop (``-m "not slow"``), every other case is marked ``slow``; a ``models_slow`` case is
+    ``slow`` too (``-m "not slow"`` replaces the default ``-m "not models_slow"``). tryfirst:
+    before ``-m`` selects."""
     seen: set[str] = set()
-    keep, drop = [], []
     for item in items:
-        func = item.nodeid.split("[")[0]
-        if func in listed and func in seen:
-            drop.append(item)
+        if item.get_closest_marker("models_slow") is not None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow_cases") is None:
             continue
+        func = item.nodeid.split("[")[0]
+        if func in seen:
+            item.add_marker(pytest.mark.slow)
         seen.add(func)
-        keep.append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep

@@ -75,6 +75,7 @@ def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, fp8: str | None = 
                _normwise([outs[k] for k in ref_out], list(ref_out.values())))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("name", sorted(HAZARDS))
 def test_planted_hazard_is_named_and_the_policy_fixes_it_in_amp_fx(name: str) -> None:
     """The advice is the smallest keep-list that fixes the hazard (MINIMAL_KEEP: the one module whose
@@ -411,6 +412,7 @@ def _plant_overflow(model: torch.nn.Module, inputs: dict, leaf: str) -> None:
     handle.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.models
 @pytest.mark.parametrize("name,leaf", [
     ("hf_gpt2", "transformer.h.1.mlp.c_proj"),          # before: transformer.h.1.mlp
@@ -435,6 +437,7 @@ def test_real_model_planted_overflow_keeps_only_the_leaf(name: str, leaf: str) -
     assert _amp_fx_error(model, (), loss_fn, "fp16", advice.policy, **inputs) <= advice.target
 
 
+@pytest.mark.slow
 @pytest.mark.models
 def test_real_model_cancellation_after_the_module_keeps_only_it() -> None:
     """The real-model tier's GPT-2 in bf16 with 4000 added to the bias of block 0's attention output

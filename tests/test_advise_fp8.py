@@ -61,6 +61,7 @@ def _logits(out) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out).float().pow(2).mean()
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", ["functional", "hf_gpt2_conv1d"])
 def test_fp8_eager_run_is_bitwise_with_amp_fx_compile(name: str, recipe: str) -> None:
@@ -91,6 +92,7 @@ def test_fp8_eager_run_is_bitwise_with_amp_fx_compile(name: str, recipe: str) ->
     assert sorted(c.module for c in mode.calls) == converted and converted
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("name", sorted(FP8_HAZARDS))
 def test_fp8_planted_hazard_is_kept_out_of_fp8_and_only_it(name: str, recipe: str) -> None:

@@ -201,6 +201,7 @@ def test_function_changing_autocast_state_is_bitwise(fn, dtype):
 _INDUCTOR_TOL = {torch.bfloat16: 4 * 2.0**-7, torch.float16: 4 * 2.0**-10}
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_function_with_cast_inputs_under_inductor(dtype):
     torch.manual_seed(0)

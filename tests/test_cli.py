@@ -68,6 +68,7 @@ def test_errors_in_user_file(tmp_path, capsys, source, func, expected):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_python_dash_m_and_console_script(tmp_path):
     cmd = [sys.executable, "-m", "amp_fx", "compare", f"{EXAMPLE}:build"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

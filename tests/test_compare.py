@@ -28,6 +28,7 @@ from tests._inspect_models import (
 COMPARE_ZOO = [n for n in ZOO if n != "graph_break"]
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", COMPARE_ZOO)
 def test_zoo_agrees_bitwise(name, dtype):

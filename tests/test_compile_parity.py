@@ -70,6 +70,7 @@ def test_zoo_loss_is_autocast_neutral(name: str, dtype: torch.dtype) -> None:
 # --- aot_eager: bitwise -----------------------------------------------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", zoo_params())
 def test_aot_eager_bitwise(name: str, dtype: torch.dtype) -> None:
@@ -171,6 +172,7 @@ def _max_grad_error(actual: StepResult, expected: StepResult, dtype: torch.dtype
     return max(_normwise_error(actual.grads[n], g, dtype) for n, g in expected.grads.items())
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", INDUCTOR_MODELS)
 def test_inductor_within_excess_precision_tolerance(name: str, dtype: torch.dtype) -> None:
@@ -195,6 +197,7 @@ def _inductor_emulates_precision_casts() -> bool:
     return not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", INDUCTOR_MODELS)
 def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     """With emulate_precision_casts inductor rounds fused intermediates as eager does. Measured
@@ -327,6 +330,7 @@ def _sq_mean(out: object) -> Tensor:
     return out.float().pow(2).mean()  # autocast-neutral: no op of the CPU tables
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic_dynamic", "dynamic"])
 @pytest.mark.parametrize("name", ["transformer_lm", "gpt2"])
 def test_new_batch_and_length_bitwise_with_no_more_graphs(name: str, dynamic: bool | None) -> None:

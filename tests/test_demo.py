@@ -20,6 +20,7 @@ import pytest
 _DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_demo.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_demo_explains_itself_and_warns_nothing(dtype: str) -> None:
     env = dict(os.environ, PYTHONWARNINGS="default")  # show every warning, once

@@ -26,6 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                        reason="needs torch.distributed with gloo"),
     pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing())),
+    pytest.mark.slow,  # one spawn of 2 gloo ranks runs every case of this file
 ]
 
 # torch 2.11's CPU _scaled_mm takes per-tensor scales only: rowwise cannot run there (tests/test_fp8.py)

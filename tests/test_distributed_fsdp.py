@@ -22,9 +22,13 @@ from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
 from tests._step_cases import ADAM_TRACED_RTOL
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo")
+# slow: one spawn of 2 gloo ranks runs every case of this file (tests/test_distributed_ddp.py is
+# the distributed file of the inner loop)
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
 
 KINDS = ["seq", "custom"]
 PLANTED = sorted({step for step, _ in INF_BATCH} | {step for step, _ in INF_GRAD})

@@ -18,9 +18,13 @@ from _dist_split_report_cases import FORMS
 
 from amp_fx.testing.distributed import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo")
+# slow: one spawn of 2 gloo ranks runs every case of this file (tests/test_distributed_ddp.py is
+# the distributed file of the inner loop)
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
 
 SPLIT = "is used in two of the graphs Dynamo's DDPOptimizer splits"
 BREAK = "is used on both sides of a graph break"

@@ -18,9 +18,13 @@ from _dist_weight_cache_cases import STEP_CASES, WARM_UP
 
 from amp_fx.testing.distributed import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo")
+# slow: one spawn of 2 gloo ranks runs every case of this file (tests/test_distributed_ddp.py is
+# the distributed file of the inner loop)
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
 
 PLANTED = sorted({step for step, _ in INF_BATCH})
 N_PARAMS = 4  # the nn.Sequential model: two Linear layers

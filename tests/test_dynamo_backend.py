@@ -90,6 +90,7 @@ CASES = {"mlp": zoo.ZOO["mlp"].build, "tied_embedding": zoo.ZOO["tied_embedding"
          "transformer_lm": zoo.transformer_lm}
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("name", "options", "dtype"), [
     ("amp_fx", EAGER, torch.bfloat16),

@@ -59,6 +59,7 @@ def _eager(model: torch.nn.Module, fn, dtype: str):
 
 
 # Both forms of compile, each with one dtype, keep the cases (about 6 s of CPU each) to six.
+@pytest.mark.slow
 @pytest.mark.parametrize(("dtype", "mode"), [("bf16", "inplace"), ("fp16", "wrap")])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("arch", ARCHS)

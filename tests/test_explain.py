@@ -61,6 +61,7 @@ def _runtime_dtype_backend(seen: dict[int, dict[str, torch.dtype | None]]):
     return backend
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("name", EXPLAIN_ZOO)
 def test_node_dtypes_match_rewritten_graph_and_runtime(name, dtype):

@@ -216,6 +216,7 @@ def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
 # --- inductor ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.primary
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
@@ -254,6 +255,7 @@ def _relative_error(value: Tensor, reference: Tensor) -> float:
 INDUCTOR_SLACK = 1.05
 
 
+@pytest.mark.slow
 @pytest.mark.primary
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
@@ -378,6 +380,7 @@ class FunctionalAsLinears(nn.Module):
         return self.c(torch.relu(self.b(nn.functional.gelu(self.a(x)))))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_functional_linears_in_fp8_where_torchao_converts_none(recipe: str) -> None:
     """F.linear and x @ W run in fp8 with torchao's numerics: bitwise with torchao on the same
@@ -654,6 +657,7 @@ def _weight_amaxes(model: nn.Module, run: Callable[[], None]) -> int:
                and (e.cpu_parent is None or e.cpu_parent.name not in names))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_weight_cache_casts_fp8_weights_once_per_optimizer_step(recipe: str) -> None:
     """weight_cache=True with fp8: each weight's amax, scale and fp8 casts are computed once per
@@ -710,6 +714,7 @@ def test_weight_cache_fp8_casts_follow_the_compiled_step() -> None:
     assert_bitwise(runs[1], runs[0], "compile_step with the fp8 weight cache vs without")
 
 
+@pytest.mark.slow
 @pytest.mark.primary
 def test_weight_cache_fp8_under_inductor_bitwise_when_casts_round() -> None:
     """Under inductor with ``emulate_precision_casts`` (its fp8 numerics then are torchao's eager
@@ -941,6 +946,7 @@ class _MixtureTwin(nn.Module):
         return out
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("rowwise")])
 def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
     """Experts held as one 3-D parameter and read per expert (``x @ self.w_in[e]``, an

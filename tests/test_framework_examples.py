@@ -28,6 +28,7 @@ def _needs(module: str, extra: str) -> None:
         pytest.skip(f"{module} is not installed (pip install amp_fx[{extra}])")
 
 
+@pytest.mark.slow
 def test_torch_compile_backend_example():
     eps = {e.name: e.value for e in importlib.metadata.entry_points(group="torch_dynamo_backends")}
     if eps.get("amp_fx") != "amp_fx.integrations.dynamo_backend:amp_fx_backend":
@@ -36,12 +37,14 @@ def test_torch_compile_backend_example():
     assert "bitwise equal to eager torch.autocast (output and gradients): True" in _run("torch_compile_backend.py")
 
 
+@pytest.mark.slow
 def test_hf_trainer_example():
     _needs("transformers", "hf")
     _needs("accelerate", "hf")  # Trainer's TrainingArguments raise ImportError without it
     assert "parameters bitwise equal after 5 steps: True" in _run("hf_trainer.py")
 
 
+@pytest.mark.slow
 def test_lightning_example():
     _needs("lightning", "lightning")
     assert "parameters bitwise equal after 5 steps: True" in _run("lightning_plugin.py")

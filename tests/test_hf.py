@@ -76,6 +76,7 @@ def _amp(dtype: str = "bf16", policy: Policy | None = None) -> torch.nn.Module:
     return amp_fx.compile(_model(), inplace=True, dtype=dtype, backend="aot_eager", policy=policy)
 
 
+@pytest.mark.slow
 def test_trainer_bitwise_with_bf16_autocast_saves_usual_keys():
     ref, got = _eager_bf16(), _train(_amp(), evaluate=True, save=True)
     assert len(got["losses"]) == STEPS
@@ -88,6 +89,7 @@ def test_trainer_bitwise_with_bf16_autocast_saves_usual_keys():
     assert_bitwise(got["params"], {n: p for n, p in got["reloaded"].items()}, "reloaded")
 
 
+@pytest.mark.slow
 def test_accelerate_bf16_autocast_around_amp_fx_keeps_amp_fx_policy():
     """Trainer(bf16=True) opens torch.autocast around amp_fx's graphs: amp_fx's policy still decides.
     keep_fp32 gives the same training with and without accelerate's autocast, and not the default's."""
@@ -101,6 +103,7 @@ def test_accelerate_bf16_autocast_around_amp_fx_keeps_amp_fx_policy():
     assert not torch.equal(with_autocast["params"][name], default["params"][name]), "keep_fp32 changed nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init_scale", [2.0**16, 2.0**40], ids=["default", "overflowing"])
 def test_amp_fx_trainer_fp16_with_amp_fx_grad_scaler(init_scale):
     """AmpFxTrainer(fp16=True) scales with amp_fx.GradScaler: bitwise with accelerate's recipe around

@@ -165,6 +165,7 @@ def _op_modules(compiled: Any) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("graph_break", [False, True], ids=["one_graph", "graph_break"])
 @pytest.mark.parametrize("variant", DECORATED)
 def test_records_name_modules_as_named_modules_does(variant, graph_break):
@@ -183,6 +184,7 @@ def test_records_name_modules_as_named_modules_does(variant, graph_break):
         assert ("aten::mul.Tensor", "model") in results["plain"], results["plain"]
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("graph_break", [False, True], ids=["one_graph", "graph_break"])
 @pytest.mark.parametrize("variant", DECORATED)
 def test_keep_fp32_by_name_matches_through_a_decorator(variant, graph_break):
@@ -231,6 +233,7 @@ def _planted_report(variant: str, backend: str) -> Any:
     return scaler.overflow_report()
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("variant", DECORATED)
 def test_overflow_report_names_the_module_through_a_decorator(variant):
     reports = {}
@@ -265,6 +268,7 @@ class DecoratedMaskedNet(MaskedNet):
         return super().forward(x)
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_buffer_is_module_state_through_a_decorator(backend):
     reports = {}

@@ -194,6 +194,7 @@ def test_cpu_table(entry: Entry, dtype: torch.dtype) -> None:
     check(entry.call(dtype), "cpu", dtype)
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize(("entry", "dtype"), _params("cuda", _CUDA_LISTS, _CUDA_LIST_NAMES))
 def test_cuda_table(entry: Entry, dtype: torch.dtype) -> None:
     reason = _NOT_RUNNABLE.get(("cuda", entry.list_name, entry.op)) or _lacks_real_cuda(entry, dtype)

@@ -68,6 +68,7 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
                                    "watch_nonfinite=True); "), line
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_scaler_with_compile_names_step_module_and_gradients(backend, watched, reference_gradients):
@@ -81,6 +82,7 @@ def test_grad_scaler_with_compile_names_step_module_and_gradients(backend, watch
     assert int(scaler.last_skipped_step) == PLANTED_STEP
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_step_names_step_module_and_gradients(backend, watched, reference_gradients):
@@ -112,6 +114,7 @@ def test_report_is_read_once_then_none_until_the_next_skip():
     assert scaler.overflow_report() is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_watch_changes_no_value(backend):
     """Parameters bitwise with and without the watch over the same run (the overflow included)."""
@@ -138,6 +141,7 @@ def _host_reads_per_step(step: Any, model: Any, first: int, n: int) -> list[int]
     return counts
 
 
+@pytest.mark.slow
 def test_no_host_read_added_by_the_watch():
     """compile_step, steady state: profiler counts of host reads per clean step are the same with
     and without the watch (both zero here), and the steps are sync-free by the dispatch counter."""
@@ -153,6 +157,7 @@ def test_no_host_read_added_by_the_watch():
     assert per_step[True] == per_step[False], per_step
 
 
+@pytest.mark.slow
 def test_checks_fuse_into_inductor_kernels():
     """With inductor, the watch adds at most two small kernels to the forward (the combined record,
     and one reduction that reads the last Linear's input and output again: inductor does not fuse
@@ -193,6 +198,7 @@ def _check_dist_report(report: dict[str, Any], reference: list[str], what: Any) 
     assert f"fp16) on rank 0; {len(reference)} gradients" in report["str"], (what, report["str"])
 
 
+@pytest.mark.slow
 def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
     """2 gloo ranks, overflow planted on rank 0 only. The gradients are all-reduced, so both ranks
     skip the same step and name the same gradients (names under the root module, no ``module.``);
@@ -218,6 +224,7 @@ def test_ddp_overflow_on_one_rank(dist_ranks, reference_gradients):
         assert max(unwatched) > 0 and max(watched) == max(unwatched) + 1, res
 
 
+@pytest.mark.slow
 def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients):
     """FSDP2 + ``amp_fx.compile`` + ``amp_fx.GradScaler``, 2 gloo ranks, the overflow planted on rank 0
     only. Each rank flags only its own shards of each gradient; the flags go through the found-inf
@@ -235,6 +242,7 @@ def test_fsdp2_grad_scaler_overflow_on_one_rank(dist_ranks, reference_gradients)
     assert dist_ranks[1]["fsdp2"]["planted"] == dist_ranks[0]["fsdp2"]["planted"]
 
 
+@pytest.mark.slow
 def test_distributed_scaler_without_watch_names_what_watch_names(dist_ranks, reference_gradients):
     """DDP(amp_fx.compile(model)) and FSDP2, 2 gloo ranks, the overflow on rank 0 only, the seeds'
     loop without ``scaler.watch``: every rank finds the model (under DDP, the DDP module its forward
@@ -332,6 +340,7 @@ def test_scaler_without_watch_says_when_it_cannot_tell():
             strict.overflow_report()
 
 
+@pytest.mark.slow
 def test_scaler_without_watch_says_when_the_watched_model_is_not_the_trained_one():
     """A model compiled with the watch is alive but the optimizer trains another one: the report
     names no op and says that no watched model holds the parameters. Twin: with no watched model

@@ -271,6 +271,7 @@ _MACHINE_NOTE = re.compile(r"torch/utils/cpp_extension\.py:\d+\].*No CUDA runtim
 _FOREIGN_IMPORT_NOTE = re.compile(r"torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass")
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize(("page", "first_line"), _listed_blocks())
 def test_block_runs_without_a_warning(page, first_line, monkeypatch, tmp_path, capfd):
     block = python_blocks(page)[first_line]

@@ -70,6 +70,7 @@ PARITY_CASES = [
 ]
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", PARITY_CASES,
                          ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""))
 def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
@@ -135,6 +136,7 @@ def test_traced_rmsprop_and_adadelta_are_bitwise_eager_amp(opt_name: str) -> Non
 # kernel rounds once), and the same fp16 flips follow. The same bound holds (measured worst over
 # 10 steps with overflows, torch 2.11, 2.13, 2.15 alike: RAdam 2^-11.6, Adam 2^-12.5, AdamW
 # 2^-13.5, NAdam 2^-17.3, Adamax 2^-19.6, ASGD 2^-19.7, Adagrad 2^-20.4).
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "adamax", "nadam", "radam", "asgd", "adagrad"])
 def test_traced_step_counter_optimizers_differ_from_eager_within_the_stated_bound(opt_name: str) -> None:
     ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=None, grad_norm=None,
@@ -160,6 +162,7 @@ INDUCTOR_LOSS_RTOL = 2**-9
 INDUCTOR_UPDATE_RTOL = 2**-7
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name,clip", [("sgd_momentum", 0.5), ("adam_fused", None)])
 def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: str, clip: float | None) -> None:
     n = 8
@@ -179,6 +182,7 @@ def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: st
     assert_steps_are_sync_free(step, make_batches(3, {1: 1e6}, seed=5))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_fused", "sgd_momentum", "adam", "sgd_plain"])
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_no_graph_break_no_host_sync_after_warm_up(opt_name: str, clip: float | None) -> None:
@@ -235,6 +239,7 @@ def _no_amp_fx_warnings() -> Any:
     return cm()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,weight_cache", [(torch.float16, False), (torch.bfloat16, True)],
                          ids=["fp16", "bf16-weight_cache"])
 def test_new_batch_and_length_bitwise_eager_amp(dtype: torch.dtype, weight_cache: bool) -> None:
@@ -585,6 +590,7 @@ def test_trainable_parameters_outside_the_optimizer_are_a_user_warning() -> None
     assert "['1.weight', '1.bias', '3.weight', '3.bias']" in str(caught[0].message)
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("weight_cache", [False, True], ids=["no_cache", "weight_cache"])
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam_fused", "sgd_plain"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

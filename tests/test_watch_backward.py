@@ -141,6 +141,7 @@ def grow_reference() -> dict[str, Any]:
     return ref
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend, runner, grow_reference):
@@ -163,6 +164,7 @@ def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend
     assert shown == [str(report)], (shown, str(report))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_too_high_initial_scale_is_named_in_the_backward(backend, runner):
@@ -251,6 +253,7 @@ class _EagerFirst(nn.Module):
         return self.body(F.relu(self._pre(x)))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("runner", RUNNERS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_overflow_outside_the_compiled_graphs_is_not_named_and_the_line_says_why(backend, runner):

@@ -161,6 +161,7 @@ def _amp_fx_reports(mask: str, backend: str, init_scale: float, planted: int | N
     return reports
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_only_overflow_names_no_forward_op(backend, mask):
@@ -188,6 +189,7 @@ def test_gradient_only_overflow_names_no_forward_op(backend, mask):
             "entered the compiled backward non-finite)"), str(reports[i])
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_planted_forward_overflow_names_the_linear_not_the_mask(backend, mask):
@@ -221,6 +223,7 @@ def _first_low_precision_nonfinite_module(model: nn.Module, x: torch.Tensor) -> 
     return found[0] if found else None
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_batch_is_named_at_the_first_op_that_reads_it(backend, value):

@@ -142,6 +142,7 @@ def _build(name: str) -> tuple[nn.Module, tuple[Tensor, ...], Callable[[object],
 # --- one forward+backward: bitwise with eager autocast --------------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", ["mlp", "tied_embedding", "rmsnorm", "sdpa_block", "graph_break",
                                   "three_graphs", "three_graphs_early_twice", "tied_break", "twice_in_one_op",
@@ -321,6 +322,7 @@ def _scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
             torch.amp.GradScaler("cpu", growth_interval=3))
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("opt_name", ["sgd_momentum", "adamw_fused"])
 @pytest.mark.parametrize("accumulate", [1, 4])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -561,6 +563,7 @@ def test_frozen_weights_use_the_cache_without_gradients() -> None:
 # --- the backend ladder: inductor ------------------------------------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("name", ["rmsnorm", "tied_break"])
 def test_inductor_within_the_excess_precision_tolerance(name: str) -> None:
     """Inductor takes the lifted inputs too; with the cache it stays within the tolerance derived

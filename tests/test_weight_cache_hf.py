@@ -132,6 +132,7 @@ def _compile(model: nn.Module, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
 # --- training with accumulation: bitwise with eager autocast -----------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", MODELS)
 def test_training_with_accumulation_bitwise(name: str, dtype: torch.dtype) -> None:
@@ -172,6 +173,7 @@ def test_training_with_accumulation_bitwise(name: str, dtype: torch.dtype) -> No
 # --- forward only: bitwise, and the second call casts nothing ----------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", MODELS)
 def test_forward_only_bitwise(name: str, dtype: torch.dtype) -> None:
@@ -234,6 +236,7 @@ class _Downstream:
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_one_cast_per_weight_per_optimizer_step(name: str) -> None:
     """Accumulation 4, bf16: eager autocast casts each of its weights once per forward (4 times

@@ -53,6 +53,7 @@ _LADDER = [
 ]
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize(
     "backend, fn", _LADDER, ids=[f"{b}-{f.__name__.strip('_')}" for b, f in _LADDER]
 )

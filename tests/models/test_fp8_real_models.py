@@ -55,6 +55,7 @@ def _cases() -> list[object]:
         for n in TRANSFORMERS for r in RECIPES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, recipe", _cases())
 def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: str) -> None:
     entry = REAL_MODELS[name]
@@ -106,6 +107,7 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
         assert as_is_flops.fp8_share < flops.fp8_share
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_t5"])
 def test_fp8_weight_cache_bitwise_on_real_models(name: str) -> None:
     """fp8 with ``weight_cache=True`` on GPT-2 (``Conv1D``: the weight read as it is), Llama (a
@@ -137,6 +139,7 @@ def _float64_loss(model: torch.nn.Module, inputs: dict, loss_fn) -> float:
     return float(loss_fn(copy.deepcopy(model).double()(**inputs)).detach())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_fp8_advise_on_real_models(name: str) -> None:
     """``amp_fx.advise(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama, random init: the
@@ -180,6 +183,7 @@ def test_fp8_advise_on_real_models(name: str) -> None:
     assert default > advice.target >= advised, (default, advised)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_fp8_compare_on_real_models(name: str) -> None:
     """``amp_fx.compare(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama: every op, the

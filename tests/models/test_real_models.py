@@ -137,6 +137,7 @@ def _assert_step_bitwise(actual: RealStep, expected: RealStep) -> None:
 # --- amp_fx.compile ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("name,dtype_id", _cases("compile"))
 def test_compile_bitwise(name: str, dtype_id: str) -> None:
     dtype = DTYPES[dtype_id]
@@ -148,6 +149,7 @@ def test_compile_bitwise(name: str, dtype_id: str) -> None:
     assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype_id", DTYPES)
 def test_grouped_query_attention_differs_as_torch_compile_does(dtype_id: str) -> None:
     """Llama with grouped-query attention: traced, transformers cannot check ``position_ids`` for
@@ -174,6 +176,7 @@ def test_grouped_query_attention_differs_as_torch_compile_does(dtype_id: str) ->
     assert any(".k_proj." in n for n in differ), f"the known difference is gone: {differ}"
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype_id", DTYPES)
 def test_grouped_query_attention_bitwise_with_eager_on_the_traced_path(dtype_id: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,6 +270,7 @@ def _weight_cast_bytes(model: nn.Module, inputs: dict[str, Tensor], dtype: torch
     return counter.bytes, counter.cast
 
 
+@pytest.mark.slow_cases
 @pytest.mark.parametrize("name,dtype_id", _cases("weight_cache"))
 def test_weight_cache_bitwise_and_one_cast_per_optimizer_step(name: str, dtype_id: str) -> None:
     """One forward+backward bitwise and an SGD (momentum) step on it; then two steps of 2 micro-batches:
@@ -323,6 +327,7 @@ def _step_scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
             torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype_id", _cases("compile_step"))
 def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str) -> None:
     """Three optimizer steps (compile_step's first is its eager warm-up, the next two run the
@@ -347,6 +352,7 @@ def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str)
 # --- explain, compare, find_nonfinite -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype_id", _cases("inspect"))
 def test_inspection_tools_agree_with_eager_autocast(name: str, dtype_id: str) -> None:
     dtype = DTYPES[dtype_id]
@@ -476,6 +482,7 @@ def _check_planted_report(report: Any, module: str, *, watched: bool) -> None:
         assert report.first_op is None, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype_id", _cases("overflow_watch"))
 def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
     """``amp_fx.compile`` + ``amp_fx.GradScaler`` + SGD, ``watch_nonfinite`` on and off, over the same
@@ -521,6 +528,7 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
     assert report.gradients and report.gradients == twin.gradients
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dtype_id", _cases("overflow_named"))
 def test_overflow_planted_is_named_as_eager_finds_it(name: str, dtype_id: str) -> None:
     """``compile_step`` (SGD, ``watch_nonfinite=True``) over two clean steps (the first is its eager
