@@ -3,7 +3,8 @@ first appears (find_nonfinite).
 
     explanation.py  amp_fx.explain, Explanation: per-node dtypes, rules, casts; tables; picture
     comparison.py   amp_fx.compare, CompareReport: op by op against eager torch.autocast
-    advice.py       amp_fx.advise, Advice: which modules to keep in fp32, measured and verified
+    advice/         amp_fx.advise, Advice: which modules to keep in fp32, measured and verified; one
+                    file per phase (measure, verify, search, cost, fp8 sizing, training, report)
     nonfinite.py    amp_fx.find_nonfinite, NonfiniteReport: first inf/NaN and a policy that fixes it
     _runner.py      the one runner: eager check, private copies, compile with a recorder, diagnose
     _probe.py       helpers on values and graph nodes shared by the three tools
