@@ -41,10 +41,12 @@ class Reporter:
         self.strict = resolve_strict(strict)
         self._seen: set[Hashable] = set()
 
-    def did_less(self, key: Hashable, message: str, *, stacklevel: int = 3) -> None:
-        """Warn once per ``key`` with ``message`` (which names the thing and the fix); raise if strict."""
+    def did_less(self, key: Hashable, message: str, *, stacklevel: int = 3,
+                 cause: BaseException | None = None) -> None:
+        """Warn once per ``key`` with ``message`` (which names the thing and the fix); raise if
+        strict (chained from ``cause``, where the shortfall has one)."""
         if self.strict:
-            raise AmpFxError(f"{message} [strict mode: {STRICT_ENV}=0 or strict=False makes this a warning]")
+            raise AmpFxError(f"{message} [strict mode: {STRICT_ENV}=0 or strict=False makes this a warning]") from cause
         if key in self._seen:
             return
         self._seen.add(key)

@@ -154,7 +154,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (AmpFxError, ValueError)):
-                raise inner from None
+                raise inner from inner.__cause__  # its own cause kept (a fallen-back stage's), Dynamo's wrapper dropped
             raise
         if not check or (policy_checked and backend.runs.count != runs) or torch.compiler.is_compiling():
             return out  # checked by the caller; ran graphs, policy checked; traced by an enclosing torch.compile

@@ -5,6 +5,14 @@ and leaves a :class:`~amp_fx.passes.pipeline.GraphRecord` on the backend, in cap
 inspection tools. What the backend keeps around the graphs lives beside it: names under the root
 module (``names.py``), weights split by graph breaks (``splits.py``), guards (``guards.py``), the
 audits of what was asked against what was done (``audit.py``), the weight cache (``weight_cache.py``).
+
+Never worse than torch.compile: where amp_fx's own work on a graph fails unexpectedly (a
+:class:`~amp_fx.passes.pipeline.StageFailure`: a pipeline stage, the module names, the traced-path
+check, the split report, the downstream compile of the rewritten graph, the run wrapper), that
+graph is compiled as ``torch.compile`` under ``torch.autocast`` compiles it: Dynamo's graph, as
+captured, handed to the downstream backend with the caller's autocast on while it traces and
+runs. The reporter says so once (an error in strict mode). An ``AmpFxError`` raised on purpose
+(an op eager autocast refuses too, a strict-mode report, a double backward) is not a failure.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
-from amp_fx.passes.pipeline import GraphRecord, GraphWork, run_pipeline
+from amp_fx.passes.pipeline import GraphRecord, GraphWork, StageFailure, run_pipeline, stage
 from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
 from amp_fx.passes.watch_nonfinite import WatchRecord
 
@@ -74,25 +82,62 @@ class AmpBackend:
         return other
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        guard_module_hooks()
+        try:
+            return self._compile(gm, example_inputs, len(self.records))
+        except StageFailure as failure:
+            return self._fall_back(gm, example_inputs, failure)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], index: int) -> Callable[..., Any]:
         # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
         # Dynamo leaves to eager runs under eager autocast. Inside a captured graph the casts
         # are explicit, so autocast is off while we capture, while the downstream backend traces,
-        # and while the compiled graph runs: nothing is cast twice.
-        guard_module_hooks()
-        names = RootNames(self.root)
-        names.rename_module_stacks(gm)
-        report_traced_paths(gm, self.reporter)
+        # and while the compiled graph runs: nothing is cast twice. Dynamo's graph itself is not
+        # changed (capture traces it into a new graph; only node metadata is renamed), so a
+        # failure at any stage leaves it as captured for the fallback.
+        with stage("module_names", index, ()):
+            names = RootNames(self.root)
+            names.rename_module_stacks(gm)
+        with stage("traced_paths", index, ()):
+            report_traced_paths(gm, self.reporter)
         with torch._C._DisableAutocast():
-            work = run_pipeline(self.options, gm, example_inputs, index=len(self.records),
+            work = run_pipeline(self.options, gm, example_inputs, index=index,
                                 is_state=names.is_module_state)
             record = work.record(self.options.dtype)
-            self.records.append(record)
             if self.weight_cache is not None:
-                compiled = self._compile_with_weight_cache(work)
+                compiled = self._compile_with_weight_cache(work, record)
             else:
-                self._splits.report(record, gm, example_inputs, names)
-                compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
-        return self._run_wrapper(compiled, record)
+                with stage("splits", index, work.done):
+                    self._splits.report(record, gm, example_inputs, names)
+                with stage("downstream", index, work.done):
+                    compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
+            with stage("run_wrapper", index, work.done):
+                run = self._run_wrapper(compiled, record)
+        self.records.append(record)
+        return run
+
+    def _fall_back(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                   failure: StageFailure) -> Callable[..., Any]:
+        """Dynamo's graph ``gm`` compiled as torch.compile under torch.autocast compiles it: the
+        downstream backend traces and runs it with the caller's autocast (amp_fx.compile's) on, so
+        AOTAutograd records autocast's casts. Said once (raised in strict mode) naming the graph,
+        the stage, the op and the cause."""
+        message = (f"{failure}. Graph {failure.index} ({_origin(gm)}) is compiled as torch.compile under "
+                   f"torch.autocast compiles it instead: eager autocast's casts, without amp_fx's policy, "
+                   f"fp8, weight cache or non-finite watch (amp_fx_records[{failure.index}].fallback says "
+                   f"so). This is a bug of amp_fx's: please report it with this message and the graph "
+                   f"(TORCH_LOGS=graph_code prints it).")
+        self.reporter.did_less(("fallback", failure.stage, failure.cause), message, cause=failure.__cause__)
+        compiled = self._downstream(gm, list(example_inputs))
+        self.records.append(GraphRecord.fell_back(gm, example_inputs, self.options.dtype, failure))
+        runs = self.runs
+
+        def run(*args: Any) -> Any:
+            runs.count += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
 
     def _run_wrapper(self, compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
         """The compiled graph as Dynamo calls it: autocast off, the run counted, the watch's extra
@@ -118,15 +163,17 @@ class AmpBackend:
         run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run_without_autocast
 
-    def _compile_with_weight_cache(self, work: GraphWork) -> Callable[..., Any]:
+    def _compile_with_weight_cache(self, work: GraphWork, record: GraphRecord) -> Callable[..., Any]:
         """The weight cache: the lifted graph, its parameter casts inputs the cache fills.
 
         Where lifting or the downstream backend fails on the lifted graph, this graph casts its
         weights itself, and the owner's reporter says so (an error in strict mode) instead of
-        the failure surfacing from inside Dynamo."""
+        the failure surfacing from inside Dynamo; where the downstream backend fails on that
+        graph too, the graph falls back (a StageFailure)."""
         assert self.weight_cache is not None
         error, lifted = work.lift_error, work.lifted
-        downstream = self._downstream_for(self.records[-1])  # this work's record, appended by __call__
+        with stage("downstream", work.index, work.done):
+            downstream = self._downstream_for(record)
         if lifted is not None:
             stamp_forward_nodes(lifted.gm)  # the backward watch's names (a copy made before the stamp)
             try:
@@ -143,8 +190,9 @@ class AmpBackend:
             f"{first_line}); that graph casts its weights itself "
             f"in every forward instead (no saving, and a weight it shares with another graph of "
             f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
-            f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."))
-        return downstream(work.gm, list(work.example_inputs))
+            f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."), cause=error)
+        with stage("downstream", work.index, work.done):
+            return downstream(work.gm, list(work.example_inputs))
 
     # --- the backward watch (amp_fx/passes/watch_backward.py) ---------------------------------
 
@@ -180,3 +228,15 @@ class AmpBackend:
             f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
             f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
             f"'inductor' to name the backward's first inf too."), stacklevel=5)
+
+
+def _origin(gm: torch.fx.GraphModule) -> str:
+    """Where Dynamo's graph ``gm`` came from: its compile id (frame/attempt, as TORCH_LOGS names
+    it) and the modules of its first and last ops, where the graph records them."""
+    paths = [stack[-1][0] for n in gm.graph.nodes
+             if n.op in ("call_function", "call_method", "call_module")
+             and (stack := list((n.meta.get("nn_module_stack") or {}).values()))]
+    where = f"compile {gm.meta['dynamo_compile_id']}" if "dynamo_compile_id" in gm.meta else "Dynamo graph"
+    if not paths:
+        return where
+    return f"{where}, ops of module {paths[0]!r}" + (f" to {paths[-1]!r}" if paths[-1] != paths[0] else "")

@@ -558,6 +558,10 @@ def compare(
                             "in a graph, so there is nothing to compare op by op")
     for r in recs:
         inputs = recorder.inputs_for(r)
+        if r.fallback is not None:
+            report.notes.append(f"graph {r.index} not compared op by op: {r.fallback_text}; the "
+                                "end-to-end comparison still runs")
+            continue
         if inputs is None:
             report.notes.append(f"graph {r.index} was compiled but not called; not compared")
             continue

@@ -271,6 +271,8 @@ class Explanation:
         self._fp32_cache: dict[int, dict[str, Any] | None] = {}
         self._runtime_cache: dict[int, dict[str, Any] | None] = {}
         self._inputs = list(inputs) if inputs is not None else [None] * len(self.records)
+        self.notes += [f"graph {r.index}: {r.fallback_text}; its ops are not shown"
+                       for r in self.records if r.fallback is not None]
         if not self.records or not any(_op_nodes(r.captured) for r in self.records):
             self.notes.append(
                 "no ops were captured: torch.compile found no tensor operations to put in a graph "
@@ -300,6 +302,8 @@ class Explanation:
         captured graph as it was before the passes."""
         out = []
         for r in self.records if graph is None else [self.records[graph]]:
+            if r.fallback is not None:  # Dynamo's graph, not amp_fx's: nothing was decided
+                continue
             labels = self._labels[r.index]
             if not before:
                 run = self._runtime(r.index)
@@ -319,6 +323,8 @@ class Explanation:
         return module_of(node) if self._where is None else self._where(record, node)
 
     def _fp32(self, record: GraphRecord) -> dict[str, Any] | None:
+        if record.fallback is not None:
+            return None
         if record.index not in self._fp32_cache:
             values, why = _fp32_values(record)
             self._fp32_cache[record.index] = values
@@ -367,7 +373,7 @@ class Explanation:
             return self._runtime_cache[graph]
         inputs = self._inputs[graph]
         values = None
-        if inputs is not None:
+        if inputs is not None and self.records[graph].fallback is None:
             r = self.records[graph]
             interp = ValueInterpreter(r.rewritten)
             with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -461,6 +467,8 @@ class Explanation:
         """Each op of your program: its dtype before and after the passes, and the casts put on
         its inputs."""
         r = self.records[graph]
+        if r.fallback is not None:
+            return f"graph {graph}: {r.fallback_text}"
         after = {n.name: n for n in r.rewritten.graph.nodes}
         labels = self._labels[graph]
         fp32 = self._fp32(r) or {}
@@ -493,6 +501,9 @@ class Explanation:
                  + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
                  self.summary()]
         for r in self.records:
+            if r.fallback is not None:
+                parts += ["", self.before_after(r.index)]
+                continue
             parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
             if r.fp8 is not None:
                 parts += ["", self.fp8_text(r.index)]

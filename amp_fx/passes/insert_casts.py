@@ -291,13 +291,9 @@ class _Rewriter:
                 self.exit_region()
                 region_nodes.append(node)
                 continue
-            try:
-                self.visit(node, changed)
-            except AmpFxError:
-                raise
-            except Exception as e:
-                raise AmpFxError(f"amp_fx: insert_casts failed on {node.format_node()} "
-                                 f"({type(e).__name__}: {e})") from e
+            # an unexpected exception propagates as it is: the pipeline's StageFailure names this
+            # node (read off the traceback) and the graph falls back (amp_fx/passes/pipeline.py)
+            self.visit(node, changed)
         # The regions' casts are explicit now; left in, the downstream backend would apply
         # autocast inside them a second time.
         for node in reversed(region_nodes):

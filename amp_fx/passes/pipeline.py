@@ -6,7 +6,10 @@
 :data:`PIPELINE` lists the stages in order; :func:`run_pipeline` runs them on one graph through
 one wrapper that times each stage (``GraphRecord.pass_seconds``), logs it on this module's logger
 at DEBUG, checks its preconditions in strict mode or when that logger is at DEBUG, and turns an
-unexpected exception into an ``AmpFxError`` naming the stage, the graph and the stages before it.
+unexpected exception into a :class:`StageFailure` naming the stage, the graph, the op being worked
+on and the stages before it (the backend then compiles that graph as torch.compile would, see
+``amp_fx/backend/compiler.py``). An ``AmpFxError`` a stage raises on purpose (an op eager autocast
+refuses too, an option the device cannot honour) is not a failure: it propagates as it is.
 A stage takes the compile's :class:`~amp_fx.options.Options` and the :class:`GraphWork` of one
 graph; it never sees the backend object. ``amp_fx/passes/README.md`` is the table of stages.
 """
@@ -37,14 +40,59 @@ from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_c
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
 
-__all__ = ["GraphRecord", "GraphWork", "PIPELINE", "Stage", "run_pipeline", "summarize"]
+__all__ = ["Fallback", "GraphRecord", "GraphWork", "PIPELINE", "Stage", "StageFailure", "run_pipeline",
+           "stage", "summarize"]
 
 log = logging.getLogger(__name__)
 
 
+class StageFailure(AmpFxError):
+    """An unexpected exception in one stage of amp_fx's work on one graph (a bug of amp_fx's, not a
+    refusal): the stage, the graph's index, the op being worked on where known, and the cause
+    (chained as ``__cause__``)."""
+
+    def __init__(self, stage: str, index: int, before: Sequence[str], cause: Exception) -> None:
+        self.stage = stage
+        self.index = index
+        self.op = _failing_op(cause)
+        self.cause = f"{type(cause).__name__}: {cause}"
+        at = f" (op: {self.op})" if self.op is not None else ""
+        super().__init__(f"amp_fx: {stage} failed on graph {index} (passes run before it: "
+                         f"{', '.join(before) or 'none'}): {self.cause}{at}")
+
+
+def _failing_op(error: BaseException) -> str | None:
+    """The fx node being worked on where ``error`` was raised: the innermost frame of its
+    traceback with a ``node`` local holding one (the passes and fx's interpreter, which runs
+    Dynamo's graph during capture and the downstream trace, all call it so). None if no frame has one."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("node")
+        if isinstance(node, torch.fx.Node):
+            found = node
+        tb = tb.tb_next
+    return found.format_node() if found is not None else None
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why a graph was compiled as ``torch.compile`` under ``torch.autocast`` compiles it."""
+
+    stage: str
+    op: str | None
+    """The node being worked on when it failed (``format_node()``), where known."""
+    cause: str
+    """The exception's type and message."""
+
+
 @dataclass
 class GraphRecord:
-    """What the passes did to one captured graph."""
+    """What the passes did to one captured graph.
+
+    A graph amp_fx's own work failed on (``fallback`` is set) was handed to the downstream backend
+    as Dynamo captured it, with autocast on: its ``captured`` and ``rewritten`` are Dynamo's graph,
+    and nothing was inserted or folded."""
 
     index: int
     device_type: str
@@ -64,6 +112,26 @@ class GraphRecord:
     compiled the backward with the watch on)."""
     fp8: Fp8Record | None = None
     """The matmuls ``fp8_matmuls`` considered (None when fp8 is off)."""
+    fallback: Fallback | None = None
+    """Set when this graph fell back to what ``torch.compile`` under ``torch.autocast`` does."""
+
+    @classmethod
+    def fell_back(cls, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dtype: torch.dtype,
+                  failure: StageFailure) -> GraphRecord:
+        """The record of Dynamo's graph ``gm``, compiled as torch.compile would after ``failure``."""
+        return cls(index=failure.index, device_type=graph_device_type(example_inputs), dtype=dtype,
+                   dynamo_graph=gm, captured=gm, rewritten=gm, inserted=InsertRecord(), folded=FoldRecord(),
+                   fallback=Fallback(failure.stage, failure.op, failure.cause))
+
+    @property
+    def fallback_text(self) -> str:
+        """What the inspection tools say about a graph that fell back (empty when it did not)."""
+        f = self.fallback
+        if f is None:
+            return ""
+        at = f" at {f.op}" if f.op is not None else ""
+        return (f"amp_fx's {f.stage} failed on it{at} ({f.cause}), so it was compiled as torch.compile "
+                f"under torch.autocast compiles it (eager autocast's casts, not amp_fx's)")
 
     @property
     def casts(self) -> int:
@@ -87,9 +155,13 @@ _HEADERS = ["graph", "device", "dtype", "ops", "casts inserted", "leaf casts sha
 
 
 def summarize(records: Sequence[GraphRecord]) -> str:
-    """A table of what the passes did, one row per captured graph."""
+    """A table of what the passes did, one row per captured graph (and, where a graph fell back
+    to torch.compile under torch.autocast, a column saying at which stage)."""
     rows = [row for r in records for row in r.summary_rows()]
-    return tabulate(rows, headers=_HEADERS)
+    if not any(r.fallback is not None for r in records):
+        return tabulate(rows, headers=_HEADERS)
+    fell = [r.fallback.stage if r.fallback is not None else "-" for r in records]
+    return tabulate([[*row, f] for row, f in zip(rows, fell, strict=True)], headers=[*_HEADERS, "fell back at"])
 
 
 @dataclass
@@ -132,6 +204,8 @@ class GraphWork:
     lift_error: Exception | None = None
     """Why lifting failed (the backend then compiles ``gm``, casting its weights itself, and says so)."""
     seconds: dict[str, float] = field(default_factory=dict)
+    done: list[str] = field(default_factory=list)
+    """The stages that ran on this graph, in order (named when a later one fails)."""
 
     def record(self, dtype: torch.dtype) -> GraphRecord:
         assert self.captured is not None, "the capture stage always runs"
@@ -293,47 +367,48 @@ def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
 def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  index: int = 0, stages: Sequence[Stage] = PIPELINE,
                  is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
-    """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record)."""
-    work = prepare(gm, example_inputs, index, is_state)
+    """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record).
+
+    Raises :class:`StageFailure` where a stage (``prepare`` included) fails unexpectedly; an
+    ``AmpFxError`` a stage raises on purpose propagates as it is."""
+    with stage("prepare", index, ()):
+        work = prepare(gm, example_inputs, index, is_state)
     check = options.strict or log.isEnabledFor(logging.DEBUG)
-    done: list[str] = []
-    for stage in stages:
-        if not stage.enabled(options):
-            work.seconds[stage.name] = 0.0
+    for step in stages:
+        if not step.enabled(options):
+            work.seconds[step.name] = 0.0
             continue
-        with _running(stage.name, index, done, work.seconds):
+        t0 = time.perf_counter()
+        with stage(step.name, index, work.done):
             if check:
-                _check_preconditions(stage, work, done)
-            stage.run(options, work)
+                _check_preconditions(step, work)
+            step.run(options, work)
+        work.seconds[step.name] = time.perf_counter() - t0
+        work.done.append(step.name)
+        log.debug("amp_fx graph %d: %s took %.1f ms", index, step.name, 1e3 * work.seconds[step.name])
     if log.isEnabledFor(logging.DEBUG) and work.captured is not None:
         log.debug("amp_fx graph %d:\n%s", index, work.record(options.dtype))
     return work
 
 
-def _check_preconditions(stage: Stage, work: GraphWork, done: list[str]) -> None:
-    for precondition in stage.requires:
+def _check_preconditions(step: Stage, work: GraphWork) -> None:
+    for precondition in step.requires:
         problem = precondition(work)
-        if problem is not None:
-            raise AmpFxError(f"amp_fx: {stage.name} on graph {work.index}: precondition "
-                             f"{precondition.__name__.lstrip('_')} does not hold ({problem}); stages run "
-                             f"before it: {', '.join(done) or 'none'}")
+        if problem is not None:  # a bug of the stages before: a StageFailure, as any other
+            raise AssertionError(f"precondition {precondition.__name__.lstrip('_')} does not hold ({problem})")
 
 
 @contextlib.contextmanager
-def _running(stage: str, index: int, done: list[str], timings: dict[str, float]) -> Iterator[None]:
-    """Time and log one stage; name it (and the stages run before it) when it fails unexpectedly."""
-    t0 = time.perf_counter()
+def stage(name: str, index: int, before: Sequence[str]) -> Iterator[None]:
+    """Run one stage of amp_fx's work on graph ``index``: an unexpected exception becomes a
+    :class:`StageFailure` naming it, the graph and the stages ``before`` it (read when it fails);
+    an ``AmpFxError`` (a refusal by design, or a failure already named) propagates as it is."""
     try:
         yield
     except AmpFxError:
         raise
     except Exception as e:
-        before = ", ".join(done) or "none"
-        raise AmpFxError(f"amp_fx: {stage} failed on graph {index} (passes run before it: {before}): "
-                         f"{type(e).__name__}: {e}") from e
-    timings[stage] = time.perf_counter() - t0
-    done.append(stage)
-    log.debug("amp_fx graph %d: %s took %.1f ms", index, stage, 1e3 * timings[stage])
+        raise StageFailure(name, index, list(before), e) from e
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
