@@ -4,6 +4,11 @@ import os
 # so no test passes while amp_fx silently ignores what it was asked. Set before amp_fx is
 # imported; tests of the warnings themselves pass strict=False.
 os.environ["AMP_FX_STRICT"] = "1"
+# Inductor compiles in-process: its pool of compile subprocesses (one per core, started in every
+# process that compiles with inductor: each xdist worker, each spawned rank) buys nothing on a
+# 2-core machine already running two workers, and costs CPU: one inductor test file took 101 s of
+# CPU with the pool and 91 s without (fresh inductor caches). Read when torch._inductor's config loads.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
 import torch
@@ -26,6 +31,17 @@ def _fresh_dynamo():
     torch._dynamo.utils.counters.clear()
 
 
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    """Whether the test asks for a module- or package-scoped fixture (spawned ranks, the Triton
+    interpreter's worker, a docs build): such a file runs in one xdist worker, so that the fixture
+    is set up once (pyproject's ``--dist loadgroup``); every other test goes to whichever worker is
+    free, so that no file's length sets the run's tail."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope in ("module", "package") for defs in info.name2fixturedefs.values())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``@pytest.mark.slow_cases`` on a test function: its first collected case stays in the inner
@@ -36,6 +52,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("models_slow") is not None:
             item.add_marker(pytest.mark.slow)
+        if _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if item.get_closest_marker("slow_cases") is None:
             continue
         func = item.nodeid.split("[")[0]
