@@ -59,7 +59,7 @@ def advise(
         loss_fn: maps the output to a scalar loss; with it gradients are measured and verified
             too (at GradScaler's initial scale for fp16). Without it, outputs only.
         target: the largest end-to-end error (normwise relative to float64) the advised policy
-            may leave; default :data:`DEFAULT_TARGETS` (64 eps of the dtype).
+            may leave; default :data:`DEFAULT_TARGETS` (32 eps of the dtype).
         optimizer: with ``steps``: a ``torch.optim.Optimizer`` (rebuilt from its class and
             defaults on each copy) or a callable ``params -> Optimizer``; trains ``steps`` steps
             on these inputs from the same initial state in fp32, with the default policy and with
