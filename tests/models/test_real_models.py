@@ -229,6 +229,51 @@ def test_attention_on_the_same_path_is_bitwise_and_not_reported(case: str) -> No
     assert not [w for w in caught if _GQA_REPORT in str(w.message)]
 
 
+
+class _Wrapper(nn.Module):
+    """A model called from the user's own module, as a training script often holds it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.gpt2 = model
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        return self.gpt2(input_ids=input_ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_overflow_backward_in_a_wrapped_models_own_forward_is_placed_in_it() -> None:
+    """GPT-2 called from a wrapper, fp16 at loss scale 2^24: the backward first overflows in the
+    cast back of its logits' ``.float()``, an op of ``GPT2LMHeadModel.forward``'s own body (its
+    loss; transformers' ``loss_function`` breaks the graph, so the op is in a resumed frame).
+    ``overflow_report()`` places it at ``gpt2``, not at the wrapper (``<root>``); the op is eager
+    autograd's first inf, and the non-finite gradients are eager's. (The eager reference's module
+    hooks cannot place it: GPT2LMHeadModel returns no tensor, so its backward hooks never run.)"""
+    model, inputs, _ = _entry("hf_gpt2").build()
+    model = _Wrapper(model)
+    scale = 2.0**24
+    eager = copy.deepcopy(model)
+
+    def scaled_loss() -> Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return eager(**inputs) * scale
+
+    origin = first_backward_origin(eager, scaled_loss, torch.float16)
+    reference = [n for n, p in eager.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert origin.op == "aten._to_copy" and reference, origin
+    scaler = GradScaler("cpu", init_scale=scale, step_mode=StepMode.MASKED)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler.watch(compiled)
+    scaler.scale(compiled(**inputs)).backward()
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.01))
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    first = report.first_op
+    assert (first.backward, first.module, first.op, first.grad_of) == (True, "gpt2", origin.op, "aten._to_copy"), \
+        str(report)
+    assert list(report.gradients) == reference
+
 # --- weight_cache=True ---------------------------------------------------------------------------
 
 
