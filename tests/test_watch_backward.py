@@ -364,3 +364,41 @@ def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward
     assert (first.backward, first.op, first.grad_of) == (True, "aten._to_copy", "aten._to_copy"), str(report)
     assert str(report).startswith(f"step 0 skipped: first inf in the backward at {where} (aten._to_copy, fp16, "
                                   "backward of aten._to_copy); "), str(report)
+
+
+class _BreakingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        torch._dynamo.graph_break()
+        return h.float() * 2.0
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_BreakingLayer() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_resumed_graph_that_serves_every_layer_is_placed_at_their_common_parent(layers):
+    """The rest of each layer's ``forward`` after its graph break is one graph, captured in
+    ``layers.0``'s call and run again for ``layers.1`` and ``layers.2`` (no new capture): its ops
+    are placed at ``layers``, true of every run, not at ``layers.0``. Twin: with one layer, the
+    graph serves only it and is placed at ``layers.0``."""
+    from amp_fx.passes.capture import module_stack
+
+    compiled = amp_fx.compile(_Stack(layers), dtype="fp16", backend="aot_eager")
+    compiled(torch.randn(2, WIDTH))
+    placed = [{module_stack(n)[-1][0] for n in r.rewritten.graph.nodes if n.op == "call_function" and module_stack(n)}
+              for r in compiled.amp_fx_records]
+    body = [p for p in placed if not any(name.endswith(".lin") for name in p)]
+    assert body == [{"layers" if layers > 1 else "layers.0"}], placed

@@ -9,6 +9,7 @@ the frame's real locals and the object it reaches is named by identity.
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import sys
 from typing import Any
@@ -63,9 +64,12 @@ class RootNames:
         # submodule (its resumed frame gets ``self`` only where the rest of ``forward`` uses it),
         # a function the submodule calls and Dynamo compiles as its own frame, a DDP/FSDP2 unit
         # compiled on its own.
-        if not (isinstance(own, torch.nn.Module) and id(own) in self._modules):
+        if isinstance(own, torch.nn.Module) and id(own) in self._modules:
+            own_name: str | None = self._modules[id(own)]
+        else:
             own = self._calling_module()
-        own_name = self._modules.get(id(own)) if own is not None else None
+            own_name = self._shared_path(own) if own is not None else None
+            own = root.get_submodule(own_name) if own_name else None
         self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
@@ -85,6 +89,14 @@ class RootNames:
                 return own
             frame = frame.f_back
         return None
+
+    def _shared_path(self, module: torch.nn.Module) -> str:
+        """``module``'s name, or, where the root holds other modules of its type, the path all
+        their names share (``layers`` for ``layers.0`` .. ``layers.5``): a graph captured in a call
+        of one of them serves the same code in the others (the resumed ``forward`` of every layer),
+        so only what they share is true of every run."""
+        names = [name.split(".") for i, name in self._modules.items() if type(self._by_id[i]) is type(module)]
+        return ".".join(os.path.commonprefix(names)) if len(names) > 1 else self._modules[id(module)]
 
     def _object(self, source: str) -> object | None:
         """The object Dynamo's source expression reaches from the frame's locals (cached)."""
