@@ -12,9 +12,11 @@ on 2.11 since (tests/models/test_real_models.py, tests/test_weight_cache_hf.py).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import amp_fx
@@ -72,3 +74,92 @@ def test_other_compiles_keep_dynamos_answer() -> None:
     targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     took_export_branch = any("mul" in t for t in targets)
     assert took_export_branch == dynamo_folds_is_exporting(), targets
+
+
+# --- the grouped-query report fires only where eager runs another computation -------------------
+
+_GQA_REPORT = "grouped-query attention runs another computation compiled than eager"
+_SEQ = 8
+
+
+class _GqaAttention(torch.nn.Module):
+    """transformers' sdpa attention (``sdpa_attention_forward``) with 4 query heads sharing 2
+    key/value heads, its mask built by transformers' own ``create_causal_mask`` or
+    ``create_sliding_window_causal_mask`` from ``position_ids``, as a decoder layer builds it."""
+
+    def __init__(self, head_dim: int, window: int | None) -> None:
+        super().__init__()
+        import transformers
+
+        self.config = transformers.Gemma3TextConfig(hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+                                                    head_dim=head_dim, sliding_window=window or 4096)
+        self.config._attn_implementation = "sdpa"
+        self.window, self.head_dim = window, head_dim
+        self.num_key_value_groups, self.is_causal = 2, True
+        self.q, self.kv = torch.nn.Linear(8, 4 * head_dim), torch.nn.Linear(8, 4 * head_dim)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        from transformers import masking_utils
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        b, t, _ = x.shape
+        make = (masking_utils.create_causal_mask if self.window is None
+                else masking_utils.create_sliding_window_causal_mask)
+        mask = make(config=self.config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=None,
+                    position_ids=torch.arange(t).unsqueeze(0))
+        q = self.q(x).view(b, t, 4, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 4, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        out, _ = sdpa_attention_forward(self, q, k.contiguous(), v.contiguous(), mask)
+        return out.float().square().sum()
+
+
+# (head size, sliding window, padding mask given, whether eager calls sdpa with enable_gqa and no
+# mask): sliding windows shorter and longer than the 8 keys, a head size past use_gqa_in_sdpa's
+# 256, a padding mask of ones (data: eager's choice depends on its values) beside a plain causal
+# mask and beside a short window. Each case that fires has a twin that must not.
+_GQA_CASES = {
+    "causal": (16, None, False, True),
+    "head_size_over_256": (264, None, False, False),
+    "window_longer_than_keys": (16, 9, False, True),
+    "window_shorter_than_keys": (16, 4, False, False),
+    "causal_padding_input": (16, None, True, True),
+    "window_shorter_padding_input": (16, 4, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(_GQA_CASES))
+def test_grouped_query_report_fires_exactly_where_eager_calls_sdpa_with_enable_gqa(case: str) -> None:
+    """The traced path always repeats k/v under a materialised mask. Eager transformers runs another
+    computation exactly where it drops the mask and calls sdpa with ``enable_gqa=True`` (recorded
+    here on eager's own sdpa call): the report fires there and nowhere else; where it does not fire,
+    strict mode compiles and the gradients are bitwise eager autocast's."""
+    pytest.importorskip("transformers")
+    head_dim, window, padding, eager_gqa = _GQA_CASES[case]
+    torch.manual_seed(0)
+    model = _GqaAttention(head_dim, window)
+    x = torch.randn(2, _SEQ, 8)
+    inputs = {"attention_mask": torch.ones(2, _SEQ, dtype=torch.long)} if padding else {}
+    ref = copy.deepcopy(model)
+    seen: list[bool] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(bool(kwargs.get("enable_gqa")) and kwargs.get("attn_mask") is None)
+        return sdpa(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", torch.bfloat16):
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        expected = ref(x, **inputs)
+    expected.backward()
+    assert seen == [eager_gqa], "the premise: eager transformers' choice for this case"
+    differs = seen[0]
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        compiled(x, **inputs).backward()
+    reported = [w for w in caught if _GQA_REPORT in str(w.message)]
+    assert len(reported) == int(differs), (case, differs, [str(w.message)[:100] for w in caught])
+    if not differs:
+        strict = amp_fx.compile(copy.deepcopy(ref), dtype="bf16", backend="aot_eager", strict=True)
+        strict(x, **inputs)  # no AmpFxError
+        assert_bitwise(_grads(model), _grads(ref), "grads")

@@ -281,3 +281,124 @@ def test_an_overflow_outside_the_compiled_graphs_is_not_named_and_the_line_says_
     assert str(report).startswith(
         f"step {PLANTED_STEP} skipped: no op named: no forward or backward op created an inf/NaN (a -inf mask, "
         "an in-place op or code outside the compiled graphs is not named); "), str(report)
+
+
+# --- placement: the module whose forward ran the op -----------------------------------------------
+
+BODY_SCALE = 2.0**24  # the scaled gradient of the fp32 loss, S * 2 (l - y) / 32 ~ 5e5, past fp16's 65504
+
+
+class _Head(nn.Module):
+    """Its own ``forward`` casts its fp16 output back to fp32 for the loss after a graph break (as
+    transformers' ``loss_function`` breaks on a ``warning_once``), and does not use ``self`` after
+    it: the rest of the body is another graph, whose frame has no ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, 4)
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.proj(h)
+        torch._dynamo.graph_break()
+        return F.mse_loss(logits.float(), y)
+
+
+class _Mid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.head = _Head()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.inp(x)), y)
+
+
+class _Nested(nn.Module):
+    """``mid.head`` (depth 2) computes the loss in its own body; with ``in_root``, the root does."""
+
+    def __init__(self, in_root: bool) -> None:
+        super().__init__()
+        self.in_root = in_root
+        self.mid = _Mid()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.in_root:
+            return self.mid(x, y)
+        logits = self.mid.head.proj(F.relu(self.mid.inp(x)))
+        torch._dynamo.graph_break()
+        return F.mse_loss(logits.float(), y)
+
+
+@pytest.mark.parametrize("where", ["mid.head", "<root>"])
+def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward_op(where):
+    """The first inf of the backward is the fp32-to-fp16 cast back of the loss's ``.float()``, an op
+    of ``mid.head``'s own forward body (not of a child), in a graph resumed after a graph break:
+    it is placed at ``mid.head``, as the eager reference's module backward hooks place it (it was
+    placed at ``<root>``: the resumed frame has no ``self`` and Dynamo records no module for it).
+    Twin: the same op in the root's own body stays at ``<root>``."""
+    x, y = _batches()[0]
+
+    def make() -> _Nested:
+        torch.manual_seed(0)
+        return _Nested(in_root=where == "<root>")
+
+    model = make()
+
+    def scaled_loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x, y)
+        return loss * BODY_SCALE
+
+    origin = first_backward_origin(model, scaled_loss, torch.float16)
+    assert origin.op == "aten._to_copy" and origin.module == ("" if where == "<root>" else where), origin
+    model = make()
+    scaler = amp_fx.GradScaler("cpu", init_scale=BODY_SCALE, step_mode=amp_fx.StepMode.MASKED)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler.watch(compiled)
+    scaler.scale(compiled(x, y)).backward()
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.01))
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    first = report.first_op
+    assert (first.backward, first.op, first.grad_of) == (True, "aten._to_copy", "aten._to_copy"), str(report)
+    assert str(report).startswith(f"step 0 skipped: first inf in the backward at {where} (aten._to_copy, fp16, "
+                                  "backward of aten._to_copy); "), str(report)
+
+
+class _BreakingLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        torch._dynamo.graph_break()
+        return h.float() * 2.0
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_BreakingLayer() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_resumed_graph_that_serves_every_layer_is_placed_at_their_common_parent(layers):
+    """The rest of each layer's ``forward`` after its graph break is one graph, captured in
+    ``layers.0``'s call and run again for ``layers.1`` and ``layers.2`` (no new capture): its ops
+    are placed at ``layers``, true of every run, not at ``layers.0``. Twin: with one layer, the
+    graph serves only it and is placed at ``layers.0``."""
+    from amp_fx.passes.capture import module_stack
+
+    compiled = amp_fx.compile(_Stack(layers), dtype="fp16", backend="aot_eager")
+    compiled(torch.randn(2, WIDTH))
+    placed = [{module_stack(n)[-1][0] for n in r.rewritten.graph.nodes if n.op == "call_function" and module_stack(n)}
+              for r in compiled.amp_fx_records]
+    body = [p for p in placed if not any(name.endswith(".lin") for name in p)]
+    assert body == [{"layers" if layers > 1 else "layers.0"}], placed

@@ -9,7 +9,9 @@ the frame's real locals and the object it reaches is named by identity.
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import sys
 from typing import Any
 
 import torch
@@ -55,15 +57,46 @@ class RootNames:
         for name, module in root.named_modules(remove_duplicate=False):  # a shared module: its first name
             self._modules.setdefault(id(module), name)
             self._by_id[id(module)] = module
-        # The frame's own module (its first argument, ``self``) when it is a submodule of the
-        # root: Dynamo records only the modules called inside the frame, so the ops the frame runs
-        # itself would otherwise belong to no module (a graph break inside a submodule, or a
-        # DDP/FSDP2 unit compiled on its own).
-        own_name = self._modules.get(id(own)) if isinstance(own, torch.nn.Module) else None
+        # The module the frame runs in: its own (its first argument, ``self``) when that is a
+        # module of the root, else the innermost module of the root whose call is on the Python
+        # stack below the frame. Dynamo records only the modules called inside the frame, so the
+        # ops the frame runs itself would otherwise belong to no module: a graph break inside a
+        # submodule (its resumed frame gets ``self`` only where the rest of ``forward`` uses it),
+        # a function the submodule calls and Dynamo compiles as its own frame, a DDP/FSDP2 unit
+        # compiled on its own.
+        if isinstance(own, torch.nn.Module) and id(own) in self._modules:
+            own_name: str | None = self._modules[id(own)]
+        else:
+            own = self._calling_module()
+            own_name = self._shared_path(own) if own is not None else None
+            own = root.get_submodule(own_name) if own_name else None
         self.frame_module = (own_name, type(own)) if own_name else None
         self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
                                               *root.named_buffers(remove_duplicate=False))}
         self._objects: dict[str, object] = {}
+
+    def _calling_module(self) -> torch.nn.Module | None:
+        """The innermost module of the root that is running on this thread's Python stack (the
+        frame Dynamo compiles runs inside its call): the first frame, from here outwards, whose
+        first argument is one (``Module._call_impl(self, ...)``, a ``forward``)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            try:
+                own = frame_self(frame.f_code, frame.f_locals)
+            except Exception:  # noqa: BLE001 (a frame whose locals cannot be read: not a module's)
+                own = None
+            if isinstance(own, torch.nn.Module) and id(own) in self._modules:
+                return own
+            frame = frame.f_back
+        return None
+
+    def _shared_path(self, module: torch.nn.Module) -> str:
+        """``module``'s name, or, where the root holds other modules of its type, the path all
+        their names share (``layers`` for ``layers.0`` .. ``layers.5``): a graph captured in a call
+        of one of them serves the same code in the others (the resumed ``forward`` of every layer),
+        so only what they share is true of every run."""
+        names = [name.split(".") for i, name in self._modules.items() if type(self._by_id[i]) is type(module)]
+        return ".".join(os.path.commonprefix(names)) if len(names) > 1 else self._modules[id(module)]
 
     def _object(self, source: str) -> object | None:
         """The object Dynamo's source expression reaches from the frame's locals (cached)."""

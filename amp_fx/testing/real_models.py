@@ -42,6 +42,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 __all__ = [
     "LLAMA_GQA",
+    "GEMMA3_SLIDING",
+    "GEMMA3_FULL_LAYER",
     "REAL_MODELS",
     "RealModel",
     "RealStep",
@@ -142,6 +144,18 @@ def _hf_llama(gen: torch.Generator, kv_heads: int = 4) -> Built:
 
 def _hf_llama_gqa(gen: torch.Generator) -> Built:
     return _hf_llama(gen, kv_heads=2)
+
+
+def _hf_gemma3(gen: torch.Generator, second_layer: str = "sliding_attention") -> Built:
+    import transformers as tf
+
+    config = tf.Gemma3TextConfig(**_HF_DIMS, num_key_value_heads=2, head_dim=16, sliding_window=_SEQ // 2,
+                                 layer_types=["sliding_attention", second_layer], use_cache=False)
+    return _hf_causal(config, tf.Gemma3ForCausalLM, gen)
+
+
+def _hf_gemma3_full_layer(gen: torch.Generator) -> Built:
+    return _hf_gemma3(gen, second_layer="full_attention")
 
 
 def _hf_qwen2(gen: torch.Generator) -> Built:
@@ -302,6 +316,16 @@ LLAMA_GQA = RealModel("hf_llama_gqa", "transformers", _hf_llama_gqa)
 """Llama with grouped-query attention (2 key/value heads for 4 query heads): transformers repeats
 k and v (``repeat_kv``: expand + reshape) in the low dtype, and torch.compile's gradients of k and
 v then differ from eager's in low precision, with or without amp_fx (tests/models)."""
+
+GEMMA3_SLIDING = RealModel("hf_gemma3_sliding", "transformers", _hf_gemma3)
+"""Gemma 3 with grouped-query attention (2 key/value heads for 4) and sliding-window layers only,
+the window (8) shorter than the sequence (16): eager builds the mask too and repeats k/v as the
+trace does, so amp_fx is bitwise and nothing is reported (tests/models)."""
+
+GEMMA3_FULL_LAYER = RealModel("hf_gemma3_full_layer", "transformers", _hf_gemma3_full_layer)
+""":data:`GEMMA3_SLIDING` with its second layer full attention (every sixth layer of the released
+Gemma 3 models): eager drops that layer's plain causal mask and calls sdpa with ``enable_gqa``,
+the trace repeats k/v, as Llama's (tests/models)."""
 
 
 # --- running one step -----------------------------------------------------------------------------

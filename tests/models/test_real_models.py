@@ -43,6 +43,8 @@ from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.backward_origin import first_backward_origin
 from amp_fx.testing.real_models import (
+    GEMMA3_FULL_LAYER,
+    GEMMA3_SLIDING,
     LLAMA_GQA,
     REAL_MODELS,
     RealModel,
@@ -118,7 +120,7 @@ def _cases(feature: str) -> list[Any]:
 
 
 def _entry(name: str) -> RealModel:
-    entry = REAL_MODELS[name] if name in REAL_MODELS else LLAMA_GQA
+    entry = REAL_MODELS.get(name) or {e.name: e for e in (LLAMA_GQA, GEMMA3_SLIDING, GEMMA3_FULL_LAYER)}[name]
     missing = entry.missing()
     if missing:
         pytest.skip(f"{missing} (the 2.11 test environment has it: bash .ci/matrix 2.11)")
@@ -228,6 +230,84 @@ def test_attention_on_the_same_path_is_bitwise_and_not_reported(case: str) -> No
     _assert_step_bitwise(actual, expected)
     assert not [w for w in caught if _GQA_REPORT in str(w.message)]
 
+
+
+class _Wrapper(nn.Module):
+    """A model called from the user's own module, as a training script often holds it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.gpt2 = model
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        return self.gpt2(input_ids=input_ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_overflow_backward_in_a_wrapped_models_own_forward_is_placed_in_it() -> None:
+    """GPT-2 called from a wrapper, fp16 at loss scale 2^24: the backward first overflows in the
+    cast back of its logits' ``.float()``, an op of ``GPT2LMHeadModel.forward``'s own body (its
+    loss; transformers' ``loss_function`` breaks the graph, so the op is in a resumed frame).
+    ``overflow_report()`` places it at ``gpt2``, not at the wrapper (``<root>``); the op is eager
+    autograd's first inf, and the non-finite gradients are eager's. (The eager reference's module
+    hooks cannot place it: GPT2LMHeadModel returns no tensor, so its backward hooks never run.)"""
+    model, inputs, _ = _entry("hf_gpt2").build()
+    model = _Wrapper(model)
+    scale = 2.0**24
+    eager = copy.deepcopy(model)
+
+    def scaled_loss() -> Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return eager(**inputs) * scale
+
+    origin = first_backward_origin(eager, scaled_loss, torch.float16)
+    reference = [n for n, p in eager.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert origin.op == "aten._to_copy" and reference, origin
+    scaler = GradScaler("cpu", init_scale=scale, step_mode=StepMode.MASKED)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler.watch(compiled)
+    scaler.scale(compiled(**inputs)).backward()
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.01))
+    scaler.update()
+    report = scaler.overflow_report()
+    assert report is not None and report.first_op is not None, report
+    first = report.first_op
+    assert (first.backward, first.module, first.op, first.grad_of) == (True, "gpt2", origin.op, "aten._to_copy"), \
+        str(report)
+    assert list(report.gradients) == reference
+
+
+@pytest.mark.slow_cases
+@pytest.mark.parametrize("dtype_id", DTYPES)
+def test_gemma3_sliding_window_is_bitwise_in_strict_mode(dtype_id: str) -> None:
+    """Gemma 3 with grouped-query attention, every layer a sliding window shorter than the
+    sequence: eager cannot drop that mask (``_ignore_causal_mask_sdpa``: ``kv_length >=
+    local_attention_size``), so it repeats k/v as the trace does. Nothing differs, nothing is
+    reported: ``strict=True`` compiles, and loss and every gradient are eager autocast's, bitwise.
+    Twin: test_gemma3_with_a_full_attention_layer_is_reported."""
+    dtype = DTYPES[dtype_id]
+    model, inputs, loss_fn = _entry(GEMMA3_SLIDING.name).build()
+    expected = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", strict=True)
+    _assert_step_bitwise(real_step(compiled, model, inputs, loss_fn), expected)
+    assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
+
+
+@pytest.mark.slow
+def test_gemma3_with_a_full_attention_layer_is_reported() -> None:
+    """The twin: the same Gemma 3 with its second layer full attention (as every sixth layer of the
+    released models). Eager drops that layer's plain causal mask and calls sdpa with
+    ``enable_gqa=True``; the trace repeats k/v under the mask: that layer's k/v gradients differ
+    from eager autocast's, and the report says so, once."""
+    model, inputs, loss_fn = _entry(GEMMA3_FULL_LAYER.name).build()
+    eager = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        ours = real_step(amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False), model, inputs,
+                         loss_fn)
+    assert len([w for w in caught if _GQA_REPORT in str(w.message)]) == 1, [str(w.message)[:120] for w in caught]
+    differ = [n for n, g in eager.grads.items() if not torch.equal(g, ours.grads[n])]
+    assert any("layers.1.self_attn.k_proj." in n for n in differ), f"the known difference is gone: {differ}"
 
 # --- weight_cache=True ---------------------------------------------------------------------------
 
