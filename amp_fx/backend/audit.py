@@ -98,6 +98,14 @@ def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Re
     fp32 = fp32_experts_text(records, policy)
     if fp32 is not None and not noted_by_caller():  # explain shows it as a note
         reporter.did_less(("autocast_experts", "fp32"), fp32, stacklevel=6)
+    left = [e for r in records for e in r.inserted.experts if policy.autocast_experts and not e.lowered
+            and e.dtype == torch.float32 and r.dtype != torch.bfloat16]
+    if left:
+        reporter.did_less(("autocast_experts", "not bf16"), (
+            f"amp_fx: Policy(autocast_experts=True) runs grouped expert GEMMs in bf16 only (torch compiles "
+            f"aten._grouped_mm for bf16 operands only), but dtype is {dtype_name(records[0].dtype)}: the experts "
+            f"{', '.join(dict.fromkeys(e.module for e in left))} stay in float32. Compile with dtype='bf16' to "
+            f"run them in bf16."), stacklevel=6)
     if policy.autocast_experts is not None and records and not any(r.inserted.experts for r in records):
         reporter.did_less(("autocast_experts", "unused"), (
             f"amp_fx: Policy(autocast_experts={policy.autocast_experts}) matched no grouped expert GEMM "

@@ -418,6 +418,12 @@ class _Rewriter:
             return Decision(CastClass.NONE, "not autocast: torch.autocast(enabled=False) in the "
                                             "model covers this op")
         decision = self.policy.classify(op, self.device_type, module_stack(node))
+        if self.policy.lowers_experts(op.name()) and self.lower != torch.bfloat16:
+            # torch's meta kernel of aten._grouped_mm (what compiles it) takes bf16 operands only
+            return Decision(CastClass.NONE, f"not autocast: {op.name().replace('::', '.')} stays in its "
+                                            f"inputs' dtypes: Policy(autocast_experts=True) runs grouped "
+                                            f"GEMMs in bf16 only (aten._grouped_mm compiles for bf16 only), "
+                                            f"not {dtype_name(self.lower)}")
         if len(self.regions) > 1 and decision.cast_class is not CastClass.NONE:
             decision = dataclasses.replace(
                 decision, reason=f"{decision.reason}, in the model's torch.autocast region "
