@@ -28,7 +28,7 @@ import torch
 from amp_fx._common.compat import autocast_registrations
 
 __all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
-           "module_matches", "op_from_name"]
+           "module_matches", "op_from_name", "GROUPED_MM_OPS"]
 
 
 class CastClass(enum.Enum):
@@ -175,6 +175,14 @@ APPEND_DTYPE_REDISPATCH: Mapping[str, str] = MappingProxyType(
      "aten::norm.names_ScalarOpt_dim": "aten::norm.names_ScalarOpt_dim_dtype"}
 )
 
+GROUPED_MM_OPS: tuple[str, ...] = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+"""The grouped expert GEMMs of mixture-of-experts layers, which no autocast table lists (so eager
+autocast runs them in their inputs' dtype: fp32 with fp32 weights). ``aten::_grouped_mm`` is what
+``torch._grouped_mm`` and ``F.grouped_mm`` call; transformers (5.x) keeps each expert layer as one
+3-D parameter and multiplies it with them, or, compiled with non-bf16 weights, with its custom op
+``transformers::grouped_mm_fallback`` (a loop of ``torch.mm`` over the experts after
+``offs.tolist()``, a host sync). ``Policy(autocast_experts=...)`` decides them."""
+
 _DTYPE_ALIASES: Mapping[object, torch.dtype] = MappingProxyType({
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -298,6 +306,14 @@ class Policy:
             selected as in ``keep_fp32`` (``"lm_head"``, ``torch.nn.Embedding``). Without it,
             every matmul with a parameter operand whose sizes ``torch._scaled_mm`` takes runs
             in fp8 (:mod:`amp_fx.passes.fp8_matmuls`).
+        autocast_experts: the grouped GEMMs of mixture-of-experts layers (:data:`GROUPED_MM_OPS`:
+            ``torch._grouped_mm``, ``F.grouped_mm``, transformers' ``grouped_mm_fallback``),
+            which eager autocast does not list. ``None`` (default): as eager autocast, in their
+            inputs' dtype (fp32 for fp32 weights), and amp_fx warns once naming the experts
+            (an error in strict mode). ``True``: in the autocast dtype, each as one
+            ``aten._grouped_mm`` (transformers' fallback, a per-expert loop behind a host sync,
+            is replaced), the weights' casts shared and cached as a linear's are. ``False``: as
+            eager autocast, without the warning.
 
     The policy is hashable and part of amp_fx's compile cache key.
     """
@@ -306,6 +322,7 @@ class Policy:
     keep_fp32: Sequence[ModuleSelector] = ()
     cast_cache: bool = True
     keep_out_of_fp8: Sequence[ModuleSelector] = ()
+    autocast_experts: bool | None = None
     op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(
         init=False, repr=False, compare=False)
     """The entries of ``op_classes`` as given: (label, overload names, class), in order. Labels
@@ -330,15 +347,19 @@ class Policy:
             object.__setattr__(self, "keep_fp32", (self.keep_fp32,))
         object.__setattr__(self, "keep_fp32", _selectors("keep_fp32", self.keep_fp32))
         object.__setattr__(self, "keep_out_of_fp8", _selectors("keep_out_of_fp8", self.keep_out_of_fp8))
+        if self.autocast_experts is not None and not isinstance(self.autocast_experts, bool):
+            raise TypeError(f"amp_fx: Policy.autocast_experts must be True, False or None, "
+                            f"got {self.autocast_experts!r}")
 
     def __hash__(self) -> int:
-        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache, self.keep_out_of_fp8))
+        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache, self.keep_out_of_fp8,
+                     self.autocast_experts))
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The read-only mappings do not pickle; the entries as given rebuild an equal policy
         # (copy.deepcopy, pickle and torch.save all go through here).
         return (Policy, ({label: cls for label, _, cls in self.op_entries}, self.keep_fp32,
-                         self.cast_cache, self.keep_out_of_fp8))
+                         self.cast_cache, self.keep_out_of_fp8, self.autocast_experts))
 
     def entry_for(self, op_name: str) -> str | None:
         """The label of the ``op_classes`` entry that decides ``op_name`` ("aten::linear"), if any."""
@@ -346,6 +367,11 @@ class Policy:
             if op_name in names:
                 return label
         return None
+
+    def lowers_experts(self, op_name: str) -> bool:
+        """Whether ``autocast_experts=True`` decides ``op_name`` (a grouped expert GEMM that no
+        ``op_classes`` entry moves)."""
+        return self.autocast_experts is True and op_name in GROUPED_MM_OPS and op_name not in self.op_classes
 
     def table(self, device_type: str) -> Mapping[str, CastClass]:
         """The effective op table for a device type: torch's defaults with this policy applied."""
@@ -370,7 +396,14 @@ class Policy:
         if name in self.op_classes:
             cls = self.op_classes[name]
             return Decision(cls, f"{_label(cls)}: {short} (moved by policy)")
+        if self.lowers_experts(name):
+            return Decision(CastClass.LOWER_PRECISION_FP, f"lower precision fp: {short} (grouped expert "
+                                                          "GEMM, Policy(autocast_experts=True))")
         cls = default_class(name, device_type)
+        if cls is CastClass.NONE and name in GROUPED_MM_OPS:
+            return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes (a grouped expert GEMM: "
+                                 "no autocast table lists it; Policy(autocast_experts=True) runs it in the "
+                                 "autocast dtype)")
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
         if cls is CastClass.OWN_KERNEL:

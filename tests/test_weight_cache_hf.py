@@ -126,6 +126,10 @@ def _build(name: str) -> tuple[nn.Module, Callable[..., Batch]]:
 
 
 def _compile(model: nn.Module, dtype: torch.dtype, **kwargs: Any) -> nn.Module:
+    # Mixtral's grouped expert GEMMs run in fp32 in eager autocast, the reference: the policy says so
+    # (without it amp_fx warns, and strict mode raises; tests/test_moe_experts.py)
+    if isinstance(model, transformers.MixtralForCausalLM):
+        kwargs.setdefault("policy", amp_fx.Policy(autocast_experts=False))
     return amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True, strict=True, **kwargs)
 
 

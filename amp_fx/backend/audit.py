@@ -18,9 +18,9 @@ from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config
 from amp_fx.passes.capture import module_stack
 from amp_fx.passes.pipeline import GraphRecord
-from amp_fx.policy import CastClass, Policy, module_matches
+from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["report_no_graph", "report_unused_policy", "wrapper_fix"]
+__all__ = ["fp32_experts_text", "report_no_graph", "report_unused_policy", "wrapper_fix"]
 
 
 def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
@@ -29,7 +29,10 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
     request honoured nowhere.
 
     A ``keep_fp32`` entry matches an op inside a module it selects; an ``op_classes`` entry
-    matches an op it names. Called after a compiled model's first call.
+    matches an op it names; ``autocast_experts`` matches a grouped expert GEMM. Mixture-of-experts
+    layers whose grouped GEMMs run in fp32 because no autocast table lists them are reported too,
+    unless ``autocast_experts`` decides them (:func:`fp32_experts_text`). Called after a compiled
+    model's first call.
     """
     nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
     stacks = {module_stack(n) for n in nodes}
@@ -44,6 +47,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"for it. Name a module that runs ops (names are under the module passed to "
             f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
     _report_fp8(records, policy, reporter, fp8, stacks)
+    _report_experts(records, policy, reporter)
     for label, op_names, cls in policy.op_entries:
         if ops.intersection(op_names) or _unobservable(op_names, cls):
             continue
@@ -88,6 +92,50 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
         f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."),
         stacklevel=5)
+
+
+def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter) -> None:
+    fp32 = fp32_experts_text(records, policy)
+    if fp32 is not None and not noted_by_caller():  # explain shows it as a note
+        reporter.did_less(("autocast_experts", "fp32"), fp32, stacklevel=6)
+    left = [e for r in records for e in r.inserted.experts if policy.autocast_experts and not e.lowered
+            and e.dtype == torch.float32 and r.dtype != torch.bfloat16]
+    if left:
+        reporter.did_less(("autocast_experts", "not bf16"), (
+            f"amp_fx: Policy(autocast_experts=True) runs grouped expert GEMMs in bf16 only (torch compiles "
+            f"aten._grouped_mm for bf16 operands only), but dtype is {dtype_name(records[0].dtype)}: the experts "
+            f"{', '.join(dict.fromkeys(e.module for e in left))} stay in float32. Compile with dtype='bf16' to "
+            f"run them in bf16."), stacklevel=6)
+    if policy.autocast_experts is not None and records and not any(r.inserted.experts for r in records):
+        reporter.did_less(("autocast_experts", "unused"), (
+            f"amp_fx: Policy(autocast_experts={policy.autocast_experts}) matched no grouped expert GEMM "
+            f"({', '.join(GROUPED_MM_OPS)}) in the graphs captured on the first call, so it changed "
+            f"nothing. Experts written as one nn.Linear each are linears, which autocast already runs "
+            f"in the low dtype; drop the entry."), stacklevel=6)
+
+
+def fp32_experts_text(records: Sequence[GraphRecord], policy: Policy | None) -> str | None:
+    """What to say about mixture-of-experts layers whose grouped GEMMs run in float32 because no
+    autocast table lists their op (:data:`~amp_fx.policy.GROUPED_MM_OPS`), and the switch that
+    moves them; None when there are none, or when the policy decides them (``autocast_experts``
+    set, or an ``op_classes`` entry). The compiled model's warning and ``explain``'s note."""
+    policy = policy if policy is not None else Policy()
+    if policy.autocast_experts is not None:
+        return None
+    found = [e for r in records if r.fallback is None for e in r.inserted.experts
+             if e.dtype == torch.float32 and not e.lowered and e.op.replace(".", "::", 1) not in policy.op_classes]
+    if not found:
+        return None
+    modules = list(dict.fromkeys(e.module or "<root>" for e in found))
+    shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
+    ops = ", ".join(dict.fromkeys(e.op for e in found))
+    low = dtype_name(records[0].dtype)
+    return (f"amp_fx: the mixture-of-experts layers {shown} run their grouped expert GEMMs ({ops}) in "
+            f"float32: no autocast table lists the op, so eager torch.autocast, torch.compile and amp_fx "
+            f"(bitwise with eager autocast) all run the experts in their weights' dtype. Pass "
+            f"policy=amp_fx.Policy(autocast_experts=True) to run them in {low}, each as one "
+            f"aten._grouped_mm (no host sync), or Policy(autocast_experts=False) to keep them in float32 "
+            f"without this warning.")
 
 
 def report_no_graph(reporter: Reporter, target: object) -> None:

@@ -20,6 +20,14 @@ Guarantees:
       torchvision's ``roi_align``, ``nms``, ...) gets no cast: it is enclosed in a one-op
       ``torch.autocast`` region (``_enter_autocast``/``_exit_autocast`` nodes, with the dtype in
       force there), so the downstream backend runs that kernel as eager autocast does;
+    * a grouped expert GEMM that ``Policy(autocast_experts=True)`` decides (:data:`GROUPED_MM_OPS`)
+      runs as one ``aten._grouped_mm`` on operands cast to the autocast dtype: transformers'
+      ``grouped_mm_fallback`` node (a per-expert loop behind ``offs.tolist()``, a host sync) is
+      retargeted to ``aten._grouped_mm`` (offsets cast to int32, which its kernels take); a
+      weight operand that is a transpose/permute of an fp32 parameter is cast before the view
+      (the same values and gradients: a view moves elements, it never rounds), so the cast is the
+      parameter's shared leaf cast, which the weight cache lifts. Every grouped GEMM's module
+      path is recorded (:attr:`InsertRecord.experts`);
     * float64 and non-floating tensors are never cast; casts already in the graph are kept;
       ops that mutate or alias an input are never given a cast copy of that input;
     * ``meta["val"]`` is recomputed in graph order, so every value's recorded dtype is the one it
@@ -70,6 +78,7 @@ from amp_fx.passes import meta
 from amp_fx.passes.capture import eager_autocast, module_stack
 from amp_fx.policy import (
     APPEND_DTYPE_REDISPATCH,
+    GROUPED_MM_OPS,
     CastClass,
     Decision,
     Policy,
@@ -78,9 +87,12 @@ from amp_fx.policy import (
     op_from_name,
 )
 
-__all__ = ["insert_casts", "InsertRecord", "AmpFxError", "CAST_OP", "graph_device_type"]
+__all__ = ["insert_casts", "InsertRecord", "ExpertGemm", "AmpFxError", "CAST_OP", "graph_device_type"]
 
 CAST_OP = torch.ops.aten._to_copy.default
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+_LAYOUT_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
+"""Views a grouped GEMM's weight cast is moved before (pure layout changes of a parameter)."""
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
 
@@ -97,6 +109,23 @@ class InsertRecord:
     autocast_mismatches: list[str] = field(default_factory=list)
     """Nodes whose dtype after the pass differs from eager autocast's (expected only where the
     policy departs from torch's tables)."""
+    experts: list[ExpertGemm] = field(default_factory=list)
+    """Every grouped expert GEMM of the graph (:data:`GROUPED_MM_OPS`), in graph order."""
+
+
+@dataclass(frozen=True)
+class ExpertGemm:
+    """One grouped expert GEMM as insert_casts left it."""
+
+    node: str
+    op: str
+    """The op the model called ("aten._grouped_mm", "transformers.grouped_mm_fallback")."""
+    module: str
+    """The innermost module it runs in (qualified path; empty at the top level)."""
+    dtype: torch.dtype | None
+    """The dtype it computes in (its first operand's), None where that is not floating point."""
+    lowered: bool
+    """Whether ``Policy(autocast_experts=True)`` moved it to the autocast dtype."""
 
 
 def _val(arg: Any) -> Any:
@@ -148,15 +177,17 @@ class _Rewriter:
             self.cache[arg, to] = node
         return node
 
-    def cast_args(self, node: torch.fx.Node, to_type_of: Any, why: str) -> None:
-        """Cast every eligible tensor argument (in lists too) whose dtype differs from the target."""
+    def cast_args(self, node: torch.fx.Node, to_type_of: Any, why: str, *, through_views: bool = False) -> None:
+        """Cast every eligible tensor argument (in lists too) whose dtype differs from the target;
+        ``through_views``: a view of a leaf gets the leaf's cast, viewed (:meth:`cast_through_views`)."""
         def visit(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
                 v = _val(a)
                 if _eligible(v, self.device_type):
                     to = to_type_of(v)
                     if v.dtype != to:
-                        return self.cast(a, to, node, why)
+                        viewed = self.cast_through_views(a, to, node, why) if through_views else None
+                        return viewed if viewed is not None else self.cast(a, to, node, why)
             return a
 
         node.args = tuple(_map_nodes(visit, a) for a in node.args)
@@ -180,7 +211,9 @@ class _Rewriter:
 
     def apply(self, node: torch.fx.Node, decision: Decision) -> None:
         cls = decision.cast_class
-        if cls is CastClass.LOWER_PRECISION_FP:
+        if cls is CastClass.LOWER_PRECISION_FP and self.policy.lowers_experts(node.target.name()):
+            self.lower_grouped(node, decision.reason)
+        elif cls is CastClass.LOWER_PRECISION_FP:
             self.cast_args(node, lambda v: self.lower, decision.reason)
         elif cls is CastClass.FP32:
             self.cast_args(node, lambda v: torch.float32, decision.reason)
@@ -196,6 +229,47 @@ class _Rewriter:
         elif cls is CastClass.BANNED:
             raise AmpFxError(f"{banned_message(node.target.name(), self.policy, self.device_type)} "
                              f"(at {node.format_node()})")
+
+    def lower_grouped(self, node: torch.fx.Node, why: str) -> None:
+        """A grouped expert GEMM in the autocast dtype, as one ``aten._grouped_mm`` (module doc)."""
+        if node.target is not _GROUPED_MM:  # transformers::grouped_mm_fallback(input, weight, offs)
+            schema = node.target._schema
+            given = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | dict(node.kwargs)
+            offs = given["offs"]
+            if _val(offs).dtype != torch.int32:
+                with self.graph.inserting_before(node):
+                    offs = self.graph.call_function(CAST_OP, (offs,), {"dtype": torch.int32})
+                with self.fake_mode:
+                    offs.meta["val"] = CAST_OP(_val(given["offs"]), dtype=torch.int32)
+                offs.meta.update({"nn_module_stack": node.meta.get("nn_module_stack", {}),
+                                  meta.CAST: meta.CAST_INSERTED, meta.CACHED: False,
+                                  meta.CAST_REASON: f"{why}: aten._grouped_mm takes int32 offsets"})
+            node.target = _GROUPED_MM
+            node.args, node.kwargs = (given["input"], given["weight"], offs), {}
+        self.cast_args(node, lambda v: self.lower, why, through_views=True)
+
+    def cast_through_views(self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node,
+                           why: str) -> torch.fx.Node | None:
+        """``arg``, a chain of layout views of an fp32 leaf, rebuilt on the leaf's (shared) cast;
+        None when ``arg`` is not such a chain."""
+        views = []
+        src = arg
+        while (src.op == "call_function" and src.target in _LAYOUT_VIEWS
+               and not any(isinstance(a, torch.fx.Node) for a in src.args[1:])):
+            views.append(src)
+            src = src.args[0]
+        if not views or src.op != "placeholder":
+            return None
+        node = self.cast(src, to, before, why)
+        for view in reversed(views):
+            with self.graph.inserting_before(before):
+                node = self.graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))
+            with self.fake_mode:
+                node.meta["val"] = view.target(node.args[0].meta["val"], *view.args[1:], **view.kwargs)
+            node.meta["nn_module_stack"] = view.meta.get("nn_module_stack", {})
+            node.meta[meta.DECISION] = Decision(CastClass.NONE, f"view of the cast weight ({why}; cast "
+                                                                "before the view: the same values)")
+        return node
 
     def own_region(self, node: torch.fx.Node) -> None:
         """Enclose ``node`` in a ``torch.autocast`` region of its own, so that the op's Autocast
@@ -311,6 +385,8 @@ class _Rewriter:
             self.record.ops_by_class[decision.cast_class.value] += 1
             self.apply(node, decision)
         rewritten = call != (node.target, node.args, dict(node.kwargs))
+        if isinstance(call[0], torch._ops.OpOverload) and call[0].name() in GROUPED_MM_OPS:
+            self.record_expert(node, call[0])
         autocast_op = (isinstance(call[0], torch._ops.OpOverload)
                        and default_class(call[0].name(), self.device_type) is not CastClass.NONE)
         inputs_changed = any(a in changed for a in node.all_input_nodes)
@@ -324,6 +400,15 @@ class _Rewriter:
             if not _same_meta(before, node.meta["val"]):
                 changed.add(node)
 
+    def record_expert(self, node: torch.fx.Node, called: torch._ops.OpOverload) -> None:
+        stack = module_stack(node)
+        first = _val(node.args[0]) if node.args else None
+        self.record.experts.append(ExpertGemm(
+            node=node.name, op=called.name().replace("::", "."), module=stack[-1][0] if stack else "",
+            dtype=first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else None,
+            lowered=node.target is _GROUPED_MM and self.policy.lowers_experts(called.name())
+            and node.meta[meta.DECISION].cast_class is CastClass.LOWER_PRECISION_FP))
+
     def decide(self, node: torch.fx.Node) -> Decision:
         op = node.target
         if node.meta.get(meta.CAST) == meta.CAST_INSERTED:
@@ -333,6 +418,12 @@ class _Rewriter:
             return Decision(CastClass.NONE, "not autocast: torch.autocast(enabled=False) in the "
                                             "model covers this op")
         decision = self.policy.classify(op, self.device_type, module_stack(node))
+        if self.policy.lowers_experts(op.name()) and self.lower != torch.bfloat16:
+            # torch's meta kernel of aten._grouped_mm (what compiles it) takes bf16 operands only
+            return Decision(CastClass.NONE, f"not autocast: {op.name().replace('::', '.')} stays in its "
+                                            f"inputs' dtypes: Policy(autocast_experts=True) runs grouped "
+                                            f"GEMMs in bf16 only (aten._grouped_mm compiles for bf16 only), "
+                                            f"not {dtype_name(self.lower)}")
         if len(self.regions) > 1 and decision.cast_class is not CastClass.NONE:
             decision = dataclasses.replace(
                 decision, reason=f"{decision.reason}, in the model's torch.autocast region "

@@ -143,9 +143,10 @@ def _assert_step_bitwise(actual: RealStep, expected: RealStep) -> None:
 @pytest.mark.parametrize("name,dtype_id", _cases("compile"))
 def test_compile_bitwise(name: str, dtype_id: str) -> None:
     dtype = DTYPES[dtype_id]
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     expected = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
-    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", policy=entry.policy)
     actual = real_step(compiled, model, inputs, loss_fn)
     _assert_step_bitwise(actual, expected)
     assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
@@ -357,10 +358,11 @@ def test_weight_cache_bitwise_and_one_cast_per_optimizer_step(name: str, dtype_i
     parameters bitwise eager autocast's after each step, and per step the cache casts each weight
     eager autocast casts exactly once (eager: once per micro-batch), nothing else."""
     dtype, accumulate = DTYPES[dtype_id], 2
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     ref_model = copy.deepcopy(model)
     eager_bytes, eager_cast = _weight_cast_bytes(model, inputs, dtype)
-    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True)
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True, policy=entry.policy)
     cache = compiled.amp_fx_weight_cache
     _assert_step_bitwise(real_step(compiled, model, inputs, loss_fn),
                          eager_autocast_real_step(ref_model, inputs, loss_fn, dtype))
@@ -413,11 +415,13 @@ def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str)
     """Three optimizer steps (compile_step's first is its eager warm-up, the next two run the
     compiled finish): loss, scale and every parameter bitwise the eager recipe's after each."""
     dtype = DTYPES[dtype_id]
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     ref_model = copy.deepcopy(model)
     ours_scaler, ref_scaler = _step_scalers(dtype)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, ref_model))
-    step = amp_fx.compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager")
+    step = amp_fx.compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
+                              policy=entry.policy)
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
     before = [p.detach().clone() for p in ref_model.parameters()]
     for i in range(3):
@@ -436,7 +440,8 @@ def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str)
 @pytest.mark.parametrize("name,dtype_id", _cases("inspect"))
 def test_inspection_tools_agree_with_eager_autocast(name: str, dtype_id: str) -> None:
     dtype = DTYPES[dtype_id]
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     eager = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
 
     report = amp_fx.compare(model, dtype=dtype, loss_fn=loss_fn, **inputs)
@@ -570,12 +575,14 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
     parameter bitwise after each step; ``overflow_report()`` None after each clean step; at the
     planted step both report it with the same gradients, ``first_op`` inside the planted module only
     where watched (the negative twin). Every module the watch names is one of ``named_modules()``."""
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     weight, module = _planted_weight(model, inputs)
     runs = []
     for watched in (True, False):
         ours = copy.deepcopy(model)
-        compiled = amp_fx.compile(ours, dtype=DTYPES[dtype_id], backend="aot_eager", watch_nonfinite=watched)
+        compiled = amp_fx.compile(ours, dtype=DTYPES[dtype_id], backend="aot_eager", watch_nonfinite=watched,
+                                  policy=entry.policy)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
         scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
         scaler.watch(compiled)
@@ -615,13 +622,14 @@ def test_overflow_planted_is_named_as_eager_finds_it(name: str, dtype_id: str) -
     warm-up) and the planted one: ``overflow_report()`` None after the clean steps; at the planted
     step it names that step, a first non-finite fp16 op inside the planted module, and exactly the
     gradients eager autocast + ``torch.amp.GradScaler`` finds non-finite there."""
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     weight, module = _planted_weight(model, inputs)
     reference = _eager_nonfinite_gradients(copy.deepcopy(model), inputs, loss_fn, weight, module)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
     step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
-                               watch_nonfinite=True)
+                               watch_nonfinite=True, policy=entry.policy)
     plant, reports = _Plant(model, weight), []
     for i in range(_OVERFLOW_STEPS):
         with plant(i):
@@ -674,13 +682,14 @@ def test_overflow_backward_named_as_eager_finds_it(name: str, dtype_id: str) -> 
     autograd's backward made its first inf, and exactly the gradients eager finds non-finite."""
     if name in _BACKWARD_REFERENCE_FAILS:
         pytest.skip(_BACKWARD_REFERENCE_FAILS[name])
-    model, inputs, loss_fn = _entry(name).build()
+    entry = _entry(name)
+    model, inputs, loss_fn = entry.build()
     scale, origin, reference = _backward_overflow(copy.deepcopy(model), inputs, loss_fn)
     assert origin.op is not None and reference, (scale, origin, reference)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=scale, step_mode=StepMode.MASKED)
     step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
-                               watch_nonfinite=True)
+                               watch_nonfinite=True, policy=entry.policy)
     step(**inputs)
     report = step.overflow_report()
     assert report is not None and report.step == 0, report
