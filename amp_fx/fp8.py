@@ -1,8 +1,8 @@
 """fp8 training: the recipes and their configuration (``amp_fx.compile(..., fp8=...)``).
 
 With ``fp8`` set, every matmul of a captured graph that has a parameter (or a view of one) as its
-right operand, and whose dimensions ``torch._scaled_mm`` takes, runs as an fp8 matmul in the
-forward and in both backward GEMMs (:mod:`amp_fx.passes.fp8_matmuls`), with torchao 0.18's
+right operand runs as an fp8 matmul in the forward and in both backward GEMMs (any size: what
+``torch._scaled_mm`` needs in multiples of 16 is zero-padded) (:mod:`amp_fx.passes.fp8_matmuls`), with torchao 0.18's
 float8 training numerics (:mod:`amp_fx.kernels.fp8_matmul`). Everything else runs in ``dtype``
 as before.
 
@@ -50,8 +50,8 @@ class Fp8Config:
             ``"rowwise_with_gw_hp"``).
 
     Which matmuls stay out of fp8 is the policy's business (``Policy(keep_out_of_fp8=...)``);
-    shapes ``torch._scaled_mm`` cannot take stay in ``dtype`` on their own, and ``amp_fx.explain``
-    says why for each.
+    sizes that are not multiples of 16 run in fp8 padded, and ``amp_fx.explain`` shows the
+    padding, its cost, and why any other matmul stays in ``dtype``.
     """
 
     recipe: Fp8Recipe = Fp8Recipe.TENSORWISE

@@ -23,7 +23,9 @@ Per model and variant, on one device and one downstream backend (inductor by def
 
 ``--tier``: per transformers model of the real-model tier (``amp_fx/testing/real_models.py``) and
 recipe, one forward and backward under ``aot_eager``: the matmuls with a parameter operand
-(distinct weights), how many run in fp8, why the others do not, and the fp8 share of GEMM FLOPs
+(distinct weights), how many run in fp8, how many of those are padded to ``_scaled_mm``'s
+multiples of 16 and the FLOPs the padding adds (a fraction of all GEMM FLOPs; the shares count
+unpadded FLOPs), why the others do not, and the fp8 share of GEMM FLOPs
 for amp_fx and for torchao on the model as it is (the tier's tests check amp_fx bitwise against
 torchao converting the same layers: tests/models/test_fp8_real_models.py).
 
@@ -193,6 +195,8 @@ def tier(recipes: list[str]) -> None:
                            for d in decisions.values() if not d.converted})
             rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
                          "fp8": sum(d.converted for d in decisions.values()),
+                         "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
+                         "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
                          "fp8 share amp_fx": f"{flops.fp8_share:.3f}",
                          "fp8 share torchao": f"{ref_flops.fp8_share:.3f}",
                          "kept out (why)": "; ".join(kept) or "-"})

@@ -63,15 +63,17 @@ def _logits(out) -> torch.Tensor:
 
 @pytest.mark.slow_cases
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("name", ["functional", "hf_gpt2_conv1d"])
+@pytest.mark.parametrize("name", ["functional", "functional_18_rows", "hf_gpt2_conv1d"])
 def test_fp8_eager_run_is_bitwise_with_amp_fx_compile(name: str, recipe: str) -> None:
     """What advise measures with fp8 on is what amp_fx.compile runs: the eager fp8 mode
     (Fp8Eager, under CPU bf16 autocast) and ``amp_fx.compile(dtype="bf16", fp8=recipe,
     backend="aot_eager")`` give the same loss and gradients bit for bit, and convert the same
     matmuls. ``functional`` also pins a bug of the fp8 pass: ``F.linear(h, v.t())`` (a transposed
-    parameter as the weight) was rewritten with the parameter's shape and failed in the backward."""
+    parameter as the weight) was rewritten with the parameter's shape and failed in the backward;
+    ``functional_18_rows`` (2 x 9 tokens) converts too, padded."""
     torch.manual_seed(0)
-    model, inputs = (Functional(), (torch.randn(2, 16, 32),)) if name == "functional" else _gpt2()
+    rows = {"functional": 16, "functional_18_rows": 9}
+    model, inputs = (Functional(), (torch.randn(2, rows[name], 32),)) if name in rows else _gpt2()
     ours = copy.deepcopy(model)
     stack: list[str] = []
     handles = [m.register_forward_pre_hook(lambda mod, a, n=n: stack.append(n)) for n, m in model.named_modules()]
@@ -152,10 +154,22 @@ def test_fp8_too_small_to_gain_is_torchaos_verdict(recipe: str) -> None:
     assert set(advice.too_small_for_fp8) == expected and "too small to gain" in str(advice)
 
 
+class _LeftWeight(nn.Module):
+    """``(W @ x.T).T``: a matmul whose parameter is the left operand, which fp8 does not take."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight @ x.t()).t()
+
+
 def test_fp8_advise_says_when_no_matmul_runs_in_fp8() -> None:
-    """A model none of whose matmuls the fp8 pass converts (sizes not multiples of 16): advise warns
-    once, naming the model and why, and says so in its text; strict mode raises."""
-    model = nn.Sequential(nn.Linear(10, 24), nn.ReLU(), nn.Linear(24, 10))
+    """A model none of whose matmuls the fp8 pass converts (each weight the left operand, ``W @ x``;
+    odd sizes convert, padded): advise warns once, naming the model and why, and says so in its
+    text; strict mode raises."""
+    model = nn.Sequential(_LeftWeight(10, 24), nn.ReLU(), _LeftWeight(24, 10))
     x = torch.randn(16, 10)
     with pytest.warns(amp_fx.AmpFxWarning, match="no matmul of Sequential ran in fp8"):
         advice = amp_fx.advise(model, x, dtype="bf16", fp8="tensorwise", strict=False)

@@ -14,7 +14,6 @@ loss, every gradient, 20 AdamW steps), then inductor (error against float64 no w
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 
@@ -424,8 +423,8 @@ def test_functional_linears_in_fp8_where_torchao_converts_none(recipe: str) -> N
 
 
 class Odd(nn.Module):
-    """fc1 fits _scaled_mm; ``odd`` has 40 out features (N not a multiple of 16); ``head`` has
-    40 in features (K); ``experts`` is a 3-D weight used by bmm."""
+    """fc1's sizes are multiples of 16; ``odd`` has 40 out features (N); ``head`` has 40 in features
+    (K); ``experts`` is a 3-D weight used by bmm."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -439,48 +438,63 @@ class Odd(nn.Module):
         return torch.bmm(h.reshape(4, 8, 16), self.experts)
 
 
+class LeftWeights(nn.Module):
+    """Two matmuls whose parameter is the left operand (``W @ x``): fp8 takes the weight on the
+    right only, so none of them converts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(40, 24) / 5)
+        self.w2 = nn.Parameter(torch.randn(8, 40) / 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (self.w2 @ torch.relu(self.w1 @ x.t())).t()
+
+
 def _decisions(compiled: nn.Module) -> dict[str, object]:
     return {d.weight: d for r in compiled.amp_fx_records for d in r.fp8.decisions}
 
 
-def test_shapes_scaled_mm_cannot_take_stay_in_dtype_and_say_why() -> None:
+def test_shapes_scaled_mm_cannot_take_are_padded_and_a_3d_weight_stays_in_dtype() -> None:
+    """N=40 and K=40 run in fp8, padded to 48 (tests/test_fp8_padding.py: bitwise torchao's
+    ``pad_inner_dim``); the bmm on a 3-D weight stays in bf16 and says why."""
     torch.manual_seed(0)
     model, x = Odd(), torch.randn(2, 16, 32)
     compiled = compile_fp8(model, "tensorwise")
     compiled(x)
     d = _decisions(compiled)
-    assert [w for w, dec in d.items() if dec.converted] == ["fc1.weight"]
-    assert "N=40" in d["odd.weight"].reason and "multiple of 16" in d["odd.weight"].reason
-    assert "K=40" in d["head.weight"].reason and "N=" not in d["head.weight"].reason
+    assert [w for w, dec in d.items() if dec.converted] == ["fc1.weight", "odd.weight", "head.weight"]
+    assert d["fc1.weight"].padding is None
+    assert d["odd.weight"].padding.dims == {"N": (40, 48)} and "N 40->48" in d["odd.weight"].reason
+    assert d["head.weight"].padding.dims == {"K": (40, 48)}
     assert "3-D weight" in d["experts"].reason
     (record,) = compiled.amp_fx_records
-    linears = [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
-    assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
+    assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
     text = str(amp_fx.explain(compiled))
-    assert "N=40 (out features, the input-gradient GEMM's inner dimension) not a multiple of 16" in text
-    assert "1 of 4 (tensorwise)" in text
+    assert "padded to multiples of 16 for torch._scaled_mm: N 40->48" in text
+    assert "3 of 4 (tensorwise), 2 padded" in text
 
 
 @pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
-def test_rows_not_a_multiple_of_16_matter_only_where_the_weight_gradient_is_fp8(
+def test_rows_not_a_multiple_of_16_are_padded_only_where_the_weight_gradient_is_fp8(
         recipe: str, fp8_grad_weight: bool) -> None:
+    """M (batch x tokens) is the inner dimension of the weight-gradient GEMM: 2 x 9 = 18 rows are
+    padded to 32 for rowwise, not for rowwise_with_gw_hp (whose weight gradient is high precision);
+    both run in fp8."""
     _needs_rowwise()
-    """M (batch x tokens) is the inner dimension of the weight-gradient GEMM: 2 x 9 = 18 rows keep
-    rowwise out of fp8, not rowwise_with_gw_hp (whose weight gradient is high precision)."""
     model, _ = mlp()
-    compiled = compile_fp8(model, recipe, strict=False)
-    with pytest.warns(amp_fx.AmpFxWarning) if fp8_grad_weight else contextlib.nullcontext():
-        compiled(torch.randn(2, 9, 32))
+    compiled = compile_fp8(model, recipe, strict=True)
+    compiled(torch.randn(2, 9, 32))
     d = _decisions(compiled)
-    assert all(dec.converted is not fp8_grad_weight for dec in d.values())
-    if fp8_grad_weight:
-        assert "M=18" in d["fc1.weight"].reason
+    assert all(dec.converted for dec in d.values())
+    for dec in d.values():
+        assert (dec.padding.dims if dec.padding else None) == ({"M": (18, 32)} if fp8_grad_weight else None)
 
 
 def test_the_bf16_path_is_unchanged_where_nothing_converts() -> None:
-    """A model none of whose matmuls _scaled_mm takes: bitwise amp_fx without fp8."""
+    """A model none of whose matmuls fp8 takes: bitwise amp_fx without fp8."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
+    model = LeftWeights()
     x = torch.randn(4, 24)
     with_fp8 = compile_fp8(copy.deepcopy(model), "tensorwise", strict=False)
     with pytest.warns(amp_fx.AmpFxWarning, match="none of its 2 matmuls"):
@@ -489,9 +503,8 @@ def test_the_bf16_path_is_unchanged_where_nothing_converts() -> None:
 
 
 def test_strict_mode_refuses_fp8_honoured_nowhere() -> None:
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
-    with pytest.raises(amp_fx.AmpFxError, match=r"fp8='tensorwise' was asked, but none of its 2 matmuls.*N=40"):
-        compile_fp8(model, "tensorwise")(torch.randn(4, 24))
+    with pytest.raises(amp_fx.AmpFxError, match=r"fp8='tensorwise' was asked, but none of its 2 matmuls.*left operand"):
+        compile_fp8(LeftWeights(), "tensorwise")(torch.randn(4, 24))
 
 
 def test_strict_mode_refuses_fp8_on_a_model_without_parameter_matmuls() -> None:
@@ -623,23 +636,22 @@ def test_explain_takes_fp8_and_shows_recipe_and_granularity() -> None:
     torch.manual_seed(0)
     model, x = Odd(), torch.randn(2, 16, 32)
     ex = amp_fx.explain(model, x, fp8="rowwise_with_gw_hp")
-    (fc1,) = [d for d in ex.fp8_decisions() if d.converted]
-    assert fc1.weight == "fc1.weight" and fc1.recipe is Fp8Recipe.ROWWISE_WITH_GW_HP
+    fc1 = ex.fp8_decisions()[0]
+    assert fc1.weight == "fc1.weight" and fc1.converted and fc1.recipe is Fp8Recipe.ROWWISE_WITH_GW_HP
     table = ex.fp8_text(0)
     assert "x (e4m3 rowwise) @ w (e4m3 rowwise)" in table
     assert "grad (e4m3 rowwise) @ w (e4m3 tensorwise)" in table
     assert "x (high precision) @ grad (high precision)" in table
-    assert "fp8 matmuls" in ex.summary() and "1 of 4 (rowwise_with_gw_hp)" in ex.summary()
+    assert "fp8 matmuls" in ex.summary() and "3 of 4 (rowwise_with_gw_hp), 2 padded" in ex.summary()
     assert not any(n.op == "fp8_matmul" for n in amp_fx.explain(model, x).nodes())  # fp8 off: none
 
 
 def test_explain_shows_why_nothing_converts_instead_of_failing() -> None:
     """explain is where the reasons are read: strict mode does not stop it (the compiled model
     itself raises, test_strict_mode_refuses_fp8_honoured_nowhere)."""
-    model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 8))
-    ex = amp_fx.explain(model, torch.randn(4, 24), fp8="tensorwise")
+    ex = amp_fx.explain(LeftWeights(), torch.randn(4, 24), fp8="tensorwise")
     assert any("no matmul runs in fp8" in n for n in ex.notes)
-    assert all("N=40" in d.reason or "K=40" in d.reason for d in ex.fp8_decisions())
+    assert all("left operand" in d.reason for d in ex.fp8_decisions())
 
 
 def _weight_amaxes(model: nn.Module, run: Callable[[], None]) -> int:
@@ -907,7 +919,7 @@ def test_compare_with_fp8_honours_keep_out_of_fp8_by_type() -> None:
 class _DenseMixture(nn.Module):
     """A mixture whose experts are one 3-D parameter per projection (``[E, in, out]``), every expert
     on every token, weighted by a softmax router (no data-dependent routing: the matmuls stay in the
-    graph). The router's ``N=4`` is not a multiple of 16: it stays in bf16."""
+    graph). The router's ``N=4`` is not a multiple of 16: it runs in fp8 padded to 16."""
 
     def __init__(self, experts: int = 4, d: int = 32, hidden: int = 64) -> None:
         super().__init__()
@@ -952,8 +964,9 @@ def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
     """Experts held as one 3-D parameter and read per expert (``x @ self.w_in[e]``, an
     ``aten.select`` view): each expert's matmuls run in fp8, bitwise with torchao converting the
     ``nn.Linear`` twin's experts (loss, every gradient, the fp8 share of GEMM FLOPs); the router
-    stays in bf16 with its reason. torchao cannot convert the 3-D parameter itself. Before, a
-    ``select`` of a parameter was not a weight operand: the experts ran in bf16."""
+    (``N=4``) too, padded (torchao with ``pad_inner_dim``). torchao cannot convert the 3-D
+    parameter itself. Before, a ``select`` of a parameter was not a weight operand: the experts
+    ran in bf16."""
     torch.manual_seed(0)
     model, x = _DenseMixture(), torch.randn(2, 16, 32)
     twin = _MixtureTwin(model)
@@ -965,9 +978,8 @@ def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
         loss = loss_fn(compiled(x))
         loss.backward()
     decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
-    assert sum(d.converted for d in decisions) == 8
-    assert [d.module for d in decisions if not d.converted] == ["router"]
-    ref = torchao_float8(twin, recipe, module_filter_fn=lambda m, fqn: fqn != "router")
+    assert len(decisions) == 9 and all(d.converted for d in decisions)
+    ref = torchao_float8(twin, recipe, pad_inner_dim=True)
     with count_gemm_flops() as ref_flops:
         with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
             ref_loss = loss_fn(ref(x))
@@ -978,11 +990,11 @@ def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
                 "w_in": torch.stack([ref.inp[e].weight.grad.t() for e in range(4)]),
                 "w_out": torch.stack([ref.out[e].weight.grad.t() for e in range(4)])}
     assert_bitwise({n: p.grad for n, p in grads.items()}, expected, f"{recipe}: gradients")
-    # the same GEMMs in bf16 (the router's); in fp8, torchao's 24 (8 matmuls x 3) less the 4 input
-    # gradients of the experts' first matmuls, whose input (x) needs none: AOTAutograd drops them,
-    # torchao's Function computes them
-    assert flops.other == ref_flops.other and ref_flops.calls["fp8"] == 24, (flops, ref_flops)
-    assert flops.calls["fp8"] == 20 and flops.fp8_share > 0.99, (flops, ref_flops)
+    # every GEMM in fp8: torchao's 27 (9 matmuls x 3) less the 5 input gradients of the matmuls
+    # whose input is the model's (x needs none: the router's, the experts' first): AOTAutograd drops
+    # them, torchao's Function computes them
+    assert flops.other == ref_flops.other == 0 and ref_flops.calls["fp8"] == 27, (flops, ref_flops)
+    assert flops.calls["fp8"] == 22 and flops.fp8_share == 1.0 and flops.unaligned == 0, (flops, ref_flops)
 
 
 def test_experts_in_one_3d_parameter_with_the_weight_cache() -> None:

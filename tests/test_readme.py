@@ -69,7 +69,7 @@ opt = optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
 loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(4)]
 
-class Fp8Model(nn.Module):  # every matmul size a multiple of 16, as torch._scaled_mm needs (docs/fp8.md)
+class Fp8Model(nn.Module):  # every matmul size a multiple of 16: fp8 with no padding (docs/fp8.md)
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(32, 64)
@@ -185,9 +185,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     "docs/weight-cache-real-models.md": {
         "import torch": Run(needs="transformers"),
     },
-    # fp8 needs sizes _scaled_mm takes (the context's Model has 8 features and 4 rows: amp_fx would
-    # say nothing runs in fp8), so the blocks take Fp8Model and x16; aot_eager instead of a minute
-    # of inductor compiling, as in docs/compiled-step.md.
+    # the blocks take Fp8Model and x16, sizes _scaled_mm takes unpadded (the context's Model, 8
+    # features and 4 rows, would run in fp8 padded to 16); aot_eager instead of a minute of
+    # inductor compiling, as in docs/compiled-step.md.
     "docs/fp8.md": {
         'model = amp_fx.compile(model, dtype="bf16", fp8="tensorwise")   # or "rowwise", "rowwise_with_gw_hp"': Run(
             replace=(('amp_fx.compile(model, dtype="bf16", fp8="tensorwise")',

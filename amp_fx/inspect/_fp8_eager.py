@@ -4,7 +4,7 @@
 sees each ``F.linear`` (``nn.Linear``), ``torch.addmm`` (transformers' ``Conv1D``), ``torch.mm``
 and ``matmul``/``@`` whose right operand is a 2-D parameter or a view of one, and applies
 :mod:`amp_fx.passes.fp8_matmuls`'s rules to it (autocast on; not inside a module kept out of fp8;
-``K``, ``N`` and, when the weight-gradient GEMM is fp8, ``M`` multiples of 16). A matmul that
+any size: the fp8 matmul pads what ``_scaled_mm`` needs). A matmul that
 passes runs as the pass rewrites it: :func:`~amp_fx.kernels.fp8_matmul.fp8_matmul` on the input
 cast to the autocast dtype and the fp32 weight as ``[K, N]``, autocast off, then the bias cast to
 the output's dtype and added. So the forward and backward are those of
@@ -29,8 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from amp_fx.fp8 import Fp8Config
 from amp_fx.inspect._probe import module_hooks
-from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul
-from amp_fx.passes.fp8_matmuls import ALIGNMENT
+from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.policy import ModuleSelector, module_matches
 
 __all__: list[str] = []
@@ -137,7 +136,6 @@ class Fp8Eager(TorchFunctionMode):
         self.root = root
         self.measure = measure
         self.calls: list[Fp8Call] = []
-        self._fp8_grad_weight = RECIPES[self.recipe].input_for_grad_weight.dtype is not None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -168,9 +166,6 @@ class Fp8Eager(TorchFunctionMode):
             return None
         w = _as_kn(op, w)
         if not isinstance(x, torch.Tensor) or x.dim() < 2 or not x.is_floating_point() or x.dtype == torch.float64:
-            return None
-        m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
-        if k % ALIGNMENT or n % ALIGNMENT or (self._fp8_grad_weight and m % ALIGNMENT):
             return None
         return x, w, bias
 

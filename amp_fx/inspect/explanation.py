@@ -411,8 +411,10 @@ class Explanation:
                 "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
             })
             if any(r.fp8 is not None for r in self.records):
+                padded = 0 if r.fp8 is None else sum(d.padding is not None for d in r.fp8.converted)
                 rows[-1]["fp8 matmuls"] = "-" if r.fp8 is None else (
-                    f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})")
+                    f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})"
+                    + (f", {padded} padded" if padded else ""))
         return rows
 
     def fp8_decisions(self, graph: int | None = None) -> list[Fp8Decision]:
@@ -423,7 +425,9 @@ class Explanation:
 
     def fp8_text(self, graph: int) -> str:
         """The fp8 pass's decision for each matmul of one graph: which run in fp8, with the
-        recipe and the scale granularity of each operand, and why the others stay in dtype."""
+        recipe and the scale granularity of each operand, what is padded to ``_scaled_mm``'s
+        multiples of 16 and what that costs (FLOPs and bytes, a fraction of the unpadded GEMMs'),
+        and why the others stay in dtype."""
         r = self.records[graph]
         if r.fp8 is None:
             return f"graph {graph}: fp8 off"

@@ -13,6 +13,16 @@ op sequence is torchao's, function for function (the name of the torchao functio
 reproduces is in its docstring), so the results are bitwise with ``convert_to_float8_training``
 on the same inputs; ``tests/test_fp8.py`` checks it against torchao itself.
 
+Every shape: ``torch._scaled_mm`` on a GPU needs ``mat1``'s columns and both of ``mat2``'s
+dimensions to be multiples of :data:`ALIGNMENT`. Each GEMM whose sizes are not pads its fp8
+operands with zeros (:func:`_pad_for_scaled_mm`, torchao's ``pad_inner_dim`` extended to
+``mat2``'s columns) and slices the result, on every device (the CPU kernel takes any size, but
+runs the same padded code, so what is tested here is what a GPU runs). Scales are computed
+before, on the unpadded tensors: a zero never raises an amax, so a padded tensor would give the
+same scales anyway, tensorwise and per row; the padded columns of a rowwise ``mat2`` get the scale
+1 (their data is zero and their output columns are sliced off). ``tests/test_fp8_padding.py``
+checks it bitwise with torchao's ``Float8LinearConfig(pad_inner_dim=True)``.
+
 Why an ``autograd.Function`` of ATen ops and not a custom op: the fp8 pass puts a call of
 :func:`fp8_matmul` in the captured graph, and AOTAutograd traces through the Function into the
 forward graph and its backward into the backward graph, as ATen ops (``abs``, ``amax``, ``mul``,
@@ -43,11 +53,17 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from amp_fx.fp8 import Fp8Recipe
 
 __all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
-           "E5M2", "EPS", "rowwise_scales_missing"]
+           "E5M2", "EPS", "ALIGNMENT", "Fp8Padding", "padding", "rowwise_scales_missing"]
+
+ALIGNMENT = 16
+"""``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
+multiples of 16 (``mat1``'s rows may be anything). The CPU kernel takes any size; the fp8 matmul
+pads to this rule on every device, so the CPU runs the GPU's code path."""
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -207,6 +223,86 @@ def _row_major(stride: tuple[int, ...]) -> bool:
     return stride[0] > stride[1] and stride[1] == 1
 
 
+def _aligned(size: int) -> int:
+    """``size`` rounded up to a multiple of :data:`ALIGNMENT` (torchao ``_get_min_alignment``)."""
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def _pad_for_scaled_mm(a_data: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_rowwise: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a_data, b_data, b_scale)`` zero-padded to the sizes ``_scaled_mm`` takes on a GPU: the
+    inner dimension of both (torchao ``preprocess_addmm`` with ``pad_inner_dim``:
+    ``pad_tensor_for_matmul(a, dims=1)``, ``(b, dims=0)``) and ``b``'s columns, which torchao does
+    not pad (a GPU refuses its result there). A rowwise ``b_scale`` (``[1, N]``) gets 1 for each
+    padded column. The operands themselves where their sizes are already multiples of 16: no op
+    is added (sizes known while tracing; a symbolic size is guarded on its remainder)."""
+    k, n = b_data.shape
+    pad_k, pad_n = _aligned(k) - k, _aligned(n) - n
+    if pad_k:
+        a_data = F.pad(a_data, (0, pad_k))
+    if pad_k or pad_n:
+        b_data = F.pad(b_data, (0, pad_n, 0, pad_k))
+    if pad_n and b_rowwise:
+        b_scale = F.pad(b_scale, (0, pad_n), value=1.0)
+    return a_data, b_data, b_scale
+
+
+@dataclass(frozen=True)
+class Fp8Padding:
+    """What the fp8 matmul ``[M, K] @ [K, N]`` pads, over the GEMMs its recipe runs in fp8 (the
+    others run as ``torch.mm``, unpadded), and what that costs."""
+
+    gemms: tuple[tuple[str, str, tuple[int, int, int], tuple[int, int, int]], ...]
+    """Per fp8 GEMM: its name (``out``, ``grad_x``, ``grad_w``), the names of ``(rows, inner,
+    cols)`` of ``mat1 @ mat2`` as ``_scaled_mm`` takes it (``"MKN"`` for ``out``), and those sizes
+    unpadded and padded."""
+    extra_flops: float
+    """FLOPs the padding adds to these GEMMs, as a fraction of their unpadded FLOPs."""
+    extra_bytes: float
+    """Bytes the padding adds to these GEMMs' traffic (fp8 operands read, 2-byte result written),
+    as a fraction of it unpadded. Not counted: the pads themselves, which in eager and
+    ``aot_eager`` copy each padded operand and under inductor are pointwise ops it may fuse into
+    the cast that makes the operand; the slice of the result is a view."""
+
+    @property
+    def dims(self) -> dict[str, tuple[int, int]]:
+        """Each padded dimension (``"M"``, ``"K"``, ``"N"``): (size, padded size)."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, names, sizes, padded in self.gemms:
+            for name, size, p in zip(names, sizes, padded):
+                if p != size:
+                    out[name] = (size, p)
+        return dict(sorted(out.items()))
+
+    @property
+    def text(self) -> str:
+        """``"K 1001->1008, N 37->48: +2.1% FLOPs, +3.4% bytes"``."""
+        dims = ", ".join(f"{d} {s}->{p}" for d, (s, p) in self.dims.items())
+        return f"{dims}: +{100 * self.extra_flops:.1f}% FLOPs, +{100 * self.extra_bytes:.1f}% bytes"
+
+
+def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
+    """What :func:`fp8_matmul` pads for an ``[M, K] @ [K, N]`` with ``recipe`` (the rule of
+    :func:`_pad_for_scaled_mm`: each GEMM's inner dimension and columns), None where every fp8
+    GEMM's sizes are already multiples of 16."""
+    c = RECIPES[recipe]
+    gemms = [(name, names, shape) for name, names, shape, cast in (
+        ("out", "MKN", (m, k, n), c.input), ("grad_x", "MNK", (m, n, k), c.grad_output),
+        ("grad_w", "NMK", (n, m, k), c.input_for_grad_weight)) if cast.dtype is not None]
+    padded = [(name, names, (r, i, cc), (r, _aligned(i), _aligned(cc))) for name, names, (r, i, cc) in gemms]
+    if all(s == p for _, _, s, p in padded):
+        return None
+
+    def traffic(r: int, i: int, cc: int) -> int:
+        return r * i + i * cc + 2 * r * cc
+
+    flops = sum(r * i * cc for _, _, (r, i, cc), _ in padded)
+    extra_flops = sum(r * pi * pc for _, _, _, (r, pi, pc) in padded) - flops
+    base = sum(traffic(*s) for _, _, s, _ in padded)
+    extra_bytes = sum(traffic(*p) for _, _, _, p in padded) - base
+    return Fp8Padding(tuple(padded), extra_flops / flops, extra_bytes / base)
+
+
 def _mm(a: _Fp8 | torch.Tensor, b: _Fp8 | torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """torchao ``float8_mm`` (``preprocess_addmm`` + ``addmm_float8_unwrapped``); a plain
     ``torch.mm`` where both operands stay in high precision."""
@@ -215,6 +311,8 @@ def _mm(a: _Fp8 | torch.Tensor, b: _Fp8 | torch.Tensor, fast_accum: bool) -> tor
             "a GEMM's operands are both fp8 or both high precision"
         return torch.mm(a, b)
     a_data, a_scale, b_data, b_scale = a.data, a.scale, b.data, b.scale
+    n = b_data.shape[1]
+    a_data, b_data, b_scale = _pad_for_scaled_mm(a_data, b_data, b_scale, b.axiswise_dim is not None)
     if not _row_major(a_data.stride()):
         a_data = a_data.contiguous()
     if _row_major(b_data.stride()):
@@ -244,6 +342,8 @@ def _mm(a: _Fp8 | torch.Tensor, b: _Fp8 | torch.Tensor, fast_accum: bool) -> tor
                               use_fast_accum=fast_accum)
     if post_inverse_scale is not None:
         output *= post_inverse_scale
+    if output.shape[1] != n:
+        output = output[:, :n]  # b's padded columns: zeros, never part of the result
     if orig_dtype in (torch.float16, torch.float32) and rowwise:
         output = output.to(orig_dtype)
     return output

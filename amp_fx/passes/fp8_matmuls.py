@@ -13,10 +13,11 @@ converted, or left in ``dtype`` with the reason recorded. A matmul stays in ``dt
 * the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
   input is not bf16/fp16;
 * its module is kept out of fp8 by ``Policy(keep_out_of_fp8=...)``;
-* a dimension of one of its three GEMMs is not a multiple of 16, which ``torch._scaled_mm``
-  needs on the GPU: ``K`` (in features) and ``N`` (out features) always, ``M`` (the rows of ``x``,
-  batch times tokens) for the recipes whose weight-gradient GEMM is fp8 (its inner dimension);
 * the parameter is the left operand, or the weight is 3-D (batched matmul, ``bmm``).
+
+Any size converts: where a dimension of one of its fp8 GEMMs is not a multiple of 16 (which
+``torch._scaled_mm`` needs on a GPU), the fp8 matmul pads it with zeros and slices the result
+(:func:`amp_fx.kernels.fp8_matmul.padding` says what, and what it costs; the decision carries it).
 
 A converted matmul becomes :func:`amp_fx.kernels.fp8_matmul.fp8_matmul` on the input as
 ``insert_casts`` cast it (the autocast dtype) and the *fp32* weight, transposed to ``[K, N]``
@@ -66,7 +67,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_matmul import RECIPES, fp8_matmul, rowwise_scales_missing
+from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import CastClass, Decision, Policy, module_matches
@@ -74,11 +75,6 @@ from amp_fx.policy import CastClass, Decision, Policy, module_matches
 __all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS", "WEIGHT_VIEWS"]
 
 aten = torch.ops.aten
-
-ALIGNMENT = 16
-"""``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
-multiples of 16 (the CPU kernel takes any size; amp_fx applies the GPU's rule everywhere, so a
-model converts the same matmuls on both)."""
 
 MATMULS = {
     aten.linear.default: "aten.linear",
@@ -116,6 +112,10 @@ class Fp8Decision:
     """(M, K, N) of the forward GEMM (a symbolic size as text), where known."""
     recipe: Fp8Recipe | None = None
     """The recipe the matmul runs with, where converted."""
+    padding: Fp8Padding | None = None
+    """Where converted with a size that is not a multiple of 16: what its fp8 GEMMs pad and what
+    that costs (None where nothing is padded, or a size is symbolic: then it pads at run time
+    where needed)."""
 
     @property
     def flops(self) -> int:
@@ -215,10 +215,10 @@ class _Rewriter:
         match, why = self.match(node)
         shape = self.shape(match) if match is not None else None
 
-        def decide(converted: bool, reason: str) -> Fp8Decision:
+        def decide(converted: bool, reason: str, pad: Fp8Padding | None = None) -> Fp8Decision:
             name = weight.meta.get(meta.PARAMETER) or weight.name
             d = Fp8Decision(converted, reason, op, name, module, shape,
-                            self.recipe if converted else None)
+                            self.recipe if converted else None, pad)
             self.record.decisions.append(d)
             return d
 
@@ -241,11 +241,13 @@ class _Rewriter:
             node.meta[meta.FP8] = decide(False, f"not fp8: module {excluded[0] or '<root>'} kept out of "
                                                 f"fp8 by policy ({excluded[1]})")
             return
-        misaligned = self.misaligned(shape)
-        if misaligned:
-            node.meta[meta.FP8] = decide(False, f"not fp8: {misaligned}")
-            return
-        self.convert(node, match, decide(True, self.converted_reason()))
+        pad = self.padding(shape)
+        reason = self.converted_reason()
+        if pad is not None:
+            reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
+        elif not all(isinstance(d, int) for d in shape):  # type: ignore[union-attr]
+            reason += f"; a symbolic size: padded at run time where not a multiple of {ALIGNMENT}"
+        self.convert(node, match, decide(True, reason, pad))
 
     def match(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """The operands of a matmul whose right operand is a 2-D parameter, or why not."""
@@ -287,22 +289,13 @@ class _Rewriter:
         m = math.prod(xv.shape[:-1])
         return _text(m), _text(k), _text(n)
 
-    def misaligned(self, shape: tuple[int | str, int | str, int | str] | None) -> str:
-        """Why _scaled_mm cannot take these sizes ("" if it can)."""
+    def padding(self, shape: tuple[int | str, int | str, int | str] | None) -> Fp8Padding | None:
+        """What the fp8 matmul pads at these sizes (None where nothing, or a size is symbolic)."""
         assert shape is not None
+        if not all(isinstance(d, int) for d in shape):
+            return None
         m, k, n = shape
-        bad = []
-        for name, size, role in (("K", k, "in features, the forward GEMM's inner dimension"),
-                                 ("N", n, "out features, the input-gradient GEMM's inner dimension")):
-            if isinstance(size, str) or size % ALIGNMENT:
-                bad.append(f"{name}={size} ({role})")
-        fp8_grad_weight = self.casts.input_for_grad_weight.dtype is not None
-        if fp8_grad_weight and isinstance(m, int) and m % ALIGNMENT:
-            bad.append(f"M={m} (rows of the input, the weight-gradient GEMM's inner dimension)")
-        if not bad:
-            return ""
-        return (f"{' and '.join(bad)} not a multiple of {ALIGNMENT}, which torch._scaled_mm needs; "
-                f"it stays in the autocast dtype")
+        return padding(m, k, n, self.recipe)  # type: ignore[arg-type]
 
     def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
         for path, mtype in stack:

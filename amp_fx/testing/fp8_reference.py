@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -80,12 +81,15 @@ def cpu_autocast_torchao() -> Iterator[None]:
 
 
 def torchao_float8(model: torch.nn.Module, recipe: str,
-                   module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None) -> torch.nn.Module:
-    """A copy of ``model`` with its ``nn.Linear`` swapped by torchao's ``convert_to_float8_training``."""
+                   module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *,
+                   pad_inner_dim: bool = False) -> torch.nn.Module:
+    """A copy of ``model`` with its ``nn.Linear`` swapped by torchao's ``convert_to_float8_training``
+    (``pad_inner_dim``: torchao's option that zero-pads each GEMM's inner dimension to a multiple
+    of 16, the reference for amp_fx's padding)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    return convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn,
-                                      config=Float8LinearConfig.from_recipe_name(recipe))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad_inner_dim)
+    return convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn, config=config)
 
 
 def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -109,15 +113,28 @@ def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
 
 _GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"})
 _SCALED_MM = "aten::_scaled_mm"
+_PAD = "aten::constant_pad_nd"
 
 
 @dataclass
 class GemmFlops:
-    """GEMM FLOPs (2 M K N per GEMM) of the ops that ran, fp8 and not, and the GEMMs by kind."""
+    """GEMM FLOPs (2 M K N per GEMM) of the ops that ran, fp8 and not, and the GEMMs by kind.
+
+    A ``_scaled_mm`` on zero-padded operands counts at its unpadded sizes in ``fp8``; what the
+    padding adds is in ``padding``."""
 
     fp8: int = 0
     other: int = 0
     calls: dict[str, int] = field(default_factory=dict)
+    padding: int = 0
+    """FLOPs of the zeros padded in (not in ``fp8``)."""
+    padded: int = 0
+    """``_scaled_mm`` calls on padded operands."""
+    pads: int = 0
+    """2-D zero pads that ran (``F.pad``; the padding of GEMM operands)."""
+    unaligned: int = 0
+    """``_scaled_mm`` calls with sizes a GPU refuses (``mat1``'s columns or a dimension of ``mat2``
+    not a multiple of 16): the CPU kernel runs them, CUDA's raises."""
 
     @property
     def total(self) -> int:
@@ -126,6 +143,19 @@ class GemmFlops:
     @property
     def fp8_share(self) -> float:
         return self.fp8 / self.total if self.total else 0.0
+
+
+def _padded_from(event: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(padded shape, shape) of a 2-D ``constant_pad_nd`` that pads at the end with zeros
+    (``F.pad(t, (0, right, 0, bottom))``, torchao's ``pad_tensor_for_matmul`` and amp_fx's)."""
+    shapes, args = event.input_shapes, getattr(event, "concrete_inputs", None)
+    if not shapes or len(shapes[0]) != 2 or not args or len(args) < 2 or not isinstance(args[1], list):
+        return None
+    pad = list(args[1]) + [0] * (4 - len(args[1]))
+    if pad[0] or pad[2] or (len(args) > 2 and args[2] not in (0, 0.0, None)):
+        return None
+    rows, cols = shapes[0]
+    return (rows + pad[3], cols + pad[1]), (rows, cols)
 
 
 def _gemm_flops(name: str, shapes: list[list[int]]) -> int:
@@ -164,20 +194,43 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     torchao's tensor subclass receives ``aten::mm`` and runs ``_scaled_mm`` inside it. A GEMM is
     fp8 when it is, or contains, a ``_scaled_mm``. Fused attention (CPU sdpa runs as one op) is
     not counted: none of its operands is a parameter, so no recipe puts it in fp8.
+
+    Padding: a ``_scaled_mm`` whose ``mat2`` is the result of a zero pad (``aten::constant_pad_nd``
+    since the previous ``_scaled_mm``; amp_fx's and torchao's ``pad_inner_dim`` padding) counts at
+    its unpadded sizes, the rest in ``padding``. Where the pad is not an op of its own (fused by
+    inductor) or torch records no pad amounts (``concrete_inputs``), it counts padded.
     """
     flops = GemmFlops()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield flops
-    for event in prof.events():
-        if event.name not in _GEMMS:
-            continue
-        ancestors = list(_ancestors(event))
-        if any(a.name in _GEMMS for a in ancestors):
+    events = [e for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+              if (e.name in _GEMMS or e.name == _PAD) and not any(_compiling(a.name) for a in _ancestors(e))]
+    # run on fake tensors while Dynamo or AOTAutograd traced (a recompile): left out above
+    unpadded: dict[int, int] = {}  # id of a _scaled_mm on padded operands -> its unpadded FLOPs
+    pads: dict[tuple[int, ...], tuple[int, ...]] = {}  # since the last _scaled_mm: padded shape -> shape
+    for event in events:
+        if event.name == _PAD:
+            padded = _padded_from(event)
+            if padded is not None and padded[0] != padded[1]:
+                pads[padded[0]] = padded[1]
+                flops.pads += 1
+        elif event.name == _SCALED_MM:
+            (rows, inner), mat2 = event.input_shapes[0], event.input_shapes[1]
+            flops.unaligned += bool(inner % 16 or mat2[0] % 16 or mat2[1] % 16)
+            shape = pads.get(tuple(mat2))  # whatever is padded, mat2 is (its rows or its columns)
+            if shape is not None:
+                unpadded[id(event)] = 2 * rows * shape[0] * shape[1]
+            pads.clear()
+    for event in events:
+        if event.name == _PAD or any(a.name in _GEMMS for a in _ancestors(event)):
             continue  # inside another GEMM
-        if any(_compiling(a.name) for a in ancestors):
-            continue  # run on fake tensors while Dynamo or AOTAutograd traced (a recompile)
         n = _gemm_flops(event.name, event.input_shapes)
-        fp8 = event.name == _SCALED_MM or any(d.name == _SCALED_MM for d in _descendants(event))
+        scaled = [e for e in (event, *_descendants(event)) if e.name == _SCALED_MM]
+        fp8 = bool(scaled)
+        if scaled and id(scaled[0]) in unpadded:
+            flops.padding += _gemm_flops(_SCALED_MM, scaled[0].input_shapes) - unpadded[id(scaled[0])]
+            flops.padded += 1
+            n = unpadded[id(scaled[0])]
         if fp8:
             flops.fp8 += n
         else:

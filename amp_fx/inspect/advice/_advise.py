@@ -146,9 +146,8 @@ def _no_fp8_matmul(model: Any, config: Fp8Config, low: torch.dtype, strict: bool
     """Warn (or raise, strict) that ``fp8`` was asked for but no matmul ran in fp8."""
     did_less(("advise fp8", type(model)), (
         f"amp_fx.advise: fp8={config.recipe.value!r} but no matmul of {type(model).__name__} ran in "
-        f"fp8 (none has a parameter as its right operand with sizes torch._scaled_mm takes: "
-        f"K, N{' and M' if RECIPES[config.recipe].input_for_grad_weight.dtype is not None else ''} "
-        f"multiples of 16); the advice is for {dtype_name(low)} alone. amp_fx.explain(model, ..., "
+        f"fp8 (none has a parameter as its right operand, outside a module kept out of fp8, "
+        f"under autocast); the advice is for {dtype_name(low)} alone. amp_fx.explain(model, ..., "
         f"fp8=...) says why for each matmul."), strict=strict)
 
 
