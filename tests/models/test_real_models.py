@@ -75,6 +75,14 @@ _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
+# The state-space models (Mamba, FalconMamba, Jamba): their Dynamo graph holds the vmap'd regions of
+# transformers' associative scan, which takes about 15-25 s a compile here (twice a transformers
+# model of the tier). By default amp_fx.compile bitwise in bf16 for all three and in fp16 for Mamba;
+# every other case is models_slow. Each test enters the entry's traced_path (eager scans as the
+# trace does; the eager loop's fp32 rounding differs: test_ssm_compiled_differs_as_torch_compile_does).
+_SSM = tuple(name for name, entry in REAL_MODELS.items() if entry.traced_path is not None)
+_MODEL_DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
+    name: {"bf16": ("compile",), "fp16": ("compile",) if name == "hf_mamba" else ()} for name in _SSM}
 # GPT-2: a tied head and Conv1D layers; Llama: transformers 5.24 decorates its forward (the root
 # reaches Dynamo as L['args'][0]), and this test checks that every watched module is one of
 # named_modules() (the other models run it under models_slow)
@@ -106,7 +114,7 @@ def _cases(feature: str) -> list[Any]:
     for name, entry in REAL_MODELS.items():
         for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
-            default = (feature in _DEFAULT[entry.library][dtype_id]
+            default = (feature in _MODEL_DEFAULT.get(name, _DEFAULT[entry.library])[dtype_id]
                        or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT)
                        or (feature == "overflow_backward" and name in _OVERFLOW_BACKWARD_DEFAULT))
             if name in _ALL_SLOW or not default:
@@ -115,6 +123,20 @@ def _cases(feature: str) -> list[Any]:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _eager_on_the_traced_path(request: pytest.FixtureRequest) -> Any:
+    """For a model that runs other code eagerly than traced (``RealModel.traced_path``), the whole
+    test runs with eager on the traced path, so eager autocast references the same computation."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("name") if callspec is not None else None
+    entry = REAL_MODELS.get(name) if isinstance(name, str) else None
+    if entry is None or entry.traced_path is None or entry.missing():
+        yield
+        return
+    with entry.traced_path():
+        yield
 
 
 def _entry(name: str) -> RealModel:
