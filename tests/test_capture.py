@@ -230,6 +230,52 @@ def test_other_higher_order_ops_run_under_eager_autocast(sign):
     assert any(n.target is amp_fx.passes.capture.autocast_hop for n in record.rewritten.graph.nodes)
 
 
+class WithTransform(nn.Module):
+    """A linear, a functorch transform that Dynamo inlines into its graph, and a linear. Each
+    transform runs an autocast op (a matmul) on batched tensors, so its casts show in the values."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(8, 16)
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops.associative_scan import associative_scan
+
+        h = self.a(x)  # (batch, tokens, 16)
+        if self.kind == "associative_scan":
+            # As transformers' Mamba scans on CPU: combine_mode="generic" vmaps the combine function.
+            # Matrix products are associative: a running product of 4x4 matrices, one per token.
+            m = torch.tanh(h).unflatten(-1, (4, 4))
+            y = associative_scan(lambda left, right: left @ right, m, dim=1, combine_mode="generic").flatten(-2)
+        elif self.kind == "vmap":
+            y = torch.vmap(lambda row: row @ self.w)(h)
+        else:  # torch.func.grad: a backward inside the forward
+            y = torch.func.grad(lambda t: (t @ self.w).float().pow(2).sum())(h)
+        return self.b(y)
+
+
+@pytest.mark.slow_cases
+@pytest.mark.parametrize("kind,dtype", [("associative_scan", torch.bfloat16), ("associative_scan", torch.float16),
+                                        ("vmap", torch.bfloat16), ("grad", torch.bfloat16)],
+                         ids=["associative_scan-bf16", "associative_scan-fp16", "vmap-bf16", "grad-bf16"])
+def test_functorch_transform_regions_run_under_eager_autocast(kind, dtype):
+    # Pre-dispatch tracing records ops above functorch's batching layer: traced as is, the vmap'd
+    # ops were recorded on batched tensors held as constants, cut off from the inputs, and
+    # AOTAutograd failed on them ("NYI: querying is_contiguous inside of vmap", transformers'
+    # Mamba). The region stays whole and runs under eager autocast, backward included.
+    torch.manual_seed(0)
+    compiled = _train_step_against_eager(WithTransform(kind), torch.randn(2, 6, 8), dtype)
+    (record,) = compiled.amp_fx_records
+    nodes = list(record.captured.graph.nodes)
+    regions = [n for n in nodes if n.target is amp_fx.passes.capture.autocast_region]
+    assert regions and not [n for n in nodes if n.op == "get_attr" and "_tensor_constant" in str(n.target)]
+    if kind == "vmap":  # the matmul inside was cast by eager autocast: the region returns the low dtype
+        assert [n.meta["val"][0].dtype for n in regions] == [dtype]
+
+
 class WithDropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -11,9 +11,11 @@ above both, and a decomposition table that expands exactly the composite ops the
 claim reproduces what the dispatcher does under autocast: ``linear`` stays ``linear``,
 ``einsum`` becomes ``bmm``, ``layer_norm`` on CPU becomes ``native_layer_norm``.
 
-Three constructs need more than that, each explained where it is handled: activation-checkpointed
+Four constructs need more than that, each explained where it is handled: activation-checkpointed
 regions are inlined and tagged for recomputation, other higher-order ops (custom
-``autograd.Function``s, ``torch.cond``) stay whole and run under eager autocast, and CPU dropout
+``autograd.Function``s, ``torch.cond``, ``scan``) stay whole and run under eager autocast, so do
+the regions of functorch transforms that Dynamo inlines (``torch.vmap``, which
+``associative_scan(combine_mode="generic")`` uses, ``torch.func.grad``, ``jvp``), and CPU dropout
 takes its mask from ``native_dropout`` so the mask survives AOTAutograd's functionalisation.
 
 Contract of :func:`capture`:
@@ -33,6 +35,7 @@ import itertools
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -55,8 +58,8 @@ from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_f
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "autocast_hop", "eager_autocast", "is_cacheable_leaf", "module_path", "module_stack",
-           "source_name", "source_text", "data_inputs"]
+__all__ = ["capture", "autocast_hop", "autocast_region", "eager_autocast", "is_cacheable_leaf", "module_path",
+           "module_stack", "source_name", "source_text", "data_inputs"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -198,6 +201,94 @@ def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     return track_tensor_tree(example_out, out_proxy, constant=None, tracer=tracer)
 
 
+def autocast_region(device_type: str, dtype: torch.dtype, body: torch.fx.GraphModule, *args: Any) -> tuple[Any, ...]:
+    """A functorch transform's region of Dynamo's graph (``body``, see :func:`_transform_regions`),
+    run under eager autocast.
+
+    Eager runs a ``torch.vmap``'d function's ops below the batching layer, each cast by eager
+    autocast; the downstream backend does the same when it traces or runs this call (AOTAutograd
+    traces through the vmap, as it does for ``torch.compile``), so the region keeps eager
+    autocast's values and gradients.
+    """
+    with eager_autocast(device_type, dtype):
+        return tuple(body(*args))
+
+
+# The calls with which Dynamo opens and closes a functorch transform it inlines (torch 2.13:
+# torch.vmap -> _vmap_increment_nesting .. _vmap_decrement_nesting, torch.func.grad/vjp ->
+# _grad_*, torch.func.jvp -> _jvp_* and the dual level). Both the predispatch wrappers that
+# Dynamo records and the C functions they wrap are listed: versions differ in which they record.
+def _transform_calls(*names: str) -> frozenset[Any]:
+    found = set()
+    for module in (torch._C._functorch, getattr(torch._functorch, "predispatch", None), torch._C):
+        for name in names:
+            fn = getattr(module, name, None) if module is not None else None
+            if fn is not None:
+                found.add(fn)
+    return frozenset(found)
+
+
+_TRANSFORM_OPEN = _transform_calls("_vmap_increment_nesting", "_grad_increment_nesting",
+                                   "_jvp_increment_nesting", "_enter_dual_level")
+_TRANSFORM_CLOSE = _transform_calls("_vmap_decrement_nesting", "_grad_decrement_nesting",
+                                    "_jvp_decrement_nesting", "_exit_dual_level")
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A functorch transform's region of Dynamo's graph, cut out as a graph of its own."""
+
+    body: torch.fx.GraphModule
+    inputs: tuple[torch.fx.Node, ...]
+    """Nodes before the region whose values it reads, in the order of ``body``'s placeholders."""
+    outputs: tuple[torch.fx.Node, ...]
+    """Nodes of the region read after it, in the order of ``body``'s outputs."""
+    nodes: frozenset[torch.fx.Node]
+
+
+def _transform_regions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Region]:
+    """Each outermost functorch transform region of ``gm``, by its opening node.
+
+    Why not trace into it: pre-dispatch tracing records ops at the PreDispatch key, above
+    functorch's batching layer, and records ``_add_batch_dim`` and its kin only under
+    ``torch.export``. Traced as is, a vmap'd op would be recorded on the batched tensors as
+    constants, cut off from the graph's inputs (AOTAutograd then fails on the first of them:
+    "NYI: querying is_contiguous inside of vmap"). The region, from the call that opens the
+    transform to the call that closes it (nested transforms included), is the unit eager runs.
+    """
+    regions: dict[torch.fx.Node, _Region] = {}
+    depth, members, start = 0, [], None
+    for node in gm.graph.nodes:
+        opens = node.op == "call_function" and node.target in _TRANSFORM_OPEN
+        closes = node.op == "call_function" and node.target in _TRANSFORM_CLOSE
+        if opens:
+            if depth == 0:
+                start, members = node, []
+            depth += 1
+        if depth > 0:
+            members.append(node)
+        if closes and depth > 0:
+            depth -= 1
+            if depth == 0:
+                regions[start] = _cut_region(gm, members)
+    return regions
+
+
+def _cut_region(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> _Region:
+    inside = set(members)
+    inputs = list(dict.fromkeys(a for n in members for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in members if any(u not in inside for u in n.users)]
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in members:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[n] for n in outputs))
+    return _Region(torch.fx.GraphModule(gm, graph), tuple(inputs), tuple(outputs), frozenset(inside))
+
+
 class _InliningInterpreter(torch.fx.Interpreter):
     """Runs Dynamo's graph, inlining activation-checkpointed regions.
 
@@ -211,13 +302,30 @@ class _InliningInterpreter(torch.fx.Interpreter):
 
     Other higher-order ops are kept whole, as :func:`autocast_hop` nodes. Custom
     ``torch.autograd.Function``s must be: pre-dispatch tracing would record only their forward,
-    under no_grad, and silently drop their backward.
+    under no_grad, and silently drop their backward. Regions of functorch transforms are kept
+    whole too, as :func:`autocast_region` nodes (see :func:`_transform_regions`).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, device_type: str, dtype: torch.dtype) -> None:
         super().__init__(gm)
         self.device_type = device_type
         self.dtype = dtype
+        self.regions = _transform_regions(gm)
+        self.in_region = frozenset(n for r in self.regions.values() for n in r.nodes)
+        self.region_values: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        region = self.regions.get(n)
+        if region is not None:
+            log.info("amp_fx: a functorch transform region (%s) stays whole; its ops are cast by eager "
+                     "autocast", n.target.__name__)
+            with self._set_current_node(n):
+                values = _record_opaque(autocast_region, (self.device_type, self.dtype, region.body,
+                                                          *(self.env[a] for a in region.inputs)), {})
+            self.region_values.update(zip(region.outputs, values, strict=True))
+        if n in self.in_region:
+            return self.region_values.pop(n, None)
+        return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.higher_order.tag_activation_checkpoint:

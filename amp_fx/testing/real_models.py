@@ -2,8 +2,9 @@
 
 The zoo (:mod:`amp_fx.testing.zoo`) holds models written for the tests; this module builds the
 models people train, from their own libraries: Hugging Face ``transformers`` (GPT-2, BERT, Llama,
-Qwen2, Mixtral, T5, ViT, ConvNeXt), ``torchvision``, ``timm`` and ``diffusers`` UNets. Nothing is
-downloaded: every model is built from a config with random weights, under a fixed seed.
+Qwen2, Mixtral, T5, ViT, ConvNeXt, and the state-space models Mamba, FalconMamba and Jamba),
+``torchvision``, ``timm`` and ``diffusers`` UNets. Nothing is downloaded: every model is built
+from a config with random weights, under a fixed seed.
 
 Each entry's :meth:`RealModel.build` returns ``(model, inputs, loss_fn)``:
 
@@ -15,7 +16,8 @@ Each entry's :meth:`RealModel.build` returns ``(model, inputs, loss_fn)``:
   (``.float()``, ``pow``, ``mean``), or reads the loss the model computed in its forward
   (Hugging Face models given ``labels``): the same value inside and outside an autocast region.
 
-Sizes: Hugging Face transformers 2 layers x hidden 64, vocabulary 128, batch 2 x 16 tokens;
+Sizes: Hugging Face transformers 2 layers x hidden 64, vocabulary 128, batch 2 x 16 tokens (the
+state-space models: hidden 32, one Mamba layer; Jamba adds an attention layer with 2 experts);
 images 32x32 (Hugging Face, torchvision ViT) or 64x64 (torchvision and timm CNNs, timm ViT),
 ``num_classes=10``; UNets ``block_out_channels=(32, 64)``, ``norm_num_groups=8``, 16x16.
 
@@ -30,9 +32,10 @@ and timm imports torchvision), so that tests skip with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +207,55 @@ def _hf_convnext(gen: torch.Generator) -> Built:
     return _no_dropout(model), {"pixel_values": _images(gen, 32), "labels": labels}, _hf_loss
 
 
+# State-space models: transformers' Mamba mixer scans with torch's associative_scan
+# (combine_mode="generic": a torch.vmap'd combine function) only while Dynamo compiles; eagerly it
+# runs a sequential loop. hidden 32 with state 8 keeps the scan's graph small (the scan over 16
+# tokens unrolls into 2 * log2(16) vmap'd levels per layer).
+_SSM_DIMS = dict(vocab_size=_VOCAB, hidden_size=32, use_cache=False)
+_SSM_MODULES = ("mamba", "falcon_mamba", "jamba")
+
+
+def _hf_mamba(gen: torch.Generator) -> Built:
+    import transformers as tf
+
+    config = tf.MambaConfig(**_SSM_DIMS, state_size=8, num_hidden_layers=1, expand=2, conv_kernel=4)
+    return _hf_causal(config, tf.MambaForCausalLM, gen)
+
+
+def _hf_falcon_mamba(gen: torch.Generator) -> Built:
+    import transformers as tf
+
+    config = tf.FalconMambaConfig(**_SSM_DIMS, state_size=8, num_hidden_layers=1, expand=2, conv_kernel=4)
+    return _hf_causal(config, tf.FalconMambaForCausalLM, gen)
+
+
+def _hf_jamba(gen: torch.Generator) -> Built:
+    import transformers as tf
+
+    # Layer 0 a Mamba mixer with a dense MLP, layer 1 attention with a mixture of 2 experts (top 1).
+    config = tf.JambaConfig(**_SSM_DIMS, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)
+    return _hf_causal(config, tf.JambaForCausalLM, gen)
+
+
+@contextlib.contextmanager
+def _ssm_traced_path() -> Iterator[None]:
+    """Eager runs the state-space models' compiled path: transformers' ``is_torchdynamo_compiling``
+    reads True in their modeling modules, so the mixer scans with ``associative_scan`` eagerly too
+    (Dynamo traces the same branch)."""
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in _SSM_MODULES]
+    saved = [m.is_torchdynamo_compiling for m in modules]
+    for m in modules:
+        m.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved, strict=True):
+            m.is_torchdynamo_compiling = fn
+
+
 # --- torchvision ----------------------------------------------------------------------------------
 
 
@@ -279,6 +331,10 @@ class RealModel:
     factory: Callable[[torch.Generator], Built]
     policy: Policy = field(default_factory=Policy)
     """The policy the tier compiles it with (``amp_fx.compile(..., policy=entry.policy)``)."""
+    traced_path: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    """For a model that runs other code eagerly than traced: a context under which eager runs the
+    traced code, so that eager autocast is a reference for the same computation (tests enter it for
+    the whole test; docs/parity.md, "Models that branch on being compiled")."""
 
     def missing(self) -> str | None:
         """Why this entry cannot be built here, or None."""
@@ -303,6 +359,11 @@ REAL_MODELS: dict[str, RealModel] = {
         RealModel("hf_t5", "transformers", _hf_t5),
         RealModel("hf_vit", "transformers", _hf_vit),
         RealModel("hf_convnext", "transformers", _hf_convnext),
+        RealModel("hf_mamba", "transformers", _hf_mamba, traced_path=_ssm_traced_path),
+        RealModel("hf_falcon_mamba", "transformers", _hf_falcon_mamba, traced_path=_ssm_traced_path),
+        # Jamba's attention layer holds a mixture of experts: fp32 experts, as Mixtral's.
+        RealModel("hf_jamba", "transformers", _hf_jamba, traced_path=_ssm_traced_path,
+                  policy=Policy(autocast_experts=False)),
         RealModel("tv_resnet18", "torchvision", _torchvision("resnet18", 64)),
         RealModel("tv_mobilenet_v3_small", "torchvision", _torchvision("mobilenet_v3_small", 64)),
         RealModel("tv_efficientnet_b0", "torchvision", _torchvision("efficientnet_b0", 64)),

@@ -77,6 +77,16 @@ _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
+# The state-space models (Mamba, FalconMamba, Jamba): their Dynamo graph holds the vmap'd regions of
+# transformers' associative scan: a test_compile_bitwise case takes 24-46 s here. By default
+# amp_fx.compile bitwise on Mamba (bf16, fp16) and Jamba (bf16: the hybrid); FalconMamba runs
+# Mamba's mixer (with RMS norms on its inputs), so all its cases, and every other case of the
+# three, are models_slow. Each test enters the entry's traced_path (eager scans as the
+# trace does; the eager loop's fp32 rounding differs: test_ssm_compiled_differs_as_torch_compile_does).
+_SSM = tuple(name for name, entry in REAL_MODELS.items() if entry.traced_path is not None)
+_MODEL_DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {name: {"bf16": (), "fp16": ()} for name in _SSM}
+_MODEL_DEFAULT.update({"hf_mamba": {"bf16": ("compile",), "fp16": ("compile",)},
+                       "hf_jamba": {"bf16": ("compile",), "fp16": ()}})
 # GPT-2: a tied head and Conv1D layers; Llama: transformers 5.24 decorates its forward (the root
 # reaches Dynamo as L['args'][0]), and this test checks that every watched module is one of
 # named_modules() (the other models run it under models_slow)
@@ -108,7 +118,7 @@ def _cases(feature: str) -> list[Any]:
     for name, entry in REAL_MODELS.items():
         for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
-            default = (feature in _DEFAULT[entry.library][dtype_id]
+            default = (feature in _MODEL_DEFAULT.get(name, _DEFAULT[entry.library])[dtype_id]
                        or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT)
                        or (feature == "overflow_backward" and name in _OVERFLOW_BACKWARD_DEFAULT))
             if name in _ALL_SLOW or not default:
@@ -117,6 +127,20 @@ def _cases(feature: str) -> list[Any]:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=_KNOWN[name, feature]))
             out.append(pytest.param(name, dtype_id, marks=marks, id=f"{name}-{dtype_id}"))
     return out
+
+
+@pytest.fixture(autouse=True)
+def _eager_on_the_traced_path(request: pytest.FixtureRequest) -> Any:
+    """For a model that runs other code eagerly than traced (``RealModel.traced_path``), the whole
+    test runs with eager on the traced path, so eager autocast references the same computation."""
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("name") if callspec is not None else None
+    entry = REAL_MODELS.get(name) if isinstance(name, str) else None
+    if entry is None or entry.traced_path is None or entry.missing():
+        yield
+        return
+    with entry.traced_path():
+        yield
 
 
 def _entry(name: str) -> RealModel:
@@ -150,6 +174,69 @@ def test_compile_bitwise(name: str, dtype_id: str) -> None:
     actual = real_step(compiled, model, inputs, loss_fn)
     _assert_step_bitwise(actual, expected)
     assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
+
+
+def _ssm_cases() -> list[Any]:
+    return [pytest.param(n, d, marks=pytest.mark.models_slow, id=f"{n}-{d}") for n in _SSM for d in DTYPES]
+
+
+# Inductor keeps the intermediates of a fused kernel in fp32 (excess precision): each rounding to
+# the low dtype that eager does between the mixer's elementwise ops (softplus, exp, the gate's
+# SiLU, the RMS norm) is skipped. Measured here (torch 2.13 CPU), as the largest |difference| of
+# a tensor over its largest |value|: gradients 2.4 eps (bf16) and 5.7 eps (fp16), outputs below
+# 1 eps, the fp32 loss below 0.01 eps; torch.compile + autocast under inductor differs as much.
+# Below the low dtype's smallest normal its spacing is fixed (fp16: 2^-24), so the bound is taken
+# relative to at least twice that (Jamba's fp16 x_proj gradient, largest value 3.3e-5: 10 ulps of
+# 2^-24 apart, within 8 eps of 2 * 2^-14 = 2^-20).
+_INDUCTOR_EPS = 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype_id", _ssm_cases())
+def test_ssm_inductor_within_tolerance(name: str, dtype_id: str) -> None:
+    """The state-space models compiled by inductor: outputs and every gradient within 8 eps of the
+    low dtype (relative to the tensor's largest value) of eager autocast's, the loss within 1 eps."""
+    dtype = DTYPES[dtype_id]
+    eps = torch.finfo(dtype).eps
+    model, inputs, loss_fn = _entry(name).build()
+    expected = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
+    actual = real_step(amp_fx.compile(model, dtype=dtype, backend="inductor"), model, inputs, loss_fn)
+    torch.testing.assert_close(actual.loss, expected.loss, atol=0, rtol=eps)
+    for what, got, want in (("output", actual.out, expected.out), ("grad", actual.grads, expected.grads)):
+        assert want, f"no {what} compared"
+        for key, ref in want.items():
+            if ref is None:
+                assert got[key] is None, key
+                continue
+            atol = _INDUCTOR_EPS * eps * max(float(ref.abs().max()), 2 * torch.finfo(dtype).smallest_normal)
+            torch.testing.assert_close(got[key], ref, atol=atol, rtol=0, msg=lambda m, k=key: f"{what} {k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name,dtype_id", [pytest.param(*c.values, marks=c.marks, id=c.id) for c in _ssm_cases()])
+def test_ssm_compiled_differs_as_torch_compile_does(model_name: str, dtype_id: str) -> None:
+    """Without the traced path (the parameter is not ``name``, so the tier's fixture leaves eager
+    as it is): transformers' Mamba mixer scans with ``associative_scan`` only while Dynamo compiles,
+    and eagerly runs a sequential loop. amp_fx is bitwise ``torch.compile`` under autocast (the graph
+    Dynamo gives both); eager's loop adds up the fp32 state in another order, so gradients differ by
+    fp32 rounding only: at most 2^-20 of a tensor's largest value (one rounding of 2^-24 per token,
+    16 tokens; measured 2^-22), and by something. test_compile_bitwise is the twin on the same path."""
+    dtype = DTYPES[dtype_id]
+    model, inputs, loss_fn = _entry(model_name).build()
+    eager = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, dtype)
+    plain_model = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=dtype):
+        loss = loss_fn(torch.compile(plain_model, backend="aot_eager")(**inputs))
+    loss.backward()
+    ours = real_step(amp_fx.compile(model, dtype=dtype, backend="aot_eager"), model, inputs, loss_fn)
+    assert_bitwise(ours.loss, loss.detach(), "loss vs torch.compile under autocast")
+    assert_bitwise(ours.grads, {n: p.grad for n, p in plain_model.named_parameters()},
+                   "grads vs torch.compile under autocast")
+    differ = [n for n, g in eager.grads.items() if g is not None and not torch.equal(g, ours.grads[n])]
+    assert differ, "eager's loop and the scan gave the same bits: the traced path is no longer another computation"
+    for n in differ:
+        ref = eager.grads[n]
+        torch.testing.assert_close(ours.grads[n], ref, atol=2.0**-20 * float(ref.abs().max()), rtol=0, msg=n)
 
 
 @pytest.mark.slow_cases
