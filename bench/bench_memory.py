@@ -3,6 +3,7 @@
     python bench/bench_memory.py                    # CPU: Llama-like 4 x 256, batch 4 x 128 (exact counts)
     python bench/bench_memory.py --device cuda      # a GPU: Llama-like 4 x 2048, batch 4 x 2048
     python bench/bench_memory.py --no-dist --runs "amp_fx bf16,amp_fx fp8"   # a subset, no gloo ranks
+    python bench/bench_memory.py --no-memory --layers 2               # the DDP/FSDP2 table only
 
 One AdamW training step of the Llama-like model (``bench/bench_weight_casts.py``: RMSNorm, SwiGLU,
 untied head; the loss in fp32), for every run below, each on a fresh copy of the same fp32 model
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--dist-backend", default="aot_eager", help="the gloo ranks' runs")
     parser.add_argument("--runs", default="", help="comma-separated prefixes of run names (default: all)")
     parser.add_argument("--no-dist", action="store_true", help="leave out the DDP/FSDP2 table")
+    parser.add_argument("--no-memory", action="store_true", help="the DDP/FSDP2 table only")
     parser.add_argument("--warmup", type=int, default=3)
     for name in PRESETS["cpu"]:
         parser.add_argument(f"--{name}", type=int, default=None)
@@ -281,12 +283,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torchao")
 
     results = {}
-    for run in selected:
+    for run in ([] if args.no_memory else selected):
         try:
             results[run.name] = measure(run, dims, args.device, args.backend, args.warmup)
         except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
             results[run.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
-    print(tabulate(_memory_rows(results), headers="keys", disable_numparse=True, tablefmt="github"))
+    if results:
+        print(tabulate(_memory_rows(results), headers="keys", disable_numparse=True, tablefmt="github"))
     notes = {f"{name}: {w}" for name, r in results.items() for w in r.get("warnings", [])}
     notes |= {f"{name}: {r['compiled_during']} graph(s) compiled during the measured steps"
               for name, r in results.items() if r.get("compiled_during")}
