@@ -2,7 +2,7 @@
 
     python bench/bench_memory.py                    # CPU: Llama-like 4 x 256, batch 4 x 128 (exact counts)
     python bench/bench_memory.py --device cuda      # a GPU: Llama-like 4 x 2048, batch 4 x 2048
-    python bench/bench_memory.py --no-dist --runs "amp_fx bf16,amp_fx fp8"   # a subset, no gloo ranks
+    python bench/bench_memory.py --no-dist --runs "amp_fx bf16;amp_fx fp8"   # a subset, no gloo ranks
     python bench/bench_memory.py --no-memory --layers 2               # the DDP/FSDP2 table only
 
 One AdamW training step of the Llama-like model (``bench/bench_weight_casts.py``: RMSNorm, SwiGLU,
@@ -238,8 +238,8 @@ def _dist_rank(rank: int, world_size: int, names: list[str], dims: dict[str, int
                         t.step(*batch)
                 with sent_bytes() as sent:
                     t.step(*batch)
-                n = sum(p.numel() for p in t.params)  # local shards under FSDP2: sum over ranks below
-                out[key] = {"sent": dict(sent), "local_params": n,
+                n = sum(p.numel() for p in t.params)  # the whole model's: a DTensor's numel is global
+                out[key] = {"sent": dict(sent), "params": n,
                             "warnings": sorted({str(w.message)[:200] for w in caught
                                                 if issubclass(w.category, amp_fx.AmpFxWarning)})}
             except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="inductor", help="single-process runs (default inductor)")
     parser.add_argument("--dist-backend", default="aot_eager", help="the gloo ranks' runs")
-    parser.add_argument("--runs", default="", help="comma-separated prefixes of run names (default: all)")
+    parser.add_argument("--runs", default="", help="prefixes of run names, separated by ';' (default: all)")
     parser.add_argument("--no-dist", action="store_true", help="leave out the DDP/FSDP2 table")
     parser.add_argument("--no-memory", action="store_true", help="the DDP/FSDP2 table only")
     parser.add_argument("--warmup", type=int, default=3)
@@ -268,7 +268,7 @@ def main() -> None:
     dims = dict(PRESETS[args.device])
     dims.update({k: getattr(args, k) for k in dims if getattr(args, k) is not None})
     missing = torchao_missing()
-    prefixes = [p.strip() for p in args.runs.split(",") if p.strip()]
+    prefixes = [p.strip() for p in args.runs.split(";") if p.strip()]
     selected = [r for r in runs() if (not prefixes or any(r.name.startswith(p) for p in prefixes))
                 and not (r.kind == "torchao" and missing)]
     if prefixes and ANCHOR not in [r.name for r in selected]:
@@ -342,6 +342,7 @@ def _memory_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def _dist_rows(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str, str]]:
+    """Rank 0's counts (the ranks run the same steps on same-sized batches: the same bytes)."""
     rows = []
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
     for key, r in per_rank[0].items():
@@ -351,10 +352,10 @@ def _dist_rows(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str, str]
             row["all_reduce"] = f"not supported: {r['error']}"
             rows.append(row)
             continue
-        n = r["local_params"] if wrap == "ddp" else sum(p[key]["local_params"] for p in per_rank)
         for kind in kinds:
             b = r["sent"].get(kind, 0)
-            row[kind] = f"{_mib(b)} MiB, {b / n:.2f} B/param" if b else "0"
+            size = f"{_mib(b)} MiB" if b >= MIB // 10 else f"{b} B"
+            row[kind] = f"{size}, {b / r['params']:.2f} B/param" if b else "0"
         rows.append(row)
     return rows
 
