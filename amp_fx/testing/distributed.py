@@ -3,7 +3,9 @@
 ``run_ranks(fn, *args)`` starts ``world_size`` processes (``torch.multiprocessing.spawn``), each
 joining a gloo process group on 127.0.0.1 at a free port, runs ``fn(rank, world_size, *args)``
 and returns what each rank returned (anything ``torch.save`` can write), rank 0 first. An
-exception in a rank is raised in the caller with that rank's traceback.
+exception in a rank is raised in the caller with that rank's traceback. ``backend=`` picks another
+process-group backend: ``amp_fx.testing.memory.COUNTING_BACKEND`` is gloo with every collective's
+bytes counted (``amp_fx.testing.memory.sent_bytes``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str,
-               fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+               fn: Callable[..., Any], args: tuple[Any, ...], backend: str = "gloo") -> None:
     import torch.distributed as dist
+
+    if backend != "gloo":
+        import amp_fx.testing.memory  # noqa: F401 - registers the counting backend
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # One thread per rank: the ranks share the machine's cores with each other.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -42,12 +47,12 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str,
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo ranks; their return values."""
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` ranks (gloo by default); their return values."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args),
+        mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args, backend),
                  nprocs=world_size, join=True)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
