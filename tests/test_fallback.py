@@ -24,9 +24,22 @@ from amp_fx import AmpFxError, AmpFxWarning, CastClass, Policy
 from amp_fx.backend import compiler
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.backend.splits import SplitTracker
+from amp_fx.overflow import watch as _watch
 from amp_fx.passes import pipeline
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.testing import assert_bitwise
+
+
+@pytest.fixture(autouse=True)
+def _drop_the_watches_a_fallback_keeps():
+    """Known leak (stop 41, cause not found yet): a model one of whose graphs fell back stays alive
+    until the process ends (its backend is held from outside Python's heap, on Dynamo's side; a plain
+    compile of the same model is freed). Its watch (``watch_nonfinite=True``) would then be found by
+    the GradScaler of every later test in this worker (tests/test_overflow.py counts the watched
+    models alive), so the watches registered here are dropped when the test ends."""
+    before = list(_watch._WATCHED)
+    yield
+    _watch._WATCHED[:] = [ref for ref in _watch._WATCHED if ref in before]
 
 
 class _Broken(torch.nn.Module):

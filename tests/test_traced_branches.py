@@ -127,7 +127,19 @@ _GQA_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(_GQA_CASES))
+# torch 2.11 (the matrix, stop 41): where eager takes enable_gqa, nothing is reported for this
+# module (transformers' sdpa_mask and sdpa_attention_forward called from a plain module): no node the
+# sdpa's mask is computed from carries masking_utils' sdpa_mask in its stack trace there, so the traced
+# path is not recognised. The tier's Llama, compiled whole, is still reported on 2.11
+# (tests/models/test_real_models.py::test_grouped_query_attention_is_reported_once_at_compile_time).
+_NOT_RECOGNISED = torch.__version__.startswith("2.11")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.xfail(_NOT_RECOGNISED and spec[3], strict=True, reason=(
+        "torch 2.11: the traced mask is not recognised as sdpa_mask's for this module, so the report "
+        "does not fire (the tier's Llama is still reported)")))
+    for case, spec in _GQA_CASES.items()])
 def test_grouped_query_report_fires_exactly_where_eager_calls_sdpa_with_enable_gqa(case: str) -> None:
     """The traced path always repeats k/v under a materialised mask. Eager transformers runs another
     computation exactly where it drops the mask and calls sdpa with ``enable_gqa=True`` (recorded
