@@ -111,17 +111,19 @@ def _to_mx(x: torch.Tensor) -> _Mx:
     blocks = blocks.to(torch.float32)
     max_abs = max_abs.to(torch.float32)
     descale = max_abs / _E4M3_MAX
-    exponent = torch.where(
-        torch.isnan(descale), _E8M0_NAN,
-        torch.where(torch.isinf(descale), 254,
-                    (torch.clamp(torch.ceil(torch.log2(descale)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
-                     + _E8M0_BIAS).to(torch.uint8)))
+    # torchao's torch.where(cond, scalar, t), with the scalars as full tensors (same values): a
+    # scalar would become a real tensor among fake ones where the weight cache traces this.
+    exponent = (torch.clamp(torch.ceil(torch.log2(descale)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
+                + _E8M0_BIAS).to(torch.uint8)
+    exponent = torch.where(torch.isnan(descale), torch.full_like(exponent, _E8M0_NAN),
+                           torch.where(torch.isinf(descale), torch.full_like(exponent, 254), exponent))
     # 2**-exponent; torchao's special cases: NaN stays NaN, inf -> 2**-127, exponent 0 (an
     # all-zero block, or amax below 2**-118) -> 1.
     rcp = torch.where(
         exponent == _E8M0_NAN, descale,
-        torch.where(exponent == 254, 2**-127,
-                    torch.where(exponent == 0, 1.0, torch.exp2(_E8M0_BIAS - exponent.to(torch.float32)))))
+        torch.where(exponent == 254, torch.full_like(descale, 2**-127),
+                    torch.where(exponent == 0, torch.full_like(descale, 1.0),
+                                torch.exp2(_E8M0_BIAS - exponent.to(torch.float32)))))
     data = torch.clamp(blocks * rcp, min=-_E4M3_MAX, max=_E4M3_MAX)
     data = data.to(_E4M3).reshape(rows, cols)
     return _Mx(data, exponent.squeeze(-1))
@@ -135,7 +137,7 @@ def _dequantize(a: _Mx, dtype: torch.dtype) -> torch.Tensor:
     offset = a.scale.to(torch.int16) - _E8M0_BIAS
     two = torch.full_like(offset, 2.0, dtype=torch.float32)
     scale = torch.pow(two, offset)
-    scale = torch.where(a.scale != _E8M0_NAN, scale, float("nan"))
+    scale = torch.where(a.scale != _E8M0_NAN, scale, torch.full_like(scale, float("nan")))
     return (data * scale.reshape(-1, 1).to(dtype)).reshape(rows, cols)
 
 
