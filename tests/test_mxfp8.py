@@ -104,9 +104,34 @@ def test_fp8_matmul_routes_mxfp8_and_its_weight_casts_are_the_uncached_ones() ->
     assert_bitwise(w.grad, grad, "cached grad_w")
 
 
+@pytest.mark.parametrize("ends", [(32, 64, 96), (20, 50, 96)], ids=["groups_of_32", "groups_straddle_blocks"])
+def test_grouped_kernel_bitwise_with_torchao_emulated(ends: tuple[int, ...]) -> None:
+    """The grouped expert GEMM (emulated; not yet used by the pass): output and both gradients
+    against torchao's ``_to_mxfp8_then_scaled_grouped_mm(..., EMULATED)``, including groups whose
+    sizes are not multiples of 32 (weight-gradient blocks straddle two experts, in both)."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 64).bfloat16().requires_grad_()
+    w = torch.randn(3, 32, 64).bfloat16().transpose(-2, -1).requires_grad_()  # [E, K, N], torchao's layout
+    offs = torch.tensor(ends, dtype=torch.int32)
+    ref = _to_mxfp8_then_scaled_grouped_mm(x, w, offs, kernel_preference=KernelPreference.EMULATED)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = mx.mxfp8_grouped_mm(x2, w2, offs)
+    out.backward(g)
+    assert_bitwise(out, ref, "out")
+    assert_bitwise(x2.grad, x.grad, "grad_x")
+    assert_bitwise(w2.grad, w.grad, "grad_w")
+    assert not torch.equal(out, torch._grouped_mm(x, w, offs=offs))  # not a bf16 grouped GEMM
+
+
 # --- the pass -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~20 s on a loaded 2-core CPU, mostly the first compile
 def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
     """10 AdamW steps under aot_eager: the first step's gradients, every loss, the final
     parameters, bit for bit with torchao's emulated MXFP8. Also (one compile for all): every
@@ -150,6 +175,7 @@ def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
     assert "fp8=mxfp8" in text and "runs emulated here" in text
 
 
+@pytest.mark.slow  # 7 to 12 s on a loaded 2-core CPU: two compiles
 @pytest.mark.filterwarnings("error:amp_fx. weight_cache=True")  # the cache fell back: a failure
 def test_weight_cache_bitwise_with_uncached() -> None:
     """``weight_cache=True`` casts the weight to MXFP8 once per step: same losses and parameters

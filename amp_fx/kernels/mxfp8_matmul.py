@@ -52,7 +52,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "mxfp8_matmul", "mxfp8_matmul_cached_weight", "mx_weight_casts", "mx_kernels_missing"]
+__all__ = ["BLOCK", "mxfp8_matmul", "mxfp8_matmul_cached_weight", "mx_weight_casts", "mx_kernels_missing",
+           "mxfp8_grouped_mm"]
 
 BLOCK = 32
 """Elements per e8m0 scale (the OCP MX block size; torchao's only MXFP8 block size)."""
@@ -242,3 +243,70 @@ def mxfp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.T
     """:func:`mxfp8_matmul` with the weight's casts from :func:`mx_weight_casts`; bitwise with it.
     ``w`` (``[K, N]``) receives the gradient (in ``x``'s dtype, cast by autograd to ``w``'s)."""
     return _MxMatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, emulate)
+
+
+# --- grouped expert GEMMs (emulated only; not yet used by the fp8 pass) --------------------------
+
+
+def _to_mx_3d(w: torch.Tensor) -> _Mx:
+    """:func:`_to_mx` of each expert of ``w`` (``[E, R, C]``), blocked along ``C``: ``data``
+    ``[E, R, C']``, ``scale`` ``[E, R, C' // 32]``."""
+    e, r, _ = w.shape
+    mx = _to_mx(w.reshape(e * r, -1))
+    return _Mx(mx.data.reshape(e, r, -1), mx.scale.reshape(e, r, -1))
+
+
+def _dequantize_grouped(a: _Mx) -> torch.Tensor:
+    """torchao's grouped emulation (``_emulated_mxfp8_scaled_grouped_mm_2d_*``): ``data * scale``
+    in bf16, the e8m0 scale converted to bf16 directly (the same powers of two as
+    :func:`_dequantize`)."""
+    shape = a.data.shape
+    data = a.data.reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
+    scale = a.scale.view(torch.float8_e8m0fnu).unsqueeze(-1)
+    return (data.to(torch.bfloat16) * scale.to(torch.bfloat16)).reshape(shape)
+
+
+def _pad_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[M, D]``) zero-padded along M to a multiple of 32: rows past the last offset,
+    which no group reads."""
+    return _pad_to(x, 0, BLOCK)
+
+
+class _MxGroupedMm(torch.autograd.Function):
+    """torchao ``_MXFP8GroupedMM`` with ``KernelPreference.EMULATED`` (no token-group padding):
+    ``out[offs[g-1]:offs[g]] = x[offs[g-1]:offs[g]] @ w[g]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        n = w.shape[-1]
+        a = _dequantize_grouped(_to_mx(x))
+        b = _dequantize_grouped(_to_mx_3d(w.transpose(-2, -1)))  # [E, N, K'] blocked along K
+        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+        return out[:, :n]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, offs = ctx.saved_tensors
+        k = w.shape[1]
+        grad = grad.contiguous()
+        g = _dequantize_grouped(_to_mx(grad))  # [M, N'] blocked along N
+        wt = _dequantize_grouped(_to_mx_3d(w))  # [E, K, N'] blocked along N
+        grad_x = torch._grouped_mm(g, wt.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+        # the weight gradient, blocked along the tokens (torchao: across group boundaries)
+        gt = _dequantize_grouped(_to_mx(_pad_tokens(grad).t()))  # [N, M']
+        xt = _dequantize_grouped(_to_mx(_pad_tokens(x).t()))  # [K, M']
+        grad_w = torch._grouped_mm(gt, xt.t(), offs=offs, out_dtype=torch.bfloat16)  # [E, N, K]
+        return grad_x[:, :k], grad_w.transpose(-2, -1), None
+
+
+def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped expert GEMM ``torch._grouped_mm(x, w, offs=offs)`` in MXFP8, emulated
+    (bitwise with torchao's ``_to_mxfp8_then_scaled_grouped_mm(x, w, offs,
+    kernel_preference=KernelPreference.EMULATED)``, ``tests/test_mxfp8.py``): ``x`` ``[M, K]`` and
+    ``w`` ``[E, K, N]``, cast to bf16 first; ``offs`` int32 ``[E]``, each group's end row. The
+    three GEMMs are blocked as :func:`mxfp8_matmul`'s, the weight gradient's along the tokens
+    over the whole ``x`` (as torchao: a block may straddle two groups unless each group's size
+    is a multiple of 32). K, N and M are zero-padded to multiples of 32. Emulated on every
+    device (no Blackwell grouped kernel here); the fp8 pass does not call it yet."""
+    return _MxGroupedMm.apply(x.to(torch.bfloat16), w.to(torch.bfloat16), offs)
