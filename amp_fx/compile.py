@@ -317,8 +317,9 @@ def compile(
             ``overflow_report()`` (it finds the model itself; ``scaler.watch(model)`` says which
             model when several are watched). Values computed are unchanged.
         fp8: train in fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's
-            float8 training recipes and numerics), an ``amp_fx.Fp8Recipe`` or an
-            ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
+            float8 training recipes and numerics), ``"mxfp8"`` (torchao's MXFP8 numerics; MX
+            kernels on Blackwell GPUs, emulated elsewhere, with a warning), an
+            ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
             ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
             fp8, forward and backward; everything else stays in ``dtype``
             (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).

@@ -27,7 +27,8 @@ class Fp8Recipe(enum.Enum):
     The three GEMMs of a matmul ``out = x @ w``: ``out`` (forward), ``grad_x = grad_out @ w.T`` and
     ``grad_w = x.T @ grad_out``. Scales are ``fp8_max / amax``, computed in float64 and stored as
     float32, from the amax of the whole tensor (tensorwise) or of each row along the GEMM's inner
-    dimension (rowwise, rounded down to a power of two).
+    dimension (rowwise, rounded down to a power of two); MXFP8's are powers of two per block of
+    32 elements along the inner dimension.
     """
 
     TENSORWISE = "tensorwise"
@@ -39,6 +40,13 @@ class Fp8Recipe(enum.Enum):
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
     """Rowwise for ``out`` and ``grad_x`` (``w`` tensorwise in ``grad_x``), and ``grad_w`` in the
     high-precision dtype: torchao's most accurate recipe."""
+    MXFP8 = "mxfp8"
+    """MXFP8 (Blackwell's format, torchao's ``MXFP8TrainingRecipe.MXFP8_RCEIL``): every operand of
+    all three GEMMs in e4m3 with one power-of-two (e8m0) scale per 32 elements along the GEMM's
+    inner dimension, scales rounded up (RCEIL); the bf16 operands are scaled (the weight's bf16
+    cast, not the fp32 master weight). Needs ``dtype=bf16``. Real kernels on a Blackwell GPU
+    (compute capability 10.0+); elsewhere emulated, with a warning
+    (:mod:`amp_fx.kernels.mxfp8_matmul`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Fp8Config:
 
     Args:
         recipe: an :class:`Fp8Recipe` or its name (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise_with_gw_hp"``).
+            ``"rowwise_with_gw_hp"``, ``"mxfp8"``).
 
     Which matmuls stay out of fp8 is the policy's business (``Policy(keep_out_of_fp8=...)``);
     sizes that are not multiples of 16 run in fp8 padded, and ``amp_fx.explain`` shows the

@@ -28,7 +28,7 @@ import torch._inductor
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
-from amp_fx.fp8 import Fp8Config
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["Options", "check_backend", "inductor_config"]
@@ -63,6 +63,9 @@ class Options:
         set_(self, "dtype", resolve_dtype(self.dtype))
         set_(self, "strict", resolve_strict(self.strict))
         set_(self, "fp8", Fp8Config.of(self.fp8))
+        if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 and self.dtype != torch.bfloat16:
+            raise ValueError(f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
+                             f"as torchao's MXFP8 training does), got dtype={self.dtype}")
         if self.policy is None:
             set_(self, "policy", Policy())
         if not isinstance(self.policy, Policy):

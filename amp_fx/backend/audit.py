@@ -15,12 +15,13 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx.backend.splits import noted_by_caller
-from amp_fx.fp8 import Fp8Config
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
 from amp_fx.passes.capture import module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["fp32_experts_text", "report_no_graph", "report_unused_policy", "wrapper_fix"]
+__all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "report_unused_policy", "wrapper_fix"]
 
 
 def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
@@ -80,6 +81,9 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         return
     decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
     if any(d.converted for d in decisions):
+        emulated = mxfp8_emulated_text(records)
+        if emulated is not None:
+            reporter.did_less(("fp8", "mxfp8 emulated"), emulated, stacklevel=5)
         return
     if not decisions:
         found = ("no graph of the first call has a matmul with a parameter operand "
@@ -92,6 +96,20 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
         f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."),
         stacklevel=5)
+
+
+def mxfp8_emulated_text(records: Sequence[GraphRecord]) -> str | None:
+    """With ``fp8="mxfp8"``: the warning that its matmuls run emulated (no MX kernel on the
+    graphs' device), or None where they run MX ``torch._scaled_mm`` or none is converted."""
+    devices = {r.device_type for r in records
+               if r.fp8 is not None and r.fp8.recipe is Fp8Recipe.MXFP8 and r.fp8.converted}
+    missing = [m for m in map(mx_kernels_missing, sorted(devices)) if m is not None]
+    if not missing:
+        return None
+    return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing[0]}. Each MXFP8 GEMM is dequantized "
+            f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's numerics, "
+            f"slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an H100/H200 use "
+            f"fp8='rowwise' or 'tensorwise' for fp8 speed.")
 
 
 def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter) -> None:

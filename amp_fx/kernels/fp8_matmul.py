@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels import mxfp8_matmul as _mx
 
 __all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
            "E5M2", "EPS", "ALIGNMENT", "Fp8Padding", "padding", "rowwise_scales_missing"]
@@ -78,11 +79,15 @@ class Cast:
 
     dtype: torch.dtype | None
     rowwise: bool = False
+    block: int = 0
+    """MX: one e8m0 scale per ``block`` elements along the GEMM's inner dimension (0: not MX)."""
 
     @property
     def label(self) -> str:
         if self.dtype is None:
             return "high precision"
+        if self.block:
+            return f"e4m3, e8m0 scale per {self.block}"
         return f"{'e4m3' if self.dtype is E4M3 else 'e5m2'} {'rowwise' if self.rowwise else 'tensorwise'}"
 
 
@@ -106,7 +111,9 @@ class RecipeCasts:
 
     @property
     def granularity(self) -> str:
-        """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``)."""
+        """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``/``mx``)."""
+        if self.input.block:
+            return f"mx (blocks of {self.input.block})"
         return "rowwise" if self.input.rowwise else "tensorwise"
 
     @property
@@ -118,6 +125,7 @@ class RecipeCasts:
 
 
 _HP = Cast(None)
+_MX = Cast(E4M3, block=_mx.BLOCK)
 RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
     # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
     Fp8Recipe.TENSORWISE: RecipeCasts(
@@ -132,6 +140,11 @@ RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
         input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
         input_for_grad_weight=_HP, weight_for_grad_input=Cast(E4M3),
         grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
+    # torchao/prototype/moe_training/mxfp8_linear.py, _to_mxfp8_then_scaled_mm (0.18.0): all e4m3,
+    # block 32, RCEIL; computed by amp_fx.kernels.mxfp8_matmul, not by _Fp8Matmul.
+    Fp8Recipe.MXFP8: RecipeCasts(
+        input=_MX, weight=_MX, grad_output=_MX, input_for_grad_weight=_MX, weight_for_grad_input=_MX,
+        grad_output_for_grad_weight=_MX, round_scales_to_power_of_2=True),
 })
 """Each recipe's casts, as torchao 0.18 defines them."""
 
@@ -281,15 +294,26 @@ class Fp8Padding:
         return f"{dims}: +{100 * self.extra_flops:.1f}% FLOPs, +{100 * self.extra_bytes:.1f}% bytes"
 
 
+def _mx_aligned(size: int) -> int:
+    """``size`` rounded up to a multiple of MXFP8's block (32)."""
+    return -(-size // _mx.BLOCK) * _mx.BLOCK
+
+
+def _same(size: int) -> int:
+    return size
+
+
 def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     """What :func:`fp8_matmul` pads for an ``[M, K] @ [K, N]`` with ``recipe`` (the rule of
     :func:`_pad_for_scaled_mm`: each GEMM's inner dimension and columns), None where every fp8
-    GEMM's sizes are already multiples of 16."""
+    GEMM's sizes are already multiples of 16. MXFP8 pads each GEMM's inner dimension to a
+    multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here."""
     c = RECIPES[recipe]
+    inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
     gemms = [(name, names, shape) for name, names, shape, cast in (
         ("out", "MKN", (m, k, n), c.input), ("grad_x", "MNK", (m, n, k), c.grad_output),
         ("grad_w", "NMK", (n, m, k), c.input_for_grad_weight)) if cast.dtype is not None]
-    padded = [(name, names, (r, i, cc), (r, _aligned(i), _aligned(cc))) for name, names, (r, i, cc) in gemms]
+    padded = [(name, names, (r, i, cc), (r, inner(i), cols(cc))) for name, names, (r, i, cc) in gemms]
     if all(s == p for _, _, s, p in padded):
         return None
 
@@ -396,6 +420,8 @@ def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torc
     the weight cache (``weight_cache=True``) computes once per optimizer step and hands to
     :func:`fp8_matmul_cached_weight`. Same ops on the same values as the uncached path: bitwise.
     A cast that keeps the weight in high precision gives ``(w, empty scale)``."""
+    if recipe is Fp8Recipe.MXFP8:
+        return _mx.mx_weight_casts(w)
     c = RECIPES[recipe]
     pow2 = c.round_scales_to_power_of_2
     out: list[torch.Tensor] = []
@@ -446,6 +472,9 @@ def fp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.Ten
     """:func:`fp8_matmul` with the weight's casts computed beforehand by :func:`weight_casts`
     (``weight_cache=True``: once per optimizer step); bitwise with ``fp8_matmul(x, w, recipe)``.
     ``w`` (the weight as ``[K, N]``) receives the gradient; its values are not read."""
+    if recipe is Fp8Recipe.MXFP8:
+        return _mx.mxfp8_matmul_cached_weight(x, w, w_data, w_scale, wg_data, wg_scale,
+                                              emulate=_mx.mx_kernels_missing(x.device.type) is not None)
     return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe)
 
 
@@ -455,5 +484,9 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Ten
     ``x``: ``[..., K]``, bf16/fp16 (fp32 runs too); ``w``: ``[K, N]`` in any float dtype (fp32
     for a master weight; torchao scales it from fp32, without a bf16 round trip). The
     gradients have the dtype of ``grad`` (the result's); autograd casts ``w``'s to ``w``'s dtype.
+    ``Fp8Recipe.MXFP8`` runs :func:`amp_fx.kernels.mxfp8_matmul.mxfp8_matmul` (``w`` cast to
+    ``x``'s dtype first; emulated where the device has no MX kernel).
     """
+    if recipe is Fp8Recipe.MXFP8:
+        return _mx.mxfp8_matmul(x, w, emulate=_mx.mx_kernels_missing(x.device.type) is not None)
     return _Fp8Matmul.apply(x, w, recipe)

@@ -68,6 +68,7 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
+from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import CastClass, Decision, Policy, module_matches
@@ -243,7 +244,9 @@ class _Rewriter:
             return
         pad = self.padding(shape)
         reason = self.converted_reason()
-        if pad is not None:
+        if pad is not None and self.recipe is Fp8Recipe.MXFP8:
+            reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
+        elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
         elif not all(isinstance(d, int) for d in shape):  # type: ignore[union-attr]
             reason += f"; a symbolic size: padded at run time where not a multiple of {ALIGNMENT}"
@@ -306,6 +309,9 @@ class _Rewriter:
 
     def converted_reason(self) -> str:
         c = self.casts
+        if self.recipe is Fp8Recipe.MXFP8:
+            return (f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
+                    f"each GEMM's inner dimension (out, grad_x, grad_w), from their bf16 values")
         return (f"fp8 {self.recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
                 f"grad_x: grad ({c.grad_output.label}) @ w ({c.weight_for_grad_input.label}); "
                 f"grad_w: x ({c.input_for_grad_weight.label}) @ grad "
@@ -317,9 +323,7 @@ class _Rewriter:
         with self.graph.inserting_before(node):
             w = match.weight_kn
             if w is None:
-                w = self.call(aten.t.default, (match.weight,), stack, Decision(
-                    CastClass.NONE, "fp8: the weight as [K, N], in fp32 (the master weight is scaled, "
-                                    "with no round trip through the autocast dtype)"))
+                w = self.call(aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note()))
             out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
             out.meta[meta.FP8] = decision
             if match.bias is not None:
@@ -339,6 +343,13 @@ class _Rewriter:
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
         _erase_unused_casts(self.graph, inputs)
+
+    def weight_note(self) -> str:
+        if self.recipe is Fp8Recipe.MXFP8:
+            return ("fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes "
+                    "bf16 operands)")
+        return ("fp8: the weight as [K, N], in fp32 (the master weight is scaled, with no round trip "
+                "through the autocast dtype)")
 
     def call(self, target: object, args: tuple[object, ...], stack: dict[str, object],
              decision: Decision, kwargs: dict[str, object] | None = None) -> torch.fx.Node:

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_missing", "linear_twin", "GemmFlops",
-           "count_gemm_flops"]
+__all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_mxfp8", "torchao_missing", "linear_twin",
+           "GemmFlops", "count_gemm_flops"]
 
 
 def torchao_missing() -> str | None:
@@ -90,6 +90,45 @@ def torchao_float8(model: torch.nn.Module, recipe: str,
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad_inner_dim)
     return convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn, config=config)
+
+
+class _TorchaoMXFP8Linear(torch.nn.Module):
+    """torchao's ``MXFP8Linear`` (``KernelPreference.EMULATED``, ``ScaleCalculationMode.RCEIL``) on
+    autocast's operands: its ``_to_mxfp8_then_scaled_mm`` on the input and the weight cast to the
+    autocast dtype (torchao's MX linear takes bf16 operands, as FSDP2's bf16 parameters give them;
+    its module would scale the fp32 ones under CPU autocast and multiply in fp32), autocast off
+    inside as in amp_fx's graph, then the bias in the output's dtype (``MXFP8Linear.forward``).
+    The weight and bias are the linear's own parameters."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            out = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), KernelPreference.EMULATED,
+                                           ScaleCalculationMode.RCEIL)
+            return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def torchao_mxfp8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` running torchao 0.18's emulated MXFP8 training
+    linear (:class:`_TorchaoMXFP8Linear`), under the same names: the reference for
+    ``fp8="mxfp8"``. Run it under ``torch.autocast``. (torchao's own conversion,
+    ``quantize_(model, MXFP8TrainingOpConfig)``, wraps the fp32 weight, so under CPU autocast it
+    would scale fp32 operands; and its ``F.linear`` override drops the bias.)"""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if type(module) is torch.nn.Linear:
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, _TorchaoMXFP8Linear(module))
+    return ref
 
 
 def linear_twin(model: torch.nn.Module) -> torch.nn.Module:

@@ -19,7 +19,9 @@ def fp8_too_small(recipe: Fp8Recipe, k: int, n: int) -> bool:
     tensorwise gains unless ``K <= 4096 and N <= 1024``; rowwise (torchao has no rule for
     rowwise_with_gw_hp: rowwise's is used) unless ``N <= 2048``, ``K <= 1024``, or
     ``N <= 4096 and K <= 2048``. ``K``: in features, ``N``: out features; the rule ignores ``M``
-    (tokens per call), so a layer it passes can still be too small at a small batch."""
+    (tokens per call), so a layer it passes can still be too small at a small batch. mxfp8:
+    torchao has no rule (and an H100 has no MX kernel: amp_fx emulates it, slower than bf16 at
+    every size); rowwise's is used, as a stand-in for a Blackwell GPU."""
     if recipe is Fp8Recipe.TENSORWISE:
         return k <= 4096 and n <= 1024
     return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)

@@ -186,7 +186,10 @@ class Advice:
         return (text + (f"\n... {hidden} more (advice.fp8_matmuls has them all)" if hidden > 0 else "")
                 + f"\n{small} of {len(self.fp8_matmuls)} too small to gain on an H100 by torchao 0.18's "
                   f"rule for {self.fp8.recipe.value} ({rule}; K in, N out features; from its H100 "
-                  f"benchmarks, _auto_filter_for_recipe)")
+                  f"benchmarks, _auto_filter_for_recipe)"
+                + ("; mxfp8 has no such rule: rowwise's stands in, and without a Blackwell GPU "
+                   "every mxfp8 matmul runs emulated, slower than bf16"
+                   if self.fp8.recipe is Fp8Recipe.MXFP8 else ""))
 
     def to_dict(self) -> dict[str, Any]:
         """The advice as JSON-ready data (what ``amp-fx advise --json`` prints)."""
