@@ -346,7 +346,8 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
         weights: tuple[torch.dtype, ...] = tuple(fsdp_param_dtypes)
     elif compute is not None:
         weights = (compute,)
-        note = "cast from the master weights in each forward"
+        note = ("cast from the master weights once per optimizer step (the weight cache)" if setup.cache is not None
+                else "cast from the master weights in each forward")
     else:
         weights, note = master, "the master weights themselves (no mixed precision asked)"
     if fp8 is not None:
