@@ -344,6 +344,8 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     if units and fsdp_param_dtypes:
         note = "FSDP2 gathers them in MixedPrecisionPolicy.param_dtype"
         weights: tuple[torch.dtype, ...] = tuple(fsdp_param_dtypes)
+    elif compute is not None and master == (compute,):
+        weights, note = master, "the master weights themselves (already in the compute dtype)"
     elif compute is not None:
         weights = (compute,)
         note = ("cast from the master weights once per optimizer step (the weight cache)" if setup.cache is not None
@@ -378,7 +380,7 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
                 downgrades[Downgrade.OPTIMIZER_STATE_16BIT] = (
                     f"mixed precision ({_name(compute)}) was asked for, but {type(optimizer).__name__}'s state "
                     f"{', '.join(low_state)} is in 16 bits (torch's optimizers create it in the parameters' "
-                    f"dtype): updates lose precision (users measured a 3x worse loss with bf16 AdamW state). "
+                    f"dtype): updates lose precision (users reported a 3x worse loss with bf16 AdamW state). "
                     f"Keep the parameters in float32 and create the optimizer after model.float(), or load "
                     f"its state after the parameters are float32.")
         else:
