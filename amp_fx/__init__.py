@@ -9,6 +9,7 @@ from amp_fx.compile import AmpCompiledModule, compile, options_of, records, unco
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
+from amp_fx.inspect.precision import PrecisionReport, precision_report
 from amp_fx.options import Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
@@ -19,7 +20,8 @@ __all__ = ["compile", "Fp8Recipe", "Fp8Config", "AmpCompiledModule", "records", 
            "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
            "EagerError", "AmpRunError",
            "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
-           "find_nonfinite", "NonfiniteReport", "advise", "Advice", "compile_step", "CompiledStep", "GradNorm",
+           "find_nonfinite", "NonfiniteReport", "advise", "Advice", "precision_report", "PrecisionReport",
+           "compile_step", "CompiledStep", "GradNorm",
            "GradScaler", "ScalerMode", "StepMode", "OverflowReport", "FirstOp", "skip_aware"]
 __version__ = "0.1.0"
 

@@ -477,6 +477,14 @@ def records(compiled: object) -> list[GraphRecord]:
     return found
 
 
+def reporter_of(compiled: object) -> Reporter | None:
+    """The reporter of a module returned by :func:`compile` (what it warns through, once per key),
+    else None: the inspection tools report a model's shortfalls once per model through it."""
+    if isinstance(compiled, AmpCompiledModule):
+        return compiled.__dict__["_amp_fx_backend"].reporter
+    return None
+
+
 def options_of(compiled: object) -> Options:
     """The :class:`~amp_fx.Options` a model or function returned by :func:`compile` (or compiled in
     place by it) was compiled with: what is in effect (``weight_cache`` is False where amp_fx

@@ -500,6 +500,7 @@ def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
     # The form the warning names: names relative to the compiled module apply.
     inner = DDP(amp_fx.compile(make_model("seq"), backend="aot_eager", policy=amp_fx.Policy(keep_fp32=("2",))))
     results["inner_keep_fp32_dtype"] = inner(torch.randn(2, 8)).dtype
+    results["precision_report"] = ddp_precision_reports()
     return results
 
 
@@ -544,6 +545,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     torch._dynamo.reset()
     results["fsdp1"] = fsdp1_reports(rank, world_size)
     results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
+    results["precision_report"] = fsdp_precision_reports()
     torch._dynamo.reset()
     results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
@@ -616,3 +618,93 @@ def _mismatched_param_dtype_error() -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+# ------------------------------------------------------------------------ amp_fx.precision_report
+@contextlib.contextmanager
+def _wire_dtypes(names: tuple[str, ...]) -> Any:
+    """The dtype of every tensor handed to the ``torch.distributed`` functions ``names`` inside
+    (those of them this torch has), by function name."""
+    seen: dict[str, list[torch.dtype]] = {name: [] for name in names}
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def spy(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            seen[name].append(tensors[-1].dtype)  # the input (all_gather/reduce_scatter: output first)
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:
+        setattr(dist, name, spy(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def _precision_rows(report: Any) -> dict[str, tuple[torch.dtype, ...]]:
+    return {row.part: row.dtypes for row in report.rows}
+
+
+def ddp_precision_reports() -> dict[str, Any]:
+    """amp_fx.precision_report(DDP(model), dtype="bf16") without a comm hook and with torch's
+    fp16_compress_hook (bf16_compress_hook needs NCCL), against the dtype DDP put on the wire in
+    one backward: the hook's ``dist.all_reduce`` (recorded), or without a hook the gradients' own
+    (the bucket's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for name, hook in (("none", None), ("fp16_compress", default_hooks.fp16_compress_hook)):
+        model = DDP(make_model("seq"))
+        if hook is not None:
+            model.register_comm_hook(None, hook)
+        with _wire_dtypes(("all_reduce",)) as seen:
+            model(torch.randn(2, 8)).sum().backward()
+        report = amp_fx.precision_report(model, dtype="bf16")
+        wrapped = amp_fx.precision_report(amp_fx.compile(model, dtype="bf16", backend="aot_eager"))
+        out[name] = {"reported": _precision_rows(report)["all_reduce (DDP gradients)"],
+                     "wrapped": _precision_rows(wrapped)["all_reduce (DDP gradients)"],
+                     "hook_sent": sorted(set(seen["all_reduce"]), key=str),
+                     "grad_dtypes": sorted({p.grad.dtype for p in model.parameters()}, key=str),
+                     "downgrades": sorted(d.value for d in report.downgrades)}
+    return out
+
+
+def fsdp_precision_reports() -> dict[str, Any]:
+    """amp_fx.precision_report on FSDP2 with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    on the first Linear's fully_shard and, on the root's (holding the last Linear), the same policy
+    ("same") or one without reduce_dtype ("root_without_reduce_dtype", the planted downgrade):
+    the reported gather/reduce dtypes against those FSDP2 sent in one forward and backward."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out: dict[str, Any] = {}
+    no_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for name, root_mp in (("same", mp), ("root_without_reduce_dtype", no_reduce)):
+        model = make_model("seq")
+        fully_shard(model[0], mp_policy=mp)
+        fully_shard(model, mp_policy=root_mp)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = amp_fx.precision_report(model, strict=False)
+        try:
+            amp_fx.precision_report(model, strict=True)
+            strict = ""
+        except amp_fx.AmpFxError as e:
+            strict = str(e)
+        with _wire_dtypes(("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                           "reduce_scatter_tensor")) as seen:
+            model(torch.randn(2, 8)).float().sum().backward()
+        rows = _precision_rows(report)
+        gathered = seen["all_gather_single"] + seen["all_gather_into_tensor"]
+        reduced = seen["reduce_scatter_single"] + seen["reduce_scatter_tensor"]
+        out[name] = {"gather": rows["all_gather (FSDP2 parameters)"],
+                     "reduce": rows["reduce_scatter (FSDP2 gradients)"],
+                     "gather_sent": sorted(set(gathered), key=str), "reduce_sent": sorted(set(reduced), key=str),
+                     "compute": report.compute_dtype,
+                     "warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+                     "strict": strict}
+    return out

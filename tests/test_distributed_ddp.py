@@ -104,3 +104,19 @@ def test_keep_fp32_names_under_the_root_apply_on_ddp(ranks):
 def test_keep_fp32_names_apply_in_the_inner_form(ranks):
     for res in ranks:
         assert res["inner_keep_fp32_dtype"] == torch.float32
+
+
+@pytest.mark.parametrize("hook", ["none", "fp16_compress"])
+def test_precision_report_names_ddps_all_reduce_dtype(ranks, hook):
+    """amp_fx.precision_report's DDP row against the dtype DDP sent in one backward: with
+    fp16_compress_hook, what its dist.all_reduce received; without a hook, the gradients' dtype
+    (the reducer all-reduces its bucket in it, and calls no Python all_reduce). The same through
+    amp_fx.compile(DDP(m)); fp32 gradients reduced in fp32 are no downgrade."""
+    for res in ranks:
+        got = res["precision_report"][hook]
+        want = got["hook_sent"] if hook != "none" else got["grad_dtypes"]
+        if hook == "none":
+            assert got["hook_sent"] == []
+        assert list(got["reported"]) == want == [torch.float16 if hook != "none" else torch.float32]
+        assert got["wrapped"] == got["reported"]
+        assert got["downgrades"] == []

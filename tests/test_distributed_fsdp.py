@@ -238,6 +238,29 @@ def test_keep_fp32_names_under_the_root_apply_on_fsdp2(ranks):
         assert report["warnings"] == []
 
 
+@pytest.mark.parametrize("case", ["same", "root_without_reduce_dtype"])
+def test_precision_report_fsdp2_dtypes_are_what_fsdp2_sends(ranks, case):
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on a block's fully_shard; on the
+    root's the same policy, or one without reduce_dtype (the planted downgrade: the root's gradients
+    are reduce-scattered in bf16). The report's all-gather and reduce-scatter dtypes are those FSDP2
+    handed to its collectives in one forward and backward; the downgrade warns (strict: raises)
+    naming the root's fully_shard and the fix, and its twin says nothing."""
+    for res in ranks:
+        got = res["precision_report"][case]
+        assert set(got["gather"]) == set(got["gather_sent"]) == {torch.bfloat16}
+        assert set(got["reduce"]) == set(got["reduce_sent"])
+        assert got["compute"] == torch.bfloat16  # FSDP2's param_dtype: mixed precision asked
+        if case == "same":
+            assert got["reduce_sent"] == [torch.float32]
+            assert got["warnings"] == [] and got["strict"] == ""
+        else:
+            assert set(got["reduce_sent"]) == {torch.bfloat16, torch.float32}
+            assert len(got["warnings"]) == 1
+            for message in (got["warnings"][0], got["strict"]):
+                assert "fully_shard(<root>) reduces in bfloat16" in message
+                assert "to every fully_shard call, the root's included" in message
+
+
 def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
     """FullyShardedDataParallel (FSDP1): amp_fx.compile(FSDP1(m)) warns at once (and
     strict mode raises), then runs as eager FSDP1 + autocast (bitwise that reference);

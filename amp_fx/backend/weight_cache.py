@@ -166,6 +166,15 @@ class WeightCache:
         _CACHES.add(self)
         _install_step_hook()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds now: low-precision copies and fp8 casts (data and scales)."""
+        out: list[torch.Tensor] = []
+        for per_key in self._entries.values():
+            for entry in per_key.values():
+                out += [entry.lowp] if isinstance(entry.lowp, torch.Tensor) else \
+                    [t for t in entry.lowp if isinstance(t, torch.Tensor)]
+        return out
+
     # ------------------------------------------------------------------ one forward
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

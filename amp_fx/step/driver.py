@@ -22,6 +22,7 @@ from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter
 from amp_fx.compile import weight_cache_off_for_fsdp2
 from amp_fx.fp8 import Fp8Like
+from amp_fx.inspect.precision import PrecisionReport, step_report
 from amp_fx.options import Options
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.policy import Policy
@@ -71,6 +72,7 @@ class CompiledStep:
         self.scaler = scaler
         self.options = options
         self._micro_step = 0
+        self._loss_dtype: torch.dtype | None = None
         self._report = Reporter(options.strict)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         shards = StepShards(model)  # FSDP2: the finish works on the local shards
@@ -151,6 +153,13 @@ class CompiledStep:
         """Load a scaler state from :meth:`state_dict` or from ``torch.amp.GradScaler``."""
         self.scaler.load_state_dict(state_dict)
 
+    def precision_report(self, loss: torch.Tensor | torch.dtype | None = None) -> PrecisionReport:
+        """:func:`amp_fx.precision_report` of this step: its model, optimizer, scaler, dtype and weight
+        cache, and the loss of its last call (or ``loss``). Each silent downgrade warns once per step
+        (``strict``: raises)."""
+        return step_report(self, getattr(self._forward, "amp_fx_weight_cache", None),
+                           self._loss_dtype if loss is None else loss, self._report)
+
     # ------------------------------------------------------------------ the step
     def __call__(self, *batch: Any, **model_kwargs: Any) -> torch.Tensor:
         n = self.config.n_inputs
@@ -160,6 +169,7 @@ class CompiledStep:
         self._follow.check_requires_grad()
         scale = self._scale_state()[0].scale
         loss, scaled = self._forward(scale, *batch, **model_kwargs)
+        self._loss_dtype = loss.dtype
         scaled.backward()
         self._micro_step += 1
         if self._micro_step == self.config.accumulate:

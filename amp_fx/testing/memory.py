@@ -158,14 +158,7 @@ class GradBytes:
 def weight_cache_tensors(cache: Any) -> list[torch.Tensor]:
     """Every tensor amp_fx's weight cache (``amp_fx.backend.weight_cache.WeightCache``) holds:
     low-precision copies and fp8 casts (data and scales)."""
-    if cache is None:
-        return []
-    out: list[torch.Tensor] = []
-    for per_key in cache._entries.values():
-        for entry in per_key.values():
-            out += [entry.lowp] if isinstance(entry.lowp, torch.Tensor) else \
-                [t for t in entry.lowp if isinstance(t, torch.Tensor)]
-    return out
+    return [] if cache is None else cache.tensors()
 
 
 def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None,
