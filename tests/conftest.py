@@ -49,7 +49,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``slow`` too (``-m "not slow"`` replaces the default ``-m "not models_slow"``). tryfirst:
     before ``-m`` selects."""
     seen: set[str] = set()
+    # .ci/matrix names the slow cases it runs besides the inner loop (one pytest run: one start of
+    # the workers, one tail): they get the ``matrix_case`` mark its -m selects.
+    matrix_cases = set(os.environ.get("AMP_FX_MATRIX_CASES", "").split())
     for item in items:
+        if item.nodeid in matrix_cases:
+            item.add_marker(pytest.mark.matrix_case)
         if item.get_closest_marker("models_slow") is not None:
             item.add_marker(pytest.mark.slow)
         if _uses_module_fixture(item):
