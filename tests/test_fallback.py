@@ -12,7 +12,9 @@ weight casts cannot be lifted keeps amp_fx's casts, uncached) is tested in test_
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,22 +26,10 @@ from amp_fx import AmpFxError, AmpFxWarning, CastClass, Policy
 from amp_fx.backend import compiler
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.backend.splits import SplitTracker
-from amp_fx.overflow import watch as _watch
+from amp_fx.overflow.watch import watched_models
 from amp_fx.passes import pipeline
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.testing import assert_bitwise
-
-
-@pytest.fixture(autouse=True)
-def _drop_the_watches_a_fallback_keeps():
-    """Known leak (stop 41, cause not found yet): a model one of whose graphs fell back stays alive
-    until the process ends (its backend is held from outside Python's heap, on Dynamo's side; a plain
-    compile of the same model is freed). Its watch (``watch_nonfinite=True``) would then be found by
-    the GradScaler of every later test in this worker (tests/test_overflow.py counts the watched
-    models alive), so the watches registered here are dropped when the test ends."""
-    before = list(_watch._WATCHED)
-    yield
-    _watch._WATCHED[:] = [ref for ref in _watch._WATCHED if ref in before]
 
 
 class _Broken(torch.nn.Module):
@@ -259,3 +249,34 @@ def test_a_refusal_by_design_does_not_fall_back() -> None:
     compiled = amp_fx.compile(lambda x: x @ x, backend="aot_eager", policy=policy, strict=False)
     with pytest.raises(AmpFxError, match="aten.matmul is banned by your policy"):
         compiled(torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("case", ["plain", "fallback", "strict"])
+def test_a_model_is_freed_after_a_fallback(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """A compiled model whose second graph fell back (or, strict, whose compile raised inside
+    Dynamo) is freed once the caller drops it, as one without a fallback is (the twin, "plain"),
+    with no ``torch._dynamo.reset()``: Dynamo keeps every backend it is handed for the process
+    (and, where one raised, from C even after a reset), so amp_fx hands it a weak one. Its watch
+    then leaves :func:`amp_fx.overflow.watched_models` (which GradScalers search)."""
+    if case != "plain":
+        _plant(monkeypatch, "fold_casts")
+
+    def compile_and_run() -> weakref.ref[torch.nn.Module]:
+        model, x = _model_and_input()
+        compiled = amp_fx.compile(model, backend="aot_eager", strict=case == "strict", watch_nonfinite=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AmpFxWarning)
+            if case == "strict":
+                with pytest.raises(AmpFxError, match="fold_casts failed on graph 1"):
+                    _run(compiled, model, x)
+            else:
+                _run(compiled, model, x)
+        fell_back = {"plain": [False, False], "fallback": [False, True], "strict": [False]}[case]
+        assert [r.fallback is not None for r in compiled.amp_fx_records] == fell_back
+        assert any(m is model for m, _ in watched_models())
+        return weakref.ref(model)
+
+    model = compile_and_run()
+    gc.collect()
+    assert model() is None, f"the model ({case}) is alive after its last reference was dropped"
+    assert watched_models() == []

@@ -46,6 +46,32 @@ class _WithSpare(nn.Module):
         return self.fc(x)
 
 
+class _Vmapped(nn.Module):
+    """A linear, then a submodule whose matmul runs under ``torch.vmap``: a functorch transform
+    region, which amp_fx keeps whole and eager autocast casts (amp_fx/passes/capture.py)."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4) / 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.vmap(lambda row: row @ self.w)(x)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = _Vmapped.Inner()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.fc(x))
+
+
+def _vmapped() -> nn.Module:
+    torch.manual_seed(0)
+    return _Vmapped()
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return MLP()
@@ -59,6 +85,11 @@ SHORTFALLS: dict[str, tuple[Callable[[], nn.Module], Policy, str]] = {
     "keep_fp32_type": (_mlp, Policy(keep_fp32=(nn.LayerNorm,)), "LayerNorm matched no op"),
     "op_classes": (_mlp, Policy(op_classes={"aten.conv2d": CastClass.FP32}),
                    r"'aten.conv2d' -> CastClass.FP32 matched no op"),
+    # the vmap'd matmul runs in the low dtype, as eager autocast runs it: the entry is not honoured there
+    "keep_fp32_in_transform": (_vmapped, Policy(keep_fp32=("inner",)),
+                               r"keep_fp32=.*'inner' selects ops inside a functorch transform .* not kept in fp32"),
+    "op_classes_in_transform": (_vmapped, Policy(op_classes={"aten.mm": CastClass.FP32}),
+                                r"'aten.mm' -> CastClass.FP32 matched no op .*outside a functorch transform"),
 }
 
 
@@ -107,6 +138,17 @@ def test_satisfied_policy_reports_nothing() -> None:
     compiled = amp_fx.compile(model, policy=policy, backend=BACKEND, strict=True)
     compiled(_inputs(model))
     assert compiled.amp_fx_records
+
+
+def test_keep_fp32_outside_a_transform_region_reports_nothing() -> None:
+    """The twin of keep_fp32_in_transform: an entry selecting the linear beside the vmap'd
+    submodule is honoured (strict mode would raise), and keeps that linear in fp32."""
+    model = _vmapped()
+    compiled = amp_fx.compile(model, policy=Policy(keep_fp32=("fc",)), backend=BACKEND, strict=True)
+    compiled(_inputs(model))
+    linears = [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
+               if n.target is torch.ops.aten.linear.default]
+    assert [n.meta["val"].dtype for n in linears] == [torch.float32]
 
 
 def test_strict_must_be_a_bool_or_none() -> None:

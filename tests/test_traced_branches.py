@@ -97,19 +97,23 @@ class _GqaAttention(torch.nn.Module):
         self.window, self.head_dim = window, head_dim
         self.num_key_value_groups, self.is_causal = 2, True
         self.q, self.kv = torch.nn.Linear(8, 4 * head_dim), torch.nn.Linear(8, 4 * head_dim)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # imported here, not in forward: torch 2.11's Dynamo cannot trace an import from transformers
+        # (a _LazyModule: "Bad import result"), and skips the whole forward to eager; the mask then
+        # reaches the graph of sdpa_attention_forward as an input, not as sdpa_mask's ops
         from transformers import masking_utils
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        self._make_mask = (masking_utils.create_causal_mask if window is None
+                           else masking_utils.create_sliding_window_causal_mask)
+        self._attention = sdpa_attention_forward
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        make = (masking_utils.create_causal_mask if self.window is None
-                else masking_utils.create_sliding_window_causal_mask)
-        mask = make(config=self.config, inputs_embeds=x, attention_mask=attention_mask, past_key_values=None,
-                    position_ids=torch.arange(t).unsqueeze(0))
+        mask = self._make_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
+                               past_key_values=None, position_ids=torch.arange(t).unsqueeze(0))
         q = self.q(x).view(b, t, 4, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(b, t, 4, self.head_dim).transpose(1, 2).chunk(2, dim=1)
-        out, _ = sdpa_attention_forward(self, q, k.contiguous(), v.contiguous(), mask)
+        out, _ = self._attention(self, q, k.contiguous(), v.contiguous(), mask)
         return out.float().square().sum()
 
 
@@ -127,19 +131,7 @@ _GQA_CASES = {
 }
 
 
-# torch 2.11 (the matrix, stop 41): where eager takes enable_gqa, nothing is reported for this
-# module (transformers' sdpa_mask and sdpa_attention_forward called from a plain module): no node the
-# sdpa's mask is computed from carries masking_utils' sdpa_mask in its stack trace there, so the traced
-# path is not recognised. The tier's Llama, compiled whole, is still reported on 2.11
-# (tests/models/test_real_models.py::test_grouped_query_attention_is_reported_once_at_compile_time).
-_NOT_RECOGNISED = torch.__version__.startswith("2.11")
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.xfail(_NOT_RECOGNISED and spec[3], strict=True, reason=(
-        "torch 2.11: the traced mask is not recognised as sdpa_mask's for this module, so the report "
-        "does not fire (the tier's Llama is still reported)")))
-    for case, spec in _GQA_CASES.items()])
+@pytest.mark.parametrize("case", list(_GQA_CASES))
 def test_grouped_query_report_fires_exactly_where_eager_calls_sdpa_with_enable_gqa(case: str) -> None:
     """The traced path always repeats k/v under a materialised mask. Eager transformers runs another
     computation exactly where it drops the mask and calls sdpa with ``enable_gqa=True`` (recorded

@@ -17,7 +17,7 @@ from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
-from amp_fx.passes.capture import module_stack
+from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
@@ -36,12 +36,21 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
     model's first call.
     """
     nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
+    whole = {n: kind for n in nodes if (kind := _kept_whole(n)) is not None}
     stacks = {module_stack(n) for n in nodes}
     ops = {n.target.name() for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
     for sel in policy.keep_fp32:
+        label = repr(sel) if isinstance(sel, str) else sel.__name__
+        inside = [kind for n, kind in whole.items() if any(module_matches(sel, path, mtype)
+                                                           for path, mtype in module_stack(n))]
+        if inside:
+            reporter.did_less(("keep_fp32 kept whole", label), (
+                f"amp_fx: Policy(keep_fp32=...) entry {label} selects ops inside "
+                f"{' and '.join(dict.fromkeys(inside))}, which amp_fx keeps whole: eager autocast casts "
+                f"the ops inside, so they are not kept in fp32. To keep them in fp32, run that code under "
+                f"torch.autocast(device_type, enabled=False) with fp32 inputs."), stacklevel=5)
         if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
             continue
-        label = repr(sel) if isinstance(sel, str) else sel.__name__
         reporter.did_less(("keep_fp32", label), (
             f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
             f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
@@ -49,14 +58,28 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
     _report_fp8(records, policy, reporter, fp8, stacks)
     _report_experts(records, policy, reporter)
+    kinds = list(dict.fromkeys(whole.values()))
+    unseen = (f", outside {' and '.join(kinds)}, whose ops amp_fx keeps whole and eager autocast casts: "
+              f"an entry does not reach them" if kinds else "")
     for label, op_names, cls in policy.op_entries:
         if ops.intersection(op_names) or _unobservable(op_names, cls):
             continue
         reporter.did_less(("op_classes", label), (
             f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
             f"op in the graphs captured on the first call (the model does not call "
-            f"{', '.join(op_names)}), so it changed nothing. Check the op name and overload "
+            f"{', '.join(op_names)}{unseen}), so it changed nothing. Check the op name and overload "
             f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+
+def _kept_whole(node: torch.fx.Node) -> str | None:
+    """What ``node`` keeps whole, where it is a region whose ops amp_fx does not see (eager
+    autocast casts them, amp_fx/passes/capture.py): a functorch transform's region or a
+    higher-order op; None for any other node."""
+    if node.target is autocast_region:
+        return "a functorch transform (torch.vmap, torch.func.grad, jvp)"
+    if node.target is autocast_hop:
+        return f"the higher-order op {node.args[2]}"
+    return None
 
 
 def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, fp8: Fp8Config | None,

@@ -120,6 +120,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     from (:class:`_ModuleDevice`).
     """
     compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
+    backends: list[AmpBackend] = []  # Dynamo holds them weakly (AmpBackend.for_dynamo): this call owns them
     dynamo_folds_is_exporting()  # found once, here, outside any trace (is_exporting_as_eager reads it)
     compile_kwargs = backend.options.torch_compile
     own_call = fresh_callable(target)
@@ -141,8 +142,9 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
         compiled = compiled_by_leaves.get(leaves)
         if compiled is None:
             sibling = backend if not compiled_by_leaves else backend.sibling()
+            backends.append(sibling)
             compiled = compiled_by_leaves[leaves] = torch.compile(
-                own_forward if direct else own_call, backend=sibling, **compile_kwargs)
+                own_forward if direct else own_call, backend=sibling.for_dynamo(), **compile_kwargs)
         runs = backend.runs.count
         try:
             with torch.autocast(device_type, dtype=backend.dtype), is_exporting_as_eager():

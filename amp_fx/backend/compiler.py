@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,7 @@ class AmpBackend:
     def __init__(self, options: Options, *, root: torch.nn.Module | None = None,
                  reporter: Reporter | None = None) -> None:
         self.options = options
-        self.root = root
+        self._root = None if root is None else weakref.ref(root)
         self.reporter = reporter if reporter is not None else Reporter(options.strict)
         self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
         """amp_fx/backend/weight_cache.py: fills the graphs' lifted weight casts."""
@@ -70,8 +71,25 @@ class AmpBackend:
         self._splits = SplitTracker(options.dtype, self.reporter)
 
     @property
+    def root(self) -> torch.nn.Module | None:
+        """The module that was compiled (held weakly: see :meth:`for_dynamo`)."""
+        return None if self._root is None else self._root()
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.options.dtype
+
+    def for_dynamo(self) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
+        """What to hand ``torch.compile`` as the backend: this backend, held weakly.
+
+        Dynamo keeps every backend object it is given for the rest of the process: in
+        ``torch._dynamo.eval_frame.cached_backends`` until ``torch._dynamo.reset()``, and, when the
+        backend raised (strict mode, an op eager autocast refuses), from C even after a reset
+        (torch 2.11 to 2.13; ``CatchErrorsWrapper`` is the last referrer ``gc`` sees). A backend
+        handed as it is would keep its records, its weight cache, its watch (which scalers then
+        find) and, through ``root``, the model alive. The compiled callable's owner holds the
+        backend instead (:func:`amp_fx.backend.call.amp_call`)."""
+        return _HeldWeakly(self)
 
     def sibling(self) -> AmpBackend:
         """A backend with the same options, state and records, but its own identity (Dynamo keeps
@@ -228,6 +246,19 @@ class AmpBackend:
             f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
             f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
             f"'inductor' to name the backward's first inf too."), stacklevel=5)
+
+
+class _HeldWeakly:
+    """:meth:`AmpBackend.for_dynamo`: calls the backend while it is alive."""
+
+    def __init__(self, backend: AmpBackend) -> None:
+        self._backend = weakref.ref(backend)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        backend = self._backend()
+        if backend is None:  # its owner, which calls the compiled code, holds it while it runs
+            raise AmpFxError("amp_fx: a graph was captured for a compiled model that no longer exists")
+        return backend(gm, example_inputs)
 
 
 def _origin(gm: torch.fx.GraphModule) -> str:

@@ -168,8 +168,8 @@ class _NamedBackend:
 
     def reset(self) -> None:
         """Forget every compiled model (``torch._dynamo.reset()`` calls this through torch.compile's
-        wrapper): a model compiled again starts with fresh records and split tracking. The backends
-        hold their root module, so this is also what frees them."""
+        wrapper): a model compiled again starts with fresh records and split tracking. (A model's
+        backends go with the model: they hold it weakly, and the table is keyed by it weakly.)"""
         self._by_root = weakref.WeakKeyDictionary()
         self._rootless = {}
 
