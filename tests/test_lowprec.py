@@ -87,7 +87,7 @@ def test_bf16_sr_step_is_bitwise_torchao() -> None:
     step = amp_fx.compile_step(model, opt, _dot_loss, dtype="bf16", backend="aot_eager", train_state="bf16_sr")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     batches = [(torch.randn(3, 40), torch.randn(3, 40)) for _ in range(4)]
-    step(*batches[0])  # compiles (compiling draws from the default generator), then the same start
+    step(*batches[0])  # compiles; then both start from the same weights and state
     ref = copy.deepcopy(model)
     ref_opt = adamw_ao(ref.parameters(), lr=1e-2, weight_decay=0.1, bf16_stochastic_round=True)
     for p, r in zip(model.parameters(), ref.parameters()):
@@ -189,3 +189,17 @@ def test_train_state_is_checked() -> None:
         amp_fx.compile_step(model, opt, nn.functional.mse_loss, dtype="bf16", train_state="bf16_kahan")
     assert model.weight.dtype == torch.bfloat16 and model.bias.dtype == torch.bfloat16
     assert opt.state[model.weight]["kahan_comp"].dtype == torch.bfloat16
+
+
+def test_compile_step_leaves_the_random_stream_alone() -> None:
+    """The first step asks once whether Dynamo guards requires_grad, by compiling a small probe
+    module; building it drew from the default generator, so a seeded run's first step moved the
+    user's random stream (dropout masks, stochastic rounding) by 3 draws."""
+    from amp_fx._common import compat
+
+    compat._guards_requires_grad = None  # the answer is cached per process: ask again
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    compat.dynamo_guards_param_requires_grad()
+    assert compat._guards_requires_grad is not None  # the probe ran
+    assert torch.equal(torch.get_rng_state(), before)
