@@ -149,22 +149,22 @@ class LowPrecisionAdam:
     def as_optimizer_step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
         """Inside, ``optimizer.step()`` is this step and the optimizer does not skip on the device
         itself (so ``GradScaler.step`` masks it): for the eager paths of a compiled step."""
-        had_flag = "_step_supports_amp_scaling" in vars(optimizer)
-        flag = vars(optimizer).get("_step_supports_amp_scaling")
+        own = vars(optimizer)
+        saved = {k: own[k] for k in ("step", "_step_supports_amp_scaling") if k in own}
 
         def step(*args: Any, **kwargs: Any) -> None:
             self.step(optimizer)
 
-        optimizer.step = step  # type: ignore[method-assign]
-        optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]
+        own["step"] = step
+        own["_step_supports_amp_scaling"] = False
         try:
             yield
         finally:
-            del optimizer.step
-            if had_flag:
-                optimizer._step_supports_amp_scaling = flag  # type: ignore[attr-defined]
-            else:
-                del optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
+            for key in ("step", "_step_supports_amp_scaling"):
+                if key in saved:
+                    own[key] = saved[key]
+                else:
+                    del own[key]
 
 
 def _adam_fp32(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: torch.Tensor, beta1: float,
