@@ -74,6 +74,7 @@ def test_stochastic_rounding_is_unbiased() -> None:
     assert bool((nearest_err[1:4] > 40 * bound[1:4]).all())
 
 
+@pytest.mark.slow  # 15 s (two compiled pieces under aot_eager)
 def test_bf16_sr_step_is_bitwise_torchao() -> None:
     """Three compiled steps (aot_eager), then one eager (a scheduled beta: the step runs masked through
     the scaler, still amp_fx's), bit for bit torchao's ``_AdamW(bf16_stochastic_round=True)`` run
@@ -123,6 +124,7 @@ def test_bf16_sr_step_is_bitwise_torchao() -> None:
     assert grad_bytes and (held + sum(grad_bytes[:2])) / numel == 8.0
 
 
+@pytest.mark.slow_cases  # 9 s each
 @pytest.mark.parametrize("train_state", ["bf16_kahan", "bf16_sr"])
 def test_updates_below_half_an_ulp_survive(train_state: str) -> None:
     """40 AdamW steps of about lr = 1e-3 each on weights of 1.0: bf16's next value below 1.0 is
