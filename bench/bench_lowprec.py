@@ -19,7 +19,10 @@ over the vocabulary (each token followed by one of 8 tokens, with Dirichlet(0.5)
 its entropy rate is the best loss a model can reach, printed). Reported per run: the train loss
 (mean of the last 20 steps), the loss on 8 held-out batches (fp32 weights of each run evaluated
 the same way, eager autocast bf16) and its gap to fp32 master, and bytes held per parameter
-(parameters, gradients, optimizer state: ``amp_fx.testing.memory.held_bytes``).
+(parameters, a gradient of the parameter's dtype, optimizer state but its step counters).
+
+What the run must show (docs/memory.md records it): both bf16 states end within 0.01 nats of
+held-out loss of fp32 master weights, and round-to-nearest bf16 weights measurably above it.
 """
 
 from __future__ import annotations
