@@ -95,6 +95,7 @@ class Run:
     dtype: str = "bf16"
     fp8: str | None = None
     weight_cache: bool = False
+    train_state: str | None = None
 
 
 def runs() -> list[Run]:
@@ -105,6 +106,8 @@ def runs() -> list[Run]:
             for cache in (False, True):
                 out.append(Run(f"amp_fx {label}, {how}" + (", weight cache" if cache else ""), kind, dtype, fp8,
                                cache))
+    for state in ("bf16_sr", "bf16_kahan"):  # bf16 parameters, gradients and moments (docs: compiled step)
+        out.append(Run(f"amp_fx bf16, compile_step, train_state={state}", "amp_fx step", train_state=state))
     return out
 
 
@@ -132,7 +135,7 @@ def build(run: Run, dims: dict[str, int], device: str, backend: str, wrap: str =
                                              else lambda m: m)
     if run.kind == "amp_fx step":
         step = amp_fx.compile_step(ddp(model), opt, lm_loss, dtype=run.dtype, fp8=run.fp8, backend=backend,
-                                   weight_cache=run.weight_cache, strict=False)
+                                   weight_cache=run.weight_cache, train_state=run.train_state, strict=False)
         cache = getattr(step._forward, "amp_fx_weight_cache", None)
         return Trainer(step, params, opt, lambda: weight_cache_tensors(cache))
 

@@ -160,6 +160,8 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "model = transformers.GPT2LMHeadModel(config)": NotRun(
             "needs transformers (not a dependency); compile_step(**batch) with an HF-style model is "
             "tests/test_step.py's"),
+        "step = amp_fx.compile_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn,": NotRun(
+            "tests/test_lowprec.py runs compile_step(train_state=...) against torchao"),
     },
     "docs/distributed.md": {
         'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(

@@ -125,7 +125,8 @@ def dynamo_guards_param_requires_grad() -> bool:
             graphs.append(1)
             return gm.forward
 
-        probe = torch.nn.Linear(2, 1)
+        with torch.random.fork_rng(devices=[]):  # its init must not move the user's random stream
+            probe = torch.nn.Linear(2, 1)
         probe.bias.requires_grad_(False)
         compiled = torch.compile(probe, backend=count, fullgraph=True)
         compiled(torch.ones(1, 2))

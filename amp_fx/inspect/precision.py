@@ -305,7 +305,7 @@ def _compute_dtype(setup: _Setup, dtype: str | torch.dtype | None) -> torch.dtyp
 
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, setup: _Setup,
            compute: torch.dtype | None, scaler: Any, loss: torch.Tensor | torch.dtype | None,
-           compiled_step: bool) -> PrecisionReport:
+           compiled_step: bool, train_state: str | None = None) -> PrecisionReport:
     module = setup.module or model
     if optimizer is not None:
         params = _unique(p for g in optimizer.param_groups for p in g["params"])
@@ -329,9 +329,12 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     # master weights
     master = _dtypes(params)
     rows.append(PrecisionRow("master weights", master, sum(_nbytes(p) for p in params) / n,
-                             "the parameters the optimizer updates" + (" (this rank's shards)" if units else "")))
+                             "the parameters the optimizer updates" + (" (this rank's shards)" if units else "")
+                             + (f" (bf16 by compile_step(train_state={train_state!r}))" if train_state else "")))
     low_master = [p for p in params if _low(p.dtype)]
-    if asked and low_master:
+    # compile_step(train_state=...) keeps the parameters and AdamW's moments in bf16 on purpose, with
+    # its own rounding of each update (stochastic, or Kahan-compensated): not a downgrade
+    if asked and low_master and train_state is None:
         downgrades[Downgrade.MASTER_WEIGHTS_16BIT] = (
             f"mixed precision ({_name(compute)}) was asked for, but {len(low_master)} of {len(params)} "
             f"parameters the optimizer updates are {_name(low_master[0].dtype)}: every update is rounded "
@@ -376,7 +379,7 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
             rows.append(PrecisionRow("optimizer state", _dtypes(tensors), sum(_nbytes(t) for t in tensors) / n,
                                      note + " (0-dim values such as step left out)"))
             low_state = [key for key, ts in state.items() if any(_low(t.dtype) for t in ts)]
-            if asked and low_state:
+            if asked and low_state and train_state is None:
                 downgrades[Downgrade.OPTIMIZER_STATE_16BIT] = (
                     f"mixed precision ({_name(compute)}) was asked for, but {type(optimizer).__name__}'s state "
                     f"{', '.join(low_state)} is in 16 bits (torch's optimizers create it in the parameters' "
@@ -493,12 +496,14 @@ def precision_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
 
 
 def step_report(step: Any, cache: Any, loss: torch.Tensor | torch.dtype | None,
-                reporter: Reporter) -> PrecisionReport:
+                reporter: Reporter, train_state: str | None = None) -> PrecisionReport:
     """:meth:`amp_fx.CompiledStep.precision_report`: the step's model, optimizer, scaler, dtype and
-    weight cache, reported through the step's own reporter (once per step, its ``strict``)."""
+    weight cache, reported through the step's own reporter (once per step, its ``strict``).
+    ``train_state``: the step's bf16 training state where it applies (its 16-bit parameters and
+    moments are then on purpose)."""
     setup = _find(step.model)
     setup.options, setup.cache = step.options, cache
     report = _build(step.model, step.optimizer, setup=setup, compute=step.config.dtype, scaler=step.scaler,
-                    loss=loss, compiled_step=True)
+                    loss=loss, compiled_step=True, train_state=train_state)
     report_downgrades(report, reporter, stacklevel=5)
     return report

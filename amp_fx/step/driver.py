@@ -11,13 +11,15 @@ value.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
+from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter
 from amp_fx.compile import weight_cache_off_for_fsdp2
@@ -31,6 +33,7 @@ from amp_fx.scaler.snapshot import unique_params
 from amp_fx.step.finish import Finish, GradNorm
 from amp_fx.step.follow import OptimizerFollower, check_params
 from amp_fx.step.forward import ForwardLoss, LossFn, compile_forward, module_prefixes
+from amp_fx.step.lowprec import LowPrecisionAdam, TrainState, unsupported
 from amp_fx.step.shards import StepShards
 
 __all__ = ["CompiledStep", "compile_step"]
@@ -43,8 +46,12 @@ class _Config:
     max_grad_norm: float | None
     grad_norm: GradNorm
     n_inputs: int
+    train_state: TrainState | None = None
 
     def __post_init__(self) -> None:
+        if self.train_state is not None and self.dtype != torch.bfloat16:
+            raise ValueError(f"amp_fx.compile_step: train_state={self.train_state.value!r} trains bf16 "
+                             f"parameters; pass dtype='bf16' (got {self.dtype})")
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"amp_fx.compile_step: accumulate must be an int >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not (0.0 < float(self.max_grad_norm) < float("inf")):
@@ -76,6 +83,17 @@ class CompiledStep:
         self._report = Reporter(options.strict)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         shards = StepShards(model)  # FSDP2: the finish works on the local shards
+        # amp_fx/step/lowprec.py: bf16 parameters and moments, our Adam step in place of the
+        # optimizer's (which then never runs its fused kernel); before the forward compiles
+        self._lowprec = self._low_precision(model, optimizer, config.train_state)
+        if self._lowprec is not None:
+            self._fused = False
+            if options.weight_cache:
+                self._report.did_less("weight_cache:train_state", (
+                    f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
+                    "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
+                    "Drop weight_cache=True."), stacklevel=4)
+                options = options.replace(weight_cache=False)
         self._follow = OptimizerFollower(model, optimizer, self._report, fused=self._fused, fsdp2=shards.enabled)
         if options.weight_cache and weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
             options = options.replace(weight_cache=False)
@@ -93,8 +111,30 @@ class CompiledStep:
         params = self._follow.params
         self._finish = Finish(optimizer, params, record, fused=self._fused, max_grad_norm=config.max_grad_norm,
                               grad_norm=config.grad_norm, writer=None if cache is None else StepWriter(cache, params),
-                              shards=shards, backend=options.backend)
+                              shards=shards, backend=options.backend,
+                              step_fn=None if self._lowprec is None else self._lowprec.step)
         self._finish_backend = self._finish.backend
+
+    def _low_precision(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       mode: TrainState | None) -> LowPrecisionAdam | None:
+        """The bf16 training state asked for, its parameters and state turned to bf16; None when
+        not asked, or reported (strict: raised) when it cannot be honoured."""
+        if mode is None:
+            return None
+        reason = unsupported(optimizer)
+        if reason is None and distributed_units(model) is not None:
+            reason = ("a DDP or FSDP2 model (their gradient buckets and shards are laid out for the "
+                      "parameters' dtype before compile_step could change it)")
+        if reason is not None:
+            self._report.did_less(("train_state", mode), (
+                f"amp_fx.compile_step(train_state={mode.value!r}) cannot replace the optimizer step of "
+                f"{reason}; the parameters and optimizer state keep their dtype and the optimizer steps "
+                "as it is. Use torch.optim.AdamW or Adam (amsgrad, maximize and differentiable off) on a "
+                "model that is not wrapped, or drop train_state."), stacklevel=5)
+            return None
+        lowprec = LowPrecisionAdam(mode)
+        lowprec.prepare(optimizer)
+        return lowprec
 
     # ------------------------------------------------------------------ public state
     @property
@@ -158,7 +198,8 @@ class CompiledStep:
         cache, and the loss of its last call (or ``loss``). Each silent downgrade warns once per step
         (``strict``: raises)."""
         return step_report(self, getattr(self._forward, "amp_fx_weight_cache", None),
-                           self._loss_dtype if loss is None else loss, self._report)
+                           self._loss_dtype if loss is None else loss, self._report,
+                           None if self._lowprec is None else self._lowprec.mode.value)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *batch: Any, **model_kwargs: Any) -> torch.Tensor:
@@ -186,6 +227,8 @@ class CompiledStep:
         hyperparameter) or through the compiled finish; zero the gradients."""
         follow = self._follow
         if follow.follow_param_groups():
+            if self._lowprec is not None:
+                self._lowprec.prepare(self.optimizer)  # the new parameters: bf16, with state
             self._finish.set_params(follow.params)
         follow.follow_hyperparameters()
         if follow.needs_warm_up():
@@ -203,7 +246,8 @@ class CompiledStep:
         if self.config.max_grad_norm is not None:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(self._follow.params, self.config.max_grad_norm)
-        scaler.step(opt)
+        with contextlib.nullcontext() if self._lowprec is None else self._lowprec.as_optimizer_step(opt):
+            scaler.step(opt)
         scaler.update()
         if warm_up:
             self._follow.warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
@@ -233,6 +277,7 @@ def compile_step(
     weight_cache: bool = False,
     watch_nonfinite: bool = False,
     fp8: Fp8Like = None,
+    train_state: Literal["bf16_sr", "bf16_kahan"] | None = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -279,6 +324,15 @@ def compile_step(
             Values are unchanged; the gradients' flags are recorded either way.
         fp8: train the forward's matmuls in fp8, as :func:`amp_fx.compile`'s ``fp8=`` (a recipe
             name, an ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``; docs: "fp8 training").
+        train_state: hold the training state in bf16 (needs ``dtype="bf16"``): the optimizer's
+            parameters are turned to bf16 **in place** (``p.data``; the model and optimizer keep
+            the same Parameter objects, buffers and other parameters are left alone), the Adam
+            moments are bf16, and the step computes Adam's update in fp32 and writes the weights
+            back with ``"bf16_sr"`` (stochastic rounding, unbiased: 8 bytes per parameter instead
+            of 16) or ``"bf16_kahan"`` (a bf16 Kahan compensation buffer: 10 bytes). For
+            ``torch.optim.Adam``/``AdamW`` (not amsgrad, maximize, differentiable) on an unwrapped
+            model; otherwise it warns (strict: raises) and trains as without it. See
+            ``amp_fx.step.lowprec`` and docs "Memory".
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -297,7 +351,7 @@ def compile_step(
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(dtype=options.dtype, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
-                     n_inputs=n_inputs)
+                     n_inputs=n_inputs, train_state=TrainState.parse(train_state))
     check_params(model, optimizer)
     params = unique_params(optimizer)
     if not params:

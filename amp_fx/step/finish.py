@@ -113,13 +113,15 @@ class Finish:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], record: SkipRecord, *,
                  fused: bool, max_grad_norm: float | None, grad_norm: GradNorm, writer: StepWriter | None,
-                 shards: StepShards, backend: str | Backend) -> None:
+                 shards: StepShards, backend: str | Backend,
+                 step_fn: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
         self.optimizer = optimizer
         self.record = record
         self.max_grad_norm = max_grad_norm
         self.grad_norm = grad_norm
         self.fused = fused  # the optimizer skips on the device itself (``_step_supports_amp_scaling``)
-        self.raw_step = raw_step(optimizer)
+        # the optimizer's own step, or the bf16 training state's (amp_fx.step.lowprec)
+        self.raw_step = raw_step(optimizer) if step_fn is None else step_fn
         self.shards = shards
         self.writer = writer
         self.params = params
