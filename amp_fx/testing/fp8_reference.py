@@ -111,8 +111,14 @@ def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"})
+_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+                    "aten::_grouped_mm", "aten::_scaled_grouped_mm"})
+"""The GEMMs counted. The grouped ones (mixture-of-experts layers) count ``2 M K N``: each row of
+``[M, K]`` meets one expert's ``[K, N]`` (the weight-gradient form, ``[K, M] x [M, N]`` grouped
+along ``M``, the same). transformers' ``grouped_mm_fallback`` and amp_fx's
+``amp_fx::scaled_grouped_mm`` on the CPU are loops of ``mm``/``_scaled_mm``, counted as those."""
 _SCALED_MM = "aten::_scaled_mm"
+_FP8_GEMMS = frozenset({_SCALED_MM, "aten::_scaled_grouped_mm"})
 _PAD = "aten::constant_pad_nd"
 
 
@@ -184,7 +190,8 @@ def _descendants(event: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def count_gemm_flops() -> Iterator[GemmFlops]:
-    """Count the GEMM FLOPs of the mm/addmm/bmm/baddbmm/_scaled_mm calls that run inside (forward
+    """Count the GEMM FLOPs of the mm/addmm/bmm/baddbmm/_scaled_mm calls (and the grouped GEMMs of
+    mixture-of-experts layers, :data:`_GEMMS`) that run inside (forward
     and backward, eager or compiled), seen by the profiler at the dispatcher, as
     :class:`~amp_fx.testing.step_reference.HostSyncCounter` sees host reads (a
     ``TorchDispatchMode`` would stop Dynamo from running compiled code).
@@ -192,8 +199,8 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     GEMMs run on fake tensors while torch.compile traces (a recompile inside the window) do not
     count. Only the outermost GEMM of a nest counts: ``_scaled_mm``'s CPU kernel calls ``aten::mm``, and
     torchao's tensor subclass receives ``aten::mm`` and runs ``_scaled_mm`` inside it. A GEMM is
-    fp8 when it is, or contains, a ``_scaled_mm``. Fused attention (CPU sdpa runs as one op) is
-    not counted: none of its operands is a parameter, so no recipe puts it in fp8.
+    fp8 when it is, or contains, a ``_scaled_mm`` (or ``_scaled_grouped_mm``). Fused attention (CPU
+    sdpa runs as one op) is not counted: none of its operands is a parameter, so no recipe puts it in fp8.
 
     Padding: a ``_scaled_mm`` whose ``mat2`` is the result of a zero pad (``aten::constant_pad_nd``
     since the previous ``_scaled_mm``; amp_fx's and torchao's ``pad_inner_dim`` padding) counts at
@@ -225,7 +232,7 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
         if event.name == _PAD or any(a.name in _GEMMS for a in _ancestors(event)):
             continue  # inside another GEMM
         n = _gemm_flops(event.name, event.input_shapes)
-        scaled = [e for e in (event, *_descendants(event)) if e.name == _SCALED_MM]
+        scaled = [e for e in (event, *_descendants(event)) if e.name in _FP8_GEMMS]
         fp8 = bool(scaled)
         if scaled and id(scaled[0]) in unpadded:
             flops.padding += _gemm_flops(_SCALED_MM, scaled[0].input_shapes) - unpadded[id(scaled[0])]
