@@ -118,6 +118,8 @@ _GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "at
 along ``M``, the same). transformers' ``grouped_mm_fallback`` and amp_fx's
 ``amp_fx::scaled_grouped_mm`` on the CPU are loops of ``mm``/``_scaled_mm``, counted as those."""
 _SCALED_MM = "aten::_scaled_mm"
+_LOW_DTYPES = frozenset({"c10::BFloat16", "c10::Half"})
+"""The profiler's names of the 16-bit float dtypes (``event.input_dtypes``)."""
 _FP8_GEMMS = frozenset({_SCALED_MM, "aten::_scaled_grouped_mm"})
 _PAD = "aten::constant_pad_nd"
 
@@ -131,6 +133,8 @@ class GemmFlops:
 
     fp8: int = 0
     other: int = 0
+    low: int = 0
+    """Of ``other``: the FLOPs of GEMMs on 16-bit operands (bf16, fp16): the autocast dtype."""
     calls: dict[str, int] = field(default_factory=dict)
     padding: int = 0
     """FLOPs of the zeros padded in (not in ``fp8``)."""
@@ -149,6 +153,11 @@ class GemmFlops:
     @property
     def fp8_share(self) -> float:
         return self.fp8 / self.total if self.total else 0.0
+
+    @property
+    def low_share(self) -> float:
+        """The share of GEMM FLOPs in low precision: fp8, bf16 or fp16."""
+        return (self.fp8 + self.low) / self.total if self.total else 0.0
 
 
 def _padded_from(event: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -242,5 +251,9 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
             flops.fp8 += n
         else:
             flops.other += n
+            dtypes = getattr(event, "input_dtypes", None) or []
+            operand = 1 if event.name in ("aten::addmm", "aten::baddbmm") else 0
+            if len(dtypes) > operand and dtypes[operand] in _LOW_DTYPES:
+                flops.low += n
         key = "fp8" if fp8 else event.name.removeprefix("aten::")
         flops.calls[key] = flops.calls.get(key, 0) + 1
