@@ -20,8 +20,10 @@ scaled per group and column. The scales are computed in the graph, without readi
 the host (each row's group comes from ``searchsorted``; a group's amax from ``scatter_reduce``,
 exact as every amax is), so inductor fuses them with the casts. The GEMMs run in one op,
 ``amp_fx::scaled_grouped_mm``: on a GPU, ``torch._scaled_grouped_mm`` with rowwise scales (a
-tensorwise scale repeated per row) where its layout rules hold; elsewhere (the CPU, where
-``_scaled_grouped_mm`` has no kernel) one ``torch._scaled_mm`` per group with the same scales,
+tensorwise scale repeated per row) for the forward and input-gradient GEMMs where its rules hold
+(sm_90+, K and N multiples of 16; not run on a GPU by amp_fx's tests, which have none); elsewhere
+(the CPU, where ``_scaled_grouped_mm`` has no kernel, and the weight gradient, which groups the
+inner dimension) one ``torch._scaled_mm`` per group with the same scales,
 through the same code as :func:`~amp_fx.kernels.fp8_matmul.fp8_matmul` (padding included), so the
 CPU results are bitwise with torchao converting the ``nn.Linear``-per-expert twin
 (``tests/test_fp8_experts.py``).
@@ -66,34 +68,31 @@ def grouped_mm_flops(m: int, k: int, n: int) -> int:
 
 
 def _gpu_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether ``torch._scaled_grouped_mm`` takes these operands: CUDA, fp8, bf16 output, sizes
-    multiples of 16 (its layout rule; a group's row count may be anything)."""
-    if a.device.type != "cuda" or a.dtype not in _FP8 or out_dtype is not torch.bfloat16:
+    """Whether ``torch._scaled_grouped_mm`` takes these operands: an sm_90+ GPU, fp8, bf16 output,
+    the row-grouped form (``[M, K] x [E, K, N]``; a group's row count may be anything) with K and N
+    multiples of 16. The weight-gradient form groups the inner dimension, whose group sizes the
+    kernel wants aligned and which are known only on the device: it runs per group."""
+    if a.device.type != "cuda" or a.dtype not in _FP8 or out_dtype is not torch.bfloat16 or b.dim() != 3:
         return False
-    inner = a.shape[-1]
-    cols = b.shape[-1]
-    return inner % ALIGNMENT == 0 and cols % ALIGNMENT == 0 and (b.dim() == 2 or b.shape[-2] % ALIGNMENT == 0)
+    if torch.cuda.get_device_capability(a.device) < (9, 0):
+        return False
+    return a.shape[-1] % ALIGNMENT == 0 and b.shape[-1] % ALIGNMENT == 0
 
 
 def _on_gpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
             a_rowwise: bool, b_rowwise: bool, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """One ``torch._scaled_grouped_mm`` (rowwise scales; a tensorwise one repeated per row/column)."""
+    """One ``torch._scaled_grouped_mm``, row-grouped (rowwise scales; a tensorwise one repeated per
+    row of its group, or per column of its expert)."""
     groups = offs.numel()
-    if b.dim() == 3:  # [M, K] x [E, K, N]
-        m, n = a.shape[0], b.shape[-1]
-        if a_rowwise:
-            sa = scale_a.reshape(m)
-        else:
-            rows = torch.searchsorted(offs, torch.arange(m, device=a.device, dtype=offs.dtype), right=True)
-            sa = scale_a[rows.clamp(max=groups - 1)]
-        sb = scale_b.reshape(groups, n) if b_rowwise else scale_b[:, None].expand(groups, n).contiguous()
-        b = b.transpose(-2, -1).contiguous().transpose(-2, -1)
-    else:  # [N, M] x [M, K] -> [E, N, K], grouped along M
-        n, k = a.shape[0], b.shape[1]
-        sa = scale_a.reshape(groups * n) if a_rowwise else scale_a[:, None].expand(groups, n).reshape(-1)
-        sb = scale_b.reshape(groups * k) if b_rowwise else scale_b[:, None].expand(groups, k).reshape(-1)
-        b = b.t().contiguous().t()
-    return torch._scaled_grouped_mm(a.contiguous(), b, sa.reciprocal(), sb.reciprocal(), offs=offs,
+    m, n = a.shape[0], b.shape[-1]  # [M, K] x [E, K, N]
+    if a_rowwise:
+        sa = scale_a.reshape(m)
+    else:
+        rows = torch.searchsorted(offs, torch.arange(m, device=a.device, dtype=offs.dtype), right=True)
+        sa = scale_a[rows.clamp(max=groups - 1)]
+    sb = scale_b.reshape(groups, n) if b_rowwise else scale_b[:, None].expand(groups, n).contiguous()
+    b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert
+    return torch._scaled_grouped_mm(a.contiguous(), b, sa.reciprocal(), sb.reciprocal(), offs=offs.to(torch.int32),
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
@@ -113,7 +112,7 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     if _gpu_ready(a, b, out_dtype):
         return _on_gpu(a, b, scale_a, scale_b, offs, a_rowwise, b_rowwise, out_dtype, fast_accum)
     fp8 = a.dtype in _FP8
-    ends = offs.tolist()  # a host read: free on the CPU; on a GPU only off _scaled_grouped_mm's rules
+    ends = offs.tolist()  # a host read: free on the CPU; on a GPU where _scaled_grouped_mm does not run
     grouped_rows = b.dim() == 3
     if grouped_rows:
         out = torch.zeros(a.shape[0], b.shape[-1], dtype=out_dtype, device=a.device)
