@@ -209,6 +209,7 @@ def test_moe_models_run_every_gemm_in_fp8_with_fp8_alone(name: str) -> None:
             assert err <= 2 * (U_E4M3 + U_E5M2), (n, err)
 
 
+@pytest.mark.slow
 def test_autocast_experts_false_keeps_the_experts_out_of_fp8() -> None:
     """``Policy(autocast_experts=False)`` with ``fp8=``: the grouped GEMMs stay transformers' fallback
     on fp32 operands, each with its reason; the other matmuls in fp8; nothing said (strict: the
