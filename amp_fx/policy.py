@@ -313,7 +313,9 @@ class Policy:
             (an error in strict mode). ``True``: in the autocast dtype, each as one
             ``aten._grouped_mm`` (transformers' fallback, a per-expert loop behind a host sync,
             is replaced), the weights' casts shared and cached as a linear's are. ``False``: as
-            eager autocast, without the warning.
+            eager autocast, without the warning. With ``fp8=`` on, ``None`` means ``True`` and
+            the grouped GEMMs then run in fp8 as every matmul with a parameter operand does
+            (:mod:`amp_fx.kernels.fp8_grouped_mm`); ``False`` keeps them in fp32.
 
     The policy is hashable and part of amp_fx's compile cache key.
     """

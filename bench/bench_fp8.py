@@ -4,6 +4,7 @@
     python bench/bench_fp8.py --device cuda --preset h100  # a GPU: Llama-like 2048 x 4 layers, seq 2048
     python bench/bench_fp8.py --models hf-gpt2 --steps 10
     python bench/bench_fp8.py --tier                       # coverage on the real-model tier's transformers models
+    python bench/bench_fp8.py --tier --models hf_qwen3_moe,hf_olmoe --recipes tensorwise
 
 Per model and variant, on one device and one downstream backend (inductor by default):
 
@@ -22,12 +23,15 @@ Per model and variant, on one device and one downstream backend (inductor by def
   about a GPU's fp8 tensor cores, so the CPU table leaves both columns out.
 
 ``--tier``: per transformers model of the real-model tier (``amp_fx/testing/real_models.py``) and
+the mixture-of-experts models Qwen3-MoE and OLMoE (same sizes, 4 experts, 2 per token), per
 recipe, one forward and backward under ``aot_eager``: the matmuls with a parameter operand
-(distinct weights), how many run in fp8, how many of those are padded to ``_scaled_mm``'s
-multiples of 16 and the FLOPs the padding adds (a fraction of all GEMM FLOPs; the shares count
-unpadded FLOPs), why the others do not, and the fp8 share of GEMM FLOPs
-for amp_fx and for torchao on the model as it is (the tier's tests check amp_fx bitwise against
-torchao converting the same layers: tests/models/test_fp8_real_models.py).
+(distinct weights; a grouped expert GEMM is one), how many run in fp8, how many of those are
+padded to ``_scaled_mm``'s multiples of 16 and the FLOPs the padding adds (a fraction of all GEMM
+FLOPs; the shares count unpadded FLOPs), why the others do not, and the shares of all GEMM FLOPs
+(grouped expert GEMMs included) in low precision (fp8, bf16) and in fp8: eager
+``torch.autocast`` (low only), amp_fx with ``fp8=recipe`` and torchao on the model as it is (the
+tier's tests check amp_fx bitwise against torchao converting the same layers:
+tests/models/test_fp8_real_models.py).
 
 torchao runs under ``torch.autocast(device, bf16)``; on a CPU its input-cast branch is pointed at
 the CPU's autocast state (``cpu_autocast_torchao``: torchao reads CUDA's state there, see
@@ -39,6 +43,7 @@ without transformers), ``hf-gpt2`` and ``hf-llama`` (transformers, random init).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -169,14 +174,53 @@ def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor
     return loss.item(), _grads(model)
 
 
-def tier(recipes: list[str]) -> None:
+def _moe_models() -> dict[str, object]:
+    """Qwen3-MoE and OLMoE at the tier's sizes (2 layers x hidden 64, 4 experts, 2 per token,
+    vocabulary 128, 2 x 16 tokens), random init: transformers keeps each expert layer as one 3-D
+    parameter and multiplies it with a grouped GEMM. Not in the tier; here for the counts."""
+    from amp_fx.testing import real_models as rm
+
+    def qwen3_moe(gen: torch.Generator) -> object:
+        import transformers as tf
+
+        config = tf.Qwen3MoeConfig(**rm._HF_DIMS, moe_intermediate_size=64, num_key_value_heads=4, head_dim=16,
+                                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, use_cache=False)
+        return rm._hf_causal(config, tf.Qwen3MoeForCausalLM, gen)
+
+    def olmoe(gen: torch.Generator) -> object:
+        import transformers as tf
+
+        dims = dict(rm._HF_DIMS, intermediate_size=64)
+        config = tf.OlmoeConfig(**dims, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                use_cache=False)
+        return rm._hf_causal(config, tf.OlmoeForCausalLM, gen)
+
+    return {"hf_qwen3_moe": rm.RealModel("hf_qwen3_moe", "transformers", qwen3_moe),
+            "hf_olmoe": rm.RealModel("hf_olmoe", "transformers", olmoe)}
+
+
+def _share(flops: object, low: bool) -> str:
+    return f"{flops.low_share if low else flops.fp8_share:.3f}"  # type: ignore[attr-defined]
+
+
+def tier(recipes: list[str], only: list[str] | None = None) -> None:
     """The coverage table of ``--tier`` (see the module docstring)."""
     from amp_fx.testing.real_models import REAL_MODELS
 
     rows = []
-    for name, entry in REAL_MODELS.items():
-        if entry.library != "transformers" or entry.missing():
+    models = {**REAL_MODELS, **_moe_models()}
+    for name, entry in models.items():
+        # the state-space models (traced_path) are the tier's for amp_fx.compile, not for fp8
+        # (tests/models/test_fp8_real_models.py; torchao's rowwise fails on Mamba's x_proj)
+        if (entry.library != "transformers" or entry.missing() or entry.traced_path is not None
+                or (only and name not in only)):
             continue
+        torch._dynamo.reset()
+        model, inputs, loss_fn = entry.build()
+        with count_gemm_flops() as autocast_flops:
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = loss_fn(copy.deepcopy(model)(**inputs))
+            loss.backward()
         for recipe in recipes:
             torch._dynamo.reset()
             model, inputs, loss_fn = entry.build()
@@ -197,15 +241,17 @@ def tier(recipes: list[str]) -> None:
                          "fp8": sum(d.converted for d in decisions.values()),
                          "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
                          "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
-                         "fp8 share amp_fx": f"{flops.fp8_share:.3f}",
-                         "fp8 share torchao": f"{ref_flops.fp8_share:.3f}",
+                         "low autocast": _share(autocast_flops, True),
+                         "low amp_fx": _share(flops, True), "fp8 amp_fx": _share(flops, False),
+                         "low torchao": _share(ref_flops, True), "fp8 torchao": _share(ref_flops, False),
                          "kept out (why)": "; ".join(kept) or "-"})
     print(tabulate(rows, headers="keys"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="llama-like,hf-gpt2")
+    parser.add_argument("--models", default=None, help="models to run (default llama-like,hf-gpt2; with "
+                        "--tier: names of the tier's models and hf_qwen3_moe, hf_olmoe; default all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--backend", default="inductor")
@@ -215,6 +261,8 @@ def main() -> None:
     for name in PRESETS["cpu"]:
         parser.add_argument(f"--{name}", type=int, default=None)
     args = parser.parse_args()
+    args.models_given = args.models is not None
+    args.models = args.models or "llama-like,hf-gpt2"
     dims = dict(PRESETS[args.preset or ("h100" if args.device == "cuda" else "cpu")])
     dims.update({k: getattr(args, k) for k in dims if getattr(args, k) is not None})
     recipes = args.recipes.split(",")
@@ -225,7 +273,7 @@ def main() -> None:
         print(f"torchao rows left out: {missing}")
     if args.tier:
         warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
-        tier(recipes)
+        tier(recipes, args.models.split(",") if args.models_given else None)
         return
     if args.device == "cpu":
         print("CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -327,3 +328,27 @@ def test_policy_field_is_validated_and_kept() -> None:
     # an explicit op_classes entry wins over the switch
     moved = amp_fx.Policy(op_classes={"aten._grouped_mm": amp_fx.CastClass.FP32}, autocast_experts=True)
     assert not moved.lowers_experts("aten::_grouped_mm")
+
+
+# --- advise: the float64 reference of a model with grouped GEMMs ---------------------------------------
+
+
+@pytest.mark.slow
+def test_advise_measures_a_moe_model_against_float64() -> None:
+    """``advise``'s float64 reference runs transformers' grouped GEMMs one group at a time
+    (``torch._grouped_mm`` has no float64 kernel: before, advise failed on Qwen3-MoE and Mixtral
+    with "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"). Its loss error is
+    the compiled default's against transformers' own float64 per-expert loop, up to float64's
+    rounding (the two references differ by ~1e-16 relative; the error is ~1e-6: rel_tol 1e-6)."""
+    model, inputs = _build(_qwen3_moe)
+    ref64 = copy.deepcopy(model).double()
+    ref64.config._experts_implementation = "eager"
+    with torch.no_grad():
+        loss64 = ref64(**inputs).loss.item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amp_fx.AmpFxWarning)  # the experts in fp32: said elsewhere
+        advice = amp_fx.advise(copy.deepcopy(model), dtype="bf16", loss_fn=lambda out: out.loss, **inputs)
+        loss = _compile(model, strict=False)(**inputs).loss.item()
+    expected = abs(loss - loss64) / abs(loss64)
+    assert expected > 0 and math.isclose(dict(advice.baseline_parts)["loss"], expected, rel_tol=1e-6), \
+        (advice.baseline_parts, expected)

@@ -413,3 +413,39 @@ def amp_failure(e: BaseException, model_or_fn: Any, call: Call, *, tool: str, dt
                         "with this model, not amp_fx's; try backend='eager'")
     return AmpRunError(f"amp_fx.{tool}: the model runs in fp32 eager mode but fails with amp_fx "
                        f"({name}): {_first_line(e)}; {same}")
+
+
+class _GroupedMmPerGroup(torch.overrides.TorchFunctionMode):
+    """``torch._grouped_mm`` (what ``F.grouped_mm`` calls) on float64 operands, computed one group at
+    a time with ``torch.mm`` (differentiable, so the backward too)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch._grouped_mm:
+            names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+            given = dict(zip(names, args)) | kwargs
+            a, b, offs = given.get("mat_a", given.get("self")), given["mat_b"], given.get("offs")
+            if (isinstance(a, torch.Tensor) and a.dtype == torch.float64 and offs is not None
+                    and given.get("bias") is None and given.get("out_dtype") in (None, torch.float64)
+                    and a.dim() == 2 and b.dim() in (2, 3)):
+                return _grouped_mm_per_group(a, b, offs)
+        return func(*args, **kwargs)
+
+
+def _grouped_mm_per_group(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:  # [M, K] x [E, K, N] -> [M, N]; rows past the last group: zeros
+        pieces = [a[s:t] @ b[e] for e, (s, t) in enumerate(zip(starts, ends))]
+        pieces.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[-1]))
+        return torch.cat(pieces)
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(starts, ends)])  # [N, M] x [M, K] -> [E, N, K]
+
+
+@contextlib.contextmanager
+def float64_grouped_mm() -> Iterator[None]:
+    """Inside: the grouped expert GEMMs of a float64 reference run (``torch._grouped_mm`` has no
+    float64 kernel; transformers' MoE layers call it on whatever dtype their weights have) compute
+    one group at a time, in float64."""
+    with _GroupedMmPerGroup():
+        yield

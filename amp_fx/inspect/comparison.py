@@ -68,6 +68,7 @@ from amp_fx.inspect._runner import (
     SEED,
     AmpRun,
     Call,
+    float64_grouped_mm,
     private_copy,
     run_amp,
     run_eager_checked,
@@ -578,8 +579,9 @@ def compare(
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):
             ref_model = ref_model.double()
-        ref_out, ref_grads = _run_end_to_end(ref_model, call, autocast=None, grads=grads,
-                                             loss_fn=loss_fn, to=torch.float64)
+        with float64_grouped_mm():  # grouped expert GEMMs have no float64 kernel
+            ref_out, ref_grads = _run_end_to_end(ref_model, call, autocast=None, grads=grads,
+                                                 loss_fn=loss_fn, to=torch.float64)
     except Exception as e:
         report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
                             f"({type(e).__name__}: {e})")

@@ -7,7 +7,11 @@ on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders mar
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
 weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``, ``w[e]``
-of a 3-D parameter), seen through the cast ``insert_casts`` gave it. Each is *considered*:
+of a 3-D parameter), seen through the cast ``insert_casts`` gave it, and the grouped expert GEMMs
+of mixture-of-experts layers (``aten._grouped_mm(x, w, offs)``, ``w`` a view of an ``[E, K, N]``
+parameter; transformers' ``grouped_mm_fallback`` becomes one where ``insert_casts`` moved it to
+the autocast dtype, which the pipeline asks for whenever ``fp8=`` is on and
+``Policy(autocast_experts=...)`` is unset). Each is *considered*:
 converted, or left in ``dtype`` with the reason recorded. A matmul stays in ``dtype`` when
 
 * the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
@@ -19,7 +23,9 @@ Any size converts: where a dimension of one of its fp8 GEMMs is not a multiple o
 ``torch._scaled_mm`` needs on a GPU), the fp8 matmul pads it with zeros and slices the result
 (:func:`amp_fx.kernels.fp8_matmul.padding` says what, and what it costs; the decision carries it).
 
-A converted matmul becomes :func:`amp_fx.kernels.fp8_matmul.fp8_matmul` on the input as
+A converted grouped GEMM becomes :func:`amp_fx.kernels.fp8_grouped_mm.fp8_grouped_mm` on the input
+as cast, the weight's views rebuilt on the fp32 parameter, and the offsets (per-group numerics:
+that module's docstring). A converted matmul becomes :func:`amp_fx.kernels.fp8_matmul.fp8_matmul` on the input as
 ``insert_casts`` cast it (the autocast dtype) and the *fp32* weight, transposed to ``[K, N]``
 (torchao scales the master weight, with no bf16 round trip), plus ``aten.add`` of the bias cast to
 the output's dtype (torchao's ``Float8Linear`` adds it after the GEMM). Casts left without users
@@ -67,11 +73,12 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
-from amp_fx.policy import CastClass, Decision, Policy, module_matches
+from amp_fx.policy import GROUPED_MM_OPS, CastClass, Decision, Policy, module_matches
 
 __all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS", "WEIGHT_VIEWS"]
 
@@ -85,7 +92,15 @@ MATMULS = {
     aten.bmm.default: "aten.bmm",
     aten.baddbmm.default: "aten.baddbmm",
 }
-"""The ops the pass considers (bmm/baddbmm are recorded as not convertible)."""
+"""The ops the pass considers (bmm/baddbmm are recorded as not convertible), besides the grouped
+expert GEMMs (:data:`~amp_fx.policy.GROUPED_MM_OPS`)."""
+
+_GROUPED_MM = aten._grouped_mm.default
+
+
+def _grouped(target: object) -> bool:
+    """A grouped expert GEMM (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``)."""
+    return isinstance(target, torch._ops.OpOverload) and target.name() in GROUPED_MM_OPS
 
 WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
@@ -157,6 +172,8 @@ class _Match:
     """The weight operand as the model passed it, uncast: the parameter placeholder or a view of it
     (``F.linear(x, w.t())`` passes a view, whose shape, not the parameter's, is ``[N, K]``)."""
     bias: torch.fx.Node | None
+    offs: torch.fx.Node | None = None
+    """A grouped GEMM's group ends (its weight is ``[E, K, N]``)."""
 
 
 def _val(node: object) -> object:
@@ -200,14 +217,14 @@ class _Rewriter:
 
     def run(self) -> Fp8Record:
         for node in list(self.graph.nodes):
-            if node.op == "call_function" and node.target in MATMULS:
+            if node.op == "call_function" and (node.target in MATMULS or _grouped(node.target)):
                 self.visit(node)
         self.graph.lint()
         self.gm.recompile()
         return self.record
 
     def visit(self, node: torch.fx.Node) -> None:
-        op = MATMULS[node.target]
+        op = MATMULS.get(node.target) or node.target.name().replace("::", ".")
         stack = module_stack(node)
         module = stack[-1][0] if stack else ""
         weight = next((p for p in map(_parameter, node.args) if p is not None), None)
@@ -242,9 +259,13 @@ class _Rewriter:
             node.meta[meta.FP8] = decide(False, f"not fp8: module {excluded[0] or '<root>'} kept out of "
                                                 f"fp8 by policy ({excluded[1]})")
             return
-        pad = self.padding(shape)
+        pad = self.padding(shape) if match.offs is None else None
         reason = self.converted_reason()
-        if pad is not None and self.recipe is Fp8Recipe.MXFP8:
+        if match.offs is not None:
+            reason += (f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
+                       f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
+                       f"per group)")
+        elif pad is not None and self.recipe is Fp8Recipe.MXFP8:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
@@ -255,6 +276,8 @@ class _Rewriter:
     def match(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """The operands of a matmul whose right operand is a 2-D parameter, or why not."""
         target, args = node.target, node.args
+        if _grouped(target):
+            return self.match_grouped(node)
         if target in (aten.bmm.default, aten.baddbmm.default):
             return None, ("a batched matmul (aten.bmm): _scaled_mm takes 2-D operands, so a 3-D "
                           "weight stays in the autocast dtype")
@@ -285,8 +308,29 @@ class _Rewriter:
             return None, "addmm with a 2-D bias"
         return _Match(x, _uncast(w), weight, bias), ""
 
+    def match_grouped(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
+        """``grouped_mm(x [M, K], w [E, K, N], offs)`` with ``w`` a view of a parameter, or why not."""
+        if node.target is not _GROUPED_MM:
+            return None, (f"{node.target.name().replace('::', '.')} was not moved to the autocast dtype "
+                          f"(only aten._grouped_mm on autocast-dtype operands runs in fp8)")
+        x, w = node.args[0], node.args[1]
+        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+        extra = [a for a in (*node.args[3:], *(v for k, v in node.kwargs.items() if k != "offs")) if a is not None]
+        if _parameter(w) is None:
+            return None, "the parameter is not the grouped GEMM's right operand"
+        if offs is None or extra:
+            return None, "a grouped GEMM without offsets, or with a bias or out_dtype"
+        if _val(x).dim() != 2 or _val(w).dim() != 3:
+            return None, "a grouped GEMM whose operands are not [M, K] and [E, K, N]"
+        if self.recipe is Fp8Recipe.MXFP8:
+            return None, ("grouped expert GEMMs are not converted to mxfp8 yet (they run in the autocast "
+                          "dtype; fp8='tensorwise' or 'rowwise' converts them)")
+        return _Match(x, None, w, None, offs), ""
+
     def shape(self, match: _Match) -> tuple[int | str, int | str, int | str]:
         xv = _val(match.x)
+        if match.offs is not None:  # [M, K] x [E, K, N]: each row meets one expert
+            return _text(xv.shape[0]), _text(xv.shape[1]), _text(_val(match.weight).shape[-1])
         k = xv.shape[-1]
         n = _val(match.weight_kn).shape[1] if match.weight_kn is not None else _val(match.weight).shape[0]
         m = math.prod(xv.shape[:-1])
@@ -321,6 +365,16 @@ class _Rewriter:
         stack = node.meta.get("nn_module_stack", {})
         note = Decision(CastClass.NONE, decision.reason)
         with self.graph.inserting_before(node):
+            if match.offs is not None:
+                out = self.call(fp8_grouped_mm, (match.x, self.fp32_view(match.weight, stack), match.offs,
+                                                 self.recipe), stack, note)
+                out.meta[meta.FP8] = decision
+                out.meta[meta.FP8_OF] = node.name
+                inputs = node.all_input_nodes
+                node.replace_all_uses_with(out)
+                self.graph.erase_node(node)
+                _erase_unused_casts(self.graph, inputs)
+                return
             w = match.weight_kn
             if w is None:
                 w = self.call(aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note()))
@@ -350,6 +404,20 @@ class _Rewriter:
                     "bf16 operands)")
         return ("fp8: the weight as [K, N], in fp32 (the master weight is scaled, with no round trip "
                 "through the autocast dtype)")
+
+    def fp32_view(self, w: torch.fx.Node, stack: dict[str, object]) -> torch.fx.Node:
+        """``w`` (views of a parameter's cast, or casts of its views) rebuilt on the fp32 parameter:
+        the fp8 GEMMs scale the master weight, as torchao does."""
+        views = []
+        node = _uncast(w)
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
+            views.append(node)
+            node = _uncast(node.args[0])
+        for view in reversed(views):
+            node = self.call(view.target, (node, *view.args[1:]), stack, Decision(
+                CastClass.NONE, "fp8: a view of the fp32 master weight (its fp8 casts scale it, with no "
+                                "round trip through the autocast dtype)"), dict(view.kwargs))
+        return node
 
     def call(self, target: object, args: tuple[object, ...], stack: dict[str, object],
              decision: Decision, kwargs: dict[str, object] | None = None) -> torch.fx.Node:

@@ -17,6 +17,7 @@ graph; it never sees the backend object. ``amp_fx/passes/README.md`` is the tabl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
+from amp_fx.policy import Policy
 
 __all__ = ["Fallback", "GraphRecord", "GraphWork", "PIPELINE", "Stage", "StageFailure", "run_pipeline",
            "stage", "summarize"]
@@ -226,8 +228,18 @@ def _capture(options: Options, work: GraphWork) -> None:
 
 
 def _insert_casts(options: Options, work: GraphWork) -> None:
-    work.gm, work.inserted = insert_casts(work.gm, policy=options.policy, device_type=work.device_type,
+    work.gm, work.inserted = insert_casts(work.gm, policy=_cast_policy(options), device_type=work.device_type,
                                           dtype=options.dtype, fake_mode=work.fake_mode)
+
+
+def _cast_policy(options: Options) -> Policy:
+    """The policy insert_casts applies: with ``fp8=`` on and ``Policy(autocast_experts=...)`` unset,
+    the grouped expert GEMMs are moved to the autocast dtype, where the fp8 pass takes them (fp8
+    covers every matmul with a parameter operand; ``autocast_experts=False`` keeps them out)."""
+    policy = options.policy
+    if options.fp8 is not None and policy.autocast_experts is None:
+        return dataclasses.replace(policy, autocast_experts=True)
+    return policy
 
 
 def _fp8_matmuls(options: Options, work: GraphWork) -> None:

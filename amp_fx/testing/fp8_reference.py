@@ -150,8 +150,16 @@ def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"})
+_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+                    "aten::_grouped_mm", "aten::_scaled_grouped_mm"})
+"""The GEMMs counted. The grouped ones (mixture-of-experts layers) count ``2 M K N``: each row of
+``[M, K]`` meets one expert's ``[K, N]`` (the weight-gradient form, ``[K, M] x [M, N]`` grouped
+along ``M``, the same). transformers' ``grouped_mm_fallback`` and amp_fx's
+``amp_fx::scaled_grouped_mm`` on the CPU are loops of ``mm``/``_scaled_mm``, counted as those."""
 _SCALED_MM = "aten::_scaled_mm"
+_LOW_DTYPES = frozenset({"c10::BFloat16", "c10::Half"})
+"""The profiler's names of the 16-bit float dtypes (a raw event's ``dtypes()``)."""
+_FP8_GEMMS = frozenset({_SCALED_MM, "aten::_scaled_grouped_mm"})
 _PAD = "aten::constant_pad_nd"
 
 
@@ -164,6 +172,8 @@ class GemmFlops:
 
     fp8: int = 0
     other: int = 0
+    low: int = 0
+    """Of ``other``: the FLOPs of GEMMs on 16-bit operands (bf16, fp16): the autocast dtype."""
     calls: dict[str, int] = field(default_factory=dict)
     padding: int = 0
     """FLOPs of the zeros padded in (not in ``fp8``)."""
@@ -183,6 +193,11 @@ class GemmFlops:
     def fp8_share(self) -> float:
         return self.fp8 / self.total if self.total else 0.0
 
+    @property
+    def low_share(self) -> float:
+        """The share of GEMM FLOPs in low precision: fp8, bf16 or fp16."""
+        return (self.fp8 + self.low) / self.total if self.total else 0.0
+
 
 @dataclass(eq=False)
 class _Op:
@@ -194,6 +209,7 @@ class _Op:
     thread: int
     shapes: list[list[int]]
     args: list[Any]
+    dtypes: list[str]
     parent: _Op | None = None
     children: list[_Op] = field(default_factory=list)
 
@@ -208,7 +224,7 @@ def _ops(prof: Any) -> list[_Op]:
         name = e.name()
         if name in _GEMMS or name == _PAD or _compiling(name):
             ops.append(_Op(name, e.start_ns(), e.end_ns(), e.start_thread_id(), e.shapes(),
-                           e.concrete_inputs()))
+                           e.concrete_inputs(), e.dtypes()))
     ops.sort(key=lambda o: (o.thread, o.start, -o.end))
     open_: list[_Op] = []
     for op in ops:
@@ -261,7 +277,8 @@ def _descendants(op: _Op) -> Iterator[_Op]:
 
 @contextlib.contextmanager
 def count_gemm_flops() -> Iterator[GemmFlops]:
-    """Count the GEMM FLOPs of the mm/addmm/bmm/baddbmm/_scaled_mm calls that run inside (forward
+    """Count the GEMM FLOPs of the mm/addmm/bmm/baddbmm/_scaled_mm calls (and the grouped GEMMs of
+    mixture-of-experts layers, :data:`_GEMMS`) that run inside (forward
     and backward, eager or compiled), seen by the profiler at the dispatcher, as
     :class:`~amp_fx.testing.step_reference.HostSyncCounter` sees host reads (a
     ``TorchDispatchMode`` would stop Dynamo from running compiled code).
@@ -269,8 +286,8 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     GEMMs run on fake tensors while torch.compile traces (a recompile inside the window) do not
     count. Only the outermost GEMM of a nest counts: ``_scaled_mm``'s CPU kernel calls ``aten::mm``, and
     torchao's tensor subclass receives ``aten::mm`` and runs ``_scaled_mm`` inside it. A GEMM is
-    fp8 when it is, or contains, a ``_scaled_mm``. Fused attention (CPU sdpa runs as one op) is
-    not counted: none of its operands is a parameter, so no recipe puts it in fp8.
+    fp8 when it is, or contains, a ``_scaled_mm`` (or ``_scaled_grouped_mm``). Fused attention (CPU
+    sdpa runs as one op) is not counted: none of its operands is a parameter, so no recipe puts it in fp8.
 
     Padding: a ``_scaled_mm`` whose ``mat2`` is the result of a zero pad (``aten::constant_pad_nd``
     since the previous ``_scaled_mm``; amp_fx's and torchao's ``pad_inner_dim`` padding) counts at
@@ -302,7 +319,7 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
         if event.name == _PAD or any(a.name in _GEMMS for a in _ancestors(event)):
             continue  # inside another GEMM
         n = _gemm_flops(event.name, event.shapes)
-        scaled = [e for e in (event, *_descendants(event)) if e.name == _SCALED_MM]
+        scaled = [e for e in (event, *_descendants(event)) if e.name in _FP8_GEMMS]
         fp8 = bool(scaled)
         if scaled and id(scaled[0]) in unpadded:
             flops.padding += _gemm_flops(_SCALED_MM, scaled[0].shapes) - unpadded[id(scaled[0])]
@@ -312,5 +329,9 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
             flops.fp8 += n
         else:
             flops.other += n
+            dtypes = event.dtypes
+            operand = 1 if event.name in ("aten::addmm", "aten::baddbmm") else 0
+            if len(dtypes) > operand and dtypes[operand] in _LOW_DTYPES:
+                flops.low += n
         key = "fp8" if fp8 else event.name.removeprefix("aten::")
         flops.calls[key] = flops.calls.get(key, 0) + 1

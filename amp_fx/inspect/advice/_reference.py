@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from amp_fx.inspect._probe import module_hooks
-from amp_fx.inspect._runner import SEED, Call, private_copy
+from amp_fx.inspect._runner import SEED, Call, float64_grouped_mm, private_copy
 from amp_fx.inspect.advice._errors import floats
 
 __all__: list[str] = []
@@ -54,7 +54,8 @@ def reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | N
         calls[name] = i + 1
         outputs[(name, i)] = [t.clone() for t in floats(out)]
 
-    with torch.random.fork_rng(devices=[]), module_hooks(m, pre, post):
+    # float64_grouped_mm: a mixture-of-experts layer's grouped GEMMs, which have no float64 kernel
+    with torch.random.fork_rng(devices=[]), module_hooks(m, pre, post), float64_grouped_mm():
         torch.manual_seed(SEED)
         out = call.copy(to=torch.float64)(m)
         loss = loss_of(out, loss_fn)
