@@ -34,6 +34,32 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
 
 
+class ReadsWeight(nn.Module):
+    """A Linear whose weight the model also reads outside the matmul (an fp8 all-gather's misuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.lin.weight.abs().amax()
+
+
+def reads_weight(rank: int) -> dict[str, Any]:
+    """``ReadsWeight`` sharded, fp8: what amp_fx reports after the first call."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fully_shard(ReadsWeight())
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        compiled(_batch(rank, 0)[0]).float().sum().backward()
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+            "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads]}
+
+
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
@@ -149,4 +175,5 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
             results[wrapper, form, recipe] = run(rank, world_size, wrapper, form, recipe)
     results["fsdp2", "bf16", None] = run(rank, world_size, "fsdp2", "bf16", "")
     results["fsdp2", "outer_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "outer_keep", "tensorwise")
+    results["reads_weight"] = reads_weight(rank)
     return results

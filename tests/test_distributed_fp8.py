@@ -81,6 +81,16 @@ def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
             assert ours["all_reduce"] == ao["all_reduce"], (rank, ours, ao)
 
 
+def test_fsdp2_fp8_all_gather_reports_other_reads(ranks: list[dict]) -> None:
+    """A weight gathered in fp8 that the model also reads outside the fp8 matmul (``w.abs()``):
+    that read sees the fp8 weight, which amp_fx records and says once, naming the read and the fix."""
+    for results in ranks:
+        r = results["reads_weight"]
+        assert r["reads"] == ["lin.weight by aten.abs.default in the root"], r
+        assert len(r["warnings"]) == 1 and "lin.weight by aten.abs.default" in r["warnings"][0], r
+        assert "keep_out_of_fp8" in r["warnings"][0], r
+
+
 def test_ranks_saw_different_batches(ranks: list[dict]) -> None:
     """The runs are distributed ones: the ranks' losses differ (each its own batch), so the
     gradient all-reduce (or reduce-scatter) is what keeps the parameters equal."""

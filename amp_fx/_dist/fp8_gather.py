@@ -25,8 +25,9 @@ a 1-D mesh, gathered in fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not o
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
 cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
 the same with and without, only the bytes change. After the first call, a gathered weight that
-some graph did not run as an fp8 matmul (a model that calls the Linear's weight elsewhere, or
-under ``torch.autocast(enabled=False)``) is reported: that use saw ``data / scale``.
+some graph reads other than as an fp8 matmul's weight (a model that reads the Linear's weight
+elsewhere, or a matmul kept in ``dtype``) is reported (``Fp8Record.fp8_weight_reads``): that use
+saw ``data / scale``.
 
 The extension is attached to the sharded parameter's local tensor itself (FSDP2 looks the two
 methods up by attribute), so the parameter, the optimizer and its state keep their plain
@@ -125,22 +126,16 @@ class GatheredFp8Weights:
         precompute_scales(self.params)
 
     def check(self, records: Sequence[GraphRecord], reporter: Reporter) -> None:
-        """After the first call: every gathered weight ran as the weight of fp8 matmuls only. A
-        use that did not (the weight read elsewhere, or a matmul kept in ``dtype``) saw the fp8
-        weight's ``data / scale`` instead of the fp32 weight: said once, with the fix."""
-        converted: set[str] = set()
-        kept: set[str] = set()
-        for record in records:
-            for d in record.fp8.decisions if record.fp8 is not None else ():
-                (converted if d.converted else kept).add(f"{d.module}.{d.weight}" if d.module else d.weight)
-        odd = [n for n in self.names if n in kept or n not in converted]
-        if odd:
-            reporter.did_less("fp8_all_gather:unconverted", (
-                f"amp_fx: FSDP2 all-gathers {', '.join(odd)} in fp8 (cast before the all-gather, as "
-                "the fp8 matmul casts it), but some use of it is not an fp8 matmul: that use computes "
-                "with the fp8 weight (data / scale), not the fp32 one. Keep the module out of fp8 "
-                "(Policy(keep_out_of_fp8=[...]): it is then gathered in fp32) or run it as nn.Linear."),
-                stacklevel=4)
+        """After the first call: every gathered weight ran only as the weight of fp8 matmuls. A
+        use that did not (the weight read elsewhere, or by a matmul kept in ``dtype``) computed
+        with the fp8 weight's ``data / scale``, not the fp32 weight: said once, with the fix."""
+        reads = [r for record in records if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
+        if reads:
+            reporter.did_less("fp8_all_gather:read_elsewhere", (
+                f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
+                f"but the model also reads one outside an fp8 matmul ({'; '.join(reads[:4])}): that use "
+                "computed with the fp8 weight (data / scale), not the fp32 one. Keep its module out of fp8 "
+                "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."), stacklevel=4)
 
 
 @torch.no_grad()
