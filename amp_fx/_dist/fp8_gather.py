@@ -20,7 +20,8 @@ rule, elementwise multiply and saturate), so the values are bitwise what amp_fx 
 the fp8 all-gather, and what torchao computes with it.
 
 Which weights (:func:`gathered_fp8_weights`, when ``amp_fx.compile`` wraps the model): the
-``weight`` of every ``nn.Linear`` owned by one module only, sharded by ``fully_shard`` on dim 0 of
+``weight`` of every ``nn.Linear`` owned by one module only, not a parameter of the root unit of
+a model with other sharded units (:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 of
 a 1-D mesh, gathered in fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
 cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
@@ -162,9 +163,15 @@ def _reset_fsdp_param(fsdp_param: Any) -> None:
     fsdp_param.__dict__.pop("_unsharded_param", None)
 
 
-def _fsdp_params(units: Sequence[torch.nn.Module]) -> list[Any]:
+def _fsdp_params(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list[Any]:
+    """The FSDP2 parameters of the units, but the root's own where it has sharded submodules: the
+    root's forward calls them, Dynamo breaks its graph at each call (FSDP2's hooks), and the code
+    after a break may run eagerly (a loop over blocks: Dynamo skips the frame), where a weight is
+    no fp8 matmul's and would compute with the fp8 weight (the bench's Llama: its lm_head)."""
     out = []
     for unit in units:
+        if unit is root and len(units) > 1:
+            continue
         state = getattr(unit, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None
         if group is not None:
@@ -206,7 +213,7 @@ def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module]
         return None
     paths = {id(m): name for name, m in root.named_modules()}
     params, names = [], []
-    for fsdp_param in _fsdp_params(units):
+    for fsdp_param in _fsdp_params(root, units):
         path = paths.get(id(fsdp_param._module_info.module), "")
         why = _why_not(fsdp_param, policy, path)
         if why is not None:
