@@ -19,6 +19,7 @@ from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, unit_call
+from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.weight_cache import WeightCache
@@ -49,10 +50,14 @@ class AmpCompiledModule(torch.nn.Module):
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
+        gathered = None if units is None else gathered_fp8_weights(module, units, backend.options.fp8,
+                                                                      backend.options.policy)
+        self.__dict__["_amp_fx_gathered_fp8"] = gathered
         self.__dict__["_amp_fx_forward"] = (
             amp_call(module, backend) if units is None
             else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False),
-                                          backend.dtype), module, backend))
+                                          backend.dtype, gathered=gathered), module, backend,
+                               gathered=gathered))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:

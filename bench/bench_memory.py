@@ -9,7 +9,9 @@ One AdamW training step of the Llama-like model (``bench/bench_weight_casts.py``
 untied head; the loss in fp32), for every run below, each on a fresh copy of the same fp32 model
 and the same batch. Baselines: fp32 (no autocast), eager ``torch.autocast`` bf16,
 ``torch.compile`` + autocast bf16, torchao's fp8 tensorwise (``convert_to_float8_training``) +
-``torch.compile`` under autocast bf16. amp_fx: bf16, fp16 (loss scaling: ``amp_fx.GradScaler``,
+``torch.compile`` under autocast bf16 (in the DDP/FSDP2 table also with its
+``enable_fsdp_float8_all_gather``: FSDP2 gathers the fp8 weights). amp_fx: bf16, fp16 (loss
+scaling: ``amp_fx.GradScaler``,
 ``StepMode.MASKED``) and fp8 tensorwise (bf16 around the fp8 matmuls), each as ``amp_fx.compile``
 + the eager optimizer step and as ``amp_fx.compile_step``, without and with the weight cache.
 
@@ -29,7 +31,9 @@ against hand counts), after 3 warm-up steps:
   (every caller: DDP's reducer, FSDP2's hooks, amp_fx's own all-reduces of overflow flags), per
   model parameter. ``all_gather``: the rank's shard; ``reduce_scatter`` and ``all_reduce``: the
   whole input. What crosses the wire depends on the algorithm (a ring all-reduce sends
-  2 (n - 1) / n of it).
+  2 (n - 1) / n of it). ``all_gather / anchor``: the all-gathered bytes over the anchor's (FSDP2
+  gathering fp32 weights for bf16 compute); amp_fx fp8 gathers its fp8 matmuls' weights in fp8
+  (``amp_fx/_dist/fp8_gather.py``).
 
 Ratios are to the ``torch.compile + autocast`` row of the same invocation. CPU counts are exact
 and do not depend on the machine's load; the default backend is inductor for the single-process
@@ -96,11 +100,15 @@ class Run:
     fp8: str | None = None
     weight_cache: bool = False
     train_state: str | None = None
+    fp8_all_gather: bool = False
+    """torchao's ``enable_fsdp_float8_all_gather`` (+ ``precompute_float8_dynamic_scale_for_fsdp``
+    after each step): a run of the DDP/FSDP2 table only (one process gathers nothing)."""
 
 
 def runs() -> list[Run]:
     out = [Run("fp32", "fp32"), Run("eager autocast", "autocast"), Run(ANCHOR, "compile"),
-           Run("torchao fp8 tensorwise + compile", "torchao", fp8="tensorwise")]
+           Run("torchao fp8 tensorwise + compile", "torchao", fp8="tensorwise"),
+           Run("torchao fp8 tensorwise + compile, fp8 all-gather", "torchao", fp8="tensorwise", fp8_all_gather=True)]
     for label, dtype, fp8 in (("bf16", "bf16", None), ("fp16", "fp16", None), ("fp8", "bf16", "tensorwise")):
         for kind, how in (("amp_fx", "compile"), ("amp_fx step", "compile_step")):
             for cache in (False, True):
@@ -126,9 +134,14 @@ def build(run: Run, dims: dict[str, int], device: str, backend: str, wrap: str =
     torch.manual_seed(0)
     model = Llama(dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(device)
     if run.kind == "torchao":
-        model = torchao_float8(model, run.fp8)
+        model = torchao_float8(model, run.fp8, fsdp_float8_all_gather=run.fp8_all_gather)
     if wrap == "fsdp2":
         model = _shard(model)
+    precompute = run.fp8_all_gather and wrap == "fsdp2"
+    if precompute:  # torchao's recipe: the fp8 scales of the sharded weights, once per step
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3)
     ddp: Callable[[nn.Module], nn.Module] = (torch.nn.parallel.DistributedDataParallel if wrap == "ddp"
@@ -173,6 +186,8 @@ def build(run: Run, dims: dict[str, int], device: str, backend: str, wrap: str =
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
         return loss.detach()
 
     return Trainer(step, params, opt, lambda: weight_cache_tensors(cache))
@@ -286,7 +301,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="torchao")
 
     results = {}
-    for run in ([] if args.no_memory else selected):
+    for run in ([] if args.no_memory else [r for r in selected if not r.fp8_all_gather]):
         try:
             results[run.name] = measure(run, dims, args.device, args.backend, args.warmup)
         except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
@@ -345,9 +360,11 @@ def _memory_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def _dist_rows(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str, str]]:
-    """Rank 0's counts (the ranks run the same steps on same-sized batches: the same bytes)."""
+    """Rank 0's counts (the ranks run the same steps on same-sized batches: the same bytes);
+    ``all_gather / anchor``: to the anchor's FSDP2 all-gather (bf16 compute, fp32 weights gathered)."""
     rows = []
     kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    anchor = per_rank[0].get(f"{ANCHOR} | fsdp2", {}).get("sent", {}).get("all_gather")
     for key, r in per_rank[0].items():
         name, wrap = key.split(" | ")
         row = {"run": name, "wrapper": wrap}
@@ -359,6 +376,8 @@ def _dist_rows(per_rank: list[dict[str, dict[str, Any]]]) -> list[dict[str, str]
             b = r["sent"].get(kind, 0)
             size = f"{_mib(b)} MiB" if b >= MIB // 10 else f"{b} B"
             row[kind] = f"{size}, {b / r['params']:.2f} B/param" if b else "0"
+        gathered = r["sent"].get("all_gather", 0)
+        row["all_gather / anchor"] = f"{gathered / anchor:.3f}" if anchor and gathered else "-"
         rows.append(row)
     return rows
 

@@ -4,6 +4,12 @@ fp8 training on 2 ranks, against the eager reference torchao gives: torchao's
 ``convert_to_float8_training`` under ``torch.autocast("cpu", bf16)`` (its autocast branch pointed
 at the CPU's state: ``amp_fx.testing.fp8_reference.cpu_autocast_torchao``), wrapped as the amp_fx
 run is (DDP, FSDP2). bf16, no loss scaling; SGD with momentum; each rank its own batch.
+
+FSDP2's fp8 all-gather: torchao's reference with ``enable_fsdp_float8_all_gather=True`` and
+``precompute_float8_dynamic_scale_for_fsdp`` after each step ("torchao_ag"); amp_fx gathers the
+converted weights in fp8 on its own. Every run counts the bytes each rank hands to each collective
+(the ``amp_fx_counting`` gloo backend), and "bf16" (``amp_fx.compile`` of the sharded model, no
+fp8) gives the bf16 all-gather the fp8 one is compared with.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.testing.fp8_reference import cpu_autocast_torchao, torchao_float8
+from amp_fx.testing.memory import sent_bytes
 
 STEPS = 4
 
@@ -25,6 +32,32 @@ def make_model() -> nn.Module:
     """Every dimension a multiple of 16 (``_scaled_mm``'s rule, which amp_fx applies on CPU too)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+class ReadsWeight(nn.Module):
+    """A Linear whose weight the model also reads outside the matmul (an fp8 all-gather's misuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.lin.weight.abs().amax()
+
+
+def reads_weight(rank: int) -> dict[str, Any]:
+    """``ReadsWeight`` sharded, fp8: what amp_fx reports after the first call."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = fully_shard(ReadsWeight())
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        compiled(_batch(rank, 0)[0]).float().sum().backward()
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+            "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads]}
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,21 +69,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def _train(model: nn.Module, forward: Any, rank: int, reference: bool) -> dict[str, Any]:
+def _train(model: nn.Module, forward: Any, rank: int, reference: bool, precompute: bool = False) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        if reference:
-            with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+    with sent_bytes() as sent:
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            if reference:
+                with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+                    loss = F.mse_loss(forward(x).float(), y)
+            else:
                 loss = F.mse_loss(forward(x).float(), y)
-        else:
-            loss = F.mse_loss(forward(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
-    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()]}
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if precompute:  # torchao's recipe for its fp8 all-gather: the scales after each step
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+                precompute_float8_dynamic_scale_for_fsdp(model)
+            losses.append(loss.detach().clone())
+    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
+            "sent": _per_step(sent)}
+
+
+def _per_step(sent: Any) -> dict[str, float]:
+    return {kind: n / STEPS for kind, n in sent.items()}
 
 
 def _converted(compiled: Any) -> int:
@@ -76,10 +119,14 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
 
     torch._dynamo.reset()
     model = make_model()
-    if form == "torchao":
-        model = torchao_float8(model, recipe)
+    if form in ("torchao", "torchao_ag"):
+        model = torchao_float8(model, recipe, fsdp_float8_all_gather=form == "torchao_ag")
         wrapped = DDP(model) if wrapper == "ddp" else _shard(model)
-        return _train(model, wrapped, rank, reference=True)
+        if form == "torchao_ag":
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        return _train(model, wrapped, rank, reference=True, precompute=form == "torchao_ag")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
         if form == "step":
@@ -87,9 +134,19 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             step = amp_fx.compile_step(inner, opt, lambda out, y: F.mse_loss(out.float(), y), dtype="bf16",
                                        fp8=recipe, backend="aot_eager", strict=False)
-            losses = [step(*_batch(rank, i)).detach().clone() for i in range(STEPS)]
+            with sent_bytes() as sent:
+                losses = [step(*_batch(rank, i)).detach().clone() for i in range(STEPS)]
             return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-                    "converted": _converted(step._forward), "warnings": [str(w.message) for w in caught]}
+                    "converted": _converted(step._forward), "warnings": [str(w.message) for w in caught],
+                    "sent": _per_step(sent)}
+        if form == "bf16":  # no fp8: the bytes the fp8 all-gather is compared with
+            compiled = amp_fx.compile(_shard(model), dtype="bf16", backend="aot_eager", strict=False)
+            return _train(model, compiled, rank, reference=False)
+        if form == "outer_keep":  # the second Linear kept out of fp8: gathered in fp32
+            compiled = amp_fx.compile(_shard(model), dtype="bf16", fp8=recipe, backend="aot_eager", strict=False,
+                                      policy=amp_fx.Policy(keep_out_of_fp8=["2"]))
+            out = _train(model, compiled, rank, reference=False)
+            return {**out, "converted": _converted(compiled), "warnings": [str(w.message) for w in caught]}
         if wrapper == "ddp" and form in ("inner", "inner_cached"):
             compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False,
                                       weight_cache=form == "inner_cached")
@@ -112,6 +169,11 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
     for recipe in recipes:
         for wrapper in ("ddp", "fsdp2"):
             results[wrapper, "torchao", recipe] = run(rank, world_size, wrapper, "torchao", recipe)
+        if recipe == "tensorwise":  # torchao's fp8 all-gather takes tensorwise weights only
+            results["fsdp2", "torchao_ag", recipe] = run(rank, world_size, "fsdp2", "torchao_ag", recipe)
         for wrapper, form in CASES:
             results[wrapper, form, recipe] = run(rank, world_size, wrapper, form, recipe)
+    results["fsdp2", "bf16", None] = run(rank, world_size, "fsdp2", "bf16", "")
+    results["fsdp2", "outer_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "outer_keep", "tensorwise")
+    results["reads_weight"] = reads_weight(rank)
     return results

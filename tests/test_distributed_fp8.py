@@ -9,6 +9,9 @@ under ``torch.autocast("cpu", bf16)`` with torchao's autocast branch pointed at 
 backend aot_eager. 4 SGD steps, each rank its own batch: every loss on every rank and every
 parameter (FSDP2: each rank's shard) bitwise, both fp8
 matmuls converted, nothing reported. All cases run in one spawn (tests/_dist_fp8_cases.py).
+
+FSDP2's fp8 all-gather (amp_fx/_dist/fp8_gather.py): amp_fx's FSDP2 runs are also bitwise with
+torchao's ``enable_fsdp_float8_all_gather=True`` run, and gather as many bytes as it does.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
 from amp_fx.testing.fp8_reference import torchao_missing
+from amp_fx.testing.memory import COUNTING_BACKEND
 
 pytestmark = [
     pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -35,7 +39,7 @@ RECIPES = ["tensorwise"] + (["rowwise"] if rowwise_scales_missing("cpu") is None
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_ranks(run_all, RECIPES)
+    return run_ranks(run_all, RECIPES, backend=COUNTING_BACKEND)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -47,6 +51,44 @@ def test_fp8_distributed_bitwise_with_torchao(ranks: list[dict], wrapper: str, f
         assert_bitwise(ours["params"], ref["params"], f"rank {rank}: params")
         assert ours["converted"] == 2, f"rank {rank}: {ours['converted']} matmuls in fp8, expected both"
         assert not ours["warnings"], ours["warnings"]
+        if wrapper == "fsdp2" and recipe == "tensorwise":  # torchao gathering its weights in fp8
+            ag = results["fsdp2", "torchao_ag", recipe]
+            assert_bitwise(ours["losses"], ag["losses"], f"rank {rank}: losses, torchao's fp8 all-gather")
+            assert_bitwise(ours["params"], ag["params"], f"rank {rank}: params, torchao's fp8 all-gather")
+
+
+@pytest.mark.parametrize("form", ["outer", "step", "outer_keep"])
+def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
+    """Bytes all-gathered per step (each rank's shards, counted in the process group): the two
+    fp8 weights (4096 of the 4192 parameters) go as 1 byte per element instead of 4, the biases
+    stay fp32: (4096 + 4 * 96) / (4 * 4192) = 0.267 of the bf16 run's, which gathers fp32 weights.
+    Exactly torchao's fp8 all-gather's bytes, and (``amp_fx.compile``) its one all-reduce of the
+    scales per step (``compile_step`` adds its own: the found-inf flag's).
+
+    Negative twin, "outer_keep": ``Policy(keep_out_of_fp8=["2"])`` keeps the second Linear's
+    2048-element weight in fp32 all the way, the all-gather included."""
+    for rank, results in enumerate(ranks):
+        ours, ao = results["fsdp2", form, "tensorwise"]["sent"], results["fsdp2", "torchao_ag", "tensorwise"]["sent"]
+        bf16 = results["fsdp2", "bf16", None]["sent"]
+        fp8_elements = 2048 if form == "outer_keep" else 4096
+        expected = bf16["all_gather"] * (fp8_elements + 4 * (4192 - fp8_elements)) / (4 * 4192)
+        assert ours["all_gather"] == pytest.approx(expected, rel=1e-12), (rank, ours, bf16)
+        if form == "outer_keep":
+            keep = results["fsdp2", form, "tensorwise"]
+            assert keep["converted"] == 1 and not keep["warnings"], keep
+        if form == "outer":
+            assert ours["all_gather"] == ao["all_gather"], (rank, ours, ao)
+            assert ours["all_reduce"] == ao["all_reduce"], (rank, ours, ao)
+
+
+def test_fsdp2_fp8_all_gather_reports_other_reads(ranks: list[dict]) -> None:
+    """A weight gathered in fp8 that the model also reads outside the fp8 matmul (``w.abs()``):
+    that read sees the fp8 weight, which amp_fx records and says once, naming the read and the fix."""
+    for results in ranks:
+        r = results["reads_weight"]
+        assert r["reads"] == ["lin.weight by aten.abs.default in the root"], r
+        assert len(r["warnings"]) == 1 and "lin.weight by aten.abs.default" in r["warnings"][0], r
+        assert "keep_out_of_fp8" in r["warnings"][0], r
 
 
 def test_ranks_saw_different_batches(ranks: list[dict]) -> None:

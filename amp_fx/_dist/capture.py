@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from amp_fx._dist.fp8_gather import GatheredFp8Weights
+
 __all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "unit_call"]
 
 
@@ -118,12 +120,14 @@ def _forwards_replaced(units: list[torch.nn.Module], compiled: Callable[..., Any
 
 def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
               compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
-              dtype: torch.dtype) -> Callable[..., Any]:
+              dtype: torch.dtype, *, gathered: GatheredFp8Weights | None = None) -> Callable[..., Any]:
     """The forward of a compiled DDP/FSDP2 model: ``module.__call__`` eagerly, units compiled.
 
     ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
     call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
-    unwrapped); it is called once, so every unit of the model shares it.
+    unwrapped); it is called once, so every unit of the model shares it. ``gathered``: the FSDP2
+    weights all-gathered in fp8 (``amp_fx._dist.fp8_gather``), whose scales are computed before
+    each call, before FSDP2's first all-gather.
     """
     _check_fsdp_mixed_precision(units, dtype)
     # Dynamo would otherwise compile the wrapper's own frame as part of the enclosing unit's
@@ -134,6 +138,8 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
     device_type = module_device_type(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        if gathered is not None:
+            gathered.precompute_scales()  # the weights changed since the last call (optimizer step)
         with _forwards_replaced(units, compiled):
             # The ambient autocast covers what runs between the units (DDP's and FSDP2's
             # hooks, and code Dynamo leaves to eager) exactly as eager autocast would.

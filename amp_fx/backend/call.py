@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
@@ -24,6 +24,9 @@ from amp_fx.backend.audit import report_no_graph, report_unused_policy
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.errors import AmpFxError
 from amp_fx.passes.capture import is_cacheable_leaf
+
+if TYPE_CHECKING:
+    from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
 __all__ = ["amp_call", "checked_units"]
 
@@ -183,16 +186,21 @@ def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensor
     return True
 
 
-def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend) -> Callable[..., Any]:
+def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend, *,
+                  gathered: GatheredFp8Weights | None = None) -> Callable[..., Any]:
     """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
-    of the policy's modules)."""
+    of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
+    fp8 matmuls of the first call's graphs."""
     policy_checked = False
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        nonlocal policy_checked
+        nonlocal policy_checked, gathered
         runs = backend.runs.count
         out = call(*args, **kwargs)
         policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked)
+        if gathered is not None and backend.records:
+            gathered.check(backend.records, backend.reporter)
+            gathered = None
         return out
 
     return checked

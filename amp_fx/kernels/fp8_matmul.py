@@ -57,9 +57,10 @@ import torch.nn.functional as F
 
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import mxfp8_matmul as _mx
+from amp_fx.kernels.fp8_weight import Fp8Weight
 
 __all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
-           "E5M2", "EPS", "ALIGNMENT", "Fp8Padding", "padding", "rowwise_scales_missing"]
+           "E5M2", "EPS", "ALIGNMENT", "scale_from_amax", "Fp8Padding", "padding", "rowwise_scales_missing"]
 
 ALIGNMENT = 16
 """``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
@@ -179,6 +180,13 @@ class _Fp8(NamedTuple):
     """The dimension the scale was reduced over (0 or -1), None for tensorwise."""
 
 
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao ``amax_to_scale``: ``fp8_max / max(amax, EPS)`` in float64, stored as float32 (also
+    the scale FSDP2's fp8 all-gather casts each weight shard with: amp_fx._dist.fp8_gather)."""
+    # torchao: "torch.compile and eager show different numerics for 1.0 / float32"; so float64.
+    return (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
+
+
 @torch.no_grad()
 def _scale(x: torch.Tensor, dtype: torch.dtype, axiswise_dim: int | None, pow2: bool) -> torch.Tensor:
     """torchao ``tensor_to_scale``: ``fp8_max / max(amax, EPS)`` in float64, stored as float32,
@@ -187,10 +195,7 @@ def _scale(x: torch.Tensor, dtype: torch.dtype, axiswise_dim: int | None, pow2: 
         amax = torch.max(torch.abs(x))
     else:
         amax = torch.amax(torch.abs(x), dim=axiswise_dim, keepdim=True)
-    # torchao: "torch.compile and eager show different numerics for 1.0 / float32"; so float64.
-    amax = amax.to(torch.float64)
-    res = torch.finfo(dtype).max / torch.clamp(amax, min=EPS)
-    res = res.to(torch.float32)
+    res = scale_from_amax(amax, dtype)
     if pow2:
         res = torch.exp2(torch.floor(torch.log2(res)))
     return res
@@ -202,6 +207,9 @@ def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> _Fp8 
     it in high precision."""
     if cast.dtype is None:
         return x
+    if isinstance(x, Fp8Weight) and cast.dtype == E4M3 and not cast.rowwise:
+        # cast before FSDP2's all-gather, with this rule's scale (amp_fx._dist.fp8_gather)
+        return _Fp8(x._data, x._scale, x.dtype, None)
     dim = axiswise_dim if cast.rowwise else None
     scale = _scale(x, cast.dtype, dim, pow2)
     scaled = x.to(torch.float32) * scale

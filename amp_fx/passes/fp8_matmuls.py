@@ -75,6 +75,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
+from amp_fx.kernels.fp8_weight import Fp8Weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
@@ -149,6 +150,10 @@ class Fp8Record:
     recipe: Fp8Recipe
     decisions: list[Fp8Decision] = field(default_factory=list)
     """Every matmul considered, in graph order."""
+    fp8_weight_reads: list[str] = field(default_factory=list)
+    """Uses of a weight FSDP2 gathered in fp8 (an :class:`~amp_fx.kernels.fp8_weight.Fp8Weight`
+    input, ``amp_fx/_dist/fp8_gather.py``) other than as an fp8 matmul's weight: ``"<weight> by
+    <op> in <module>"``. Such a use reads the fp8 weight's ``data / scale``."""
 
     @property
     def converted(self) -> list[Fp8Decision]:
@@ -219,6 +224,7 @@ class _Rewriter:
         for node in list(self.graph.nodes):
             if node.op == "call_function" and (node.target in MATMULS or _grouped(node.target)):
                 self.visit(node)
+        self.record.fp8_weight_reads = _fp8_weight_reads(self.graph)
         self.graph.lint()
         self.gm.recompile()
         return self.record
@@ -428,6 +434,25 @@ class _Rewriter:
         node.meta["nn_module_stack"] = stack
         node.meta[meta.DECISION] = decision
         return node
+
+
+def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
+    """The uses of each :class:`Fp8Weight` input other than (through views) an fp8 matmul's weight."""
+    reads = []
+    for node in graph.find_nodes(op="placeholder"):
+        if not isinstance(node.meta.get("val"), Fp8Weight):
+            continue
+        todo = [(node, user) for user in node.users]
+        while todo:
+            source, user = todo.pop()
+            if user.op == "call_function" and user.target in WEIGHT_VIEWS:
+                todo += [(user, u) for u in user.users]
+            elif not (user.target is fp8_matmul and user.args[1] is source and user.args[0] is not source):
+                stack = module_stack(user)
+                module = stack[-1][0] if stack else ""
+                reads.append(f"{node.meta.get(meta.PARAMETER) or node.name} by {user.target} in "
+                             f"{module or 'the root'}")
+    return reads
 
 
 def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -> None:

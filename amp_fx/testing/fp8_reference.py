@@ -82,13 +82,17 @@ def cpu_autocast_torchao() -> Iterator[None]:
 
 def torchao_float8(model: torch.nn.Module, recipe: str,
                    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *,
-                   pad_inner_dim: bool = False) -> torch.nn.Module:
+                   pad_inner_dim: bool = False, fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
     """A copy of ``model`` with its ``nn.Linear`` swapped by torchao's ``convert_to_float8_training``
     (``pad_inner_dim``: torchao's option that zero-pads each GEMM's inner dimension to a multiple
-    of 16, the reference for amp_fx's padding)."""
+    of 16, the reference for amp_fx's padding; ``fsdp_float8_all_gather``: its
+    ``enable_fsdp_float8_all_gather``, FSDP2 gathering the weights in fp8, the reference for
+    amp_fx's: then call ``torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)`` after
+    each optimizer step, as torchao's recipe says)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad_inner_dim)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad_inner_dim,
+                                 enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     return convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn, config=config)
 
 

@@ -1,0 +1,229 @@
+"""fp8 all-gather under FSDP2: each rank casts its weight shards to fp8 before the all-gather.
+
+With ``fp8=`` on a model sharded by ``fully_shard``, FSDP2 would all-gather each fp32 weight (4
+bytes per element) and the fp8 matmul would then cast the gathered weight. Tensorwise scaling
+makes the cast elementwise given one scale per weight, ``fp8_max / amax(|w|)``, so each rank can
+cast its own shard if every rank knows the whole weight's amax: that is torchao's
+``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``, and here:
+
+* :func:`precompute_scales` (once per forward, before FSDP2's first all-gather): the amax of every
+  gathered weight's local shard, stacked, in *one* all-reduce (MAX), turned into scales with the
+  fp8 matmul's own rule (:func:`amp_fx.kernels.fp8_matmul.scale_from_amax`);
+* FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, the protocol
+  torchao's ``WeightWithDynamicFloat8CastTensor`` implements): the shard is cast to e4m3 with that
+  scale and gathered (1 byte per element), and the gathered weight is a :class:`Fp8Weight`: fp32
+  to autograd and FSDP2 (its gradient is fp32 and reduce-scattered as before), fp8 data and scale
+  inside, which the fp8 matmul takes as its weight cast instead of casting again.
+
+The cast is the one the fp8 matmul would make of the gathered fp32 weight (same amax, same scale
+rule, elementwise multiply and saturate), so the values are bitwise what amp_fx computes without
+the fp8 all-gather, and what torchao computes with it.
+
+Which weights (:func:`gathered_fp8_weights`, when ``amp_fx.compile`` wraps the model): the
+``weight`` of every ``nn.Linear`` owned by one module only, not a parameter of the root unit of
+a model with other sharded units (:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 of
+a 1-D mesh, gathered in fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
+CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
+cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
+the same with and without, only the bytes change. After the first call, a gathered weight that
+some graph reads other than as an fp8 matmul's weight (a model that reads the Linear's weight
+elsewhere, or a matmul kept in ``dtype``) is reported (``Fp8Record.fp8_weight_reads``): that use
+saw ``data / scale``.
+
+The extension is attached to the sharded parameter's local tensor itself (FSDP2 looks the two
+methods up by attribute), so the parameter, the optimizer and its state keep their plain
+tensors; FSDP2 decided at ``fully_shard`` whether a parameter has an extension, so its parameter
+state is re-initialised for it (:func:`_reset_fsdp_param`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from amp_fx._common.report import Reporter
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import E4M3, scale_from_amax
+from amp_fx.kernels.fp8_weight import Fp8Weight
+from amp_fx.policy import Policy, module_matches
+
+if TYPE_CHECKING:
+    from amp_fx.passes.pipeline import GraphRecord
+
+__all__ = ["GatheredFp8Weights", "gathered_fp8_weights", "precompute_scales"]
+
+log = logging.getLogger(__name__)
+
+class _Extension:
+    """One of FSDP2's two all-gather extension methods, for one local shard (held weakly: the
+    method is an attribute of the shard). Pickles as nothing to call (``torch.save`` of a
+    parameter pickles the tensor's attributes): a loaded shard gathers in fp32."""
+
+    def __init__(self, shard: torch.Tensor, post: bool) -> None:
+        self._shard = weakref.ref(shard)
+        self._post = post
+        signature = inspect.signature(_post_all_gather if post else _pre_all_gather)
+        # FSDP2 reads the method's signature (its 5-argument form): the shard is bound
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        shard = self._shard()
+        assert shard is not None, "the extension is an attribute of the shard, which is alive"
+        return (_post_all_gather if self._post else _pre_all_gather)(shard, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
+
+
+def _pre_all_gather(shard: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: Any,
+                    mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """FSDP2's all-gather inputs for ``shard``: its e4m3 cast with the precomputed scale, padded
+    to FSDP2's equal shard size (zeros cast to zeros), and the scale as metadata. torchao's
+    ``hp_tensor_and_scale_to_float8``: multiply in fp32, saturate, cast."""
+    scale = shard._amp_fx_fp8_scale  # type: ignore[attr-defined]
+    rows = -(-outer_size[0] // mesh.size())
+    if shard.shape[0] != rows:
+        shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, rows - shard.shape[0]))
+    fp8_max = torch.finfo(E4M3).max
+    data = (shard.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(E4M3)
+    return (data,), (scale,)
+
+
+def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple[torch.Tensor, ...],
+                     param_dtype: torch.dtype, *, out: torch.Tensor | None = None
+                     ) -> tuple[Fp8Weight, tuple[torch.Tensor, ...]] | None:
+    """The gathered weight (an :class:`Fp8Weight` over the gathered data, freed by FSDP2 after the
+    forward), or, on later all-gathers into the same storage, its new scale."""
+    (data,), (scale,) = outputs, metadata
+    if out is not None:
+        out._scale = scale  # type: ignore[attr-defined]
+        return None
+    return Fp8Weight(data, scale, param_dtype), (data,)
+
+
+class GatheredFp8Weights:
+    """The FSDP2 parameters whose shards are cast to fp8 before the all-gather (``names``: their
+    names in the model), and their scales."""
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        for p in self.params:
+            local = p._local_tensor  # type: ignore[attr-defined]
+            local._amp_fx_fp8_scale = torch.ones((), dtype=torch.float32, device=local.device)
+            local.fsdp_pre_all_gather = _Extension(local, post=False)
+            local.fsdp_post_all_gather = _Extension(local, post=True)
+
+    def precompute_scales(self) -> None:
+        precompute_scales(self.params)
+
+    def check(self, records: Sequence[GraphRecord], reporter: Reporter) -> None:
+        """After the first call: every gathered weight ran only as the weight of fp8 matmuls. A
+        use that did not (the weight read elsewhere, or by a matmul kept in ``dtype``) computed
+        with the fp8 weight's ``data / scale``, not the fp32 weight: said once, with the fix."""
+        reads = [r for record in records if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
+        if reads:
+            reporter.did_less("fp8_all_gather:read_elsewhere", (
+                f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
+                f"but the model also reads one outside an fp8 matmul ({'; '.join(reads[:4])}): that use "
+                "computed with the fp8 weight (data / scale), not the fp32 one. Keep its module out of fp8 "
+                "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."), stacklevel=4)
+
+
+@torch.no_grad()
+def precompute_scales(params: Sequence[torch.Tensor]) -> None:
+    """Every weight's tensorwise e4m3 scale from the amax of the whole (sharded) weight, the
+    amaxes of all local shards in *one* all-reduce (MAX); stored on each local shard for its
+    next all-gathers. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` (an inf-norm is the
+    amax; its max over shards is the whole weight's), with the fp8 matmul's own scale rule."""
+    if not params:
+        return
+    shards = [p._local_tensor for p in params]  # type: ignore[attr-defined]
+    amax = torch.stack([torch.max(torch.abs(t)) if t.numel() else t.new_zeros(()) for t in shards])
+    group = params[0].device_mesh.get_group()  # type: ignore[attr-defined]
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    for t, scale in zip(shards, scale_from_amax(amax, E4M3).unbind()):
+        t._amp_fx_fp8_scale = scale
+
+
+def _reset_fsdp_param(fsdp_param: Any) -> None:
+    """FSDP2 decides at ``fully_shard`` (and at its first all-gather) how a parameter is
+    gathered; make it gather through the extension from its next all-gather on."""
+    fsdp_param._init_extensions()
+    fsdp_param.all_gather_outputs = []
+    fsdp_param.__dict__.pop("_unsharded_param", None)
+
+
+def _fsdp_params(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list[Any]:
+    """The FSDP2 parameters of the units, but the root's own where it has sharded submodules: the
+    root's forward calls them, Dynamo breaks its graph at each call (FSDP2's hooks), and the code
+    after a break may run eagerly (a loop over blocks: Dynamo skips the frame), where a weight is
+    no fp8 matmul's and would compute with the fp8 weight (the bench's Llama: its lm_head)."""
+    out = []
+    for unit in units:
+        if unit is root and len(units) > 1:
+            continue
+        state = getattr(unit, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        if group is not None:
+            out += group.fsdp_params
+    return out
+
+
+def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
+    """Why this FSDP2 parameter is not gathered in fp8, or None if it is."""
+    from torch.distributed.tensor import Shard
+
+    info = fsdp_param._module_info
+    module = info.module
+    if not (isinstance(module, torch.nn.Linear) and info.param_name == "weight"):
+        return "not an nn.Linear weight"
+    if info.shared_modules:
+        return "shared by several modules"
+    if any(module_matches(s, path, type(module)) for s in (*policy.keep_out_of_fp8, *policy.keep_fp32)):
+        return "kept out of fp8 by the policy"
+    param = fsdp_param.sharded_param
+    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+        return f"placements {param.placements} on a {param.device_mesh.ndim}-D mesh, not Shard(0) on a 1-D mesh"
+    if fsdp_param.mp_policy.param_dtype not in (None, torch.float32) or param.dtype != torch.float32:
+        return "not gathered in fp32 (MixedPrecisionPolicy(param_dtype=...) gathers it in low precision already)"
+    if fsdp_param.offload_to_cpu:
+        return "offloaded to the CPU"
+    if hasattr(type(param._local_tensor), "fsdp_pre_all_gather"):
+        return "its shard has an all-gather extension already"
+    if fsdp_param.sharded_state.name != "SHARDED":
+        return "not sharded now"
+    return None
+
+
+def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module], fp8: Fp8Config | None,
+                         policy: Policy) -> GatheredFp8Weights | None:
+    """Cast before the all-gather the FSDP2 weights the fp8 matmul would cast after it (see the
+    module docstring); None where there are none."""
+    if fp8 is None or fp8.recipe is not Fp8Recipe.TENSORWISE:
+        return None
+    paths = {id(m): name for name, m in root.named_modules()}
+    params, names = [], []
+    for fsdp_param in _fsdp_params(root, units):
+        path = paths.get(id(fsdp_param._module_info.module), "")
+        why = _why_not(fsdp_param, policy, path)
+        if why is not None:
+            log.debug("FSDP2 all-gathers %s in fp32: %s", path or "the root", why)
+            continue
+        params.append(fsdp_param.sharded_param)
+        names.append(f"{path}.weight" if path else "weight")
+        _reset_fsdp_param(fsdp_param)
+    if not params:
+        return None
+    gathered = GatheredFp8Weights(params, names)
+    log.info("FSDP2 all-gathers %d weights in fp8: %s", len(names), ", ".join(names))
+    return gathered

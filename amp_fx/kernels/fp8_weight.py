@@ -1,0 +1,66 @@
+"""A weight already cast to fp8: what FSDP2's fp8 all-gather hands the fp8 matmul
+(:mod:`amp_fx._dist.fp8_gather`).
+
+:class:`Fp8Weight` is fp32 to autograd and FSDP2 (its gradient is an fp32 tensor of its shape)
+and holds the e4m3 ``data`` and fp32 ``scale`` of its tensorwise cast (``data = saturate(w *
+scale)``). :func:`amp_fx.kernels.fp8_matmul.fp8_matmul` takes them as the weight's cast instead of
+casting the weight again; views (the transpose the fp8 pass puts before the matmul) stay
+``Fp8Weight``; any other op sees ``data / scale`` (torchao's ``Float8TrainingTensor`` raises
+instead; amp_fx gathers in fp8 only the weights its fp8 pass converts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["Fp8Weight"]
+
+aten = torch.ops.aten
+
+# views that keep an Fp8Weight an Fp8Weight (what the fp8 pass puts between a parameter and the
+# fp8 matmul, and what FSDP2 applies to the gathered tensor)
+_VIEWS = {aten.t.default, aten.view.default, aten.as_strided.default, aten.detach.default,
+          aten.alias.default, aten.transpose.int}
+
+
+class Fp8Weight(torch.Tensor):
+    """A gathered weight, fp32 to autograd and FSDP2, held as e4m3 ``data`` and its fp32 ``scale``
+    (``data = saturate(w * scale)``, tensorwise). The fp8 matmul reads ``data`` and ``scale``
+    directly; any other op sees ``data / scale`` (torchao's ``Float8TrainingTensor`` raises
+    instead: amp_fx gathers in fp8 only the weights whose every use is an fp8 matmul)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            layout=data.layout, device=data.device, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self._data = data
+        self._scale = scale
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any,
+                             outer_stride: Any) -> Fp8Weight:
+        return Fp8Weight(inner["_data"], inner["_scale"], dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self._data.to(self.dtype) / self._scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _VIEWS and isinstance(args[0], Fp8Weight):
+            w = args[0]
+            return Fp8Weight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
+        args, kwargs = pytree.tree_map_only(Fp8Weight, lambda w: w.dequantized(), (args, kwargs))
+        return func(*args, **kwargs)
