@@ -106,7 +106,7 @@ def test_fp8_matmul_routes_mxfp8_and_its_weight_casts_are_the_uncached_ones() ->
 
 @pytest.mark.parametrize("ends", [(32, 64, 96), (20, 50, 96)], ids=["groups_of_32", "groups_straddle_blocks"])
 def test_grouped_kernel_bitwise_with_torchao_emulated(ends: tuple[int, ...]) -> None:
-    """The grouped expert GEMM (emulated; not yet used by the pass): output and both gradients
+    """The grouped expert GEMM (emulated): output and both gradients
     against torchao's ``_to_mxfp8_then_scaled_grouped_mm(..., EMULATED)``, including groups whose
     sizes are not multiples of 32 (weight-gradient blocks straddle two experts, in both)."""
     from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
@@ -129,6 +129,46 @@ def test_grouped_kernel_bitwise_with_torchao_emulated(ends: tuple[int, ...]) -> 
 
 
 # --- the pass -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # ~13 s on a loaded 2-core CPU
+def test_grouped_experts_in_the_pass_bitwise_with_torchao_emulated() -> None:
+    """``fp8="mxfp8"`` on a mixture whose experts are one 3-D parameter per projection
+    (transformers' ``grouped_mm_fallback``, ``tests/test_fp8_experts.py``'s model): both grouped
+    GEMMs become ``mxfp8_grouped_mm``, bitwise (loss, every gradient) with the same mixture whose
+    experts call torchao's ``_to_mxfp8_then_scaled_grouped_mm(..., EMULATED)`` on the bf16 casts
+    of their operands, under ``torch.autocast("cpu", bf16)``. The router (``N=4``: torchao's MX
+    GEMMs take multiples of 32 only) is kept out of fp8 on both sides (bf16)."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from tests.test_fp8_experts import _GroupedMixture, loss_fn
+
+    class _TorchaoExperts(_GroupedMixture):
+        def experts(self, xs: Tensor, offs: Tensor) -> Tensor:
+            def grouped(a: Tensor, w: Tensor) -> Tensor:
+                return _to_mxfp8_then_scaled_grouped_mm(a.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1),
+                                                        offs, kernel_preference=KernelPreference.EMULATED)
+            return grouped(torch.relu(grouped(xs, self.w_in)), self.w_out)
+
+    torch.manual_seed(0)  # hidden 64: torchao's MX GEMMs take multiples of 32 (amp_fx pads the rest)
+    model, x = _GroupedMixture(hidden=64), torch.randn(2, 16, 32)
+    ref = _TorchaoExperts(hidden=64)
+    ref.load_state_dict(model.state_dict())
+    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="mxfp8", backend="aot_eager",
+                              policy=amp_fx.Policy(keep_out_of_fp8=["router"]), strict=False)
+    loss = loss_fn(compiled(x))
+    loss.backward()
+    decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
+    grouped = [d for d in decisions if d.op == "aten._grouped_mm"]
+    assert len(grouped) == 2 and all(d.converted for d in grouped), decisions
+    with torch.autocast("cpu", torch.bfloat16):
+        ref_loss = loss_fn(ref(x))
+    ref_loss.backward()
+    assert_bitwise(loss.detach(), ref_loss.detach(), "loss")
+    assert_bitwise({n: p.grad for n, p in compiled.named_parameters()},
+                   {n: p.grad for n, p in ref.named_parameters()}, "gradients")
+
 
 
 @pytest.mark.slow  # ~20 s on a loaded 2-core CPU, mostly the first compile

@@ -308,5 +308,6 @@ def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> to
     three GEMMs are blocked as :func:`mxfp8_matmul`'s, the weight gradient's along the tokens
     over the whole ``x`` (as torchao: a block may straddle two groups unless each group's size
     is a multiple of 32). K, N and M are zero-padded to multiples of 32. Emulated on every
-    device (no Blackwell grouped kernel here); the fp8 pass does not call it yet."""
+    device (no Blackwell grouped kernel here); the fp8 pass calls it for grouped expert GEMMs
+    with ``fp8="mxfp8"``."""
     return _MxGroupedMm.apply(x.to(torch.bfloat16), w.to(torch.bfloat16), offs)

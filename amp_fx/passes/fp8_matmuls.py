@@ -77,6 +77,7 @@ from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
 from amp_fx.kernels.fp8_weight import Fp8Weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
+from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Decision, Policy, module_matches
@@ -328,9 +329,6 @@ class _Rewriter:
             return None, "a grouped GEMM without offsets, or with a bias or out_dtype"
         if _val(x).dim() != 2 or _val(w).dim() != 3:
             return None, "a grouped GEMM whose operands are not [M, K] and [E, K, N]"
-        if self.recipe is Fp8Recipe.MXFP8:
-            return None, ("grouped expert GEMMs are not converted to mxfp8 yet (they run in the autocast "
-                          "dtype; fp8='tensorwise' or 'rowwise' converts them)")
         return _Match(x, None, w, None, offs), ""
 
     def shape(self, match: _Match) -> tuple[int | str, int | str, int | str]:
@@ -372,8 +370,11 @@ class _Rewriter:
         note = Decision(CastClass.NONE, decision.reason)
         with self.graph.inserting_before(node):
             if match.offs is not None:
-                out = self.call(fp8_grouped_mm, (match.x, self.fp32_view(match.weight, stack), match.offs,
-                                                 self.recipe), stack, note)
+                if self.recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
+                    out = self.call(mxfp8_grouped_mm, (match.x, match.weight, match.offs), stack, note)
+                else:
+                    out = self.call(fp8_grouped_mm, (match.x, self.fp32_view(match.weight, stack), match.offs,
+                                                     self.recipe), stack, note)
                 out.meta[meta.FP8] = decision
                 out.meta[meta.FP8_OF] = node.name
                 inputs = node.all_input_nodes
