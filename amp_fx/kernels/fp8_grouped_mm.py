@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from amp_fx.fp8 import Fp8Recipe
-from amp_fx.kernels.fp8_matmul import ALIGNMENT, EPS, RECIPES, Cast, _Fp8, _mm
+from amp_fx.kernels.fp8_matmul import ALIGNMENT, EPS, RECIPES, Cast, Fp8Operand, scaled_matmul
 
 __all__ = ["fp8_grouped_mm", "grouped_mm_flops"]
 
@@ -108,7 +108,7 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
     * ``a`` ``[N, M]``, ``b`` ``[M, K]`` -> ``[E, N, K]``: columns of group ``e`` of ``a`` times its
       rows of ``b``; ``scale_a`` ``[E, N, 1]`` or ``[E]``, ``scale_b`` ``[E, 1, K]`` or ``[E]``.
 
-    Scales multiply (``data = hp * scale``), as :class:`~amp_fx.kernels.fp8_matmul._Fp8`'s."""
+    Scales multiply (``data = hp * scale``), as :class:`~amp_fx.kernels.fp8_matmul.Fp8Operand`'s."""
     if _gpu_ready(a, b, out_dtype):
         return _on_gpu(a, b, scale_a, scale_b, offs, a_rowwise, b_rowwise, out_dtype, fast_accum)
     fp8 = a.dtype in _FP8
@@ -131,8 +131,8 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
             ae, be = a[:, start:end], b[start:end]
             sa = scale_a[e] if fp8 else None
         if fp8:
-            res = _mm(_Fp8(ae, sa, out_dtype, -1 if a_rowwise else None),
-                      _Fp8(be, scale_b[e], torch.float32, 0 if b_rowwise else None), fast_accum)
+            res = scaled_matmul(Fp8Operand(ae, sa, out_dtype, -1 if a_rowwise else None),
+                      Fp8Operand(be, scale_b[e], torch.float32, 0 if b_rowwise else None), fast_accum)
         else:
             res = torch.mm(ae, be)
         if grouped_rows:

@@ -169,7 +169,7 @@ def rowwise_scales_missing(device_type: str) -> str | None:
     return None
 
 
-class _Fp8(NamedTuple):
+class Fp8Operand(NamedTuple):
     """An operand cast to fp8 (the fields of torchao's ``Float8TrainingTensor``)."""
 
     data: torch.Tensor
@@ -201,7 +201,7 @@ def _scale(x: torch.Tensor, dtype: torch.dtype, axiswise_dim: int | None, pow2: 
     return res
 
 
-def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> _Fp8 | torch.Tensor:
+def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> Fp8Operand | torch.Tensor:
     """torchao ``hp_tensor_to_float8_dynamic``: scale, multiply in fp32, saturate, cast
     (``_ToFloat8ConstrFunc.forward`` and ``to_fp8_saturated``). ``x`` itself when the cast keeps
     it in high precision."""
@@ -209,34 +209,34 @@ def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> _Fp8 
         return x
     if isinstance(x, Fp8Weight) and cast.dtype == E4M3 and not cast.rowwise:
         # cast before FSDP2's all-gather, with this rule's scale (amp_fx._dist.fp8_gather)
-        return _Fp8(x._data, x._scale, x.dtype, None)
+        return Fp8Operand(x._data, x._scale, x.dtype, None)
     dim = axiswise_dim if cast.rowwise else None
     scale = _scale(x, cast.dtype, dim, pow2)
     scaled = x.to(torch.float32) * scale
     fp8_max = torch.finfo(cast.dtype).max
     data = scaled.clamp(min=-fp8_max, max=fp8_max).to(cast.dtype)
-    return _Fp8(data, scale, x.dtype, dim)
+    return Fp8Operand(data, scale, x.dtype, dim)
 
 
-def _t(a: _Fp8 | torch.Tensor) -> _Fp8 | torch.Tensor:
+def _t(a: Fp8Operand | torch.Tensor) -> Fp8Operand | torch.Tensor:
     """torchao ``float8_transpose`` for ``aten.t``."""
     if isinstance(a, torch.Tensor):
         return a.t()
     scale = a.scale.t() if a.scale.ndim > 1 else a.scale
     dim = None if a.axiswise_dim is None else (-1 if a.axiswise_dim == 0 else 0)
-    return _Fp8(a.data.t(), scale, a.orig_dtype, dim)
+    return Fp8Operand(a.data.t(), scale, a.orig_dtype, dim)
 
 
-def _rows(a: _Fp8 | torch.Tensor) -> _Fp8 | torch.Tensor:
+def _rows(a: Fp8Operand | torch.Tensor) -> Fp8Operand | torch.Tensor:
     """``a.reshape(-1, K)`` (torchao ``float8_view``/``float8_desugar_op``: a rowwise scale over
     the last dimension becomes one per row of the result)."""
     if isinstance(a, torch.Tensor):
         return a.reshape(-1, a.shape[-1])
     data = a.data.reshape(-1, a.data.shape[-1])
     if a.scale.ndim < 2 or list(data.shape) == list(a.data.shape):
-        return _Fp8(data, a.scale, a.orig_dtype, a.axiswise_dim)
+        return Fp8Operand(data, a.scale, a.orig_dtype, a.axiswise_dim)
     assert a.axiswise_dim == -1, "a rowwise input is scaled over its last dimension"
-    return _Fp8(data, a.scale.reshape(data.shape[0], 1), a.orig_dtype, -1)
+    return Fp8Operand(data, a.scale.reshape(data.shape[0], 1), a.orig_dtype, -1)
 
 
 def _row_major(stride: tuple[int, ...]) -> bool:
@@ -335,7 +335,7 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     return Fp8Padding(tuple(padded), extra_flops / flops, extra_bytes / base)
 
 
-def _mm(a: _Fp8 | torch.Tensor, b: _Fp8 | torch.Tensor, fast_accum: bool) -> torch.Tensor:
+def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """torchao ``float8_mm`` (``preprocess_addmm`` + ``addmm_float8_unwrapped``); a plain
     ``torch.mm`` where both operands stay in high precision."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -393,7 +393,7 @@ class _Fp8Matmul(torch.autograd.Function):
         pow2 = c.round_scales_to_power_of_2
         x_fp8 = _to_fp8(x, c.input, -1, pow2)
         w_fp8 = _to_fp8(w, c.weight, 0, pow2)
-        out = _mm(_rows(x_fp8), w_fp8, c.fast_accum_output)
+        out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -404,7 +404,7 @@ class _Fp8Matmul(torch.autograd.Function):
         return (*_backward_gemms(c, grad, x, w_dim0), None)
 
 
-def _backward_gemms(c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: _Fp8 | torch.Tensor
+def _backward_gemms(c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: Fp8Operand | torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two backward GEMMs (torchao ``matmul_with_hp_or_float8_args.backward``), given the
     weight's input-gradient cast ``w_dim0``: ``(grad_x, grad_w as [K, N])``."""
@@ -412,13 +412,13 @@ def _backward_gemms(c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0:
     grad_2d = grad.reshape(-1, grad.shape[-1])
 
     grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
-    grad_x = _mm(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
+    grad_x = scaled_matmul(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
     grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
 
     x_2d = x.reshape(-1, x.shape[-1])
     grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
     x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
-    grad_w = _mm(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
+    grad_w = scaled_matmul(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
     return grad_x, grad_w.t()
 
 
@@ -439,16 +439,16 @@ def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torc
                 out += out[:2]
                 continue
             a = _to_fp8(w, cast, dim, pow2)
-            out += [a.data, a.scale] if isinstance(a, _Fp8) else [a, a.new_empty(0, dtype=torch.float32)]
+            out += [a.data, a.scale] if isinstance(a, Fp8Operand) else [a, a.new_empty(0, dtype=torch.float32)]
     return out[0], out[1], out[2], out[3]
 
 
-def _cached(data: torch.Tensor, scale: torch.Tensor, cast: Cast, dim: int) -> _Fp8 | torch.Tensor:
+def _cached(data: torch.Tensor, scale: torch.Tensor, cast: Cast, dim: int) -> Fp8Operand | torch.Tensor:
     """A cast :func:`weight_casts` made, as the uncached path's ``_to_fp8`` returns it (the
     weight is always the right operand, whose ``orig_dtype`` no GEMM reads)."""
     if cast.dtype is None:
         return data
-    return _Fp8(data, scale, torch.float32, dim if cast.rowwise else None)
+    return Fp8Operand(data, scale, torch.float32, dim if cast.rowwise else None)
 
 
 class _Fp8MatmulCachedWeight(torch.autograd.Function):
@@ -464,7 +464,7 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         c = RECIPES[recipe]
         x_fp8 = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
         w_fp8 = _cached(w_data, w_scale, c.weight, 0)
-        out = _mm(_rows(x_fp8), w_fp8, c.fast_accum_output)
+        out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
