@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -284,10 +285,18 @@ def main() -> None:
 
     results = {}
     for run in ([] if args.no_memory else selected):
+        began = time.perf_counter()
         try:
             results[run.name] = measure(run, dims, args.device, args.backend, args.warmup)
         except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
             results[run.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        # each run as it comes (stderr), so a run stopped by a time limit still shows what it had measured
+        r = results[run.name]
+        done = (r["error"] if "error" in r else
+                f"peak {_mib(r['peak'])} MiB, activations {_mib(r['activations'])} MiB, "
+                f"B/param {r['per_param']:.2f}")
+        print(f"[bench_memory] {run.name}: {done} ({time.perf_counter() - began:.0f} s)", file=sys.stderr,
+              flush=True)
     if results:
         print(tabulate(_memory_rows(results), headers="keys", disable_numparse=True, tablefmt="github"))
     notes = {f"{name}: {w}" for name, r in results.items() for w in r.get("warnings", [])}
