@@ -294,7 +294,7 @@ def main() -> None:
             results[run.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
         # each run as it comes (stderr), so a run stopped by a time limit still shows what it had measured
         r = results[run.name]
-        done = (r["error"] if "error" in r else
+        done = (f"failed: {r['error']}" if "error" in r else
                 f"peak {_mib(r['peak'])} MiB, activations {_mib(r['activations'])} MiB, "
                 f"B/param {r['per_param']:.2f}")
         print(f"[bench_memory] {run.name}: {done} ({time.perf_counter() - began:.0f} s)", file=sys.stderr,
