@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -131,7 +132,7 @@ def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[T
     loss = step(*batches[0])
     loss64, grads64 = exact
     loss_err = abs(loss.item() - loss64) / abs(loss64)
-    grad_err = ((_grads(model) - grads64).norm() / grads64.norm()).item()
+    grad_err = ((_grads(model).to(grads64.device) - grads64).norm() / grads64.norm()).item()
     opt.zero_grad(set_to_none=True)
     step(*batches[0])  # a second call: recompiles, if any, happen here, not in the count
     opt.zero_grad(set_to_none=True)
@@ -167,11 +168,23 @@ def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[T
 
 def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor], device: str
                     ) -> tuple[float, Tensor]:
+    """The float64 loss and flattened gradients, the gradients kept on the CPU: on a GPU they
+    would stay allocated through every variant's timed steps (2.6 GB on the h100 preset) and
+    count in its peak memory."""
     torch.manual_seed(0)
     model = MODELS[kind](dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(device).double()
     loss = lm_loss(model(batch[0]), batch[1])
     loss.backward()
-    return loss.item(), _grads(model)
+    return loss.item(), _grads(model).cpu()
+
+
+def _release(device: str) -> None:
+    """What the previous variant left (its compiled graphs, cycles holding its model) freed, so
+    that the next variant's peak memory is its own."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _moe_models() -> dict[str, object]:
@@ -284,11 +297,14 @@ def main() -> None:
         exact = exact_reference(kind, dims, batches[0], args.device)
         rows = []
         for variant in variants(args.device, args.backend, recipes, missing is None):
-            torch._dynamo.reset()
+            _release(args.device)
+            began = time.perf_counter()
             try:
                 rows.append(run(kind, dims, variant, batches, exact, args.device))
             except Exception as e:  # noqa: BLE001 - one variant's failure is a row, not the end of the table
                 rows.append({"variant": variant.name, "fp8 share": f"failed: {type(e).__name__}: {str(e)[:80]}"})
+            # each row as it comes (stderr), so a run stopped by a time limit still shows the rows it had
+            print(f"[bench_fp8] {kind}: {rows[-1]} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
         print(f"\n{kind}")
         print(tabulate(rows, headers="keys"))
 

@@ -4,6 +4,7 @@
     python bench/bench_memory.py --device cuda      # a GPU: Llama-like 4 x 2048, batch 4 x 2048
     python bench/bench_memory.py --no-dist --runs "amp_fx bf16;amp_fx fp8"   # a subset, no gloo ranks
     python bench/bench_memory.py --no-memory --layers 2               # the DDP/FSDP2 table only
+    python bench/bench_memory.py --runs 'amp_fx bf16, compile$'      # one run ('$': the whole name)
 
 One AdamW training step of the Llama-like model (``bench/bench_weight_casts.py``: RMSNorm, SwiGLU,
 untied head; the loss in fp32), for every run below, each on a fresh copy of the same fp32 model
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -274,7 +276,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="inductor", help="single-process runs (default inductor)")
     parser.add_argument("--dist-backend", default="aot_eager", help="the gloo ranks' runs")
-    parser.add_argument("--runs", default="", help="prefixes of run names, separated by ';' (default: all)")
+    parser.add_argument("--runs", default="", help="prefixes of run names, separated by ';' (default: all); "
+                        "a name ending in '$' selects that run alone")
     parser.add_argument("--no-dist", action="store_true", help="leave out the DDP/FSDP2 table")
     parser.add_argument("--no-memory", action="store_true", help="the DDP/FSDP2 table only")
     parser.add_argument("--warmup", type=int, default=3)
@@ -287,7 +290,7 @@ def main() -> None:
     dims.update({k: getattr(args, k) for k in dims if getattr(args, k) is not None})
     missing = torchao_missing()
     prefixes = [p.strip() for p in args.runs.split(";") if p.strip()]
-    selected = [r for r in runs() if (not prefixes or any(r.name.startswith(p) for p in prefixes))
+    selected = [r for r in runs() if (not prefixes or any(_selects(p, r.name) for p in prefixes))
                 and not (r.kind == "torchao" and missing)]
     if prefixes and ANCHOR not in [r.name for r in selected]:
         selected.insert(0, next(r for r in runs() if r.name == ANCHOR))  # the ratios' denominator
@@ -302,10 +305,18 @@ def main() -> None:
 
     results = {}
     for run in ([] if args.no_memory else [r for r in selected if not r.fp8_all_gather]):
+        began = time.perf_counter()
         try:
             results[run.name] = measure(run, dims, args.device, args.backend, args.warmup)
         except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
             results[run.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        # each run as it comes (stderr), so a run stopped by a time limit still shows what it had measured
+        r = results[run.name]
+        done = (f"failed: {r['error']}" if "error" in r else
+                f"peak {_mib(r['peak'])} MiB, activations {_mib(r['activations'])} MiB, "
+                f"B/param {r['per_param']:.2f}")
+        print(f"[bench_memory] {run.name}: {done} ({time.perf_counter() - began:.0f} s)", file=sys.stderr,
+              flush=True)
     if results:
         print(tabulate(_memory_rows(results), headers="keys", disable_numparse=True, tablefmt="github"))
     notes = {f"{name}: {w}" for name, r in results.items() for w in r.get("warnings", [])}
@@ -327,6 +338,11 @@ def main() -> None:
     notes = {f"{key}: {w}" for key, r in dist[0].items() for w in r.get("warnings", [])}
     for note in sorted(notes):
         print(f"- {note}")
+
+
+def _selects(pattern: str, name: str) -> bool:
+    """``--runs``' rule: a prefix of the name, or the whole name where the pattern ends in '$'."""
+    return name == pattern[:-1] if pattern.endswith("$") else name.startswith(pattern)
 
 
 def _version(module: str) -> str:

@@ -6,17 +6,23 @@ Three ways to run the same step (same model, data, dtype, AdamW, dynamic loss sc
   the reference the tests use);
 * ``torch.compile(model)``: the same recipe with the model compiled by inductor;
 * ``amp_fx.compile_step``: the whole step compiled (inductor);
-* on CUDA also ``amp_fx.compile_step`` captured once as a CUDA graph and replayed (possible
-  because the step reads nothing on the host).
+* on CUDA also ``amp_fx.compile_step`` captured as a CUDA graph and replayed (possible because
+  the step reads nothing on the host): one graph per optimizer step, all ``--accumulate``
+  micro-batches in it (the step counts its calls on the host to find the window's end, so one
+  captured micro-batch would replay the same phase of the window every time);
+* with ``--weight-cache`` also ``amp_fx.compile_step(weight_cache=True)`` (and its CUDA graph):
+  each fp32 weight cast once per optimizer step instead of once per micro-batch.
 
-For each: median, p10 and p90 of the step time, as ratios to eager's median; host reads of tensor
-values per step (amp_fx.testing.HostSyncCounter: reads made by the step's code, and apart
-from them reads inside CPU kernels of fused optimizers); graph breaks per step after warm-up;
-and, for the record, the graph breaks torch.compile meets when asked to compile the whole eager
-recipe (the reason compile_step exists).
+For each: median, p10 and p90 of the time of one optimizer step (``--accumulate`` micro-batches),
+as ratios to eager's median; host reads of tensor values per optimizer step
+(amp_fx.testing.HostSyncCounter: reads made by the step's code, and apart from them reads inside
+CPU kernels of fused optimizers); graph breaks per optimizer step after warm-up; and, for the
+record, the graph breaks torch.compile meets when asked to compile the whole eager recipe (the
+reason compile_step exists).
 
     python bench/bench_step.py --steps 30 --d-model 64 --layers 2
     python bench/bench_step.py --device cuda
+    python bench/bench_step.py --device cuda --accumulate 4 --weight-cache   # what .ci/gpu runs
 """
 
 from __future__ import annotations
@@ -60,55 +66,75 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cuda_graphed(step: Callable[..., torch.Tensor], example: tuple[torch.Tensor, torch.Tensor],
-                 warmup: int = 3) -> Callable[..., torch.Tensor]:
-    """``step`` warmed up on a side stream, captured once as a CUDA graph, and replayed per call
-    with the inputs copied into the captured ones (torch.cuda.graphs' recipe)."""
-    static = [t.clone() for t in example]
+Window = list[tuple[torch.Tensor, torch.Tensor]]
+"""One optimizer step's micro-batches (``--accumulate`` of them): (tokens, targets) each."""
+
+
+def cuda_graphed(step: Callable[..., torch.Tensor], window: Window, warmup: int = 3
+                 ) -> Callable[[Window], torch.Tensor]:
+    """``step`` warmed up on a side stream for ``warmup`` optimizer steps, then one whole
+    optimizer step (``len(window)`` micro-batches: the step decides on the host, by counting its
+    calls, which call ends the accumulation window) captured as one CUDA graph, replayed once per
+    optimizer step with the micro-batches copied into the captured inputs (torch.cuda.graphs'
+    recipe)."""
+    static = [[t.clone() for t in batch] for batch in window]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):
-            step(*static)
+            for batch in static:
+                step(*batch)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = step(*static)
+        losses = [step(*batch) for batch in static]
 
-    def replay(*inputs: torch.Tensor) -> torch.Tensor:
-        for dst, src in zip(static, inputs):
-            dst.copy_(src)
+    def replay(micro_batches: Window) -> torch.Tensor:
+        for dst, src in zip(static, micro_batches, strict=True):
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
         graph.replay()
-        return loss
+        return losses[-1]
 
     return replay
 
 
-def measure(steps: dict[str, Callable[..., torch.Tensor]], batches: list[tuple[torch.Tensor, torch.Tensor]],
+def per_window(step: Callable[..., torch.Tensor]) -> Callable[[Window], torch.Tensor]:
+    """One optimizer step of ``step``: one call per micro-batch of the window."""
+    def run(micro_batches: Window) -> torch.Tensor:
+        for x, y in micro_batches:
+            loss = step(x, y)
+        return loss
+
+    return run
+
+
+def measure(steps: dict[str, Callable[[Window], torch.Tensor]], windows: list[Window],
             warmup: int, device: torch.device) -> dict[str, dict[str, Any]]:
-    """Time the variants interleaved, one step of each in turn, so that load from other processes
-    on a shared machine falls on all of them alike; then count host reads and graph breaks."""
+    """Time the variants interleaved, one optimizer step (one accumulation window) of each in
+    turn, so that load from other processes on a shared machine falls on all of them alike; then
+    count host reads and graph breaks."""
     results: dict[str, dict[str, Any]] = {name: {"times": []} for name in steps}
     for name, step in steps.items():
         t0 = time.perf_counter()
-        for x, y in batches[:warmup]:
-            step(x, y)
+        for window in windows[:warmup]:
+            step(window)
         _sync(device)
         results[name]["warmup_s"] = time.perf_counter() - t0
     breaks = sum(counters["graph_break"].values())
-    timed = batches[warmup:-3]
-    for x, y in timed:
+    timed = windows[warmup:-3]
+    for window in timed:
         for name, step in steps.items():
             _sync(device)
             t0 = time.perf_counter()
-            step(x, y)
+            step(window)
             _sync(device)
             results[name]["times"].append(time.perf_counter() - t0)
     breaks = (sum(counters["graph_break"].values()) - breaks) / len(timed)
     for name, step in steps.items():
         with HostSyncCounter() as syncs:
-            for x, y in batches[-3:]:
-                step(x, y)
+            for window in windows[-3:]:
+                step(window)
         # Graph breaks are counted over all variants together; only compiled code can break.
         results[name].update(syncs=syncs.count / 3, kernel_reads=syncs.in_cpu_kernels / 3, breaks=breaks)
     return results
@@ -124,8 +150,16 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timed ones")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (gradient accumulation); every time in the table "
+                             "is one optimizer step, all its micro-batches included")
+    parser.add_argument("--weight-cache", action="store_true",
+                        help="also amp_fx.compile_step(weight_cache=True) (and its CUDA graph on CUDA), beside "
+                             "the rows without it")
+    parser.add_argument("--backend", default="inductor",
+                        help="torch.compile backend of the compiled variants (aot_eager: a quick CPU check)")
     parser.add_argument("--fused", action="store_true",
                         help="AdamW(fused=True) (skips on the device in torch's recipe too); default: "
                              "AdamW's default implementation, which torch's GradScaler skips on the host")
@@ -133,12 +167,15 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_step: --device cuda, but torch.cuda.is_available() is False")
+    if args.accumulate < 1:
+        raise SystemExit(f"bench_step: --accumulate must be >= 1, got {args.accumulate}")
     device = torch.device(args.device)
 
     g = torch.Generator().manual_seed(0)
     n = args.warmup + args.steps + 3
-    batches = [(torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
-                torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device)) for _ in range(n)]
+    windows = [[(torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
+                 torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device))
+                for _ in range(args.accumulate)] for _ in range(n)]
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -149,38 +186,43 @@ def main() -> None:
         # check-only semantics for bf16 would need amp_fx's scaler; torch's scales either way.
         return torch.amp.GradScaler(device.type)
 
-    variants: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {}
-
     def eager() -> Callable[..., torch.Tensor]:
         model, opt = fresh()
-        return eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype)
+        return eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype, accumulate=args.accumulate)
 
     def compiled_model() -> Callable[..., torch.Tensor]:
         model, opt = fresh()
-        return eager_amp_step(torch.compile(model), opt, lm_loss, scaler(), dtype=dtype,
-                              params=list(model.parameters()))
+        return eager_amp_step(torch.compile(model, backend=args.backend), opt, lm_loss, scaler(), dtype=dtype,
+                              accumulate=args.accumulate, params=list(model.parameters()))
 
-    def compile_step() -> Callable[..., torch.Tensor]:
+    def compile_step(weight_cache: bool = False) -> Callable[..., torch.Tensor]:
         model, opt = fresh()
-        return amp_fx.compile_step(model, opt, lm_loss, dtype=dtype, backend="inductor")
+        return amp_fx.compile_step(model, opt, lm_loss, dtype=dtype, backend=args.backend,
+                                   accumulate=args.accumulate, weight_cache=weight_cache)
 
-    def graphed_step() -> Callable[..., torch.Tensor]:
-        return cuda_graphed(compile_step(), batches[0])
-
-    variants = {"eager autocast + GradScaler": eager, "torch.compile(model) + GradScaler": compiled_model,
-                "amp_fx.compile_step": compile_step}
+    variants: dict[str, Callable[[], Callable[[Window], torch.Tensor]]] = {
+        "eager autocast + GradScaler": lambda: per_window(eager()),
+        "torch.compile(model) + GradScaler": lambda: per_window(compiled_model()),
+        "amp_fx.compile_step": lambda: per_window(compile_step()),
+    }
     if device.type == "cuda":
-        variants["amp_fx.compile_step, CUDA graph"] = graphed_step
+        variants["amp_fx.compile_step, CUDA graph"] = lambda: cuda_graphed(compile_step(), windows[0])
+    if args.weight_cache:
+        variants["amp_fx.compile_step, weight cache"] = lambda: per_window(compile_step(weight_cache=True))
+        if device.type == "cuda":
+            variants["amp_fx.compile_step, weight cache, CUDA graph"] = (
+                lambda: cuda_graphed(compile_step(weight_cache=True), windows[0]))
     torch._dynamo.reset()
-    results = measure({name: build() for name, build in variants.items()}, batches, args.warmup, device)
+    results = measure({name: build() for name, build in variants.items()}, windows, args.warmup, device)
 
     # What torch.compile makes of the whole eager recipe (Dynamo only: backend="eager").
     torch._dynamo.reset()
     counters.clear()
     model, opt = fresh()
-    whole = torch.compile(eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype), backend="eager")
-    for x, y in batches[:3]:
-        whole(x, y)
+    whole = torch.compile(eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype, accumulate=args.accumulate),
+                          backend="eager")
+    for window in windows[:3]:
+        per_window(whole)(window)
     whole_breaks = sum(counters["graph_break"].values())
 
     base = statistics.median(results["eager autocast + GradScaler"]["times"])
@@ -192,22 +234,24 @@ def main() -> None:
                      f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['warmup_s']:.0f}"])
     print(*machine_lines(), sep="\n")
     if device.type == "cuda":
-        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each step timed "
+        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each optimizer step timed "
               "from a synchronized device to a synchronized device")
     print(f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
           f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
-          f"{args.steps} timed steps after {args.warmup} warm-up, variants interleaved")
-    print(tabulate(rows, headers=["variant", "median ms", "median/eager", "p10/eager", "p90/eager",
-                                  "host reads/step", "reads in CPU kernels/step", "graph breaks/step",
-                                  "warm-up s (compile)"]))
-    if "amp_fx.compile_step, CUDA graph" in results:
-        graphed = statistics.median(results["amp_fx.compile_step, CUDA graph"]["times"]) / base
-        print(f"CUDA-graphed compile_step: {graphed:.2f}x eager autocast + GradScaler's median step time "
-              f"(target < 1: {'met' if graphed < 1 else 'NOT met'})")
+          f"{args.accumulate} micro-batch(es) per optimizer step, backend {args.backend}, "
+          f"{args.steps} timed optimizer steps after {args.warmup} warm-up, variants interleaved")
+    print(tabulate(rows, headers=["variant", "median ms/opt. step", "median/eager", "p10/eager", "p90/eager",
+                                  "host reads/opt. step", "reads in CPU kernels/opt. step",
+                                  "graph breaks/opt. step", "warm-up s (compile)"]))
+    for name in ("amp_fx.compile_step, CUDA graph", "amp_fx.compile_step, weight cache, CUDA graph"):
+        if name in results:
+            graphed = statistics.median(results[name]["times"]) / base
+            print(f"CUDA-graphed {name.removeprefix('amp_fx.').removesuffix(', CUDA graph')}: {graphed:.2f}x eager "
+                  f"autocast + GradScaler's median step time (target < 1: {'met' if graphed < 1 else 'NOT met'})")
     reasons = sorted({key.splitlines()[0] + (": " + key.splitlines()[1].split("function `")[-1].split("`")[0]
                                              if "function `" in key else "")
                       for key in counters["graph_break"]})
-    print(f"torch.compile of the whole eager recipe (Dynamo, 3 steps): {whole_breaks} graph breaks:")
+    print(f"torch.compile of the whole eager recipe (Dynamo, 3 optimizer steps): {whole_breaks} graph breaks:")
     for reason in reasons:
         print(f"  - {reason}")
 
