@@ -31,6 +31,7 @@ from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import (
     count_gemm_flops,
     cpu_autocast_torchao,
+    expert_linears,
     torchao_float8,
     torchao_missing,
 )
@@ -944,13 +945,8 @@ class _MixtureTwin(nn.Module):
     def __init__(self, m: _DenseMixture) -> None:
         super().__init__()
         self.router = copy.deepcopy(m.router)
-        experts, d, hidden = m.w_in.shape
-        self.inp = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(experts))
-        self.out = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(experts))
-        with torch.no_grad():
-            for e in range(experts):
-                self.inp[e].weight.copy_(m.w_in[e].t())
-                self.out[e].weight.copy_(m.w_out[e].t())
+        self.inp = expert_linears(m.w_in.transpose(1, 2))
+        self.out = expert_linears(m.w_out.transpose(1, 2))
 
     def forward(self, x: Tensor) -> Tensor:
         gate = torch.softmax(self.router(x), dim=-1)

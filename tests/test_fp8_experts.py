@@ -24,7 +24,13 @@ import amp_fx
 from amp_fx.kernels.fp8_matmul import RECIPES as KERNEL_RECIPES
 from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
-from amp_fx.testing.fp8_reference import count_gemm_flops, cpu_autocast_torchao, torchao_float8, torchao_missing
+from amp_fx.testing.fp8_reference import (
+    count_gemm_flops,
+    cpu_autocast_torchao,
+    expert_linears,
+    torchao_float8,
+    torchao_missing,
+)
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
 transformers = pytest.importorskip("transformers", reason="the MoE models come from transformers")
@@ -89,13 +95,8 @@ class _LinearTwin(_Routed):
     def __init__(self, m: _GroupedMixture) -> None:
         super().__init__()
         self.router = copy.deepcopy(m.router)
-        e, hidden, d = m.w_in.shape
-        self.inp = nn.ModuleList(nn.Linear(d, hidden, bias=False) for _ in range(e))
-        self.out = nn.ModuleList(nn.Linear(hidden, d, bias=False) for _ in range(e))
-        with torch.no_grad():
-            for i in range(e):
-                self.inp[i].weight.copy_(m.w_in[i])
-                self.out[i].weight.copy_(m.w_out[i])
+        self.inp = expert_linears(m.w_in)
+        self.out = expert_linears(m.w_out)
 
     @staticmethod
     def _per_group(linears: nn.ModuleList, xs: Tensor, ends: list[int]) -> Tensor:

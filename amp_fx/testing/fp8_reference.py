@@ -31,6 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_mxfp8", "torchao_missing", "linear_twin",
+           "expert_linears",
            "GemmFlops", "count_gemm_flops"]
 
 
@@ -133,6 +134,17 @@ def torchao_mxfp8(model: torch.nn.Module) -> torch.nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, _TorchaoMXFP8Linear(module))
     return ref
+
+
+def expert_linears(weights: torch.Tensor) -> torch.nn.ModuleList:
+    """One bias-free ``nn.Linear`` per expert of ``weights`` (``[E, out, in]``, ``nn.Linear``'s
+    layout; pass a transposed view for ``[E, in, out]``), each holding a copy of its expert's
+    weight: the twin torchao can convert of experts held as one 3-D parameter."""
+    linears = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights)
+    with torch.no_grad():
+        for linear, w in zip(linears, weights, strict=True):
+            linear.weight.copy_(w)
+    return linears
 
 
 def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
