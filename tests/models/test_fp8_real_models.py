@@ -19,7 +19,9 @@ amp_fx's fp8 share must be at least that one; docs/fp8.md has the table.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +57,7 @@ _NO_ROWWISE = rowwise_scales_missing("cpu")  # torch 2.11's CPU _scaled_mm: per-
 def _cases() -> list[object]:
     return [pytest.param(n, r, id=f"{n}-{r}", marks=[
         *(() if (n, r) in _DEFAULT else (pytest.mark.models_slow,)),
+        *((pytest.mark.xdist_group(f"fp8_{n}"),) if n in _SHARED and r == "tensorwise" else ()),
         pytest.mark.skipif(r != "tensorwise" and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE))])
         for n in TRANSFORMERS for r in RECIPES]
 
@@ -70,12 +73,18 @@ def _without_twin(model: torch.nn.Module) -> tuple[type, ...]:
                          and any(p.dim() == 2 for p in m.parameters(recurse=False))}, key=str))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, recipe", _cases())
-def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: str) -> None:
+# The models whose tensorwise compile several tests ask different questions of: it is compiled
+# once per process (_compiled) and their cases run on one xdist worker (xdist_group, --dist loadgroup).
+_SHARED = ("hf_gpt2", "hf_llama", "hf_t5")
+
+
+def _shared(name: str) -> Any:
+    return pytest.param(name, marks=pytest.mark.xdist_group(f"fp8_{name}"))
+
+
+@functools.cache
+def _compiled_once(name: str, recipe: str) -> dict[str, Any]:
     entry = REAL_MODELS[name]
-    if entry.missing():
-        pytest.skip(entry.missing())
     model, inputs, loss_fn = entry.build()
     ours = copy.deepcopy(model)
     # the experts stay in fp32 as in the twin, whose grouped GEMMs eager autocast runs in fp32 (with
@@ -87,6 +96,32 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
         loss_fn(compiled(**inputs)).backward()
     for p in ours.parameters():
         p.grad = None
+    return {"model": model, "inputs": inputs, "loss_fn": loss_fn, "ours": ours, "compiled": compiled,
+            "caught": caught, "start": copy.deepcopy(ours.state_dict())}
+
+
+def _compiled(name: str, recipe: str = "tensorwise") -> dict[str, Any]:
+    """``amp_fx.compile(copy of the model, dtype="bf16", fp8=recipe, backend="aot_eager")``, compiled
+    (forward and backward) once per process, with the AmpFxWarnings of that first call: the copy's
+    parameters back at the model's, no gradients. ``model``, the fp32 original, is not to be changed."""
+    if name not in _SHARED or recipe != "tensorwise":  # asked once: not kept
+        return _compiled_once.__wrapped__(name, recipe)
+    shared = _compiled_once(name, recipe)
+    shared["ours"].load_state_dict(shared["start"])
+    for p in shared["ours"].parameters():
+        p.grad = None
+    return shared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, recipe", _cases())
+def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: str) -> None:
+    entry = REAL_MODELS[name]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    shared = _compiled(name, recipe)
+    model, inputs, loss_fn = shared["model"], shared["inputs"], shared["loss_fn"]
+    ours, compiled, caught = shared["ours"], shared["compiled"], shared["caught"]
     with count_gemm_flops() as flops:
         loss = loss_fn(compiled(**inputs))
         loss.backward()
@@ -131,20 +166,25 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_t5"])
+@pytest.mark.parametrize("name", [_shared(n) for n in ("hf_gpt2", "hf_llama", "hf_t5")])
 def test_fp8_weight_cache_bitwise_on_real_models(name: str) -> None:
     """fp8 with ``weight_cache=True`` on GPT-2 (``Conv1D``: the weight read as it is), Llama (a
     linear's ``aten.t`` view) and T5 (tied embedding and head): 2 SGD steps of 2 micro-batches,
-    every loss and parameter bitwise with the uncached fp8 run, and nothing reported (strict)."""
+    every loss and parameter bitwise with the uncached fp8 run (the one the torchao test checks),
+    and nothing reported (strict)."""
     entry = REAL_MODELS[name]
     if entry.missing():
         pytest.skip(entry.missing())
-    model, inputs, loss_fn = entry.build()
+    uncached = _compiled(name)
+    model, inputs, loss_fn = uncached["model"], uncached["inputs"], uncached["loss_fn"]
     runs = []
     for cached in (False, True):
-        ours = copy.deepcopy(model)
-        compiled = amp_fx.compile(ours, dtype="bf16", fp8="tensorwise", backend="aot_eager",
-                                  weight_cache=cached, strict=True)
+        if cached:
+            ours = copy.deepcopy(model)
+            compiled = amp_fx.compile(ours, dtype="bf16", fp8="tensorwise", backend="aot_eager",
+                                      weight_cache=True, strict=True)
+        else:
+            ours, compiled = uncached["ours"], uncached["compiled"]
         opt = torch.optim.SGD(ours.parameters(), lr=0.1)
         losses = []
         for _ in range(2):
@@ -154,7 +194,7 @@ def test_fp8_weight_cache_bitwise_on_real_models(name: str) -> None:
                 losses.append(loss.detach())
             opt.step()
             opt.zero_grad()
-        runs.append((losses, dict(ours.named_parameters())))
+        runs.append((losses, {n: p.detach().clone() for n, p in ours.named_parameters()}))
     assert_bitwise(runs[1], runs[0], f"{name}: fp8 weight cache vs uncached")
 
 
@@ -163,7 +203,7 @@ def _float64_loss(model: torch.nn.Module, inputs: dict, loss_fn) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize("name", [_shared(n) for n in ("hf_gpt2", "hf_llama")])
 def test_fp8_advise_on_real_models(name: str) -> None:
     """``amp_fx.advise(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama, random init: the
     fp8 run it measures is amp_fx's (the same matmuls as ``amp_fx.compile(fp8=...)`` converts, and
@@ -177,10 +217,10 @@ def test_fp8_advise_on_real_models(name: str) -> None:
     entry = REAL_MODELS[name]
     if entry.missing():
         pytest.skip(entry.missing())
-    model, inputs, loss_fn = entry.build()
+    shared = _compiled(name)
+    model, inputs, loss_fn, compiled = shared["model"], shared["inputs"], shared["loss_fn"], shared["compiled"]
     advice = amp_fx.advise(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
     assert advice.keep_out_of_fp8 == () and advice.verified and advice.runs == 1, str(advice)
-    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="tensorwise", backend="aot_eager")
     loss = float(loss_fn(compiled(**inputs)).detach())
     converted = {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions
                  if d.converted}
@@ -191,6 +231,7 @@ def test_fp8_advise_on_real_models(name: str) -> None:
     if name != "hf_llama":
         return
 
+    model = copy.deepcopy(model)  # the shared one stays as built
     leaf = "model.layers.1.mlp.down_proj"
     down = model.get_submodule(leaf)
     spike = torch.zeros(down.in_features)
@@ -207,7 +248,7 @@ def test_fp8_advise_on_real_models(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
+@pytest.mark.parametrize("name", [_shared(n) for n in ("hf_gpt2", "hf_llama")])
 def test_fp8_compare_on_real_models(name: str) -> None:
     """``amp_fx.compare(..., fp8="tensorwise")`` on GPT-2 (``Conv1D``) and Llama: every op, the
     outputs and every gradient agree bit for bit with eager autocast running the same matmuls in
@@ -215,11 +256,11 @@ def test_fp8_compare_on_real_models(name: str) -> None:
     entry = REAL_MODELS[name]
     if entry.missing():
         pytest.skip(entry.missing())
-    model, inputs, loss_fn = entry.build()
+    shared = _compiled(name)
+    model, inputs, loss_fn, compiled = shared["model"], shared["inputs"], shared["loss_fn"], shared["compiled"]
     report = amp_fx.compare(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
     assert report.ok and report.grads, str(report)
-    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="tensorwise", backend="aot_eager")
-    loss_fn(compiled(**inputs))
-    converted = sorted(d.module for r in amp_fx.records(compiled) if r.fp8 is not None
-                       for d in r.fp8.decisions if d.converted)
+    # a set: the shared compiled model holds the records of every graph it has compiled so far
+    converted = sorted({d.module for r in amp_fx.records(compiled) if r.fp8 is not None
+                        for d in r.fp8.decisions if d.converted})
     assert sorted(o.module for o in report.ops if o.rule.startswith("fp8 tensorwise")) == converted and converted
