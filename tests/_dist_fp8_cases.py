@@ -60,6 +60,37 @@ def reads_weight(rank: int) -> dict[str, Any]:
             "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads]}
 
 
+class RootReadsHead(nn.Module):
+    """A root that reads its own Linear's weight in its eager frame (the loop over the sharded
+    block makes Dynamo skip the frame): that read sees the fp8 weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32)])
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * self.head.weight.abs().amax()
+
+
+def root_reads_head(rank: int) -> list[str]:
+    """``RootReadsHead`` sharded (the block, then the root), fp8: the AmpFxWarnings of one step."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RootReadsHead()
+    fully_shard(model.blocks[0])
+    compiled = amp_fx.compile(fully_shard(model), dtype="bf16", fp8="tensorwise", backend="aot_eager",
+                              strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        compiled(_batch(rank, 0)[0]).float().sum().backward()
+    return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+
+
 def shared_weight(rank: int) -> list[str]:
     """Two Linears sharing one weight, sharded, fp8: the AmpFxWarnings ``amp_fx.compile`` gives
     (FSDP2 gathers a shared weight in fp32: each module's use would need its own cast)."""
@@ -193,4 +224,5 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
     results["fsdp2", "outer_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "outer_keep", "tensorwise")
     results["reads_weight"] = reads_weight(rank)
     results["shared_weight"] = shared_weight(rank)
+    results["root_reads_head"] = root_reads_head(rank)
     return results

@@ -104,6 +104,16 @@ def test_fsdp2_fp8_all_gather_reports_other_reads(ranks: list[dict]) -> None:
         assert "keep_out_of_fp8" in r["warnings"][0], r
 
 
+def test_fsdp2_fp8_all_gather_reports_eager_reads(ranks: list[dict]) -> None:
+    """A root's own Linear, gathered in fp8, whose weight the root's eager frame (skipped by
+    Dynamo) also reads: no graph sees that read, the fp8 weight's dispatch does, and it is said
+    once, naming the op and the fix."""
+    for results in ranks:
+        w = results["root_reads_head"]
+        assert len(w) == 1 and "a weight by aten.abs.default outside any compiled graph" in w[0], w
+        assert "head.weight" in w[0] and "keep_out_of_fp8" in w[0], w
+
+
 def test_fsdp2_fp8_all_gather_reports_fp32_weight(ranks: list[dict]) -> None:
     """An fp8 matmul's weight FSDP2 must gather in fp32 (shared by two Linears) is said once,
     naming the parameter and why, where it used to be said at debug level only."""
