@@ -18,7 +18,7 @@ from amp_fx._common.downstream import Backend
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
-from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, unit_call
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, root_linears, unit_call
 from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.call import amp_call, checked_units
@@ -50,8 +50,10 @@ class AmpCompiledModule(torch.nn.Module):
         self.__dict__["_amp_fx_original"] = module
         self.__dict__["_amp_fx_backend"] = backend
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
+        if units is not None and backend.options.fp8 is not None:  # the root's own Linears in fp8 too
+            units = [*units, *root_linears(module, units)]
         gathered = None if units is None else gathered_fp8_weights(module, units, backend.options.fp8,
-                                                                      backend.options.policy)
+                                                                      backend.options.policy, backend.reporter)
         self.__dict__["_amp_fx_gathered_fp8"] = gathered
         self.__dict__["_amp_fx_forward"] = (
             amp_call(module, backend) if units is None

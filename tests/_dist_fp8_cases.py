@@ -60,6 +60,51 @@ def reads_weight(rank: int) -> dict[str, Any]:
             "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads]}
 
 
+class RootReadsHead(nn.Module):
+    """A root that reads its own Linear's weight in its eager frame (the loop over the sharded
+    block makes Dynamo skip the frame): that read sees the fp8 weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32)])
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * self.head.weight.abs().amax()
+
+
+def root_reads_head(rank: int) -> list[str]:
+    """``RootReadsHead`` sharded (the block, then the root), fp8: the AmpFxWarnings of one step."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = RootReadsHead()
+    fully_shard(model.blocks[0])
+    compiled = amp_fx.compile(fully_shard(model), dtype="bf16", fp8="tensorwise", backend="aot_eager",
+                              strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        compiled(_batch(rank, 0)[0]).float().sum().backward()
+    return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+
+
+def shared_weight(rank: int) -> list[str]:
+    """Two Linears sharing one weight, sharded, fp8: the AmpFxWarnings ``amp_fx.compile`` gives
+    (FSDP2 gathers a shared weight in fp32: each module's use would need its own cast)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].weight = model[0].weight
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        amp_fx.compile(fully_shard(model), dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=False)
+    return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+
+
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
@@ -101,11 +146,13 @@ def _converted(compiled: Any) -> int:
 
 
 def _shard(model: nn.Module) -> nn.Module:
+    """FSDP2: the first Linear a unit of its own, then the root, which owns the second Linear
+    (as a Llama's root owns its ``lm_head``): ``nn.Sequential``'s loop breaks its graph at the
+    sharded unit, so Dynamo skips the root's frame and the second Linear runs outside any graph
+    of the root's (amp_fx compiles it as a unit of its own)."""
     from torch.distributed.fsdp import fully_shard
 
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            fully_shard(m)
+    fully_shard(model[0])
     fully_shard(model)
     return model
 
@@ -179,4 +226,6 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
     results["fsdp2", "bf16", None] = run(rank, world_size, "fsdp2", "bf16", "")
     results["fsdp2", "outer_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "outer_keep", "tensorwise")
     results["reads_weight"] = reads_weight(rank)
+    results["shared_weight"] = shared_weight(rank)
+    results["root_reads_head"] = root_reads_head(rank)
     return results

@@ -35,7 +35,7 @@ import torch
 
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "unit_call"]
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "root_linears", "unit_call"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -84,6 +84,35 @@ def distributed_units(module: torch.nn.Module) -> list[torch.nn.Module] | None:
     if not sharded:
         return None
     return sharded if sharded[0] is module else [module, *sharded]
+
+
+def root_linears(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The ``nn.Linear`` modules of the root unit itself (outside every other unit), for FSDP2
+    models whose root has sharded submodules; compiled as units of their own under ``fp8=``.
+
+    The root's forward calls the sharded units, and Dynamo breaks its graph at each call (FSDP2's
+    hooks); a break inside a loop (``for block in self.blocks``, ``nn.Sequential``) makes Dynamo
+    skip the whole frame, so the root's own matmuls (a Llama's ``lm_head``) would run as eager
+    autocast: bf16, not fp8, and their weights could not be all-gathered in fp8. Compiled as
+    units, they are captured wherever the root's frame runs (a captured root breaks its graph at
+    them, as at the sharded units).
+    """
+    if len(units) < 2 or units[0] is not module:
+        return []
+    others = {id(u) for u in units[1:]}
+    found: dict[int, torch.nn.Module] = {}
+
+    def walk(m: torch.nn.Module) -> None:
+        for child in m.children():
+            if id(child) in others or id(child) in found:
+                continue
+            if isinstance(child, torch.nn.Linear):
+                found[id(child)] = child
+            else:
+                walk(child)
+
+    walk(module)
+    return list(found.values())
 
 
 def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -20,12 +20,14 @@ rule, elementwise multiply and saturate), so the values are bitwise what amp_fx 
 the fp8 all-gather, and what torchao computes with it.
 
 Which weights (:func:`gathered_fp8_weights`, when ``amp_fx.compile`` wraps the model): the
-``weight`` of every ``nn.Linear`` owned by one module only, not a parameter of the root unit of
-a model with other sharded units (:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 of
-a 1-D mesh, gathered in fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
+``weight`` of every ``nn.Linear`` owned by one module only, of the root unit of a model with
+other sharded units only where amp_fx compiles the Linear as a unit of its own
+(:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 of a 1-D mesh, gathered in
+fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
 cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
-the same with and without, only the bytes change. After the first call, a gathered weight that
+the same with and without, only the bytes change; a Linear weight gathered in fp32 for a reason
+other than the user's choice is reported (``_CHOSEN``). After the first call, a gathered weight that
 some graph reads other than as an fp8 matmul's weight (a model that reads the Linear's weight
 elsewhere, or a matmul kept in ``dtype``) is reported (``Fp8Record.fp8_weight_reads``): that use
 saw ``data / scale``.
@@ -49,7 +51,7 @@ import torch
 from amp_fx._common.report import Reporter
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import E4M3, scale_from_amax
-from amp_fx.kernels.fp8_weight import Fp8Weight
+from amp_fx.kernels.fp8_weight import EAGER_READS, Fp8Weight
 from amp_fx.policy import Policy, module_matches
 
 if TYPE_CHECKING:
@@ -122,6 +124,7 @@ class GatheredFp8Weights:
             local._amp_fx_fp8_scale = torch.ones((), dtype=torch.float32, device=local.device)
             local.fsdp_pre_all_gather = _Extension(local, post=False)
             local.fsdp_post_all_gather = _Extension(local, post=True)
+        EAGER_READS.clear()
 
     def precompute_scales(self) -> None:
         precompute_scales(self.params)
@@ -131,6 +134,8 @@ class GatheredFp8Weights:
         use that did not (the weight read elsewhere, or by a matmul kept in ``dtype``) computed
         with the fp8 weight's ``data / scale``, not the fp32 weight: said once, with the fix."""
         reads = [r for record in records if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
+        reads += [f"a weight by {op} outside any compiled graph" for op in dict.fromkeys(EAGER_READS)]
+        EAGER_READS.clear()
         if reads:
             reporter.did_less("fp8_all_gather:read_elsewhere", (
                 f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
@@ -164,17 +169,22 @@ def _reset_fsdp_param(fsdp_param: Any) -> None:
 
 
 def _fsdp_params(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> list[Any]:
-    """The FSDP2 parameters of the units, but the root's own where it has sharded submodules: the
-    root's forward calls them, Dynamo breaks its graph at each call (FSDP2's hooks), and the code
-    after a break may run eagerly (a loop over blocks: Dynamo skips the frame), where a weight is
-    no fp8 matmul's and would compute with the fp8 weight (the bench's Llama: its lm_head)."""
+    """The FSDP2 parameters of the units; of the root's own, where it has sharded submodules, only
+    those of the modules compiled as units of their own (its ``nn.Linear`` modules,
+    :func:`amp_fx._dist.capture.root_linears`). The root's forward calls the sharded units, Dynamo
+    breaks its graph at each call (FSDP2's hooks), and the code after a break may run eagerly (a
+    loop over blocks: Dynamo skips the frame), where a weight is no fp8 matmul's and would compute
+    with the fp8 weight; a root Linear compiled as a unit is captured wherever the root runs."""
+    own = {id(u) for u in units if u is not root}
     out = []
     for unit in units:
-        if unit is root and len(units) > 1:
-            continue
         state = getattr(unit, "_get_fsdp_state", None)
         group = state()._fsdp_param_group if state is not None else None
-        if group is not None:
+        if group is None:
+            continue
+        if unit is root and own:
+            out += [p for p in group.fsdp_params if id(p._module_info.module) in own]
+        else:
             out += group.fsdp_params
     return out
 
@@ -205,23 +215,38 @@ def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
     return None
 
 
+# What _why_not says of a parameter gathered in fp32 by the user's own choice, or that no fp8
+# matmul would read: said only at debug level. Any other reason is an fp8 matmul's weight gathered
+# at 4 bytes instead of 1, reported.
+_CHOSEN = ("not an nn.Linear weight", "kept out of fp8 by the policy", "not gathered in fp32")
+
+
 def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module], fp8: Fp8Config | None,
-                         policy: Policy) -> GatheredFp8Weights | None:
+                         policy: Policy, reporter: Reporter | None = None) -> GatheredFp8Weights | None:
     """Cast before the all-gather the FSDP2 weights the fp8 matmul would cast after it (see the
-    module docstring); None where there are none."""
+    module docstring); None where there are none. An ``nn.Linear`` weight left to gather in fp32
+    for a reason other than the user's choice is said once through ``reporter``."""
     if fp8 is None or fp8.recipe is not Fp8Recipe.TENSORWISE:
         return None
     paths = {id(m): name for name, m in root.named_modules()}
-    params, names = [], []
+    params, names, less = [], [], []
     for fsdp_param in _fsdp_params(root, units):
         path = paths.get(id(fsdp_param._module_info.module), "")
         why = _why_not(fsdp_param, policy, path)
         if why is not None:
             log.debug("FSDP2 all-gathers %s in fp32: %s", path or "the root", why)
+            if not why.startswith(_CHOSEN):
+                less.append(f"{path}.{fsdp_param._module_info.param_name} ({why})")
             continue
         params.append(fsdp_param.sharded_param)
         names.append(f"{path}.weight" if path else "weight")
         _reset_fsdp_param(fsdp_param)
+    if less and reporter is not None:
+        reporter.did_less("fp8_all_gather:fp32", (
+            f"amp_fx: FSDP2 all-gathers {', '.join(less)} in fp32 (4 bytes per element), not in fp8 "
+            "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
+            "differ. Shard it with fully_shard on dim 0 of a 1-D mesh, not offloaded, owned by one "
+            "nn.Linear, to gather it in fp8; strict=True makes this an error."), stacklevel=5)
     if not params:
         return None
     gathered = GatheredFp8Weights(params, names)

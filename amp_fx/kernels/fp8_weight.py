@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Fp8Weight"]
+__all__ = ["EAGER_READS", "Fp8Weight"]
 
 aten = torch.ops.aten
 
@@ -24,6 +24,12 @@ aten = torch.ops.aten
 # fp8 matmul, and what FSDP2 applies to the gathered tensor)
 _VIEWS = {aten.t.default, aten.view.default, aten.as_strided.default, aten.detach.default,
           aten.alias.default, aten.transpose.int}
+
+
+EAGER_READS: list[str] = []
+"""The ops that read an :class:`Fp8Weight` as ``data / scale`` outside any trace (eager code: a
+frame Dynamo skipped, or code after a graph break), the first few; read and cleared by
+:meth:`amp_fx._dist.fp8_gather.GatheredFp8Weights.check`."""
 
 
 class Fp8Weight(torch.Tensor):
@@ -62,5 +68,17 @@ class Fp8Weight(torch.Tensor):
         if func in _VIEWS and isinstance(args[0], Fp8Weight):
             w = args[0]
             return Fp8Weight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
-        args, kwargs = pytree.tree_map_only(Fp8Weight, lambda w: w.dequantized(), (args, kwargs))
-        return func(*args, **kwargs)
+        return _dequantized_call(func, args, kwargs)
+
+
+@torch._dynamo.disable
+def _dequantized_call(func: Any, args: Any, kwargs: Any) -> Any:
+    """``func`` on ``data / scale`` of each Fp8Weight argument. Outside Dynamo: an eager read (a
+    frame Dynamo skipped or resumed after a graph break) still has Dynamo's frame callback set,
+    which would compile the dequantization's Python frames as graphs of their own (checked: its
+    result was then a FakeTensor)."""
+    if len(EAGER_READS) < 8 and any(type(w) is Fp8Weight and type(w._data) is torch.Tensor
+                                    for w in pytree.tree_leaves((args, kwargs))):
+        EAGER_READS.append(str(func))  # a real tensor inside: not a fake or functional trace
+    args, kwargs = pytree.tree_map_only(Fp8Weight, lambda w: w.dequantized(), (args, kwargs))
+    return func(*args, **kwargs)
