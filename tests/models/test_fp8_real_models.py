@@ -272,3 +272,36 @@ def test_fp8_compare_on_real_models(name: str) -> None:
     converted = sorted(d.module for r in amp_fx.records(compiled) if r.fp8 is not None
                        for d in r.fp8.decisions if d.converted)
     assert sorted(o.module for o in report.ops if o.rule.startswith("fp8 tensorwise")) == converted and converted
+
+
+@pytest.mark.skipif(_NO_ROWWISE is not None, reason=str(_NO_ROWWISE))
+def test_bench_tier_gives_torchaos_rowwise_failure_as_a_cell() -> None:
+    """``bench/bench_fp8.py --tier``: torchao 0.18's rowwise ``Float8Linear`` fails on a
+    non-contiguous 3-D input (Mamba's ``x_proj`` gets a transposed view; its ``Float8TrainingTensor``
+    cannot clone a rowwise-scaled tensor for the reshape). ``_torchao_flops`` returns why, and the
+    table gets the row (its torchao cells ``-``) instead of the bench crashing; tensorwise counts."""
+    import importlib
+    import pathlib
+    import sys
+
+    bench = str(pathlib.Path(__file__).parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        module = importlib.import_module("bench_fp8")
+    finally:
+        sys.path.remove(bench)
+
+    class _Transposed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.transpose(1, 2))
+
+    torch.manual_seed(0)
+    inputs, loss = {"x": torch.randn(2, 32, 32)}, (lambda out: out.float().pow(2).mean())
+    why = module._torchao_flops(_Transposed(), "rowwise", inputs, loss)
+    assert isinstance(why, str) and "axiswise scaling is not supported" in why, why
+    assert module._share(why, low=False) == "-"
+    assert module._torchao_flops(_Transposed(), "tensorwise", inputs, loss).fp8_share == 1.0
