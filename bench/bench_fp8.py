@@ -31,7 +31,11 @@ FLOPs; the shares count unpadded FLOPs), why the others do not, and the shares o
 (grouped expert GEMMs included) in low precision (fp8, bf16) and in fp8: eager
 ``torch.autocast`` (low only), amp_fx with ``fp8=recipe`` and torchao on the model as it is (the
 tier's tests check amp_fx bitwise against torchao converting the same layers:
-tests/models/test_fp8_real_models.py).
+tests/models/test_fp8_real_models.py). The state-space models run with their traced path on
+(eager runs the code Dynamo traces). Where torchao fails on a model (torchao 0.18's rowwise
+``Float8Linear`` on a non-contiguous input, Mamba's ``x_proj``: its ``Float8TrainingTensor``
+cannot reshape a rowwise-scaled tensor that needs a copy), its columns read ``-`` and the row
+says why; the row's amp_fx columns are still measured.
 
 torchao runs under ``torch.autocast(device, bf16)``; on a CPU its input-cast branch is pointed at
 the CPU's autocast state (``cpu_autocast_torchao``: torchao reads CUDA's state there, see
@@ -52,6 +56,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tabulate import tabulate
@@ -213,7 +218,22 @@ def _moe_models() -> dict[str, object]:
 
 
 def _share(flops: object, low: bool) -> str:
+    if isinstance(flops, str):  # why torchao failed (_torchao_flops)
+        return "-"
     return f"{flops.low_share if low else flops.fp8_share:.3f}"  # type: ignore[attr-defined]
+
+
+def _torchao_flops(model: nn.Module, recipe: str, inputs: dict[str, Tensor], loss_fn: object) -> object:
+    """The GEMM FLOPs of one forward and backward of torchao's float8 ``recipe`` on ``model`` as it
+    is (``count_gemm_flops``), or why torchao fails on it (a line), instead of raising."""
+    ref = torchao_float8(model, recipe)
+    try:
+        with count_gemm_flops() as flops:
+            with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+                loss_fn(ref(**inputs)).backward()  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - torchao's failure is a cell of the table, not its end
+        return f"torchao fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:100]}"
+    return flops
 
 
 def tier(recipes: list[str], only: list[str] | None = None) -> None:
@@ -223,42 +243,45 @@ def tier(recipes: list[str], only: list[str] | None = None) -> None:
     rows = []
     models = {**REAL_MODELS, **_moe_models()}
     for name, entry in models.items():
-        # the state-space models (traced_path) are the tier's for amp_fx.compile, not for fp8
-        # (tests/models/test_fp8_real_models.py; torchao's rowwise fails on Mamba's x_proj)
-        if (entry.library != "transformers" or entry.missing() or entry.traced_path is not None
-                or (only and name not in only)):
+        if entry.library != "transformers" or entry.missing() or (only and name not in only):
             continue
+        with entry.traced_path() if entry.traced_path is not None else nullcontext():
+            rows.extend(_tier_rows(name, entry, recipes))
+    print(tabulate(rows, headers="keys"))
+
+
+def _tier_rows(name: str, entry: Any, recipes: list[str]) -> list[dict[str, object]]:
+    """The ``--tier`` rows of one model, one per recipe."""
+    rows = []
+    torch._dynamo.reset()
+    model, inputs, loss_fn = entry.build()
+    with count_gemm_flops() as autocast_flops:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = loss_fn(copy.deepcopy(model)(**inputs))
+        loss.backward()
+    for recipe in recipes:
         torch._dynamo.reset()
         model, inputs, loss_fn = entry.build()
-        with count_gemm_flops() as autocast_flops:
-            with torch.autocast("cpu", torch.bfloat16):
-                loss = loss_fn(copy.deepcopy(model)(**inputs))
-            loss.backward()
-        for recipe in recipes:
-            torch._dynamo.reset()
-            model, inputs, loss_fn = entry.build()
-            ref = torchao_float8(model, recipe)
-            with count_gemm_flops() as ref_flops:
-                with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
-                    loss_fn(ref(**inputs)).backward()
-            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
-            for _ in range(2):  # compiles, and recompiles where the model's first call changes its config
-                loss_fn(compiled(**inputs)).backward()
-            with count_gemm_flops() as flops:
-                loss_fn(compiled(**inputs)).backward()
-            decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None
-                         for d in r.fp8.decisions}
-            kept = sorted({d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
-                           for d in decisions.values() if not d.converted})
-            rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
-                         "fp8": sum(d.converted for d in decisions.values()),
-                         "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
-                         "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
-                         "low autocast": _share(autocast_flops, True),
-                         "low amp_fx": _share(flops, True), "fp8 amp_fx": _share(flops, False),
-                         "low torchao": _share(ref_flops, True), "fp8 torchao": _share(ref_flops, False),
-                         "kept out (why)": "; ".join(kept) or "-"})
-    print(tabulate(rows, headers="keys"))
+        ref_flops = _torchao_flops(model, recipe, inputs, loss_fn)
+        compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+        for _ in range(2):  # compiles, and recompiles where the model's first call changes its config
+            loss_fn(compiled(**inputs)).backward()
+        with count_gemm_flops() as flops:
+            loss_fn(compiled(**inputs)).backward()
+        decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None
+                     for d in r.fp8.decisions}
+        kept = sorted({d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
+                       for d in decisions.values() if not d.converted})
+        rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
+                     "fp8": sum(d.converted for d in decisions.values()),
+                     "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
+                     "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
+                     "low autocast": _share(autocast_flops, True),
+                     "low amp_fx": _share(flops, True), "fp8 amp_fx": _share(flops, False),
+                     "low torchao": _share(ref_flops, True), "fp8 torchao": _share(ref_flops, False),
+                     "kept out (why)": "; ".join(kept + ([ref_flops] if isinstance(ref_flops, str) else []))
+                     or "-"})
+    return rows
 
 
 def main() -> None:

@@ -148,6 +148,44 @@ def test_grouped_experts_run_in_fp8_bitwise_with_torchao_per_expert_linears(reci
         (flops, ref_flops)
 
 
+@pytest.mark.slow  # 8 to 13 s on a loaded 2-core CPU: one compile
+@pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")
+def test_compare_with_fp8_runs_the_grouped_gemms_in_fp8_on_both_sides() -> None:
+    """``amp_fx.compare(..., fp8="mxfp8")`` on the grouped mixture: the eager side runs the grouped
+    GEMMs the pass converted in fp8 as the pass does, so every op (the two grouped GEMMs compared
+    as fp8), the output and every gradient agree bit for bit, and the float64 columns show fp8's
+    cost. The eager side itself (``Fp8Eager`` with the root's grouped GEMMs; the same code for
+    every recipe, the kernel the pass's), with tensorwise: bitwise with torchao converting the
+    ``nn.Linear``-per-expert twin. Before, re-running the graph failed at the grouped op (no op
+    compared) and eager ran the experts in fp32 (every gradient differed)."""
+    from amp_fx.fp8 import Fp8Config
+    from amp_fx.inspect._fp8_eager import Fp8Eager, module_stack
+
+    torch.manual_seed(0)
+    model, x = _GroupedMixture(hidden=64), torch.randn(2, 16, 32)
+    report = amp_fx.compare(model, x, dtype="bf16", fp8="mxfp8", loss_fn=loss_fn)
+    assert report.ok and report.ops and all(o.agree for o in report.ops), str(report)
+    grouped = [o for o in report.ops if "grouped_mm" in o.op]
+    assert len(grouped) == 2 and all(o.rule.startswith("fp8 mxfp8") for o in grouped), str(report)
+    assert all(o.error_vs_reference.rel > 2 ** -6 for o in grouped)  # fp8's error, not bf16's (2**-8)
+    assert sorted(g.name for g in report.grads if g.agree) == ["router.bias", "router.weight", "w_in", "w_out"]
+
+    eager, stack = copy.deepcopy(model), []
+    with module_stack(eager, stack), torch.autocast("cpu", torch.bfloat16), \
+            Fp8Eager(Fp8Config("tensorwise"), torch.bfloat16, "cpu", stack, measure=False, grouped=frozenset({""})):
+        loss = loss_fn(eager(x))
+    loss.backward()
+    ref = torchao_float8(_LinearTwin(model), "tensorwise", pad_inner_dim=True)
+    with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+        ref_loss = loss_fn(ref(x))
+    ref_loss.backward()
+    expected = {"router.weight": ref.router.weight.grad, "router.bias": ref.router.bias.grad,
+                "w_in": torch.stack([m.weight.grad for m in ref.inp]),
+                "w_out": torch.stack([m.weight.grad for m in ref.out])}
+    assert_bitwise((loss.detach(), {n: p.grad for n, p in eager.named_parameters()}), (ref_loss.detach(), expected),
+                   "eager fp8 with grouped GEMMs vs torchao's twin")
+
+
 # --- transformers' mixture-of-experts models ---------------------------------------------------------
 
 U_E4M3, U_E5M2 = 2.0**-4, 2.0**-3  # unit roundoffs: 3 and 2 mantissa bits

@@ -14,6 +14,12 @@ bit for bit), with module hooks still firing.
 Each converted call is recorded (:class:`Fp8Call`): its module, shape, FLOPs and the error fp8
 adds to the forward GEMM: ``||fp8 - hp|| / ||hp||`` with ``hp`` the same product of the same
 (autocast-dtype) input and fp32 weight in fp32.
+
+Grouped expert GEMMs (``torch._grouped_mm``, which ``F.grouped_mm`` calls, and transformers'
+``grouped_mm_fallback``: :data:`~amp_fx.policy.GROUPED_MM_OPS`) run in fp8 only inside the modules
+named in ``grouped`` (for :func:`amp_fx.compare`: the modules whose grouped GEMMs the pass
+converted, read from its decisions), as the pass rewrites them (:func:`grouped_gemm`); they are
+not recorded in ``calls``.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amp_fx.fp8 import Fp8Config
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect._probe import module_hooks
+from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import fp8_matmul
-from amp_fx.policy import ModuleSelector, module_matches
+from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
+from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 
 __all__: list[str] = []
 
@@ -100,10 +108,48 @@ def _as_kn(op: str, w: torch.Tensor) -> torch.Tensor:
     return w.t() if op == "aten.linear" else w
 
 
+def _grouped_name(func: Any) -> str | None:
+    """The :data:`~amp_fx.policy.GROUPED_MM_OPS` name of a grouped expert GEMM called as a torch
+    function (``torch._grouped_mm``, ``torch.ops.transformers.grouped_mm_fallback``) or captured as
+    an ATen op overload; None for anything else."""
+    if func is torch._grouped_mm:
+        return "aten::_grouped_mm"
+    name = getattr(func, "_qualified_op_name", None)  # an OpOverloadPacket
+    if name is None and isinstance(func, torch._ops.OpOverload):
+        name = func.name()
+    return name if name in GROUPED_MM_OPS else None
+
+
+def _grouped_operands(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """(x, w, offs) of ``grouped_mm(x, w, offs)``, offsets given, no bias or out_dtype; else None."""
+    named = dict(zip(("x", "w", "offs"), args), **{k: v for k, v in kwargs.items() if k == "offs"})
+    extra = [a for a in (*args[3:], *(v for k, v in kwargs.items() if k != "offs")) if a is not None]
+    if extra or named.get("offs") is None or "w" not in named:
+        return None
+    return named["x"], named["w"], named["offs"]
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype,
+                 device_type: str) -> torch.Tensor:
+    """A grouped expert GEMM as the pass rewrites it: ``x`` in the autocast dtype, autocast off,
+    then :func:`~amp_fx.kernels.mxfp8_matmul.mxfp8_grouped_mm` (which scales the bf16 casts of
+    both operands) or :func:`~amp_fx.kernels.fp8_grouped_mm.fp8_grouped_mm` on the fp32 weight."""
+    with torch.autocast(device_type, enabled=False):
+        x_low = x.to(dtype)
+        if recipe is Fp8Recipe.MXFP8:
+            return mxfp8_grouped_mm(x_low, w, offs)
+        return fp8_grouped_mm(x_low, w, offs, recipe)
+
+
 def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: Fp8Config, dtype: torch.dtype,
              device_type: str) -> torch.Tensor:
-    """A captured ATen matmul (``aten.linear``, ``aten.addmm``, ``aten.mm``, ``aten.matmul``) that
-    the pass converted, computed as the pass rewrote it, on its original (uncast) operands."""
+    """A captured ATen matmul (``aten.linear``, ``aten.addmm``, ``aten.mm``, ``aten.matmul``) or
+    grouped expert GEMM (``aten._grouped_mm``, ``transformers.grouped_mm_fallback``) that the pass
+    converted, computed as the pass rewrote it, on its original (uncast) operands."""
+    if _grouped_name(target) is not None:
+        operands = _grouped_operands(args, kwargs)
+        assert operands is not None, f"the pass converted {target} with operands it does not take"
+        return grouped_gemm(*operands, config.recipe, dtype, device_type)
     op = f"aten.{target._overloadpacket.__name__}"
     x, w, bias = _operands(op, args, kwargs)
     out, _ = _gemm(x, _as_kn(op, w), config.recipe, dtype, device_type)
@@ -122,11 +168,12 @@ class Fp8Eager(TorchFunctionMode):
     """Run the matmuls the fp8 pass converts in fp8 (module doc). ``stack`` is the running module
     path, innermost last (the caller's module hooks keep it); ``keep`` the modules kept out of fp8
     (names, or types with ``root``, the model the paths are under, as ``Policy.keep_out_of_fp8``
-    selects them). ``calls`` lists what ran in fp8."""
+    selects them). ``calls`` lists the matmuls that ran in fp8. ``grouped``: the module paths whose
+    grouped expert GEMMs run in fp8 (module doc)."""
 
     def __init__(self, config: Fp8Config, dtype: torch.dtype, device_type: str, stack: list[str],
                  keep: Sequence[ModuleSelector] = (), *, measure: bool = True,
-                 root: torch.nn.Module | None = None) -> None:
+                 root: torch.nn.Module | None = None, grouped: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.recipe = config.recipe
         self.dtype = dtype
@@ -135,6 +182,7 @@ class Fp8Eager(TorchFunctionMode):
         self.keep = tuple(keep)
         self.root = root
         self.measure = measure
+        self.grouped = grouped
         self.calls: list[Fp8Call] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -144,7 +192,19 @@ class Fp8Eager(TorchFunctionMode):
             match = self._match(op, args, kwargs)
             if match is not None:
                 return self._run(op, *match)
+        elif self.grouped and _grouped_name(func) is not None:
+            operands = self._match_grouped(args, kwargs)
+            if operands is not None:
+                return grouped_gemm(*operands, self.recipe, self.dtype, self.device_type)
         return func(*args, **kwargs)
+
+    def _match_grouped(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+        """(x, w, offs) of a grouped expert GEMM in a module of ``grouped``, autocast on, else None."""
+        if not torch.is_autocast_enabled(self.device_type) or torch.get_autocast_dtype(self.device_type) != self.dtype:
+            return None
+        if (self.stack[-1] if self.stack else "") not in self.grouped:
+            return None
+        return _grouped_operands(args, kwargs)
 
     def _match(self, op: str, args: Any, kwargs: dict[str, Any]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

@@ -31,8 +31,11 @@ fp8 where amp_fx put it: in (b) each matmul the fp8 pass converted runs as the p
 (``amp_fx.kernels.fp8_matmul``, torchao 0.18's float8 training numerics, bitwise with torchao's
 ``convert_to_float8_training``: tests/test_fp8.py), matched to the node that replaced it in the
 rewritten graph; end to end, the eager model runs with the same matmuls in fp8
-(:class:`~amp_fx.inspect._fp8_eager.Fp8Eager`, honouring ``Policy(keep_out_of_fp8=...)``). The float64
-reference stays float64, so its columns show what fp8 costs.
+(:class:`~amp_fx.inspect._fp8_eager.Fp8Eager`, honouring ``Policy(keep_out_of_fp8=...)``). The grouped
+expert GEMMs of mixture-of-experts layers (``torch._grouped_mm``, transformers'
+``grouped_mm_fallback``) the pass converted run in fp8 on the eager side too, in the modules where
+the pass converted them (its decisions), with the pass's grouped kernels. The float64 reference
+stays float64, so its columns show what fp8 costs.
 
 All runs use deep copies of the model and inputs; your model's parameters, buffers and RNG state
 are untouched.
@@ -478,16 +481,19 @@ def _grads_of(model: Any) -> dict[str, torch.Tensor]:
 def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype] | None,
                     grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
                     to: torch.dtype | None = None, fp8: Fp8Config | None = None,
-                    keep_out_of_fp8: Sequence[Any] = ()) -> tuple[Any, dict[str, torch.Tensor]]:
+                    keep_out_of_fp8: Sequence[Any] = (), grouped: frozenset[str] = frozenset()
+                    ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Eager autocast's run (``autocast`` given) or the reference's: the loss ``loss_fn`` gives is
     computed inside the autocast region, the default projection outside it. With ``fp8`` (and
-    ``autocast``), the matmuls the fp8 pass converts run in fp8 outside ``keep_out_of_fp8``."""
+    ``autocast``), the matmuls the fp8 pass converts run in fp8 outside ``keep_out_of_fp8``, and
+    the grouped expert GEMMs of the modules in ``grouped``."""
     inputs = call.copy(to=to)
     stack: list[str] = []
     root = model if isinstance(model, torch.nn.Module) else None
     fp8_mode: Any = contextlib.nullcontext()
     if fp8 is not None and autocast is not None:
-        fp8_mode = Fp8Eager(fp8, autocast[1], autocast[0], stack, keep_out_of_fp8, measure=False, root=root)
+        fp8_mode = Fp8Eager(fp8, autocast[1], autocast[0], stack, keep_out_of_fp8, measure=False, root=root,
+                            grouped=grouped)
     hooks: Any = module_stack(root, stack) if root is not None and fp8 is not None else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), hooks:
         torch.manual_seed(SEED)
@@ -574,7 +580,8 @@ def compare(
     eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
                                              autocast=(device_type, lower), grads=grads,
                                              loss_fn=loss_fn, fp8=config,
-                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8)
+                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
+                                             grouped=_fp8_grouped_modules(recs))
     try:
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):
@@ -621,6 +628,12 @@ def compare(
             did_less(("compare", "no grads", why), message)
     _explain_cross_graph_grads(report, run)
     return report
+
+
+def _fp8_grouped_modules(records: Sequence[GraphRecord]) -> frozenset[str]:
+    """The modules whose grouped expert GEMMs the fp8 pass converted."""
+    return frozenset(d.module for r in records if r.fp8 is not None for d in r.fp8.decisions
+                     if d.converted and d.op == "aten._grouped_mm")
 
 
 def _explain_cross_graph_grads(report: CompareReport, run: AmpRun) -> None:

@@ -103,11 +103,17 @@ class _TorchaoMXFP8Linear(torch.nn.Module):
     autocast dtype (torchao's MX linear takes bf16 operands, as FSDP2's bf16 parameters give them;
     its module would scale the fp32 ones under CPU autocast and multiply in fp32), autocast off
     inside as in amp_fx's graph, then the bias in the output's dtype (``MXFP8Linear.forward``).
-    The weight and bias are the linear's own parameters."""
+    The weight and bias are the linear's own parameters.
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    ``pad``: torchao asserts that M, K and N are multiples of 32; with ``pad`` the operands (the
+    input flattened to 2-D) are zero-padded to multiples of 32 first and the result sliced, the
+    reference for amp_fx's padding (a zero never raises a block's amax; ``tests/test_mxfp8.py``'s
+    kernel test checks this on one GEMM)."""
+
+    def __init__(self, linear: torch.nn.Module, pad: bool = False) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.pad = pad
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
@@ -117,22 +123,34 @@ class _TorchaoMXFP8Linear(torch.nn.Module):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
-            out = _to_mxfp8_then_scaled_mm(x.to(dtype), self.weight.to(dtype), KernelPreference.EMULATED,
-                                           ScaleCalculationMode.RCEIL)
+            a, w = x.to(dtype), self.weight.to(dtype)
+            if self.pad:
+                shape, a = a.shape, a.reshape(-1, a.shape[-1])
+                (m, k), n = a.shape, w.shape[0]
+                up = [-(-d // 32) * 32 - d for d in (m, k, n)]
+                a = torch.nn.functional.pad(a, (0, up[1], 0, up[0]))
+                w = torch.nn.functional.pad(w, (0, up[1], 0, up[2]))
+            out = _to_mxfp8_then_scaled_mm(a, w, KernelPreference.EMULATED, ScaleCalculationMode.RCEIL)
+            if self.pad:
+                out = out[:m, :n].reshape(*shape[:-1], n)
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def torchao_mxfp8(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` with every ``nn.Linear`` running torchao 0.18's emulated MXFP8 training
-    linear (:class:`_TorchaoMXFP8Linear`), under the same names: the reference for
-    ``fp8="mxfp8"``. Run it under ``torch.autocast``. (torchao's own conversion,
-    ``quantize_(model, MXFP8TrainingOpConfig)``, wraps the fp32 weight, so under CPU autocast it
-    would scale fp32 operands; and its ``F.linear`` override drops the bias.)"""
+def torchao_mxfp8(model: torch.nn.Module,
+                  module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *,
+                  pad: bool = False) -> torch.nn.Module:
+    """A copy of ``model`` with every ``nn.Linear`` (those ``module_filter_fn(module, name)``
+    accepts, if given, as torchao's conversions take it) running torchao 0.18's emulated MXFP8
+    training linear (:class:`_TorchaoMXFP8Linear`; ``pad``: on operands zero-padded to multiples
+    of 32), under the same names: the reference for ``fp8="mxfp8"``. Run it under
+    ``torch.autocast``. (torchao's own conversion, ``quantize_(model, MXFP8TrainingOpConfig)``,
+    wraps the fp32 weight, so under CPU autocast it would scale fp32 operands; and its
+    ``F.linear`` override drops the bias.)"""
     ref = copy.deepcopy(model)
     for name, module in list(ref.named_modules()):
-        if type(module) is torch.nn.Linear:
+        if type(module) is torch.nn.Linear and (module_filter_fn is None or module_filter_fn(module, name)):
             parent, _, child = name.rpartition(".")
-            setattr(ref.get_submodule(parent), child, _TorchaoMXFP8Linear(module))
+            setattr(ref.get_submodule(parent), child, _TorchaoMXFP8Linear(module, pad=pad))
     return ref
 
 

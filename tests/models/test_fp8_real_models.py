@@ -35,6 +35,7 @@ from amp_fx.testing.fp8_reference import (
     linear_twin,
     torchao_float8,
     torchao_missing,
+    torchao_mxfp8,
 )
 from amp_fx.testing.real_models import REAL_MODELS
 from tests.test_advise import _amp_fx_error
@@ -145,11 +146,8 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
 
     assert_bitwise(loss.detach(), loss_ref.detach(), f"{name} fp8={recipe}: loss")
     conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    ref_grads = {}
-    for n, p in ref.named_parameters():
-        transposed = n.rpartition(".")[0] in conv1d and n.endswith("weight")
-        ref_grads[n] = p.grad.t() if transposed and p.grad is not None else p.grad
-    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, ref_grads, f"{name} fp8={recipe}: grads")
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref),
+                   f"{name} fp8={recipe}: grads")
     assert flops.fp8_share == ref_flops.fp8_share, (flops, ref_flops)
     assert flops.unaligned == 0, flops  # every _scaled_mm as a GPU takes it (padded where needed)
 
@@ -163,6 +161,57 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
         assert as_is_flops.fp8_share <= flops.fp8_share, (as_is_flops, flops)
         if conv1d:
             assert as_is_flops.fp8_share < flops.fp8_share
+
+
+def _ref_grads(model: torch.nn.Module, ref: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The reference's gradients under the original's names and layouts: a ``Conv1D``'s twin
+    weight is the transpose of the original's."""
+    conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    grads = {}
+    for n, p in ref.named_parameters():
+        transposed = n.rpartition(".")[0] in conv1d and n.endswith("weight")
+        grads[n] = p.grad.t() if transposed and p.grad is not None else p.grad
+    return grads
+
+
+# fp8="mxfp8": ConvNeXt in the default run (the cheapest case, 23 to 32 s on a loaded 2-core CPU;
+# its 16-wide layers and 10-class head pad K, N and M to 32); the rest of the tier (all bitwise
+# here, docs/fp8.md) is models_slow: 34 to 120 s a case there.
+_MX_DEFAULT = {"hf_convnext"}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in _MX_DEFAULT else pytest.mark.models_slow)
+                                  for n in TRANSFORMERS])
+def test_mxfp8_bitwise_with_torchao_emulated_on_the_same_layers(name: str) -> None:
+    """``fp8="mxfp8"``: one forward and backward, loss and every gradient bitwise with torchao's
+    emulated MXFP8 linear (``torchao_mxfp8``: ``_to_mxfp8_then_scaled_mm(..., EMULATED, RCEIL)`` on
+    the bf16 operands, zero-padded to multiples of 32 where a size is not one, as amp_fx pads) on
+    the model's ``nn.Linear`` twin, converting exactly the layers amp_fx converted: every
+    ``nn.Linear`` of the twin (GPT-2's ``Conv1D`` included), nothing else. Mixtral's router
+    (no twin) and experts (fp32 in eager autocast) stay out, as in the float8 test above."""
+    entry = REAL_MODELS[name]
+    if entry.missing():
+        pytest.skip(entry.missing())
+    model, inputs, loss_fn = entry.build()
+    ours = copy.deepcopy(model)
+    policy = amp_fx.Policy(keep_out_of_fp8=_without_twin(model), autocast_experts=entry.policy.autocast_experts)
+    compiled = amp_fx.compile(ours, dtype="bf16", fp8="mxfp8", backend="aot_eager", strict=False, policy=policy)
+    loss = loss_fn(compiled(**inputs))
+    loss.backward()
+
+    converted = {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions
+                 if d.converted}
+    twin = linear_twin(model)
+    assert converted == {n for n, m in twin.named_modules() if isinstance(m, torch.nn.Linear)}
+    ref = torchao_mxfp8(twin, lambda m, fqn: fqn in converted, pad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss_ref = loss_fn(ref(**inputs))
+    loss_ref.backward()
+    assert_bitwise(loss.detach(), loss_ref.detach(), f"{name} fp8=mxfp8: loss")
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref),
+                   f"{name} fp8=mxfp8: grads")
 
 
 @pytest.mark.slow
@@ -264,3 +313,36 @@ def test_fp8_compare_on_real_models(name: str) -> None:
     converted = sorted({d.module for r in amp_fx.records(compiled) if r.fp8 is not None
                         for d in r.fp8.decisions if d.converted})
     assert sorted(o.module for o in report.ops if o.rule.startswith("fp8 tensorwise")) == converted and converted
+
+
+@pytest.mark.skipif(_NO_ROWWISE is not None, reason=str(_NO_ROWWISE))
+def test_bench_tier_gives_torchaos_rowwise_failure_as_a_cell() -> None:
+    """``bench/bench_fp8.py --tier``: torchao 0.18's rowwise ``Float8Linear`` fails on a
+    non-contiguous 3-D input (Mamba's ``x_proj`` gets a transposed view; its ``Float8TrainingTensor``
+    cannot clone a rowwise-scaled tensor for the reshape). ``_torchao_flops`` returns why, and the
+    table gets the row (its torchao cells ``-``) instead of the bench crashing; tensorwise counts."""
+    import importlib
+    import pathlib
+    import sys
+
+    bench = str(pathlib.Path(__file__).parents[2] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        module = importlib.import_module("bench_fp8")
+    finally:
+        sys.path.remove(bench)
+
+    class _Transposed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x.transpose(1, 2))
+
+    torch.manual_seed(0)
+    inputs, loss = {"x": torch.randn(2, 32, 32)}, (lambda out: out.float().pow(2).mean())
+    why = module._torchao_flops(_Transposed(), "rowwise", inputs, loss)
+    assert isinstance(why, str) and "axiswise scaling is not supported" in why, why
+    assert module._share(why, low=False) == "-"
+    assert module._torchao_flops(_Transposed(), "tensorwise", inputs, loss).fp8_share == 1.0
