@@ -27,38 +27,41 @@ from amp_fx.kernels import triton_unscale, unscale  # noqa: E402
 
 
 def _patch_triton_language_once_per_launch() -> None:
-    """Skip the interpreter's redundant re-patching of ``triton.language`` in helper calls.
+    """Skip the interpreter's repeated patching of ``triton.language`` inside one kernel launch.
 
-    Triton's interpreter (3.6 to 3.9) patches ``triton.language`` when a kernel launches
-    (``GridExecutor.__call__``: ``_patch_lang``, restored after the launch), and again on every
-    call of a ``@triton.jit`` helper from inside the kernel (``InterpretedFunction.__call__``),
-    where the launch's patches are already in place: ``inspect.getmembers`` over four modules
-    each time, 40 % of this worker's time (22,000 helper calls). Only those nested calls skip it,
-    and only when the helper sees the same ``triton.language`` modules as the kernel (the same
-    module globals); the launch patches as before, so what runs is what the interpreter runs.
-    If the interpreter's layout changes, nothing is patched and the worker is only slower.
+    Triton's interpreter (3.6 to 3.9) patches the ``triton.language`` modules a function sees
+    (``_patch_lang``: ``inspect.getmembers`` over four modules) when a kernel launches
+    (``GridExecutor.__call__``, restored after the launch) and again on every call of a
+    ``@triton.jit`` function from inside the kernel (``InterpretedFunction.__call__``: our helpers,
+    and ``tl.zeros``, ``tl.max``, ``tl.sum``, themselves jit functions), though those patches are
+    never undone inside the launch: from the second time on, the same modules are patched again
+    to the same values. Here a nested call patches only the modules not yet patched in this
+    launch; the launch itself patches as before, so what runs is what the interpreter runs (the
+    worker's outputs are bitwise the same). If the interpreter's layout changes, nothing is
+    patched here and the worker is only slower.
     """
     from triton.runtime import interpreter
 
-    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "GridExecutor", "_LangPatchScope")):
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "GridExecutor", "tl")):
         return
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    # per launch in progress: the kernel's globals, and whether the launch has patched yet
-    launches: list[list[Any]] = []
+    launches: list[set[int]] = []  # per launch in progress: the modules patched in it so far
 
     def launch_tracked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        launches.append([self.fn.__globals__, False])
+        launches.append(set())
         try:
             return launch(self, *args, **kwargs)
         finally:
             launches.pop()
 
     def patch_lang_unless_patched(fn: Any) -> Any:
-        if launches and launches[-1][1] and fn.__globals__ is launches[-1][0]:
+        tl = interpreter.tl
+        langs = {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        if launches and langs and langs <= launches[-1]:
             return interpreter._LangPatchScope()
         scope = patch_lang(fn)
         if launches:
-            launches[-1][1] = True
+            launches[-1] |= langs
         return scope
 
     interpreter.GridExecutor.__call__ = launch_tracked
