@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect._probe import module_hooks
-from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
+from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
@@ -120,15 +120,6 @@ def _grouped_name(func: Any) -> str | None:
     return name if name in GROUPED_MM_OPS else None
 
 
-def _grouped_operands(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
-    """(x, w, offs) of ``grouped_mm(x, w, offs)``, offsets given, no bias or out_dtype; else None."""
-    named = dict(zip(("x", "w", "offs"), args), **{k: v for k, v in kwargs.items() if k == "offs"})
-    extra = [a for a in (*args[3:], *(v for k, v in kwargs.items() if k != "offs")) if a is not None]
-    if extra or named.get("offs") is None or "w" not in named:
-        return None
-    return named["x"], named["w"], named["offs"]
-
-
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype,
                  device_type: str) -> torch.Tensor:
     """A grouped expert GEMM as the pass rewrites it: ``x`` in the autocast dtype, autocast off,
@@ -147,7 +138,7 @@ def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: F
     grouped expert GEMM (``aten._grouped_mm``, ``transformers.grouped_mm_fallback``) that the pass
     converted, computed as the pass rewrote it, on its original (uncast) operands."""
     if _grouped_name(target) is not None:
-        operands = _grouped_operands(args, kwargs)
+        operands = grouped_mm_operands(args, kwargs)
         assert operands is not None, f"the pass converted {target} with operands it does not take"
         return grouped_gemm(*operands, config.recipe, dtype, device_type)
     op = f"aten.{target._overloadpacket.__name__}"
@@ -204,7 +195,7 @@ class Fp8Eager(TorchFunctionMode):
             return None
         if (self.stack[-1] if self.stack else "") not in self.grouped:
             return None
-        return _grouped_operands(args, kwargs)
+        return grouped_mm_operands(args, kwargs)
 
     def _match(self, op: str, args: Any, kwargs: dict[str, Any]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

@@ -54,9 +54,21 @@ import torch
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, EPS, RECIPES, Cast, Fp8Operand, scaled_matmul
 
-__all__ = ["fp8_grouped_mm", "grouped_mm_flops"]
+__all__ = ["fp8_grouped_mm", "grouped_mm_flops", "grouped_mm_operands"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def grouped_mm_operands(args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """``(x, w, offs)`` of a call ``grouped_mm(x, w, offs)`` (its values, or its FX nodes): offsets
+    given, no bias or out_dtype; None for any other call (what the fp8 kernels do not take)."""
+    if len(args) < 2:
+        return None
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    extra = [a for a in (*args[3:], *(v for k, v in kwargs.items() if k != "offs")) if a is not None]
+    if offs is None or extra:
+        return None
+    return args[0], args[1], offs
 
 
 def grouped_mm_flops(m: int, k: int, n: int) -> int:

@@ -73,7 +73,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
+from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
 from amp_fx.kernels.fp8_weight import Fp8Weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
@@ -320,13 +320,12 @@ class _Rewriter:
         if node.target is not _GROUPED_MM:
             return None, (f"{node.target.name().replace('::', '.')} was not moved to the autocast dtype "
                           f"(only aten._grouped_mm on autocast-dtype operands runs in fp8)")
-        x, w = node.args[0], node.args[1]
-        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
-        extra = [a for a in (*node.args[3:], *(v for k, v in node.kwargs.items() if k != "offs")) if a is not None]
-        if _parameter(w) is None:
+        operands = grouped_mm_operands(node.args, node.kwargs)
+        if _parameter(node.args[1]) is None:
             return None, "the parameter is not the grouped GEMM's right operand"
-        if offs is None or extra:
+        if operands is None:
             return None, "a grouped GEMM without offsets, or with a bias or out_dtype"
+        x, w, offs = operands
         if _val(x).dim() != 2 or _val(w).dim() != 3:
             return None, "a grouped GEMM whose operands are not [M, K] and [E, K, N]"
         return _Match(x, None, w, None, offs), ""
