@@ -74,6 +74,13 @@ def _without_twin(model: torch.nn.Module) -> tuple[type, ...]:
                          and any(p.dim() == 2 for p in m.parameters(recurse=False))}, key=str))
 
 
+def _twin_policy(entry: Any, model: torch.nn.Module) -> amp_fx.Policy:
+    """The policy of the comparisons with torchao on the ``nn.Linear`` twin: what has no twin kept
+    out of fp8, and the experts as the tier runs them (in fp32, as in the twin, whose grouped GEMMs
+    eager autocast runs in fp32; with fp8= alone they run in fp8: tests/test_fp8_experts.py)."""
+    return amp_fx.Policy(keep_out_of_fp8=_without_twin(model), autocast_experts=entry.policy.autocast_experts)
+
+
 # The models whose tensorwise compile several tests ask different questions of: it is compiled
 # once per process (_compiled) and their cases run on one xdist worker (xdist_group, --dist loadgroup).
 _SHARED = ("hf_gpt2", "hf_llama", "hf_t5")
@@ -88,9 +95,7 @@ def _compiled_once(name: str, recipe: str) -> dict[str, Any]:
     entry = REAL_MODELS[name]
     model, inputs, loss_fn = entry.build()
     ours = copy.deepcopy(model)
-    # the experts stay in fp32 as in the twin, whose grouped GEMMs eager autocast runs in fp32 (with
-    # fp8= alone they run in fp8: tests/test_fp8_experts.py)
-    policy = amp_fx.Policy(keep_out_of_fp8=_without_twin(model), autocast_experts=entry.policy.autocast_experts)
+    policy = _twin_policy(entry, model)
     compiled = amp_fx.compile(ours, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False, policy=policy)
     with warnings.catch_warnings(record=True) as caught:  # compiles forward and backward
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
@@ -196,7 +201,7 @@ def test_mxfp8_bitwise_with_torchao_emulated_on_the_same_layers(name: str) -> No
         pytest.skip(entry.missing())
     model, inputs, loss_fn = entry.build()
     ours = copy.deepcopy(model)
-    policy = amp_fx.Policy(keep_out_of_fp8=_without_twin(model), autocast_experts=entry.policy.autocast_experts)
+    policy = _twin_policy(entry, model)
     compiled = amp_fx.compile(ours, dtype="bf16", fp8="mxfp8", backend="aot_eager", strict=False, policy=policy)
     loss = loss_fn(compiled(**inputs))
     loss.backward()
