@@ -1,4 +1,5 @@
-"""fp8 training: amp_fx's fp8 (tensorwise, rowwise) against amp_fx bf16 and torchao float8 + torch.compile.
+"""fp8 training: amp_fx's fp8 (tensorwise, rowwise) against bf16 (``torch.compile`` + autocast, amp_fx)
+and torchao float8 + torch.compile.
 
     python bench/bench_fp8.py                              # CPU smoke run: llama-like and hf-gpt2, small
     python bench/bench_fp8.py --device cuda --preset h100  # a GPU: Llama-like 2048 x 4 layers, seq 2048
@@ -85,7 +86,11 @@ class Variant:
 
 
 def variants(device: str, backend: str, recipes: list[str], with_torchao: bool) -> list[Variant]:
-    out = [Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", backend=backend), nullcontext)]
+    def bf16_autocast() -> AbstractContextManager[object]:
+        return torch.autocast(device, torch.bfloat16)
+
+    out = [Variant("torch.compile + autocast bf16", lambda m: torch.compile(m, backend=backend), bf16_autocast),
+           Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", backend=backend), nullcontext)]
     for r in recipes:
         out.append(Variant(f"amp_fx fp8 {r}", lambda m, r=r: amp_fx.compile(
             m, dtype="bf16", fp8=r, backend=backend, strict=False), nullcontext))

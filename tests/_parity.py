@@ -151,3 +151,55 @@ def assert_within_excess_precision(actual: StepResult, expected: StepResult, dty
     for n, g in expected.grads.items():
         atol = GRAD_EPS * eps * g.abs().max().item()
         torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=atol, msg=msg(f"{n}.grad"))
+
+
+# --- RNNs where eager runs cuDNN ----------------------------------------------------------------
+
+RNN_MODELS = ("lstm", "gru")
+
+
+@contextlib.contextmanager
+def eager_rnns_as_cells() -> Iterator[None]:
+    """Inside: ``nn.LSTM``/``nn.GRU`` run torch's Python decomposition of their op (the cells as
+    linears and pointwise ops) under eager autocast, instead of the C++ kernel (cuDNN on CUDA).
+
+    What amp_fx captures where eager would take cuDNN's path (``amp_fx.passes.capture.
+    _rnn_without_cudnn``), run eagerly: the bitwise reference for that capture. Unpacked
+    sequences only (the ``.input`` overloads, the zoo's)."""
+    from torch.nn.modules import rnn
+
+    class _Cells:
+        def __getattr__(self, name: str) -> object:
+            return getattr(torch._VF, name)
+
+        @staticmethod
+        def lstm(*args: object) -> object:
+            return torch.ops.aten.lstm.input.decompose(*args)
+
+        @staticmethod
+        def gru(*args: object) -> object:
+            return torch.ops.aten.gru.input.decompose(*args)
+
+    before = rnn._VF
+    rnn._VF = _Cells()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        rnn._VF = before
+
+
+def run_rnn_as_cells(name: str, dtype: torch.dtype, device: str, backend: str
+                     ) -> tuple[StepResult, StepResult, list[str]]:
+    """amp_fx (not strict: it reports the cells) and the eager reference of
+    :func:`eager_rnns_as_cells` on zoo model ``name``; with the AmpFxWarnings amp_fx gave."""
+    entry = ZOO[name]
+    model, inputs, loss_fn = entry.build()
+    model, inputs = _on(device, model, inputs)
+    reference_model = copy.deepcopy(model)
+    with eager_rnns_as_cells():
+        expected = _eager_reference(reference_model, inputs, loss_fn, dtype, device)
+    compiled = amp_fx.compile(model, dtype=dtype, backend=backend, strict=False)
+    with dynamo_config(entry), pytest.warns(amp_fx.AmpFxWarning) as said:
+        actual = step(compiled, model, inputs, loss_fn)
+    assert_every_graph_rewritten(compiled)
+    return actual, expected, [str(w.message) for w in said if issubclass(w.category, amp_fx.AmpFxWarning)]

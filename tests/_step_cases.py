@@ -134,6 +134,8 @@ def assert_steps_are_sync_free(step: Callable[..., torch.Tensor], batches: list[
     # step counters (HostSyncCounter's docstring), at most one per parameter and step.
     n_params = sum(1 for _ in step.model.parameters())
     allowed = n_params * len(batches) if step._fused else 0
-    assert syncs.in_cpu_kernels <= allowed
+    assert syncs.in_cpu_kernels <= allowed, (
+        f"{syncs.in_cpu_kernels} host reads inside ATen ops (at most {allowed} allowed): "
+        f"{sorted(set(syncs.in_kernel_names))}")
     assert sum(counters["graph_break"].values()) == breaks == 0
     assert step.graphs_compiled == graphs

@@ -30,6 +30,7 @@ from amp_fx.testing.zoo import ZOO, StepResult, ZooEntry, eager_autocast_step, s
 from tests._parity import (
     DTYPES,
     INDUCTOR_MODELS,
+    RNN_MODELS,
     SHARED_ACROSS_BREAK,
     assert_every_graph_rewritten,
     assert_within_excess_precision,
@@ -37,6 +38,7 @@ from tests._parity import (
     msg,
     reports_splits,
     run_pair,
+    run_rnn_as_cells,
     zoo_params,
 )
 
@@ -132,6 +134,24 @@ def test_rnn_skipped_by_dynamo_by_default_runs_under_eager_autocast(name: str) -
         traced = [str(n.target) for n in record.captured.graph.nodes if n.op == "call_function"]
         assert not [t for t in traced if "lstm" in t or "gru" in t or "rnn" in t], traced
     assert_bitwise(actual, expected, "amp_fx vs eager autocast")
+
+
+@pytest.mark.parametrize("name", RNN_MODELS)
+def test_rnn_where_eager_runs_cudnn_is_captured_as_cells(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where eager takes cuDNN's RNN path (CUDA), capture cannot record the C++ kernel and takes
+    torch's Python decomposition: checked here by making the CPU take that branch. The result is
+    bitwise eager autocast running the same decomposition (``eager_rnns_as_cells``), and amp_fx
+    says once that the RNN is not eager's kernel (tests/cuda/test_cuda_parity.py: the real CUDA
+    case)."""
+    import amp_fx.passes.capture
+
+    monkeypatch.setattr(amp_fx.passes.capture, "rnn_runs_cudnn", lambda device_type: True)
+    # Off: the decomposition of an LSTM whose input needs no gradient calls oneDNN's LSTM on the
+    # CPU, which has no bf16 primitive on some CPUs; CUDA never takes that branch.
+    with torch.backends.mkldnn.flags(enabled=False):
+        actual, expected, said = run_rnn_as_cells(name, torch.bfloat16, "cpu", "aot_eager")
+    assert_bitwise(actual, expected, "amp_fx vs eager autocast on the decomposed cells")
+    assert [m for m in said if "rnn (an RNN module) run on CUDA as torch's decomposition" in m], said
 
 
 # --- eager backend: bitwise -------------------------------------------------------------------

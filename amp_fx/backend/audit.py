@@ -17,6 +17,7 @@ from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
+from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
@@ -58,6 +59,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
     _report_fp8(records, policy, reporter, fp8, stacks)
     _report_experts(records, policy, reporter)
+    _report_rnn_cells(records, reporter)
     kinds = list(dict.fromkeys(whole.values()))
     unseen = (f", outside {' and '.join(kinds)}, whose ops amp_fx keeps whole and eager autocast casts: "
               f"an entry does not reach them" if kinds else "")
@@ -69,6 +71,22 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"op in the graphs captured on the first call (the model does not call "
             f"{', '.join(op_names)}{unseen}), so it changed nothing. Check the op name and overload "
             f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+
+
+def _report_rnn_cells(records: Sequence[GraphRecord], reporter: Reporter) -> None:
+    """RNN modules captured where eager runs cuDNN's fused RNN: their cells run instead
+    (``amp_fx.passes.capture._rnn_without_cudnn``), close to eager autocast but not bit for bit."""
+    rnns = [path or "<root>" for r in records for n in r.captured.graph.nodes if meta.RNN_CELLS in n.meta
+            for path, mtype in module_stack(n) if issubclass(mtype, torch.nn.RNNBase)]
+    if not rnns:
+        return
+    names = list(dict.fromkeys(rnns))
+    reporter.did_less(("rnn cells", tuple(names)), (
+        f"amp_fx: {', '.join(names)} ({'an RNN module' if len(names) == 1 else 'RNN modules'}) run on CUDA "
+        f"as torch's decomposition into cells (linears and pointwise ops, what torch.compile traces), "
+        f"not as eager's cuDNN RNN, which cannot be captured: within rounding of eager autocast, not bit "
+        f"for bit, and slower than cuDNN. To keep cuDNN, leave torch._dynamo.config.allow_rnn False (its "
+        f"default): Dynamo then runs the RNN outside the graph, under eager autocast."), stacklevel=5)
 
 
 def _kept_whole(node: torch.fx.Node) -> str | None:

@@ -136,7 +136,49 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
         table[op] = _decompose_like_autograd(op)
     if torch.ops.aten.dropout.default in table:
         table[torch.ops.aten.dropout.default] = _dropout_like_eager
+    for op in _RNN_OPS:
+        if op in table:
+            table[op] = _rnn_without_cudnn(op)
     return table
+
+
+# The RNN ops nn.RNN/LSTM/GRU call (``torch._VF``), CompositeImplicitAutograd in ATen.
+_RNN_OPS = tuple(getattr(getattr(torch.ops.aten, name), overload)
+                 for name in ("lstm", "gru", "rnn_tanh", "rnn_relu") for overload in ("input", "data"))
+
+
+def rnn_runs_cudnn(device_type: str) -> bool:
+    """Whether eager runs ``nn.LSTM``/``nn.GRU``/``nn.RNN`` on ``device_type`` through cuDNN's
+    fused RNN, which capture cannot record (see :func:`_rnn_without_cudnn`)."""
+    return device_type == "cuda" and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
+
+
+def _rnn_without_cudnn(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """An RNN op on a device where eager would take cuDNN's path: torch's Python decomposition
+    (its cells as linears and pointwise ops), the kernel ``torch.compile`` itself traces there.
+
+    The C++ kernel cannot be recorded on CUDA: it makes the weights one flat cuDNN buffer
+    (``Tensor.set_`` on their storage, ``NotImplementedError: argument of type UntypedStorage``,
+    seen on an H200), then calls ``_cudnn_rnn``. The decomposition's ops get autocast's casts like
+    any others, as under ``torch.compile`` + autocast; eager autocast's cuDNN kernel differs in
+    the last bits, and the backend says so once (``amp_fx.backend.audit``, from the nodes marked
+    ``meta.RNN_CELLS``). Elsewhere (CPU) the C++ kernel, as eager runs it.
+    """
+    cxx = _decompose_like_autograd(op)
+
+    def decomp(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args else None
+        if not (isinstance(first, torch.Tensor) and rnn_runs_cudnn(first.device.type)):
+            return cxx(*args, **kwargs)
+        graph = get_proxy_mode().tracer.graph
+        before = set(graph.nodes)
+        out = op.decompose(*args, **kwargs)
+        for node in graph.nodes:
+            if node not in before:
+                node.meta[meta.RNN_CELLS] = op.name()
+        return out
+
+    return decomp
 
 
 def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:

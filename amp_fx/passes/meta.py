@@ -50,7 +50,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED", "PARAMETER", "FP8", "FP8_OF"]
+           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -64,3 +64,6 @@ FOLDED = "amp_fx_folded"
 PARAMETER = "amp_fx_parameter"
 FP8 = "amp_fx_fp8"
 FP8_OF = "amp_fx_fp8_of"
+RNN_CELLS = "amp_fx_rnn_cells"
+"""Set (to the RNN op's name) on the nodes of an RNN op captured as torch's decomposition into
+cells, where eager would run cuDNN's RNN (``amp_fx.passes.capture._rnn_without_cudnn``)."""

@@ -35,16 +35,18 @@ class HostSyncCounter:
     (``"gloo:all_reduce"``...), for tests and benchmarks that count them per step.
 
     ``in_cpu_kernels``: reads made *inside* another ATen op's implementation, such as the CPU
-    kernel of ``_fused_adam_`` reading its own CPU step counter with ``item<float>()``. That is a
-    CPU kernel reading CPU memory, not a device synchronisation: the CUDA kernel of the same op
-    reads the step counter on the device. They are counted apart so that the distinction is
-    visible instead of hidden.
+    kernel of ``_fused_adam_`` reading its own CPU step counter with ``item<float>()``
+    (``in_kernel_names``: each read and the innermost op it was made in). That is a CPU kernel
+    reading CPU memory, not a device synchronisation: the CUDA kernel of the same op reads the
+    step counter on the device. They are counted apart so that the distinction is visible
+    instead of hidden.
     """
 
     def __init__(self) -> None:
         self.count = 0
         self.names: list[str] = []
         self.in_cpu_kernels = 0
+        self.in_kernel_names: list[str] = []  # the op each such read was made in (the innermost)
         self.collectives: Counter[str] = Counter()
         self._prof: profile | None = None
 
@@ -70,10 +72,11 @@ class HostSyncCounter:
             if start < outer_end:
                 continue
             outer_end = end
-            inside = any(k_start <= start and end <= k_end and k_thread == thread
-                         for _, k_start, k_end, k_thread in kernels)
-            if inside:
+            around = [(k_end - k_start, k_name) for k_name, k_start, k_end, k_thread in kernels
+                      if k_start <= start and end <= k_end and k_thread == thread]
+            if around:
                 self.in_cpu_kernels += 1
+                self.in_kernel_names.append(f"{name} in {min(around)[1]}")
             else:
                 self.count += 1
                 self.names.append(name)
