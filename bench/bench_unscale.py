@@ -2,6 +2,14 @@
 
     python bench/bench_unscale.py                 # CPU: 64 fp32 gradients of 1M elements (256 MiB)
     python bench/bench_unscale.py --device cuda   # GPU: 64 fp32 gradients of 4M elements (256M, 1 GiB)
+    python bench/bench_unscale.py --device cuda --sweep   # the Triton kernel's tile, chunk and warps
+
+``--sweep`` (CUDA): the Triton kernel alone (its chunk table built before timing) for each tile
+size, chunk and warp count, against the device-to-device copy, interleaved; and the launcher's
+host time per call (``launch_unscale_check``: the Python that builds or finds the chunk table,
+timed without a device sync). The first H200 run (bench/results/2026-11-27-h200) put amp_fx's
+unscale+check at 0.59 of the copy where torch's own kernel reaches 0.81: the sweep tells the
+kernel's share from the launcher's.
 
 Every method runs once per repetition, in turn, on the same gradients, so machine noise hits
 them alike. Each ratio is taken per repetition between methods that ran back to back, and the
@@ -87,9 +95,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--min-reps", type=int, default=14)
     parser.add_argument("--max-reps", type=int, default=63)
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA: time the Triton kernel per tile, chunk and warp count, and the "
+                             "launcher's host time")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_unscale: --device cuda, but torch.cuda.is_available() is False")
+    if args.sweep:
+        from amp_fx.kernels import triton_unscale
+
+        if args.device != "cuda" and not triton_unscale.is_interpreted():
+            raise SystemExit("bench_unscale: --sweep tunes the CUDA kernel: pass --device cuda (on a CPU, only "
+                             "under TRITON_INTERPRET=1, with small --tensors and --numel, to check the script)")
+        _sweep(torch.device(args.device), args.tensors, args.numel or 1 << 22, args.warmup, args.max_reps)
+        return
     device = torch.device(args.device)
     numel = args.numel or (1 << 22 if device.type == "cuda" else 1 << 20)
     targets = _TARGETS[device.type]
@@ -181,6 +200,68 @@ def main() -> None:
     print(f"unscale+check+norm {_fmt(r['norm speedup'])}x torch unscale_ + clip_grad_norm_ "
           f"(target >= {targets['norm_speedup']}x): "
           f"{verdict(speedup >= targets['norm_speedup'], judged[1])}")
+
+
+_SWEEP = [(block, chunk, warps) for chunk in (16384, 65536) for block in (1024, 2048, 4096) for warps in (4, 8, 16)]
+
+
+def _sweep(device: torch.device, tensors: int, numel: int, warmup: int, reps: int) -> None:
+    from amp_fx.kernels import triton_unscale as tu
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    torch.manual_seed(0)
+    grads = [torch.randn(numel, device=device) for _ in range(tensors)]
+    found_inf = torch.zeros((), device=device)
+    inv = {0: torch.tensor(0.5, device=device), 1: torch.tensor(2.0, device=device)}
+    src = torch.randn(tensors * numel, device=device)
+    dst = torch.empty_like(src)
+    owners = list(range(tensors))
+    timed = _timer(device)
+
+    def kernel(block: int, chunk: int, warps: int) -> Callable[[torch.Tensor], object]:
+        table = tu._chunk_table(grads, owners, chunk, device)
+        span = tu._span(grads, block, chunk)
+
+        def run(s: torch.Tensor) -> None:
+            tu._unscale_check_kernel[(table.shape[0],)](
+                table, found_inf, s, found_inf, found_inf, ELEM=tu._TORCH_TO_TL[torch.float32], BLOCK=block,
+                SPAN=span, COMPUTE_NORM=False, ALIGNED=True, HAS_FLAGS=False, num_warps=warps)
+        return run
+
+    methods: dict[str, Callable[[torch.Tensor], object]] = {"device-to-device copy": lambda s: dst.copy_(src)}
+    for block, chunk, warps in _SWEEP:
+        methods[f"kernel block {block}, chunk {chunk}, {warps} warps"] = kernel(block, chunk, warps)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for rep in range(warmup + reps):
+        for name, fn in methods.items():
+            t = timed(lambda: fn(inv[rep % 2]))
+            if rep >= warmup:
+                times[name].append(t)
+    copy = times["device-to-device copy"]
+    rows = [[name, f"{statistics.median(ts) * 1e3:.3f}", _fmt([c / t for c, t in zip(copy, ts)])]
+            for name, ts in times.items()]
+    host = []
+    for rep in range(warmup + reps):  # the launcher as the step calls it: host time, no sync
+        sync()
+        start = time.perf_counter()
+        tu.launch_unscale_check(grads, found_inf, inv[rep % 2], compute_norm=False)
+        if rep >= warmup:
+            host.append(time.perf_counter() - start)
+    sync()
+    assert found_inf.item() == 0.0, "randn gradients must not be flagged"
+    print(*machine_lines(), sep="\n")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    print(f"device: {name}, CUDA {torch.version.cuda}; {tensors} fp32 gradients x "
+          f"{numel} elements, {reps} repetitions (interleaved) after {warmup} warm-up; defaults: block "
+          f"{tu.BLOCK}, chunk {tu.CHUNK}, {tu.NUM_WARPS} warps")
+    print(tabulate(rows, headers=["Triton kernel alone", "median ms", "x device-to-device copy: median (p10-p90)"],
+                   tablefmt="github"))
+    mid, lo, hi = _spread([h * 1e6 for h in host])
+    print(f"launch_unscale_check host time per call (table found in the cache, no sync): {mid:.0f} us "
+          f"(p10 {lo:.0f}, p90 {hi:.0f})")
 
 
 if __name__ == "__main__":
