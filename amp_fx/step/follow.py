@@ -69,8 +69,9 @@ class OptimizerFollower:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, report: Reporter, *,
-                 fused: bool, fsdp2: bool) -> None:
+                 fused: bool, fsdp2: bool, own_step: str | None = None) -> None:
         self.model = model
+        self.own_step = own_step  # compile_step's train_state, whose Adam step replaces the optimizer's
         self.optimizer = optimizer
         self.report = report
         self.fused = fused
@@ -125,6 +126,9 @@ class OptimizerFollower:
                     self.expect_recompile = True
                 elif not self.eager_optimizer:
                     self.eager_optimizer = True
+                    # A fused=True optimizer keeps its step out of the graph, but train_state's step
+                    # replaces the optimizer's, fused or not: only a constant value helps then.
+                    fused_hint = ("" if self.own_step is not None else " or use a fused=True optimizer")
                     self.report.did_less(
                         "hyperparameter changed",
                         f"amp_fx.compile_step: param_groups[{i}][{key!r}] changed between steps "
@@ -132,8 +136,8 @@ class OptimizerFollower:
                         f"cycle_momentum); the compiled graph would recompile for every value, so the "
                         f"{type(self.optimizer).__name__} step now runs eagerly (masked by the scaler: "
                         "no host sync, bitwise the eager recipe). To keep it compiled, keep "
-                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)) or use a "
-                        "fused=True optimizer.", stacklevel=5)
+                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)){fused_hint}.",
+                        stacklevel=5)
 
     @contextlib.contextmanager
     def lrs_as_tensors(self) -> Iterator[None]:
