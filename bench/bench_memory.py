@@ -330,11 +330,17 @@ def main() -> None:
         return
     from amp_fx.testing.distributed import run_ranks
 
-    names = [r.name for r in selected]
+    # compile_step refuses train_state on DDP and FSDP2 models (it warns and keeps fp32 state), so
+    # those rows would measure fp32 runs under a train_state name
+    names = [r.name for r in selected if r.train_state is None]
+    left_out = [r.name for r in selected if r.train_state is not None]
     dist = run_ranks(_dist_rank, names, dims, args.dist_backend, args.warmup, backend=COUNTING_BACKEND)
     print(f"\nsent per step, rank 0 (2 gloo ranks, backend {args.dist_backend}; "
           "B/param: per parameter of the whole model)")
     print(tabulate(_dist_rows(dist), headers="keys", disable_numparse=True, tablefmt="github"))
+    if left_out:
+        print(f"- left out: {', '.join(left_out)} (train_state is for a model that is not wrapped: "
+              "compile_step keeps a DDP or FSDP2 model's state in fp32 and says so)")
     notes = {f"{key}: {w}" for key, r in dist[0].items() for w in r.get("warnings", [])}
     for note in sorted(notes):
         print(f"- {note}")
