@@ -51,7 +51,7 @@ import torch
 from amp_fx._common.report import Reporter
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import E4M3, scale_from_amax
-from amp_fx.kernels.fp8_weight import EAGER_READS, Fp8Weight
+from amp_fx.kernels.fp8_weight import EagerReads, Fp8Weight
 from amp_fx.policy import Policy, module_matches
 
 if TYPE_CHECKING:
@@ -109,22 +109,24 @@ def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], met
     if out is not None:
         out._scale = scale  # type: ignore[attr-defined]
         return None
-    return Fp8Weight(data, scale, param_dtype), (data,)
+    return Fp8Weight(data, scale, param_dtype, shard._amp_fx_fp8_reads), (data,)  # type: ignore[attr-defined]
 
 
 class GatheredFp8Weights:
     """The FSDP2 parameters whose shards are cast to fp8 before the all-gather (``names``: their
-    names in the model), and their scales."""
+    names in the model), their scales, and the eager reads of their gathered weights (their own
+    record: another model's ``check`` neither sees nor clears them)."""
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         self.params = list(params)
         self.names = list(names)
+        self._reads = EagerReads()
         for p in self.params:
             local = p._local_tensor  # type: ignore[attr-defined]
             local._amp_fx_fp8_scale = torch.ones((), dtype=torch.float32, device=local.device)
+            local._amp_fx_fp8_reads = self._reads.id
             local.fsdp_pre_all_gather = _Extension(local, post=False)
             local.fsdp_post_all_gather = _Extension(local, post=True)
-        EAGER_READS.clear()
 
     def precompute_scales(self) -> None:
         precompute_scales(self.params)
@@ -134,8 +136,7 @@ class GatheredFp8Weights:
         use that did not (the weight read elsewhere, or by a matmul kept in ``dtype``) computed
         with the fp8 weight's ``data / scale``, not the fp32 weight: said once, with the fix."""
         reads = [r for record in records if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
-        reads += [f"a weight by {op} outside any compiled graph" for op in dict.fromkeys(EAGER_READS)]
-        EAGER_READS.clear()
+        reads += [f"a weight by {op} outside any compiled graph" for op in self._reads.take()]
         if reads:
             reporter.did_less("fp8_all_gather:read_elsewhere", (
                 f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "

@@ -11,12 +11,14 @@ instead; amp_fx gathers in fp8 only the weights its fp8 pass converts).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["EAGER_READS", "Fp8Weight"]
+__all__ = ["EagerReads", "Fp8Weight"]
 
 aten = torch.ops.aten
 
@@ -26,38 +28,68 @@ _VIEWS = {aten.t.default, aten.view.default, aten.as_strided.default, aten.detac
           aten.alias.default, aten.transpose.int}
 
 
-EAGER_READS: list[str] = []
-"""The ops that read an :class:`Fp8Weight` as ``data / scale`` outside any trace (eager code: a
-frame Dynamo skipped, or code after a graph break), the first few; read and cleared by
-:meth:`amp_fx._dist.fp8_gather.GatheredFp8Weights.check`."""
+class EagerReads:
+    """The ops that read an :class:`Fp8Weight` as ``data / scale`` outside any trace (eager code: a
+    frame Dynamo skipped, or code after a graph break), the first few, for the weights of one owner
+    (one model's :class:`amp_fx._dist.fp8_gather.GatheredFp8Weights`, which reads and clears them
+    in its ``check``): two fp8-gathered models in one process each see their own reads.
+
+    Each weight holds its owner's ``id``, an int, not the record: views keep it, and it is the
+    weight's flatten context beside its dtype, which Dynamo deep-copies and compares with ``==`` in
+    its guards (an object compared by identity never equals its copy: checked, Dynamo 2.13 then
+    fails the guard on the frame that created it; a list of reads would change as reads come in).
+    The record is found by ``id`` in a weak dictionary: once its owner is gone, reads are recorded
+    nowhere."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self) -> None:
+        self.id = next(EagerReads._ids)
+        self._ops: list[str] = []
+        _OWNERS[self.id] = self
+
+    def add(self, op: str) -> None:
+        if len(self._ops) < 8:
+            self._ops.append(op)
+
+    def take(self) -> list[str]:
+        """The ops read since the last ``take``, each once, in order; cleared."""
+        ops = list(dict.fromkeys(self._ops))
+        self._ops.clear()
+        return ops
+
+
+_OWNERS: weakref.WeakValueDictionary[int, EagerReads] = weakref.WeakValueDictionary()
 
 
 class Fp8Weight(torch.Tensor):
     """A gathered weight, fp32 to autograd and FSDP2, held as e4m3 ``data`` and its fp32 ``scale``
     (``data = saturate(w * scale)``, tensorwise). The fp8 matmul reads ``data`` and ``scale``
     directly; any other op sees ``data / scale`` (torchao's ``Float8TrainingTensor`` raises
-    instead: amp_fx gathers in fp8 only the weights whose every use is an fp8 matmul)."""
+    instead: amp_fx gathers in fp8 only the weights whose every use is an fp8 matmul). ``reads``:
+    the ``id`` of the :class:`EagerReads` that records its eager reads (0: none records them)."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reads: int = 0) -> Fp8Weight:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             layout=data.layout, device=data.device, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reads: int = 0) -> None:
         self._data = data
         self._scale = scale
+        self._reads = reads
 
     def __repr__(self) -> str:
         return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data", "_scale"], self.dtype
+        return ["_data", "_scale"], (self.dtype, self._reads)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any,
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[torch.dtype, int], outer_size: Any,
                              outer_stride: Any) -> Fp8Weight:
-        return Fp8Weight(inner["_data"], inner["_scale"], dtype)
+        return Fp8Weight(inner["_data"], inner["_scale"], *meta)
 
     def dequantized(self) -> torch.Tensor:
         return self._data.to(self.dtype) / self._scale
@@ -67,7 +99,7 @@ class Fp8Weight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _VIEWS and isinstance(args[0], Fp8Weight):
             w = args[0]
-            return Fp8Weight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
+            return Fp8Weight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._reads)
         return _dequantized_call(func, args, kwargs)
 
 
@@ -77,8 +109,10 @@ def _dequantized_call(func: Any, args: Any, kwargs: Any) -> Any:
     frame Dynamo skipped or resumed after a graph break) still has Dynamo's frame callback set,
     which would compile the dequantization's Python frames as graphs of their own (checked: its
     result was then a FakeTensor)."""
-    if len(EAGER_READS) < 8 and any(type(w) is Fp8Weight and type(w._data) is torch.Tensor
-                                    for w in pytree.tree_leaves((args, kwargs))):
-        EAGER_READS.append(str(func))  # a real tensor inside: not a fake or functional trace
+    owners = {w._reads for w in pytree.tree_leaves((args, kwargs))
+              if type(w) is Fp8Weight and type(w._data) is torch.Tensor}  # real: not a fake or functional trace
+    for owner in owners:
+        if (reads := _OWNERS.get(owner)) is not None:
+            reads.add(str(func))
     args, kwargs = pytree.tree_map_only(Fp8Weight, lambda w: w.dequantized(), (args, kwargs))
     return func(*args, **kwargs)
