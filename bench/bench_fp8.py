@@ -18,7 +18,8 @@ Per model and variant, on one device and one downstream backend (inductor by def
   gradients flattened together.
 * **loss after N**: the training loss at the last of ``--steps`` AdamW steps (lr 1e-3) on a fixed
   stream of random token batches (the same for every variant).
-* **tokens/s** (median step time after 3 warm-up steps) and **peak memory**
+* **tokens/s** (median step time after 3 warm-up steps; its spread: the slowest and fastest timed
+  step) and **peak memory**
   (``torch.cuda.max_memory_allocated`` over the timed steps) on CUDA only. On a CPU, fp8 GEMMs run
   as ``_scaled_mm``'s reference kernel (it converts to fp32 and calls ``mm``): its time says nothing
   about a GPU's fp8 tensor cores, so the CPU table leaves both columns out.
@@ -172,6 +173,8 @@ def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[T
     if device == "cuda":
         tokens = dims["batch"] * dims["seq"]
         row["tokens/s"] = f"{tokens / statistics.median(times):,.0f}" if times else "-"
+        # the spread of the timed steps: tokens/s of the slowest and of the fastest
+        row["tokens/s min-max"] = f"{tokens / max(times):,.0f}-{tokens / min(times):,.0f}" if times else "-"
         row["peak GiB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"
     return row
 
