@@ -168,6 +168,10 @@ def fsdp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
         model = make_model()
         for layer in model.layers:
             fully_shard(layer)
+        # head and aux, the root's own, run in its frame, which Dynamo skips (the loop over the
+        # sharded layers breaks its graph): sharded too, they are compiled (and watched) as units
+        fully_shard(model.head)
+        fully_shard(model.aux)
         fully_shard(model)
         compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
         scaler = make_scaler()
