@@ -18,7 +18,14 @@ from amp_fx._common.downstream import Backend
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
-from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, root_linears, unit_call
+from amp_fx._dist.capture import (
+    FSDP1_ALTERNATIVE,
+    distributed_units,
+    is_fsdp1,
+    root_linears,
+    root_state_modules,
+    unit_call,
+)
 from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.call import amp_call, checked_units
@@ -59,7 +66,7 @@ class AmpCompiledModule(torch.nn.Module):
             amp_call(module, backend) if units is None
             else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False),
                                           backend.dtype, gathered=gathered), module, backend,
-                               gathered=gathered))
+                               gathered=gathered, root_own=root_state_modules(module, units)))
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:

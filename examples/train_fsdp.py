@@ -4,8 +4,8 @@
                                                          [--compile-step]
     torchrun --nnodes N --node-rank I --master-addr HOST --nproc-per-node G examples/train_fsdp.py
 
-The same script runs on CPUs (gloo) and on GPUs (nccl, one GPU per process). Every block and the
-root are sharded with ``fully_shard``; amp_fx compiles each sharded block's forward and leaves
+The same script runs on CPUs (gloo) and on GPUs (nccl, one GPU per process). Every layer and the
+root are sharded with ``fully_shard``; amp_fx compiles each sharded layer's forward and leaves
 FSDP2's all-gather/reduce-scatter hooks to FSDP2. Gradients are DTensor shards, so
 ``amp_fx.GradScaler`` all-reduces its inf/NaN flag (one collective per step, on the device):
 with ``--inf-at K`` an inf is written into one gradient element of rank 0's shard only after
@@ -69,9 +69,11 @@ def main() -> None:
                               reduce_dtype=torch.float32)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), Block(64), Block(64), nn.Linear(64, 8)).to(device)
-    for block in model:
-        if isinstance(block, Block):
-            fully_shard(block, mp_policy=mp)
+    # Every layer, the first and last Linear included: nn.Sequential's loop over the sharded layers
+    # makes Dynamo skip the root's frame, so a layer left to the root would run as eager autocast
+    # (amp_fx says so once, naming it; docs/distributed.md).
+    for layer in model:
+        fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     backend = args.compile_backend or ("inductor" if cuda else "aot_eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -546,6 +546,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     results["fsdp1"] = fsdp1_reports(rank, world_size)
     results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
     results["precision_report"] = fsdp_precision_reports()
+    results["root_frame"] = root_frame_reports()
     torch._dynamo.reset()
     results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's
@@ -606,6 +607,90 @@ def fsdp1_reports(rank: int, world_size: int) -> dict[str, Any]:
         out["step"] = ""
     except NotImplementedError as e:
         out["step"] = str(e)
+    return out
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class LoopRoot(nn.Module):
+    """An FSDP2 root with modules of its own around a loop over its sharded blocks: the graph
+    break at each block's call falls inside the loop, so Dynamo skips the whole frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class MethodRoot(LoopRoot):
+    """The fix the report names: the loop in a method of its own (only its frame is skipped)."""
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.run_blocks(self.inp(x)))
+
+
+def root_frame_reports() -> dict[str, Any]:
+    """amp_fx.compile of FSDP2 roots whose own modules (``inp``, ``norm``) run around the sharded
+    blocks. ``LoopRoot`` loops over them, so Dynamo skips its frame: strict mode raises after the
+    first call, which ran the blocks' graphs; the same compiled model, its reporter then made
+    lenient, warns once over two calls, and its output is eager FSDP2 + autocast's, bit for bit.
+    Not reported, in strict mode: the fixes the report names, ``MethodRoot`` (its frame is
+    captured: ``keep_fp32=("norm",)`` then applies) and ``LoopRoot`` with ``inp`` and ``norm``
+    sharded too."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(cls: type[nn.Module], own_units: bool = False) -> nn.Module:
+        torch.manual_seed(0)
+        model = cls()
+        for block in model.blocks:
+            fully_shard(block)
+        if own_units:
+            fully_shard(model.inp)
+            fully_shard(model.norm)
+        return fully_shard(model)
+
+    def strict_run(model: nn.Module, **kwargs: Any) -> tuple[str, Any, Any]:
+        """The strict error of the first call ("" for none), the compiled model, the output."""
+        torch._dynamo.reset()
+        compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=True, **kwargs)
+        try:
+            return "", compiled, compiled(x)
+        except amp_fx.AmpFxError as e:
+            return str(e), compiled, None
+
+    out: dict[str, Any] = {}
+    x = torch.randn(4, 8)
+    out["loop_strict"], compiled, _ = strict_run(sharded(LoopRoot))
+    compiled._amp_fx_backend.reporter.strict = False  # the same graphs, the report as a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["loop_out"] = compiled(x).detach()
+        compiled(x)
+    out["loop_warnings"] = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out["eager_out"] = sharded(LoopRoot)(x).detach()
+    out["method_strict"], _, kept = strict_run(sharded(MethodRoot), policy=amp_fx.Policy(keep_fp32=("norm",)))
+    out["method_kept_dtype"] = None if kept is None else kept.dtype
+    out["own_units_strict"] = strict_run(sharded(LoopRoot, own_units=True))[0]
     return out
 
 

@@ -261,6 +261,26 @@ def test_precision_report_fsdp2_dtypes_are_what_fsdp2_sends(ranks, case):
                 assert "to every fully_shard call, the root's included" in message
 
 
+def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
+    """A root that loops over its sharded blocks: the graph break at each block's call makes Dynamo
+    skip the root's frame, so its own modules (inp, norm) run as eager autocast, outside the
+    Policy. amp_fx warns once over two calls, naming them and both fixes (strict: raises); the
+    output is eager FSDP2 + autocast's, bit for bit. The fixes are not reported, and the first
+    (the loop in a method: the root's frame is captured) reaches the Policy (keep_fp32 on norm: an
+    fp32 output)."""
+    for rank, res in enumerate(ranks):
+        got = res["root_frame"]
+        assert len(got["loop_warnings"]) == 1, got["loop_warnings"]
+        for message in (got["loop_warnings"][0], got["loop_strict"]):
+            assert "amp_fx.compile(LoopRoot) under FSDP2" in message
+            assert "ran no op of inp, norm," in message
+            assert "eager autocast" in message and "Policy" in message
+            assert "def run_blocks(self, x)" in message and "fully_shard those modules too" in message
+        assert_bitwise(got["loop_out"], got["eager_out"], f"rank {rank} LoopRoot output")
+        assert got["method_strict"] == "" and got["method_kept_dtype"] == torch.float32
+        assert got["own_units_strict"] == ""
+
+
 def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
     """FullyShardedDataParallel (FSDP1): amp_fx.compile(FSDP1(m)) warns at once (and
     strict mode raises), then runs as eager FSDP1 + autocast (bitwise that reference);

@@ -166,6 +166,8 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     "docs/distributed.md": {
         'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(
             "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"),
+        "class Model(nn.Module):": NotRun(
+            "a fragment (no blocks or embed): tests/_dist_cases.py's MethodRoot runs it under FSDP2"),
     },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),

@@ -35,7 +35,8 @@ import torch
 
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "root_linears", "unit_call"]
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "root_linears",
+           "root_state_modules", "unit_call", "unsharded_class_name"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -113,6 +114,52 @@ def root_linears(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[
 
     walk(module)
     return list(found.values())
+
+
+def root_state_modules(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[str]:
+    """The names under the root of the FSDP2 root's own modules that hold parameters or buffers
+    (outside every other unit; ``""``: the root itself), for models whose root has sharded
+    submodules; empty otherwise (DDP, a root that is the only unit).
+
+    Their ops run in the root's frame, or in the frame of a module between the root and the
+    units. That frame calls the sharded units, and Dynamo breaks its graph at each call (FSDP2's
+    hooks); a break inside a loop (``for block in self.blocks``, ``nn.Sequential``) makes Dynamo
+    skip the whole frame, and the ops run as eager autocast, outside every graph amp_fx sees.
+    A module here that no op of the first call's graphs ran inside is reported
+    (``amp_fx.backend.audit.report_root_outside_graphs``). Holding state is what says the module
+    computes something when called (a ReLU or Dropout of an ``nn.Sequential`` root may run no op
+    amp_fx would change).
+    """
+    if len(units) < 2 or units[0] is not module:
+        return []
+    others = {id(u) for u in units[1:]}
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def owns_state(m: torch.nn.Module) -> bool:
+        return any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))
+
+    def walk(m: torch.nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            if id(child) in others or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if owns_state(child):
+                found.append(prefix + name)
+            walk(child, f"{prefix}{name}.")
+
+    if owns_state(module):
+        found.append("")
+    walk(module, "")
+    return found
+
+
+def unsharded_class_name(module: torch.nn.Module) -> str:
+    """The name of the module's own class: ``fully_shard`` swaps it for ``FSDP<name>``."""
+    fsdp = _fsdp_module_type()
+    if fsdp is None or not isinstance(module, fsdp):
+        return type(module).__name__
+    return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, fsdp))
 
 
 def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import torch
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import Reporter
-from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1
+from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1, unsharded_class_name
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
@@ -22,7 +22,8 @@ from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "report_unused_policy", "wrapper_fix"]
+__all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "report_root_outside_graphs",
+           "report_unused_policy", "wrapper_fix"]
 
 
 def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
@@ -208,6 +209,34 @@ def report_no_graph(reporter: Reporter, target: object) -> None:
     reporter.did_less(("no_graph",), (
         f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
         f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
+
+
+def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str],
+                               reporter: Reporter) -> None:
+    """Report the FSDP2 root's own modules (``own``: :func:`amp_fx._dist.capture.root_state_modules`)
+    that no op of the graphs captured so far ran inside: Dynamo skipped the frame that runs them
+    (a graph break inside the loop over the sharded blocks), so they ran as eager autocast, where
+    the Policy does not reach. Called after the first call that ran graphs."""
+    nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
+    stacks = [module_stack(n) for n in nodes]
+    inside = {path for stack in stacks for path, _ in stack}
+    missing = [name for name in own if (name not in inside if name else all(stacks))]
+    if not missing:
+        return
+    shown = ", ".join(name or "<root> (its own parameters and buffers)" for name in missing[:6]) + (
+        f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    reporter.did_less(("fsdp2_root_frame",), (
+        f"amp_fx.compile({unsharded_class_name(root)}) under FSDP2: the first call's captured graphs ran no op of "
+        f"{shown}, of the root outside its fully_shard-ed units. The root's forward calls those units, each call "
+        f"breaks Dynamo's graph (FSDP2's hooks are not traced), and a break inside a loop (for block in "
+        f"self.blocks, nn.Sequential) makes Dynamo skip the whole frame: the root's frame (or that of the module "
+        f"between the root and the units that loops over them) ran without a graph. Those ops ran as eager "
+        f"autocast: their values are eager autocast's, but amp_fx's Policy (keep_fp32, op_classes) does not apply "
+        f"to them and fp8 does not reach them. Fix: move the loop over the units into a method of its own "
+        f"(def run_blocks(self, x): for block in self.blocks: x = block(x); return x), so that Dynamo skips only "
+        f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
+        f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
+        f"as a unit of its own."), stacklevel=5)
 
 
 def wrapper_fix(target: object) -> str | None:

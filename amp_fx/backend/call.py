@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
-from amp_fx.backend.audit import report_no_graph, report_unused_policy
+from amp_fx.backend.audit import report_no_graph, report_root_outside_graphs, report_unused_policy
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.errors import AmpFxError
 from amp_fx.passes.capture import is_cacheable_leaf
@@ -187,16 +187,20 @@ def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensor
 
 
 def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend, *,
-                  gathered: GatheredFp8Weights | None = None) -> Callable[..., Any]:
+                  gathered: GatheredFp8Weights | None = None, root_own: Sequence[str] = ()) -> Callable[..., Any]:
     """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
     of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
-    fp8 matmuls of the first call's graphs."""
+    fp8 matmuls of the first call's graphs; ``root_own``: the FSDP2 root's own modules that hold
+    state (``amp_fx._dist.capture.root_state_modules``), each reported if the first call's graphs
+    ran none of its ops (Dynamo skipped the frame that runs it)."""
     policy_checked = False
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         nonlocal policy_checked, gathered
         runs = backend.runs.count
         out = call(*args, **kwargs)
+        if root_own and not policy_checked and backend.runs.count != runs:
+            report_root_outside_graphs(backend.records, module, root_own, backend.reporter)
         policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked)
         if gathered is not None and backend.records:
             gathered.check(backend.records, backend.reporter)
