@@ -236,7 +236,8 @@ def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Mo
         f"(def run_blocks(self, x): for block in self.blocks: x = block(x); return x), so that Dynamo skips only "
         f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
         f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
-        f"as a unit of its own."), stacklevel=5)
+        f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
+        f"fully_shard it or drop it."), stacklevel=5)
 
 
 def wrapper_fix(target: object) -> str | None:
