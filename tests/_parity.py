@@ -69,14 +69,16 @@ def reports_splits(entry: ZooEntry) -> Iterator[None]:
     assert sorted(named) == sorted(entry.split_params)
 
 
-def run_pair(entry: ZooEntry, dtype: torch.dtype, *, device: str = "cpu", **compile_kwargs: object
-             ) -> tuple[StepResult, StepResult, amp_fx.AmpCompiledModule]:
+def run_pair(entry: ZooEntry, dtype: torch.dtype, *, device: str = "cpu",
+             reference: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+             **compile_kwargs: object) -> tuple[StepResult, StepResult, amp_fx.AmpCompiledModule]:
     """(amp_fx result, eager autocast result, compiled module) from identical model copies on
-    ``device``."""
+    ``device``; ``reference``: a context the eager reference runs inside."""
     model, inputs, loss_fn = entry.build()
     model, inputs = _on(device, model, inputs)
     reference_model = copy.deepcopy(model)
-    expected = _eager_reference(reference_model, inputs, loss_fn, dtype, device)
+    with reference():
+        expected = _eager_reference(reference_model, inputs, loss_fn, dtype, device)
     if entry.split_params:
         compile_kwargs = {"strict": False, **compile_kwargs}  # the report is under test
     compiled = amp_fx.compile(model, dtype=dtype, **compile_kwargs)
@@ -192,14 +194,8 @@ def run_rnn_as_cells(name: str, dtype: torch.dtype, device: str, backend: str
                      ) -> tuple[StepResult, StepResult, list[str]]:
     """amp_fx (not strict: it reports the cells) and the eager reference of
     :func:`eager_rnns_as_cells` on zoo model ``name``; with the AmpFxWarnings amp_fx gave."""
-    entry = ZOO[name]
-    model, inputs, loss_fn = entry.build()
-    model, inputs = _on(device, model, inputs)
-    reference_model = copy.deepcopy(model)
-    with eager_rnns_as_cells():
-        expected = _eager_reference(reference_model, inputs, loss_fn, dtype, device)
-    compiled = amp_fx.compile(model, dtype=dtype, backend=backend, strict=False)
-    with dynamo_config(entry), pytest.warns(amp_fx.AmpFxWarning) as said:
-        actual = step(compiled, model, inputs, loss_fn)
+    with pytest.warns(amp_fx.AmpFxWarning) as said:
+        actual, expected, compiled = run_pair(ZOO[name], dtype, device=device, reference=eager_rnns_as_cells,
+                                              backend=backend, strict=False)
     assert_every_graph_rewritten(compiled)
     return actual, expected, [str(w.message) for w in said if issubclass(w.category, amp_fx.AmpFxWarning)]

@@ -60,7 +60,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
     _report_fp8(records, policy, reporter, fp8, stacks)
     _report_experts(records, policy, reporter)
-    _report_rnn_cells(records, reporter)
+    _report_rnn_cells(nodes, reporter)
     kinds = list(dict.fromkeys(whole.values()))
     unseen = (f", outside {' and '.join(kinds)}, whose ops amp_fx keeps whole and eager autocast casts: "
               f"an entry does not reach them" if kinds else "")
@@ -74,10 +74,11 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
 
 
-def _report_rnn_cells(records: Sequence[GraphRecord], reporter: Reporter) -> None:
+def _report_rnn_cells(nodes: Sequence[torch.fx.Node], reporter: Reporter) -> None:
     """RNN modules captured where eager runs cuDNN's fused RNN: their cells run instead
-    (``amp_fx.passes.capture._rnn_without_cudnn``), close to eager autocast but not bit for bit."""
-    rnns = [path or "<root>" for r in records for n in r.captured.graph.nodes if meta.RNN_CELLS in n.meta
+    (``amp_fx.passes.capture._rnn_without_cudnn``), close to eager autocast but not bit for bit.
+    ``nodes``: the call_function nodes of the captured graphs."""
+    rnns = [path or "<root>" for n in nodes if meta.RNN_CELLS in n.meta
             for path, mtype in module_stack(n) if issubclass(mtype, torch.nn.RNNBase)]
     if not rnns:
         return

@@ -235,11 +235,11 @@ def _chunk_table_host(
     addresses_t = torch.tensor(addresses, dtype=torch.int64)
     owners_t = torch.tensor(owners, dtype=torch.int64)
     numels_t = torch.tensor(numels, dtype=torch.int64)
-    chunks_per_tensor = (numels_t + chunk - 1) // chunk
+    counts = [(n + chunk - 1) // chunk for n in numels]
+    chunks_per_tensor = torch.tensor(counts, dtype=torch.int64)
     # output_size given: without it repeat_interleave reads the sum of its repeats with item()
     # (a CPU read, but one per table built: seen as a host read in every step on an H200).
-    n_chunks = sum((n + chunk - 1) // chunk for n in numels)
-    owner = torch.repeat_interleave(torch.arange(len(addresses)), chunks_per_tensor, output_size=n_chunks)
+    owner = torch.repeat_interleave(torch.arange(len(addresses)), chunks_per_tensor, output_size=sum(counts))
     first_chunk = torch.cumsum(chunks_per_tensor, 0) - chunks_per_tensor
     index_in_tensor = torch.arange(owner.numel(), dtype=torch.int64) - first_chunk[owner]
     start = index_in_tensor * chunk

@@ -95,7 +95,7 @@ class CompiledStep:
                     "Drop weight_cache=True."), stacklevel=4)
                 options = options.replace(weight_cache=False)
         self._follow = OptimizerFollower(model, optimizer, self._report, fused=self._fused, fsdp2=shards.enabled,
-                                         own_step=None if self._lowprec is None else config.train_state.value)
+                                         replaced_step=self._lowprec is not None)
         if options.weight_cache and weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
             options = options.replace(weight_cache=False)
         forward_loss = ForwardLoss(loss_fn, config.n_inputs, config.accumulate,

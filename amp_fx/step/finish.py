@@ -43,7 +43,7 @@ from amp_fx.scaler.snapshot import copy_state, restore_where_
 from amp_fx.step.follow import OptimizerFollower, group_values
 from amp_fx.step.shards import StepShards, amp_flags
 
-__all__ = ["Finish", "GradNorm", "raw_step", "steps_to_device_"]
+__all__ = ["Finish", "GradNorm", "raw_step"]
 
 
 class GradNorm(enum.Enum):
@@ -94,15 +94,15 @@ def _step_as_eager(optimizer: torch.optim.Optimizer) -> contextlib.AbstractConte
     return _compat.number_scalars_as_eager() if own_step and numbers else contextlib.nullcontext()
 
 
-def steps_to_device_(optimizer: torch.optim.Optimizer) -> None:
+def _steps_to_device_(optimizer: torch.optim.Optimizer) -> None:
     """Move the step counters that ``capturable=False`` optimizers keep on the CPU (Adam, AdamW...)
     to their parameter's device, as Dynamo does when it traces an optimizer step
     (``OptimizerVariable.move_step_if_cpu``), but before the finish snapshots the state.
 
-    Left on the CPU beside CUDA parameters, the traced step mixed devices: the snapshot's CPU copy
-    came back through ``torch.where`` as a CPU scalar inside a CUDA op (a host read in every
-    step), and inductor's finish crashed the process (a segmentation fault, seen on an H200 with
-    torch 2.11 and ``Adam(foreach)``). The traced step does its step-counter arithmetic in tensors
+    Left on the CPU beside CUDA parameters, the traced step mixed devices (the snapshot copied the
+    CPU counters, Dynamo then moved the live ones), and inductor's finish, which compiled a C++
+    kernel for them, crashed the process (a segmentation fault, seen on an H200 with torch 2.11
+    and ``Adam(foreach)``). The traced step does its step-counter arithmetic in tensors
     on the device either way; an eager ``optimizer.step()`` later reads such a counter with
     ``item()``, as it does after ``torch.compile``.
     """
@@ -165,7 +165,7 @@ class Finish:
         then a fused optimizer's own step; a recompile the step did not cause is reported."""
         before, writer, opt = self.backend.graphs, self.writer, self.optimizer
         if not self.fused and not self._steps_placed:
-            steps_to_device_(opt)
+            _steps_to_device_(opt)
             self._steps_placed = True
         with torch.no_grad():
             follow.run_pre_hooks()

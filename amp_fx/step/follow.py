@@ -69,9 +69,9 @@ class OptimizerFollower:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, report: Reporter, *,
-                 fused: bool, fsdp2: bool, own_step: str | None = None) -> None:
+                 fused: bool, fsdp2: bool, replaced_step: bool = False) -> None:
         self.model = model
-        self.own_step = own_step  # compile_step's train_state, whose Adam step replaces the optimizer's
+        self.replaced_step = replaced_step  # compile_step's train_state: its Adam step replaces the optimizer's
         self.optimizer = optimizer
         self.report = report
         self.fused = fused
@@ -128,7 +128,7 @@ class OptimizerFollower:
                     self.eager_optimizer = True
                     # A fused=True optimizer keeps its step out of the graph, but train_state's step
                     # replaces the optimizer's, fused or not: only a constant value helps then.
-                    fused_hint = ("" if self.own_step is not None else " or use a fused=True optimizer")
+                    fused_hint = "" if self.replaced_step else " or use a fused=True optimizer"
                     self.report.did_less(
                         "hyperparameter changed",
                         f"amp_fx.compile_step: param_groups[{i}][{key!r}] changed between steps "
