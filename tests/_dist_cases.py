@@ -653,9 +653,10 @@ def root_frame_reports() -> dict[str, Any]:
     blocks. ``LoopRoot`` loops over them, so Dynamo skips its frame: strict mode raises after the
     first call, which ran the blocks' graphs; the same compiled model, its reporter then made
     lenient, warns once over two calls, and its output is eager FSDP2 + autocast's, bit for bit.
-    Not reported, in strict mode: the fixes the report names, ``MethodRoot`` (its frame is
-    captured: ``keep_fp32=("norm",)`` then applies) and ``LoopRoot`` with ``inp`` and ``norm``
-    sharded too."""
+    A ``keep_fp32`` entry naming ``norm`` there is told that it ran outside every graph (not
+    to name a module that runs ops). Not reported, in strict mode: the fixes the report names,
+    ``MethodRoot`` (its frame is captured: ``keep_fp32=("norm",)`` then applies) and ``LoopRoot``
+    with ``inp`` and ``norm`` sharded too."""
     from torch.distributed.fsdp import fully_shard
 
     def sharded(cls: type[nn.Module], own_units: bool = False) -> nn.Module:
@@ -688,6 +689,13 @@ def root_frame_reports() -> dict[str, Any]:
     out["loop_warnings"] = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out["eager_out"] = sharded(LoopRoot)(x).detach()
+    torch._dynamo.reset()
+    kept_root = amp_fx.compile(sharded(LoopRoot), dtype="bf16", backend="aot_eager", strict=False,
+                               policy=amp_fx.Policy(keep_fp32=("norm",)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept_root(x)
+    out["loop_keep_warnings"] = [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
     out["method_strict"], _, kept = strict_run(sharded(MethodRoot), policy=amp_fx.Policy(keep_fp32=("norm",)))
     out["method_kept_dtype"] = None if kept is None else kept.dtype
     out["own_units_strict"] = strict_run(sharded(LoopRoot, own_units=True))[0]

@@ -265,7 +265,8 @@ def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
     """A root that loops over its sharded blocks: the graph break at each block's call makes Dynamo
     skip the root's frame, so its own modules (inp, norm) run as eager autocast, outside the
     Policy. amp_fx warns once over two calls, naming them and both fixes (strict: raises); the
-    output is eager FSDP2 + autocast's, bit for bit. The fixes are not reported, and the first
+    output is eager FSDP2 + autocast's, bit for bit; a keep_fp32 entry naming norm is pointed at
+    that report. The fixes are not reported, and the first
     (the loop in a method: the root's frame is captured) reaches the Policy (keep_fp32 on norm: an
     fp32 output)."""
     for rank, res in enumerate(ranks):
@@ -277,6 +278,12 @@ def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
             assert "eager autocast" in message and "Policy" in message
             assert "def run_blocks(self, x)" in message and "fully_shard those modules too" in message
         assert_bitwise(got["loop_out"], got["eager_out"], f"rank {rank} LoopRoot output")
+        # keep_fp32 naming a module of the skipped frame: pointed at that report, not told to name
+        # a module that runs ops (the entry is right; the frame is the problem)
+        root_report, keep = got["loop_keep_warnings"]
+        assert "ran no op of inp, norm," in root_report
+        assert "entry 'norm' selects norm, which ran outside every captured graph" in keep, keep
+        assert "Name a module that runs ops" not in keep
         assert got["method_strict"] == "" and got["method_kept_dtype"] == torch.float32
         assert got["own_units_strict"] == ""
 

@@ -75,3 +75,34 @@ def test_the_record_survives_compile_without_recompiles() -> None:
     view.abs()
     got = _check(a)
     assert len(got) == 1 and "a weight by aten.abs.default outside any compiled graph" in got[0], got
+
+
+def test_an_eager_read_after_the_first_call_is_reported() -> None:
+    """A DDP/FSDP2 model's call (``checked_units``) checks its fp8-gathered weights at every call
+    that ran graphs, not only the first: an eager read that only a later call makes (a branch
+    taken at step 100) is reported then. It used to be recorded and never said."""
+    from amp_fx.backend.call import checked_units
+
+    model = torch.nn.Linear(8, 4)
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False)
+    backend = compiled.__dict__["_amp_fx_backend"]
+    gathered, weight = _gathered("a.weight")
+
+    def call(x: torch.Tensor, read: bool) -> torch.Tensor:
+        y = compiled(x)  # runs a captured graph
+        if read:  # the weight read in eager code, as after a graph break
+            weight.neg()
+        return y
+
+    checked = checked_units(call, model, backend, gathered=gathered)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", amp_fx.AmpFxWarning)
+        checked(x, False)
+        checked(x, False)
+        assert [w for w in caught if "all-gathers" in str(w.message)] == []
+        checked(x, True)
+        checked(x, True)
+    said = [str(w.message) for w in caught if "all-gathers" in str(w.message)]
+    assert len(said) == 1, said  # said once
+    assert "a.weight" in said[0] and "a weight by aten.neg.default outside any compiled graph" in said[0], said

@@ -299,7 +299,9 @@ def test_no_graph_message_names_the_working_form_for_ddp_and_fsdp() -> None:
         from torch.distributed.fsdp import fully_shard
 
         sharded = fully_shard(_mlp())
-        assert "FSDP-sharded" in _wrapper_fix(sharded)
+        fix = _wrapper_fix(sharded)  # the FSDP2 pattern docs/distributed.md gives, not compile-then-shard
+        assert "FSDP2-sharded" in fix and "fully_shard each block, then the root, then amp_fx.compile" in fix
+        assert "before sharding" not in fix
         assert _wrapper_fix(_mlp()) is None
     finally:
         if created:

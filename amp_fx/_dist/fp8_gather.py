@@ -121,6 +121,7 @@ class GatheredFp8Weights:
         self.params = list(params)
         self.names = list(names)
         self._reads = EagerReads()
+        self._checked = 0  # the records checked so far
         for p in self.params:
             local = p._local_tensor  # type: ignore[attr-defined]
             local._amp_fx_fp8_scale = torch.ones((), dtype=torch.float32, device=local.device)
@@ -132,10 +133,13 @@ class GatheredFp8Weights:
         precompute_scales(self.params)
 
     def check(self, records: Sequence[GraphRecord], reporter: Reporter) -> None:
-        """After the first call: every gathered weight ran only as the weight of fp8 matmuls. A
-        use that did not (the weight read elsewhere, or by a matmul kept in ``dtype``) computed
-        with the fp8 weight's ``data / scale``, not the fp32 weight: said once, with the fix."""
-        reads = [r for record in records if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
+        """After each call that ran graphs: every gathered weight ran only as the weight of fp8
+        matmuls, in the graphs captured since the last check (``records``: all of them so far)
+        and in eager code since. A use that did not (the weight read elsewhere, or by a matmul
+        kept in ``dtype``) computed with the fp8 weight's ``data / scale``, not the fp32 weight:
+        said once, with the fix."""
+        new, self._checked = records[self._checked:], len(records)
+        reads = [r for record in new if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
         reads += [f"a weight by {op} outside any compiled graph" for op in self._reads.take()]
         if reads:
             reporter.did_less("fp8_all_gather:read_elsewhere", (

@@ -27,15 +27,17 @@ __all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "repor
 
 
 def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
-                         fp8: Fp8Config | None = None) -> None:
+                         fp8: Fp8Config | None = None, outside: Sequence[tuple[str, type]] = ()) -> None:
     """Report each policy entry that decided no op of the graphs captured so far, and an fp8
     request honoured nowhere.
 
     A ``keep_fp32`` entry matches an op inside a module it selects; an ``op_classes`` entry
     matches an op it names; ``autocast_experts`` matches a grouped expert GEMM. Mixture-of-experts
     layers whose grouped GEMMs run in fp32 because no autocast table lists them are reported too,
-    unless ``autocast_experts`` decides them (:func:`fp32_experts_text`). Called after a compiled
-    model's first call.
+    unless ``autocast_experts`` decides them (:func:`fp32_experts_text`). ``outside``: the
+    modules (name, type) that ran outside every graph, already reported
+    (:func:`report_root_outside_graphs`): a ``keep_fp32`` entry selecting one of them is told
+    so, not told to name a module that runs ops. Called after a compiled model's first call.
     """
     nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
     whole = {n: kind for n in nodes if (kind := _kept_whole(n)) is not None}
@@ -52,6 +54,14 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
                 f"the ops inside, so they are not kept in fp32. To keep them in fp32, run that code under "
                 f"torch.autocast(device_type, enabled=False) with fp32 inputs."), stacklevel=5)
         if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
+            continue
+        skipped = [path for path, mtype in outside if module_matches(sel, path, mtype)]
+        if skipped:
+            reporter.did_less(("keep_fp32", label), (
+                f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
+                f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
+                f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
+                f"that fixed, the entry applies."), stacklevel=5)
             continue
         reporter.did_less(("keep_fp32", label), (
             f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
@@ -213,17 +223,18 @@ def report_no_graph(reporter: Reporter, target: object) -> None:
 
 
 def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str],
-                               reporter: Reporter) -> None:
+                               reporter: Reporter) -> list[tuple[str, type]]:
     """Report the FSDP2 root's own modules (``own``: :func:`amp_fx._dist.capture.root_state_modules`)
     that no op of the graphs captured so far ran inside: Dynamo skipped the frame that runs them
     (a graph break inside the loop over the sharded blocks), so they ran as eager autocast, where
-    the Policy does not reach. Called after the first call that ran graphs."""
+    the Policy does not reach. Called after the first call that ran graphs. Returns those modules
+    and every module under them, (name, type), for :func:`report_unused_policy`."""
     nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
     stacks = [module_stack(n) for n in nodes]
     inside = {path for stack in stacks for path, _ in stack}
     missing = [name for name in own if (name not in inside if name else all(stacks))]
     if not missing:
-        return
+        return []
     shown = ", ".join(name or "<root> (its own parameters and buffers)" for name in missing[:6]) + (
         f" and {len(missing) - 6} more" if len(missing) > 6 else "")
     reporter.did_less(("fsdp2_root_frame",), (
@@ -239,6 +250,8 @@ def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Mo
         f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
         f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
         f"fully_shard it or drop it."), stacklevel=5)
+    return [(path, type(m)) for name in missing
+            for path, m in root.get_submodule(name).named_modules(prefix=name)]
 
 
 def wrapper_fix(target: object) -> str | None:
@@ -265,9 +278,10 @@ def wrapper_fix(target: object) -> str | None:
     except ImportError:  # pragma: no cover
         pass
     if fsdp_types and isinstance(target, tuple(fsdp_types)):
-        return (f"Dynamo captures nothing through this FSDP-sharded {type(target).__name__}; it "
-                "trains as eager FSDP under autocast. Compile the unsharded model's layers with "
-                "amp_fx.compile before sharding them, or run the model under torch.autocast.")
+        return (f"Dynamo captured no graph of this FSDP2-sharded {type(target).__name__}: it trained as "
+                "eager FSDP2 under autocast. amp_fx compiles an FSDP2 model unit by unit, sharded first: "
+                "fully_shard each block, then the root, then amp_fx.compile(model) (docs/distributed.md); "
+                "TORCH_LOGS=graph_breaks,recompiles says why Dynamo skipped the units' frames.")
     return None
 
 

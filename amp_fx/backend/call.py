@@ -172,17 +172,17 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
 
 
 def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensors: list[torch.Tensor],
-                policy_checked: bool) -> bool:
+                policy_checked: bool, outside: Sequence[tuple[str, type]] = ()) -> bool:
     """What one call did against what was asked: a call that ran no graph is reported, and after
-    the first call that ran graphs, each policy entry that matched no op. Returns whether the
-    policy has been checked."""
+    the first call that ran graphs, each policy entry that matched no op (``outside``: modules
+    already reported as run outside every graph). Returns whether the policy has been checked."""
     if backend.runs.count == runs:
         if _computed_floats(out, tensors):
             report_no_graph(backend.reporter, target)
         return policy_checked
     if not policy_checked:
         report_unused_policy(backend.records, backend.options.policy, backend.reporter,
-                             fp8=backend.options.fp8)
+                             fp8=backend.options.fp8, outside=outside)
     return True
 
 
@@ -192,19 +192,21 @@ def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: Am
     of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
     fp8 matmuls of the first call's graphs; ``root_own``: the FSDP2 root's own modules that hold
     state (``amp_fx._dist.capture.root_state_modules``), each reported if the first call's graphs
-    ran none of its ops (Dynamo skipped the frame that runs it)."""
+    ran none of its ops (Dynamo skipped the frame that runs it). The fp8 weights are checked at
+    every call that ran graphs: an eager read can come later (a branch taken at step 100)."""
     policy_checked = False
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        nonlocal policy_checked, gathered
+        nonlocal policy_checked
         runs = backend.runs.count
         out = call(*args, **kwargs)
+        outside: Sequence[tuple[str, type]] = ()
         if root_own and not policy_checked and backend.runs.count != runs:
-            report_root_outside_graphs(backend.records, module, root_own, backend.reporter)
-        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked)
+            outside = report_root_outside_graphs(backend.records, module, root_own, backend.reporter)
+        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked,
+                                     outside)
         if gathered is not None and backend.records:
             gathered.check(backend.records, backend.reporter)
-            gathered = None
         return out
 
     return checked
