@@ -58,6 +58,11 @@ def _needs_rowwise() -> None:
 FLOAT8 = [r for r in Fp8Recipe if r is not Fp8Recipe.MXFP8]
 """torchao's float8 training recipes, this file's reference (mxfp8: tests/test_mxfp8.py)."""
 RECIPES = [_recipe(r.value) for r in FLOAT8]
+INDUCTOR_RECIPES = [_recipe(r.value) for r in FLOAT8 if r is not Fp8Recipe.ROWWISE_WITH_GW_HP]
+"""The inductor tests' recipes (an inductor build of both sides is 30-55 s a case here): tensorwise
+and rowwise scales; rowwise_with_gw_hp differs from rowwise by its weight gradient's matmul, which
+is not fp8 (fewer fp8 constructs for inductor to keep whole): its numerics are the aot_eager
+tests'."""
 
 
 def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
@@ -220,7 +225,7 @@ def test_adamw_trajectory_bitwise_with_torchao(recipe: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.primary
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", INDUCTOR_RECIPES)
 def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
     """With ``emulate_precision_casts`` (inductor rounds every cast it fuses, as eager does), the
     inductor build is bitwise with torchao's eager numerics: the fp8 construct reaches inductor
@@ -259,7 +264,7 @@ INDUCTOR_SLACK = 1.05
 
 @pytest.mark.slow
 @pytest.mark.primary
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", INDUCTOR_RECIPES)
 def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
     """Default inductor (casts fused, intermediate roundings elided) for both: amp_fx's error
     against float64, loss and every gradient averaged over 8 batches, is within INDUCTOR_SLACK of

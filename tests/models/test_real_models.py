@@ -64,18 +64,25 @@ OVERFLOW_FEATURES = ("overflow_watch", "overflow_named", "overflow_backward")
 # What a default run covers, by library and dtype; every other case is `models_slow`, deselected
 # by default (`python -m pytest -m models_slow tests/models` runs them). The tier's cost, measured
 # with --durations, is in docs/real-models.md. fp16 matmuls and convolutions have no fast CPU
-# kernels (several times bf16's time), and the inspection tools run the model five times over:
-# by default every transformers model gets every feature in bf16 and all but the inspection tools
-# in fp16 (compile_step in fp16 is the loss-scaling path); the UNets and the vision models, each
-# several times a transformers model's cost, get amp_fx.compile (and the weight cache in bf16).
-# Overflow provenance (fp16 only): every transformers model gets the planted overflow named as
-# eager finds it; the watch-on/off run (two compiles) runs by default on _OVERFLOW_WATCH_DEFAULT.
+# kernels (several times bf16's time), and the inspection tools run the model five times over.
+# By default every transformers model gets amp_fx.compile and the weight cache in bf16 and
+# compile_step in fp16 (the loss-scaling path); the two anchors (_ANCHORS: GPT-2's tied head and
+# Conv1D, Llama's decorated forward and rotary embeddings) get every feature in both dtypes; the
+# inspection tools and the planted overflow run on the anchors and _SECOND_DEFAULT (an
+# encoder-decoder and a convolutional model) too. amp_fx's graph is the same in bf16 and fp16 but
+# for the dtype (the policy has one table), so a second dtype of a feature on every model repeats
+# the first one's question; the anchors ask it. The UNets and the vision models, each several
+# times a transformers model's cost, get amp_fx.compile and the weight cache in bf16.
+# Overflow provenance (fp16 only): the watch-on/off run (two compiles) runs by default on
+# _OVERFLOW_WATCH_DEFAULT.
 _DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {
-    "transformers": {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")},
-    "diffusers": {"bf16": ("compile", "weight_cache"), "fp16": ("compile",)},
+    "transformers": {"bf16": ("compile", "weight_cache"), "fp16": ("compile_step",)},
+    "diffusers": {"bf16": ("compile", "weight_cache"), "fp16": ()},
     "torchvision": {"bf16": ("compile", "weight_cache"), "fp16": ()},
     "timm": {"bf16": ("compile", "weight_cache"), "fp16": ()},
 }
+_ANCHORS = ("hf_gpt2", "hf_llama")
+_SECOND_DEFAULT = ("hf_t5", "hf_convnext")
 _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every case
 # The state-space models (Mamba, FalconMamba, Jamba): their Dynamo graph holds the vmap'd regions of
 # transformers' associative scan: a test_compile_bitwise case takes 24-46 s here. By default
@@ -85,6 +92,12 @@ _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every 
 # trace does; the eager loop's fp32 rounding differs: test_ssm_compiled_differs_as_torch_compile_does).
 _SSM = tuple(name for name, entry in REAL_MODELS.items() if entry.traced_path is not None)
 _MODEL_DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {name: {"bf16": (), "fp16": ()} for name in _SSM}
+_MODEL_DEFAULT.update(
+    {name: {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")}
+     for name in _ANCHORS})
+_MODEL_DEFAULT.update(
+    {name: {"bf16": ("compile", "weight_cache", "inspect"), "fp16": ("compile_step", "overflow_named")}
+     for name in _SECOND_DEFAULT})
 _MODEL_DEFAULT.update({"hf_mamba": {"bf16": ("compile",), "fp16": ("compile",)},
                        "hf_jamba": {"bf16": ("compile",), "fp16": ()}})
 # GPT-2: a tied head and Conv1D layers; Llama: transformers 5.24 decorates its forward (the root
