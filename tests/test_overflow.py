@@ -69,11 +69,16 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
 
 
 # Under inductor only the watched case: the unwatched report has nothing of the compiled graph's
-# (no op is named; the gradients are the scaler's eager unscale's), which aot_eager's case and
-# compile_step's inductor case (its finish compiled by inductor) check.
+# (no op is named; the gradients are the scaler's eager unscale's, or compile_step's finish's
+# per-gradient flags, which the watched case reads too), which the aot_eager cases check. An
+# unwatched inductor case cost 50 s a test in CI (its own kernels, no watch in them).
+WATCH_CASES = pytest.mark.parametrize(
+    "backend, watched", [("aot_eager", True), ("aot_eager", False), ("inductor", True)],
+    ids=["aot_eager-watched", "aot_eager-unwatched", "inductor-watched"])
+
+
 @pytest.mark.slow_cases
-@pytest.mark.parametrize("backend, watched", [("aot_eager", True), ("aot_eager", False), ("inductor", True)],
-                         ids=["aot_eager-watched", "aot_eager-unwatched", "inductor-watched"])
+@WATCH_CASES
 def test_grad_scaler_with_compile_names_step_module_and_gradients(backend, watched, reference_gradients):
     model = make_model()
     compiled = amp_fx.compile(model, dtype="fp16", backend=backend, watch_nonfinite=watched)
@@ -86,8 +91,7 @@ def test_grad_scaler_with_compile_names_step_module_and_gradients(backend, watch
 
 
 @pytest.mark.slow_cases
-@pytest.mark.parametrize("watched", [True, False], ids=["watched", "unwatched"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@WATCH_CASES
 def test_compile_step_names_step_module_and_gradients(backend, watched, reference_gradients):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
