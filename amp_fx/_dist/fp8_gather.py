@@ -133,7 +133,7 @@ class GatheredFp8Weights:
         precompute_scales(self.params)
 
     def check(self, records: Sequence[GraphRecord], reporter: Reporter) -> None:
-        """After each call that ran graphs: every gathered weight ran only as the weight of fp8
+        """After each call, once a graph has run: every gathered weight ran only as the weight of fp8
         matmuls, in the graphs captured since the last check (``records``: all of them so far)
         and in eager code since. A use that did not (the weight read elsewhere, or by a matmul
         kept in ``dtype``) computed with the fp8 weight's ``data / scale``, not the fp32 weight:

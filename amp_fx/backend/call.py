@@ -190,10 +190,10 @@ def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: Am
                   gathered: GatheredFp8Weights | None = None, root_own: Sequence[str] = ()) -> Callable[..., Any]:
     """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
     of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
-    fp8 matmuls of the first call's graphs; ``root_own``: the FSDP2 root's own modules that hold
+    fp8 matmuls of the graphs captured so far; ``root_own``: the FSDP2 root's own modules that hold
     state (``amp_fx._dist.capture.root_state_modules``), each reported if the first call's graphs
     ran none of its ops (Dynamo skipped the frame that runs it). The fp8 weights are checked at
-    every call that ran graphs: an eager read can come later (a branch taken at step 100)."""
+    every call once a graph has run: an eager read can come later (a branch taken at step 100)."""
     policy_checked = False
 
     def checked(*args: Any, **kwargs: Any) -> Any:
