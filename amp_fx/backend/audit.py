@@ -56,14 +56,11 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
         if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
             continue
         skipped = [path for path, mtype in outside if module_matches(sel, path, mtype)]
-        if skipped:
-            reporter.did_less(("keep_fp32", label), (
-                f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
-                f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
-                f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
-                f"that fixed, the entry applies."), stacklevel=5)
-            continue
         reporter.did_less(("keep_fp32", label), (
+            f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
+            f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
+            f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
+            f"that fixed, the entry applies." if skipped else
             f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
             f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
             f"for it. Name a module that runs ops (names are under the module passed to "
