@@ -304,6 +304,41 @@ def _fp8_nodes(compiled: nn.Module) -> list[torch.fx.Node]:
             if n.op == "call_function" and n.target is fp8_matmul]
 
 
+class LogitsAndLoss(nn.Module):
+    """A causal LM's head: a bias-free Linear on 3-D input whose output the graph returns and
+    also reads (the loss)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(32, n, bias=False)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.head(x)
+        return logits, logits.float().pow(2).mean()
+
+
+@pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")
+@pytest.mark.parametrize("n, weight_cache", [(64, False), (40, True)], ids=["aligned", "padded-cached"])
+@pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("rowwise"), "mxfp8"])
+def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(recipe: str, n: int,
+                                                                         weight_cache: bool) -> None:
+    """``aten.matmul`` ends in ``aten._unsafe_view``: a bias-free Linear's output on 3-D input is
+    a tensor of its own under eager autocast. The fp8 matmuls ended in ``reshape``: AOTAutograd
+    then handed the logits back as a view of the 2-D GEMM result, and FSDP2 warned that the model
+    "returned a view tensor" (an in-place op on such a view drops the unit's pre-backward hook).
+    Also where N is padded (the output is a slice of the GEMM's columns) and with the weight cache."""
+    torch.manual_seed(0)
+    model, x = LogitsAndLoss(n), torch.randn(2, 16, 32)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert model(x)[0]._base is None  # the reference
+    compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, weight_cache=weight_cache, backend="aot_eager",
+                              strict=recipe != "mxfp8")  # mxfp8 runs emulated on the CPU: strict refuses it
+    logits, loss = compiled(x)
+    assert len(_fp8_nodes(compiled)) == 1
+    assert logits._base is None, f"{recipe}: the logits are a view of a {tuple(logits._base.shape)} tensor"
+    loss.backward()  # and the graph's backward still runs on it
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_linear_becomes_one_fp8_matmul(recipe: str) -> None:
     model, x = mlp()

@@ -126,6 +126,8 @@ def test_grouped_kernel_bitwise_with_torchao_emulated(ends: tuple[int, ...]) -> 
     assert_bitwise(x2.grad, x.grad, "grad_x")
     assert_bitwise(w2.grad, w.grad, "grad_w")
     assert not torch.equal(out, torch._grouped_mm(x, w, offs=offs))  # not a bf16 grouped GEMM
+    # a tensor of its own, as torch._grouped_mm's output (not a slice of the padded GEMM's columns)
+    assert torch._grouped_mm(x, w, offs=offs)._base is None and out._base is None
 
 
 # --- the pass -----------------------------------------------------------------------------------

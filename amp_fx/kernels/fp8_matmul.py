@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from amp_fx._common.matmul_output import matmul_output
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels.fp8_weight import Fp8Weight
@@ -394,7 +395,7 @@ class _Fp8Matmul(torch.autograd.Function):
         x_fp8 = _to_fp8(x, c.input, -1, pow2)
         w_fp8 = _to_fp8(w, c.weight, 0, pow2)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -465,7 +466,7 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         x_fp8 = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
         w_fp8 = _cached(w_data, w_scale, c.weight, 0)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -52,6 +52,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from amp_fx._common.matmul_output import matmul_output
+
 __all__ = ["BLOCK", "mxfp8_matmul", "mxfp8_matmul_cached_weight", "mx_weight_casts", "mx_kernels_missing",
            "mxfp8_grouped_mm"]
 
@@ -186,7 +188,7 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, w_dim1: _Mx, emulate: bool) -
 def _forward(x: torch.Tensor, w_dim0: _Mx, n: int, emulate: bool) -> torch.Tensor:
     x_2d = x.reshape(-1, x.shape[-1])
     out = _gemm(_to_mx(x_2d), w_dim0, x.dtype, emulate)
-    return out.reshape(*x.shape[:-1], n)
+    return matmul_output(out, (*x.shape[:-1], n))
 
 
 class _MxMatmul(torch.autograd.Function):
@@ -283,7 +285,7 @@ class _MxGroupedMm(torch.autograd.Function):
         a = _dequantize_grouped(_to_mx(x))
         b = _dequantize_grouped(_to_mx_3d(w.transpose(-2, -1)))  # [E, N, K'] blocked along K
         out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
-        return out[:, :n]
+        return matmul_output(out[:, :n], (out.shape[0], n))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
