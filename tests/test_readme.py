@@ -168,6 +168,8 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"),
         "class Model(nn.Module):": NotRun(
             "a fragment (no blocks or embed): tests/_dist_cases.py's MethodRoot runs it under FSDP2"),
+        "# Llama, Qwen2, Mistral, ...: the embedding is the root's own module": NotRun(
+            "needs a process group: tests/_dist_real_model_cases.py's _shard runs both shardings under FSDP2"),
     },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),

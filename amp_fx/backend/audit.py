@@ -246,9 +246,30 @@ def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Mo
         f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
         f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
         f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
-        f"fully_shard it or drop it."), stacklevel=5)
+        f"fully_shard it or drop it.{_tied_fix(root, missing)}"), stacklevel=5)
     return [(path, type(m)) for name in missing
             for path, m in root.get_submodule(name).named_modules(prefix=name)]
+
+
+def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:
+    """For each of ``names`` (modules of ``root``) that shares a parameter with a module outside it
+    (tied embeddings: GPT-2's ``wte`` and ``lm_head``), the ``fully_shard`` call that takes both:
+    FSDP2 refuses to shard one of them alone ("use fully_shard([module_a, module_b])")."""
+    holders: dict[int, list[str]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(path)
+    fixes = []
+    for name in filter(None, names):
+        mine = {id(p) for p in root.get_submodule(name).parameters()}
+        partners = sorted({path for key in mine for path in holders.get(key, [])
+                           if path and path != name and not path.startswith(name + ".")})
+        if partners:
+            units = ", ".join(f"model.{path}" for path in [name, *partners])
+            fixes.append(f" {name} shares a parameter with {', '.join(partners)} (tied "
+                         f"weights), and FSDP2 takes tied parameters in one unit: fully_shard([{units}]).")
+    return "".join(fixes)
 
 
 def wrapper_fix(target: object) -> str | None:
