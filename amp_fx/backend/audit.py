@@ -257,9 +257,8 @@ def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:
     FSDP2 refuses to shard one of them alone ("use fully_shard([module_a, module_b])")."""
     holders: dict[int, list[str]] = {}
     for path, module in root.named_modules(remove_duplicate=False):
-        for p in module._parameters.values():
-            if p is not None:
-                holders.setdefault(id(p), []).append(path)
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(p), []).append(path)
     fixes = []
     for name in filter(None, names):
         mine = {id(p) for p in root.get_submodule(name).parameters()}
