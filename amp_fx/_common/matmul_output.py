@@ -5,7 +5,7 @@ into one, runs a 2-D GEMM and unfolds the result with ``aten._unsafe_view``: the
 tensor of its own, not a view, to autograd and to AOTAutograd. The fp8 matmuls end in the same
 op. Ended in ``reshape`` instead, their output was a view of the GEMM's result: AOTAutograd then
 hands a compiled graph's output back as a view (its base returned beside it), and a view is what
-the user sees. FSDP2 warns about every view an ``fully_shard``-ed module returns, and rightly: an
+the user sees. FSDP2 warns about every view a ``fully_shard``-ed module returns, and rightly: an
 in-place op on one (``logits.div_(t)``) drops that module's pre-backward hook.
 """
 
