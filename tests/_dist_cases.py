@@ -648,6 +648,33 @@ class MethodRoot(LoopRoot):
         return self.norm(self.run_blocks(self.inp(x)))
 
 
+class _LoopBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class TiedRoot(nn.Module):
+    """GPT-2's shape: the loop (and the embedding, ``body.inp``) one module down, the head outside
+    it with the embedding's weight (tied). Dynamo skips ``body``'s frame and captures the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _LoopBody()
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.body.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
 def root_frame_reports() -> dict[str, Any]:
     """amp_fx.compile of FSDP2 roots whose own modules (``inp``, ``norm``) run around the sharded
     blocks. ``LoopRoot`` loops over them, so Dynamo skips its frame: strict mode raises after the
@@ -699,6 +726,18 @@ def root_frame_reports() -> dict[str, Any]:
     out["method_strict"], _, kept = strict_run(sharded(MethodRoot), policy=amp_fx.Policy(keep_fp32=("norm",)))
     out["method_kept_dtype"] = None if kept is None else kept.dtype
     out["own_units_strict"] = strict_run(sharded(LoopRoot, own_units=True))[0]
+    # tied weights: the report names the one fully_shard call FSDP2 takes for both, which works
+    torch.manual_seed(0)
+    tied = TiedRoot()
+    for block in tied.body.blocks:
+        fully_shard(block)
+    out["tied_strict"] = strict_run(fully_shard(tied))[0]
+    torch.manual_seed(0)
+    tied = TiedRoot()
+    fully_shard([tied.body.inp, tied.head])
+    for block in tied.body.blocks:
+        fully_shard(block)
+    out["tied_fixed_strict"] = strict_run(fully_shard(tied))[0]
     return out
 
 

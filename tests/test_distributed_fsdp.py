@@ -266,7 +266,9 @@ def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
     skip the root's frame, so its own modules (inp, norm) run as eager autocast, outside the
     Policy. amp_fx warns once over two calls, naming them and both fixes (strict: raises); the
     output is eager FSDP2 + autocast's, bit for bit; a keep_fp32 entry naming norm is pointed at
-    that report. The fixes are not reported, and the first
+    that report. Where a named module shares its weight with another (``TiedRoot``, GPT-2's tied
+    embedding), the report names the one ``fully_shard([a, b])`` call FSDP2 takes, and that works.
+    The fixes are not reported, and the first
     (the loop in a method: the root's frame is captured) reaches the Policy (keep_fp32 on norm: an
     fp32 output)."""
     for rank, res in enumerate(ranks):
@@ -286,6 +288,10 @@ def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
         assert "Name a module that runs ops" not in keep
         assert got["method_strict"] == "" and got["method_kept_dtype"] == torch.float32
         assert got["own_units_strict"] == ""
+        assert "ran no op of body.inp," in got["tied_strict"]
+        assert ("body.inp shares a parameter with head (tied weights), and FSDP2 takes tied parameters in one "
+                "unit: fully_shard([model.body.inp, model.head])") in got["tied_strict"], got["tied_strict"]
+        assert got["tied_fixed_strict"] == ""
 
 
 def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):

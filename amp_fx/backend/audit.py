@@ -259,12 +259,13 @@ def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:
     for path, module in root.named_modules(remove_duplicate=False):
         for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
             holders.setdefault(id(p), []).append(path)
-    fixes = []
+    fixes, said = [], set()
     for name in filter(None, names):
         mine = {id(p) for p in root.get_submodule(name).parameters()}
         partners = sorted({path for key in mine for path in holders.get(key, [])
                            if path and path != name and not path.startswith(name + ".")})
-        if partners:
+        if partners and name not in said:  # a pair both named: one call for both
+            said.update(partners)
             units = ", ".join(f"model.{path}" for path in [name, *partners])
             fixes.append(f" {name} shares a parameter with {', '.join(partners)} (tied "
                          f"weights), and FSDP2 takes tied parameters in one unit: fully_shard([{units}]).")
