@@ -727,17 +727,17 @@ def root_frame_reports() -> dict[str, Any]:
     out["method_kept_dtype"] = None if kept is None else kept.dtype
     out["own_units_strict"] = strict_run(sharded(LoopRoot, own_units=True))[0]
     # tied weights: the report names the one fully_shard call FSDP2 takes for both, which works
-    torch.manual_seed(0)
-    tied = TiedRoot()
-    for block in tied.body.blocks:
-        fully_shard(block)
-    out["tied_strict"] = strict_run(fully_shard(tied))[0]
-    torch.manual_seed(0)
-    tied = TiedRoot()
-    fully_shard([tied.body.inp, tied.head])
-    for block in tied.body.blocks:
-        fully_shard(block)
-    out["tied_fixed_strict"] = strict_run(fully_shard(tied))[0]
+    def tied_root(fixed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = TiedRoot()
+        if fixed:
+            fully_shard([model.body.inp, model.head])
+        for block in model.body.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+
+    out["tied_strict"] = strict_run(tied_root(False))[0]
+    out["tied_fixed_strict"] = strict_run(tied_root(True))[0]
     return out
 
 

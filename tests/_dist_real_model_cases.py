@@ -22,6 +22,7 @@ from torch import nn
 import amp_fx
 from amp_fx.testing import eager_amp_step
 from amp_fx.testing.real_models import REAL_MODELS
+from tests._dist_cases import _local
 
 STEPS = 3
 LR = 0.1
@@ -43,10 +44,6 @@ def _shard(model: nn.Module, own_units: bool) -> nn.Module:
     for layer in inner.h if gpt2 else inner.layers:
         fully_shard(layer)
     return fully_shard(model)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
 def _run(build: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., torch.Tensor]],
