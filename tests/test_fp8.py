@@ -35,6 +35,7 @@ from amp_fx.testing.fp8_reference import (
     torchao_float8,
     torchao_missing,
 )
+from amp_fx.testing.memory import SavedBytes
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
 
@@ -337,6 +338,37 @@ def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(recipe
     assert len(_fp8_nodes(compiled)) == 1
     assert logits._base is None, f"{recipe}: the logits are a view of a {tuple(logits._base.shape)} tensor"
     loss.backward()  # and the graph's backward still runs on it
+
+
+def test_the_backward_saves_the_weights_not_their_fp8_casts_as_torchao_does() -> None:
+    """The tensors saved from the forward for the backward, parameters left out, are torchao's
+    (``torch.compile`` of ``convert_to_float8_training``'s model): each weight's fp8 cast is
+    recomputed in the backward from the fp32 weight, which costs nothing to keep (a parameter).
+    ``aot_eager_decomp_partition`` runs inductor's partitioner (min-cut) without building kernels.
+    amp_fx handed AOTAutograd a graph without Dynamo's input metadata, so no parameter was static
+    and the partitioner kept every weight's fp8 cast alive instead: one byte per weight element
+    more than torchao (amp_fx/backend/dynamo_inputs.py)."""
+    model, x = mlp()
+    backend = "aot_eager_decomp_partition"
+
+    def saved(forward: Callable[[Tensor], Tensor], params: list[Tensor]) -> int:
+        loss_fn(forward(x)).backward()  # compiles (fake tensors: not under the hooks)
+        with SavedBytes() as s:
+            out = forward(x)
+        loss_fn(out).backward()  # the saved tensors were the backward's inputs
+        return s.bytes(exclude=params)
+
+    ref = torch.compile(torchao_float8(model, "tensorwise"), backend=backend)
+
+    def ref_forward(t: Tensor) -> Tensor:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            return ref(t)
+
+    compiled = compile_fp8(model, "tensorwise", backend=backend)
+    fp8_weights = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))  # one byte each
+    amp = saved(compiled, list(model.parameters()))
+    assert len(_fp8_nodes(compiled)) == 3
+    assert amp == saved(ref_forward, list(ref.parameters())), f"{fp8_weights} fp8 weight bytes"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -28,6 +28,7 @@ import torch.fx
 
 from amp_fx._common.downstream import resolve_backend
 from amp_fx._common.report import Reporter
+from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
@@ -122,6 +123,8 @@ class AmpBackend:
             work = run_pipeline(self.options, gm, example_inputs, index=index,
                                 is_state=names.is_module_state)
             record = work.record(self.options.dtype)
+            for traced in (work.gm, record.rewritten, *([work.lifted.gm] if work.lifted is not None else [])):
+                carry_dynamo_inputs(gm, traced)
             if self.weight_cache is not None:
                 compiled = self._compile_with_weight_cache(work, record)
             else:

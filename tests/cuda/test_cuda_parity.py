@@ -28,13 +28,17 @@ from tests.cuda._gpu import GPU_TIER
 pytestmark = GPU_TIER
 
 
-# Seen on an H200 (torch 2.11, bench/results/2026-11-27-h200), with cuDNN deterministic or not:
-# the cause is not found yet (no GPU since); cnn_bn in bf16 is bitwise.
+# Seen on an H200 (torch 2.11, bench/results/2026-11-27-h200), with cuDNN deterministic or not;
+# cnn_bn in bf16 is bitwise. The cause (python -m tests.cuda.diagnose, run 4): eager runs
+# cudnn_batch_norm and its backward, amp_fx's graph the native BatchNorm kernels
+# (_native_batch_norm_legit_functional, native_batch_norm_backward); with cuDNN off both run the
+# native ones and amp_fx is bitwise.
 _CNN_BN_FP16 = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="cnn_bn in fp16 on CUDA: conv1.weight's gradient differs from eager autocast's in 152 of "
-           "216 elements by about one fp16 ulp (H200, torch 2.11, cuDNN deterministic); the other "
-           "zoo models and cnn_bn in bf16 are bitwise. Cause not found: docs/parity.md")
+           "216 elements by about one fp16 ulp (H200, torch 2.11, cuDNN deterministic): eager's "
+           "BatchNorm runs cuDNN's kernels, the traced graph the native ones (bitwise with cuDNN "
+           "off): docs/parity.md")
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

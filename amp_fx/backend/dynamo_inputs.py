@@ -1,0 +1,57 @@
+"""Dynamo's input metadata, carried from Dynamo's graph onto the graph amp_fx hands downstream.
+
+AOTAutograd reads three things off the ``GraphModule`` a backend gives it
+(``_try_get_metadata_from_dynamo`` in ``torch/_functorch/_aot_autograd/frontend_utils.py``):
+``meta["dynamo_compile_id"]``, the ``_param_name_to_source`` attribute and each placeholder's
+``_dynamo_source``; where one is missing, it takes the graph for one Dynamo did not capture and
+marks no input static. The graph amp_fx compiles is a new one (capture traces Dynamo's graph into
+ATen ops), so it had none of them, and that changed what the downstream backend does with the
+parameters, which are graph inputs since Dynamo inlines ``nn.Module``\\ s:
+
+* the min-cut partitioner counts a parameter saved for the backward as free only if it is static
+  (``torch._functorch.config.treat_parameters_as_free_to_save``); otherwise it saves whatever is
+  smaller than the fp32 weight. With ``fp8=``, that was every weight's fp8 cast, one byte per
+  parameter held from the forward to the backward, where torchao (and torch.compile) save the
+  weight itself and cast it again in the backward;
+* inductor's CUDA graphs (``mode="reduce-overhead"``) copy every non-static input into the graph's
+  buffers at each replay: every parameter, every step.
+
+:func:`carry_dynamo_inputs` copies them, as ``torch._dynamo.backends.distributed`` does for the
+subgraphs DDPOptimizer splits off: the placeholders amp_fx's graph shares with Dynamo's come first
+and in the same order (capture keeps them; the weight cache appends its inputs after them), and
+an input amp_fx added gets no source and stays non-static.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+__all__ = ["carry_dynamo_inputs"]
+
+_SOURCE = "_dynamo_source"
+_STATIC = "tensor_dict"  # node.meta["tensor_dict"]["_dynamo_static_input_type"] marks a static input
+
+
+def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> None:
+    """Give ``gm`` (a graph traced from ``dynamo_gm``, its placeholders first and in order) Dynamo's
+    input metadata: the compile id, the parameter sources, and each shared placeholder's source and
+    static mark. Leaves ``gm`` alone where ``dynamo_gm`` has none to give (not captured by Dynamo)
+    or where the two do not line up: AOTAutograd then treats ``gm`` as it did before."""
+    if gm is dynamo_gm or "dynamo_compile_id" not in dynamo_gm.meta:
+        return
+    theirs = list(dynamo_gm.graph.find_nodes(op="placeholder"))
+    ours = list(gm.graph.find_nodes(op="placeholder"))
+    if len(ours) < len(theirs) or not all(hasattr(n, _SOURCE) for n in theirs):
+        return
+    param_sources = getattr(dynamo_gm, "_param_name_to_source", None)
+    params = (name for name, _ in gm.named_parameters(remove_duplicate=False))
+    if param_sources is None or any(name not in param_sources for name in params):
+        return
+    for node, dynamo_node in zip(ours, theirs, strict=False):
+        setattr(node, _SOURCE, getattr(dynamo_node, _SOURCE))
+        if _STATIC in dynamo_node.meta:
+            node.meta[_STATIC] = dynamo_node.meta[_STATIC]
+    for node in ours[len(theirs):]:
+        setattr(node, _SOURCE, None)
+    gm._param_name_to_source = param_sources
+    gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
