@@ -44,8 +44,11 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
     if len(ours) < len(theirs) or not all(hasattr(n, _SOURCE) for n in theirs):
         return
     param_sources = getattr(dynamo_gm, "_param_name_to_source", None)
-    params = (name for name, _ in gm.named_parameters(remove_duplicate=False))
-    if param_sources is None or any(name not in param_sources for name in params):
+    # AOTAutograd lifts gm's own parameters and buffers (a constant capture made a buffer, as
+    # for GPT-2 traced with symbolic shapes) and needs a Dynamo source for each: where one has
+    # none, gm is left as it was
+    owned = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    if param_sources is None or any(name not in param_sources for name, _ in owned):
         return
     for node, dynamo_node in zip(ours, theirs, strict=False):
         setattr(node, _SOURCE, getattr(dynamo_node, _SOURCE))
