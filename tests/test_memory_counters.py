@@ -44,6 +44,28 @@ def test_saved_bytes_of_a_linear_fp32_and_autocast() -> None:
     assert saved.bytes() == saved.bytes(exclude=list(layer.parameters())) == 2 * (X + WEIGHT)
 
 
+def test_fp8_saves_the_weight_for_the_backward_not_its_fp8_cast() -> None:
+    """Saved for the backward, a weight's fp8 cast (one byte per element) lives from the forward to
+    the backward; the fp32 weight is held anyway (a parameter), so the backward casts it again, as
+    torchao does (tests/test_fp8.py compares the bytes with torchao's where it is installed). The
+    partitioner (``aot_eager_decomp_partition`` runs inductor's) counts a weight free to keep only
+    where AOTAutograd sees it as a static input: amp_fx/backend/dynamo_inputs.py."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, OUT, bias=False), nn.ReLU(), nn.Linear(OUT, IN, bias=False))
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager_decomp_partition")
+    x = torch.randn(BATCH, IN)  # no gradient: only the second weight's cast feeds a backward GEMM
+    compiled(x).float().sum().backward()  # compiles outside the hooks (fake tensors)
+    with SavedBytes() as saved:
+        out = compiled(x)
+    out.float().sum().backward()
+    weight_size = model[2].weight.numel()
+    fp8_weights = [tuple(t.shape) for t in saved.tensors
+                   if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() == weight_size]
+    assert fp8_weights == []
+    ptr = model[2].weight.untyped_storage().data_ptr()
+    assert any(t.untyped_storage().data_ptr() == ptr for t in saved.tensors), "the fp32 weight is saved"
+
+
 def test_saved_bytes_count_a_storage_once() -> None:
     # Two linears read the same x: two saves, one storage. A view of x is x's storage too.
     a, b, x = _linear(), _linear(), torch.randn(BATCH, IN)
