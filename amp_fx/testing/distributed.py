@@ -6,6 +6,11 @@ and returns what each rank returned (anything ``torch.save`` can write), rank 0 
 exception in a rank is raised in the caller with that rank's traceback. ``backend=`` picks another
 process-group backend: ``amp_fx.testing.memory.COUNTING_BACKEND`` is gloo with every collective's
 bytes counted (``amp_fx.testing.memory.sent_bytes``).
+
+The ranks run on the CPU: they start with no CUDA device visible (``CUDA_VISIBLE_DEVICES=""``).
+Where one is, FSDP2's ``fully_shard`` without ``mesh=`` builds its mesh on the accelerator and
+moves every rank's parameters onto it: on a machine with one GPU, both gloo ranks' parameters
+went to ``cuda:0`` while their inputs stayed on the CPU.
 """
 
 from __future__ import annotations
@@ -51,8 +56,16 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: 
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` ranks (gloo by default); their return values."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args, backend),
-                 nprocs=world_size, join=True)
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
-                for r in range(world_size)]
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the children read it at start (module docstring)
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args, backend),
+                     nprocs=world_size, join=True)
+            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
+                    for r in range(world_size)]
+    finally:
+        if hidden is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
