@@ -123,8 +123,9 @@ class AmpBackend:
             work = run_pipeline(self.options, gm, example_inputs, index=index,
                                 is_state=names.is_module_state)
             record = work.record(self.options.dtype)
-            for traced in (work.gm, record.rewritten, *([work.lifted.gm] if work.lifted is not None else [])):
-                carry_dynamo_inputs(gm, traced)
+            carry_dynamo_inputs(gm, work.gm)  # record.rewritten: what the downstream backend gets
+            if work.lifted is not None:  # or this, with the weight cache
+                carry_dynamo_inputs(gm, work.lifted.gm)
             if self.weight_cache is not None:
                 compiled = self._compile_with_weight_cache(work, record)
             else:
