@@ -331,6 +331,35 @@ def _cut_region(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> _Regi
     return _Region(torch.fx.GraphModule(gm, graph), tuple(inputs), tuple(outputs), frozenset(inside))
 
 
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+# DTensor's own entry and exit points, as Dynamo records them (torch 2.11-2.15: ``from_local`` as a
+# call of ``torch.distributed.tensor._api.from_local``, the rest as methods of the DTensor). Each is
+# an autograd.Function (``_FromTorchTensor``, ``_ToTorchTensor``, ``Redistribute``) that makes a new
+# DTensor wrapper without dispatching an op, so pre-dispatch tracing would neither see its backward
+# nor track the DTensor it returns (the next op on it then fails: "Unable to cast NotImplemented to
+# Tensor", proxy_call's answer for a tensor subclass it has no proxy for). Recorded whole, as
+# Dynamo's graph has them, they keep their semantics; the ATen ops between them are recorded on the
+# DTensors and cast like any others, as eager autocast casts them above DTensor's dispatch.
+_DTENSOR_METHODS = frozenset({"to_local", "redistribute", "full_tensor"})
+
+
+@cache
+def _dtensor_boundary_functions() -> frozenset[Any]:
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return frozenset()
+    from torch.distributed.tensor import _api
+
+    return frozenset({dtensor.from_local, _api.from_local} | {getattr(dtensor, m) for m in _DTENSOR_METHODS})
+
+
 class _InliningInterpreter(torch.fx.Interpreter):
     """Runs Dynamo's graph, inlining activation-checkpointed regions.
 
@@ -383,7 +412,15 @@ class _InliningInterpreter(torch.fx.Interpreter):
             log.info("amp_fx: %s stays whole; its ops are cast by eager autocast", target.name())
             return _record_opaque(autocast_hop, (self.device_type, self.dtype, target.name(), *args),
                                   kwargs)
+        if target in _dtensor_boundary_functions():
+            return _record_opaque(target, args, kwargs)
         return super().call_function(target, args, kwargs)
+
+    def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(args[0], dtensor) and target in _DTENSOR_METHODS:
+            return _record_opaque(getattr(dtensor, target), args, kwargs)
+        return super().call_method(target, args, kwargs)
 
 
 @contextlib.contextmanager
