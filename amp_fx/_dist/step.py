@@ -54,7 +54,8 @@ import torch
 
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
-__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward", "is_fsdp2"]
+__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward",
+           "has_dtensor_params", "is_fsdp2", "is_sharded"]
 
 # torch.optim classes whose step is elementwise per parameter: on a rank's shard it computes
 # what DTensor's dispatch computes for that shard. Exact classes: a subclass may override step.
@@ -72,56 +73,100 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
     return not _is_ddp(model) and distributed_units(model) is not None
 
 
-def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def has_dtensor_params(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (FSDP2, tensor parallelism, or both)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether compile_step's finish runs on local tensors (:class:`LocalShards`): FSDP2, or
+    DTensor parameters (``parallelize_module``), alone or together."""
+    return is_fsdp2(model) or (not _is_ddp(model) and has_dtensor_params(model))
+
+
+def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                           max_grad_norm: float | None = None) -> None:
     """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
 
     FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
-    FSDP2: the optimizer must be one of :data:`SHARD_LOCAL_OPTIMIZERS`, and every parameter a
-    DTensor sharded on dim 0 over one 1-D device mesh.
+    FSDP2 and DTensor parameters (tensor parallelism, FSDP2 x TP, HSDP): the optimizer must be one
+    of :data:`SHARD_LOCAL_OPTIMIZERS`; under FSDP2 every parameter is a DTensor; ``max_grad_norm``
+    only where every parameter is sharded on dim 0 over one 1-D mesh (see :func:`_layout`).
     """
     if is_fsdp1(model):
         raise NotImplementedError(
             "amp_fx.compile_step: the model is wrapped in FullyShardedDataParallel (FSDP1), which "
             f"compile_step does not support; {FSDP1_ALTERNATIVE}")
-    if not is_fsdp2(model):
+    if not is_sharded(model):
         return
     kind = type(optimizer)
     if kind not in SHARD_LOCAL_OPTIMIZERS:
         names = ", ".join(c.__name__ for c in SHARD_LOCAL_OPTIMIZERS)
         raise NotImplementedError(
-            f"amp_fx.compile_step: on an FSDP2 (fully_shard) model the optimizer steps on each rank's "
-            f"local shards, which is exact only for elementwise optimizers ({names}); got "
+            f"amp_fx.compile_step: on a sharded model (FSDP2 or DTensor parameters) the optimizer steps on "
+            f"each rank's local shards, which is exact only for elementwise optimizers ({names}); got "
             f"{kind.__module__}.{kind.__qualname__}. Use amp_fx.compile(model) with amp_fx.GradScaler("
             "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors")
-    _shard_layout([p for g in optimizer.param_groups for p in g["params"]])
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    mesh = _layout(params, fsdp2=is_fsdp2(model))
+    if mesh is None and max_grad_norm is not None:
+        placements = sorted({f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh" for p in params
+                             if hasattr(p, "device_mesh")})
+        raise NotImplementedError(
+            f"amp_fx.compile_step(max_grad_norm={max_grad_norm}): the gradient norm is combined across ranks "
+            f"for FSDP2's default layout only (Shard(0) on a 1-D mesh); these parameters are laid out as "
+            f"{'; '.join(placements)}. Drop max_grad_norm, or use amp_fx.compile(model) with "
+            "amp_fx.GradScaler: scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(...)")
 
 
-def _shard_layout(params: Sequence[torch.Tensor]) -> Any:
+def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
     """The 1-D device mesh all ``params`` are sharded over on dim 0 (the first, where meshes over
-    the same ranks differ), or a clear error."""
+    the same ranks differ): FSDP2's default layout, where the found-inf flag and the gradient
+    norm are combined over that mesh's group. None for any other layout of DTensors (tensor
+    parallel placements, 2-D meshes, plain tensors beside DTensors): there the flag is combined
+    over every rank of the default group, and the norm is not supported. Plain tensors in an
+    FSDP2 model are a clear error (their gradients are not reduced by FSDP2)."""
     from torch.distributed.tensor import DTensor, Shard
 
     meshes: dict[tuple[int, ...], Any] = {}
+    default = True
     for i, p in enumerate(params):
         if not isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"amp_fx.compile_step: parameter {i} of the optimizer is a plain tensor in an FSDP2 model "
-                "(not sharded by fully_shard); apply fully_shard to the root module too, so every "
-                "parameter is sharded")
+            if fsdp2:
+                raise NotImplementedError(
+                    f"amp_fx.compile_step: parameter {i} of the optimizer is a plain tensor in an FSDP2 model "
+                    "(not sharded by fully_shard); apply fully_shard to the root module too, so every "
+                    "parameter is sharded")
+            default = False
+            continue
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-            raise NotImplementedError(
-                f"amp_fx.compile_step: parameter {i} is a DTensor with placements {tuple(p.placements)} "
-                f"on a {p.device_mesh.ndim}-D mesh; compile_step supports FSDP2's default layout "
-                "(Shard(0) on a 1-D mesh). For HSDP or custom shard placements use amp_fx.compile(model) "
-                "with amp_fx.GradScaler")
+            default = False
         # fully_shard without a mesh makes a new mesh per call: meshes over the same ranks are one.
-        meshes.setdefault(tuple(p.device_mesh.mesh.tolist()), p.device_mesh)
-    if len(meshes) != 1:
-        raise NotImplementedError(
-            f"amp_fx.compile_step: the parameters are sharded over device meshes of different ranks "
-            f"{sorted(meshes)}; compile_step supports one set of ranks (the found-inf flag and the "
-            "gradient norm are combined over its group)")
-    return next(iter(meshes.values()))
+        meshes.setdefault(tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh)
+    if default and len(meshes) == 1:
+        return next(iter(meshes.values()))
+    return None
+
+
+def _flag_group(params: Sequence[torch.Tensor], fsdp2: bool) -> Any:
+    """The process group the found-inf flag (and the norm) is combined over (see :func:`_layout`)."""
+    mesh = _layout(params, fsdp2=fsdp2)
+    return torch.distributed.group.WORLD if mesh is None else mesh.get_group()
+
+
+def _placed_as_param(grad: Any, param: Any) -> Any:
+    """``grad`` with its parameter's placements. A compiled backward can leave a DTensor gradient
+    ``Partial`` (each rank's unreduced sum) where the parameter is ``Replicate`` (the norms of
+    sequence parallelism); DTensor's dispatch reduces it when the optimizer's first op meets the
+    parameter, so the local step must reduce it first: the same all-reduce, here and eagerly."""
+    placements = getattr(param, "placements", None)
+    if placements is None or tuple(grad.placements) == tuple(placements):
+        return grad
+    return grad.redistribute(param.device_mesh, placements)
 
 
 def _local(t: Any) -> Any:
@@ -140,10 +185,11 @@ class LocalShards:
     created the state; the view is kept between steps (Dynamo guards on it).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
+                 fsdp2: bool = True) -> None:
         self._user = optimizer
         self._dparams = list(params)
-        self.group = _shard_layout(self._dparams).get_group()
+        self.group = _flag_group(self._dparams, fsdp2)
         self.params = [_local(p) for p in self._dparams]
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)
@@ -160,7 +206,7 @@ class LocalShards:
                     vg[k] = v
         state = self.optimizer.state
         for p, lp in zip(self._dparams, self.params):
-            lp.grad = None if p.grad is None else _local(p.grad)
+            lp.grad = None if p.grad is None else _local(_placed_as_param(p.grad, p))
             user = self._user.state.get(p)
             if not user:
                 continue

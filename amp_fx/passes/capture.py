@@ -58,8 +58,8 @@ from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_f
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "autocast_hop", "autocast_region", "eager_autocast", "is_cacheable_leaf", "module_path",
-           "module_stack", "source_name", "source_text", "data_inputs"]
+__all__ = ["capture", "autocast_hop", "autocast_region", "dtensor_method", "eager_autocast", "is_cacheable_leaf",
+           "module_path", "module_stack", "source_name", "source_text", "data_inputs"]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -350,6 +350,12 @@ def _dtensor_type() -> type | None:
 _DTENSOR_METHODS = frozenset({"to_local", "redistribute", "full_tensor"})
 
 
+def dtensor_method(name: str, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """``tensor.<name>(*args, **kwargs)``: a DTensor method of :data:`_DTENSOR_METHODS` as a node of
+    the captured graph (a function, since the passes take only functions and ATen ops)."""
+    return getattr(tensor, name)(*args, **kwargs)
+
+
 @cache
 def _dtensor_boundary_functions() -> frozenset[Any]:
     dtensor = _dtensor_type()
@@ -357,7 +363,7 @@ def _dtensor_boundary_functions() -> frozenset[Any]:
         return frozenset()
     from torch.distributed.tensor import _api
 
-    return frozenset({dtensor.from_local, _api.from_local} | {getattr(dtensor, m) for m in _DTENSOR_METHODS})
+    return frozenset({dtensor.from_local, _api.from_local})
 
 
 class _InliningInterpreter(torch.fx.Interpreter):
@@ -419,7 +425,7 @@ class _InliningInterpreter(torch.fx.Interpreter):
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(args[0], dtensor) and target in _DTENSOR_METHODS:
-            return _record_opaque(getattr(dtensor, target), args, kwargs)
+            return _record_opaque(dtensor_method, (target, *args), kwargs)
         return super().call_method(target, args, kwargs)
 
 

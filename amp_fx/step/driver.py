@@ -348,7 +348,8 @@ def compile_step(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    check_distributed_step(model, optimizer)  # FSDP1, FSDP2 layouts/optimizers: a clear error
+    # FSDP1, sharded layouts/optimizers, a norm that cannot be combined: a clear error
+    check_distributed_step(model, optimizer, max_grad_norm=max_grad_norm)
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(dtype=options.dtype, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,

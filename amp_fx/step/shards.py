@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from amp_fx._dist.step import LocalShards, is_fsdp2
+from amp_fx._dist.step import LocalShards, is_fsdp2, is_sharded
 
 __all__ = ["StepShards", "amp_flags"]
 
@@ -37,11 +37,13 @@ def amp_flags(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None,
 
 
 class StepShards:
-    """The local view of a compiled step's optimizer on an FSDP2 model (``view``; None before the
-    first compiled finish, after :meth:`reset`, and on other models)."""
+    """The local view of a compiled step's optimizer on a sharded model (FSDP2, DTensor parameters of
+    tensor parallelism, or both: ``view``; None before the first compiled finish, after
+    :meth:`reset`, and on other models)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.enabled = is_fsdp2(model)
+        self.enabled = is_sharded(model)
+        self._fsdp2 = is_fsdp2(model)
         self.view: LocalShards | None = None
 
     def reset(self) -> None:
@@ -53,7 +55,7 @@ class StepShards:
         if not self.enabled:
             return None
         if self.view is None:
-            self.view = LocalShards(optimizer, params)
+            self.view = LocalShards(optimizer, params, fsdp2=self._fsdp2)
         self.view.before_finish()
         return self.view
 

@@ -1,0 +1,229 @@
+"""What each rank runs for tests/test_distributed_tp.py: tensor parallelism (``parallelize_module``).
+
+A small pre-norm transformer (SDPA attention, ReLU MLP) sharded as torchtitan and torch's TP tutorial
+shard one: ``ColwiseParallel`` on q/k/v and the MLP's first linear, ``RowwiseParallel`` on the
+attention's output projection and the MLP's second linear. With ``sequence_parallel`` the norms are
+``SequenceParallel`` (their parameters replicated DTensors, the activations between the blocks sharded
+on the sequence), the attention and MLP gather their input with ``PrepareModuleInput`` and the row-wise
+linears reduce-scatter it back (``output_layouts=Shard(1)``): every parameter is a DTensor, and the
+residual stream is each rank's local slice of the sequence, as in torchtitan's Llama.
+
+One recipe, run by the reference (eager ``torch.autocast`` on the same sharded model, with FSDP's
+``ShardedGradScaler`` for fp16, whose found-inf flag is all-reduced over every rank) and by amp_fx:
+AdamW, MSE loss in fp32, an inf planted in rank 0's *local shard* of one gradient at step 1 (no other
+rank holds that element: every rank must skip that step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+
+STEPS = 3
+PLANTED_STEP = 1
+D, HEADS, SEQ, BATCH = 32, 4, 8, 2
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.wo = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def make_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer()
+
+
+def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = False) -> Transformer:
+    """Shard ``model`` over ``mesh`` (1-D) in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    for block in model.blocks:
+        plan: dict[str, Any] = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                                "mlp.w1": ColwiseParallel()}
+        if sequence_parallel:
+            plan.update({
+                "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        else:
+            plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:  # the replicated input enters sharded on the sequence, the output leaves whole
+        parallelize_module(model, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
+        })
+    return model
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank (tensor parallelism replicates the input)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, SEQ, D, generator=g), torch.randn(BATCH, SEQ, D, generator=g)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _plant(model: nn.Module, rank: int, step: int) -> None:
+    """An inf in one element of rank 0's local shard of ``blocks.0.attn.q.weight``'s gradient."""
+    if rank != 0 or step != PLANTED_STEP:
+        return
+    grad = model.blocks[0].attn.q.weight.grad
+    with torch.no_grad():
+        (grad._local_tensor if hasattr(grad, "_local_tensor") else grad).view(-1)[0] = math.inf
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    # foreach=False: without sequence parallelism the norms' parameters are plain tensors beside
+    # DTensors, which torch's foreach kernels refuse to mix in one list
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+
+
+def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
+    """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
+    amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    opt = _adamw(model)
+    losses, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if form == "step":
+            at = {"step": 0}
+            opt.register_step_pre_hook(lambda *_: _plant(model, rank, at["step"]))
+            scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+            step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y), dtype=dtype,
+                                       scaler=scaler, backend="aot_eager")
+            for i in range(STEPS):
+                losses.append(step(*_batch(i)).detach().clone())
+                scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
+                              else torch.tensor(scaler.get_scale()))
+                at["step"] = i + 1
+        else:
+            forward: Any = model if form == "eager" else amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+            scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if form == "eager"
+                      else amp_fx.GradScaler("cpu", growth_interval=2))
+            for i in range(STEPS):
+                x, y = _batch(i)
+                ctx = torch.autocast("cpu", dtype=low) if form == "eager" else contextlib.nullcontext()
+                with ctx:
+                    loss = F.mse_loss(forward(x).float(), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if scaler is not None:
+                    _plant(model, rank, i)
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(torch.tensor(scaler.get_scale()))
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach().clone())
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales) if scales else torch.zeros(0),
+            "params": {n: _local(p) for n, p in model.named_parameters()}, "amp_fx_warnings": _fallbacks(caught)}
+
+
+def fp8_outputs(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    """One amp_fx fp8 (tensorwise) forward and backward: the output, the local gradients, and how many
+    of the captured matmuls with a parameter operand were converted."""
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+        out.float().pow(2).mean().backward()
+    decisions = [n.meta["amp_fx_fp8"] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
+                 if "amp_fx_fp8" in n.meta]
+    return {"out": _local(out), "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+            "converted": sum(d.converted for d in decisions), "considered": len(decisions),
+            "amp_fx_warnings": _fallbacks(caught)}
+
+
+# (sequence_parallel, dtype, form). fp16 with sequence parallelism only: without it the norms' parameters
+# are plain tensors beside DTensors, and the reference's ShardedGradScaler (torch's unscale kernel on
+# DTensors) refuses the mix ("got mixed torch.Tensor and DTensor").
+CASES = [(False, "bf16", "eager"), (False, "bf16", "amp_fx"),
+         (True, "bf16", "eager"), (True, "bf16", "amp_fx"),
+         (True, "fp16", "eager"), (True, "fp16", "amp_fx"), (True, "fp16", "step")]
+
+
+def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
+    """Every case of tests/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results: dict[Any, Any] = {}
+    for case in CASES:
+        sp, dtype, form = case
+        torch._dynamo.reset()
+        results[case] = train(tensor_parallel(make_model(), mesh, sequence_parallel=sp), rank, dtype, form)
+    torch._dynamo.reset()
+    x, _ = _batch(0)
+    results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), mesh), x)
+    torch._dynamo.reset()
+    results["fp8_whole"] = fp8_outputs(make_model(), x)
+    return results

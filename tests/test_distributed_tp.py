@@ -1,0 +1,108 @@
+"""amp_fx on tensor-parallel models (``parallelize_module``): 2 gloo ranks, bitwise with eager autocast.
+
+The model and the recipe: ``tests/_dist_tp_cases.py``. Reference: eager ``torch.autocast`` on the same
+sharded model (fp16: FSDP's ``ShardedGradScaler``, whose found-inf flag is all-reduced over every rank).
+amp_fx: ``amp_fx.compile(model, backend="aot_eager")`` with ``amp_fx.GradScaler``, and
+``amp_fx.compile_step``. Before the fix in ``amp_fx/passes/capture.py`` (DTensor's ``from_local``,
+``to_local`` and ``redistribute`` recorded whole) every graph of these models fell back to
+``torch.compile`` + autocast with the warning "capture failed ... Unable to cast NotImplemented to
+Tensor": ``test_no_fallback_on_tensor_parallel_models`` fails there. All cases run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist_tp_cases import CASES, PLANTED_STEP, tp_all
+
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.distributed import run_ranks
+from tests._step_cases import ADAM_TRACED_RTOL
+
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
+
+AMP_CASES = [c for c in CASES if c[2] != "eager"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(tp_all)
+
+
+def _name(case: tuple) -> str:
+    sp, dtype, form = case
+    return f"{'SP' if sp else 'TP'} {dtype} {form}"
+
+
+@pytest.mark.parametrize("case", AMP_CASES, ids=_name)
+def test_no_fallback_on_tensor_parallel_models(ranks, case):
+    for rank, res in enumerate(ranks):
+        assert res[case]["amp_fx_warnings"] == [], f"rank {rank}, {_name(case)}"
+
+
+@pytest.mark.parametrize("case", [c for c in AMP_CASES if c[2] == "amp_fx"], ids=_name)
+def test_tp_compile_bitwise_with_eager_autocast(ranks, case):
+    """Loss, scale and every rank's local parameters after 3 AdamW steps, bit for bit."""
+    sp, dtype, _ = case
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(sp, dtype, "eager")]
+        what = f"rank {rank}, {_name(case)}"
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks):
+    """The inf is in rank 0's local shard only; every rank backs off at that step, eager and amp_fx."""
+    for case in [(True, "fp16", form) for form in ("eager", "amp_fx", "step")]:
+        for rank, res in enumerate(ranks):
+            scales = res[case]["scales"].tolist()
+            assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"rank {rank}, {_name(case)}: {scales}"
+            assert scales[0] == scales[PLANTED_STEP - 1], f"rank {rank}, {_name(case)}: {scales}"
+
+
+def test_tp_compile_step_matches_eager_recipe(ranks):
+    """compile_step, fp16, SequenceParallel norms (Replicate parameters whose compiled gradients
+    are Partial until reduced): losses and scales bitwise; the parameters within the traced Adam
+    step's rounding (ADAM_TRACED_RTOL of each parameter's movement, as on FSDP2), where an
+    unreduced Partial gradient was 5e3 times that (0.006-0.016 on the norms)."""
+    case = (True, "fp16", "step")
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(True, "fp16", "eager")]
+        assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
+        for name, e in want["params"].items():
+            a = got["params"][name]
+            # movement: 3 steps of AdamW at lr 1e-2, one skipped: at most 2 * lr per element
+            bound = ADAM_TRACED_RTOL * 2 * 1e-2 + 2**-24 * e.abs()
+            assert ((a - e).abs() <= bound).all(), f"rank {rank}, {name}: max diff {(a - e).abs().max()}"
+
+
+def test_tp_fp8_converts_every_sharded_linear_and_matches_the_unsharded_run(ranks):
+    """fp8 tensorwise on the TP model: every matmul with a (DTensor) parameter operand converted,
+    the scales taken over the whole tensor (DTensor reduces the amax across ranks: a column-parallel
+    linear alone is bitwise with the unsharded one). The row-parallel linears add two ranks' bf16
+    partial outputs where the unsharded GEMM rounds once, and a one-ulp change of a bf16 input can move
+    an e4m3 value by one spacing (2^-3 relative) in the next fp8 matmul: the bound on the output is
+    2^-4 of its largest magnitude, on the gradients 2^-3 of the model's gradient norm."""
+    for rank, res in enumerate(ranks):
+        tp, whole = res["fp8_tp"], res["fp8_whole"]
+        assert tp["amp_fx_warnings"] == [], f"rank {rank}"
+        assert tp["converted"] == tp["considered"] == whole["converted"] == 12, f"rank {rank}"
+        out_err = (tp["out"].float() - whole["out"].float()).abs().max()
+        assert out_err <= 2**-4 * whole["out"].float().abs().max(), f"rank {rank}: output error {out_err}"
+        diffs, norms = [], []
+        for name, g in tp["grads"].items():
+            ref = whole["grads"][name]
+            if g.shape != ref.shape:  # this rank's shard of the unsharded gradient
+                dim = 0 if g.shape[0] != ref.shape[0] else 1
+                ref = ref.narrow(dim, rank * g.shape[dim], g.shape[dim])
+            diffs.append((g - ref).flatten())
+            norms.append(ref.flatten())
+        err, norm = torch.cat(diffs).norm(), torch.cat(norms).norm()
+        assert err <= 2**-3 * norm, f"rank {rank}: gradient error {err} of norm {norm}"
