@@ -203,27 +203,52 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
             "amp_fx_warnings": _fallbacks(caught)}
 
 
-# (sequence_parallel, dtype, form). fp16 with sequence parallelism only: without it the norms' parameters
-# are plain tensors beside DTensors, and the reference's ShardedGradScaler (torch's unscale kernel on
-# DTensors) refuses the mix ("got mixed torch.Tensor and DTensor").
-CASES = [(False, "bf16", "eager"), (False, "bf16", "amp_fx"),
-         (True, "bf16", "eager"), (True, "bf16", "amp_fx"),
-         (True, "fp16", "eager"), (True, "fp16", "amp_fx"), (True, "fp16", "step")]
+# (layout, dtype, form). Layouts: "tp" (column/row-wise), "sp" (the same with sequence parallelism),
+# "fsdp_tp" (FSDP2 x TP on a dp 1 x tp 2 mesh: 2-D DTensor parameters, FSDP2's units and TP's hooks
+# together; a 2 x 2 mesh needs 4 ranks and proves nothing this does not), "hsdp" (fully_shard on a
+# replicate 2 x shard 1 mesh). fp16 not on "tp": there the norms' parameters are plain tensors beside
+# DTensors, and the reference's ShardedGradScaler (torch's unscale kernel on DTensors) refuses the mix
+# ("got mixed torch.Tensor and DTensor").
+CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
+         ("sp", "bf16", "eager"), ("sp", "bf16", "amp_fx"),
+         ("sp", "fp16", "eager"), ("sp", "fp16", "amp_fx"), ("sp", "fp16", "step"),
+         ("fsdp_tp", "bf16", "eager"), ("fsdp_tp", "bf16", "amp_fx"),
+         ("fsdp_tp", "fp16", "eager"), ("fsdp_tp", "fp16", "amp_fx"), ("fsdp_tp", "fp16", "step"),
+         ("hsdp", "fp16", "eager"), ("hsdp", "fp16", "amp_fx"), ("hsdp", "fp16", "step")]
+
+
+def sharded_model(layout: str, world_size: int) -> Transformer:
+    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    if layout in ("tp", "sp"):
+        return tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=layout == "sp")
+    if layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     """Every case of tests/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size,))
     results: dict[Any, Any] = {}
     for case in CASES:
-        sp, dtype, form = case
+        layout, dtype, form = case
         torch._dynamo.reset()
-        results[case] = train(tensor_parallel(make_model(), mesh, sequence_parallel=sp), rank, dtype, form)
+        results[case] = train(sharded_model(layout, world_size), rank, dtype, form)
     torch._dynamo.reset()
     x, _ = _batch(0)
-    results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), mesh), x)
+    results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x)
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
     return results

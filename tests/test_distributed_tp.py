@@ -34,8 +34,7 @@ def ranks() -> list[dict]:
 
 
 def _name(case: tuple) -> str:
-    sp, dtype, form = case
-    return f"{'SP' if sp else 'TP'} {dtype} {form}"
+    return " ".join(case)
 
 
 @pytest.mark.parametrize("case", AMP_CASES, ids=_name)
@@ -47,9 +46,9 @@ def test_no_fallback_on_tensor_parallel_models(ranks, case):
 @pytest.mark.parametrize("case", [c for c in AMP_CASES if c[2] == "amp_fx"], ids=_name)
 def test_tp_compile_bitwise_with_eager_autocast(ranks, case):
     """Loss, scale and every rank's local parameters after 3 AdamW steps, bit for bit."""
-    sp, dtype, _ = case
+    layout, dtype, _ = case
     for rank, res in enumerate(ranks):
-        got, want = res[case], res[(sp, dtype, "eager")]
+        got, want = res[case], res[(layout, dtype, "eager")]
         what = f"rank {rank}, {_name(case)}"
         assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
         assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
@@ -57,23 +56,26 @@ def test_tp_compile_bitwise_with_eager_autocast(ranks, case):
             assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
 
 
-def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks):
+@pytest.mark.parametrize("layout", ["sp", "fsdp_tp", "hsdp"])
+def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks, layout):
     """The inf is in rank 0's local shard only; every rank backs off at that step, eager and amp_fx."""
-    for case in [(True, "fp16", form) for form in ("eager", "amp_fx", "step")]:
+    for case in [(layout, "fp16", form) for form in ("eager", "amp_fx", "step")]:
         for rank, res in enumerate(ranks):
             scales = res[case]["scales"].tolist()
             assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"rank {rank}, {_name(case)}: {scales}"
             assert scales[0] == scales[PLANTED_STEP - 1], f"rank {rank}, {_name(case)}: {scales}"
 
 
-def test_tp_compile_step_matches_eager_recipe(ranks):
-    """compile_step, fp16, SequenceParallel norms (Replicate parameters whose compiled gradients
-    are Partial until reduced): losses and scales bitwise; the parameters within the traced Adam
-    step's rounding (ADAM_TRACED_RTOL of each parameter's movement, as on FSDP2), where an
-    unreduced Partial gradient was 5e3 times that (0.006-0.016 on the norms)."""
-    case = (True, "fp16", "step")
+@pytest.mark.parametrize("layout", ["sp", "fsdp_tp", "hsdp"])
+def test_tp_compile_step_matches_eager_recipe(ranks, layout):
+    """compile_step, fp16, on sequence parallelism (Replicate norm parameters whose compiled
+    gradients are Partial until reduced), FSDP2 x TP (2-D parameters) and HSDP: losses and scales
+    bitwise; the parameters within the traced Adam step's rounding (ADAM_TRACED_RTOL of each
+    parameter's movement, as on FSDP2), where an unreduced Partial gradient was 5e3 times that
+    (0.006-0.016 on the norms)."""
+    case = (layout, "fp16", "step")
     for rank, res in enumerate(ranks):
-        got, want = res[case], res[(True, "fp16", "eager")]
+        got, want = res[case], res[(layout, "fp16", "eager")]
         assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
         assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
         for name, e in want["params"].items():

@@ -189,14 +189,17 @@ class ShardedGrads:
 
     def _group(self) -> Any:
         """The process group spanning every rank that holds a shard: the mesh's own group for a
-        1-D mesh, the default group when the mesh covers every rank (e.g. HSDP's 2-D mesh)."""
+        1-D mesh, the default group when the meshes together cover every rank (HSDP's 2-D mesh;
+        FSDP2 x TP, whose norms are sharded over the data-parallel sub-mesh alone and the rest
+        over the 2-D mesh)."""
         import torch.distributed as dist
 
         meshes = list(self._meshes.values())
         if len(meshes) == 1 and meshes[0].ndim == 1:
             return meshes[0].get_group()
         world = dist.get_world_size()
-        if all(m.size() == world for m in meshes):
+        ranks = {r for m in meshes for r in m.mesh.flatten().tolist()}
+        if len(ranks) == world:
             return None
         shapes = [tuple(m.mesh.shape) for m in meshes]
         raise NotImplementedError(
