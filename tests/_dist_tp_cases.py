@@ -251,4 +251,78 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x)
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
+    for schedule, form in PP_CASES:
+        torch._dynamo.reset()
+        results[("pp", schedule, form)] = pipeline_run(rank, world_size, schedule, form)
     return results
+
+
+# ------------------------------------------------------------------------------------ pipeline
+PP_MICROBATCHES = 2
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: the block of the unsplit model at this rank's index (a user-defined
+    module, so Dynamo starts a frame in it)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def pipeline_run(rank: int, world_size: int, schedule: str, form: str) -> dict[str, Any]:
+    """Stage ``rank`` of a ``world_size``-stage pipeline (``torch.distributed.pipelining``, GPipe or
+    1F1B, 2 micro-batches), fp16, 3 AdamW steps, an inf planted in stage 0's gradient at step 1.
+    ``form``: "eager" (torch.autocast around the schedule's step, torch.amp.GradScaler driven by hand:
+    unscale_, its found-inf all-reduced (MAX) over every stage, step, update) or "amp_fx"
+    (``amp_fx.compile`` of the stage, ``amp_fx.GradScaler(process_group=WORLD)``)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage_module = _Stage(make_model().blocks[rank])
+    opt = _adamw(stage_module)
+    if form == "eager":
+        scaler: Any = torch.amp.GradScaler("cpu", growth_interval=2)
+        run_module: nn.Module = stage_module
+    else:
+        scaler = amp_fx.GradScaler("cpu", growth_interval=2, process_group=dist.group.WORLD)
+        run_module = amp_fx.compile(stage_module, dtype="fp16", backend="aot_eager")
+    stage = PipelineStage(run_module, rank, world_size, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipe = kind(stage, PP_MICROBATCHES, loss_fn=lambda out, y: scaler.scale(F.mse_loss(out.float(), y)))
+    losses, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            x, y = _batch(i)
+            step_losses: list[torch.Tensor] = []
+            ctx = torch.autocast("cpu", dtype=torch.float16) if form == "eager" else contextlib.nullcontext()
+            with ctx:
+                if rank == 0:
+                    pipe.step(x)
+                else:
+                    pipe.step(target=y, losses=step_losses)
+            if rank == 0 and i == PLANTED_STEP:
+                with torch.no_grad():
+                    stage_module.block.attn.q.weight.grad.view(-1)[0] = math.inf
+            if form == "eager":  # the flag combined over every stage by hand
+                if rank == 0:  # torch's scaler makes its scale in scale(), which only the loss's stage calls
+                    scaler.scale(torch.zeros(()))
+                scaler.unscale_(opt)
+                for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(torch.tensor(scaler.get_scale()))
+            if step_losses:
+                losses.append(torch.stack([loss.detach() for loss in step_losses]))
+    return {"losses": torch.stack(losses) if losses else torch.zeros(0), "scales": torch.stack(scales),
+            "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
+            "amp_fx_warnings": _fallbacks(caught)}
+
+
+PP_CASES = [(schedule, form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")]

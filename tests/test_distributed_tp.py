@@ -1,4 +1,4 @@
-"""amp_fx on tensor-parallel models (``parallelize_module``): 2 gloo ranks, bitwise with eager autocast.
+"""amp_fx on tensor-parallel, FSDP2 x TP, HSDP and pipeline models: 2 gloo ranks, bitwise with eager autocast.
 
 The model and the recipe: ``tests/_dist_tp_cases.py``. Reference: eager ``torch.autocast`` on the same
 sharded model (fp16: FSDP's ``ShardedGradScaler``, whose found-inf flag is all-reduced over every rank).
@@ -108,3 +108,22 @@ def test_tp_fp8_converts_every_sharded_linear_and_matches_the_unsharded_run(rank
             norms.append(ref.flatten())
         err, norm = torch.cat(diffs).norm(), torch.cat(norms).norm()
         assert err <= 2**-3 * norm, f"rank {rank}: gradient error {err} of norm {norm}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_fp16_skip_together_bitwise_with_eager_by_hand(ranks, schedule):
+    """Two stages (torch.distributed.pipelining), fp16: amp_fx.compile per stage and
+    amp_fx.GradScaler(process_group=WORLD) against eager autocast + torch.amp.GradScaler with its
+    found-inf all-reduced by hand. The inf planted in stage 0's gradient backs off the scale on
+    both stages (without the combined flag stage 1 would step and keep its scale); the loss on
+    the last stage, the scales and every stage's parameters bitwise."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("pp", schedule, "amp_fx")], res[("pp", schedule, "eager")]
+        what = f"stage {rank}, {schedule}"
+        assert got["amp_fx_warnings"] == [], what
+        scales = got["scales"].tolist()
+        assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"{what}: {scales}"
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")

@@ -130,11 +130,13 @@ def running_ddp() -> torch.nn.Module | None:
 
 
 class ShardedGrads:
-    """Collects the meshes of sharded gradients met while unscaling, then combines the flag."""
+    """Collects the meshes of sharded gradients met while unscaling, then combines the flag (over
+    ``group`` when given: the scaler's ``process_group``, with or without sharded gradients)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self._dtensor = _dtensor_type()
         self._meshes: dict[int, Any] = {}
+        self._given_group = group
 
     def local(self, grad: torch.Tensor) -> torch.Tensor:
         """The tensor to check and unscale in place: a DTensor's local shard, else ``grad``.
@@ -149,8 +151,9 @@ class ShardedGrads:
 
     @property
     def is_sharded(self) -> bool:
-        """Whether some gradient met so far is sharded (or partial) across ranks."""
-        return bool(self._meshes)
+        """Whether some gradient met so far is sharded (or partial) across ranks, or a group was
+        given: whether the flag is combined across ranks."""
+        return bool(self._meshes) or self._given_group is not None
 
     def combine_found_inf_(self, per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
                            grad_flags: list[torch.Tensor] | None = None, first_op: torch.Tensor | None = None
@@ -166,7 +169,7 @@ class ShardedGrads:
         (int64, -1: none), whose combination over the ranks (:func:`combine_first_op`'s, as a MAX of
         the negated packed value) is returned as (record, rank).
         """
-        if not self._meshes:
+        if not self.is_sharded:
             return None
         import torch.distributed as dist
 
@@ -194,6 +197,8 @@ class ShardedGrads:
         over the 2-D mesh)."""
         import torch.distributed as dist
 
+        if self._given_group is not None:
+            return self._given_group
         meshes = list(self._meshes.values())
         if len(meshes) == 1 and meshes[0].ndim == 1:
             return meshes[0].get_group()

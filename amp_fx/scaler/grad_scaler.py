@@ -138,6 +138,11 @@ class GradScaler(torch.amp.GradScaler):
             less than asked (an ``AmpFxWarning``: a ``StepMode.MASKED`` step that has to read
             found_inf on the host). ``None``: the ``AMP_FX_STRICT`` environment variable decides,
             read when the scaler is created.
+        process_group: combine the inf/NaN flag over this group's ranks at every unscale (one
+            all-reduce, MAX), so that they all skip the same steps and keep the same scale: the
+            stages of a pipeline (``torch.distributed.pipelining``), whose gradients are plain
+            tensors of different parameters on each rank. ``None`` (default): the flag is
+            combined only over the meshes of sharded (DTensor) gradients, as FSDP2 needs.
 
     Example::
 
@@ -172,6 +177,7 @@ class GradScaler(torch.amp.GradScaler):
         hysteresis: int = 1,
         consecutive_hysteresis: bool = False,
         strict: bool | None = None,
+        process_group: Any = None,
     ) -> None:
         # torch.amp.GradScaler.__init__ is deliberately not called: it would warn with a stack
         # level pointing into this file. The same attributes are set here instead.
@@ -204,6 +210,7 @@ class GradScaler(torch.amp.GradScaler):
             raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}")
         self._hysteresis = hysteresis
         self._consecutive_hysteresis = bool(consecutive_hysteresis)
+        self._process_group = process_group
 
         self._init_scale = 1.0 if mode is ScalerMode.CHECK_ONLY else init_scale
         self._scale: torch.Tensor | None = None
@@ -335,6 +342,16 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
         return (self._scale, self._growth_tracker)
 
+    def _init_without_scale(self, optimizer: torch.optim.Optimizer) -> None:
+        """With a ``process_group`` (pipeline stages), a stage that never calls ``scale()`` (only the
+        last holds the loss; the scaled gradients reach the others through the backward) starts at
+        ``init_scale`` too, on its parameters' device; the combined flag keeps every stage's scale
+        equal after that."""
+        if self._scale is not None or self._process_group is None:
+            return
+        devices = [p.device for g in optimizer.param_groups for p in g["params"]]
+        self._lazy_init_scale_growth_tracker(devices[0] if devices else torch.device(self._device))
+
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
@@ -459,7 +476,9 @@ class GradScaler(torch.amp.GradScaler):
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         per_device_grads: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         per_device_params: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        sharded = ShardedGrads()  # FSDP2: DTensor grads are unscaled through their local shard
+        # FSDP2: DTensor grads are unscaled through their local shard; pipeline stages: the flag
+        # is combined over the group given to the constructor
+        sharded = ShardedGrads(self._process_group)
         self._skip_record.attach_found(optimizer)  # once, unless watch() was called
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -523,6 +542,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        self._init_without_scale(optimizer)
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
@@ -630,6 +650,7 @@ class GradScaler(torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._init_without_scale(optimizer)
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
