@@ -17,6 +17,7 @@ rank holds that element: every rank must skip that step).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from typing import Any
@@ -237,6 +238,64 @@ def sharded_model(layout: str, world_size: int) -> Transformer:
     return fully_shard(model, mesh=mesh)
 
 
+class _MLP(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, 2 * D, bias=bias), nn.Linear(2 * D, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
+    """fp8 tensorwise, amp_fx on a TP MLP (Colwise w1, Rowwise w2) against torchao's
+    ``Float8ColwiseParallel``/``Float8RowwiseParallel`` on its ``Float8Linear``s, same mesh and
+    weights: "same" on bias-free linears fed a bf16-exact input, where both recipes scale the same
+    values; "bias" with biases and an fp32 input, where torchao's TP styles scale the fp32 input
+    (their hook runs before Float8Linear's autocast cast) and take the bias gradient from the fp8
+    grad_output, so torchao's TP differs from torchao unsharded, and amp_fx's TP (whose column-wise
+    layer is bitwise with unsharded fp8) is compared with torchao *unsharded* instead. None
+    without torchao."""
+    from amp_fx.testing.fp8_reference import cpu_autocast_torchao, torchao_float8, torchao_missing
+
+    if torchao_missing() is not None:
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    def run_torchao(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().pow(2).sum().backward()  # sum: the same loss on a shard and on the whole
+        return _local(out), {n: _local(p.grad) for n, p in model.named_parameters()}
+
+    def run_amp_fx(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager")(x)
+        out.float().pow(2).sum().backward()  # sum: the same loss on a shard and on the whole
+        return _local(out), {n: _local(p.grad) for n, p in model.named_parameters()}
+
+    results: dict[str, Any] = {}
+    for kind, bias in (("same", False), ("bias", True)):
+        torch.manual_seed(0)
+        base = _MLP(bias)
+        x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(5))
+        if not bias:
+            x = x.bfloat16().float()
+        ours = copy.deepcopy(base)
+        parallelize_module(ours, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        theirs = torchao_float8(copy.deepcopy(base), "tensorwise")
+        if bias:  # the unsharded torchao run, the column-wise layer alone (its output sharded here)
+            ours_w1 = copy.deepcopy(base.w1)
+            parallelize_module(ours_w1, mesh, ColwiseParallel())
+            results[kind] = {"amp_fx_w1": run_amp_fx(ours_w1, x),
+                             "torchao_w1": run_torchao(torchao_float8(copy.deepcopy(base.w1), "tensorwise"), x)}
+            continue
+        parallelize_module(theirs, mesh, {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()})
+        torch._dynamo.reset()
+        results[kind] = {"amp_fx": run_amp_fx(ours, x), "torchao": run_torchao(theirs, x)}
+    return results
+
+
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     """Every case of tests/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -251,6 +310,8 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x)
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
+    torch._dynamo.reset()
+    results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     for schedule, form in PP_CASES:
         torch._dynamo.reset()
         results[("pp", schedule, form)] = pipeline_run(rank, world_size, schedule, form)

@@ -127,3 +127,34 @@ def test_pipeline_stages_fp16_skip_together_bitwise_with_eager_by_hand(ranks, sc
         assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
         for name in want["params"]:
             assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+def test_tp_fp8_bitwise_with_torchaos_float8_tensor_parallel(ranks):
+    """amp_fx fp8 tensorwise on ColwiseParallel/RowwiseParallel against torchao's
+    Float8ColwiseParallel/Float8RowwiseParallel on Float8Linear, same mesh: bias-free linears fed a
+    bf16-exact input (where both recipes scale the same values) give the same output and gradients
+    bit for bit."""
+    if ranks[0]["fp8_torchao"] is None:
+        pytest.skip("torchao is not installed (the test extra pins it)")
+    for rank, res in enumerate(ranks):
+        case = res["fp8_torchao"]["same"]
+        (out, grads), (want_out, want_grads) = case["amp_fx"], case["torchao"]
+        assert_bitwise(out, want_out, f"rank {rank}: output")
+        for name, g in want_grads.items():
+            assert_bitwise(grads[name], g, f"rank {rank}: {name}")
+
+
+def test_tp_fp8_column_parallel_numerics_are_the_unsharded_ones(ranks):
+    """With a bias and an fp32 input, torchao's float8 TP styles change torchao's own numerics
+    (the hook scales the fp32 input; the bias gradient comes from the fp8 grad_output); amp_fx's
+    column-parallel linear stays bitwise with torchao's *unsharded* Float8Linear: output, weight and
+    bias gradients, each rank's slice."""
+    if ranks[0]["fp8_torchao"] is None:
+        pytest.skip("torchao is not installed (the test extra pins it)")
+    for rank, res in enumerate(ranks):
+        case = res["fp8_torchao"]["bias"]
+        (out, grads), (whole_out, whole_grads) = case["amp_fx_w1"], case["torchao_w1"]
+        rows = out.shape[-1]
+        assert_bitwise(out, whole_out[..., rank * rows:(rank + 1) * rows], f"rank {rank}: output")
+        for name, g in grads.items():
+            assert_bitwise(g, whole_grads[name].narrow(0, rank * g.shape[0], g.shape[0]), f"rank {rank}: {name}")
