@@ -29,6 +29,7 @@ from torch import nn
 import amp_fx
 
 STEPS = 3
+CLIP = 0.05  # small enough to clip (the test checks the clipped run's parameters differ from the unclipped)
 PLANTED_STEP = 1
 D, HEADS, SEQ, BATCH = 32, 4, 8, 2
 
@@ -140,13 +141,34 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
+def _clip(model: nn.Module) -> None:
+    """``clip_grad_norm_(model.parameters(), CLIP)``, by hand where torch's cannot: its norms of
+    gradients on different meshes (FSDP2 x TP: the norms' parameters on the dp sub-mesh, the rest on
+    the 2-D mesh) cannot be stacked ("All operands in aten.stack.default must have the same
+    mesh"), so each gradient's norm is taken whole (``full_tensor``), as torchtitan's own
+    ``clip_grad_norm_`` does, then clip_grad_norm_'s formula."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    meshes = {id(g.device_mesh) for g in grads if hasattr(g, "device_mesh")}
+    if len(meshes) <= 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        return
+    norms = [torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, 2.0) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(CLIP / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef)
+
+
 def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
 
 
 def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
     """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
-    amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16)."""
+    amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
+    with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
+    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -154,29 +176,34 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
     losses, scales = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if form == "step":
+        if form in ("step", "step_clip"):
             at = {"step": 0}
             opt.register_step_pre_hook(lambda *_: _plant(model, rank, at["step"]))
             scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
             step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y), dtype=dtype,
-                                       scaler=scaler, backend="aot_eager")
+                                       scaler=scaler, backend="aot_eager",
+                                       max_grad_norm=CLIP if form == "step_clip" else None)
             for i in range(STEPS):
                 losses.append(step(*_batch(i)).detach().clone())
                 scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
                               else torch.tensor(scaler.get_scale()))
                 at["step"] = i + 1
         else:
-            forward: Any = model if form == "eager" else amp_fx.compile(model, dtype=dtype, backend="aot_eager")
-            scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if form == "eager"
+            eager = form.startswith("eager")
+            forward: Any = model if eager else amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+            scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if eager
                       else amp_fx.GradScaler("cpu", growth_interval=2))
             for i in range(STEPS):
                 x, y = _batch(i)
-                ctx = torch.autocast("cpu", dtype=low) if form == "eager" else contextlib.nullcontext()
+                ctx = torch.autocast("cpu", dtype=low) if eager else contextlib.nullcontext()
                 with ctx:
                     loss = F.mse_loss(forward(x).float(), y)
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 if scaler is not None:
                     _plant(model, rank, i)
+                if form == "eager_clip":
+                    scaler.unscale_(opt)
+                    _clip(model)
                 if scaler is None:
                     opt.step()
                 else:
@@ -215,7 +242,9 @@ CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
          ("sp", "fp16", "eager"), ("sp", "fp16", "amp_fx"), ("sp", "fp16", "step"),
          ("fsdp_tp", "bf16", "eager"), ("fsdp_tp", "bf16", "amp_fx"),
          ("fsdp_tp", "fp16", "eager"), ("fsdp_tp", "fp16", "amp_fx"), ("fsdp_tp", "fp16", "step"),
-         ("hsdp", "fp16", "eager"), ("hsdp", "fp16", "amp_fx"), ("hsdp", "fp16", "step")]
+         ("hsdp", "fp16", "eager"), ("hsdp", "fp16", "amp_fx"), ("hsdp", "fp16", "step"),
+         ("sp", "fp16", "eager_clip"), ("sp", "fp16", "step_clip"),
+         ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
 
 
 def sharded_model(layout: str, world_size: int) -> Transformer:

@@ -66,16 +66,23 @@ def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks, layout):
             assert scales[0] == scales[PLANTED_STEP - 1], f"rank {rank}, {_name(case)}: {scales}"
 
 
-@pytest.mark.parametrize("layout", ["sp", "fsdp_tp", "hsdp"])
-def test_tp_compile_step_matches_eager_recipe(ranks, layout):
+@pytest.mark.parametrize(("layout", "clip"), [("sp", False), ("fsdp_tp", False), ("hsdp", False),
+                                             ("sp", True), ("fsdp_tp", True)])
+def test_tp_compile_step_matches_eager_recipe(ranks, layout, clip):
     """compile_step, fp16, on sequence parallelism (Replicate norm parameters whose compiled
     gradients are Partial until reduced), FSDP2 x TP (2-D parameters) and HSDP: losses and scales
     bitwise; the parameters within the traced Adam step's rounding (ADAM_TRACED_RTOL of each
     parameter's movement, as on FSDP2), where an unreduced Partial gradient was 5e3 times that
-    (0.006-0.016 on the norms)."""
-    case = (layout, "fp16", "step")
+    (0.006-0.016 on the norms). With ``max_grad_norm`` against ``unscale_`` + ``clip_grad_norm_``
+    (FSDP2 x TP: each gradient's norm taken whole, since torch's cannot stack norms of two meshes),
+    and the clip must have changed the parameters."""
+    form, ref = ("step_clip", "eager_clip") if clip else ("step", "eager")
+    case = (layout, "fp16", form)
     for rank, res in enumerate(ranks):
-        got, want = res[case], res[(layout, "fp16", "eager")]
+        got, want = res[case], res[(layout, "fp16", ref)]
+        if clip:
+            unclipped = res[(layout, "fp16", "step")]["params"]
+            assert any(not torch.equal(unclipped[n], got["params"][n]) for n in unclipped), f"rank {rank}"
         assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
         assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
         for name, e in want["params"].items():

@@ -54,8 +54,8 @@ import torch
 
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
-__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "distributed_forward",
-           "has_dtensor_params", "is_fsdp2", "is_sharded"]
+__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "clip_sharded_", "combine_norms",
+           "distributed_forward", "has_dtensor_params", "is_fsdp2", "is_sharded", "norm_groups", "torch_clips"]
 
 # torch.optim classes whose step is elementwise per parameter: on a rank's shard it computes
 # what DTensor's dispatch computes for that shard. Exact classes: a subclass may override step.
@@ -89,13 +89,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                           max_grad_norm: float | None = None) -> None:
+                           max_grad_norm: float | None = None, fused_norm: bool = False) -> None:
     """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
 
     FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
     FSDP2 and DTensor parameters (tensor parallelism, FSDP2 x TP, HSDP): the optimizer must be one
     of :data:`SHARD_LOCAL_OPTIMIZERS`; under FSDP2 every parameter is a DTensor; ``max_grad_norm``
-    only where every parameter is sharded on dim 0 over one 1-D mesh (see :func:`_layout`).
+    with the fused norm (``fused_norm``) only where every parameter is sharded on dim 0 over one
+    1-D mesh (see :func:`_layout`).
     """
     if is_fsdp1(model):
         raise NotImplementedError(
@@ -113,14 +114,12 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
             "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = _layout(params, fsdp2=is_fsdp2(model))
-    if mesh is None and max_grad_norm is not None:
-        placements = sorted({f"{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh" for p in params
-                             if hasattr(p, "device_mesh")})
+    if mesh is None and max_grad_norm is not None and fused_norm:
         raise NotImplementedError(
-            f"amp_fx.compile_step(max_grad_norm={max_grad_norm}): the gradient norm is combined across ranks "
-            f"for FSDP2's default layout only (Shard(0) on a 1-D mesh); these parameters are laid out as "
-            f"{'; '.join(placements)}. Drop max_grad_norm, or use amp_fx.compile(model) with "
-            "amp_fx.GradScaler: scaler.unscale_(optimizer); torch.nn.utils.clip_grad_norm_(...)")
+            f"amp_fx.compile_step(max_grad_norm={max_grad_norm}, grad_norm=GradNorm.FUSED): the fused sum of "
+            "squares covers every local gradient at once, which counts a replicated gradient once per rank "
+            "outside FSDP2's default layout (Shard(0) on a 1-D mesh); use grad_norm=GradNorm.TORCH (the "
+            "default), which combines each gradient's norm over the mesh dimensions it is sharded on")
 
 
 def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
@@ -128,7 +127,8 @@ def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
     the same ranks differ): FSDP2's default layout, where the found-inf flag and the gradient
     norm are combined over that mesh's group. None for any other layout of DTensors (tensor
     parallel placements, 2-D meshes, plain tensors beside DTensors): there the flag is combined
-    over every rank of the default group, and the norm is not supported. Plain tensors in an
+    over every rank of the default group, and each gradient's norm over the mesh dimensions it is
+    sharded on (:meth:`LocalShards.global_norm`). Plain tensors in an
     FSDP2 model are a clear error (their gradients are not reduced by FSDP2)."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -152,10 +152,88 @@ def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
     return None
 
 
+def torch_clips(params: Sequence[torch.Tensor], *, fsdp2: bool) -> bool:
+    """Whether ``torch.nn.utils.clip_grad_norm_`` combines these parameters' gradient norms: plain
+    tensors alone, or FSDP2's default layout (:func:`_layout`); else :func:`clip_sharded_`."""
+    dtensor = _dtensor_type_or_none()
+    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
+        return True
+    return _layout(params, fsdp2=fsdp2) is not None
+
+
+def _dtensor_type_or_none() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def _flag_group(params: Sequence[torch.Tensor], fsdp2: bool) -> Any:
     """The process group the found-inf flag (and the norm) is combined over (see :func:`_layout`)."""
     mesh = _layout(params, fsdp2=fsdp2)
     return torch.distributed.group.WORLD if mesh is None else mesh.get_group()
+
+
+def norm_groups(params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    """Per parameter, the process groups of the mesh dimensions it (and its gradient) is sharded
+    on; one group object per set of ranks (fully_shard without a mesh makes a mesh, and a group
+    object, per call), so that gradients sharded over the same ranks share one all-reduce."""
+    same_ranks: dict[tuple[int, ...], Any] = {}
+    return [tuple(same_ranks.setdefault(tuple(torch.distributed.get_process_group_ranks(g)), g)
+                  for g in _sharded_over(p)) for p in params]
+
+
+def combine_norms(local_norms: Sequence[torch.Tensor], groups: Sequence[tuple[Any, ...]]) -> torch.Tensor:
+    """``clip_grad_norm_``'s total norm from the local shards' norms, ``groups[j]`` the groups
+    ``local_norms[j]``'s gradient is sharded over (:func:`norm_groups`); traceable.
+
+    As DTensor reduces the stacked ``_NormPartial(2)`` norms: square, all-reduce (SUM) over each mesh
+    dimension a gradient is sharded on, square root, then the 2-norm of the norms in the parameters'
+    order. Gradients sharded alike share one all-reduce; a replicated or plain gradient's norm is
+    its local norm.
+    """
+    from torch.distributed import _functional_collectives as funcol
+
+    by_groups: dict[tuple[Any, ...], list[int]] = {}
+    for j, key in enumerate(groups):
+        by_groups.setdefault(key, []).append(j)
+    norms: list[torch.Tensor] = list(local_norms)
+    for key, members in by_groups.items():
+        if not key:
+            continue
+        squares = torch.stack([local_norms[j] for j in members]) ** 2.0
+        for group in key:
+            squares = funcol.all_reduce(squares, "sum", group)
+        for j, value in zip(members, (squares ** (1.0 / 2.0)).unbind(0), strict=True):
+            norms[j] = value
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_sharded_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_(params, max_norm)`` for gradients torch's cannot combine: on several
+    meshes (FSDP2 x TP), beside plain tensors (TP without sequence parallelism), or ``Partial``.
+    Each gradient is first given its parameter's placements (:func:`_placed_as_param`, set as its
+    ``.grad``), its local norm combined by :func:`combine_norms` (the rule the compiled finish
+    traces), and the local tensors scaled by clip_grad_norm_'s coefficient. Returns the norm."""
+    with torch.no_grad():
+        present = [p for p in params if p.grad is not None]
+        for p in present:
+            p.grad = _placed_as_param(p.grad, p)
+        local = [_local(p.grad) for p in present]
+        total = combine_norms(list(torch._foreach_norm(local, 2.0)), norm_groups(present))
+        clip_coef = max_norm / (total + 1e-6)
+        torch._foreach_mul_(local, torch.clamp(clip_coef, max=1.0))
+    return total
+
+
+def _sharded_over(param: Any) -> tuple[Any, ...]:
+    """The process groups of the mesh dimensions ``param`` (and so its gradient) is sharded on;
+    () for a replicated or plain parameter."""
+    placements = getattr(param, "placements", None)
+    if placements is None:
+        return ()
+    return tuple(param.device_mesh.get_group(dim) for dim, p in enumerate(placements) if p.is_shard())
 
 
 def _placed_as_param(grad: Any, param: Any) -> Any:
@@ -190,6 +268,7 @@ class LocalShards:
         self._user = optimizer
         self._dparams = list(params)
         self.group = _flag_group(self._dparams, fsdp2)
+        self._norm_groups = norm_groups(self._dparams)
         self.params = [_local(p) for p in self._dparams]
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)
@@ -249,17 +328,17 @@ class LocalShards:
         flag, reduced_flags, first = unpack_overflow(packed, flags.numel(), first_op is not None)
         return flag.to(found_inf.dtype).reshape(found_inf.shape), reduced_flags.to(flags.dtype), first
 
-    def global_norm(self, local_norms: list[torch.Tensor]) -> torch.Tensor:
-        """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms.
+    def global_norm(self, local_norms: list[torch.Tensor], present: Sequence[int]) -> torch.Tensor:
+        """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms
+        (``local_norms[j]`` of parameter ``present[j]``).
 
-        As DTensor reduces the stacked ``_NormPartial(2)`` norms: square, all-reduce (SUM), square
-        root, then the 2-norm of the norms (``torch.linalg.vector_norm``), op for op.
+        As DTensor reduces the stacked ``_NormPartial(2)`` norms: square, all-reduce (SUM) over each
+        mesh dimension the gradient is sharded on, square root, then the 2-norm of the norms
+        (``torch.linalg.vector_norm``) in the parameters' order. Gradients sharded alike go in one
+        all-reduce: on FSDP2's default layout that is all of them, op for op DTensor's reduction; a
+        replicated or plain gradient's norm is its local norm.
         """
-        from torch.distributed import _functional_collectives as funcol
-
-        squares = torch.stack(local_norms) ** 2.0
-        norms = funcol.all_reduce(squares, "sum", self.group) ** (1.0 / 2.0)
-        return torch.linalg.vector_norm(norms, 2.0)
+        return combine_norms(local_norms, [self._norm_groups[i] for i in present])
 
     def global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
         """A sum over every rank's shards (GradNorm.FUSED's sum of squares)."""

@@ -246,7 +246,7 @@ class CompiledStep:
         scaler, opt = self.scaler, self.optimizer
         if self.config.max_grad_norm is not None:
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(self._follow.params, self.config.max_grad_norm)
+            self._finish.shards.clip_(self._follow.params, self.config.max_grad_norm)
         with contextlib.nullcontext() if self._lowprec is None else self._lowprec.as_optimizer_step(opt):
             scaler.step(opt)
         scaler.update()
@@ -349,7 +349,7 @@ def compile_step(
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     # FSDP1, sharded layouts/optimizers, a norm that cannot be combined: a clear error
-    check_distributed_step(model, optimizer, max_grad_norm=max_grad_norm)
+    check_distributed_step(model, optimizer, max_grad_norm=max_grad_norm, fused_norm=grad_norm is GradNorm.FUSED)
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(dtype=options.dtype, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,

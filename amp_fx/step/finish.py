@@ -234,7 +234,7 @@ class Finish:
             else:
                 norms = torch._foreach_norm(grads, 2.0)
                 total_norm = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if sharded is None
-                              else sharded.global_norm(norms))
+                              else sharded.global_norm(norms, present))
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)

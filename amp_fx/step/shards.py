@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from amp_fx._dist.step import LocalShards, is_fsdp2, is_sharded
+from amp_fx._dist.step import LocalShards, clip_sharded_, is_fsdp2, is_sharded, torch_clips
 
 __all__ = ["StepShards", "amp_flags"]
 
@@ -45,6 +45,14 @@ class StepShards:
         self.enabled = is_sharded(model)
         self._fsdp2 = is_fsdp2(model)
         self.view: LocalShards | None = None
+
+    def clip_(self, params: Sequence[torch.Tensor], max_norm: float) -> None:
+        """The eager steps' clipping (warm-up): ``clip_grad_norm_`` where it combines the norms
+        (one device, FSDP2's default layout), the compiled finish's rule elsewhere."""
+        if not self.enabled or torch_clips(params, fsdp2=self._fsdp2):
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            clip_sharded_(params, max_norm)
 
     def reset(self) -> None:
         """The optimizer's parameters changed: the next finish builds a new view."""
