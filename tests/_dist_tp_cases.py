@@ -340,6 +340,8 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
     torch._dynamo.reset()
+    results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x)
+    torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     for schedule, form in PP_CASES:
         torch._dynamo.reset()

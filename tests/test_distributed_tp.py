@@ -165,3 +165,14 @@ def test_tp_fp8_column_parallel_numerics_are_the_unsharded_ones(ranks):
         assert_bitwise(out, whole_out[..., rank * rows:(rank + 1) * rows], f"rank {rank}: output")
         for name, g in grads.items():
             assert_bitwise(g, whole_grads[name].narrow(0, rank * g.shape[0], g.shape[0]), f"rank {rank}: {name}")
+
+
+def test_fsdp2_x_tp_fp8_converts_every_matmul_and_says_the_gather_stays_fp32(ranks):
+    """fp8 tensorwise on FSDP2 x TP: every matmul with a parameter operand in fp8 (share 1.0 >= the
+    0.95 asked), and the fp8 all-gather, which amp_fx does on a 1-D Shard(0) layout only, is not
+    done silently: one AmpFxWarning names each weight and its 2-D placements."""
+    for rank, res in enumerate(ranks):
+        run = res["fp8_fsdp_tp"]
+        assert run["converted"] == run["considered"] == 12, f"rank {rank}"
+        gathers = [w for w in run["amp_fx_warnings"] if "all-gathers blocks.0.attn.q.weight" in w]
+        assert len(gathers) == 1 and "2-D mesh" in gathers[0], f"rank {rank}: {run['amp_fx_warnings']}"
