@@ -92,7 +92,7 @@ class CompiledStep:
                 self._report.did_less("weight_cache:train_state", (
                     f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
                     "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
-                    "Drop weight_cache=True."), stacklevel=4)
+                    "Drop weight_cache=True."))
                 options = options.replace(weight_cache=False)
         self._follow = OptimizerFollower(model, optimizer, self._report, fused=self._fused, fsdp2=shards.enabled,
                                          replaced_step=self._lowprec is not None)
@@ -131,7 +131,7 @@ class CompiledStep:
                 f"amp_fx.compile_step(train_state={mode.value!r}) cannot replace the optimizer step of "
                 f"{reason}; the parameters and optimizer state keep their dtype and the optimizer steps "
                 "as it is. Use torch.optim.AdamW or Adam (amsgrad, maximize and differentiable off) on a "
-                "model that is not wrapped, or drop train_state."), stacklevel=5)
+                "model that is not wrapped, or drop train_state."))
             return None
         lowprec = LowPrecisionAdam(mode)
         lowprec.prepare(optimizer)

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from amp_fx._common import compat as _compat
-from amp_fx._common.downstream import Backend, resolve_backend
+from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.fresh_code import fresh_callable
+from amp_fx._common.progress import timed
 from amp_fx._common.report import Reporter
 from amp_fx.backend.weight_cache import StepWriter
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
@@ -115,13 +116,17 @@ def _steps_to_device_(optimizer: torch.optim.Optimizer) -> None:
 class _CountingBackend:
     """A torch.compile backend that delegates and counts the graphs it compiles."""
 
-    def __init__(self, backend: str | Backend) -> None:
+    def __init__(self, backend: str | Backend, label: str) -> None:
+        self._backend = backend
         self._inner: Backend = resolve_backend(backend)
         self.graphs = 0
+        self.label = label
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
-        return self._inner(gm, example_inputs)
+        with timed(f"amp_fx: compile_step: compiled the optimizer step ({self.label}, graph {self.graphs - 1}, "
+                   f"backend {backend_name(self._backend)})"):
+            return self._inner(gm, example_inputs)
 
 
 class Finish:
@@ -144,7 +149,7 @@ class Finish:
         self.writer = writer
         self.params = params
         self.slots = record.register(params)
-        self.backend = _CountingBackend(backend)
+        self.backend = _CountingBackend(backend, type(optimizer).__name__)
         self.compiled = torch.compile(fresh_callable(self._finish_impl), backend=self.backend, fullgraph=True,
                                       dynamic=False)
         self._steps_placed = False
@@ -199,7 +204,7 @@ class Finish:
                 f"amp_fx.compile_step: the optimizer part recompiled ({self.backend.graphs} graphs so "
                 "far): something it guards on changed between steps (the param groups, a hyperparameter "
                 "set to a new object, which parameters have gradients). Each recompile costs compile "
-                "time, and Dynamo stops compiling after 8; keep them fixed between steps.", stacklevel=5)
+                "time, and Dynamo stops compiling after 8; keep them fixed between steps.")
         follow.expect_recompile = False
 
     # ------------------------------------------------------------------ traced
