@@ -78,6 +78,14 @@ class Reporter:
         self._seen.add(key)
         warn(message)
 
+    def notice(self, key: Hashable, message: str) -> None:
+        """Warn once per ``key`` (a ``UserWarning``, never raised in strict mode): amp_fx does what
+        was asked, and the message says something the user should know (a slow kernel)."""
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        warn(message, UserWarning)
+
     def __getstate__(self) -> dict[str, object]:
         return {"strict": self.strict, "_seen": set()}
 

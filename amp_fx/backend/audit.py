@@ -16,13 +16,14 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1, unsharded_class_name
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "report_root_outside_graphs",
+__all__ = ["fp32_experts_text", "slow_fp8_text", "report_no_graph", "report_root_outside_graphs",
            "report_unused_policy", "wrapper_fix"]
 
 
@@ -130,9 +131,9 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         return
     decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
     if any(d.converted for d in decisions):
-        emulated = mxfp8_emulated_text(records)
-        if emulated is not None:
-            reporter.did_less(("fp8", "mxfp8 emulated"), emulated)
+        slow = slow_fp8_text(records)
+        if slow is not None:
+            reporter.notice(("fp8", "slow kernel"), slow)
         return
     if not decisions:
         found = ("no graph of the first call has a matmul with a parameter operand "
@@ -146,18 +147,28 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."))
 
 
-def mxfp8_emulated_text(records: Sequence[GraphRecord]) -> str | None:
-    """With ``fp8="mxfp8"``: the warning that its matmuls run emulated (no MX kernel on the
-    graphs' device), or None where they run MX ``torch._scaled_mm`` or none is converted."""
-    devices = {r.device_type for r in records
-               if r.fp8 is not None and r.fp8.recipe is Fp8Recipe.MXFP8 and r.fp8.converted}
-    missing = [m for m in map(mx_kernels_missing, sorted(devices)) if m is not None]
-    if not missing:
-        return None
-    return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing[0]}. Each MXFP8 GEMM is dequantized "
-            f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's numerics, "
-            f"slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an H100/H200 use "
-            f"fp8='rowwise' or 'tensorwise' for fp8 speed.")
+def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
+    """The note that the converted matmuls have no fast kernel on the graphs' device, or None.
+
+    One rule for every recipe: where the kernel computes the recipe's numerics but slower than
+    bf16 (MXFP8 emulated in bf16 without Blackwell's MX kernels; tensorwise and rowwise through
+    the CPU's reference ``torch._scaled_mm``), amp_fx says so once, as a notice: nothing asked is
+    left undone, so strict mode does not refuse it (and CPU runs of fp8 stay possible there)."""
+    converted = {(r.fp8.recipe, r.device_type) for r in records if r.fp8 is not None and r.fp8.converted}
+    for recipe, device_type in sorted(converted, key=lambda c: (c[0].value, c[1])):
+        if recipe is Fp8Recipe.MXFP8:
+            missing = mx_kernels_missing(device_type)
+            if missing is not None:
+                return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing}. Each MXFP8 GEMM is dequantized "
+                        f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
+                        f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
+                        f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed.")
+        elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
+            return (f"amp_fx: fp8={recipe.value!r} runs without fp8 tensor cores here: {missing}. The "
+                    f"recipe's numerics, slower than bf16 (for developing and testing fp8 on this machine); "
+                    f"fp8 is fast on GPUs with compute capability 8.9+ (L4, L40S, H100, H200, B200). Here "
+                    f"dtype='bf16' alone trains faster.")
+    return None
 
 
 def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter) -> None:

@@ -30,7 +30,7 @@ from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
-from amp_fx.backend.audit import fp32_experts_text, mxfp8_emulated_text
+from amp_fx.backend.audit import fp32_experts_text, slow_fp8_text
 from amp_fx.errors import GraphvizNotFound
 from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._graphviz import build_dot, write_svg
@@ -287,9 +287,9 @@ class Explanation:
         experts = fp32_experts_text(self.records, policy)
         if experts is not None:
             self.notes.append(experts.removeprefix("amp_fx: "))
-        emulated = mxfp8_emulated_text(self.records)
-        if emulated is not None:
-            self.notes.append(emulated.removeprefix("amp_fx: "))
+        slow = slow_fp8_text(self.records)
+        if slow is not None:
+            self.notes.append(slow.removeprefix("amp_fx: "))
         fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
         if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
             self.notes.append(f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
