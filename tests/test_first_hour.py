@@ -91,3 +91,70 @@ def model_call_line() -> int:
 
     source, start = inspect.getsourcelines(test_a_warning_points_at_the_users_line_not_amp_fxs)
     return start + next(i for i, line in enumerate(source) if "model(torch.randn" in line)
+
+
+# --- the overflow report and skipped steps in a row ------------------------------------------------
+
+
+def _scaler_run(steps: int, *, init_scale: float) -> tuple[amp_fx.GradScaler, list[warnings.WarningMessage]]:
+    """A tiny fp16 model stepped through a (HOST_SYNC, torch's default) scaler."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="eager")
+    scaler = amp_fx.GradScaler("cpu", init_scale=init_scale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            scaler.scale(compiled(torch.randn(4, 16)).float().square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return scaler, [w for w in caught if "steps in a row were skipped" in str(w.message)]
+
+
+def test_a_skip_from_the_scale_says_so_with_the_scale_and_its_back_off() -> None:
+    """init_scale=2**40: every gradient overflows at every step, the scale's doing, not a layer's;
+    the report gives the scale, what it backed off to and the run; the tenth skip in a row warns
+    once, unasked, at the user's line. Its twin, nine skips, warns nothing."""
+    scaler, said = _scaler_run(11, init_scale=2.0**40)
+    report = scaler.overflow_report()
+    assert report is not None and report.from_scale and report.every_gradient
+    assert (report.step, report.scale, report.scale_after, report.in_a_row) == (10, 2.0**30, 2.0**29, 11)
+    assert str(report).startswith("step 10 skipped: every gradient non-finite and no forward op overflowed: "
+                                  "the loss scale is too large"), str(report)
+    assert str(report).endswith("; scale 2**30, backed off to 2**29; 11 steps skipped in a row"), str(report)
+    assert [(w.category, w.filename) for w in said] == [(UserWarning, __file__)]
+    assert "10 optimizer steps in a row were skipped" in str(said[0].message)
+    assert _scaler_run(9, init_scale=2.0**40)[1] == []
+
+
+def test_a_clean_run_reports_nothing_and_a_skip_from_a_layer_is_not_the_scales() -> None:
+    """A report of one overflowing forward op is the layer's: no scale wording."""
+    from amp_fx.overflow import FirstOp, OverflowReport
+
+    layer = OverflowReport(step=3, gradients=("a.weight",), first_op=FirstOp("a", "aten.mm", "fp16", 0, "mm"),
+                           skipped=1, scale=2.0**16, scale_after=2.0**15, every_gradient=True)
+    assert not layer.from_scale
+    assert str(layer) == ("step 3 skipped: first inf at a (aten.mm, fp16); 1 gradients non-finite (a.weight); "
+                          "scale 2**16, backed off to 2**15")
+    scaler, said = _scaler_run(3, init_scale=2.0**8)
+    assert scaler.overflow_report() is None and said == []
+
+
+def test_compile_step_warns_after_skipped_steps_in_a_row_during_its_warm_up() -> None:
+    """compile_step stays in its eager warm-up while steps skip, reading each flag anyway: the
+    run is counted there, with no read added."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**40, step_mode=amp_fx.StepMode.MASKED)
+    step = amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               lambda out: out.float().square().mean(), dtype="fp16", backend="eager", scaler=scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            step(torch.randn(4, 16))
+    said = [w for w in caught if "steps in a row were skipped" in str(w.message)]
+    assert [(w.category, w.filename) for w in said] == [(UserWarning, __file__)], [str(w.message) for w in caught]
+    report = step.overflow_report()
+    assert report is not None and report.from_scale and report.in_a_row == 10

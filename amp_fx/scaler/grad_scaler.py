@@ -225,6 +225,8 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf: torch.Tensor | None = None
         # amp_fx/overflow: the most recent skipped step (index, gradient flags, forward op).
         self._skip_record = SkipRecord()
+        # Whether this step's StepMode.HOST_SYNC read saw a skip (None: no read), for update()
+        self._host_skipped: bool | None = None
         # Self-scaling optimizers that have taken a real step through this scaler.
         self._stepped_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -560,7 +562,9 @@ class GradScaler(torch.amp.GradScaler):
     ) -> float | None:
         # StepMode.HOST_SYNC: torch's host-side skip, one sync per device.
         retval: float | None = None
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._host_skipped = skipped or bool(self._host_skipped)  # for update(): this read, counted once
+        if not skipped:
             retval = optimizer.step(*args, **kwargs)
         return retval
 
@@ -744,6 +748,7 @@ class GradScaler(torch.amp.GradScaler):
             rules.combine_found_inf(found_infs, _scale.device) if found_infs else None
         )
 
+        before = _scale.clone()  # the scale this step ran at, for the skip record
         if new_scale is not None:
             if self._mode is ScalerMode.CHECK_ONLY:
                 raise ValueError(
@@ -778,7 +783,10 @@ class GradScaler(torch.amp.GradScaler):
             assert record.flags is not None
             flags = record.step_flags(pairs) if pairs else record.flags.new_zeros(record.flags.numel())
             record.close_(found_inf_combined, flags, record.take_first_op(_scale.device),
-                          combined[-1] if combined else None)
+                          combined[-1] if combined else None, scales=(before, _scale))
+            if self._host_skipped is not None:
+                record.host_saw(self._host_skipped)
+        self._host_skipped = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters
@@ -938,6 +946,7 @@ class GradScaler(torch.amp.GradScaler):
         state.setdefault("_report", Reporter())  # pickled before the reporter existed
         state.pop("_warned_sync", None)
         state.setdefault("_skip_record", SkipRecord())
+        state.setdefault("_host_skipped", None)
         self.__dict__.update(state)
 
 

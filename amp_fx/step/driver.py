@@ -251,7 +251,10 @@ class CompiledStep:
             scaler.step(opt)
         scaler.update()
         if warm_up:
-            self._follow.warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
+            skipped = bool(scaler.last_step_skipped)  # a host read, during warm-up only
+            self._follow.warmed_up = not skipped
+            if scaler.step_mode is StepMode.MASKED:  # a HOST_SYNC scaler counted its own read
+                scaler.skip_record.host_saw(skipped)
 
 
 def _default_scaler(dtype: torch.dtype, device: torch.device, strict: bool | None) -> GradScaler:

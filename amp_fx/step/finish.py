@@ -248,18 +248,20 @@ class Finish:
             self._masked_step(found_inf)
             if self.writer is not None:
                 self.writer.in_finish()  # the low-precision copies, in the update's pass
+        before = state.scale.clone()  # the scale this step ran at, for the skip record
         rules.update_scale_(state, rule, found_inf)
         rules.record_step_(state, found_inf)
-        self._record_skip(found_inf, present, flags, first_op, combined)
+        self._record_skip(found_inf, present, flags, first_op, combined, (before, state.scale))
         if self.fused:
             return grad_scale, found_inf
         return None
 
     def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor,
-                     first_op: torch.Tensor | None, combined: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                     first_op: torch.Tensor | None, combined: tuple[torch.Tensor, torch.Tensor] | None,
+                     scales: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The scaler's skip record (amp_fx/overflow), traced into the finish: the flags of the
-        gradients present, in the record's slots, and the forward watch's first op (combined across
-        ranks, with the rank that saw it: ``SkipRecord.close_``)."""
+        gradients present, in the record's slots, the forward watch's first op (combined across
+        ranks, with the rank that saw it: ``SkipRecord.close_``) and the scale before and after."""
         record = self.record
         assert record.flags is not None
         n = record.flags.numel()
@@ -269,7 +271,7 @@ class Finish:
         else:
             step_flags = record.flags.new_zeros(n).index_copy(
                 0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags)
-        record.close_(found_inf, step_flags, first_op, combined)
+        record.close_(found_inf, step_flags, first_op, combined, scales)
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
         """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).
