@@ -17,6 +17,7 @@ from amp_fx._common.devices import check_supported
 from amp_fx._common.downstream import Backend
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
+from amp_fx._common.targets import check_target
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import (
     FSDP1_ALTERNATIVE,
@@ -377,9 +378,7 @@ def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, lab
 
 def _compile(model_or_fn: F, options: Options, *, label: str | None = None) -> F:
     reporter = Reporter(options.strict)
-    if not callable(model_or_fn):
-        raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
-                        f"{type(model_or_fn).__name__}")
+    check_target(model_or_fn, "amp_fx.compile")
     model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]
     check_keep_fp32(options.policy, model_or_fn)
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
@@ -407,6 +406,7 @@ def _compile(model_or_fn: F, options: Options, *, label: str | None = None) -> F
 
 def _compile_inplace(model: object, options: Options) -> Any:
     """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
+    check_target(model, "amp_fx.compile(inplace=True)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
                         f"{type(model).__name__}; drop inplace=True to compile a function")

@@ -19,6 +19,7 @@ import torch
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
+from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter
@@ -346,8 +347,7 @@ def compile_step(
     """
     options = Options(dtype=dtype, policy=policy, backend=backend, strict=strict, weight_cache=weight_cache,
                       watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic}, fp8=fp8)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
+    check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
