@@ -176,6 +176,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "# generate() on the wrapper module (needs transformers; skipped without it)": Run(),
         "# a hook registered after the first call runs": Run(),
         "# an unknown option is refused when compile is called": Run(),
+        "# silence amp_fx's progress lines (warnings are unaffected)": Run(
+            after='import amp_fx\nassert not amp_fx._common.progress.progress_log.isEnabledFor(logging.INFO)\n'
+                  'logging.getLogger("amp_fx.progress").setLevel(logging.INFO)\n'),
     },
     "docs/call-overhead.md": {
         "import torch": Run(),
