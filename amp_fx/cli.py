@@ -153,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     common(e, "bf16", None)
     e.add_argument("--svg", metavar="PATH", help="write the graph picture (SVG via Graphviz)")
     e.add_argument("--fp8", default=None, choices=_FP8, help="also which matmuls run in fp8 with this recipe")
+    e.add_argument("--table", action="store_true",
+                   help="also every op: its dtype and why, the casts on its inputs, each matmul's fp8 decision")
     c = parser("compare", "op by op against eager torch.autocast")
     common(c, "bf16", "aot_eager")
     c.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
@@ -241,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "explain":
             ex = amp_fx.explain(model, *inputs, dtype=args.dtype, policy=policy, fp8=args.fp8, **kwargs)
             print(ex)
+            if args.table:
+                print(f"\n{ex.table()}")
             if args.svg:
                 try:
                     print(f"\nwrote {ex.to_svg(args.svg)}")

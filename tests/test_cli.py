@@ -17,7 +17,7 @@ EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.py")
 
 def test_explain(capsys, tmp_path):
     svg = tmp_path / "tiny.svg"
-    assert main(["explain", f"{EXAMPLE}:build", "--svg", str(svg)]) == 0
+    assert main(["explain", f"{EXAMPLE}:build", "--svg", str(svg), "--table"]) == 0
     out = capsys.readouterr().out
     assert "cast bytes/call" in out and "graph 0 after the passes" in out
     assert "lower precision fp: aten.linear (default cpu table)" in out

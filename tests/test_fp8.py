@@ -545,9 +545,9 @@ def test_shapes_scaled_mm_cannot_take_are_padded_and_a_3d_weight_stays_in_dtype(
     assert "3-D weight" in d["experts"].reason
     (record,) = compiled.amp_fx_records
     assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
-    text = str(amp_fx.explain(compiled))
-    assert "padded to multiples of 16 for torch._scaled_mm: N 40->48" in text
-    assert "3 of 4 (tensorwise), 2 padded" in text
+    ex = amp_fx.explain(compiled)
+    assert "padded to multiples of 16 for torch._scaled_mm: N 40->48" in ex.table()
+    assert "3 of 4 (tensorwise), 2 padded" in str(ex)
 
 
 @pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
