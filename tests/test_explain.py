@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import shutil
 
@@ -309,3 +310,33 @@ def test_printed_explanation_is_a_summary_and_a_rollup_and_the_table_is_asked_fo
     assert legend and all(len(why) > 40 for why in reasons)
     fp8_reason = next(why for why in reasons if why.startswith("fp8 tensorwise: out = x"))
     assert table.count(fp8_reason) == 2  # once under the node table, once under the fp8 one: not per matmul (9)
+
+
+def _passes_self(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _DecoratedForward(torch.nn.Module):
+    """A decorator on forward (as transformers 5.24 wraps LlamaForCausalLM.forward): Dynamo's
+    source then calls the root ``L['args'][0]`` instead of ``L['self']``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 16)
+
+    @_passes_self
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_weights_are_named_by_identity_under_a_decorated_forward():
+    """The fp8 table's weight column reads the parameter's name under the root (was
+    ``0.body.0.weight``: a name read from the source string's shape)."""
+    torch.manual_seed(0)
+    ex = amp_fx.explain(_DecoratedForward(), torch.randn(16, 16), fp8="tensorwise")
+    assert [(d.weight, d.module) for d in ex.fp8_decisions()] == [("body.0.weight", "body.0"),
+                                                                  ("head.weight", "head")]

@@ -128,7 +128,7 @@ class AmpBackend:
             report_traced_paths(gm, self.reporter)
         with torch._C._DisableAutocast():
             work = run_pipeline(self.options, gm, example_inputs, index=index,
-                                is_state=names.is_module_state)
+                                is_state=names.is_module_state, state_name=names.state_name)
             record = work.record(self.options.dtype)
             carry_dynamo_inputs(gm, work.gm)  # record.rewritten: what the downstream backend gets
             if work.lifted is not None:  # or this, with the weight cache
