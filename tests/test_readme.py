@@ -138,6 +138,11 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     },
     "docs/getting-started.md": {
         "import amp_fx": Run(),
+        # fp16 on the CPU through inductor compiles for about a minute: the same loop on aot_eager
+        "# fp16: scale the loss so that small gradients do not underflow": Run(
+            replace=(*_NO_CUDA, ('dtype="fp16")', 'dtype="fp16", backend="aot_eager")'))),
+        "# fp16, the whole step in one call": Run(
+            replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
     },
     "docs/concepts.md": {
         "from amp_fx import Policy, CastClass": Run(after=_CALL),
