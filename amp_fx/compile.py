@@ -17,6 +17,7 @@ from amp_fx._common.devices import check_supported
 from amp_fx._common.downstream import Backend
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
+from amp_fx._common.targets import check_target
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import (
     FSDP1_ALTERNATIVE,
@@ -198,7 +199,7 @@ class _ForwardWatch:
                 f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
                 f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
                 f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
-                f"torch.autocast."), stacklevel=3)
+                f"torch.autocast."))
         return self.__wrapped__(*args, **kwargs)
 
 
@@ -363,28 +364,29 @@ def compile(
     return compile_with(model_or_fn, options, inplace=inplace)
 
 
-def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False) -> F:
-    """:func:`compile` with its options given as the record (for compile_step and the adapters)."""
+def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, label: str | None = None) -> F:
+    """:func:`compile` with its options given as the record (for compile_step and the adapters);
+    ``label`` names the model in the progress lines (default: its class or function name)."""
     if inplace:
         return _compile_inplace(model_or_fn, options)
     if _inplace_call(model_or_fn) is not None:
         raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
                          "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
                          "or amp_fx.uncompile(model) first to wrap it instead")
-    return _compile(model_or_fn, options)
+    return _compile(model_or_fn, options, label=label)
 
 
-def _compile(model_or_fn: F, options: Options) -> F:
+def _compile(model_or_fn: F, options: Options, *, label: str | None = None) -> F:
     reporter = Reporter(options.strict)
-    if not callable(model_or_fn):
-        raise TypeError(f"amp_fx.compile expects an nn.Module or a callable, got "
-                        f"{type(model_or_fn).__name__}")
+    check_target(model_or_fn, "amp_fx.compile")
     model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]
     check_keep_fp32(options.policy, model_or_fn)
     root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
-    amp_backend = AmpBackend(options, root=root, reporter=reporter)
+    if label is None:
+        label = type(root).__name__ if root is not None else getattr(model_or_fn, "__qualname__", "the function")
+    amp_backend = AmpBackend(options, root=root, reporter=reporter, label=label)
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         if is_fsdp1(model_or_fn):
@@ -392,7 +394,7 @@ def _compile(model_or_fn: F, options: Options) -> F:
                 f"amp_fx.compile({type(model_or_fn).__name__}): the model is sharded by "
                 "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
                 "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
-                f"{FSDP1_ALTERNATIVE}."), stacklevel=3)
+                f"{FSDP1_ALTERNATIVE}."))
         return AmpCompiledModule(model_or_fn, amp_backend)  # type: ignore[return-value]
     compiled = amp_call(model_or_fn, amp_backend)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
@@ -404,6 +406,7 @@ def _compile(model_or_fn: F, options: Options) -> F:
 
 def _compile_inplace(model: object, options: Options) -> Any:
     """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
+    check_target(model, "amp_fx.compile(inplace=True)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
                         f"{type(model).__name__}; drop inplace=True to compile a function")
@@ -446,7 +449,7 @@ def weight_cache_applies(policy: Policy, root: torch.nn.Module | None, reporter:
         reporter.did_less("weight_cache:cast_cache",
                           "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
                           "turns off (each use would get its own gradient cast); the weight cache is off. "
-                          "Drop cast_cache=False or weight_cache=True.", stacklevel=4)
+                          "Drop cast_cache=False or weight_cache=True.")
         return False
     return True
 
@@ -470,7 +473,7 @@ def weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, calle
         "its parameters again in every forward into tensors whose changes the weight cache cannot "
         "see; the cache is off and each forward casts the gathered weights, as eager autocast does. "
         "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
-        "weights instead)."), stacklevel=5)
+        "weights instead)."))
     return True
 
 

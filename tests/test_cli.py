@@ -17,7 +17,7 @@ EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_mlp.py")
 
 def test_explain(capsys, tmp_path):
     svg = tmp_path / "tiny.svg"
-    assert main(["explain", f"{EXAMPLE}:build", "--svg", str(svg)]) == 0
+    assert main(["explain", f"{EXAMPLE}:build", "--svg", str(svg), "--table"]) == 0
     out = capsys.readouterr().out
     assert "cast bytes/call" in out and "graph 0 after the passes" in out
     assert "lower precision fp: aten.linear (default cpu table)" in out
@@ -80,3 +80,56 @@ def test_python_dash_m_and_console_script(tmp_path):
     done = subprocess.run([exe, "explain", "missing.py:build"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2 and "missing.py: no such file" in done.stderr
+
+
+_KEYWORDS = textwrap.dedent("""
+    import torch
+
+    class WithLabels(torch.nn.Module):  # a Hugging Face model's call form: keywords, a loss from labels
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids, labels=None):
+            out = self.fc(input_ids)
+            if labels is None:
+                raise ValueError("no labels: pass them as a keyword")
+            return (out.float() - labels).square().mean()
+
+    def build():
+        x = torch.randn(4, 8)
+        return WithLabels(), {"input_ids": x, "labels": torch.zeros(4, 8)}
+
+    def both():
+        return WithLabels(), (torch.randn(4, 8),), {"labels": torch.zeros(4, 8)}
+
+    def clashing():
+        return WithLabels(), {"input_ids": torch.randn(4, 8), "dtype": "bf16"}
+    """)
+
+
+def test_keyword_inputs_reach_the_model(tmp_path, capsys):
+    """A dict of inputs is passed as keywords (a Hugging Face model gets its labels), so is the
+    third item of (model, args, kwargs); a keyword named like one of the tool's options is refused."""
+    path = tmp_path / "hf_like.py"
+    path.write_text(_KEYWORDS)
+    assert main(["compare", f"{path}:build"]) == 0, capsys.readouterr().err
+    assert main(["explain", f"{path}:both"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["explain", f"{path}:clashing"]) == 2
+    assert "keyword inputs ['dtype'] have the names of amp_fx.explain's own options" in capsys.readouterr().err
+
+
+def test_help_shows_a_target_and_every_option_says_what_it_does(capsys):
+    import argparse
+
+    from amp_fx.cli import _parser
+
+    for command in ([], ["explain"], ["compare"], ["find-nonfinite"], ["advise"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        out = capsys.readouterr().out
+        assert "def build():" in out and "amp-fx explain my_model.py:build" in out, command
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [(name, a.dest) for name, p in sub.choices.items() for a in p._actions if not a.help]
+    assert bare == [], bare

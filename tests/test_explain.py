@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import shutil
 
 import pytest
@@ -112,7 +114,7 @@ def test_rules_modules_and_inserted_casts():
     assert len(inserted) == ex.records[0].inserted.casts_inserted == 4
     assert {n.label for n in nodes.values() if n.kind == "input"} == {
         "x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
-    text = str(ex)
+    text = ex.table()
     assert "+cast" in text and "kept by policy (fc2)" in text and "fc2 (Linear)" in text
 
 
@@ -284,3 +286,57 @@ def test_names_the_weights_a_graph_break_splits(case):
     text = str(ex)
     for name in expected:
         assert f"note: {name} is used in graphs 0, 1 (a graph break between its uses)" in text
+
+
+def test_printed_explanation_is_a_summary_and_a_rollup_and_the_table_is_asked_for():
+    """print(explain(...)) is short: the per-graph summary with "casts left" defined, the ops rolled
+    up by module and the fp8 share of matmul FLOPs; every op is in table(), where a long reason is
+    written once and referenced by number in its rows."""
+    from amp_fx.testing.zoo import transformer_lm
+
+    model, (ids,), _ = transformer_lm(batch=2, seq=8)
+    ex = amp_fx.explain(model, ids, dtype="bf16", fp8="tensorwise")
+    text = str(ex)
+    assert len(text.splitlines()) < 30 and "dtype decided by" not in text, text
+    assert "casts left: the casts in the graph that runs" in text
+    rollup = text[text.index("by module"):].splitlines()
+    assert [line.split()[0] for line in rollup[3:8]] == ["emb", "<root>", "blocks.0", "blocks.1", "norm"], rollup
+    assert "9 of 9 (tensorwise), 1.00 of their FLOPs" in text and "fp8 share of matmul FLOPs" in text
+    assert "print(report.table())" in text
+    table = ex.table()
+    assert "dtype decided by" in table and "graph 0: matmuls with a parameter operand" in table
+    legend = re.findall(r"^\[(\d+)\] (.+)$", table, flags=re.M)
+    reasons = [why for _, why in legend]
+    assert legend and all(len(why) > 40 for why in reasons)
+    fp8_reason = next(why for why in reasons if why.startswith("fp8 tensorwise: out = x"))
+    assert table.count(fp8_reason) == 2  # once under the node table, once under the fp8 one: not per matmul (9)
+
+
+def _passes_self(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _DecoratedForward(torch.nn.Module):
+    """A decorator on forward (as transformers 5.24 wraps LlamaForCausalLM.forward): Dynamo's
+    source then calls the root ``L['args'][0]`` instead of ``L['self']``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 16)
+
+    @_passes_self
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def test_weights_are_named_by_identity_under_a_decorated_forward():
+    """The fp8 table's weight column reads the parameter's name under the root (was
+    ``0.body.0.weight``: a name read from the source string's shape)."""
+    torch.manual_seed(0)
+    ex = amp_fx.explain(_DecoratedForward(), torch.randn(16, 16), fp8="tensorwise")
+    assert [(d.weight, d.module) for d in ex.fp8_decisions()] == [("body.0.weight", "body.0"),
+                                                                  ("head.weight", "head")]

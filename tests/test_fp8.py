@@ -333,7 +333,7 @@ def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(recipe
     with torch.autocast("cpu", torch.bfloat16):
         assert model(x)[0]._base is None  # the reference
     compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, weight_cache=weight_cache, backend="aot_eager",
-                              strict=recipe != "mxfp8")  # mxfp8 runs emulated on the CPU: strict refuses it
+                              strict=True)
     logits, loss = compiled(x)
     assert len(_fp8_nodes(compiled)) == 1
     assert logits._base is None, f"{recipe}: the logits are a view of a {tuple(logits._base.shape)} tensor"
@@ -545,9 +545,9 @@ def test_shapes_scaled_mm_cannot_take_are_padded_and_a_3d_weight_stays_in_dtype(
     assert "3-D weight" in d["experts"].reason
     (record,) = compiled.amp_fx_records
     assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
-    text = str(amp_fx.explain(compiled))
-    assert "padded to multiples of 16 for torch._scaled_mm: N 40->48" in text
-    assert "3 of 4 (tensorwise), 2 padded" in text
+    ex = amp_fx.explain(compiled)
+    assert "padded to multiples of 16 for torch._scaled_mm: N 40->48" in ex.table()
+    assert "3 of 4 (tensorwise), 2 padded" in str(ex)
 
 
 @pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
@@ -1076,3 +1076,27 @@ def test_experts_in_one_3d_parameter_with_the_weight_cache() -> None:
     runs = sgd_uncached_and_cached(model, [[x, x], [x, x]], lr=0.1, fp8="tensorwise", backend="aot_eager",
                                    strict=True)
     assert_bitwise(runs[1], runs[0], "3-D experts: fp8 weight cache vs uncached")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the notice is for a device without fp8 tensor cores")
+@pytest.mark.parametrize("recipe, says", [
+    ("tensorwise", "runs without fp8 tensor cores here: cpu has no fp8 tensor cores, so torch._scaled_mm runs its"),
+    ("mxfp8", "runs emulated here: cpu has no MXFP8 matmul kernel")])
+def test_a_slow_fp8_kernel_is_one_notice_even_in_strict_mode(recipe: str, says: str) -> None:
+    """One rule for every recipe: a kernel with the recipe's numerics but slower than bf16 is said
+    once (a UserWarning, not an AmpFxWarning: nothing asked is undone, so strict mode runs it),
+    with where fp8 is fast; explain says it as a note. Its twin, fp8 off, says nothing."""
+    import warnings
+
+    x = torch.randn(32, 32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = amp_fx.compile(nn.Linear(32, 32), dtype="bf16", fp8=recipe, backend="eager", strict=True)
+        compiled(x)
+        compiled(x)
+        amp_fx.compile(nn.Linear(32, 32), dtype="bf16", backend="eager", strict=True)(x)
+    said = [(w.category, w.filename) for w in caught if "amp_fx: fp8=" in str(w.message)]
+    assert said == [(UserWarning, __file__)], [str(w.message) for w in caught]
+    message = next(str(w.message) for w in caught if "amp_fx: fp8=" in str(w.message))
+    assert says in message and "slower than bf16" in message and ("H100" in message or "B200" in message)
+    assert says in str(amp_fx.explain(nn.Linear(32, 32), x, dtype="bf16", fp8=recipe))

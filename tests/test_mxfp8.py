@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.inspect.explanation import Explanation
 from amp_fx.kernels import mxfp8_matmul as mx
@@ -192,7 +191,7 @@ def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
             loss_ref = loss_fn(ref(xs))
         loss_ref.backward()
         if step == 0:
-            with pytest.warns(AmpFxWarning, match="fp8='mxfp8' runs emulated here: cpu has no MXFP8 matmul"):
+            with pytest.warns(UserWarning, match="fp8='mxfp8' runs emulated here: cpu has no MXFP8 matmul"):
                 loss = loss_fn(compiled(xs))
         else:
             loss = loss_fn(compiled(xs))
@@ -213,8 +212,8 @@ def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
     assert [(d.weight, d.converted, d.recipe) for d in decisions] == [
         (f"{m}.weight", True, Fp8Recipe.MXFP8) for m in ("fc1", "fc2", "head")]
     assert "e8m0 scale per 32" in decisions[0].reason
-    text = str(Explanation.from_records(records))
-    assert "fp8=mxfp8" in text and "runs emulated here" in text
+    ex = Explanation.from_records(records)
+    assert "fp8=mxfp8" in ex.table() and "runs emulated here" in str(ex)
 
 
 @pytest.mark.slow  # 7 to 12 s on a loaded 2-core CPU: two compiles
@@ -250,13 +249,10 @@ def test_odd_sizes_are_padded_to_the_block_and_explain_counts_it() -> None:
 
 
 # --- what amp_fx says ----------------------------------------------------------------------------
+# (that it runs emulated, and that strict mode does not refuse it: tests/test_fp8.py,
+# test_a_slow_fp8_kernel_is_one_notice_even_in_strict_mode)
 
 
-def test_emulation_is_refused_in_strict_mode() -> None:
-    """(The warning itself: test_loss_gradients_and_adamw_bitwise_with_torchao.)"""
-    with pytest.raises(AmpFxError, match="runs emulated here"):
-        amp_fx.compile(nn.Linear(32, 32), dtype="bf16", fp8="mxfp8", backend="aot_eager", strict=True)(
-            torch.randn(32, 32))
 
 
 @pytest.mark.parametrize("capability, missing", [((9, 0), "needs a Blackwell GPU"), ((10, 0), None)],

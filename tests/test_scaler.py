@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import amp_fx
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise
 
@@ -691,20 +692,19 @@ def test_disabled_is_a_no_op_like_torch() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without CUDA")
-def test_cuda_without_cuda_warns_and_disables_like_torch() -> None:
-    with warnings.catch_warnings(record=True) as ref_w:
-        warnings.simplefilter("always")
-        ref = torch.amp.GradScaler()
+def test_cuda_without_cuda_warns_naming_the_cpu_scaler_and_disables_like_torch() -> None:
+    """torch's scaler says only "Disabling."; ours names GradScaler('cpu') at the caller's line, is
+    an error in strict mode, and says nothing where the scaler is meant to be off."""
+    ref = torch.amp.GradScaler()
     with warnings.catch_warnings(record=True) as our_w:
         warnings.simplefilter("always")
-        ours = GradScaler()
-    assert [(w.category, str(w.message)) for w in our_w] == [
-        (w.category, str(w.message)) for w in ref_w
-    ]
-    assert (
-        len(our_w) == 1 and our_w[0].filename == __file__
-    )  # points at the caller, as torch's does
+        ours = GradScaler(strict=False)
+        GradScaler(enabled=False, strict=False)
+    assert [(w.category, w.filename) for w in our_w] == [(amp_fx.AmpFxWarning, __file__)]
+    assert "GradScaler('cpu')" in str(our_w[0].message)
     assert ours.is_enabled() is ref.is_enabled() is False
+    with pytest.raises(amp_fx.AmpFxError, match=r"GradScaler\('cpu'\)"):
+        GradScaler(strict=True)
 
 
 def test_getters_and_setters_match_torch() -> None:

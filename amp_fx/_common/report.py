@@ -10,12 +10,20 @@ created) raises :class:`~amp_fx.errors.AmpFxError` with the same message instead
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Hashable
 
+import torch
+
 from amp_fx.errors import AmpFxError, AmpFxWarning
 
-__all__ = ["Reporter", "did_less", "resolve_strict", "strict_from_env", "STRICT_ENV"]
+__all__ = ["Reporter", "did_less", "resolve_strict", "strict_from_env", "STRICT_ENV", "user_stacklevel", "warn"]
+
+# Frames that are not the user's: amp_fx's and torch's own files, and the code FX generates for a
+# GraphModule (its file name is "<eval_with_key>.N").
+_NOT_USERS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, "<eval_with_key>")
 
 STRICT_ENV = "AMP_FX_STRICT"
 
@@ -34,6 +42,25 @@ def resolve_strict(strict: bool | None) -> bool:
     return strict
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the caller point at the user's line:
+    the first frame outside amp_fx and torch (the outermost frame where every one is theirs).
+
+    The one rule for every amp_fx warning, instead of a count of frames per call site that goes
+    stale when a call moves (Python 3.12's ``skip_file_prefixes`` does this; amp_fx supports 3.10)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_USERS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn(message: str, category: type[Warning] = AmpFxWarning) -> None:
+    """``warnings.warn`` attributed to the user's line (:func:`user_stacklevel`)."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
 class Reporter:
     """Reports shortfalls of one owner (a compiled model or step), each key once."""
 
@@ -41,8 +68,7 @@ class Reporter:
         self.strict = resolve_strict(strict)
         self._seen: set[Hashable] = set()
 
-    def did_less(self, key: Hashable, message: str, *, stacklevel: int = 3,
-                 cause: BaseException | None = None) -> None:
+    def did_less(self, key: Hashable, message: str, *, cause: BaseException | None = None) -> None:
         """Warn once per ``key`` with ``message`` (which names the thing and the fix); raise if
         strict (chained from ``cause``, where the shortfall has one)."""
         if self.strict:
@@ -50,7 +76,15 @@ class Reporter:
         if key in self._seen:
             return
         self._seen.add(key)
-        warnings.warn(message, AmpFxWarning, stacklevel=stacklevel)
+        warn(message)
+
+    def notice(self, key: Hashable, message: str) -> None:
+        """Warn once per ``key`` (a ``UserWarning``, never raised in strict mode): amp_fx does what
+        was asked, and the message says something the user should know (a slow kernel)."""
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        warn(message, UserWarning)
 
     def __getstate__(self) -> dict[str, object]:
         return {"strict": self.strict, "_seen": set()}
@@ -59,8 +93,8 @@ class Reporter:
 _GLOBAL = Reporter(strict=False)
 
 
-def did_less(key: Hashable, message: str, *, strict: bool | None = None, stacklevel: int = 3) -> None:
+def did_less(key: Hashable, message: str, *, strict: bool | None = None) -> None:
     """For code with no owner: warn once per key in the process; raise if ``strict`` (or the env) says so."""
     if resolve_strict(strict):
         raise AmpFxError(f"{message} [strict mode]")
-    _GLOBAL.did_less(key, message, stacklevel=stacklevel + 1)
+    _GLOBAL.did_less(key, message)

@@ -146,7 +146,7 @@ class GatheredFp8Weights:
                 f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
                 f"but the model also reads one outside an fp8 matmul ({'; '.join(reads[:4])}): that use "
                 "computed with the fp8 weight (data / scale), not the fp32 one. Keep its module out of fp8 "
-                "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."), stacklevel=4)
+                "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."))
 
 
 @torch.no_grad()
@@ -251,7 +251,7 @@ def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module]
             f"amp_fx: FSDP2 all-gathers {', '.join(less)} in fp32 (4 bytes per element), not in fp8 "
             "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
             "differ. Shard it with fully_shard on dim 0 of a 1-D mesh, not offloaded, owned by one "
-            "nn.Linear, to gather it in fp8; strict=True makes this an error."), stacklevel=5)
+            "nn.Linear, to gather it in fp8; strict=True makes this an error."))
     if not params:
         return None
     gathered = GatheredFp8Weights(params, names)

@@ -16,13 +16,14 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1, unsharded_class_name
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_matmul import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["fp32_experts_text", "mxfp8_emulated_text", "report_no_graph", "report_root_outside_graphs",
+__all__ = ["fp32_experts_text", "slow_fp8_text", "report_no_graph", "report_root_outside_graphs",
            "report_unused_policy", "wrapper_fix"]
 
 
@@ -52,7 +53,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
                 f"amp_fx: Policy(keep_fp32=...) entry {label} selects ops inside "
                 f"{' and '.join(dict.fromkeys(inside))}, which amp_fx keeps whole: eager autocast casts "
                 f"the ops inside, so they are not kept in fp32. To keep them in fp32, run that code under "
-                f"torch.autocast(device_type, enabled=False) with fp32 inputs."), stacklevel=5)
+                f"torch.autocast(device_type, enabled=False) with fp32 inputs."))
         if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
             continue
         skipped = [path for path, mtype in outside if module_matches(sel, path, mtype)]
@@ -64,7 +65,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
             f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
             f"for it. Name a module that runs ops (names are under the module passed to "
-            f"amp_fx.compile, as in its named_modules()), or drop the entry."), stacklevel=5)
+            f"amp_fx.compile, as in its named_modules()), or drop the entry."))
     _report_fp8(records, policy, reporter, fp8, stacks)
     _report_experts(records, policy, reporter)
     _report_rnn_cells(nodes, reporter)
@@ -78,7 +79,7 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
             f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
             f"op in the graphs captured on the first call (the model does not call "
             f"{', '.join(op_names)}{unseen}), so it changed nothing. Check the op name and overload "
-            f"(amp_fx.explain lists the ops of each graph), or drop the entry."), stacklevel=5)
+            f"(amp_fx.explain lists the ops of each graph), or drop the entry."))
 
 
 def _report_rnn_cells(nodes: Sequence[torch.fx.Node], reporter: Reporter) -> None:
@@ -95,7 +96,7 @@ def _report_rnn_cells(nodes: Sequence[torch.fx.Node], reporter: Reporter) -> Non
         f"as torch's decomposition into cells (linears and pointwise ops, what torch.compile traces), "
         f"not as eager's cuDNN RNN, which cannot be captured: within rounding of eager autocast, not bit "
         f"for bit, and slower than cuDNN. To keep cuDNN, leave torch._dynamo.config.allow_rnn False (its "
-        f"default): Dynamo then runs the RNN outside the graph, under eager autocast."), stacklevel=5)
+        f"default): Dynamo then runs the RNN outside the graph, under eager autocast."))
 
 
 def _kept_whole(node: torch.fx.Node) -> str | None:
@@ -119,21 +120,20 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         if fp8 is None:
             reporter.did_less(("keep_out_of_fp8", "fp8 off"), (
                 f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} changes nothing: fp8 is off. "
-                f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."),
-                stacklevel=5)
+                f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."))
         elif not any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
             reporter.did_less(("keep_out_of_fp8", label), (
                 f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} matched no op in the graphs "
                 f"captured on the first call, so no matmul was kept out of fp8 for it. Name a "
                 f"module that runs matmuls (names are under the module passed to amp_fx.compile, "
-                f"as in its named_modules()), or drop the entry."), stacklevel=5)
+                f"as in its named_modules()), or drop the entry."))
     if fp8 is None or not records or noted_by_caller():
         return
     decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
     if any(d.converted for d in decisions):
-        emulated = mxfp8_emulated_text(records)
-        if emulated is not None:
-            reporter.did_less(("fp8", "mxfp8 emulated"), emulated, stacklevel=5)
+        slow = slow_fp8_text(records)
+        if slow is not None:
+            reporter.notice(("fp8", "slow kernel"), slow)
         return
     if not decisions:
         found = ("no graph of the first call has a matmul with a parameter operand "
@@ -144,28 +144,37 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
                  + "; ".join(f"{n} x {why}" for why, n in reasons.most_common(3)))
     reporter.did_less(("fp8", "nothing converted"), (
         f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
-        f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."),
-        stacklevel=5)
+        f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."))
 
 
-def mxfp8_emulated_text(records: Sequence[GraphRecord]) -> str | None:
-    """With ``fp8="mxfp8"``: the warning that its matmuls run emulated (no MX kernel on the
-    graphs' device), or None where they run MX ``torch._scaled_mm`` or none is converted."""
-    devices = {r.device_type for r in records
-               if r.fp8 is not None and r.fp8.recipe is Fp8Recipe.MXFP8 and r.fp8.converted}
-    missing = [m for m in map(mx_kernels_missing, sorted(devices)) if m is not None]
-    if not missing:
-        return None
-    return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing[0]}. Each MXFP8 GEMM is dequantized "
-            f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's numerics, "
-            f"slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an H100/H200 use "
-            f"fp8='rowwise' or 'tensorwise' for fp8 speed.")
+def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
+    """The note that the converted matmuls have no fast kernel on the graphs' device, or None.
+
+    One rule for every recipe: where the kernel computes the recipe's numerics but slower than
+    bf16 (MXFP8 emulated in bf16 without Blackwell's MX kernels; tensorwise and rowwise through
+    the CPU's reference ``torch._scaled_mm``), amp_fx says so once, as a notice: nothing asked is
+    left undone, so strict mode does not refuse it (and CPU runs of fp8 stay possible there)."""
+    converted = {(r.fp8.recipe, r.device_type) for r in records if r.fp8 is not None and r.fp8.converted}
+    for recipe, device_type in sorted(converted, key=lambda c: (c[0].value, c[1])):
+        if recipe is Fp8Recipe.MXFP8:
+            missing = mx_kernels_missing(device_type)
+            if missing is not None:
+                return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing}. Each MXFP8 GEMM is dequantized "
+                        f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
+                        f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
+                        f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed.")
+        elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
+            return (f"amp_fx: fp8={recipe.value!r} runs without fp8 tensor cores here: {missing}. The "
+                    f"recipe's numerics, slower than bf16 (for developing and testing fp8 on this machine); "
+                    f"fp8 is fast on GPUs with compute capability 8.9+ (L4, L40S, H100, H200, B200). Here "
+                    f"dtype='bf16' alone trains faster.")
+    return None
 
 
 def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter) -> None:
     fp32 = fp32_experts_text(records, policy)
     if fp32 is not None and not noted_by_caller():  # explain shows it as a note
-        reporter.did_less(("autocast_experts", "fp32"), fp32, stacklevel=6)
+        reporter.did_less(("autocast_experts", "fp32"), fp32)
     left = [e for r in records for e in r.inserted.experts if policy.autocast_experts and not e.lowered
             and e.dtype == torch.float32 and r.dtype != torch.bfloat16]
     if left:
@@ -173,13 +182,13 @@ def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Re
             f"amp_fx: Policy(autocast_experts=True) runs grouped expert GEMMs in bf16 only (torch compiles "
             f"aten._grouped_mm for bf16 operands only), but dtype is {dtype_name(records[0].dtype)}: the experts "
             f"{', '.join(dict.fromkeys(e.module for e in left))} stay in float32. Compile with dtype='bf16' to "
-            f"run them in bf16."), stacklevel=6)
+            f"run them in bf16."))
     if policy.autocast_experts is not None and records and not any(r.inserted.experts for r in records):
         reporter.did_less(("autocast_experts", "unused"), (
             f"amp_fx: Policy(autocast_experts={policy.autocast_experts}) matched no grouped expert GEMM "
             f"({', '.join(GROUPED_MM_OPS)}) in the graphs captured on the first call, so it changed "
             f"nothing. Experts written as one nn.Linear each are linears, which autocast already runs "
-            f"in the low dtype; drop the entry."), stacklevel=6)
+            f"in the low dtype; drop the entry."))
 
 
 def fp32_experts_text(records: Sequence[GraphRecord], policy: Policy | None) -> str | None:
@@ -216,7 +225,7 @@ def report_no_graph(reporter: Reporter, target: object) -> None:
         "torch.autocast if it cannot be compiled.")
     reporter.did_less(("no_graph",), (
         f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
-        f"autocast (the same values, nothing compiled). {fix}"), stacklevel=4)
+        f"autocast (the same values, nothing compiled). {fix}"))
 
 
 def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str],
@@ -246,7 +255,7 @@ def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Mo
         f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
         f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
         f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
-        f"fully_shard it or drop it.{_tied_fix(root, missing)}"), stacklevel=5)
+        f"fully_shard it or drop it.{_tied_fix(root, missing)}"))
     return [(path, type(m)) for name in missing
             for path, m in root.get_submodule(name).named_modules(prefix=name)]
 

@@ -27,6 +27,8 @@ import torch
 import torch.fx
 
 from amp_fx._common.downstream import resolve_backend
+from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.progress import timed
 from amp_fx._common.report import Reporter
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
@@ -54,8 +56,10 @@ class AmpBackend:
     """
 
     def __init__(self, options: Options, *, root: torch.nn.Module | None = None,
-                 reporter: Reporter | None = None) -> None:
+                 reporter: Reporter | None = None, label: str | None = None) -> None:
         self.options = options
+        self.label = label if label is not None else (type(root).__name__ if root is not None else "a function")
+        """Names the model in the progress lines (amp_fx/_common/progress.py)."""
         self._root = None if root is None else weakref.ref(root)
         self.reporter = reporter if reporter is not None else Reporter(options.strict)
         self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
@@ -102,10 +106,13 @@ class AmpBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         guard_module_hooks()
-        try:
-            return self._compile(gm, example_inputs, len(self.records))
-        except StageFailure as failure:
-            return self._fall_back(gm, example_inputs, failure)
+        index = len(self.records)
+        with timed(f"amp_fx: {self.label}: compiled graph {index} ({_ops(gm)} ops, {dtype_name(self.dtype)}, "
+                   f"backend {self.options.backend_name})"):
+            try:
+                return self._compile(gm, example_inputs, index)
+            except StageFailure as failure:
+                return self._fall_back(gm, example_inputs, failure)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], index: int) -> Callable[..., Any]:
         # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
@@ -121,7 +128,7 @@ class AmpBackend:
             report_traced_paths(gm, self.reporter)
         with torch._C._DisableAutocast():
             work = run_pipeline(self.options, gm, example_inputs, index=index,
-                                is_state=names.is_module_state)
+                                is_state=names.is_module_state, state_name=names.state_name)
             record = work.record(self.options.dtype)
             carry_dynamo_inputs(gm, work.gm)  # record.rewritten: what the downstream backend gets
             if work.lifted is not None:  # or this, with the weight cache
@@ -249,7 +256,7 @@ class AmpBackend:
         self.reporter.did_less(("watch_nonfinite", "backward"), (
             f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
             f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
-            f"'inductor' to name the backward's first inf too."), stacklevel=5)
+            f"'inductor' to name the backward's first inf too."))
 
 
 class _HeldWeakly:
@@ -263,6 +270,10 @@ class _HeldWeakly:
         if backend is None:  # its owner, which calls the compiled code, holds it while it runs
             raise AmpFxError("amp_fx: a graph was captured for a compiled model that no longer exists")
         return backend(gm, example_inputs)
+
+
+def _ops(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
 
 
 def _origin(gm: torch.fx.GraphModule) -> str:

@@ -178,6 +178,12 @@ class RootNames:
         """Whether a graph input is a parameter or buffer of the root (by identity)."""
         return self.root is not None and id(self.real_tensor(node, value)) in self._tensors
 
+    def state_name(self, node: torch.fx.Node, value: Any) -> str | None:
+        """The name under the root of the parameter or buffer a graph input is (by identity), else
+        None: right whatever Dynamo's source calls the root (``L['self']``, or ``L['args'][0]``
+        under a decorator on ``forward``, as transformers 5.24's)."""
+        return self.tensor_name(self.real_tensor(node, value))
+
     def tensor_name(self, tensor: object) -> str | None:
         return self._tensors.get(id(tensor)) if self.root is not None else None
 

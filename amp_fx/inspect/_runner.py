@@ -31,6 +31,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.targets import check_target
 from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.fp8 import Fp8Like
@@ -145,7 +146,9 @@ def _model_name(model_or_fn: Any) -> str:
 
 
 def run_eager_checked(model_or_fn: Any, call: Call, *, tool: str) -> Any:
-    """Run the model once in plain fp32 eager on copies; raise :class:`EagerError` if it fails."""
+    """Run the model once in plain fp32 eager on copies; raise :class:`EagerError` if it fails
+    (``TypeError`` where it is no model at all: a class, a string)."""
+    check_target(model_or_fn, f"amp_fx.{tool}")
     target = private_copy(model_or_fn)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):

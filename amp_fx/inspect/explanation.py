@@ -16,7 +16,9 @@ shown instead of ``meta["val"]``'s where the two differ, with a note.
 
 from __future__ import annotations
 
+import math
 import operator
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
-from amp_fx.backend.audit import fp32_experts_text, mxfp8_emulated_text
+from amp_fx.backend.audit import fp32_experts_text, slow_fp8_text
 from amp_fx.errors import GraphvizNotFound
 from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._graphviz import build_dot, write_svg
@@ -287,9 +289,9 @@ class Explanation:
         experts = fp32_experts_text(self.records, policy)
         if experts is not None:
             self.notes.append(experts.removeprefix("amp_fx: "))
-        emulated = mxfp8_emulated_text(self.records)
-        if emulated is not None:
-            self.notes.append(emulated.removeprefix("amp_fx: "))
+        slow = slow_fp8_text(self.records)
+        if slow is not None:
+            self.notes.append(slow.removeprefix("amp_fx: "))
         fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
         if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
             self.notes.append(f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
@@ -415,9 +417,40 @@ class Explanation:
             })
             if any(r.fp8 is not None for r in self.records):
                 padded = 0 if r.fp8 is None else sum(d.padding is not None for d in r.fp8.converted)
+                share = None if r.fp8 is None else _fp8_flop_share(r.fp8.decisions)
                 rows[-1]["fp8 matmuls"] = "-" if r.fp8 is None else (
                     f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})"
-                    + (f", {padded} padded" if padded else ""))
+                    + (f", {padded} padded" if padded else "")
+                    + (f", {share:.2f} of their FLOPs" if share is not None else ""))
+        return rows
+
+    def module_rows(self, *, max_rows: int = 12) -> list[dict[str, Any]]:
+        """The ops rolled up by module, at the deepest module depth (up to 3) that gives at most
+        ``max_rows`` rows: ops per dtype, casts amp_fx inserted there and, with fp8, the share of
+        the FLOPs of its matmuls with a parameter operand that run in fp8."""
+        ops = [(r, n) for r in self.records if r.fallback is None for n in self.nodes(r.index)
+               if n.kind in ("op", "cast")]
+        fp8 = [(r.index, d) for r in self.records if r.fp8 is not None for d in r.fp8.decisions]
+        for depth in (3, 2, 1):
+            def key(path: str, depth: int = depth) -> str:
+                return ".".join(path.split(".")[:depth]) if path else "<root>"
+            groups = list(dict.fromkeys(key(n.module) for _, n in ops))
+            if len(groups) <= max_rows:
+                break
+        rows = []
+        for group in groups:
+            mine = [n for _, n in ops if key(n.module) == group]
+            dtypes = Counter(n.dtype_name for n in mine if n.kind == "op")
+            row: dict[str, Any] = {
+                "module": group,
+                "ops": sum(n.kind == "op" for n in mine),
+                "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(dtypes.items())) or "-",
+                "casts inserted": sum(n.cast == "inserted" for n in mine),
+            }
+            if fp8:
+                share = _fp8_flop_share([d for _, d in fp8 if key(d.module) == group])
+                row["fp8 share of matmul FLOPs"] = "-" if share is None else f"{share:.2f}"
+            rows.append(row)
         return rows
 
     def fp8_decisions(self, graph: int | None = None) -> list[Fp8Decision]:
@@ -434,10 +467,13 @@ class Explanation:
         r = self.records[graph]
         if r.fp8 is None:
             return f"graph {graph}: fp8 off"
+        reasons: dict[str, int] = {}
         rows = [[d.weight, d.module, d.op, "x".join(map(str, d.shape)) if d.shape else "?",
-                 "fp8" if d.converted else dtype_name(r.dtype), d.reason] for d in r.fp8.decisions]
+                 "fp8" if d.converted else dtype_name(r.dtype), _reference(d.reason, reasons)]
+                for d in r.fp8.decisions]
         return (f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
-                + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"]))
+                + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"])
+                + "".join(f"\n[{k}] {why}" for why, k in reasons.items()))
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
@@ -446,7 +482,9 @@ class Explanation:
         lines = []
         if self.records:
             lines.append(tabulate(self.summary_rows(), headers="keys"))
+            lines.append(_SUMMARY_LEGEND)
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"note: graph {r.index}: {r.fallback_text}" for r in self.records if r.fallback is not None]
         for r in self.records:
             bad = self.meta_mismatches(r.index)
             if bad:
@@ -457,8 +495,10 @@ class Explanation:
     def graph_text(self, graph: int, *, before: bool = False) -> str:
         """The graph as a table: node, op and arguments, value (dtype[shape]), module, what decided
         its dtype. Inserted casts are marked ``+cast``, your casts ``cast``, nodes that absorbed
-        folded casts ``folded(rule)``."""
+        folded casts ``folded(rule)``. A reason longer than a short phrase is written once, under
+        the table, and referenced by its number in each row."""
         rows = []
+        reasons: dict[str, int] = {}
         for n in self.nodes(graph, before=before):
             if n.kind == "output":
                 continue
@@ -467,12 +507,13 @@ class Explanation:
                 mark = (mark + " " if mark else "") + f"folded({','.join(n.folded)})"
             what = n.label if n.kind == "input" else f"{n.op}({n.args})"
             module = f"{n.module} ({n.module_type})" if n.module else ""
-            rows.append([mark, n.name, what, n.value, module, n.rule])
+            rows.append([mark, n.name, what, n.value, module, _reference(n.rule, reasons)])
         r = self.records[graph]
         title = (f"graph {graph} {'before' if before else 'after'} the passes "
                  f"({r.device_type}, {dtype_name(r.dtype)})")
+        legend = "".join(f"\n[{k}] {why}" for why, k in reasons.items())
         return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module",
-                                                      "dtype decided by"])
+                                                      "dtype decided by"]) + legend
 
     def before_after(self, graph: int) -> str:
         """Each op of your program: its dtype before and after the passes, and the casts put on
@@ -508,17 +549,33 @@ class Explanation:
                                           "amp_fx", "casts on inputs"]))
 
     def __str__(self) -> str:
+        """The summary: one row per graph, its legend and notes, and the ops rolled up by module.
+        The node-by-node detail is :meth:`table`."""
         parts = [f"amp_fx.explain: {len(self.records)} graph(s)"
                  + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
                  self.summary()]
-        for r in self.records:
+        rows = self.module_rows()
+        if rows:
+            parts += ["", "by module", tabulate(rows, headers="keys")]
+        if self.records:
+            parts += ["", "Every op, its dtype and why, the casts on its inputs and each matmul's fp8 decision: "
+                          "print(report.table()) (amp-fx explain --table)."]
+        return "\n".join(parts)
+
+    def table(self, graph: int | None = None) -> str:
+        """The node-by-node detail of each graph (or of ``graph``): each op of your program before
+        and after the passes with the casts on its inputs (:meth:`before_after`), the rewritten
+        graph with what decided each dtype (:meth:`graph_text`) and, with fp8, each matmul's
+        decision (:meth:`fp8_text`)."""
+        parts: list[str] = []
+        for r in self.records if graph is None else [self.records[graph]]:
+            parts += ["", self.before_after(r.index)]
             if r.fallback is not None:
-                parts += ["", self.before_after(r.index)]
                 continue
-            parts += ["", self.before_after(r.index), "", self.graph_text(r.index)]
+            parts += ["", self.graph_text(r.index)]
             if r.fp8 is not None:
                 parts += ["", self.fp8_text(r.index)]
-        return "\n".join(parts)
+        return "\n".join(parts).lstrip("\n")
 
     def __repr__(self) -> str:
         return f"<amp_fx.Explanation of {len(self.records)} graph(s)>"
@@ -547,6 +604,33 @@ class Explanation:
         next to it (``path`` with suffix ``.dot``) and raises :class:`GraphvizNotFound`, whose
         message says how to install Graphviz and make the SVG."""
         return write_svg(self.to_dot(before=before), path)
+
+
+_SUMMARY_LEGEND = textwrap.fill(
+    "(casts inserted: the casts amp_fx added; leaf casts shared: weight casts one cast serves for every "
+    "use, as eager autocast's cast cache; casts folded: removed because they changed no value, by rule; "
+    "casts left: the casts in the graph that runs, amp_fx's that were not folded plus your own)", 100)
+
+_INLINE_REASON = 40
+"""Reasons up to this many characters stay in the row; longer ones (a policy's 200-character
+explanation) are written once under the table and referenced by number."""
+
+
+def _reference(reason: str, reasons: dict[str, int]) -> str:
+    if len(reason) <= _INLINE_REASON:
+        return reason
+    return f"[{reasons.setdefault(reason, len(reasons) + 1)}]"
+
+
+def _fp8_flop_share(decisions: Sequence[Fp8Decision]) -> float | None:
+    """The share of the FLOPs of these matmuls (2 M K N each, unpadded) that run in fp8; None
+    where there is none or a shape is unknown (or symbolic)."""
+    flops = [(2 * math.prod(d.shape), d.converted) for d in decisions  # type: ignore[arg-type]
+             if d.shape and all(isinstance(v, int) for v in d.shape)]
+    total = sum(f for f, _ in flops)
+    if not flops or len(flops) != len(decisions) or total == 0:
+        return None
+    return sum(f for f, converted in flops if converted) / total
 
 
 def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:

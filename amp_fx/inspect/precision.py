@@ -442,16 +442,16 @@ def _scaling_row(scaler: Any, compute: torch.dtype | None, downgrades: dict[Down
     return PrecisionRow("loss scaling", (), None, note + (" (scaling the loss)" if scaling else ""))
 
 
-def report_downgrades(report: PrecisionReport, reporter: Reporter, *, stacklevel: int) -> None:
+def report_downgrades(report: PrecisionReport, reporter: Reporter) -> None:
     """Warn once per downgrade (one error naming them all in strict mode)."""
     if not report.downgrades:
         return
     prefix = "amp_fx.precision_report: "
     if reporter.strict:
         reporter.did_less(("precision",) + tuple(d.value for d in report.downgrades),
-                          prefix + "\n".join(report.downgrades.values()), stacklevel=stacklevel)
+                          prefix + "\n".join(report.downgrades.values()))
     for kind, message in report.downgrades.items():
-        reporter.did_less(("precision", kind.value), prefix + message, stacklevel=stacklevel)
+        reporter.did_less(("precision", kind.value), prefix + message)
 
 
 def precision_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -491,7 +491,7 @@ def precision_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     report = _build(model, optimizer, setup=setup, compute=_compute_dtype(setup, dtype), scaler=scaler,
                     loss=loss, compiled_step=False)
     reporter = setup.reporter if setup.reporter is not None and strict is None else Reporter(strict)
-    report_downgrades(report, reporter, stacklevel=4)
+    report_downgrades(report, reporter)
     return report
 
 
@@ -505,5 +505,5 @@ def step_report(step: Any, cache: Any, loss: torch.Tensor | torch.dtype | None,
     setup.options, setup.cache = step.options, cache
     report = _build(step.model, step.optimizer, setup=setup, compute=step.config.dtype, scaler=step.scaler,
                     loss=loss, compiled_step=True, train_state=train_state)
-    report_downgrades(report, reporter, stacklevel=5)
+    report_downgrades(report, reporter)
     return report

@@ -133,7 +133,7 @@ class _NamedBackend:
                 f"amp_fx backend {self.__name__!r}: the model runs inside torch.autocast(dtype="
                 f"{dtype_name(ambient_dtype)}) but the backend casts its graphs to {dtype_name(dtype)}; "
                 f"code Dynamo leaves to eager runs in {dtype_name(ambient_dtype)}. Use one dtype: "
-                f"options={{'dtype': '{dtype_name(ambient_dtype)}'}} or the matching autocast."), stacklevel=2)
+                f"options={{'dtype': '{dtype_name(ambient_dtype)}'}} or the matching autocast."))
         reason = getattr(gm, "compile_subgraph_reason", None)
         if not ambient and getattr(reason, "graph_break", False):
             backend.reporter.did_less("graph break outside autocast", (
@@ -142,7 +142,7 @@ class _NamedBackend:
                 f"Dynamo runs in eager at the break runs in fp32, where eager autocast (and "
                 f"amp_fx.compile) would run it in {dtype_name(dtype)}. Call the model inside "
                 f"torch.autocast('{device_type}', dtype={dtype}) or compile it with amp_fx.compile to "
-                f"match eager autocast."), stacklevel=2)
+                f"match eager autocast."))
         compiled = backend(gm, example_inputs)
         if root is not None and not getattr(reason, "graph_break", False) and _frame_self() is root:
             # the root's own frame is done: every graph of a call is in

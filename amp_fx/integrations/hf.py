@@ -75,7 +75,7 @@ class AmpFxTrainer(transformers.Trainer):
                 f"amp_fx.hf.AmpFxTrainer: TrainingArguments asks for {dtype_name(asked)} but the model is "
                 f"compiled by amp_fx to {dtype_name(dtype)}: amp_fx's dtype is used inside the model. Set "
                 f"{'fp16' if dtype is torch.float16 else 'bf16'}=True (or compile the model to "
-                f"{dtype_name(asked)})."), stacklevel=3)
+                f"{dtype_name(asked)})."))
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

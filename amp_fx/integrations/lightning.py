@@ -93,7 +93,7 @@ class AmpFxPrecision(MixedPrecision):
             f"amp_fx.lightning.AmpFxPrecision: {type(model).__name__}.training_step ran without calling the "
             f"module's forward (self(...)), the only code amp_fx compiles: the step ran under eager "
             f"torch.autocast, nothing compiled. Call self(...) in training_step, or compile the submodules it "
-            f"calls with amp_fx.compile(submodule, inplace=True) in configure_model."), stacklevel=2)
+            f"calls with amp_fx.compile(submodule, inplace=True) in configure_model."))
 
 
 def _compiled(module: torch.nn.Module) -> bool:

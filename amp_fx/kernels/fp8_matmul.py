@@ -61,7 +61,8 @@ from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels.fp8_weight import Fp8Weight
 
 __all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
-           "E5M2", "EPS", "ALIGNMENT", "scale_from_amax", "Fp8Padding", "padding", "rowwise_scales_missing"]
+           "E5M2", "EPS", "ALIGNMENT", "scale_from_amax", "Fp8Padding", "padding", "rowwise_scales_missing",
+           "fp8_tensor_cores_missing"]
 
 ALIGNMENT = 16
 """``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
@@ -167,6 +168,27 @@ def rowwise_scales_missing(device_type: str) -> str | None:
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0][:120]
         return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only ({first})"
+    return None
+
+
+_MIN_CAPABILITY = (8, 9)
+"""fp8 tensor cores (per-tensor and rowwise ``torch._scaled_mm``): Ada (sm_89), Hopper (sm_90) and later."""
+
+
+@functools.cache
+def fp8_tensor_cores_missing(device_type: str) -> str | None:
+    """None where ``torch._scaled_mm`` runs tensorwise and rowwise fp8 on tensor cores, else why not.
+
+    Asks the CUDA device's compute capability once; touches no tensor."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return (f"{device_type} has no fp8 tensor cores, so torch._scaled_mm runs its reference kernel (it "
+                f"converts the fp8 operands and multiplies them with a float matmul)")
+    if torch.version.hip is not None:
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < _MIN_CAPABILITY:
+        return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp8 tensor cores: "
+                f"torch._scaled_mm needs compute capability 8.9+")
     return None
 
 

@@ -26,15 +26,22 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.report import warn
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.found_inf import combine_first_op, ranks_of
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.overflow.watch import ForwardWatch, watched_models
 from amp_fx.passes.watch_nonfinite import NONE
 
-__all__ = ["SkipRecord", "root_names", "strip_wrappers"]
+__all__ = ["SkipRecord", "root_names", "strip_wrappers", "SKIPS_IN_A_ROW_WARNING"]
 
 _WRAPPER_PREFIXES = ("module.",)
+
+SKIPS_IN_A_ROW_WARNING = 10
+"""Skipped steps in a row after which the scaler warns, asked or not: ten back-offs divide the
+scale by 1,024 (torch's default ``backoff_factor`` of 0.5) with no step taken. A fresh run from
+torch's ``init_scale`` of 2**16 skips a few steps at most; ten is a scale set far too high, or
+gradients that are non-finite at any scale."""
 
 
 def root_names(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[int, str]]:
@@ -71,6 +78,10 @@ class SkipRecord:
         self.flags: torch.Tensor | None = None  # fp32 [len(params)]: its non-finite gradients
         self.first_op: torch.Tensor | None = None  # int64: its forward record, -1
         self.first_rank: torch.Tensor | None = None  # int64: the rank whose forward that was, -1
+        self.scales: torch.Tensor | None = None  # fp32 [2]: its scale, and the scale its update left
+        self.run: torch.Tensor | None = None  # int64: skipped steps in a row, up to the last update
+        self.run_at: torch.Tensor | None = None  # int64: the run the last skipped step ended
+        self._host_run = 0  # host_saw: skipped steps in a row, as seen on the host
         self.names: dict[int, str] = {}
         self.prefixes: tuple[str, ...] = _WRAPPER_PREFIXES
         self.watch: ForwardWatch | None = None
@@ -137,6 +148,9 @@ class SkipRecord:
         self.flags = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self.first_op = torch.full((), NONE, dtype=torch.int64, device=device)
         self.first_rank = torch.full((), NONE, dtype=torch.int64, device=device)
+        self.scales = torch.full((2,), float("nan"), dtype=torch.float32, device=device)
+        self.run = torch.zeros((), dtype=torch.int64, device=device)
+        self.run_at = torch.zeros((), dtype=torch.int64, device=device)
 
     def register(self, params: Sequence[torch.Tensor]) -> list[int]:
         """Slots of ``params`` in :attr:`flags` (new parameters get new, zeroed slots)."""
@@ -174,7 +188,8 @@ class SkipRecord:
         return torch.full((), NONE, dtype=torch.int64, device=device) if taken is None else taken
 
     def close_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None,
-               combined: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               combined: tuple[torch.Tensor, torch.Tensor] | None = None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The end of one step: ``first_op`` (:meth:`take_first_op`) combined across the ranks of
         :attr:`group` in one all-reduce, unless ``combined`` already holds (record, rank) from the
         found-inf all-reduce (FSDP2), then :meth:`record_`. Functional collectives and in-place
@@ -185,13 +200,15 @@ class SkipRecord:
             first_op, rank = combined
         elif first_op is not None and self.group is not None:
             first_op, rank = combine_first_op(first_op, self.group, found_inf.device)
-        self.record_(found_inf, flags, first_op, rank)
+        self.record_(found_inf, flags, first_op, rank, scales)
 
     def record_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None,
-                first_rank: torch.Tensor | None = None) -> None:
+                first_rank: torch.Tensor | None = None,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One ``update()``: where ``found_inf``, keep this step's index, flags and forward record
-        (``first_rank``: the rank it came from, when combined across ranks). In-place device ops
-        only, so the same code runs eagerly and in ``compile_step``'s graph."""
+        (``first_rank``: the rank it came from, when combined across ranks) and ``scales`` (the
+        scale the step ran at, and the one its update left). In-place device ops only, so the same
+        code runs eagerly and in ``compile_step``'s graph."""
         assert self.updates is not None and self.step is not None and self.flags is not None
         assert self.pending is not None and self.first_op is not None and self.first_rank is not None
         skipped = found_inf.reshape(()).to(self.device) != 0
@@ -203,6 +220,27 @@ class SkipRecord:
         self.first_rank.copy_(torch.where(skipped, rank, self.first_rank))
         self.pending.logical_or_(skipped)
         self.updates.add_(1)
+        assert self.scales is not None and self.run is not None and self.run_at is not None
+        if scales is not None:
+            now = torch.stack([s.reshape(()).to(self.scales) for s in scales])
+            self.scales.copy_(torch.where(skipped, now, self.scales))
+        self.run.copy_(torch.where(skipped, self.run + 1, torch.zeros_like(self.run)))
+        self.run_at.copy_(torch.where(skipped, self.run, self.run_at))
+
+    def host_saw(self, skipped: bool) -> None:
+        """Whether this step was skipped, as read on the host by a caller that reads it anyway
+        (torch's ``StepMode.HOST_SYNC`` step; ``compile_step``'s warm-up), once per step. Warns
+        once a run of skipped steps reaches :data:`SKIPS_IN_A_ROW_WARNING`, whether or not
+        ``overflow_report()`` is called. It adds no read: the sync-free paths (``StepMode.MASKED``,
+        ``compile_step`` after its warm-up) are not seen, and their reports give the run instead."""
+        self._host_run = self._host_run + 1 if skipped else 0
+        if self._host_run == SKIPS_IN_A_ROW_WARNING:
+            warn(f"amp_fx: {SKIPS_IN_A_ROW_WARNING} optimizer steps in a row were skipped (their gradients held "
+                 f"an inf or NaN), so the model has not trained for {SKIPS_IN_A_ROW_WARNING} steps. "
+                 f"overflow_report() (of the scaler or the compiled step) says why, with the scale at the "
+                 f"skipped step. Every gradient non-finite from the first steps on means init_scale is too "
+                 f"large; one layer named every time means that layer overflows at any scale "
+                 f"(docs/overflow.md).", UserWarning)
 
     def report(self, skipped_steps: torch.Tensor) -> OverflowReport | None:
         """The one host read: None if no step was skipped since the last report."""
@@ -210,10 +248,12 @@ class SkipRecord:
             return None
         assert self.step is not None and self.flags is not None and self.first_op is not None
         assert self.first_rank is not None
+        assert self.scales is not None and self.run_at is not None
         values = torch.stack([self.pending.to(torch.int64), self.step, self.first_op, self.first_rank,
-                              skipped_steps.to(self.step)]).tolist()
-        pending, step, first_code, first_rank, skipped = values
+                              skipped_steps.to(self.step), self.run_at]).tolist()
+        pending, step, first_code, first_rank, skipped, in_a_row = values
         flags = self.flags.tolist()
+        scale, scale_after = (None if v != v else v for v in self.scales.tolist())  # nan: not recorded
         if not pending:
             return None
         self.pending.fill_(False)
@@ -231,4 +271,7 @@ class SkipRecord:
         watched = self.watch.watched if self.watch is not None else ()
         unwatched = self.watch.backward_unwatched if self.watch is not None else ""
         return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped,
-                              watched=watched, backward_unwatched=unwatched)
+                              watched=watched, backward_unwatched=unwatched, scale=scale,
+                              scale_after=scale_after, in_a_row=in_a_row,
+                              every_gradient=bool(flags) and all(flags))
+

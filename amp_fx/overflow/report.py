@@ -3,6 +3,7 @@ first non-finite forward op it names, :class:`FirstOp`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["FirstOp", "OverflowReport"]
@@ -62,11 +63,41 @@ class OverflowReport:
     be watched, see ``backward_unwatched``) or ``()`` (no watch)."""
     backward_unwatched: str = ""
     """Why the backward was not watched ("" where it was, or where nothing was)."""
+    scale: float | None = None
+    """The loss scale the skipped step ran at (None: not recorded, as in a report of an older scaler)."""
+    scale_after: float | None = None
+    """The scale its update left: backed off (unless ``min_scale`` or hysteresis held it)."""
+    in_a_row: int = 1
+    """Skipped steps in a row that the skipped step ended (1: the step before it was taken)."""
+    every_gradient: bool = False
+    """Whether every gradient the scaler checked was non-finite."""
+
+    @property
+    def from_scale(self) -> bool:
+        """Whether the skip comes from the loss scale rather than a layer: every gradient is
+        non-finite, no forward op overflowed, and the scale is above 1. The scaled loss's gradient
+        exceeds the low dtype's range at the first backward op, whichever layer that is; a smaller
+        scale fixes it (the scale backs off at each skip, so early steps skip until it fits)."""
+        forward_op = self.first_op is not None and not self.first_op.backward
+        return self.every_gradient and not forward_op and self.scale is not None and self.scale > 1.0
 
     def __str__(self) -> str:
         names = ", ".join(self.gradients[:3]) + (", ..." if len(self.gradients) > 3 else "")
         grads = f"{len(self.gradients)} gradients non-finite ({names})" if self.gradients else "no gradient non-finite"
-        return f"step {self.step} skipped: {self._where()}; {grads}"
+        where = self._where()
+        if self.from_scale:
+            where = ("every gradient non-finite and no forward op overflowed: the loss scale is too large for "
+                     "these gradients, no layer is at fault (expected in the first steps: the scale backs off "
+                     "at each skip until they fit; a smaller init_scale skips fewer)"
+                     + (f"; the scaled gradient overflowed first {where.removeprefix('first inf ')}"
+                        if self.first_op is not None else ""))
+        scale = ""
+        if self.scale is not None:
+            scale = f"; scale {_power(self.scale)}"
+            if self.scale_after is not None and self.scale_after != self.scale:
+                scale += f", backed off to {_power(self.scale_after)}"
+        row = f"; {self.in_a_row} steps skipped in a row" if self.in_a_row > 1 else ""
+        return f"step {self.step} skipped: {where}; {grads}{scale}{row}"
 
     def _where(self) -> str:
         """Where the first inf appeared, or exactly what the record knows when no op is named."""
@@ -79,3 +110,10 @@ class OverflowReport:
                     f"named); the backward is not watched ({self.backward_unwatched or 'no backward graph'})")
         return ("no op named: no forward or backward op created an inf/NaN (a -inf mask, an in-place op "
                 "or code outside the compiled graphs is not named)")
+
+
+def _power(scale: float) -> str:
+    """A scale as its power of two where it is one (``2**40``), else as a number."""
+    if scale > 0 and math.isfinite(scale) and math.frexp(scale)[0] == 0.5:
+        return f"2**{math.frexp(scale)[1] - 1}"
+    return f"{scale:g}"

@@ -349,11 +349,13 @@ PIPELINE: tuple[Stage, ...] = (
 
 
 def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
-            is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
+            is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
+            state_name: Callable[[torch.fx.Node, Any], str | None] | None = None) -> GraphWork:
     """The work for one Dynamo graph: its inputs fakified through the backend's fake mode (the one
     AOTAutograd will use, not Dynamo's tracing one), so that the passes' fake values and the
     downstream trace agree (``from_tensor`` memoizes). ``is_state``: tells the root's parameters and
-    buffers from the caller's data, by identity (:func:`amp_fx.passes.capture.data_inputs`)."""
+    buffers from the caller's data, by identity (:func:`amp_fx.passes.capture.data_inputs`);
+    ``state_name``: a parameter's name under the root, by identity (else its Dynamo source's)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = []
@@ -366,7 +368,8 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
                      fake_mode=fake_mode, device_type=graph_device_type(fake_args),
                      leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
                      data_inputs=data_inputs(gm, example_inputs, is_state),
-                     parameter_names=[source_name(n) if _is_parameter(n, r) else None
+                     parameter_names=[((state_name(n, r) if state_name is not None else None) or source_name(n))
+                                      if _is_parameter(n, r) else None
                                       for n, r in zip(placeholders, example_inputs, strict=True)])
 
 
@@ -378,13 +381,14 @@ def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
 
 def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                  index: int = 0, stages: Sequence[Stage] = PIPELINE,
-                 is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> GraphWork:
+                 is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
+                 state_name: Callable[[torch.fx.Node, Any], str | None] | None = None) -> GraphWork:
     """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record).
 
     Raises :class:`StageFailure` where a stage (``prepare`` included) fails unexpectedly; an
     ``AmpFxError`` a stage raises on purpose propagates as it is."""
     with stage("prepare", index, ()):
-        work = prepare(gm, example_inputs, index, is_state)
+        work = prepare(gm, example_inputs, index, is_state, state_name)
     check = options.strict or log.isEnabledFor(logging.DEBUG)
     for step in stages:
         if not step.enabled(options):

@@ -38,7 +38,6 @@ import enum
 import inspect
 import logging
 import math
-import warnings
 import weakref
 from collections import abc, defaultdict
 from collections.abc import Iterable
@@ -47,7 +46,7 @@ from typing import Any, cast, overload
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from amp_fx._common.report import Reporter
+from amp_fx._common.report import Reporter, warn
 from amp_fx._dist.found_inf import ShardedGrads
 from amp_fx.kernels.fallback import unscale_check_any_dtype_
 from amp_fx.overflow.record import SkipRecord
@@ -119,7 +118,8 @@ class GradScaler(torch.amp.GradScaler):
 
     Args:
         device: device type, ``"cuda"`` (default, like torch) or ``"cpu"``. As in torch, a
-            ``"cuda"`` scaler on a machine without CUDA warns and disables itself.
+            ``"cuda"`` scaler on a machine without CUDA disables itself; amp_fx's warning (an error
+            in strict mode) names ``GradScaler("cpu")``.
         init_scale: initial scale (``2**16``).
         growth_factor: multiplier after ``growth_interval`` clean steps; must be > 1.
         backoff_factor: multiplier on an overflow; must be < 1.
@@ -183,15 +183,17 @@ class GradScaler(torch.amp.GradScaler):
         # level pointing into this file. The same attributes are set here instead.
         self._device = device
         self._enabled = enabled
-        if (
-            self._device == "cuda"
-            and enabled
-            and torch.cuda.amp.common.amp_definitely_not_available()
-        ):
-            warnings.warn(
-                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                stacklevel=2,
-            )
+        # Says once per thing that the scaler did less than asked (a masked step that reads the flag
+        # on the host, a cuda scaler without CUDA); strict=True, or AMP_FX_STRICT when strict is
+        # None, turns that into an error.
+        self._report = Reporter(strict)
+        if self._device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
+            # did less than asked (no scaling), so strict mode refuses it; torch says only "Disabling."
+            self._report.did_less("scaler without cuda", (
+                "amp_fx.GradScaler: device 'cuda' (the default, as in torch), but CUDA is not available, so "
+                "this scaler is disabled: scale() returns the loss as it is and fp16 gradients can underflow "
+                "to zero. Pass GradScaler('cpu') to scale losses on the CPU, or enabled=False where no "
+                "scaling is meant."))
             self._enabled = False
         if not isinstance(mode, ScalerMode):
             raise TypeError(f"mode must be a ScalerMode, got {mode!r}")
@@ -230,9 +232,8 @@ class GradScaler(torch.amp.GradScaler):
         self._last_found_inf: torch.Tensor | None = None
         # amp_fx/overflow: the most recent skipped step (index, gradient flags, forward op).
         self._skip_record = SkipRecord()
-        # Says once per optimizer that a masked step reads the flag on the host (strict=True, or
-        # AMP_FX_STRICT when strict is None, turns that into an error).
-        self._report = Reporter(strict)
+        # Whether this step's StepMode.HOST_SYNC read saw a skip (None: no read), for update()
+        self._host_skipped: bool | None = None
         # Self-scaling optimizers that have taken a real step through this scaler.
         self._stepped_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -581,7 +582,9 @@ class GradScaler(torch.amp.GradScaler):
     ) -> float | None:
         # StepMode.HOST_SYNC: torch's host-side skip, one sync per device.
         retval: float | None = None
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+        skipped = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._host_skipped = skipped or bool(self._host_skipped)  # for update(): this read, counted once
+        if not skipped:
             retval = optimizer.step(*args, **kwargs)
         return retval
 
@@ -629,7 +632,6 @@ class GradScaler(torch.amp.GradScaler):
                 f"{type(optimizer).__name__} cannot be undone on the device ({reason}), so it reads "
                 "found_inf on the host (a sync) each step. Use a fused=True or capturable=True "
                 "optimizer, or keep its state and hyperparameters as device tensors.",
-                stacklevel=4,
             )
         if found_inf.item():
             snapshot.restore_all()
@@ -685,13 +687,12 @@ class GradScaler(torch.amp.GradScaler):
         kwargs_ = kwargs
         has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
         if has_grad_scaler_kwarg:
-            warnings.warn(
+            warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                 "`found_inf: Tensor` to the passed optimizer and let the optimizer use them "
                 "directly.",
                 FutureWarning,
-                stacklevel=3,
             )
             kwargs_.update({"grad_scaler": self})
         else:
@@ -768,6 +769,7 @@ class GradScaler(torch.amp.GradScaler):
             rules.combine_found_inf(found_infs, _scale.device) if found_infs else None
         )
 
+        before = _scale.clone()  # the scale this step ran at, for the skip record
         if new_scale is not None:
             if self._mode is ScalerMode.CHECK_ONLY:
                 raise ValueError(
@@ -802,7 +804,10 @@ class GradScaler(torch.amp.GradScaler):
             assert record.flags is not None
             flags = record.step_flags(pairs) if pairs else record.flags.new_zeros(record.flags.numel())
             record.close_(found_inf_combined, flags, record.take_first_op(_scale.device),
-                          combined[-1] if combined else None)
+                          combined[-1] if combined else None, scales=(before, _scale))
+            if self._host_skipped is not None:
+                record.host_saw(self._host_skipped)
+        self._host_skipped = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---------------------------------------------------------------- getters and setters
@@ -962,6 +967,7 @@ class GradScaler(torch.amp.GradScaler):
         state.setdefault("_report", Reporter())  # pickled before the reporter existed
         state.pop("_warned_sync", None)
         state.setdefault("_skip_record", SkipRecord())
+        state.setdefault("_host_skipped", None)
         self.__dict__.update(state)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
+from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter
@@ -92,7 +93,7 @@ class CompiledStep:
                 self._report.did_less("weight_cache:train_state", (
                     f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
                     "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
-                    "Drop weight_cache=True."), stacklevel=4)
+                    "Drop weight_cache=True."))
                 options = options.replace(weight_cache=False)
         self._follow = OptimizerFollower(model, optimizer, self._report, fused=self._fused, fsdp2=shards.enabled,
                                          replaced_step=self._lowprec is not None)
@@ -131,7 +132,7 @@ class CompiledStep:
                 f"amp_fx.compile_step(train_state={mode.value!r}) cannot replace the optimizer step of "
                 f"{reason}; the parameters and optimizer state keep their dtype and the optimizer steps "
                 "as it is. Use torch.optim.AdamW or Adam (amsgrad, maximize and differentiable off) on a "
-                "model that is not wrapped, or drop train_state."), stacklevel=5)
+                "model that is not wrapped, or drop train_state."))
             return None
         lowprec = LowPrecisionAdam(mode)
         lowprec.prepare(optimizer)
@@ -251,7 +252,10 @@ class CompiledStep:
             scaler.step(opt)
         scaler.update()
         if warm_up:
-            self._follow.warmed_up = not bool(scaler.last_step_skipped)  # a host read, during warm-up only
+            skipped = bool(scaler.last_step_skipped)  # a host read, during warm-up only
+            self._follow.warmed_up = not skipped
+            if scaler.step_mode is StepMode.MASKED:  # a HOST_SYNC scaler counted its own read
+                scaler.skip_record.host_saw(skipped)
 
 
 def _default_scaler(dtype: torch.dtype, device: torch.device, strict: bool | None) -> GradScaler:
@@ -343,8 +347,7 @@ def compile_step(
     """
     options = Options(dtype=dtype, policy=policy, backend=backend, strict=strict, weight_cache=weight_cache,
                       watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic}, fp8=fp8)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"amp_fx.compile_step: model must be an nn.Module, got {type(model).__name__}")
+    check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from amp_fx._common import compat as _compat
-from amp_fx._common.downstream import Backend, resolve_backend
+from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.fresh_code import fresh_callable
+from amp_fx._common.progress import timed
 from amp_fx._common.report import Reporter
 from amp_fx.backend.weight_cache import StepWriter
 from amp_fx.kernels.unscale import unscale_check_, unscale_check_norm_
@@ -115,13 +116,17 @@ def _steps_to_device_(optimizer: torch.optim.Optimizer) -> None:
 class _CountingBackend:
     """A torch.compile backend that delegates and counts the graphs it compiles."""
 
-    def __init__(self, backend: str | Backend) -> None:
+    def __init__(self, backend: str | Backend, label: str) -> None:
+        self._backend = backend
         self._inner: Backend = resolve_backend(backend)
         self.graphs = 0
+        self.label = label
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
-        return self._inner(gm, example_inputs)
+        with timed(f"amp_fx: compile_step: compiled the optimizer step ({self.label}, graph {self.graphs - 1}, "
+                   f"backend {backend_name(self._backend)})"):
+            return self._inner(gm, example_inputs)
 
 
 class Finish:
@@ -144,7 +149,7 @@ class Finish:
         self.writer = writer
         self.params = params
         self.slots = record.register(params)
-        self.backend = _CountingBackend(backend)
+        self.backend = _CountingBackend(backend, type(optimizer).__name__)
         self.compiled = torch.compile(fresh_callable(self._finish_impl), backend=self.backend, fullgraph=True,
                                       dynamic=False)
         self._steps_placed = False
@@ -199,7 +204,7 @@ class Finish:
                 f"amp_fx.compile_step: the optimizer part recompiled ({self.backend.graphs} graphs so "
                 "far): something it guards on changed between steps (the param groups, a hyperparameter "
                 "set to a new object, which parameters have gradients). Each recompile costs compile "
-                "time, and Dynamo stops compiling after 8; keep them fixed between steps.", stacklevel=5)
+                "time, and Dynamo stops compiling after 8; keep them fixed between steps.")
         follow.expect_recompile = False
 
     # ------------------------------------------------------------------ traced
@@ -243,18 +248,20 @@ class Finish:
             self._masked_step(found_inf)
             if self.writer is not None:
                 self.writer.in_finish()  # the low-precision copies, in the update's pass
+        before = state.scale.clone()  # the scale this step ran at, for the skip record
         rules.update_scale_(state, rule, found_inf)
         rules.record_step_(state, found_inf)
-        self._record_skip(found_inf, present, flags, first_op, combined)
+        self._record_skip(found_inf, present, flags, first_op, combined, (before, state.scale))
         if self.fused:
             return grad_scale, found_inf
         return None
 
     def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor,
-                     first_op: torch.Tensor | None, combined: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                     first_op: torch.Tensor | None, combined: tuple[torch.Tensor, torch.Tensor] | None,
+                     scales: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The scaler's skip record (amp_fx/overflow), traced into the finish: the flags of the
-        gradients present, in the record's slots, and the forward watch's first op (combined across
-        ranks, with the rank that saw it: ``SkipRecord.close_``)."""
+        gradients present, in the record's slots, the forward watch's first op (combined across
+        ranks, with the rank that saw it: ``SkipRecord.close_``) and the scale before and after."""
         record = self.record
         assert record.flags is not None
         n = record.flags.numel()
@@ -264,7 +271,7 @@ class Finish:
         else:
             step_flags = record.flags.new_zeros(n).index_copy(
                 0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags)
-        record.close_(found_inf, step_flags, first_op, combined)
+        record.close_(found_inf, step_flags, first_op, combined, scales)
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:
         """The optimizer's own step function, traced, undone where found_inf (scaler.snapshot).

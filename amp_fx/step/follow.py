@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from amp_fx._common import compat as _compat
-from amp_fx._common.report import Reporter
+from amp_fx._common.report import Reporter, warn
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.scaler.snapshot import creates_state, same_value, unique_params
 
@@ -41,8 +40,7 @@ def group_values(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's parameters must be the model's; trainable ones it lacks are a UserWarning
-    (stacklevel 3: the caller of ``compile_step``, which calls this directly)."""
+    """The optimizer's parameters must be the model's; trainable ones it lacks are a UserWarning."""
     model_params = {id(p) for p in model.parameters()}
     foreign = [i for i, p in enumerate(unique_params(optimizer)) if id(p) not in model_params]
     if foreign:
@@ -54,9 +52,9 @@ def check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
     if missing:
         # The user's own setup, not something amp_fx left undone: a UserWarning, never strict.
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        warnings.warn(f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
-                      f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
-                      "optimizer or set requires_grad=False", UserWarning, stacklevel=3)
+        warn(f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
+             f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
+             "optimizer or set requires_grad=False", UserWarning)
 
 
 class OptimizerFollower:
@@ -136,8 +134,7 @@ class OptimizerFollower:
                         f"cycle_momentum); the compiled graph would recompile for every value, so the "
                         f"{type(self.optimizer).__name__} step now runs eagerly (masked by the scaler: "
                         "no host sync, bitwise the eager recipe). To keep it compiled, keep "
-                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)){fused_hint}.",
-                        stacklevel=5)
+                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)){fused_hint}.")
 
     @contextlib.contextmanager
     def lrs_as_tensors(self) -> Iterator[None]:
@@ -185,7 +182,7 @@ class OptimizerFollower:
             "for that (torch 2.11 guards no parameter's requires_grad; plain torch.compile alike): "
             "those parameters would keep their old gradient behaviour (an unfrozen layer gets no "
             "gradient). After changing requires_grad, call torch._dynamo.reset() and build a new "
-            "compile_step (same model, optimizer and scaler), or use torch >= 2.13."), stacklevel=4)
+            "compile_step (same model, optimizer and scaler), or use torch >= 2.13."))
 
     def follow_param_groups(self) -> bool:
         """Take on parameters the optimizer gained or lost since the last step; True if it did.

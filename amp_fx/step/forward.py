@@ -78,9 +78,10 @@ def compile_forward(model: torch.nn.Module, forward_loss: ForwardLoss, options: 
     that came before). The caller has turned the weight cache off for FSDP2
     (``amp_fx.compile.weight_cache_off_for_fsdp2``).
     """
+    label = f"compile_step({type(model).__name__})"
     forward = distributed_forward(model, forward_loss, dtype=options.dtype, accumulate=forward_loss.accumulate,
-                                  micro_step=micro_step, compile_model=lambda m: compile_with(m, options))
-    return forward if forward is not None else compile_with(_OnOneDevice(model, forward_loss).run, options)
+                                  micro_step=micro_step, compile_model=lambda m: compile_with(m, options, label=label))
+    return forward if forward is not None else compile_with(_OnOneDevice(model, forward_loss).run, options, label=label)
 
 
 def module_prefixes(model: torch.nn.Module) -> tuple[str, ...]:

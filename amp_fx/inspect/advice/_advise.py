@@ -11,6 +11,7 @@ import torch
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
+from amp_fx._common.targets import check_target
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Like
 from amp_fx.inspect._runner import Call, run_eager_checked
@@ -120,6 +121,7 @@ def advise(
 def _checked(model: Any, dtype: str | torch.dtype, target: float | None, steps: int, optimizer: Any,
              loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[torch.dtype, float]:
     """The low dtype and the target, after checking the arguments."""
+    check_target(model, "amp_fx.advise", module_only=True)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.advise: model must be an nn.Module (policies name its submodules), "
                         f"got {type(model).__name__}")

@@ -1,0 +1,160 @@
+"""Issue 54: what a new user sees while amp_fx works (progress lines) and where its warnings point."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import amp_fx
+from amp_fx._common.progress import PROGRESS_LOGGER, progress_log
+from amp_fx.testing.zoo import MLP, GraphBreakMLP
+
+LINE = r"amp_fx: {model}: compiled graph {k} \(\d+ ops, {dtype}, backend eager\) in \d+\.\d s"
+
+
+@pytest.fixture
+def progress(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.INFO, logger=PROGRESS_LOGGER)
+    yield caplog
+
+
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+
+
+def test_each_compiled_graph_is_one_progress_line_and_a_level_silences_them(
+        progress: pytest.LogCaptureFixture) -> None:
+    """One line per graph (two graphs: a graph break), none for a call that compiles nothing;
+    the logger's level is the switch."""
+    model = amp_fx.compile(GraphBreakMLP(), dtype="bf16", backend="eager", strict=False)
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amp_fx.AmpFxWarning)  # the split weight: not this test's subject
+        model(x)
+    model(x)
+    lines = _lines(progress)
+    assert len(lines) == 2, lines
+    for k, line in enumerate(lines):
+        assert re.fullmatch(LINE.format(model="GraphBreakMLP", k=k, dtype="bf16"), line), line
+    progress.clear()
+    progress.set_level(logging.WARNING, logger=PROGRESS_LOGGER)
+    amp_fx.compile(MLP(), dtype="bf16", backend="eager")(x)
+    assert _lines(progress) == []
+
+
+def test_compile_step_says_when_its_forward_and_its_optimizer_step_compile(
+        progress: pytest.LogCaptureFixture) -> None:
+    model = MLP()
+    step = amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               lambda out: out.float().square().mean(), dtype="bf16", backend="eager")
+    for _ in range(2):
+        step(torch.randn(4, 16))
+    lines = _lines(progress)
+    assert re.fullmatch(LINE.format(model=r"compile_step\(MLP\)", k=0, dtype="bf16"), lines[0]), lines
+    assert re.fullmatch(r"amp_fx: compile_step: compiled the optimizer step \(SGD, graph 0, backend eager\) "
+                        r"in \d+\.\d s", lines[1]), lines
+    assert len(lines) == 2, lines
+
+
+def test_progress_prints_to_stderr_until_the_application_configures_logging(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Shown by default (no handler anywhere: amp_fx's own prints it), and printed once when the
+    application has a root handler (that one prints it, amp_fx's stays quiet)."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    progress_log.info("amp_fx: shown")
+    assert capsys.readouterr().err == "amp_fx: shown\n"
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    progress_log.info("amp_fx: not twice")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_warning_points_at_the_users_line_not_amp_fxs() -> None:
+    """The one stacklevel rule (the first frame outside amp_fx and torch): a warning raised while
+    Dynamo compiles, deep inside amp_fx's backend, is attributed to the call in this file."""
+    model = amp_fx.compile(GraphBreakMLP(), dtype="bf16", backend="eager", strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 16))
+    ours = [w for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+    assert ours, "the split weight's warning"
+    assert {(w.filename, w.lineno) for w in ours} == {(__file__, model_call_line())}
+
+
+def model_call_line() -> int:
+    import inspect
+
+    source, start = inspect.getsourcelines(test_a_warning_points_at_the_users_line_not_amp_fxs)
+    return start + next(i for i, line in enumerate(source) if "model(torch.randn" in line)
+
+
+# --- the overflow report and skipped steps in a row ------------------------------------------------
+
+
+def _scaler_run(steps: int, *, init_scale: float) -> tuple[amp_fx.GradScaler, list[warnings.WarningMessage]]:
+    """A tiny fp16 model stepped through a (HOST_SYNC, torch's default) scaler."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="eager")
+    scaler = amp_fx.GradScaler("cpu", init_scale=init_scale)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            scaler.scale(compiled(torch.randn(4, 16)).float().square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return scaler, [w for w in caught if "steps in a row were skipped" in str(w.message)]
+
+
+def test_a_skip_from_the_scale_says_so_with_the_scale_and_its_back_off() -> None:
+    """init_scale=2**40: every gradient overflows at every step, the scale's doing, not a layer's;
+    the report gives the scale, what it backed off to and the run; the tenth skip in a row warns
+    once, unasked, at the user's line. Its twin, nine skips, warns nothing."""
+    scaler, said = _scaler_run(11, init_scale=2.0**40)
+    report = scaler.overflow_report()
+    assert report is not None and report.from_scale and report.every_gradient
+    assert (report.step, report.scale, report.scale_after, report.in_a_row) == (10, 2.0**30, 2.0**29, 11)
+    assert str(report).startswith("step 10 skipped: every gradient non-finite and no forward op overflowed: "
+                                  "the loss scale is too large"), str(report)
+    assert str(report).endswith("; scale 2**30, backed off to 2**29; 11 steps skipped in a row"), str(report)
+    assert [(w.category, w.filename) for w in said] == [(UserWarning, __file__)]
+    assert "10 optimizer steps in a row were skipped" in str(said[0].message)
+    assert _scaler_run(9, init_scale=2.0**40)[1] == []
+
+
+def test_a_clean_run_reports_nothing_and_a_skip_from_a_layer_is_not_the_scales() -> None:
+    """A report of one overflowing forward op is the layer's: no scale wording."""
+    from amp_fx.overflow import FirstOp, OverflowReport
+
+    layer = OverflowReport(step=3, gradients=("a.weight",), first_op=FirstOp("a", "aten.mm", "fp16", 0, "mm"),
+                           skipped=1, scale=2.0**16, scale_after=2.0**15, every_gradient=True)
+    assert not layer.from_scale
+    assert str(layer) == ("step 3 skipped: first inf at a (aten.mm, fp16); 1 gradients non-finite (a.weight); "
+                          "scale 2**16, backed off to 2**15")
+    scaler, said = _scaler_run(3, init_scale=2.0**8)
+    assert scaler.overflow_report() is None and said == []
+
+
+def test_compile_step_warns_after_skipped_steps_in_a_row_during_its_warm_up() -> None:
+    """compile_step stays in its eager warm-up while steps skip, reading each flag anyway: the
+    run is counted there, with no read added."""
+    torch.manual_seed(0)
+    model = MLP()
+    scaler = amp_fx.GradScaler("cpu", init_scale=2.0**40, step_mode=amp_fx.StepMode.MASKED)
+    step = amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               lambda out: out.float().square().mean(), dtype="fp16", backend="eager", scaler=scaler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            step(torch.randn(4, 16))
+    said = [w for w in caught if "steps in a row were skipped" in str(w.message)]
+    assert [(w.category, w.filename) for w in said] == [(UserWarning, __file__)], [str(w.message) for w in caught]
+    report = step.overflow_report()
+    assert report is not None and report.from_scale and report.in_a_row == 10
