@@ -870,9 +870,15 @@ def _planted(where: str) -> nn.Module:
     with torch.no_grad():
         if where == "forward":  # b's fp8 GEMM sums 64 products of ~0.4 x 3e37: past bf16's range
             model.b.weight.fill_(3e37)
-        else:  # b's input ~1e38: its weight-gradient GEMM (x.T @ grad) overflows in the backward
-            model.boost.fill_(1e38)
+        else:  # b's input ~1e35: its weight-gradient GEMM (x.T @ grad: 16 rows of ~1e35 x 2048, the
+            # mean's 1/512 at _BACKWARD_SCALE) overflows in the backward, while its forward (~1e35)
+            # stays finite on every CPU (from b's input ~3e36 up, the CPU _scaled_mm gave NaN on a
+            # Xeon with AMX: the test's forward assumption failed there at 1e38)
+            model.boost.fill_(1e35)
     return model
+
+
+_BACKWARD_SCALE = 2.0**20
 
 
 def _first_nonfinite_module_output(model: nn.Module, run: Callable[[], object]) -> str | None:
@@ -909,7 +915,7 @@ def test_watch_names_an_inf_made_by_an_fp8_gemm(where: str) -> None:
 
     compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", watch_nonfinite=True, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = amp_fx.GradScaler("cpu")
+    scaler = amp_fx.GradScaler("cpu", init_scale=_BACKWARD_SCALE)
     scaler.scale(compiled(x).float().mean()).backward()
     scaler.step(opt)
     scaler.update()
@@ -921,7 +927,7 @@ def test_watch_names_an_inf_made_by_an_fp8_gemm(where: str) -> None:
         assert (first.backward, first.module, first.op) == (False, "b", "fp8_matmul"), str(report)
     else:
         assert _first_nonfinite_module_output(ref, ref_loss) is None  # the forward is finite
-        origin = first_backward_origin(ref, lambda: ref_loss() * 2.0**16, torch.bfloat16)
+        origin = first_backward_origin(ref, lambda: ref_loss() * _BACKWARD_SCALE, torch.bfloat16)
         # torchao's is its subclass's aten.mm, which runs the _scaled_mm amp_fx's graph shows
         assert (origin.module, origin.op) == ("b", "aten.mm"), origin
         expected = (True, "b", "aten._scaled_mm", "fp8_matmul")
