@@ -10,6 +10,10 @@ step: the loss, every parameter and every optimizer state tensor must equal the 
 stop, bit for bit. Every tensor of the file must be a plain ``torch.Tensor`` (a subclass such as
 amp_fx's ``Fp8Weight`` or a view into a cache would be named); the last test shows the check
 fires on one.
+
+FSDP2 with the fp8 all-gather, saved and loaded through ``torch.distributed.checkpoint``:
+``tests/test_distributed_fp8.py::test_fsdp2_fp8_all_gather_checkpoint_resumes_bitwise_through_dcp``
+(in that file's one spawn of gloo ranks).
 """
 
 from __future__ import annotations

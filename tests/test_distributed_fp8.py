@@ -123,6 +123,21 @@ def test_fsdp2_fp8_all_gather_reports_fp32_weight(ranks: list[dict]) -> None:
         assert "strict=True" in w[0], w
 
 
+def test_fsdp2_fp8_all_gather_checkpoint_resumes_bitwise_through_dcp(ranks: list[dict]) -> None:
+    """``torch.distributed.checkpoint`` of the sharded model and AdamW after two steps (issue 52;
+    torchao's fp8 tensor subclasses break such checkpoints, torchtitan #651): every entry a DTensor
+    over a plain tensor with none of the extension's attributes, the rank's ``model.state_dict()``
+    loads with ``torch.load(weights_only=True)``, and a fresh sharded model that loads the
+    checkpoint takes the third step as the run that did not stop (loss, each rank's parameter
+    shards and AdamW state bitwise), still gathering its weights in fp8 (``GATHERED``: the step's
+    bytes are the fp8 run's)."""
+    for rank, results in enumerate(ranks):
+        r = results["dcp_resume"]
+        assert r["leaks"] == [], (rank, r["leaks"])
+        assert_bitwise(r["resumed"], r["continued"], f"rank {rank}: step 3 after loading the checkpoint")
+        assert r["all_gather"] == _gathered_bytes({"0.weight", "2.weight"}) / 2, (rank, r["all_gather"])
+
+
 def test_ranks_saw_different_batches(ranks: list[dict]) -> None:
     """The runs are distributed ones: the ranks' losses differ (each its own batch), so the
     gradient all-reduce (or reduce-scatter) is what keeps the parameters equal."""
