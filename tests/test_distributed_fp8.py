@@ -92,6 +92,9 @@ def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
         if form == "outer":
             assert ours["all_gather"] == ao["all_gather"], (rank, ours, ao)
             assert ours["all_reduce"] == ao["all_reduce"], (rank, ours, ao)
+        if form == "step":  # the scales' all-reduce (2 fp32 amaxes), then the found-inf one: the flag
+            # and one non-finite flag per gradient (4 parameters), int64 (pack_overflow)
+            assert ours["all_reduce"] == ao["all_reduce"] + 8 * (1 + 4) == 4 * 2 + 40, (rank, ours, ao)
 
 
 def test_fsdp2_fp8_all_gather_reports_other_reads(ranks: list[dict]) -> None:
