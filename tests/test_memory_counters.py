@@ -82,13 +82,18 @@ def test_fp8_saves_the_weight_not_its_cast_in_a_graph_with_captured_constants() 
     partitioner saves the fp8 cast of the LM head's weight (128 x 64, 1 byte an element) for the
     backward instead of the (tied, fp32) weight. Now each constant gets a source: the cast is not
     saved, the weight is, in the graph Dynamo recompiles with a symbolic batch and length (the
-    first graph, static, has constants too). (The Conv1D projections still save a cast of the
-    weight's transpose, constants or not: a matter of Conv1D's ``addmm``, not of this.)"""
+    first graph, static, has constants too). (The Conv1D projections are kept out of fp8 here:
+    in fp8 they save a cast of the weight's transpose, constants or not, a matter of Conv1D's
+    ``addmm``, not of this.)"""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(  # one layer: the graph has its constants
         n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0))
-    compiled = amp_fx.compile(_Logits(lm), dtype="bf16", fp8="tensorwise", backend="aot_eager_decomp_partition")
+    from transformers.pytorch_utils import Conv1D
+
+    # the projections (Conv1D) kept out of fp8: only the head's matmul, a smaller graph to compile
+    compiled = amp_fx.compile(_Logits(lm), dtype="bf16", fp8="tensorwise", backend="aot_eager_decomp_partition",
+                              policy=amp_fx.Policy(keep_out_of_fp8=(Conv1D,)))
     batches = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(0)) for shape in ((2, 8), (3, 12))]
     for ids in batches:
         compiled(ids).float().sum().backward()  # compiles outside the hooks; the second recompiles

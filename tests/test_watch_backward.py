@@ -381,7 +381,8 @@ def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward
 
 
 class _HfWrapper(nn.Module):
-    """The issue-52 case: a wrapper whose ``inner`` is a Hugging Face GPT-2 that computes its own
+    """The issue-52 case: a wrapper whose ``inner`` is a Hugging Face GPT-2 (one layer: the layers play
+    no part) that computes its own
     loss (``labels=``); the loss's ``logits.float()`` runs in ``GPT2LMHeadModel.forward``'s body,
     after a graph break (transformers' loss function)."""
 
@@ -389,7 +390,7 @@ class _HfWrapper(nn.Module):
         super().__init__()
         import transformers as tf
 
-        config = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+        config = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0,
                                embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
         self.inner = tf.GPT2LMHeadModel(config)
 
