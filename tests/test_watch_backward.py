@@ -381,10 +381,9 @@ def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward
 
 
 class _HfWrapper(nn.Module):
-    """The issue-52 case: a wrapper whose ``inner`` is a Hugging Face GPT-2 (one layer: the layers play
-    no part) that computes its own
-    loss (``labels=``); the loss's ``logits.float()`` runs in ``GPT2LMHeadModel.forward``'s body,
-    after a graph break (transformers' loss function)."""
+    """The issue-52 case: a wrapper whose ``inner`` is a Hugging Face GPT-2 (one layer: the layers
+    play no part) that computes its own loss (``labels=``); the loss's ``logits.float()`` runs in
+    ``GPT2LMHeadModel.forward``'s body, after a graph break (transformers' loss function)."""
 
     def __init__(self) -> None:
         super().__init__()
