@@ -364,24 +364,31 @@ def compile(
     return compile_with(model_or_fn, options, inplace=inplace)
 
 
-def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, label: str | None = None) -> F:
+def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, label: str | None = None,
+                 root: torch.nn.Module | None = None) -> F:
     """:func:`compile` with its options given as the record (for compile_step and the adapters);
-    ``label`` names the model in the progress lines (default: its class or function name)."""
+    ``label`` names the model in the progress lines (default: its class or function name).
+
+    ``root``: for a function that runs a module (compile_step's frame), that module: the graphs'
+    module paths, parameters and buffers are then named under it by identity, as they are when the
+    module itself is compiled (one rule: :class:`amp_fx.backend.names.RootNames`)."""
     if inplace:
         return _compile_inplace(model_or_fn, options)
     if _inplace_call(model_or_fn) is not None:
         raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
                          "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
                          "or amp_fx.uncompile(model) first to wrap it instead")
-    return _compile(model_or_fn, options, label=label)
+    return _compile(model_or_fn, options, label=label, root=root)
 
 
-def _compile(model_or_fn: F, options: Options, *, label: str | None = None) -> F:
+def _compile(model_or_fn: F, options: Options, *, label: str | None = None,
+             root: torch.nn.Module | None = None) -> F:
     reporter = Reporter(options.strict)
     check_target(model_or_fn, "amp_fx.compile")
     model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]
-    check_keep_fp32(options.policy, model_or_fn)
-    root = model_or_fn if isinstance(model_or_fn, torch.nn.Module) else None
+    if isinstance(model_or_fn, torch.nn.Module):
+        root = model_or_fn
+    check_keep_fp32(options.policy, model_or_fn if root is None else root)
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
     if label is None:

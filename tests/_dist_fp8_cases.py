@@ -213,6 +213,73 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
     return out
 
 
+def _plain_local(state: dict[str, Any]) -> list[str]:
+    """The entries of a sharded state dict that are not a DTensor over a plain local tensor with
+    no attributes of its own (the fp8 all-gather's extension lives on the parameter's local
+    tensor: it must not travel into a checkpoint)."""
+    bad = []
+    for key, value in state.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if not isinstance(value, torch.Tensor) or type(local) is not torch.Tensor or getattr(local, "__dict__", None):
+            bad.append(f"{key}: {type(value).__name__} over {type(local).__name__} {sorted(vars(local))}")
+    return bad
+
+
+def dcp_resume(rank: int) -> dict[str, Any]:
+    """FSDP2 with the fp8 all-gather (``amp_fx.compile`` of the sharded model), AdamW: the model
+    and optimizer state after two steps saved with ``torch.distributed.checkpoint``, then the third
+    step; a fresh sharded model loads the checkpoint and takes the third step (counting the bytes it
+    all-gathers: still fp8). Also ``torch.save`` of the rank's ``model.state_dict()`` (DTensors)
+    loaded with ``weights_only=True``."""
+    import io
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[nn.Module, Any, torch.optim.Optimizer]:
+        torch._dynamo.reset()
+        model = _shard(make_model())
+        compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=False)
+        return model, compiled, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(compiled: Any, opt: torch.optim.Optimizer, i: int) -> dict[str, Any]:
+        loss = F.mse_loss(compiled(_batch(rank, i)[0]).float(), _batch(rank, i)[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"loss": loss.detach(), "params": [_local(p) for p in opt.param_groups[0]["params"]],
+                "opt": [{k: _local(v) for k, v in s.items()} for s in opt.state.values()]}
+
+    where = [tempfile.mkdtemp(prefix="amp_fx_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(where)  # one checkpoint directory, rank 0's
+    plain = dist.new_group(backend="gloo")  # DCP's planning gathers objects: the counting backend has no gather
+    model, compiled, opt = build()
+    for i in range(2):
+        step(compiled, opt, i)
+    model_state, optim_state = get_state_dict(model, opt)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=where[0], process_group=plain)
+    out = {"leaks": _plain_local(model_state) + _plain_local(model.state_dict()), "continued": step(compiled, opt, 2)}
+    model, compiled, opt = build()
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=where[0], process_group=plain)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with sent_bytes() as sent:
+        out["resumed"] = step(compiled, opt, 2)
+    out["all_gather"] = sent["all_gather"]
+    dist.barrier(group=plain)
+    if rank == 0:
+        shutil.rmtree(where[0])
+    return out
+
+
 CASES = [("ddp", "inner"), ("ddp", "inner_cached"), ("ddp", "outer"), ("ddp", "step"),
          ("fsdp2", "outer"), ("fsdp2", "step")]
 # The recipe changes the fp8 matmul's scales, not how DDP or FSDP2 wrap, capture and step it: every
@@ -234,4 +301,5 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
     results["reads_weight"] = reads_weight(rank)
     results["shared_weight"] = shared_weight(rank)
     results["root_reads_head"] = root_reads_head(rank)
+    results["dcp_resume"] = dcp_resume(rank)
     return results

@@ -377,6 +377,36 @@ def test_new_batch_and_length_bitwise_with_no_more_graphs(name: str, dynamic: bo
     assert 0 < graphs <= counter.frame_count, (graphs, counter.frame_count)
 
 
+def test_dynamos_restart_of_a_trace_is_no_failure_of_amp_fx() -> None:
+    """``dynamic=True`` makes a module's float attribute a symbolic input (``nn.LayerNorm``'s
+    ``eps``); AOTAutograd's ``tensorify_python_scalars`` (backends that partition:
+    ``aot_eager_decomp_partition``, inductor) cannot keep it symbolic and raises Dynamo's
+    ``RestartAnalysis``: trace the frame again, the float specialized. amp_fx took that for a
+    failure of its own and fell back to torch.compile + autocast for the graph ("downstream failed
+    ... TensorifyScalarRestartAnalysis"; strict: an error), and took the retraced graph for a second
+    DDPOptimizer piece of the same compile (a split report). Now Dynamo restarts and amp_fx rewrites
+    the new graph: one record, no fallback, and output, loss and every gradient bitwise with
+    torch.compile + autocast on the same backend (whose decompositions, layer_norm's backward, both
+    runs share; eager autocast differs from both there by up to 6e-3 of a gradient's largest value)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager_decomp_partition", dynamic=True)
+    actual = step(compiled, model, (x,), _sq_mean)
+    records = amp_fx.records(compiled)
+    assert len(records) == 1 and records[0].fallback is None, [r.fallback for r in records]
+    torch._dynamo.reset()
+    traced = torch.compile(reference, backend="aot_eager_decomp_partition", dynamic=True)
+
+    def under_autocast(t: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return traced(t)
+
+    assert_bitwise(actual, step(under_autocast, reference, (x,), _sq_mean),  # _sq_mean: autocast-neutral
+                   "amp_fx vs torch.compile + autocast, aot_eager_decomp_partition")
+
+
 # --- tied weights: amp_fx vs torch.compile under autocast --------------------------------------
 
 
@@ -454,6 +484,75 @@ def test_nested_autocast_region_uses_its_own_dtype() -> None:
     actual, expected, _ = run_pair(entry, torch.bfloat16, backend="aot_eager")
     assert expected.out.dtype == torch.float16
     assert_bitwise(actual, expected, "amp_fx vs eager autocast")
+
+
+class _RegionBetween(nn.Module):
+    """Three Linears; the middle one in a region of its own inside the ambient autocast: autocast
+    off (``None``: the "this part in fp32" idiom) or another low dtype (fp16 inside bf16)."""
+
+    def __init__(self, inner: torch.dtype | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        if self.inner is None:
+            with torch.autocast("cpu", enabled=False):
+                h = self.b(h.float()).relu()
+        else:
+            with torch.autocast("cpu", dtype=self.inner):
+                h = self.b(h).relu()
+        return self.c(h)
+
+
+_REGIONS = {"autocast_off": None, "fp16_inside_bf16": torch.float16}
+
+
+@functools.cache
+def _region_runs(region: str) -> dict[str, tuple[Tensor, dict[str, Tensor]]]:
+    """Output and gradients of one bf16 step of ``_RegionBetween``: eager autocast, amp_fx
+    (aot_eager) and ``torch.compile(backend="aot_eager")`` under the same autocast."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for kind in ("eager", "amp_fx", "torch.compile"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _RegionBetween(_REGIONS[region])
+        if kind == "amp_fx":
+            out = amp_fx.compile(model, dtype="bf16", backend="aot_eager")(x)
+        else:
+            run = model if kind == "eager" else torch.compile(model, backend="aot_eager")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = run(x)
+        out.float().pow(2).sum().backward()
+        runs[kind] = (out.detach(), {n: p.grad for n, p in model.named_parameters()})
+    return runs
+
+
+@pytest.mark.parametrize("region", _REGIONS)
+def test_a_region_with_its_own_autocast_state_is_bitwise_gradient_by_gradient(region: str) -> None:
+    """amp_fx against eager autocast, the output and each of the six gradients bit for bit
+    (the twin of the next test, which records where torch.compile + autocast differs)."""
+    out, grads = _region_runs(region)["amp_fx"]
+    ref_out, ref_grads = _region_runs(region)["eager"]
+    assert_bitwise(out, ref_out, "output")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_bitwise(grad, ref_grads[name], f"{name}.grad")
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "pytorch#179804 (open, torch 2.13): the compiled backward of a region with its own autocast state "
+    "differs from eager's; measured: a.weight, a.bias and b.weight (3 of 6) by up to 5e-3 of their "
+    "largest value, the output bitwise. Passes once upstream fixes it"))
+@pytest.mark.parametrize("region", _REGIONS)
+def test_torch_compile_under_autocast_matches_eager_in_such_a_region(region: str) -> None:
+    runs = _region_runs(region)
+    (out, grads), (ref_out, ref_grads) = runs["torch.compile"], runs["eager"]
+    assert torch.equal(out, ref_out)
+    differs = sorted(n for n, g in grads.items() if not torch.equal(g, ref_grads[n]))
+    assert not differs, f"torch.compile + autocast differs from eager autocast in {differs}"
 
 
 def _twice(x: Tensor, w: Tensor) -> Tensor:

@@ -92,6 +92,9 @@ def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
         if form == "outer":
             assert ours["all_gather"] == ao["all_gather"], (rank, ours, ao)
             assert ours["all_reduce"] == ao["all_reduce"], (rank, ours, ao)
+        if form == "step":  # the scales' all-reduce (2 fp32 amaxes), then the found-inf one: the flag
+            # and one non-finite flag per gradient (4 parameters), int64 (pack_overflow)
+            assert ours["all_reduce"] == ao["all_reduce"] + 8 * (1 + 4) == 4 * 2 + 40, (rank, ours, ao)
 
 
 def test_fsdp2_fp8_all_gather_reports_other_reads(ranks: list[dict]) -> None:
@@ -121,6 +124,21 @@ def test_fsdp2_fp8_all_gather_reports_fp32_weight(ranks: list[dict]) -> None:
         w = [m for m in results["shared_weight"] if "all-gathers" in m]
         assert len(w) == 1 and "0.weight (shared by several modules) in fp32" in w[0], results["shared_weight"]
         assert "strict=True" in w[0], w
+
+
+def test_fsdp2_fp8_all_gather_checkpoint_resumes_bitwise_through_dcp(ranks: list[dict]) -> None:
+    """``torch.distributed.checkpoint`` of the sharded model and AdamW after two steps (issue 52;
+    torchao's fp8 tensor subclasses break such checkpoints, torchtitan #651): every entry a DTensor
+    over a plain tensor with none of the extension's attributes, the rank's ``model.state_dict()``
+    loads with ``torch.load(weights_only=True)``, and a fresh sharded model that loads the
+    checkpoint takes the third step as the run that did not stop (loss, each rank's parameter
+    shards and AdamW state bitwise), still gathering its weights in fp8 (``GATHERED``: the step's
+    bytes are the fp8 run's)."""
+    for rank, results in enumerate(ranks):
+        r = results["dcp_resume"]
+        assert r["leaks"] == [], (rank, r["leaks"])
+        assert_bitwise(r["resumed"], r["continued"], f"rank {rank}: step 3 after loading the checkpoint")
+        assert r["all_gather"] == _gathered_bytes({"0.weight", "2.weight"}) / 2, (rank, r["all_gather"])
 
 
 def test_ranks_saw_different_batches(ranks: list[dict]) -> None:

@@ -66,6 +66,52 @@ def test_fp8_saves_the_weight_for_the_backward_not_its_fp8_cast() -> None:
     assert any(t.untyped_storage().data_ptr() == ptr for t in saved.tensors), "the fp32 weight is saved"
 
 
+class _Logits(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+def test_fp8_saves_the_weight_not_its_cast_in_a_graph_with_captured_constants() -> None:
+    """GPT-2 (transformers) builds tensor constants in its attention while traced: capture makes
+    them buffers of the graph (``_tensor_constant0``...), which Dynamo has no source for, and
+    ``carry_dynamo_inputs`` left every such graph on AOTAutograd's plain path, where the
+    partitioner saves the fp8 cast of the LM head's weight (128 x 64, 1 byte an element) for the
+    backward instead of the (tied, fp32) weight. Now each constant gets a source: the cast is not
+    saved, the weight is, in the graph Dynamo recompiles with a symbolic batch and length (the
+    first graph, static, has constants too). (The Conv1D projections are kept out of fp8 here:
+    in fp8 they save a cast of the weight's transpose, constants or not, a matter of Conv1D's
+    ``addmm``, not of this.)"""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(  # one layer: the graph has its constants
+        n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0))
+    from transformers.pytorch_utils import Conv1D
+
+    # the projections (Conv1D) kept out of fp8: only the head's matmul, a smaller graph to compile
+    compiled = amp_fx.compile(_Logits(lm), dtype="bf16", fp8="tensorwise", backend="aot_eager_decomp_partition",
+                              policy=amp_fx.Policy(keep_out_of_fp8=(Conv1D,)))
+    batches = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(0)) for shape in ((2, 8), (3, 12))]
+    for ids in batches:
+        compiled(ids).float().sum().backward()  # compiles outside the hooks; the second recompiles
+    records = amp_fx.records(compiled)
+    symbolic = [n for n in records[-1].rewritten.graph.find_nodes(op="placeholder")
+                if isinstance(n.meta.get("val"), torch.SymInt)]
+    assert len(records) == 2 and symbolic, "the premise: a second graph, with symbolic sizes"
+    assert any(name.startswith("_tensor_constant") for name, _ in records[1].rewritten.named_buffers()), "the premise"
+    with SavedBytes() as saved:
+        out = compiled(batches[1])
+    out.float().sum().backward()
+    head = lm.lm_head.weight
+    casts = [tuple(t.shape) for t in saved.tensors if t.dtype == torch.float8_e4m3fn and t.shape == head.shape]
+    assert casts == [], "the LM head's fp8 cast is saved for the backward"
+    ptr = head.untyped_storage().data_ptr()
+    assert any(t.untyped_storage().data_ptr() == ptr for t in saved.tensors), "the fp32 weight is saved"
+
+
 def test_saved_bytes_count_a_storage_once() -> None:
     # Two linears read the same x: two saves, one storage. A view of x is x's storage too.
     a, b, x = _linear(), _linear(), torch.randn(BATCH, IN)

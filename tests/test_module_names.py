@@ -205,6 +205,38 @@ def test_keep_fp32_by_name_matches_through_a_decorator(variant, graph_break):
     assert_bitwise(out[variant], out["plain"], "(output, grads)")
 
 
+@pytest.mark.parametrize("graph_break", [False, True], ids=["one_graph", "graph_break"])
+def test_compile_step_names_modules_and_keeps_fp32_as_compile_does(graph_break):
+    """``compile_step`` compiles a frame that runs the model, not the model: its graphs are named
+    under the model by the same rule as ``amp_fx.compile(model)``'s (issue 52; the op-by-op module
+    names were ``model.``-prefixed, or under a graph break the resumed submodule's own, and
+    ``Policy(keep_fp32=...)`` by name raised "is a function"). The kept Linear runs in fp32 and one
+    SGD step gives the parameters ``amp_fx.compile`` + the same loss + ``SGD.step`` gives, bit for
+    bit; the loss's own ops (mean, and its backward) are the root's."""
+    policy = amp_fx.Policy(keep_fp32=(KEEP,))
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    model = _make("plain", graph_break)
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", policy=policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn(compiled(_x())).backward()
+    opt.step()
+    torch._dynamo.reset()
+    stepped = _make("plain", graph_break)
+    step = amp_fx.compile_step(stepped, torch.optim.SGD(stepped.parameters(), lr=0.5), loss_fn, dtype="bf16",
+                               backend="aot_eager", policy=policy)
+    step(_x())
+    names = {m for _, m in _op_modules(compiled)}
+    step_names = {m for _, m in _op_modules(step._forward)}
+    assert step_names == names | {""}, (step_names, names)  # "": the loss, in the step's frame
+    kept = [n for r in amp_fx.records(step._forward) for n in r.rewritten.graph.nodes
+            if n.target is torch.ops.aten.linear.default and module_stack(n)[-1][0] == KEEP]
+    assert kept and all(n.meta["val"].dtype is torch.float32 for n in kept), kept
+    assert_bitwise(list(stepped.parameters()), list(model.parameters()), "parameters after one step")
+
+
 # Not "closure": explain runs a deep copy of the model, and a copied function keeps its closure
 # cell, which still holds the original's submodule (not one of the copy's).
 @pytest.mark.parametrize("variant", [v for v in DECORATED if v != "closure"])

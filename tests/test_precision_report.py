@@ -281,6 +281,11 @@ def test_compiled_step_report_and_its_scaler_downgrade():
     assert report.row("optimizer state").bytes_per_param == _bytes(state) / n == 8.0
     assert report.row("loss").dtypes == (torch.float32,)
     assert report.row("master weights").bytes_per_param == 4.0
+    # between steps there is no .grad (the step clears it): the row says what the step does
+    gradients = report.row("gradients")
+    assert all(p.grad is None for p in model.parameters())
+    assert (gradients.dtypes, gradients.bytes_per_param) == ((torch.float32,), 4.0), gradients
+    assert gradients.note.startswith("written by each step's backward"), gradients
     # the default scaler for bf16 (check-only) is the fix: silent, also in strict mode
     step = amp_fx.compile_step(model, opt, F.mse_loss, dtype="bf16", backend="aot_eager", strict=True)
     assert step.precision_report().downgrades == {}

@@ -329,13 +329,34 @@ class _Nested(nn.Module):
         return F.mse_loss(logits.float(), y)
 
 
+def _first_op_after_one_step(runner: str, model: nn.Module, batch: tuple[Any, ...], init_scale: float,
+                             **model_kwargs: Any) -> Any:
+    """The overflow report after one step of ``model`` (its forward returns the loss), fp16,
+    aot_eager, watched: ``amp_fx.compile`` + ``amp_fx.GradScaler`` or ``compile_step``."""
+    scaler = amp_fx.GradScaler("cpu", init_scale=init_scale, step_mode=amp_fx.StepMode.MASKED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if runner == "compile_step":
+        step = amp_fx.compile_step(model, opt, lambda loss: loss, scaler=scaler, n_inputs=len(batch),
+                                   backend="aot_eager", watch_nonfinite=True)
+        step(*batch, **model_kwargs)
+        return step.overflow_report()
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler.watch(compiled)
+    scaler.scale(compiled(*batch, **model_kwargs)).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.overflow_report()
+
+
+@pytest.mark.parametrize("runner", ["compile", "compile_step"])
 @pytest.mark.parametrize("where", ["mid.head", "<root>"])
-def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward_op(where):
+def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward_op(where, runner):
     """The first inf of the backward is the fp32-to-fp16 cast back of the loss's ``.float()``, an op
     of ``mid.head``'s own forward body (not of a child), in a graph resumed after a graph break:
     it is placed at ``mid.head``, as the eager reference's module backward hooks place it (it was
-    placed at ``<root>``: the resumed frame has no ``self`` and Dynamo records no module for it).
-    Twin: the same op in the root's own body stays at ``<root>``."""
+    placed at ``<root>``: the resumed frame has no ``self`` and Dynamo records no module for it;
+    under ``compile_step`` until issue 52, whose frame named no root module). Twin: the same op in
+    the root's own body stays at ``<root>``."""
     x, y = _batches()[0]
 
     def make() -> _Nested:
@@ -351,19 +372,57 @@ def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward
 
     origin = first_backward_origin(model, scaled_loss, torch.float16)
     assert origin.op == "aten._to_copy" and origin.module == ("" if where == "<root>" else where), origin
-    model = make()
-    scaler = amp_fx.GradScaler("cpu", init_scale=BODY_SCALE, step_mode=amp_fx.StepMode.MASKED)
-    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
-    scaler.watch(compiled)
-    scaler.scale(compiled(x, y)).backward()
-    scaler.step(torch.optim.SGD(model.parameters(), lr=0.01))
-    scaler.update()
-    report = scaler.overflow_report()
+    report = _first_op_after_one_step(runner, make(), (x, y), BODY_SCALE)
     assert report is not None and report.first_op is not None, report
     first = report.first_op
     assert (first.backward, first.op, first.grad_of) == (True, "aten._to_copy", "aten._to_copy"), str(report)
     assert str(report).startswith(f"step 0 skipped: first inf in the backward at {where} (aten._to_copy, fp16, "
                                   "backward of aten._to_copy); "), str(report)
+
+
+class _HfWrapper(nn.Module):
+    """The issue-52 case: a wrapper whose ``inner`` is a Hugging Face GPT-2 (one layer: the layers
+    play no part) that computes its own loss (``labels=``); the loss's ``logits.float()`` runs in
+    ``GPT2LMHeadModel.forward``'s body, after a graph break (transformers' loss function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as tf
+
+        config = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        self.inner = tf.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, labels=ids, return_dict=False)[0]
+
+
+def test_a_hugging_face_models_loss_overflow_is_placed_in_that_model_under_a_wrapper():
+    """The scaled loss gradient (2^24) overflows in the backward of ``logits.float()``, an op of
+    ``inner``'s own body: eager autograd's module hooks place it at ``inner``, and so does
+    ``compile_step`` (it said ``<root>``: its frame is no module, so the graphs Dynamo captured
+    inside ``inner`` were not named under the model; ``amp_fx.compile`` was right, and both now
+    name through one rule, ``RootNames``, the test above pins both runners). ``return_dict=False``
+    only so that the reference's backward hooks see ``inner``'s output (a ModelOutput hides it)."""
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def make() -> _HfWrapper:
+        torch.manual_seed(0)
+        return _HfWrapper()
+
+    model = make()
+
+    def scaled_loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(ids)
+        return loss * 2.0**24
+
+    origin = first_backward_origin(model, scaled_loss, torch.float16)
+    assert (origin.module, origin.op) == ("inner", "aten._to_copy"), origin
+    report = _first_op_after_one_step("compile_step", make(), (ids,), 2.0**24)
+    assert report is not None and report.first_op is not None, report
+    assert str(report.first_op) == "inner (aten._to_copy, fp16, backward of aten._to_copy)", str(report)
 
 
 class _BreakingLayer(nn.Module):

@@ -24,9 +24,15 @@ an input amp_fx added gets no source and stays non-static.
 
 from __future__ import annotations
 
+import logging
+
 import torch.fx
+from torch._dynamo.source import ConstantSource
+from torch._guards import Source
 
 __all__ = ["carry_dynamo_inputs"]
+
+log = logging.getLogger(__name__)
 
 _SOURCE = "_dynamo_source"
 _STATIC = "tensor_dict"  # node.meta["tensor_dict"]["_dynamo_static_input_type"] marks a static input
@@ -44,11 +50,10 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
     if len(ours) < len(theirs) or not all(hasattr(n, _SOURCE) for n in theirs):
         return
     param_sources = getattr(dynamo_gm, "_param_name_to_source", None)
-    # AOTAutograd lifts gm's own parameters and buffers (a constant capture made a buffer, as
-    # for GPT-2 traced with symbolic shapes) and needs a Dynamo source for each: where one has
-    # none, gm is left as it was
-    owned = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
-    if param_sources is None or any(name not in param_sources for name, _ in owned):
+    if param_sources is None:
+        return
+    param_sources = _with_constant_sources(gm, param_sources)
+    if param_sources is None:
         return
     for node, dynamo_node in zip(ours, theirs, strict=False):
         setattr(node, _SOURCE, getattr(dynamo_node, _SOURCE))
@@ -58,3 +63,29 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
         setattr(node, _SOURCE, None)
     gm._param_name_to_source = param_sources
     gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
+
+
+def _with_constant_sources(gm: torch.fx.GraphModule, param_sources: dict[str, Source]) -> dict[str, Source] | None:
+    """``param_sources`` with a source for each of ``gm``'s own buffers that has none, or None.
+
+    AOTAutograd lifts ``gm``'s own parameters and buffers as inputs and asserts a Dynamo source for
+    each (it keys its duplicate-input guards and the static marks on them). Capture makes a buffer
+    of each tensor constant the model creates while traced (``_tensor_constant0``: GPT-2's
+    attention builds several, at every shape), which Dynamo never saw: each gets a
+    ``ConstantSource`` of its own name, so the graph is still handed over as Dynamo's (before,
+    every GPT-2 graph was left on AOTAutograd's plain path, whose partitioner saved each weight's
+    fp8 cast for the backward). A constant is never an input of the frame, so no guard needs it;
+    where a source would be needed for a guard (one tensor under two names, which AOTAutograd
+    deduplicates with a guard on both sources) or an own parameter has none, None: the graph is
+    left as it was, and the debug log names it."""
+    owned = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    missing = [name for name, _ in owned if name not in param_sources]
+    if not missing:
+        return param_sources
+    shared = len({id(t) for _, t in owned}) < len(owned)
+    if shared or any(name not in buffers for name in missing):
+        log.debug("carry_dynamo_inputs: %s have no Dynamo source (%s): the graph is handed over as a "
+                  "graph Dynamo did not capture", missing, "a tensor under two names" if shared else "parameters")
+        return None
+    return {**param_sources, **{name: ConstantSource(f"amp_fx.{name}") for name in missing}}

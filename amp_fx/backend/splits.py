@@ -71,20 +71,23 @@ def noted_by_caller() -> bool:
 @dataclass
 class _LeafGraphs:
     """The graphs that cast one leaf tensor with the shared leaf cast: per Dynamo frame id, per
-    compile of that frame (``frame_compile_id``), how many graphs. Graphs of two frames run in one
-    forward; two compiles of one frame are alternatives (recompiles); two graphs of one compile
-    are pieces of one captured graph (DDPOptimizer's split at DDP's bucket boundaries)."""
+    compile of that frame (``frame_compile_id``), how many graphs, in its latest trace. Graphs of
+    two frames run in one forward; two compiles of one frame are alternatives (recompiles); two
+    graphs of one trace of one compile are pieces of one captured graph (DDPOptimizer's split at
+    DDP's bucket boundaries). A compile whose trace Dynamo restarted (``RestartAnalysis``, the
+    trace's ``attempt`` + 1) hands the backend its graph again: the earlier trace's graphs are gone."""
 
     ref: weakref.ref[torch.Tensor]
-    frames: dict[int, dict[int | None, int]] = field(default_factory=dict)
+    frames: dict[int, dict[int | None, tuple[int, int]]] = field(default_factory=dict)
 
-    def add(self, frame: int, attempt: int | None) -> None:
+    def add(self, frame: int, attempt: int | None, trace: int) -> None:
         compiles = self.frames.setdefault(frame, {})
-        compiles[attempt] = compiles.get(attempt, 0) + 1
+        seen, count = compiles.get(attempt, (trace, 0))
+        compiles[attempt] = (trace, count + 1 if seen == trace else 1)
 
     def split(self) -> bool:
         """Whether two graphs of one forward cast the tensor, each with a cast of its own."""
-        return len(self.frames) > 1 or any(n > 1 for c in self.frames.values() for n in c.values())
+        return len(self.frames) > 1 or any(n > 1 for c in self.frames.values() for _, n in c.values())
 
 
 class SplitTracker:
@@ -117,6 +120,8 @@ class SplitTracker:
         known by the real tensor its placeholder's Dynamo source reaches (:meth:`RootNames.real_tensor`).
         """
         compile_id = CompileContext.current_compile_id()
+        trace_id = CompileContext.current_trace_id()
+        trace = trace_id.attempt if trace_id is not None else 0
         if compile_id is not None and compile_id.frame_id is not None:
             frame, attempt = compile_id.frame_id, compile_id.frame_compile_id
             self._start_afresh_after_reset(frame, attempt, compile_id)
@@ -133,7 +138,7 @@ class SplitTracker:
                 graphs = _LeafGraphs(weakref.ref(tensor))
                 self._cached_leaf_frames[id(tensor)] = graphs
             was_split = graphs.split()
-            graphs.add(frame, attempt)
+            graphs.add(frame, attempt, trace)
             if was_split or not graphs.split():
                 continue
             name = names.tensor_name(tensor) or source_name(theirs[i])

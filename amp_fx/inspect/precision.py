@@ -366,6 +366,10 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
         rows.append(PrecisionRow("gradients", _dtypes(_local(p.grad) for p in with_grad),
                                  sum(_nbytes(p.grad) for p in with_grad) / sum(_local(p).numel() for p in with_grad),
                                  f".grad of {len(with_grad)} of {len(params)} parameters"))
+    elif compiled_step:  # the step clears them after its optimizer step: none between steps
+        rows.append(PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
+                                 "written by each step's backward in the parameters' dtype, cleared "
+                                 "after its optimizer step"))
     else:
         rows.append(PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
                                  "no .grad now: autograd accumulates them in the parameters' dtype"))

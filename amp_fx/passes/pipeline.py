@@ -418,10 +418,14 @@ def _check_preconditions(step: Stage, work: GraphWork) -> None:
 def stage(name: str, index: int, before: Sequence[str]) -> Iterator[None]:
     """Run one stage of amp_fx's work on graph ``index``: an unexpected exception becomes a
     :class:`StageFailure` naming it, the graph and the stages ``before`` it (read when it fails);
-    an ``AmpFxError`` (a refusal by design, or a failure already named) propagates as it is."""
+    an ``AmpFxError`` (a refusal by design, or a failure already named) propagates as it is, and
+    so does Dynamo's ``RestartAnalysis``: no failure, but Dynamo's signal to trace the frame again
+    (AOTAutograd's ``tensorify_python_scalars`` raises it to specialize a float it cannot keep
+    symbolic, e.g. GPT-2's attention scale under ``dynamic=True``), which Dynamo catches and
+    handles by calling the backend again on the new graph."""
     try:
         yield
-    except AmpFxError:
+    except (AmpFxError, torch._dynamo.exc.RestartAnalysis):
         raise
     except Exception as e:
         raise StageFailure(name, index, list(before), e) from e

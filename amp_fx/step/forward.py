@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from amp_fx._dist.step import distributed_forward, is_fsdp2
+from amp_fx._dist.step import distributed_forward
 from amp_fx.compile import compile_with
 from amp_fx.options import Options
 
@@ -56,8 +56,9 @@ class ForwardLoss:
 
 class _OnOneDevice:
     """The frame ``amp_fx.compile`` compiles for a step on one device. Dynamo reaches the model as
-    ``self.model``, so the forward's module paths start with ``model.`` (the prefix the step's skip
-    record strips)."""
+    ``self.model``; the model is the compile's ``root``, so module paths are names under it, as
+    ``amp_fx.compile(model)`` names them (a frame Dynamo resumes inside a submodule after a graph
+    break included)."""
 
     def __init__(self, model: torch.nn.Module, forward_loss: ForwardLoss) -> None:
         self.model = model
@@ -81,16 +82,17 @@ def compile_forward(model: torch.nn.Module, forward_loss: ForwardLoss, options: 
     label = f"compile_step({type(model).__name__})"
     forward = distributed_forward(model, forward_loss, dtype=options.dtype, accumulate=forward_loss.accumulate,
                                   micro_step=micro_step, compile_model=lambda m: compile_with(m, options, label=label))
-    return forward if forward is not None else compile_with(_OnOneDevice(model, forward_loss).run, options, label=label)
+    return forward if forward is not None else compile_with(_OnOneDevice(model, forward_loss).run, options,
+                                                            label=label, root=model)
 
 
 def module_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
     """What the compiled forward's module paths start with, before the names under the user's root
-    module: ``model.`` on one device (the frame's ``self.model``), ``module.`` under DDP, nothing
-    under FSDP2 (the model compiled itself)."""
+    module: ``module.`` under DDP (the DDP module is the root), nothing on one device (the model is
+    the root of its frame's compile) or under FSDP2 (the model compiled itself)."""
     if torch.distributed.is_available() and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return ("module.",)
-    return () if is_fsdp2(model) else ("model.",)
+    return ()
 
 
 def _check_loss(loss: object) -> None:
