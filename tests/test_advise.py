@@ -336,6 +336,14 @@ def test_html_is_self_contained(tmp_path: Path) -> None:
     model, inputs, _ = build("attention_overflow")
     ex = amp_fx.explain(model, *inputs, dtype="fp16", policy=advice.policy)
     assert html.escape(ex.summary()) in text
+    # the measurements as a real table: a header row and one row per module shown
+    assert text.count("<tr>") == len(shown) + 1 and "<th>" in text.replace('<th style="text-align: right;">', "<th>")
+    if shutil.which("dot") is None:  # no raw DOT text on the page: a note that says how to get the picture
+        from amp_fx.inspect._advice_html import NO_GRAPHVIZ
+
+        assert "digraph" not in text and html.escape(NO_GRAPHVIZ) in text
+    else:
+        assert "<svg" in text.split("graph (amp_fx.explain)")[1]
 
 
 _CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

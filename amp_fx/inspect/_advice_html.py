@@ -11,8 +11,11 @@ from typing import Any
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.inspect.nonfinite import policy_code
 
-__all__: list[str] = []
+__all__ = ["NO_GRAPHVIZ"]
 
+NO_GRAPHVIZ = ("The graph is not drawn: Graphviz's dot is not installed (Debian/Ubuntu: apt-get install "
+               "graphviz; macOS: brew install graphviz; conda: conda install graphviz). The summary above has "
+               "the same counts; explain(...).to_dot() writes the picture's DOT text for any DOT viewer.")
 _BAR_H = 16
 _LABEL_W = 260
 _CHART_W = 420
@@ -64,9 +67,16 @@ def _picture(graph: Any) -> str:
         try:
             svg = graph.to_svg(Path(tmp) / "graph.svg").read_text()
         except GraphvizNotFound:
-            return (head + "<p>Graphviz (<code>dot</code>) is not installed: the picture as DOT text.</p>"
-                    f"<pre>{html.escape(graph.to_dot())}</pre>")
+            return head + f'<p class="note">{html.escape(NO_GRAPHVIZ)}</p>'
     return head + f'<div class="graph">{svg[svg.find("<svg"):]}</div>'
+
+
+def _measurements(advice: Any) -> str:
+    """advice.table()'s rows as an HTML table (tabulate escapes every cell)."""
+    from tabulate import tabulate
+
+    headers, rows, _ = advice._measurement_rows(limit=None)
+    return tabulate(rows, headers=headers, tablefmt="html")
 
 
 def render(advice: Any, graph: Any = None, note: str = "") -> str:
@@ -103,7 +113,9 @@ def render(advice: Any, graph: Any = None, note: str = "") -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>amp_fx.advise ({title})</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1100px}} pre{{background:#f4f4f4;padding:8px;
-overflow:auto}} .legend span{{padding:0 8px;margin-right:8px;color:#fff}}</style></head>
+overflow:auto}} .legend span{{padding:0 8px;margin-right:8px;color:#fff}}
+table{{border-collapse:collapse;font-size:13px}} th,td{{border:1px solid #ccc;padding:2px 6px}}
+th{{background:#eee}} .note{{background:#fff7e0;padding:8px}}</style></head>
 <body>
 <h1>amp_fx.advise ({title})</h1>
 <p>End-to-end error vs float64: default policy <b>{advice.baseline_error:.3g}</b>, advised <b>{advice.error:.3g}</b>,
@@ -117,7 +129,7 @@ target {advice.target:.3g}: <b>{'verified' if advice.verified else 'NOT verified
 policy = {html.escape(policy_code(advice.policy))}</pre>
 {''.join(f'<p>kept: {html.escape(str(k))}</p>' for k in advice.kept)}
 <h2>measurements</h2>
-<pre>{html.escape(advice.table(limit=None))}</pre>
+{_measurements(advice)}
 {fp8_part}
 {picture}
 </body></html>

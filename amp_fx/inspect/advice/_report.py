@@ -104,6 +104,13 @@ class Advice:
         raise KeyError(f"amp_fx: no measured module {name!r}")
 
     def table(self, *, limit: int | None = 40) -> str:
+        headers, rows, hidden = self._measurement_rows(limit=limit)
+        text = tabulate(rows, headers=headers)
+        return text + (f"\n... {hidden} more modules (advice.modules has them all)" if hidden > 0 else "")
+
+    def _measurement_rows(self, *, limit: int | None = 40) -> tuple[list[str], list[list[str]], int]:
+        """What :meth:`table` prints: its headers, its rows (findings first, then by output error)
+        and how many modules the limit left out; the HTML page lays the same rows out as a table."""
         rows = []
         ranked = sorted(self.modules, key=lambda s: (not s.finding, -_sort_key(s.output_error)))
         shown = [s for s in ranked if s.name][:limit]
@@ -123,9 +130,7 @@ class Advice:
         if self.fp8 is not None:
             headers += ["fp8 err"]
         headers += ["finding"]
-        text = tabulate(rows, headers=headers)
-        hidden = len([s for s in self.modules if s.name]) - len(shown)
-        return text + (f"\n... {hidden} more modules (advice.modules has them all)" if hidden > 0 else "")
+        return headers, rows, len([s for s in self.modules if s.name]) - len(shown)
 
     def __str__(self) -> str:
         low = dtype_name(self.dtype)
