@@ -216,10 +216,11 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
             "params": {n: _local(p) for n, p in model.named_parameters()}, "amp_fx_warnings": _fallbacks(caught)}
 
 
-def fp8_outputs(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
+def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None) -> dict[str, Any]:
     """One amp_fx fp8 (tensorwise) forward and backward: the output, the local gradients, and how many
-    of the captured matmuls with a parameter operand were converted."""
-    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager")
+    of the captured matmuls with a parameter operand were converted. ``strict=False``: what amp_fx
+    reports is recorded as warnings (the suite runs strict)."""
+    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = compiled(x)
@@ -340,7 +341,7 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
     torch._dynamo.reset()
-    results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x)
+    results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     for schedule, form in PP_CASES:

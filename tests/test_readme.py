@@ -175,6 +175,10 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             "a fragment (no blocks or embed): tests/_dist_cases.py's MethodRoot runs it under FSDP2"),
         "# Llama, Qwen2, Mistral, ...: the embedding is the root's own module": NotRun(
             "needs a process group: tests/_dist_real_model_cases.py's _shard runs both shardings under FSDP2"),
+        'parallelize_module(block, tp_mesh, {"attn.q": ColwiseParallel(), "attn.wo": RowwiseParallel(), ...})': NotRun(
+            "needs a process group and a mesh: tests/_dist_tp_cases.py's tensor_parallel runs it on 2 gloo ranks"),
+        'stage_module = amp_fx.compile(stage_module, dtype="fp16")': NotRun(
+            "needs a process group: tests/_dist_tp_cases.py's pipeline_run runs it on 2 gloo ranks"),
     },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
