@@ -6,9 +6,9 @@ steps on cross-entropy over random tokens:
 
 * eager: ``torch.autocast("cpu", dtype)`` around the model's forward; fp16 with FSDP's
   ``ShardedGradScaler`` (its found-inf flag all-reduced over every rank);
-* amp_fx: the model built through ``amp_fx_parallelize(parallelize_llama, AmpFxTitanConfig(...))``
-  (the integration's entry point, as a torchtitan config module selects it), fp16 with
-  ``amp_fx.GradScaler``.
+* amp_fx: bf16 through the ``parallelize_fn`` that ``with_amp_fx`` puts in the debugmodel's spec
+  (what torchtitan's Trainer calls when a config module applied it); fp16 through
+  ``amp_fx_parallelize(parallelize_llama, ...)`` with ``amp_fx.GradScaler``.
 
 tp: tensor parallel 2 (sequence parallel, torchtitan's default), the same tokens on both ranks.
 dp: FSDP2 over 2 ranks, each its own tokens.
@@ -36,12 +36,16 @@ def _train(rank: int, layout: str, dtype: str, form: str) -> dict:
     from torchtitan.models.llama3 import parallelize_llama
 
     import amp_fx
-    from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize
-    from amp_fx.testing.torchtitan import TITAN_VOCAB, cpu_debugmodel
+    from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize, with_amp_fx
+    from amp_fx.testing.torchtitan import TITAN_VOCAB, cpu_debugmodel, trainer_config_fields
 
     parallelize = None
     if form == "amp_fx":
-        parallelize = amp_fx_parallelize(parallelize_llama, AmpFxTitanConfig(dtype=dtype, backend="aot_eager"))
+        config = AmpFxTitanConfig(dtype=dtype, backend="aot_eager")
+        if dtype == "bf16":  # what torchtitan's Trainer calls, from a config module that applied with_amp_fx
+            parallelize = with_amp_fx(trainer_config_fields(), config).model_spec.parallelize_fn
+        else:  # fp16: a loop of one's own, with amp_fx.GradScaler (the Trainer has no loss scaling)
+            parallelize = amp_fx_parallelize(parallelize_llama, config)
     model = cpu_debugmodel(parallelize_fn=parallelize, **LAYOUTS[layout])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler: GradScaler | None = None

@@ -171,6 +171,11 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "# Llama, Qwen2, Mistral, ...: the embedding is the root's own module": NotRun(
             "needs a process group: tests/_dist_real_model_cases.py's _shard runs both shardings under FSDP2"),
     },
+    "docs/torchtitan.md": {
+        "# my_configs.py": NotRun(
+            "a torchtitan config module: torchtitan's Trainer needs an accelerator (and tensorboard); "
+            "tests/test_torchtitan.py runs the parallelize_fn with_amp_fx puts in the spec on 2 gloo ranks"),
+    },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
         "# generate() on the wrapper module (needs transformers; skipped without it)": Run(),

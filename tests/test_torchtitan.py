@@ -12,6 +12,9 @@ through the unit capture too.
 
 from __future__ import annotations
 
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -19,8 +22,11 @@ pytest.importorskip("torchtitan", reason="needs torchtitan (pip install amp_fx[t
 
 from _dist_titan_cases import CASES, titan_all  # noqa: E402
 
+from amp_fx import AmpFxError, AmpFxWarning  # noqa: E402
+from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize, with_amp_fx  # noqa: E402
 from amp_fx.testing import assert_bitwise  # noqa: E402
 from amp_fx.testing.distributed import run_ranks  # noqa: E402
+from amp_fx.testing.torchtitan import trainer_config_fields  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -69,3 +75,72 @@ def test_torchtitan_cases_train(ranks):
     name = "layers.0.attention.wo.weight" if "layers.0.attention.wo.weight" in tp0["grads"] else next(
         n for n in tp0["grads"] if n.endswith("wo.weight"))
     assert not torch.equal(tp0["params"][name], tp1["params"][name])
+
+
+def test_with_amp_fx_rewrites_the_trainer_config():
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3 import parallelize_llama
+
+    config = trainer_config_fields()
+    assert with_amp_fx(config, AmpFxTitanConfig(dtype="bf16")) is config
+    assert config.model_spec.parallelize_fn.__wrapped__ is parallelize_llama
+    assert config.compile.components == ["loss"]
+    assert isinstance(config.loss, CrossEntropyLoss.Config)  # lm_head back inside the model's forward
+
+
+def test_with_amp_fx_refuses_fp16_and_bad_configs():
+    with pytest.raises(ValueError, match="loss scaling"):
+        with_amp_fx(trainer_config_fields(), AmpFxTitanConfig(dtype="fp16"))
+    with pytest.raises(ValueError, match="fp8"):
+        AmpFxTitanConfig(dtype="fp16", fp8="tensorwise")
+    with pytest.raises(ValueError):
+        AmpFxTitanConfig(dtype="int8")
+    with pytest.raises(TypeError, match="AmpFxTitanConfig"):
+        amp_fx_parallelize(lambda m, **kw: m, {"dtype": "bf16"})
+
+
+def _parallelize_args(*, pp: bool = False, param: str = "float32") -> dict:
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    return {"parallel_dims": SimpleNamespace(pp_enabled=pp), "compile_config": CompileConfig(),
+            "training": TrainingConfig(mixed_precision_param=param)}
+
+
+def test_amp_fx_parallelize_refuses_what_it_cannot_do():
+    fp16 = amp_fx_parallelize(lambda m, **kw: m, AmpFxTitanConfig(dtype="fp16"))
+    with pytest.raises(ValueError, match="mixed_precision_param='bfloat16'"):
+        fp16(torch.nn.Linear(2, 2), **_parallelize_args(param="bfloat16"))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        fp16(torch.nn.Linear(2, 2), **_parallelize_args(pp=True))
+
+
+class _SkipsLmHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.lm_head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+        self._skip_lm_head = False
+
+    def forward(self, x):
+        h = self.body(x)
+        return h if self._skip_lm_head else self.lm_head(h)
+
+
+def test_lm_head_called_outside_the_model_is_named():
+    """torchtitan's ChunkedLossWrapper sets ``_skip_lm_head`` and calls ``lm_head`` from the loss:
+    amp_fx says so once, naming it, and the logits it computes there are fp32 (not autocast's bf16)."""
+    said = r"_SkipsLmHead\.lm_head runs outside the model's forward"
+    x = torch.randn(4, 8)
+    for strict in (False, True):
+        model = amp_fx_parallelize(lambda m, **kw: m, AmpFxTitanConfig(dtype="bf16", backend="eager", strict=strict))(
+            _SkipsLmHead(), **_parallelize_args())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert model(x).dtype == torch.bfloat16  # lm_head inside: nothing said
+        model._skip_lm_head = True
+        if strict:
+            with pytest.raises(AmpFxError, match=said):
+                model(x)
+            continue
+        with pytest.warns(AmpFxWarning, match=said):
+            h = model(x)
+        assert model.lm_head(h.float()).dtype == torch.float32

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims"]
+__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims", "trainer_config_fields"]
 
 TITAN_VOCAB = 2048  # the debugmodel's vocabulary
 
@@ -83,3 +83,18 @@ def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_d
     if model_dtype != torch.float32:
         model.to(model_dtype)
     return model
+
+
+def trainer_config_fields() -> Any:
+    """The fields of torchtitan's ``Trainer.Config`` that ``with_amp_fx`` reads and writes, as
+    ``llama3_debugmodel()`` sets them: the debugmodel's spec (``parallelize_fn=parallelize_llama``),
+    a ``ChunkedLossWrapper`` loss and compile of the model and loss. ``Trainer.Config`` itself
+    imports the trainer, and with it tensorboard, which the extra does not install."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.loss import ChunkedLossWrapper
+    from torchtitan.config import CompileConfig
+    from torchtitan.models.llama3 import model_registry
+
+    return SimpleNamespace(model_spec=model_registry("debugmodel"), loss=ChunkedLossWrapper.Config(),
+                           compile=CompileConfig(enable=True, components=["model", "loss"]))
