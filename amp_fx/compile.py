@@ -20,7 +20,6 @@ from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import (
     FSDP1_ALTERNATIVE,
-    UNIT_COMPILE_DEFAULTS,
     distributed_units,
     is_fsdp1,
     root_linears,
@@ -65,8 +64,7 @@ class AmpCompiledModule(torch.nn.Module):
         self.__dict__["_amp_fx_gathered_fp8"] = gathered
         self.__dict__["_amp_fx_forward"] = (
             amp_call(module, backend) if units is None
-            else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False,
-                                                                            compile_defaults=UNIT_COMPILE_DEFAULTS),
+            else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False),
                                           backend.dtype, gathered=gathered), module, backend,
                                gathered=gathered, root_own=root_state_modules(module, units)))
         self.training = module.training

@@ -4,10 +4,12 @@
 Before the fixes in ``amp_fx/_dist/capture.py`` the tp cases failed: amp_fx's FSDP2 unit capture
 called ``type(module).forward`` and skipped the per-instance forward torchtitan installs for TP
 redistribution ("TorchRuntimeError ... rms_norm": a plain tensor beside a DTensor weight); with
-that called, the units' shared compiled forward turned dynamic (automatic dynamic shapes across
-units of different signatures) and amp_fx could not fakify a DTensor with symbolic sizes.
-torchtitan always applies ``fully_shard`` (a no-op all-gather at dp_shard=1), so tp=2 alone runs
-through the unit capture too.
+that called, the units' shared compiled forward turned dynamic (automatic dynamic shapes, whose
+record of sizes Dynamo keeps by the code's name, across units of different signatures) and amp_fx
+could not fakify a DTensor with symbolic sizes (each fix reverted alone fails the tp cases). Every
+amp_fx case compiles the model in place (``amp_fx_parallelize``), which recursed without end on
+FSDP2 models before ``_eager_call``. torchtitan always applies ``fully_shard`` (a no-op all-gather
+at dp_shard=1), so tp=2 alone runs through the unit capture too.
 """
 
 from __future__ import annotations

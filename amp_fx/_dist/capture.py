@@ -35,7 +35,7 @@ import torch
 
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["FSDP1_ALTERNATIVE", "UNIT_COMPILE_DEFAULTS", "distributed_units", "is_fsdp1", "module_device_type",
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type",
            "root_linears", "root_state_modules", "unit_call", "unsharded_class_name"]
 
 
@@ -166,15 +166,6 @@ def unsharded_class_name(module: torch.nn.Module) -> str:
 _OWN_FORWARD = "_amp_fx_own_forward"
 
 
-# torch.compile's keywords for the units unless the user passes them. Static shapes: Dynamo's
-# automatic dynamic shapes keep their size records by the code's file, line and name, which every
-# unit's copy of ``_unit_forward`` shares, so a root called with token ids (2-D) beside a block
-# called with activations (3-D) made the next unit's inputs symbolic. torchtitan's TP units then
-# passed DTensors with symbolic sizes, which amp_fx cannot fakify (DTensor's sharding propagation
-# hashes the sizes: "unhashable type: non-nested SymInt"), and the fallback hit a RecursionError.
-UNIT_COMPILE_DEFAULTS: dict[str, Any] = {"dynamic": False}
-
-
 def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     # A forward set on the instance runs, not the class's: torchtitan's ``Module.parallelize``
     # installs one that redistributes the inputs and outputs (TP's DTensor layouts) around the
@@ -185,16 +176,23 @@ def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(module).forward(module, *args, **kwargs)
 
 
-def _fresh_unit_forward() -> Callable[..., Any]:
-    """A copy of ``_unit_forward`` with its own code object.
+def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
+    """A copy of ``_unit_forward`` with its own code object, named after ``unit_class``.
 
     Dynamo keeps its cache entries (at most ``recompile_limit``) on the code object; a copy per
-    compiled model keeps one model's units from using up another's entries.
+    compiled model and unit class keeps one model's units from using up another's entries. The
+    name matters too: Dynamo's automatic dynamic shapes keep their record of the sizes seen by
+    the code's file, line and *name* (``torch._dynamo.pgo.CodeId``), so copies under one name
+    shared it. A root called with token ids (2-D) beside a block called with activations (3-D)
+    then made the next unit's inputs symbolic at its first compile; torchtitan's TP units passed
+    DTensors with symbolic sizes, which amp_fx cannot fakify (DTensor's sharding propagation
+    hashes the sizes: "unhashable type: non-nested SymInt"), and the fallback hit a RecursionError.
     """
+    name = f"{_unit_forward.__name__}_{unit_class.__name__}"
     code = _unit_forward.__code__
-    code = code.replace(co_varnames=code.co_varnames)
-    fn = types.FunctionType(code, _unit_forward.__globals__, _unit_forward.__name__)
-    fn.__qualname__ = _unit_forward.__qualname__
+    code = code.replace(co_name=name, co_qualname=name) if hasattr(code, "co_qualname") else code.replace(co_name=name)
+    fn = types.FunctionType(code, _unit_forward.__globals__, name)
+    fn.__qualname__ = name
     return fn
 
 
@@ -240,9 +238,9 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
     call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
     unwrapped); it is called once per unit class, so the units of one class (a model's
     transformer blocks) share one compiled function, and one record list through the backend.
-    Units of different classes get code objects of their own, so each class has Dynamo's
-    ``recompile_limit`` (8) cache entries to itself: units compile with static shapes
-    (``UNIT_COMPILE_DEFAULTS``), one entry per input shape. ``gathered``: the FSDP2
+    Units of different classes get code objects and names of their own (:func:`_fresh_unit_forward`):
+    each class has Dynamo's ``recompile_limit`` cache entries and its record of the sizes seen
+    (automatic dynamic shapes) to itself. ``gathered``: the FSDP2
     weights all-gathered in fp8 (``amp_fx._dist.fp8_gather``), whose scales are computed before
     each call, before FSDP2's first all-gather.
     """
@@ -257,7 +255,7 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
             # helpers it calls as frames of their own; skipping them lets each unit's forward be
             # compiled as a frame of its own, so its ops are attributed to the unit's name under the
             # root (Policy.keep_fp32 by name). The torch.compile inside still compiles.
-            compiled = by_class[type(unit)] = torch._dynamo.disable(compile_fn(_fresh_unit_forward()))
+            compiled = by_class[type(unit)] = torch._dynamo.disable(compile_fn(_fresh_unit_forward(type(unit))))
         return compiled
 
     device_type = module_device_type(module)

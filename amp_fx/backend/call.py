@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,8 +94,7 @@ def _call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.T
     return [v for v in itertools.chain(args, kwargs.values()) if isinstance(v, torch.Tensor)]
 
 
-def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = True,
-             compile_defaults: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = True) -> Callable[..., Any]:
     """Compile ``target`` with ``backend`` and call it inside ``torch.autocast``.
 
     The captured graphs run with autocast off and their casts explicit (AmpBackend). The ambient
@@ -126,8 +125,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     compiled_by_leaves: dict[tuple[object, ...], Callable[..., Any]] = {}
     backends: list[AmpBackend] = []  # Dynamo holds them weakly (AmpBackend.for_dynamo): this call owns them
     dynamo_folds_is_exporting()  # found once, here, outside any trace (is_exporting_as_eager reads it)
-    # the user's torch.compile keywords over the caller's defaults (the FSDP2/DDP units: static shapes)
-    compile_kwargs = {**(compile_defaults or {}), **backend.options.torch_compile}
+    compile_kwargs = backend.options.torch_compile
     own_call = fresh_callable(target)
     # A module is compiled from a copy of its own forward where calling it is calling forward
     # (no hooks): Dynamo's names are then those of torch.compile(module) (L['x'], not L['args'][0]).
