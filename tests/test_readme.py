@@ -180,6 +180,11 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         'stage_module = amp_fx.compile(stage_module, dtype="fp16")': NotRun(
             "needs a process group: tests/_dist_tp_cases.py's pipeline_run runs it on 2 gloo ranks"),
     },
+    "docs/torchtitan.md": {
+        "# my_configs.py": NotRun(
+            "a torchtitan config module: torchtitan's Trainer needs an accelerator (and tensorboard); "
+            "tests/test_torchtitan.py runs the parallelize_fn with_amp_fx puts in the spec on 2 gloo ranks"),
+    },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
         "# generate() on the wrapper module (needs transformers; skipped without it)": Run(),

@@ -35,8 +35,8 @@ import torch
 
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type", "root_linears",
-           "root_state_modules", "unit_call", "unsharded_class_name"]
+__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type",
+           "root_linears", "root_state_modules", "unit_call", "unsharded_class_name"]
 
 
 def _fsdp_module_type() -> type | None:
@@ -162,28 +162,48 @@ def unsharded_class_name(module: torch.nn.Module) -> str:
     return next(c.__name__ for c in type(module).__mro__ if not issubclass(c, fsdp))
 
 
+# Where a unit's own per-instance ``forward`` waits while amp_fx's compiled one stands in for it.
+_OWN_FORWARD = "_amp_fx_own_forward"
+
+
 def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A forward set on the instance runs, not the class's: torchtitan's ``Module.parallelize``
+    # installs one that redistributes the inputs and outputs (TP's DTensor layouts) around the
+    # class's forward; skipping it fed a plain tensor to an op whose weight is a DTensor.
+    own = getattr(module, _OWN_FORWARD, None)
+    if own is not None:
+        return own(*args, **kwargs)
     return type(module).forward(module, *args, **kwargs)
 
 
-def _fresh_unit_forward() -> Callable[..., Any]:
-    """A copy of ``_unit_forward`` with its own code object.
+def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
+    """A copy of ``_unit_forward`` with its own code object, named after ``unit_class``.
 
     Dynamo keeps its cache entries (at most ``recompile_limit``) on the code object; a copy per
-    compiled model keeps one model's units from using up another's entries.
+    compiled model and unit class keeps one model's units from using up another's entries. The
+    name matters too: Dynamo's automatic dynamic shapes keep their record of the sizes seen by
+    the code's file, line and *name* (``torch._dynamo.pgo.CodeId``), so copies under one name
+    shared it. A root called with token ids (2-D) beside a block called with activations (3-D)
+    then made the next unit's inputs symbolic at its first compile; torchtitan's TP units passed
+    DTensors with symbolic sizes, which amp_fx cannot fakify (DTensor's sharding propagation
+    hashes the sizes: "unhashable type: non-nested SymInt"), and the fallback hit a RecursionError.
     """
+    name = f"{_unit_forward.__name__}_{unit_class.__name__}"
     code = _unit_forward.__code__
-    code = code.replace(co_varnames=code.co_varnames)
-    fn = types.FunctionType(code, _unit_forward.__globals__, _unit_forward.__name__)
-    fn.__qualname__ = _unit_forward.__qualname__
+    code = code.replace(co_name=name, co_qualname=name) if hasattr(code, "co_qualname") else code.replace(co_name=name)
+    fn = types.FunctionType(code, _unit_forward.__globals__, name)
+    fn.__qualname__ = name
     return fn
 
 
 @contextmanager
-def _forwards_replaced(units: list[torch.nn.Module], compiled: Callable[..., Any]) -> Iterator[None]:
+def _forwards_replaced(units: list[torch.nn.Module],
+                       compiled_for: Callable[[torch.nn.Module], Callable[..., Any]]) -> Iterator[None]:
     saved = [u.__dict__.get("forward") for u in units]
-    for u in units:
-        u.__dict__["forward"] = functools.partial(compiled, u)
+    for u, old in zip(units, saved):
+        if old is not None:
+            u.__dict__[_OWN_FORWARD] = old
+        u.__dict__["forward"] = functools.partial(compiled_for(u), u)
     try:
         yield
     finally:
@@ -192,6 +212,21 @@ def _forwards_replaced(units: list[torch.nn.Module], compiled: Callable[..., Any
                 u.__dict__.pop("forward", None)
             else:
                 u.__dict__["forward"] = old
+                u.__dict__.pop(_OWN_FORWARD, None)
+
+
+@contextmanager
+def _eager_call(module: torch.nn.Module) -> Iterator[None]:
+    """``module(...)`` runs nn.Module's own call, hooks and all, while amp_fx's compiled call set by
+    ``amp_fx.compile(module, inplace=True)`` (``_compiled_call_impl``) stands aside: that compiled
+    call is the one running this, and calling it again recursed without end (torchtitan's
+    integration compiles its FSDP2 model in place)."""
+    own = module.__dict__.pop("_compiled_call_impl", None)
+    try:
+        yield
+    finally:
+        if own is not None:
+            module.__dict__["_compiled_call_impl"] = own
 
 
 def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
@@ -201,22 +236,34 @@ def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
 
     ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
     call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
-    unwrapped); it is called once, so every unit of the model shares it. ``gathered``: the FSDP2
+    unwrapped); it is called once per unit class, so the units of one class (a model's
+    transformer blocks) share one compiled function, and one record list through the backend.
+    Units of different classes get code objects and names of their own (:func:`_fresh_unit_forward`):
+    each class has Dynamo's ``recompile_limit`` cache entries and its record of the sizes seen
+    (automatic dynamic shapes) to itself. ``gathered``: the FSDP2
     weights all-gathered in fp8 (``amp_fx._dist.fp8_gather``), whose scales are computed before
     each call, before FSDP2's first all-gather.
     """
     _check_fsdp_mixed_precision(units, dtype)
-    # Dynamo would otherwise compile the wrapper's own frame as part of the enclosing unit's
-    # (after the graph break at FSDP2's hooks), where the unit is only ``args[0]``; skipping that
-    # one frame lets each unit's forward be compiled as a frame of its own, so its ops are
-    # attributed to the unit's name under the root (Policy.keep_fp32 by name).
-    compiled = torch._dynamo.disable(compile_fn(_fresh_unit_forward()), recursive=False)
+    by_class: dict[type, Callable[..., Any]] = {}
+
+    def compiled_for(unit: torch.nn.Module) -> Callable[..., Any]:
+        compiled = by_class.get(type(unit))
+        if compiled is None:
+            # Dynamo would otherwise compile the wrapper's own frame as part of the enclosing unit's
+            # (after the graph break at FSDP2's hooks), where the unit is only ``args[0]``, and the
+            # helpers it calls as frames of their own; skipping them lets each unit's forward be
+            # compiled as a frame of its own, so its ops are attributed to the unit's name under the
+            # root (Policy.keep_fp32 by name). The torch.compile inside still compiles.
+            compiled = by_class[type(unit)] = torch._dynamo.disable(compile_fn(_fresh_unit_forward(type(unit))))
+        return compiled
+
     device_type = module_device_type(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if gathered is not None:
             gathered.precompute_scales()  # the weights changed since the last call (optimizer step)
-        with _forwards_replaced(units, compiled):
+        with _forwards_replaced(units, compiled_for), _eager_call(module):
             # The ambient autocast covers what runs between the units (DDP's and FSDP2's
             # hooks, and code Dynamo leaves to eager) exactly as eager autocast would.
             with torch.autocast(device_type, dtype=dtype):

@@ -1,0 +1,148 @@
+"""amp_fx as torchtitan's mixed precision: torchtitan's Llama 3 debugmodel under its own
+``parallelize_llama`` on 2 gloo ranks, bitwise with eager autocast (tests/_dist_titan_cases.py).
+
+Before the fixes in ``amp_fx/_dist/capture.py`` the tp cases failed: amp_fx's FSDP2 unit capture
+called ``type(module).forward`` and skipped the per-instance forward torchtitan installs for TP
+redistribution ("TorchRuntimeError ... rms_norm": a plain tensor beside a DTensor weight); with
+that called, the units' shared compiled forward turned dynamic (automatic dynamic shapes, whose
+record of sizes Dynamo keeps by the code's name, across units of different signatures) and amp_fx
+could not fakify a DTensor with symbolic sizes (each fix reverted alone fails the tp cases). Every
+amp_fx case compiles the model in place (``amp_fx_parallelize``), which recursed without end on
+FSDP2 models before ``_eager_call``. torchtitan always applies ``fully_shard`` (a no-op all-gather
+at dp_shard=1), so tp=2 alone runs through the unit capture too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan", reason="needs torchtitan (pip install amp_fx[torchtitan]; torch >= 2.12)")
+
+from _dist_titan_cases import CASES, titan_all  # noqa: E402
+
+from amp_fx import AmpFxError, AmpFxWarning  # noqa: E402
+from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize, with_amp_fx  # noqa: E402
+from amp_fx.testing import assert_bitwise  # noqa: E402
+from amp_fx.testing.distributed import run_ranks  # noqa: E402
+from amp_fx.testing.torchtitan import trainer_config_fields  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(titan_all)
+
+
+def _name(case: tuple) -> str:
+    return " ".join(case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "amp_fx"], ids=_name)
+def test_torchtitan_parallelize_llama_bitwise_with_eager_autocast(ranks, case):
+    """Losses, scales, every rank's local gradients at the 3rd step and parameters after it, bit
+    for bit; no amp_fx warning (a fallback to torch.compile + autocast would warn)."""
+    layout, dtype, _ = case
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(layout, dtype, "eager")]
+        what = f"rank {rank}, {_name(case)}"
+        assert "error" not in want, f"{what}: eager reference: {want.get('error')}"
+        assert "error" not in got, f"{what}: {got.get('error')}"
+        assert got["amp_fx_warnings"] == [], what
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        assert set(got["grads"]) == set(want["grads"]), what
+        for name in want["grads"]:
+            assert_bitwise(got["grads"][name], want["grads"][name], f"{what}: grad {name}")
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+def test_torchtitan_cases_train(ranks):
+    """The comparison is not vacuous: the loss moves over the 3 steps, every parameter has a
+    gradient, and the tp ranks hold different shards."""
+    for res in ranks:
+        for case in CASES:
+            assert "error" not in res[case], f"{_name(case)}: {res[case].get('error')}"
+            losses = res[case]["losses"]
+            assert losses[0] != losses[-1], _name(case)
+    tp0, tp1 = ranks[0][("tp", "bf16", "amp_fx")], ranks[1][("tp", "bf16", "amp_fx")]
+    name = "layers.0.attention.wo.weight" if "layers.0.attention.wo.weight" in tp0["grads"] else next(
+        n for n in tp0["grads"] if n.endswith("wo.weight"))
+    assert not torch.equal(tp0["params"][name], tp1["params"][name])
+
+
+def test_with_amp_fx_rewrites_the_trainer_config():
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3 import parallelize_llama
+
+    config = trainer_config_fields()
+    assert with_amp_fx(config, AmpFxTitanConfig(dtype="bf16")) is config
+    assert config.model_spec.parallelize_fn.__wrapped__ is parallelize_llama
+    assert config.compile.components == ["loss"]
+    assert isinstance(config.loss, CrossEntropyLoss.Config)  # lm_head back inside the model's forward
+
+
+def test_with_amp_fx_refuses_fp16_and_bad_configs():
+    with pytest.raises(ValueError, match="loss scaling"):
+        with_amp_fx(trainer_config_fields(), AmpFxTitanConfig(dtype="fp16"))
+    with pytest.raises(ValueError, match="fp8"):
+        AmpFxTitanConfig(dtype="fp16", fp8="tensorwise")
+    with pytest.raises(ValueError):
+        AmpFxTitanConfig(dtype="int8")
+    with pytest.raises(TypeError, match="AmpFxTitanConfig"):
+        amp_fx_parallelize(lambda m, **kw: m, {"dtype": "bf16"})
+
+
+def _parallelize_args(*, pp: bool = False, param: str = "float32") -> dict:
+    from torchtitan.config import CompileConfig, TrainingConfig
+
+    return {"parallel_dims": SimpleNamespace(pp_enabled=pp), "compile_config": CompileConfig(),
+            "training": TrainingConfig(mixed_precision_param=param)}
+
+
+def test_amp_fx_parallelize_refuses_what_it_cannot_do():
+    fp16 = amp_fx_parallelize(lambda m, **kw: m, AmpFxTitanConfig(dtype="fp16"))
+    with pytest.raises(ValueError, match="mixed_precision_param='bfloat16'"):
+        fp16(torch.nn.Linear(2, 2), **_parallelize_args(param="bfloat16"))
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        fp16(torch.nn.Linear(2, 2), **_parallelize_args(pp=True))
+
+
+class _SkipsLmHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.lm_head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+        self._skip_lm_head = False
+
+    def forward(self, x):
+        h = self.body(x)
+        return h if self._skip_lm_head else self.lm_head(h)
+
+
+def test_lm_head_called_outside_the_model_is_named():
+    """torchtitan's ChunkedLossWrapper sets ``_skip_lm_head`` and calls ``lm_head`` from the loss:
+    amp_fx says so once, naming it, and the logits it computes there are fp32 (not autocast's bf16)."""
+    said = r"_SkipsLmHead\.lm_head runs outside the model's forward"
+    x = torch.randn(4, 8)
+    for strict in (False, True):
+        model = amp_fx_parallelize(lambda m, **kw: m, AmpFxTitanConfig(dtype="bf16", backend="eager", strict=strict))(
+            _SkipsLmHead(), **_parallelize_args())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert model(x).dtype == torch.bfloat16  # lm_head inside: nothing said
+        model._skip_lm_head = True
+        if strict:
+            with pytest.raises(AmpFxError, match=said):
+                model(x)
+            continue
+        with pytest.warns(AmpFxWarning, match=said):
+            h = model(x)
+        assert model.lm_head(h.float()).dtype == torch.float32
