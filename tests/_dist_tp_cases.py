@@ -220,9 +220,9 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None
     """One amp_fx fp8 (tensorwise) forward and backward: the output, the local gradients, and how many
     of the captured matmuls with a parameter operand were converted. ``strict=False``: what amp_fx
     reports is recorded as warnings (the suite runs strict)."""
-    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
         out = compiled(x)
         out.float().pow(2).mean().backward()
     decisions = [n.meta["amp_fx_fp8"] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes

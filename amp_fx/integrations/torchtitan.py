@@ -118,7 +118,7 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
             reporter.did_less("torchtitan-compile", (
                 "amp_fx_parallelize: torchtitan's compile of the model (compile.enable with 'model' in "
                 "compile.components) is replaced by amp_fx's compile of the whole model; set "
-                "compile.enable=False to silence this"), stacklevel=2)
+                "compile.enable=False to silence this"))
             compile_config = dataclasses.replace(
                 compile_config, components=[c for c in compile_config.components if c != "model"])
         model = parallelize_fn(model, parallel_dims=parallel_dims, training=training,
@@ -136,7 +136,7 @@ def _check_lm_head(model: torch.nn.Module, args: Any, *, reporter: Reporter) -> 
             f"amp_fx: {type(model).__name__}.lm_head runs outside the model's forward (torchtitan's "
             "ChunkedLossWrapper calls it from the loss), where amp_fx does not compile it: it runs in "
             "fp32, not as autocast would. Use amp_fx.integrations.torchtitan.with_amp_fx, which keeps "
-            "lm_head in the model, or a loss that takes the model's logits"), stacklevel=2)
+            "lm_head in the model, or a loss that takes the model's logits"))
 
 
 def with_amp_fx(trainer_config: Trainer.Config, config: AmpFxTitanConfig | None = None) -> Trainer.Config:
