@@ -326,6 +326,41 @@ def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
     return results
 
 
+def inspection(layout: str, world_size: int) -> dict[str, Any]:
+    """The non-finite watch and compare on the sharded model. Watch: fp16, ``blocks.1.mlp.w1``'s
+    weight scaled by 1e6 (its fp16 output overflows), the overflow report's first op against the
+    first module whose output holds an inf in eager autocast (forward hooks, this rank's values);
+    compare: amp_fx against eager autocast op by op, bf16."""
+    model = sharded_model(layout, world_size)
+    with torch.no_grad():
+        weight = model.blocks[1].mlp.w1.weight
+        (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).mul_(1e6)
+    x, _ = _batch(0)
+    first: list[str] = []
+    handles = [m.register_forward_hook(
+        lambda mod, args, out, name=name: first.append(name)
+        if not first and isinstance(out, torch.Tensor) and not bool(torch.isfinite(_local(out)).all()) else None)
+        for name, m in model.named_modules() if name]
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x)
+    for h in handles:
+        h.remove()
+    torch._dynamo.reset()
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler = amp_fx.GradScaler("cpu")
+    scaler.watch(compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(compiled(x).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    torch._dynamo.reset()
+    result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
+    return {"eager_first": first[0] if first else None,
+            "watch_first": None if report is None or report.first_op is None else report.first_op.module,
+            "compare_ok": result.ok, "compared_ops": len(result.ops)}
+
+
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     """Every case of tests/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -342,6 +377,8 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_whole"] = fp8_outputs(make_model(), x)
     torch._dynamo.reset()
     results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
+    torch._dynamo.reset()
+    results["inspect_sp"] = inspection("sp", world_size)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     for schedule, form in PP_CASES:

@@ -176,3 +176,15 @@ def test_fsdp2_x_tp_fp8_converts_every_matmul_and_says_the_gather_stays_fp32(ran
         assert run["converted"] == run["considered"] == 12, f"rank {rank}"
         gathers = [w for w in run["amp_fx_warnings"] if "all-gathers blocks.0.attn.q.weight" in w]
         assert len(gathers) == 1 and "2-D mesh" in gathers[0], f"rank {rank}: {run['amp_fx_warnings']}"
+
+
+def test_watch_and_compare_on_a_sequence_parallel_model(ranks):
+    """The non-finite watch names the module eager autocast's forward hooks see overflow first
+    (blocks.1.mlp.w1, its fp16 output past 65504) on every rank; before, its flags (DTensors beside
+    plain tensors) made the step raise "got mixed torch.Tensor and DTensor". compare runs op by op
+    (before: "aten.nonzero" has no sharding rule) and agrees with eager autocast, bf16."""
+    for rank, res in enumerate(ranks):
+        run = res["inspect_sp"]
+        assert run["eager_first"] == "blocks.1.mlp.w1", f"rank {rank}: {run}"
+        assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
+        assert run["compare_ok"] and run["compared_ops"] > 0, f"rank {rank}: {run}"

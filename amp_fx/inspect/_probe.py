@@ -30,8 +30,12 @@ def is_cast(node: torch.fx.Node) -> bool:
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors in a (possibly nested) value, in pytree order."""
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in a (possibly nested) value, in pytree order; a DTensor (tensor parallelism) as
+    this rank's local tensor: the inspection tools compare and check each rank's shard (torch's
+    comparisons and masks on a DTensor would dispatch collectives, and some, ``nonzero``, have no
+    sharding rule)."""
+    return [t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+            for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def value_dtype(value: Any) -> torch.dtype | None:

@@ -57,7 +57,7 @@ import torch.fx
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.kernels.fp8_matmul import fp8_matmul
-from amp_fx.passes.capture import module_stack
+from amp_fx.passes.capture import dtensor_method, module_stack
 
 __all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "append_first_origin", "op_name", "NONE"]
 
@@ -213,7 +213,12 @@ class _Checks:
 
     def checkable(self, value: torch.fx.Node) -> torch.fx.Node:
         """``value``, or its fp32 copy where its dtype has no ``isinf``/``isnan`` kernel (fp8: the
-        fp8 matmul's operands, ``fp8=``). Exact: every fp8 value, inf and NaN included, is an fp32 one."""
+        fp8 matmul's operands, ``fp8=``). Exact: every fp8 value, inf and NaN included, is an fp32 one.
+        A DTensor (tensor parallelism) is checked through this rank's local tensor: the flags are
+        plain tensors, stacked with the others, and the ranks' records are combined as under FSDP2
+        (an inf/NaN in a Partial value's local sum is one in the sum, too)."""
+        if _is_dtensor(value):
+            value = _call(self.graph, dtensor_method, ("to_local", value))
         val = value.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype.is_floating_point and val.dtype.itemsize == 1:
             return _call(self.graph, torch.ops.prims.convert_element_type.default, (value, torch.float32))
@@ -252,8 +257,9 @@ class _Checks:
         inputs = _float_inputs(node)
         if not inputs:
             return self.holds(node)  # a watched node is never data: any(~isfinite(node))
-        if _is_pointwise(op):
+        if _is_pointwise(op) and not any(_is_dtensor(v) for v in (node, *inputs)):
             # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
+            # (Not on DTensors: their local shards need not broadcast against each other.)
             explained = self.either([self.explains(value) for value in inputs])
             unexplained = _call(self.graph, aten.logical_and.default,
                                 (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
@@ -344,6 +350,11 @@ def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: s
     graph.lint()
     gm.recompile()
     return gm, record
+
+
+def _is_dtensor(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return torch.distributed.is_available() and type(val).__name__ == "DTensor" and hasattr(val, "to_local")
 
 
 def _call(graph: torch.fx.Graph, target: object, args: tuple[object, ...],
