@@ -426,6 +426,14 @@ def _compile_inplace(model: object, options: Options) -> Any:
     return model
 
 
+def compile_inplace_at_first_call(model: torch.nn.Module, options: Options) -> torch.nn.Module:
+    """``compile(model, inplace=True)`` whose build, and so its checks, waits for the first call:
+    for a model whose parameters are not materialised yet (torchtitan builds it on the meta
+    device, then ``to_empty`` and ``init_weights``)."""
+    _InplaceCall(model, options).install()
+    return model
+
+
 def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
     """Raise for a keyword that is neither amp_fx's option nor torch.compile's, naming both lists.
 

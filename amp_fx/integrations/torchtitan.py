@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised where torchtitan is mis
     raise ImportError("amp_fx.integrations.torchtitan needs torchtitan: pip install amp_fx[torchtitan]") from e
 
 from amp_fx._common.report import Reporter
-from amp_fx.compile import _InplaceCall
+from amp_fx.compile import compile_inplace_at_first_call
 from amp_fx.fp8 import Fp8Like
 from amp_fx.options import Options
 from amp_fx.policy import Policy
@@ -123,7 +123,7 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
                 compile_config, components=[c for c in compile_config.components if c != "model"])
         model = parallelize_fn(model, parallel_dims=parallel_dims, training=training,
                                compile_config=compile_config, **kwargs)
-        _InplaceCall(model, options).install()  # built at the first call (module docstring)
+        compile_inplace_at_first_call(model, options)  # built at the first call (module docstring)
         model.register_forward_pre_hook(functools.partial(_check_lm_head, reporter=reporter))
         return model
 
