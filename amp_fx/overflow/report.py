@@ -85,12 +85,11 @@ class OverflowReport:
         names = ", ".join(self.gradients[:3]) + (", ..." if len(self.gradients) > 3 else "")
         grads = f"{len(self.gradients)} gradients non-finite ({names})" if self.gradients else "no gradient non-finite"
         where = self._where()
-        if self.from_scale:
-            where = ("every gradient non-finite and no forward op overflowed: the loss scale is too large for "
-                     "these gradients, no layer is at fault (expected in the first steps: the scale backs off "
-                     "at each skip until they fit; a smaller init_scale skips fewer)"
-                     + (f"; the scaled gradient overflowed first {where.removeprefix('first inf ')}"
-                        if self.first_op is not None else ""))
+        if self.from_scale:  # after the op, so that a line still starts with where the first inf was
+            note = ("every gradient non-finite and no forward op overflowed: the loss scale is too large for "
+                    "these gradients, no layer is at fault (expected in the first steps: the scale backs off "
+                    "at each skip until they fit; a smaller init_scale skips fewer)")
+            where = note if self.first_op is None else f"{where}; {note}"
         scale = ""
         if self.scale is not None:
             scale = f"; scale {_power(self.scale)}"
