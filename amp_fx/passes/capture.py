@@ -363,7 +363,8 @@ def _dtensor_boundary_functions() -> frozenset[Any]:
         return frozenset()
     from torch.distributed.tensor import _api
 
-    return frozenset({dtensor.from_local, _api.from_local})
+    # torch 2.13 also has a module-level alias, which Dynamo records; 2.11 records the method
+    return frozenset(f for f in (dtensor.from_local, getattr(_api, "from_local", None)) if f is not None)
 
 
 class _InliningInterpreter(torch.fx.Interpreter):
