@@ -361,6 +361,30 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
             "compare_ok": result.ok, "compared_ops": len(result.ops)}
 
 
+def inductor_errors(world_size: int) -> dict[str, Any]:
+    """The TP model's loss and gradients under inductor, bf16: eager autocast, ``torch.compile`` under
+    autocast and ``amp_fx.compile``, one forward and backward each; their differences from eager."""
+    runs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    x, y = _batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for form in ("eager", "torch.compile", "amp_fx"):
+            torch._dynamo.reset()
+            model = sharded_model("tp", world_size)
+            if form == "amp_fx":
+                out = amp_fx.compile(model, dtype="bf16")(x)
+            else:
+                run = model if form == "eager" else torch.compile(model)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = run(x)
+            loss = F.mse_loss(out.float(), y)
+            loss.backward()
+            runs[form] = (loss.detach(), torch.cat([_local(p.grad).flatten() for p in model.parameters()]))
+    eager_loss, eager_grads = runs["eager"]
+    return {form: {"loss": (loss - eager_loss).abs().item(), "grads": (grads - eager_grads).abs().max().item()}
+            for form, (loss, grads) in runs.items() if form != "eager"} | {"amp_fx_warnings": _fallbacks(caught)}
+
+
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     """Every case of tests/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -379,6 +403,7 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
     torch._dynamo.reset()
     results["inspect_sp"] = inspection("sp", world_size)
+    results["inductor"] = inductor_errors(world_size)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     for schedule, form in PP_CASES:
