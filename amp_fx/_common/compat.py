@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-__all__ = ["autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
+__all__ = ["dtensor_type", "autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
            "dynamo_folds_is_exporting", "is_exporting_as_eager", "number_scalars_as_eager"]
 
 
@@ -215,3 +215,14 @@ class _ReadExportingFlag:
 
     def __exit__(self, *exc: object) -> None:
         _reads_exporting_flag.reset(self.token)
+
+
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or None in a torch build without distributed support."""
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor

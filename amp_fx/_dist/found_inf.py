@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.compat import dtensor_type
 from amp_fx._common.unwrap import layers
 
 __all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "running_ddp",
@@ -36,16 +37,6 @@ __all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "ran
 # graph order, and of the ranks that saw it the lowest. Codes are below 2^40 (graph index times
 # 2^24), so with any world size below 2^22 the packed value stays below _NO_CODE.
 _NO_CODE = 1 << 62
-
-
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
 
 
 def rank_first_op(code: torch.Tensor) -> torch.Tensor:
@@ -104,13 +95,13 @@ def ranks_of(model: torch.nn.Module) -> Any:
     its FSDP2 (DTensor) parameters are sharded over (the default group for a mesh of more than one
     dimension); None when the model is not distributed. Looks through ``torch.compile`` and
     ``amp_fx.compile`` wrappers."""
-    if _dtensor_type() is None or not torch.distributed.is_initialized():
+    if dtensor_type() is None or not torch.distributed.is_initialized():
         return None
     for layer in layers(model):
         if isinstance(layer, torch.nn.parallel.DistributedDataParallel):
             return layer.process_group
         model = layer
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     for p in model.parameters():
         if isinstance(p, dtensor) and any(not pl.is_replicate() for pl in p.placements):
             mesh = p.device_mesh
@@ -134,7 +125,7 @@ class ShardedGrads:
     ``group`` when given: the scaler's ``process_group``, with or without sharded gradients)."""
 
     def __init__(self, group: Any = None) -> None:
-        self._dtensor = _dtensor_type()
+        self._dtensor = dtensor_type()
         self._meshes: dict[int, Any] = {}
         self._given_group = group
 

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.compat import dtensor_type
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
 __all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "clip_sharded_", "combine_norms",
@@ -75,11 +76,12 @@ def is_fsdp2(model: torch.nn.Module) -> bool:
 
 def has_dtensor_params(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (FSDP2, tensor parallelism, or both)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+    return _any_dtensor(model.parameters())
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+
+def _any_dtensor(tensors: Any) -> bool:
+    dtensor = dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -155,18 +157,7 @@ def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
 def torch_clips(params: Sequence[torch.Tensor], *, fsdp2: bool) -> bool:
     """Whether ``torch.nn.utils.clip_grad_norm_`` combines these parameters' gradient norms: plain
     tensors alone, or FSDP2's default layout (:func:`_layout`); else :func:`clip_sharded_`."""
-    dtensor = _dtensor_type_or_none()
-    if dtensor is None or not any(isinstance(p, dtensor) for p in params):
-        return True
-    return _layout(params, fsdp2=fsdp2) is not None
-
-
-def _dtensor_type_or_none() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+    return not _any_dtensor(params) or _layout(params, fsdp2=fsdp2) is not None
 
 
 def _flag_group(params: Sequence[torch.Tensor], fsdp2: bool) -> Any:

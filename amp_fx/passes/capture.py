@@ -51,7 +51,7 @@ from torch.fx.experimental.proxy_tensor import (
 from torch.utils._python_dispatch import autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten, tree_map
 
-from amp_fx._common.compat import current_decomposition_table
+from amp_fx._common.compat import current_decomposition_table, dtensor_type
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
 from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_from_name
@@ -331,14 +331,6 @@ def _cut_region(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> _Regi
     return _Region(torch.fx.GraphModule(gm, graph), tuple(inputs), tuple(outputs), frozenset(inside))
 
 
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
 # DTensor's own entry and exit points, as Dynamo records them (torch 2.11-2.15: ``from_local`` as a
 # call of ``torch.distributed.tensor._api.from_local``, the rest as methods of the DTensor). Each is
 # an autograd.Function (``_FromTorchTensor``, ``_ToTorchTensor``, ``Redistribute``) that makes a new
@@ -358,7 +350,7 @@ def dtensor_method(name: str, tensor: Any, *args: Any, **kwargs: Any) -> Any:
 
 @cache
 def _dtensor_boundary_functions() -> frozenset[Any]:
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None:
         return frozenset()
     from torch.distributed.tensor import _api
@@ -424,7 +416,7 @@ class _InliningInterpreter(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
-        dtensor = _dtensor_type()
+        dtensor = dtensor_type()
         if dtensor is not None and isinstance(args[0], dtensor) and target in _DTENSOR_METHODS:
             return _record_opaque(dtensor_method, (target, *args), kwargs)
         return super().call_method(target, args, kwargs)

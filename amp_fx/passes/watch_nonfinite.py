@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from amp_fx._common.compat import dtensor_type
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.passes.capture import dtensor_method, module_stack
@@ -353,8 +354,8 @@ def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: s
 
 
 def _is_dtensor(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return torch.distributed.is_available() and type(val).__name__ == "DTensor" and hasattr(val, "to_local")
+    dtensor = dtensor_type()
+    return dtensor is not None and isinstance(node.meta.get("val"), dtensor)
 
 
 def _call(graph: torch.fx.Graph, target: object, args: tuple[object, ...],
