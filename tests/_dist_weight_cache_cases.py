@@ -212,4 +212,85 @@ def weight_cache_all(rank: int, world_size: int) -> dict[Any, Any]:
             rank, "bf16", 2, build=_shared_model, ddp_kwargs=SHARED_DDP, weight_cache=weight_cache)
     torch._dynamo.reset()
     results["fsdp"] = fsdp_run(rank)
+    results.update(tp_run(rank, world_size))
     return results
+
+
+# optimizer steps of the tensor-parallel runs (each compiles its own graphs: kept short)
+TP_STEPS = 3
+
+
+def _tp_window(forward: Callable[[torch.Tensor], torch.Tensor], step: int, accumulate: int,
+               autocast: bool) -> torch.Tensor:
+    from _dist_tp_cases import _batch as tp_batch
+
+    loss = torch.zeros(())
+    for micro in range(accumulate):
+        x, y = tp_batch(step * accumulate + micro)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            micro_loss = F.mse_loss(forward(x).float(), y)
+        (micro_loss / accumulate).backward()
+        loss = loss + micro_loss.detach()
+    return loss
+
+
+def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
+    """The cache on a tensor-parallel model (tests/_dist_tp_cases.py's transformer with sequence
+    parallelism: every parameter a DTensor), the same batches on both ranks.
+
+    ("tp", form): ``amp_fx.compile`` bf16, 2 micro-batches per SGD step, against eager autocast:
+    "cache" (``weight_cache=True``), "fp8" and "fp8_cache" (``fp8="tensorwise"`` without and with
+    the cache), with the cache's casts and reuses per window. ("tp_step", weight_cache):
+    ``compile_step`` fp16 (AdamW, ``amp_fx.GradScaler``), whose finish updates each parameter's
+    local tensor and writes the copies there, with the casts per step after the warm-up and
+    whether each copy then holds its weight's cast."""
+    from _dist_tp_cases import _adamw, tensor_parallel
+    from _dist_tp_cases import _batch as tp_batch
+    from _dist_tp_cases import make_model as tp_model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    build = lambda: tensor_parallel(tp_model(), mesh, sequence_parallel=True)  # noqa: E731
+    out: dict[Any, Any] = {}
+    for form in ("eager", "cache", "fp8", "fp8_cache"):
+        torch._dynamo.reset()
+        model = build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        forward: Any = model if form == "eager" else amp_fx.compile(
+            model, dtype="bf16", backend="aot_eager", strict=True, weight_cache=form.endswith("cache"),
+            fp8="tensorwise" if form.startswith("fp8") else None)
+        cache = getattr(forward, "amp_fx_weight_cache", None)
+        losses, refreshes, hits = [], [], []
+        for step in range(TP_STEPS):
+            seen = (cache.refreshes, cache.hits) if cache is not None else (0, 0)
+            losses.append(_tp_window(forward, step, 2, autocast=form == "eager"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cache is not None:
+                refreshes.append(cache.refreshes - seen[0])
+                hits.append(cache.hits - seen[1])
+        out[("tp", form)] = {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
+                             "refreshes": refreshes, "hits": hits}
+    params_of_linears = None
+    for weight_cache in (False, True):
+        torch._dynamo.reset()
+        model = build()
+        params = list(model.parameters())
+        params_of_linears = sum(p.dim() >= 1 for m in model.modules() if isinstance(m, nn.Linear)
+                                for p in m.parameters(recurse=False))
+        step = amp_fx.compile_step(model, _adamw(model), _loss, dtype="fp16", backend="aot_eager", strict=True,
+                                   scaler=amp_fx.GradScaler("cpu", growth_interval=2), weight_cache=weight_cache)
+        cache = step._forward.amp_fx_weight_cache
+        losses, recasts, fresh = [], [], []
+        for i in range(TP_STEPS + WARM_UP):
+            seen = cache.refreshes if cache is not None else 0
+            losses.append(step(*tp_batch(i)).detach().clone())
+            if cache is not None and i >= WARM_UP:
+                recasts.append(cache.refreshes - seen)
+                pairs = cache.pairs(params)
+                fresh.append(sum(cache.is_fresh(w, lowp) and torch.equal(_local(lowp), _local(w).to(torch.float16))
+                                 for w, lowp in pairs))
+        out[("tp_step", weight_cache)] = {"losses": torch.stack(losses), "params": [_local(p) for p in params],
+                                          "recasts": recasts, "fresh": fresh}
+    out["tp_cast_params"] = params_of_linears
+    return out

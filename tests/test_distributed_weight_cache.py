@@ -14,7 +14,7 @@ import pytest
 import torch
 from _dist_asserts import assert_same_run, skipped_steps
 from _dist_cases import INF_BATCH, STEPS
-from _dist_weight_cache_cases import STEP_CASES, WARM_UP
+from _dist_weight_cache_cases import STEP_CASES, TP_STEPS, WARM_UP
 
 from amp_fx.testing.distributed import run_ranks
 
@@ -116,3 +116,32 @@ def test_weight_cache_refused_on_fsdp2(ranks):
         assert not got["has_cache"]
         assert any("sharded with fully_shard (FSDP2)" in w for w in got["warnings"]), got["warnings"]
         assert_same_run(got["ours"], got["ref"], f"rank {rank}, FSDP2")
+
+
+def test_tensor_parallel_with_weight_cache_bitwise_one_cast_per_step(ranks):
+    """A sequence-parallel model (every parameter a DTensor), 2 micro-batches per SGD step: with
+    the cache bitwise with eager autocast; every weight cast by the first micro-batch of a window
+    and reused by the second (before, the lifted graph refused the DTensor weights' copies, "got
+    mixed torch.Tensor and DTensor", and ran without the cache). With fp8, the cached fp8 casts
+    give the same bits as casting in every forward."""
+    for rank, res in enumerate(ranks):
+        n = res["tp_cast_params"]
+        got, want = res[("tp", "cache")], res[("tp", "eager")]
+        assert_same_run(got, want, f"rank {rank}, TP", keys=("losses", "params"))
+        assert got["refreshes"] == [n] * TP_STEPS and got["hits"] == [n] * TP_STEPS, (n, got["refreshes"], got["hits"])
+        got, want = res[("tp", "fp8_cache")], res[("tp", "fp8")]
+        assert_same_run(got, want, f"rank {rank}, TP fp8", keys=("losses", "params"))
+        assert all(h > 0 for h in got["hits"]), got["hits"]
+
+
+def test_compile_step_on_tensor_parallel_with_weight_cache_writes_the_copies_in_the_finish(ranks):
+    """compile_step's finish updates a DTensor parameter through its local tensor, which leaves the
+    DTensor's version counter where it was: the cache must see the local tensor's counter too, and
+    the finish must write the copy's local tensor. Bitwise with compile_step without the cache
+    (before: the stale copies were reused, the losses left the run at the first compiled step),
+    nothing recast after the warm-up, every copy holding its weight's cast."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("tp_step", True)], res[("tp_step", False)]
+        assert_same_run(got, want, f"rank {rank}, TP compile_step", keys=("losses", "params"))
+        assert got["recasts"] == [0] * TP_STEPS, got["recasts"]
+        assert got["fresh"] == [res["tp_cast_params"]] * TP_STEPS, got["fresh"]

@@ -177,6 +177,8 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             "needs a process group: tests/_dist_real_model_cases.py's _shard runs both shardings under FSDP2"),
         'parallelize_module(block, tp_mesh, {"attn.q": ColwiseParallel(), "attn.wo": RowwiseParallel(), ...})': NotRun(
             "needs a process group and a mesh: tests/_dist_tp_cases.py's tensor_parallel runs it on 2 gloo ranks"),
+        "model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))": NotRun(
+            "needs a process group: tests/_dist_tp_real_cases.py's tp_real loads the model so on 2 gloo ranks"),
         'stage_module = amp_fx.compile(stage_module, dtype="fp16")': NotRun(
             "needs a process group: tests/_dist_tp_cases.py's pipeline_run runs it on 2 gloo ranks"),
     },

@@ -104,6 +104,21 @@ class _Use(torch.autograd.Function):
         return grad
 
 
+def _version(t: torch.Tensor) -> Any:
+    """``t``'s version counter; a DTensor's with its local tensor's: an in-place op through
+    DTensor's dispatch bumps the DTensor's counter only, and ``compile_step``'s finish updates the
+    local tensor of a sharded parameter directly (amp_fx/_dist/step.py), which bumps the local
+    tensor's only."""
+    local = getattr(t, "_local_tensor", None)
+    return t._version if local is None else (t._version, local._version)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the same storage), anything else as it is."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
+
+
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
     return t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset()
 
@@ -112,12 +127,13 @@ def _layout(t: torch.Tensor) -> tuple[Any, ...]:
 class _Entry:
     lowp: Any
     """The low-precision copy, or an fp8 matmul's weight casts (a tuple of tensors)."""
-    version: int
+    version: Any
+    """The weight's :func:`_version` when the copy was made; -1 marks it stale."""
     storage: StorageWeakRef
     layout: tuple[Any, ...]
 
     def fresh_for(self, weight: torch.Tensor) -> bool:
-        if weight._version != self.version or self.storage.expired():
+        if _version(weight) != self.version or self.storage.expired():
             return False
         return (self.storage.cdata == weight.untyped_storage()._cdata
                 and self.layout == _layout(weight))
@@ -220,7 +236,7 @@ class WeightCache:
             return entry.lowp
         with torch.no_grad():
             lowp = weight.detach().to(dtype)  # a new tensor: a pending backward may hold the old one
-        per_dtype[dtype] = _Entry(lowp, weight._version, StorageWeakRef(weight.untyped_storage()),
+        per_dtype[dtype] = _Entry(lowp, _version(weight), StorageWeakRef(weight.untyped_storage()),
                                   _layout(weight))
         self.refreshes += 1
         return lowp
@@ -238,7 +254,7 @@ class WeightCache:
             self.hits += 1
             return entry.lowp
         casts = weight_casts(cast.operand(weight.detach()), cast.recipe)
-        per_key[key] = _Entry(casts, weight._version, StorageWeakRef(weight.untyped_storage()), _layout(weight))
+        per_key[key] = _Entry(casts, _version(weight), StorageWeakRef(weight.untyped_storage()), _layout(weight))
         self.refreshes += 1
         return casts
 
@@ -277,16 +293,16 @@ class WeightCache:
         """Cast each updated weight into its copy, in place (traceable: runs inside the finish
         graph, right after the update, where the compiler can fuse it with the update)."""
         for w, lowp in pairs:
-            lowp.copy_(w)
+            _local(lowp).copy_(_local(w))  # a sharded weight and its copy: the same placements
 
-    def versions(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
-        return [w._version for w, _ in pairs]
+    def versions(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+        return [_version(w) for w, _ in pairs]
 
-    def revalidate(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[int]) -> None:
+    def revalidate(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], versions: Sequence[Any]) -> None:
         """After :meth:`write`: the copies match the weights as they were at ``versions``; an
         entry stays stale if its weight moved since (a post-step hook edited it)."""
         for (w, lowp), version in zip(pairs, versions, strict=True):
-            if w._version != version:
+            if _version(w) != version:
                 continue
             for entry in (self._entries.get(w) or {}).values():
                 if entry.lowp is lowp:
@@ -351,7 +367,7 @@ class StepWriter:
         self.cache = cache
         self.weights = list(weights)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._versions: list[int] = []
+        self._versions: list[Any] = []
 
     def before_finish(self) -> None:
         pairs = self.cache.pairs(self.weights)

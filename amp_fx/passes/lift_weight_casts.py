@@ -76,6 +76,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from amp_fx._common.compat import dtensor_type
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
@@ -142,8 +143,14 @@ def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode
     fail (``symbol_to_source[symbol][0]``: IndexError). The weight's sizes are static (Dynamo
     specializes parameters), so the copy's are.
     """
+    dtensor = dtensor_type()
+    sharded = dtensor is not None and isinstance(weight, dtensor)
+    local = weight.to_local() if sharded else weight  # type: ignore[attr-defined]
     with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
-        ex = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
+        ex = torch.empty_strided(local.shape, local.stride(), dtype=dtype, device=local.device)
+        if sharded:  # a DTensor weight (tensor parallelism): its copy is one, placed as the weight
+            ex = dtensor.from_local(ex, weight.device_mesh, weight.placements, run_check=False,  # type: ignore[union-attr]
+                                    shape=weight.shape, stride=weight.stride())
     return ex.requires_grad_(weight.requires_grad)
 
 
