@@ -90,7 +90,7 @@ def _total(graphs: list[GraphCode]) -> GraphCode:
     return out
 
 
-def _diff(ours: Counter[str], theirs: Counter[str]) -> str:
+def diff(ours: Counter[str], theirs: Counter[str]) -> str:
     more, fewer = ours - theirs, theirs - ours
     parts = [f"+{n} {k}" for k, n in sorted(more.items())] + [f"-{n} {k}" for k, n in sorted(fewer.items())]
     return "; ".join(parts) or "same"
@@ -170,8 +170,8 @@ def main() -> None:
             continue
         a, b = _total(graphs[ours]), _total(graphs[theirs])
         print(f"\n{ours} vs {theirs}")
-        print(f"  fused kernels: {sum(a.kernels.values())} vs {sum(b.kernels.values())}: {_diff(a.kernels, b.kernels)}")
-        print(f"  extern calls: {sum(a.externs.values())} vs {sum(b.externs.values())}: {_diff(a.externs, b.externs)}")
+        print(f"  fused kernels: {sum(a.kernels.values())} vs {sum(b.kernels.values())}: {diff(a.kernels, b.kernels)}")
+        print(f"  extern calls: {sum(a.externs.values())} vs {sum(b.externs.values())}: {diff(a.externs, b.externs)}")
         if ours in times and theirs in times:
             delta = {k: times[ours][k] - times[theirs][k] for k in times[ours].keys() | times[theirs].keys()}
             top = sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:10]
