@@ -72,6 +72,15 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return cpu_time
 
 
+def _triton_missing() -> str | None:
+    """Why the launcher cannot be timed here, or None."""
+    try:
+        import amp_fx.kernels.triton_unscale  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import: {e}"
+    return None
+
+
 def _spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), percentile(values, 0.1), percentile(values, 0.9)
 
@@ -110,6 +119,7 @@ def main() -> None:
         _sweep(torch.device(args.device), args.tensors, args.numel or 1 << 22, args.warmup, args.max_reps)
         return
     device = torch.device(args.device)
+    triton_missing = _triton_missing()
     numel = args.numel or (1 << 22 if device.type == "cuda" else 1 << 20)
     targets = _TARGETS[device.type]
 
@@ -200,6 +210,46 @@ def main() -> None:
     print(f"unscale+check+norm {_fmt(r['norm speedup'])}x torch unscale_ + clip_grad_norm_ "
           f"(target >= {targets['norm_speedup']}x): "
           f"{verdict(speedup >= targets['norm_speedup'], judged[1])}")
+    if triton_missing is None:
+        print(tabulate(host_time(grads, found_inf, inv, args.warmup, 200),
+                       headers=["host time per call, steady state, no sync", "median us", "p10-p90 us", ""],
+                       tablefmt="github"))
+        print(f"target (GPU): launch_unscale_check < {_HOST_TARGET_US:.0f} us per call")
+    else:
+        print(f"host time per call: not measured ({triton_missing})")
+
+
+_HOST_TARGET_US = 30.0  # issue 51: launcher host time per call in the steady state, on the GPU's host
+
+
+def host_time(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: dict[int, torch.Tensor], warmup: int,
+              reps: int) -> list[list[str]]:
+    """Rows of host time per call in the steady state (the launch plan found in its cache), no
+    device sync: the host-side work before the launch (``triton_unscale._plan``: the gradients'
+    addresses, sizes and contiguity, one dict lookup) and, on CUDA, the whole launcher
+    (``launch_unscale_check``: that work, then Triton's launch). The device meanwhile runs what
+    was queued, so on CUDA the launcher's time is what a step's host spends, not the kernel's."""
+    from amp_fx.kernels import triton_unscale as tu
+
+    device = found_inf.device
+    calls: dict[str, Callable[[int], object]] = {
+        "host work before the launch (_plan)": lambda rep: tu._plan(grads, tu.BLOCK, tu.CHUNK, device)}
+    if device.type == "cuda":
+        calls["launch_unscale_check (plan + Triton launch)"] = lambda rep: tu.launch_unscale_check(
+            grads, found_inf, inv[rep % 2], compute_norm=False)
+    rows = []
+    for name, call in calls.items():
+        times = []
+        for rep in range(warmup + reps):
+            start = time.perf_counter()
+            call(rep)
+            if rep >= warmup:
+                times.append((time.perf_counter() - start) * 1e6)
+        mid, lo, hi = _spread(times)
+        rows.append([name, f"{mid:.1f}", f"{lo:.1f}-{hi:.1f}", f"{len(grads)} gradients"])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return rows
 
 
 _SWEEP = [(block, chunk, warps) for chunk in (16384, 65536) for block in (1024, 2048, 4096) for warps in (4, 8, 16)]
@@ -218,12 +268,11 @@ def _sweep(device: torch.device, tensors: int, numel: int, warmup: int, reps: in
     inv = {0: torch.tensor(0.5, device=device), 1: torch.tensor(2.0, device=device)}
     src = torch.randn(tensors * numel, device=device)
     dst = torch.empty_like(src)
-    owners = list(range(tensors))
     timed = _timer(device)
 
     def kernel(block: int, chunk: int, warps: int) -> Callable[[torch.Tensor], object]:
-        table = tu._chunk_table(grads, owners, chunk, device)
-        span = tu._span(grads, block, chunk)
+        plan, _ = tu._plan(grads, block, chunk, device)
+        table, span = plan.table, plan.span
 
         def run(s: torch.Tensor) -> None:
             tu._unscale_check_kernel[(table.shape[0],)](

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tests", "unscale", "step", "fp8", "memory")
+STAGES = ("tests", "gpt2", "moe", "llama3", "gap", "unscale")
+_LIMIT = re.compile(r"^#\s+(\w+)\s+(\d+)\s", re.M)
 
 
 def _gpu(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -57,3 +58,29 @@ def test_a_named_stage_runs_alone_and_an_unknown_one_is_refused(tmp_path: Path) 
     assert bad.returncode == 2
     assert "unknown stage 'nonsense'" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_default_stages_hold_8_minutes_of_limits_and_every_stage_is_documented() -> None:
+    """The default run must fit a short device window with room for one rerun: its limits add up
+    to at most 480 s. The header's table of stages and limits is the script's own LIMIT table."""
+    script = (ROOT / ".ci" / "gpu").read_text()
+    table = re.search(r"declare -A LIMIT=\((.*?)\)\n", script, re.S)
+    assert table, "no LIMIT table in .ci/gpu"
+    limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", table.group(1))}
+    defaults = re.search(r"^ALL_STAGES=\(([^)]*)\)", script, re.M)
+    assert defaults and tuple(defaults.group(1).split()) == STAGES
+    assert sum(limits[s] for s in STAGES) <= 480, {s: limits[s] for s in STAGES}
+    documented = {k: int(v) for k, v in _LIMIT.findall(script) if k in limits}
+    assert documented == limits, "the header's stage table and LIMIT differ"
+
+
+def test_stages_that_would_write_more_files_than_come_back_are_refused(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: .ci/gpu would run the stages")
+    too_many = (*STAGES, "fp8")  # 7 .txt files, cuda.xml and summary.txt: 9
+    done, _ = _gpu(tmp_path / "many", *too_many)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "would write 9 files" in done.stderr
+    assert not (tmp_path / "many").exists()
+    done, _ = _gpu(tmp_path / "six", *too_many[1:])  # without the tests: 7 .txt and summary.txt
+    assert done.returncode == 0, done.stdout + done.stderr

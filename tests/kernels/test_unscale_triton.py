@@ -139,3 +139,61 @@ def test_chunk_table_is_built_without_reading_a_tensor() -> None:
     expected = [[a + start * element_size, min(chunk, n - start), o]
                 for a, n, o in zip(addresses, numels, owners) for start in range(0, n, chunk)]
     assert table.tolist() == expected
+
+
+class _RecordingKernel:
+    """Stands in for the compiled kernel: records each launch's chunk table and SPAN."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[torch.Tensor, int]] = []
+
+    def __getitem__(self, grid: tuple[int]) -> Any:
+        def launch(table: torch.Tensor, *args: Any, SPAN: int, **kwargs: Any) -> None:  # noqa: N803
+            assert grid == (table.shape[0],)
+            self.launches.append((table, SPAN))
+        return launch
+
+
+def _rows(grads: list[torch.Tensor], chunk: int) -> list[list[int]]:
+    return [[g.data_ptr() + start * g.element_size(), min(chunk, g.numel() - start), i]
+            for i, g in enumerate(grads) for start in range(0, g.numel(), chunk)]
+
+
+def test_launch_plan_is_reused_while_addresses_hold_and_rebuilt_when_one_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher keeps its chunk table between calls (no table built, no copy queued in the
+    steady state of a step). The table holds addresses, so it must be rebuilt whenever a gradient
+    moves (a new allocation), changes size, or is read at the same address in another dtype (the
+    chunks' byte offsets change). Each launch's table against one built from the gradients it was
+    given, in plain Python."""
+    kernel = _RecordingKernel()
+    monkeypatch.setattr(triton_unscale, "_unscale_check_kernel", kernel)
+    monkeypatch.setattr(triton_unscale, "_PLANS", type(triton_unscale._PLANS)())
+    found_inf, inv_scale = torch.zeros(()), torch.tensor(0.5)
+    chunk = block = 64
+    storage = torch.zeros(4096)  # fp32 and bf16 views of it: one address, two dtypes
+    grads = [storage[:100], torch.zeros(64), torch.zeros(0), torch.zeros(200)]
+
+    def launch(gs: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+        triton_unscale.launch_unscale_check(gs, found_inf, inv_scale, compute_norm=False, block=block, chunk=chunk)
+        table, span = kernel.launches[-1]
+        assert table.tolist() == _rows(gs, chunk)
+        return table, span
+
+    first, _ = launch(grads)
+    again, _ = launch(list(grads))  # a new list of the same tensors: the same plan
+    assert again is first
+    moved = [grads[0], torch.zeros(64), grads[2], grads[3]]  # one gradient reallocated
+    assert moved[1].data_ptr() != grads[1].data_ptr()
+    assert launch(moved)[0] is not first
+    resized = [storage[:90], *grads[1:]]  # the same address, fewer elements
+    assert launch(resized)[0] is not first
+    bf16 = [storage.view(torch.bfloat16)[:100]]  # the first gradient's address and size, read as bf16
+    assert bf16[0].data_ptr() == grads[0].data_ptr()
+    table, _ = launch(bf16)
+    assert table[:, 0].tolist() == [storage.data_ptr(), storage.data_ptr() + 64 * 2]
+    fp32, _ = launch([storage[:100]])  # fp32 at that address again: 4-byte offsets
+    assert fp32[:, 0].tolist() == [storage.data_ptr(), storage.data_ptr() + 64 * 4]
+    # the transposed (dense, not contiguous) path finds its plan too
+    t = torch.zeros(16, 8).t()
+    assert launch([t])[0] is launch([t])[0]
