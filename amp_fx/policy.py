@@ -26,6 +26,7 @@ from typing import Union
 import torch
 
 from amp_fx._common.compat import autocast_registrations
+from amp_fx._common.op_names import label_of
 
 __all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
            "module_matches", "op_from_name", "GROUPED_MM_OPS"]
@@ -233,11 +234,6 @@ def _has_own_kernel(op_name: str, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, device.dispatch_key)
 
 
-def op_name(op: torch._ops.OpOverload) -> str:
-    """The dispatcher name of an overload: ``aten::conv2d`` or ``aten::conv2d.padding``."""
-    return op.name()
-
-
 @cache
 def op_from_name(name: str) -> torch._ops.OpOverload:
     ns, _, rest = name.partition("::")
@@ -342,7 +338,7 @@ class Policy:
             for name in names:
                 _check_class_fits(name, cls)
                 resolved[name] = cls
-            entries.append((_op_label(op), names, cls))
+            entries.append((_entry_spelling(op), names, cls))
         object.__setattr__(self, "op_classes", MappingProxyType(dict(sorted(resolved.items()))))
         object.__setattr__(self, "op_entries", tuple(entries))
         if isinstance(self.keep_fp32, (str, type)):
@@ -394,7 +390,7 @@ class Policy:
                     return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by "
                                                     f"policy ({label})", kept_module=path)
         name = op.name()
-        short = name.replace("::", ".")
+        short = label_of(name)
         if name in self.op_classes:
             cls = self.op_classes[name]
             return Decision(cls, f"{_label(cls)}: {short} (moved by policy)")
@@ -435,7 +431,7 @@ def _selectors(name: str, value: object) -> tuple[ModuleSelector, ...]:
 
 def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
     """Why amp_fx refuses ``op_name`` ("aten::linear"): the user's policy entry, or torch's table."""
-    short = op_name.replace("::", ".")
+    short = label_of(op_name)
     bce = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
            "use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss.")
     label = policy.entry_for(op_name)
@@ -452,7 +448,7 @@ def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
             f"{device_type} table, and so by amp_fx): {advice}")
 
 
-def _op_label(op: OpLike) -> str:
+def _entry_spelling(op: OpLike) -> str:
     """The user's spelling of an op entry, one that :func:`_normalize_op` maps back to it."""
     if isinstance(op, torch._ops.OpOverload):
         return f"{op._schema.name}.{op._overloadname}"

@@ -22,6 +22,7 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import Reporter
 from amp_fx.backend.names import RootNames, source_name
 from amp_fx.passes import meta
+from amp_fx.passes.fx_edit import placeholders
 from amp_fx.passes.pipeline import GraphRecord
 
 __all__ = ["SplitTracker", "leaves_cast_with_shared_cast", "splits_noted_by_caller", "noted_by_caller"]
@@ -127,8 +128,8 @@ class SplitTracker:
             self._start_afresh_after_reset(frame, attempt, compile_id)
         else:  # the backend called directly (tests): each graph is a frame of its own
             frame, attempt = record.index, 0
-        ours = [n for n in record.rewritten.graph.nodes if n.op == "placeholder"]
-        theirs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        ours = placeholders(record.rewritten.graph)
+        theirs = placeholders(gm.graph)
         position = {n: i for i, n in enumerate(ours)}
         for leaf in leaves_cast_with_shared_cast(record.rewritten):
             i = position[leaf]

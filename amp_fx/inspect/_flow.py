@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from amp_fx._common.op_names import op_label
 from amp_fx.policy import CastClass, default_class
 
 __all__: list[str] = []
@@ -45,11 +46,6 @@ def compute_flops(func: Any, args: Any, kwargs: Any, out: Any) -> float | None:
         q, k, v = args[:3]  # (..., L, E), (..., S, E), (..., S, Ev): q k^T then p v
         return 2.0 * q.shape[:-1].numel() * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     return None
-
-
-def op_name(func: Any) -> str:
-    """``aten.addmm`` for ``aten.addmm.default``."""
-    return f"aten.{func._overloadpacket.__name__}"
 
 
 class Flow(TorchDispatchMode):
@@ -110,7 +106,7 @@ class Flow(TorchDispatchMode):
         flops = self._low_precision(func, args, kwargs, out, outs)
         if flops is not None:
             owner = self.stack[-1] if self.stack else ""
-            self.ops.setdefault(owner, []).append((op_name(func), flops))
+            self.ops.setdefault(owner, []).append((op_label(func, packet=True), flops))
             sources = frozenset((owner,))
         else:
             sources = self.producers((args, kwargs))

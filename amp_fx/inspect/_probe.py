@@ -16,17 +16,13 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes import meta
 from amp_fx.passes.capture import MODULE_STATE_SOURCES as _ROOTS
 from amp_fx.passes.capture import source_text
-from amp_fx.passes.insert_casts import CAST_OP
+from amp_fx.passes.fx_edit import placeholders
 from amp_fx.passes.pipeline import GraphRecord
 
 __all__: list[str] = []
-
-
-def is_cast(node: torch.fx.Node) -> bool:
-    """A dtype cast (``aten._to_copy``), inserted by amp_fx or written by the user."""
-    return node.op == "call_function" and node.target is CAST_OP
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
@@ -89,8 +85,7 @@ def clone_inputs(inputs: Sequence[Any], leaf_flags: Sequence[bool] | None = None
 
 
 def leaf_flags(record: GraphRecord) -> list[bool]:
-    return [bool(n.meta.get("amp_fx_leaf", False))
-            for n in record.captured.graph.nodes if n.op == "placeholder"]
+    return [bool(n.meta.get(meta.LEAF, False)) for n in placeholders(record.captured.graph)]
 
 
 class ValueInterpreter(torch.fx.Interpreter):
@@ -109,8 +104,8 @@ def input_labels(record: GraphRecord, forward: Callable[..., Any] | None = None)
     Names are relative to the frame Dynamo compiled; the inspection tools name inputs by
     identity instead where they ran the model (:meth:`~amp_fx.inspect._runner.AmpRun.labels`).
     """
-    dyn = [n for n in record.dynamo_graph.graph.nodes if n.op == "placeholder"]
-    ours = [n for n in record.captured.graph.nodes if n.op == "placeholder"]
+    dyn = placeholders(record.dynamo_graph.graph)
+    ours = placeholders(record.captured.graph)
     positional = _positional_names(forward)
     return {mine.name: source_label(theirs, positional) for mine, theirs in zip(ours, dyn)}
 
@@ -194,14 +189,6 @@ def module_of(node: torch.fx.Node) -> tuple[str, str]:
         return "", ""
     path, mtype = stack[-1]
     return path, mtype.__name__
-
-
-def op_label(node: torch.fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        name = target.name().replace("::", ".")
-        return name
-    return getattr(target, "__name__", str(target))
 
 
 @contextmanager

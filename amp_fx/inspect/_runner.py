@@ -44,6 +44,7 @@ from amp_fx.inspect._probe import (
     source_text,
     tensors_of,
 )
+from amp_fx.passes.fx_edit import placeholders
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
 
@@ -206,8 +207,7 @@ class InputRecorder:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self._graphs.append(gm)
         key = id(gm)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self._labels[key] = {n.name: self._names[id(t)] for n, t in zip(placeholders, example_inputs)
+        self._labels[key] = {n.name: self._names[id(t)] for n, t in zip(placeholders(gm.graph), example_inputs)
                              if isinstance(t, torch.Tensor) and id(t) in self._names}
         inner = self._inner(gm, example_inputs)
         if not self._keep:
@@ -340,8 +340,8 @@ def split_weight_note(name: str, graphs: Sequence[int], dtype: torch.dtype) -> s
 def _frame_prefix(record: GraphRecord, by_identity: dict[str, str]) -> str:
     """``model.`` when Dynamo's frame ``self`` is the root's submodule ``model`` (a parameter
     Dynamo calls ``a.weight`` is ``model.a.weight`` by identity); empty for the root."""
-    dyn = [n for n in record.dynamo_graph.graph.nodes if n.op == "placeholder"]
-    ours = [n for n in record.captured.graph.nodes if n.op == "placeholder"]
+    dyn = placeholders(record.dynamo_graph.graph)
+    ours = placeholders(record.captured.graph)
     for mine, theirs in zip(ours, dyn):
         full = by_identity.get(mine.name)
         if full is None or not source_text(theirs).startswith("L['self']"):

@@ -57,6 +57,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
 from amp_fx.fp8 import Fp8Config, Fp8Like
 from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
@@ -64,7 +65,6 @@ from amp_fx.inspect._probe import (
     ValueInterpreter,
     clone_inputs,
     leaf_flags,
-    op_label,
     tensors_of,
 )
 from amp_fx.inspect._runner import (
@@ -327,7 +327,7 @@ def _close(a: Any, b: Any, exact: bool, dtype: torch.dtype) -> bool:
 def _rule_of(node: torch.fx.Node | None) -> str:
     if node is None:
         return ""
-    d = node.meta.get("amp_fx_decision")
+    d = node.meta.get(meta.DECISION)
     return d.reason if d is not None else ""
 
 
@@ -337,7 +337,7 @@ class _GraphRunError(Exception):
     def __init__(self, node: torch.fx.Node | None, error: BaseException) -> None:
         self.node, self.error = node, error
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        at = f" at {node.name} ({op_label(node)})" if node is not None else ""
+        at = f" at {node.name} ({op_label(node.target)})" if node is not None else ""
         super().__init__(f"{type(error).__name__}{at}: {first}")
 
 
@@ -425,14 +425,14 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
         e_val = eager[node.name]
         if new is None:
             report.ops.append(OpComparison(
-                record.index, node.name, op_label(node), path, _dtypes(e_val), "-", True,
+                record.index, node.name, op_label(node.target), path, _dtypes(e_val), "-", True,
                 Error(math.nan, math.nan), Error(math.nan, math.nan), Error(math.nan, math.nan),
                 "cast removed by fold_casts (value-preserving)", status="folded"))
             continue
         a_val, r_val = amp[new.name], ref.get(node.name)
         agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
         report.ops.append(OpComparison(
-            record.index, node.name, op_label(node), path, _dtypes(e_val), _dtypes(a_val), agree,
+            record.index, node.name, op_label(node.target), path, _dtypes(e_val), _dtypes(a_val), agree,
             _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val),
             rule if rule is not None else _rule_of(new)))
 
@@ -559,6 +559,22 @@ def compare(
     run = run_amp(model_or_fn, call, tool="compare", dtype=lower, policy=policy,
                   downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads), fp8=config)
     amp_out, amp_grads = run.result, _grads_of(run.compiled)
+    _compare_graphs(report, run, exact, config)
+    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
+                                             autocast=(device_type, lower), grads=grads,
+                                             loss_fn=loss_fn, fp8=config,
+                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
+                                             grouped=_fp8_grouped_modules(run.records))
+    ref_out, ref_grads = _float64_reference(model_or_fn, call, report, grads=grads, loss_fn=loss_fn)
+    _compare_outputs(report, eager_out, amp_out, ref_out, exact, lower)
+    if grads:
+        _compare_grads(report, eager_grads, amp_grads, ref_grads, exact, lower, model_or_fn)
+    _explain_cross_graph_grads(report, run)
+    return report
+
+
+def _compare_graphs(report: CompareReport, run: AmpRun, exact: bool, config: Fp8Config | None) -> None:
+    """The op-by-op part: every graph amp_fx compiled and ran, against eager autocast."""
     recs, recorder = run.records, run.recorder
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
         report.notes.append("no ops were captured: the function does nothing torch.compile puts "
@@ -577,57 +593,62 @@ def compare(
                         for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
 
-    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
-                                             autocast=(device_type, lower), grads=grads,
-                                             loss_fn=loss_fn, fp8=config,
-                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
-                                             grouped=_fp8_grouped_modules(recs))
+
+def _float64_reference(model_or_fn: Any, call: Call, report: CompareReport, *, grads: bool,
+                       loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The outputs and gradients of a float64 copy, without autocast; (None, {}) and a note where
+    the model fails in float64."""
     try:
         ref_model = private_copy(model_or_fn)
         if isinstance(ref_model, torch.nn.Module):
             ref_model = ref_model.double()
         with float64_grouped_mm():  # grouped expert GEMMs have no float64 kernel
-            ref_out, ref_grads = _run_end_to_end(ref_model, call, autocast=None, grads=grads,
-                                                 loss_fn=loss_fn, to=torch.float64)
+            return _run_end_to_end(ref_model, call, autocast=None, grads=grads, loss_fn=loss_fn, to=torch.float64)
     except Exception as e:
         report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
                             f"({type(e).__name__}: {e})")
-        ref_out, ref_grads = None, {}
+        return None, {}
 
+
+def _value(name: str, e: Any, a: Any, r: Any, exact: bool, lower: torch.dtype) -> ValueComparison:
+    """One output or gradient: amp_fx's (``a``) against eager autocast's (``e``) and float64's (``r``)."""
+    return ValueComparison(
+        name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
+        _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
+        _nonfinite(a), _nonfinite(e))
+
+
+def _compare_outputs(report: CompareReport, eager_out: Any, amp_out: Any, ref_out: Any, exact: bool,
+                     lower: torch.dtype) -> None:
     e_outs, a_outs = _named_outputs(eager_out), _named_outputs(amp_out)
     r_outs = dict(_named_outputs(ref_out)) if ref_out is not None else {}
-    def value(name: str, e: Any, a: Any, r: Any) -> ValueComparison:
-        return ValueComparison(
-            name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-            _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
-            _nonfinite(a), _nonfinite(e))
-
     for (name, e), (_, a) in zip(e_outs, a_outs):
-        report.outputs.append(value(name, e, a, r_outs.get(name)))
+        report.outputs.append(_value(name, e, a, r_outs.get(name), exact, lower))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
         report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
                                               False, Error(math.inf, math.inf), None, None))
-    if grads:
-        for name in [*eager_grads, *(n for n in amp_grads if n not in eager_grads)]:
-            e, a = eager_grads.get(name), amp_grads.get(name)
-            if e is None or a is None:
-                report.grads.append(ValueComparison(
-                    name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
-                    False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
-                continue
-            report.grads.append(value(name, e, a, ref_grads.get(name)))
-        if not report.grads:
-            why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
-                   if not isinstance(model_or_fn, torch.nn.Module) else
-                   "no parameter got a gradient (no floating output requires grad, or loss_fn "
-                   "does not depend on the parameters)")
-            message = (f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass "
-                       "grads=False to compare outputs only")
-            report.notes.append(message.removeprefix("amp_fx.compare: "))
-            did_less(("compare", "no grads", why), message)
-    _explain_cross_graph_grads(report, run)
-    return report
+
+
+def _compare_grads(report: CompareReport, eager_grads: dict[str, torch.Tensor], amp_grads: dict[str, torch.Tensor],
+                   ref_grads: dict[str, torch.Tensor], exact: bool, lower: torch.dtype, model_or_fn: Any) -> None:
+    for name in [*eager_grads, *(n for n in amp_grads if n not in eager_grads)]:
+        e, a = eager_grads.get(name), amp_grads.get(name)
+        if e is None or a is None:
+            report.grads.append(ValueComparison(
+                name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
+                False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
+            continue
+        report.grads.append(_value(name, e, a, ref_grads.get(name), exact, lower))
+    if not report.grads:
+        why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
+               if not isinstance(model_or_fn, torch.nn.Module) else
+               "no parameter got a gradient (no floating output requires grad, or loss_fn "
+               "does not depend on the parameters)")
+        message = (f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass "
+                   "grads=False to compare outputs only")
+        report.notes.append(message.removeprefix("amp_fx.compare: "))
+        did_less(("compare", "no grads", why), message)
 
 
 def _fp8_grouped_modules(records: Sequence[GraphRecord]) -> frozenset[str]:

@@ -1,8 +1,8 @@
 """amp_fx.explain: what the passes did to each captured graph, node by node.
 
 Everything shown is read from the records the passes leave (``GraphRecord``: the captured graph
-before the passes, the rewritten graph, ``meta["amp_fx_decision"]`` on each op,
-``meta["amp_fx_cast"]`` on inserted casts, ``meta["amp_fx_folded"]`` on nodes that absorbed
+before the passes, the rewritten graph, ``meta.DECISION`` on each op,
+``meta.CAST`` on inserted casts, ``meta.FOLDED`` on nodes that absorbed
 folded casts). Two things are computed here: the "without amp" dtypes of the before view (the
 captured graph run on fake tensors without autocast), and, when explain ran the model, the dtypes
 each value has at run time (the rewritten graph run on the inputs it was called with), which are
@@ -31,6 +31,7 @@ from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
 from amp_fx.backend.audit import fp32_experts_text, slow_fp8_text
 from amp_fx.errors import GraphvizNotFound
@@ -41,11 +42,9 @@ from amp_fx.inspect._probe import (
     clone_inputs,
     describe_value,
     input_labels,
-    is_cast,
     leaf_flags,
     module_of,
     numel_or_none,
-    op_label,
     tensors_of,
     value_dtype,
 )
@@ -58,6 +57,7 @@ from amp_fx.inspect._runner import (
 )
 from amp_fx.passes import meta
 from amp_fx.passes.fp8_matmuls import Fp8Decision
+from amp_fx.passes.fx_edit import is_cast, is_inserted_cast, placeholders
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
@@ -117,10 +117,10 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return "constant captured from your code"
     if node.op == "output":
         return "graph output"
-    if node.meta.get("amp_fx_cast") == "inserted":
-        why = node.meta.get("amp_fx_cast_reason", "?")
+    if is_inserted_cast(node):
+        why = node.meta.get(meta.CAST_REASON, "?")
         shared = ("; cached: one cast of this weight for all its uses, as autocast's cast cache"
-                  if node.meta.get("amp_fx_cached") else "")
+                  if node.meta.get(meta.CACHED) else "")
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
@@ -129,7 +129,7 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
     if node.target is torch.amp.autocast_mode._exit_autocast:
         return f"autocast off after {node.prev.name}"
     fp8 = node.meta.get(meta.FP8)
-    decision = node.meta.get("amp_fx_decision")
+    decision = node.meta.get(meta.DECISION)
     if fp8 is not None:
         return fp8.reason if fp8.converted or decision is None else f"{decision.reason}; {fp8.reason}"
     out = dtype_name(value_dtype(node.meta.get("val")))
@@ -154,11 +154,11 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
 
 def _autocast_dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The dtype capture recorded for eager autocast; for a multi-output op, its first output's."""
-    if "amp_fx_autocast_dtype" in node.meta:
-        return node.meta["amp_fx_autocast_dtype"]
+    if meta.AUTOCAST_DTYPE in node.meta:
+        return node.meta[meta.AUTOCAST_DTYPE]
     first = next((u for u in node.users
                   if u.target is operator.getitem and u.args[1] == 0), None)
-    return None if first is None else first.meta.get("amp_fx_autocast_dtype")
+    return None if first is None else first.meta.get(meta.AUTOCAST_DTYPE)
 
 
 def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
@@ -186,25 +186,25 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
     cast = None
     if is_cast(node):
         kind = "cast"
-        cast = "inserted" if node.meta.get("amp_fx_cast") == "inserted" else "user"
+        cast = "inserted" if is_inserted_cast(node) else "user"
     elif node.target is operator.getitem:
         kind = "getitem"
-    op = {"input": "input", "output": "output", "constant": "get_attr"}.get(kind) or op_label(node)
+    op = {"input": "input", "output": "output", "constant": "get_attr"}.get(kind) or op_label(node.target)
     return NodeInfo(
         graph=index, name=node.name, kind=kind, op=op,
         args="" if node.op in ("placeholder", "get_attr") else _args_text(node),
         value=describe_value(val) if node.op != "output" else "",
         dtype=value_dtype(val), module=path, module_type=mtype, rule=_rule(node, labels),
-        cast=cast, cached=bool(node.meta.get("amp_fx_cached", False)),
-        folded=tuple(node.meta.get("amp_fx_folded", ())), label=labels.get(node.name, ""),
-        autocast_dtype=node.meta.get("amp_fx_autocast_dtype"))
+        cast=cast, cached=bool(node.meta.get(meta.CACHED, False)),
+        folded=tuple(node.meta.get(meta.FOLDED, ())), label=labels.get(node.name, ""),
+        autocast_dtype=node.meta.get(meta.AUTOCAST_DTYPE))
 
 
 def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
     """The captured graph's values as your program computes them without any autocast: the graph
     run on fake tensors (its ``meta["val"]`` holds eager autocast's dtypes, see capture); or
     None and why not."""
-    vals = [n.meta.get("val") for n in record.captured.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders(record.captured.graph)]
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
         return None, "its inputs carry no fake tensors"
@@ -371,7 +371,7 @@ class Explanation:
             if n.name in run and "val" in n.meta:
                 meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
                 if meta != real:
-                    op = op_label(n.args[0] if n.target is operator.getitem else n)
+                    op = op_label((n.args[0] if n.target is operator.getitem else n).target)
                     out.append(f"{n.name} ({op}): meta {dtype_name(meta)}, "
                                f"runs as {dtype_name(real)}")
         return out
@@ -532,17 +532,17 @@ class Explanation:
             before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
             eager = dtype_name(_autocast_dtype(n))
             if new is None:
-                rows.append([n.name, op_label(n), self._module(r, n)[0], before_dt, eager,
+                rows.append([n.name, op_label(n.target), self._module(r, n)[0], before_dt, eager,
                              "(folded away)", ""])
                 continue
             casts = []
             for a in new.all_input_nodes:
-                if is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
+                if is_cast(a) and is_inserted_cast(a):
                     src = a.args[0]
                     casts.append(f"{labels.get(src.name, src.name)}->"
                                  f"{dtype_name(value_dtype(a.meta.get('val')))}")
             path, _ = self._module(r, n)
-            rows.append([n.name, op_label(n), path, before_dt, eager,
+            rows.append([n.name, op_label(n.target), path, before_dt, eager,
                          dtype_name(value_dtype(new.meta.get("val"))), ", ".join(casts)])
         return (f"graph {graph}: before -> after\n"
                 + tabulate(rows, headers=["node", "op", "module", "without amp", "eager autocast",

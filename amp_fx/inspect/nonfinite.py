@@ -34,12 +34,11 @@ import torch.fx
 from tabulate import tabulate
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
 from amp_fx.inspect._probe import (
     all_finite,
     format_range,
-    is_cast,
-    op_label,
     tensor_range,
     tensors_of,
     value_dtype,
@@ -52,6 +51,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes.fx_edit import is_cast, is_inserted_cast
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, op_from_name, resolve_dtype
 
@@ -137,7 +137,7 @@ class NonfiniteReport:
 
 def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
     """For a cast amp_fx inserted, the op it was inserted for; else the node itself."""
-    if node.meta.get("amp_fx_cast") == "inserted":
+    if is_inserted_cast(node):
         for user in node.users:
             if user.op == "call_function" and not is_cast(user):
                 return user
@@ -203,7 +203,7 @@ def _kept_text(modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]) -> 
                      + ", ".join(f"`{m}`" for m in modules))
     if ops:
         words.append(("op " if len(ops) == 1 else "ops ")
-                     + ", ".join(op.name().replace("::", ".") for op in ops))
+                     + ", ".join(op_label(op) for op in ops))
     return " and ".join(words)
 
 
@@ -365,7 +365,7 @@ class _ProbeInterpreter(torch.fx.Interpreter):
 
 
 def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
-    if a.meta.get("amp_fx_cast") == "inserted" and isinstance(a.args[0], torch.fx.Node):
+    if is_inserted_cast(a) and isinstance(a.args[0], torch.fx.Node):
         src = a.args[0]
         return (f"{labels.get(src.name, src.name)} (cast to "
                 f"{dtype_name(a.kwargs.get('dtype'))} by amp_fx)")
@@ -512,7 +512,7 @@ def find_nonfinite(
             policy, modules, ops, check)
     report.suggestion_code = policy_code(report.suggested_policy)
     via = ("" if decider is node or steps
-           else f" (the cast was inserted for {decider.name}, {op_label(decider)})")
+           else f" (the cast was inserted for {decider.name}, {op_label(decider.target)})")
     report.suggestion = f"keep {_kept_text(modules, ops)} in fp32{via}: {report.suggestion_code}; {tail}"
     if verify:
         kept = last[-1].discarded if last else []
@@ -529,7 +529,7 @@ def _origin_text(run: AmpRun, hit: dict[str, Any]) -> str:
     """One line for an origin: where it is and the range of its value."""
     node: torch.fx.Node = hit["node"]
     path = run.module_of(hit["record"], node)[0]
-    what = "input" if node.op == "placeholder" else op_label(node)
+    what = "input" if node.op == "placeholder" else op_label(node.target)
     return (f"graph {hit['record'].index}, node {node.name} ({what})"
             f"{f' in module `{path}`' if path else ''}: {hit['shown']}")
 
@@ -553,7 +553,7 @@ def _kept_in_fp32(hit: dict[str, Any], node: torch.fx.Node
 def _where(hit: dict[str, Any], phase: str) -> str:
     n = hit["node"]
     p = _module_of(hit, n)
-    return f"{phase} at {n.name} ({op_label(n)}{', module `' + p + '`' if p else ''})"
+    return f"{phase} at {n.name} ({op_label(n.target)}{', module `' + p + '`' if p else ''})"
 
 
 def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | None:
@@ -561,7 +561,7 @@ def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | N
     node = hit["node"]
     if node.op == "placeholder":
         return "a graph input already holds inf/NaN"
-    if phase == "forward" and is_cast(node) and node.meta.get("amp_fx_cast") != "inserted":
+    if phase == "forward" and is_cast(node) and not is_inserted_cast(node):
         return "a cast in your code overflows"
     if phase == "forward" and hit.get("fp32") is not None and not all_finite(hit["fp32"]):
         return "the op gives inf/NaN in fp32 too"
@@ -634,14 +634,14 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
         report.reason = (f"the graph input `{name}` already holds inf/NaN before any op runs "
                          "(a bad input batch, or parameters broken by an earlier step)")
         return None
-    report.op = op_label(node)
+    report.op = op_label(node.target)
     report.inputs = [(_arg_label(a, labels),
                       f"{dtype_name(next((t.dtype for t in tensors_of(v)), None))} "
                       f"{_range_text(v)}") for a, v in hit["inputs"]]
     report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
     fp32 = hit.get("fp32")
     report.fp32_finite = None if fp32 is None else all_finite(fp32)
-    if node.meta.get("amp_fx_cast") != "inserted" and is_cast(node):
+    if not is_inserted_cast(node) and is_cast(node):
         report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
                              "its input does not fit the target dtype; drop it or clamp first")
         return None
@@ -662,10 +662,10 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], _labels: di
     node: torch.fx.Node = hit["node"]
     grad: torch.Tensor = hit["grad"]
     report.phase = "backward"
-    report.op = op_label(node)
+    report.op = op_label(node.target)
     report.dtype_found = grad.dtype
     report.value_range = format_range(tensor_range(grad))
-    users = [u.name + f" ({op_label(u)})" for u in node.users if u.op == "call_function"]
+    users = [u.name + f" ({op_label(u.target)})" for u in node.users if u.op == "call_function"]
     fmax = torch.finfo(grad.dtype).max if grad.is_floating_point() else None
     low = grad.dtype in (torch.float16, torch.bfloat16)
     report.reason = (f"the gradient flowing into this op's output holds inf/NaN; it was computed "

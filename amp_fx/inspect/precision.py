@@ -306,7 +306,43 @@ def _compute_dtype(setup: _Setup, dtype: str | torch.dtype | None) -> torch.dtyp
 def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, setup: _Setup,
            compute: torch.dtype | None, scaler: Any, loss: torch.Tensor | torch.dtype | None,
            compiled_step: bool, train_state: str | None = None) -> PrecisionReport:
-    module = setup.module or model
+    params = _trained_params(model, optimizer)
+    n = sum(_local(p).numel() for p in params)
+    units = _fsdp2_units(setup.module or model)
+    fsdp_param_dtypes = {u.policy.param_dtype for u in units} - {None}
+    if compute is None and len(fsdp_param_dtypes) == 1:
+        compute = next(iter(fsdp_param_dtypes))
+    mixed = getattr(setup.ddp, "mixed_precision", None)
+    if compute is None and mixed is not None:
+        compute = mixed.param_dtype
+    downgrades: dict[Downgrade, str] = {}
+    asked = compute is not None and compute != torch.float32
+    master = _dtypes(params)
+    rows = [_master_row(params, n, bool(units), train_state, compute if asked else None, downgrades),
+            _compute_weights_row(setup, compute, master, units, fsdp_param_dtypes),
+            _gradients_row(params, n, master, compiled_step)]
+    if optimizer is not None:
+        rows.append(_optimizer_row(optimizer, n, master, train_state, compute if asked else None, downgrades))
+    held = setup.cache.tensors() if setup.cache is not None else []
+    rows.append(PrecisionRow("caches", _dtypes(held), sum(_nbytes(t) for t in held) / n,
+                             "amp_fx's weight cache" if setup.cache is not None else "no weight cache"))
+    loss_dtype = loss if isinstance(loss, torch.dtype) else getattr(loss, "dtype", None)
+    rows.append(PrecisionRow("loss", () if loss_dtype is None else (loss_dtype,), None,
+                             "pass loss= (the value the loss function returns)" if loss_dtype is None else ""))
+    rows.append(_scaling_row(scaler, compute, downgrades, compiled_step))
+    # collectives
+    if setup.ddp is not None:
+        rows.append(_ddp_row(setup.ddp, params, n))
+    if units:
+        fsdp_rows, message = fsdp2_rows(units, n)
+        rows += fsdp_rows
+        if message is not None:
+            downgrades[Downgrade.REDUCE_DTYPE_NOT_APPLIED] = message
+    return PrecisionReport(compute, n, tuple(rows), downgrades)
+
+
+def _trained_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The parameters the optimizer updates (without one: those that require grad), each once."""
     if optimizer is not None:
         params = _unique(p for g in optimizer.param_groups for p in g["params"])
     else:
@@ -314,35 +350,29 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     if not params:
         raise ValueError("amp_fx.precision_report: no trainable parameters (pass the optimizer, or a "
                          "model with parameters that require grad)")
-    n = sum(_local(p).numel() for p in params)
-    units = _fsdp2_units(module)
-    fsdp_param_dtypes = {u.policy.param_dtype for u in units} - {None}
-    if compute is None and len(fsdp_param_dtypes) == 1:
-        compute = next(iter(fsdp_param_dtypes))
-    mixed = getattr(setup.ddp, "mixed_precision", None)
-    if compute is None and mixed is not None:
-        compute = mixed.param_dtype
-    rows: list[PrecisionRow] = []
-    downgrades: dict[Downgrade, str] = {}
-    asked = compute is not None and compute != torch.float32
+    return params
 
-    # master weights
-    master = _dtypes(params)
-    rows.append(PrecisionRow("master weights", master, sum(_nbytes(p) for p in params) / n,
-                             "the parameters the optimizer updates" + (" (this rank's shards)" if units else "")
-                             + (f" (bf16 by compile_step(train_state={train_state!r}))" if train_state else "")))
+
+def _master_row(params: list[torch.Tensor], n: int, sharded: bool, train_state: str | None,
+                asked: torch.dtype | None, downgrades: dict[Downgrade, str]) -> PrecisionRow:
+    """The master weights; a downgrade where mixed precision (``asked``) meets 16-bit parameters."""
     low_master = [p for p in params if _low(p.dtype)]
     # compile_step(train_state=...) keeps the parameters and AdamW's moments in bf16 on purpose, with
     # its own rounding of each update (stochastic, or Kahan-compensated): not a downgrade
-    if asked and low_master and train_state is None:
+    if asked is not None and low_master and train_state is None:
         downgrades[Downgrade.MASTER_WEIGHTS_16BIT] = (
-            f"mixed precision ({_name(compute)}) was asked for, but {len(low_master)} of {len(params)} "
+            f"mixed precision ({_name(asked)}) was asked for, but {len(low_master)} of {len(params)} "
             f"parameters the optimizer updates are {_name(low_master[0].dtype)}: every update is rounded "
             f"to 16 bits (small updates are lost) and torch's optimizers keep their state in the "
             f"parameters' dtype. Keep the parameters in float32 (drop model.to({low_master[0].dtype}) / "
             f"model.half(); call model.float()): amp_fx casts them for compute.")
+    return PrecisionRow("master weights", _dtypes(params), sum(_nbytes(p) for p in params) / n,
+                        "the parameters the optimizer updates" + (" (this rank's shards)" if sharded else "")
+                        + (f" (bf16 by compile_step(train_state={train_state!r}))" if train_state else ""))
 
-    # compute weights
+
+def _compute_weights_row(setup: _Setup, compute: torch.dtype | None, master: tuple[torch.dtype, ...],
+                         units: Sequence[Any], fsdp_param_dtypes: set[torch.dtype]) -> PrecisionRow:
     fp8 = setup.options.fp8 if setup.options is not None else None
     if units and fsdp_param_dtypes:
         note = "FSDP2 gathers them in MixedPrecisionPolicy.param_dtype"
@@ -358,66 +388,45 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     if fp8 is not None:
         weights = (*weights, torch.float8_e4m3fn)
         note += f"; matmul weights in float8_e4m3fn ({fp8.recipe.value})"
-    rows.append(PrecisionRow("compute weights", weights, None, note))
+    return PrecisionRow("compute weights", weights, None, note)
 
-    # gradients
+
+def _gradients_row(params: list[torch.Tensor], n: int, master: tuple[torch.dtype, ...],
+                   compiled_step: bool) -> PrecisionRow:
     with_grad = [p for p in params if p.grad is not None]
     if with_grad:
-        rows.append(PrecisionRow("gradients", _dtypes(_local(p.grad) for p in with_grad),
-                                 sum(_nbytes(p.grad) for p in with_grad) / sum(_local(p).numel() for p in with_grad),
-                                 f".grad of {len(with_grad)} of {len(params)} parameters"))
-    elif compiled_step:  # the step clears them after its optimizer step: none between steps
-        rows.append(PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
-                                 "written by each step's backward in the parameters' dtype, cleared "
-                                 "after its optimizer step"))
-    else:
-        rows.append(PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
-                                 "no .grad now: autograd accumulates them in the parameters' dtype"))
+        return PrecisionRow("gradients", _dtypes(_local(p.grad) for p in with_grad),
+                            sum(_nbytes(p.grad) for p in with_grad) / sum(_local(p).numel() for p in with_grad),
+                            f".grad of {len(with_grad)} of {len(params)} parameters")
+    if compiled_step:  # the step clears them after its optimizer step: none between steps
+        return PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
+                            "written by each step's backward in the parameters' dtype, cleared "
+                            "after its optimizer step")
+    return PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
+                        "no .grad now: autograd accumulates them in the parameters' dtype")
 
-    # optimizer state
-    if optimizer is not None:
-        state = _optimizer_state(optimizer)
-        tensors = [t for ts in state.values() for t in ts]
-        if tensors:
-            note = ", ".join(f"{key}: {', '.join(map(_name, _dtypes(ts)))}" for key, ts in state.items())
-            rows.append(PrecisionRow("optimizer state", _dtypes(tensors), sum(_nbytes(t) for t in tensors) / n,
-                                     note + " (0-dim values such as step left out)"))
-            low_state = [key for key, ts in state.items() if any(_low(t.dtype) for t in ts)]
-            if asked and low_state and train_state is None:
-                downgrades[Downgrade.OPTIMIZER_STATE_16BIT] = (
-                    f"mixed precision ({_name(compute)}) was asked for, but {type(optimizer).__name__}'s state "
-                    f"{', '.join(low_state)} is in 16 bits (torch's optimizers create it in the parameters' "
-                    f"dtype): updates lose precision (users reported a 3x worse loss with bf16 AdamW state). "
-                    f"Keep the parameters in float32 and create the optimizer after model.float(), or load "
-                    f"its state after the parameters are float32.")
-        else:
-            rows.append(PrecisionRow("optimizer state", master, None,
-                                     f"none yet: {type(optimizer).__name__} creates it at its first step, "
-                                     f"in each parameter's dtype"))
 
-    # caches
-    cache = setup.cache
-    held = cache.tensors() if cache is not None else []
-    rows.append(PrecisionRow("caches", _dtypes(held), sum(_nbytes(t) for t in held) / n,
-                             "amp_fx's weight cache" if cache is not None else "no weight cache"))
-
-    # loss
-    loss_dtype = loss if isinstance(loss, torch.dtype) else getattr(loss, "dtype", None)
-    rows.append(PrecisionRow("loss", () if loss_dtype is None else (loss_dtype,), None,
-                             "pass loss= (the value the loss function returns)" if loss_dtype is None else ""))
-
-    # loss scaling
-    rows.append(_scaling_row(scaler, compute, downgrades, compiled_step))
-
-    # collectives
-    if setup.ddp is not None:
-        rows.append(_ddp_row(setup.ddp, params, n))
-    if units:
-        fsdp_rows, message = fsdp2_rows(units, n)
-        rows += fsdp_rows
-        if message is not None:
-            downgrades[Downgrade.REDUCE_DTYPE_NOT_APPLIED] = message
-    return PrecisionReport(compute, n, tuple(rows), downgrades)
+def _optimizer_row(optimizer: torch.optim.Optimizer, n: int, master: tuple[torch.dtype, ...],
+                   train_state: str | None, asked: torch.dtype | None,
+                   downgrades: dict[Downgrade, str]) -> PrecisionRow:
+    """The optimizer's state; a downgrade where mixed precision (``asked``) meets 16-bit state."""
+    state = _optimizer_state(optimizer)
+    tensors = [t for ts in state.values() for t in ts]
+    if not tensors:
+        return PrecisionRow("optimizer state", master, None,
+                            f"none yet: {type(optimizer).__name__} creates it at its first step, "
+                            f"in each parameter's dtype")
+    low_state = [key for key, ts in state.items() if any(_low(t.dtype) for t in ts)]
+    if asked is not None and low_state and train_state is None:
+        downgrades[Downgrade.OPTIMIZER_STATE_16BIT] = (
+            f"mixed precision ({_name(asked)}) was asked for, but {type(optimizer).__name__}'s state "
+            f"{', '.join(low_state)} is in 16 bits (torch's optimizers create it in the parameters' "
+            f"dtype): updates lose precision (users reported a 3x worse loss with bf16 AdamW state). "
+            f"Keep the parameters in float32 and create the optimizer after model.float(), or load "
+            f"its state after the parameters are float32.")
+    note = ", ".join(f"{key}: {', '.join(map(_name, _dtypes(ts)))}" for key, ts in state.items())
+    return PrecisionRow("optimizer state", _dtypes(tensors), sum(_nbytes(t) for t in tensors) / n,
+                        note + " (0-dim values such as step left out)")
 
 
 def _scaling_row(scaler: Any, compute: torch.dtype | None, downgrades: dict[Downgrade, str],

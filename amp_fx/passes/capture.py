@@ -477,8 +477,7 @@ def capture(
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             node.meta[meta.AUTOCAST_DTYPE] = val.dtype
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, is_leaf in zip(placeholders, leaf_flags, strict=True):
+    for node, is_leaf in zip(gm.graph.find_nodes(op="placeholder"), leaf_flags, strict=True):
         node.meta[meta.LEAF] = is_leaf
     return gm
 
@@ -546,9 +545,8 @@ def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     ``is_state(node, value)``: True for a tensor of the compiled root module, found by identity
     (the backend's): the source's shape alone cannot tell, since a decorator on ``forward`` makes
     the root ``L['args'][0]`` and its buffers ``L['args'][0].rope.inv_freq``."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     flags = []
-    for node, value in zip(placeholders, example_inputs, strict=True):
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=True):
         text = source_text(node)
         flags.append(bool(text) and not text.startswith(MODULE_STATE_SOURCES)
                      and isinstance(value, torch.Tensor) and value.dtype.is_floating_point

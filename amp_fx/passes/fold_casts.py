@@ -20,7 +20,7 @@ users, bypassing the middle would make this branch's gradient add up with theirs
 of in ``b`` (e.g. in bf16 instead of fp32), which changes the gradient. The same reason keeps
 duplicate casts of one tensor apart (no CSE): eager autocast casts activations once per use.
 
-Folded casts are recorded on the surviving node as ``meta["amp_fx_folded"]`` (rule names).
+Folded casts are recorded on the surviving node as ``meta[meta.FOLDED]`` (rule names).
 
 Example:
     >>> import torch
@@ -42,10 +42,9 @@ import torch
 import torch.fx
 
 from amp_fx.passes import meta
+from amp_fx.passes.fx_edit import is_cast
 
 __all__ = ["fold_casts", "FoldRecord", "RULES", "is_pure_cast", "covers"]
-
-CAST_OP = torch.ops.aten._to_copy.default
 
 
 @dataclass
@@ -74,7 +73,7 @@ def covers(wide: torch.dtype, narrow: torch.dtype) -> bool:
 
 def is_pure_cast(node: torch.fx.Node) -> bool:
     """A ``_to_copy`` that changes only the dtype (same device and layout, default format)."""
-    if node.op != "call_function" or node.target is not CAST_OP:
+    if not is_cast(node):
         return False
     src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     out = node.meta.get("val")

@@ -43,6 +43,8 @@ Example:
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
     >>> from amp_fx.passes.capture import capture
     >>> from amp_fx.fp8 import Fp8Config
+    >>> from amp_fx.passes import meta
+    >>> from amp_fx.passes.fx_edit import placeholders
     >>> from amp_fx.passes.insert_casts import insert_casts
     >>> from amp_fx.policy import Policy
     >>> with FakeTensorMode() as mode:
@@ -51,8 +53,8 @@ Example:
     ...                  dtype=torch.bfloat16, leaf_flags=[False, True])
     ...     gm, _ = insert_casts(gm, policy=Policy(), device_type="cpu", dtype=torch.bfloat16,
     ...                          fake_mode=mode)
-    ...     x_node, w_node = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ...     x_node.meta["amp_fx_parameter"], w_node.meta["amp_fx_parameter"] = None, "w"
+    ...     x_node, w_node = placeholders(gm.graph)
+    ...     x_node.meta[meta.PARAMETER], w_node.meta[meta.PARAMETER] = None, "w"
     ...     gm, record = fp8_matmuls(gm, config=Fp8Config("tensorwise"), policy=Policy(),
     ...                              fake_mode=mode)
     >>> [(d.op, d.shape, d.converted) for d in record.decisions]
@@ -71,6 +73,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
@@ -80,9 +83,21 @@ from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
+from amp_fx.passes.fx_edit import (
+    CAST_OP,
+    WEIGHT_VIEWS,
+    add_node,
+    innermost_module,
+    is_inserted_cast,
+    mark_cast,
+    placeholders,
+    uncast,
+    walk_views,
+)
+from amp_fx.passes.fx_edit import val as _val
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Decision, Policy, module_matches
 
-__all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS", "WEIGHT_VIEWS"]
+__all__ = ["fp8_matmuls", "Fp8Decision", "Fp8Record", "ALIGNMENT", "MATMULS"]
 
 aten = torch.ops.aten
 
@@ -103,13 +118,6 @@ _GROUPED_MM = aten._grouped_mm.default
 def _grouped(target: object) -> bool:
     """A grouped expert GEMM (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``)."""
     return isinstance(target, torch._ops.OpOverload) and target.name() in GROUPED_MM_OPS
-
-WEIGHT_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
-          aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-          aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-          aten.select.int}
-"""Ops through which a weight operand is still "a view of a parameter". ``aten.select``: one
-expert of a mixture whose experts are one 3-D parameter (``x @ self.w[e]``)."""
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -182,23 +190,9 @@ class _Match:
     """A grouped GEMM's group ends (its weight is ``[E, K, N]``)."""
 
 
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else node
-
-
-def _uncast(node: object) -> object:
-    """The value before a cast insert_casts inserted (the user's own casts are kept)."""
-    while (isinstance(node, torch.fx.Node) and node.meta.get(meta.CAST) == meta.CAST_INSERTED
-           and node.args):
-        node = node.args[0]
-    return node
-
-
 def _parameter(node: object) -> torch.fx.Node | None:
     """The parameter placeholder ``node`` is (a view of), through insert_casts' casts."""
-    node = _uncast(node)
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
-        node = _uncast(node.args[0])
+    node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
     if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
         return node
     return None
@@ -210,7 +204,7 @@ def _text(d: object) -> int | str:
     return int(d) if is_concrete_int(d) else str(d)  # type: ignore[arg-type]
 
 
-class _Rewriter:
+class _Fp8Rewriter:
     def __init__(self, gm: torch.fx.GraphModule, config: Fp8Config, policy: Policy,
                  fake_mode: FakeTensorMode) -> None:
         self.gm = gm
@@ -231,9 +225,9 @@ class _Rewriter:
         return self.record
 
     def visit(self, node: torch.fx.Node) -> None:
-        op = MATMULS.get(node.target) or node.target.name().replace("::", ".")
+        op = op_label(node.target)
         stack = module_stack(node)
-        module = stack[-1][0] if stack else ""
+        module = innermost_module(node)
         weight = next((p for p in map(_parameter, node.args) if p is not None), None)
         if weight is None:
             return  # no parameter operand: not a matmul of a layer, never fp8
@@ -296,7 +290,7 @@ class _Rewriter:
                 return None, "the parameter is the input of F.linear, not its weight"
             if _val(w).dim() != 2:
                 return None, "the weight is not 2-D"
-            return _Match(x, None, _uncast(w), bias), ""
+            return _Match(x, None, uncast(w), bias), ""
         if target is aten.addmm.default:
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(args) > 3:
                 return None, "addmm with beta or alpha other than 1"
@@ -313,12 +307,12 @@ class _Rewriter:
             return None, "the input is 1-D"
         if bias is not None and _val(bias).dim() > 1:
             return None, "addmm with a 2-D bias"
-        return _Match(x, _uncast(w), weight, bias), ""
+        return _Match(x, uncast(w), weight, bias), ""
 
     def match_grouped(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """``grouped_mm(x [M, K], w [E, K, N], offs)`` with ``w`` a view of a parameter, or why not."""
         if node.target is not _GROUPED_MM:
-            return None, (f"{node.target.name().replace('::', '.')} was not moved to the autocast dtype "
+            return None, (f"{op_label(node.target)} was not moved to the autocast dtype "
                           f"(only aten._grouped_mm on autocast-dtype operands runs in fp8)")
         operands = grouped_mm_operands(node.args, node.kwargs)
         if _parameter(node.args[1]) is None:
@@ -390,11 +384,8 @@ class _Rewriter:
                 # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
                 bias, out_dtype = match.bias, _val(out).dtype
                 if _val(bias).dtype != out_dtype:
-                    bias = self.call(aten._to_copy.default, (_uncast(bias),), stack, note,
-                                     {"dtype": out_dtype})
-                    bias.meta[meta.CAST] = meta.CAST_INSERTED
-                    bias.meta[meta.CAST_REASON] = decision.reason
-                    bias.meta[meta.CACHED] = False
+                    bias = mark_cast(self.call(CAST_OP, (uncast(bias),), stack, note, {"dtype": out_dtype}),
+                                     decision.reason)
                 out = self.call(aten.add.Tensor, (out, bias), stack, Decision(
                     CastClass.NONE, f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
                                     f"GEMM (as torchao's Float8Linear adds it)"))
@@ -414,11 +405,7 @@ class _Rewriter:
     def fp32_view(self, w: torch.fx.Node, stack: dict[str, object]) -> torch.fx.Node:
         """``w`` (views of a parameter's cast, or casts of its views) rebuilt on the fp32 parameter:
         the fp8 GEMMs scale the master weight, as torchao does."""
-        views = []
-        node = _uncast(w)
-        while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
-            views.append(node)
-            node = _uncast(node.args[0])
+        node, views = walk_views(w, WEIGHT_VIEWS, through_casts=True)
         for view in reversed(views):
             node = self.call(view.target, (node, *view.args[1:]), stack, Decision(
                 CastClass.NONE, "fp8: a view of the fp32 master weight (its fp8 casts scale it, with no "
@@ -427,19 +414,15 @@ class _Rewriter:
 
     def call(self, target: object, args: tuple[object, ...], stack: dict[str, object],
              decision: Decision, kwargs: dict[str, object] | None = None) -> torch.fx.Node:
-        node = self.graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]
-        vals = [_val(a) for a in args]
-        with self.fake_mode, torch.no_grad():
-            node.meta["val"] = target(*vals, **(kwargs or {}))  # type: ignore[operator]
-        node.meta["nn_module_stack"] = stack
-        node.meta[meta.DECISION] = decision
-        return node
+        with torch.no_grad():
+            return add_node(self.graph, target, args, kwargs, fake_mode=self.fake_mode, stack=stack,
+                            decision=decision)
 
 
 def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
     """The uses of each :class:`Fp8Weight` input other than (through views) an fp8 matmul's weight."""
     reads = []
-    for node in graph.find_nodes(op="placeholder"):
+    for node in placeholders(graph):
         if not isinstance(node.meta.get("val"), Fp8Weight):
             continue
         todo = [(node, user) for user in node.users]
@@ -448,8 +431,7 @@ def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
             if user.op == "call_function" and user.target in WEIGHT_VIEWS:
                 todo += [(user, u) for u in user.users]
             elif not (user.target is fp8_matmul and user.args[1] is source and user.args[0] is not source):
-                stack = module_stack(user)
-                module = stack[-1][0] if stack else ""
+                module = innermost_module(user)
                 reads.append(f"{node.meta.get(meta.PARAMETER) or node.name} by {user.target} in "
                              f"{module or 'the root'}")
     return reads
@@ -463,7 +445,7 @@ def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -
         node = todo.pop()
         if node.users or node.op != "call_function":
             continue
-        if node.meta.get(meta.CAST) == meta.CAST_INSERTED or node.target in WEIGHT_VIEWS:
+        if is_inserted_cast(node) or node.target in WEIGHT_VIEWS:
             todo.extend(node.all_input_nodes)
             graph.erase_node(node)
 
@@ -479,4 +461,4 @@ def fp8_matmuls(gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy,
         raise AmpFxError(f"amp_fx: fp8={config.recipe.value!r} needs rowwise scales in "
                          f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
                          f"newer (or a GPU) for the rowwise recipes.")
-    return gm, _Rewriter(gm, config, policy, fake_mode).run()
+    return gm, _Fp8Rewriter(gm, config, policy, fake_mode).run()

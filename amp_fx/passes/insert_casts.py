@@ -73,9 +73,12 @@ from torch.utils._pytree import tree_map
 
 from amp_fx._common.devices import autocast_device_type
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx.errors import AmpFxError
 from amp_fx.passes import meta
 from amp_fx.passes.capture import eager_autocast, module_stack
+from amp_fx.passes.fx_edit import CAST_OP, LAYOUT_VIEWS, add_node, innermost_module, mark_cast, walk_views
+from amp_fx.passes.fx_edit import val as _val
 from amp_fx.policy import (
     APPEND_DTYPE_REDISPATCH,
     GROUPED_MM_OPS,
@@ -87,12 +90,9 @@ from amp_fx.policy import (
     op_from_name,
 )
 
-__all__ = ["insert_casts", "InsertRecord", "ExpertGemm", "AmpFxError", "CAST_OP", "graph_device_type"]
+__all__ = ["insert_casts", "InsertRecord", "ExpertGemm", "AmpFxError", "graph_device_type"]
 
-CAST_OP = torch.ops.aten._to_copy.default
 _GROUPED_MM = torch.ops.aten._grouped_mm.default
-_LAYOUT_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
-"""Views a grouped GEMM's weight cast is moved before (pure layout changes of a parameter)."""
 _ENTER = torch.amp.autocast_mode._enter_autocast
 _EXIT = torch.amp.autocast_mode._exit_autocast
 
@@ -128,10 +128,6 @@ class ExpertGemm:
     """Whether ``Policy(autocast_experts=True)`` moved it to the autocast dtype."""
 
 
-def _val(arg: Any) -> Any:
-    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
-
-
 def _eligible(val: Any, device_type: str) -> bool:
     """at::autocast::is_eligible: defined, floating point, not float64, on the autocast device."""
     return (isinstance(val, torch.Tensor) and val.is_floating_point()
@@ -142,7 +138,7 @@ def _touches_alias(op: torch._ops.OpOverload) -> bool:
     return any(a.alias_info is not None for a in op._schema.arguments)
 
 
-class _Rewriter:
+class _CastInserter:
     def __init__(self, gm: torch.fx.GraphModule, policy: Policy, device_type: str,
                  dtype: torch.dtype, fake_mode: FakeTensorMode) -> None:
         self.gm = gm
@@ -164,14 +160,9 @@ class _Rewriter:
         if cacheable and (arg, to) in self.cache:
             self.record.casts_shared += 1
             return self.cache[arg, to]
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(CAST_OP, (arg,), {"dtype": to})
-        with self.fake_mode:
-            node.meta["val"] = CAST_OP(val, dtype=to)
-        node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-        node.meta[meta.CAST] = meta.CAST_INSERTED
-        node.meta[meta.CAST_REASON] = why
-        node.meta[meta.CACHED] = cacheable
+        node = mark_cast(add_node(self.graph, CAST_OP, (arg,), {"dtype": to}, fake_mode=self.fake_mode,
+                                  stack=before.meta.get("nn_module_stack", {}), before=before),
+                         why, cached=cacheable)
         self.record.casts_inserted += 1
         if cacheable:
             self.cache[arg, to] = node
@@ -237,13 +228,9 @@ class _Rewriter:
             given = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | dict(node.kwargs)
             offs = given["offs"]
             if _val(offs).dtype != torch.int32:
-                with self.graph.inserting_before(node):
-                    offs = self.graph.call_function(CAST_OP, (offs,), {"dtype": torch.int32})
-                with self.fake_mode:
-                    offs.meta["val"] = CAST_OP(_val(given["offs"]), dtype=torch.int32)
-                offs.meta.update({"nn_module_stack": node.meta.get("nn_module_stack", {}),
-                                  meta.CAST: meta.CAST_INSERTED, meta.CACHED: False,
-                                  meta.CAST_REASON: f"{why}: aten._grouped_mm takes int32 offsets"})
+                offs = mark_cast(add_node(self.graph, CAST_OP, (offs,), {"dtype": torch.int32},
+                                          fake_mode=self.fake_mode, stack=node.meta.get("nn_module_stack", {}),
+                                          before=node), f"{why}: aten._grouped_mm takes int32 offsets")
             node.target = _GROUPED_MM
             node.args, node.kwargs = (given["input"], given["weight"], offs), {}
         self.cast_args(node, lambda v: self.lower, why, through_views=True)
@@ -252,23 +239,16 @@ class _Rewriter:
                            why: str) -> torch.fx.Node | None:
         """``arg``, a chain of layout views of an fp32 leaf, rebuilt on the leaf's (shared) cast;
         None when ``arg`` is not such a chain."""
-        views = []
-        src = arg
-        while (src.op == "call_function" and src.target in _LAYOUT_VIEWS
-               and not any(isinstance(a, torch.fx.Node) for a in src.args[1:])):
-            views.append(src)
-            src = src.args[0]
+        src, views = walk_views(arg, LAYOUT_VIEWS,
+                                stop=lambda v: any(isinstance(a, torch.fx.Node) for a in v.args[1:]))
         if not views or src.op != "placeholder":
             return None
         node = self.cast(src, to, before, why)
         for view in reversed(views):
-            with self.graph.inserting_before(before):
-                node = self.graph.call_function(view.target, (node, *view.args[1:]), dict(view.kwargs))
-            with self.fake_mode:
-                node.meta["val"] = view.target(node.args[0].meta["val"], *view.args[1:], **view.kwargs)
-            node.meta["nn_module_stack"] = view.meta.get("nn_module_stack", {})
-            node.meta[meta.DECISION] = Decision(CastClass.NONE, f"view of the cast weight ({why}; cast "
-                                                                "before the view: the same values)")
+            node = add_node(self.graph, view.target, (node, *view.args[1:]), dict(view.kwargs),
+                            fake_mode=self.fake_mode, stack=view.meta.get("nn_module_stack", {}), before=before,
+                            decision=Decision(CastClass.NONE, f"view of the cast weight ({why}; cast before "
+                                                              "the view: the same values)"))
         return node
 
     def own_region(self, node: torch.fx.Node) -> None:
@@ -401,10 +381,9 @@ class _Rewriter:
                 changed.add(node)
 
     def record_expert(self, node: torch.fx.Node, called: torch._ops.OpOverload) -> None:
-        stack = module_stack(node)
         first = _val(node.args[0]) if node.args else None
         self.record.experts.append(ExpertGemm(
-            node=node.name, op=called.name().replace("::", "."), module=stack[-1][0] if stack else "",
+            node=node.name, op=op_label(called), module=innermost_module(node),
             dtype=first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else None,
             lowered=node.target is _GROUPED_MM and self.policy.lowers_experts(called.name())
             and node.meta[meta.DECISION].cast_class is CastClass.LOWER_PRECISION_FP))
@@ -420,7 +399,7 @@ class _Rewriter:
         decision = self.policy.classify(op, self.device_type, module_stack(node))
         if self.policy.lowers_experts(op.name()) and self.lower != torch.bfloat16:
             # torch's meta kernel of aten._grouped_mm (what compiles it) takes bf16 operands only
-            return Decision(CastClass.NONE, f"not autocast: {op.name().replace('::', '.')} stays in its "
+            return Decision(CastClass.NONE, f"not autocast: {op_label(op)} stays in its "
                                             f"inputs' dtypes: Policy(autocast_experts=True) runs grouped "
                                             f"GEMMs in bf16 only (aten._grouped_mm compiles for bf16 only), "
                                             f"not {dtype_name(self.lower)}")
@@ -474,7 +453,7 @@ def insert_casts(
     fake_mode: FakeTensorMode,
 ) -> tuple[torch.fx.GraphModule, InsertRecord]:
     """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done."""
-    return gm, _Rewriter(gm, policy, device_type, dtype, fake_mode).run()
+    return gm, _CastInserter(gm, policy, device_type, dtype, fake_mode).run()
 
 
 def graph_device_type(vals: Sequence[Any]) -> str:

@@ -52,12 +52,12 @@ Example:
     >>> g = torch.fx.Graph()
     >>> x, p = g.placeholder("x"), g.placeholder("w")
     >>> c = g.call_function(torch.ops.aten._to_copy.default, (p,), {"dtype": torch.bfloat16})
-    >>> c.meta.update(amp_fx_cached=True, val=torch.empty(4, 4, dtype=torch.bfloat16))
+    >>> c.meta.update({meta.CACHED: True, "val": torch.empty(4, 4, dtype=torch.bfloat16)})
     >>> h = g.call_function(torch.ops.aten.mm.default, (x, c))
     >>> _ = g.output(g.call_function(torch.ops.aten.mm.default, (h, c)))
     >>> lifted_gm, inputs, lifted = lift_weight_casts(torch.fx.GraphModule({}, g),
     ...                                               [torch.randn(2, 4), w])
-    >>> [(x.weight, x.dtype) for x in lifted], [n.name for n in lifted_gm.graph.nodes if n.op == "placeholder"]
+    >>> [(x.weight, x.dtype) for x in lifted], [n.name for n in placeholders(lifted_gm.graph)]
     ([(1, torch.bfloat16), (1, torch.bfloat16)], ['x', 'w', 'w_bf16', 'w_bf16_2'])
     >>> [str(n.args) for n in lifted_gm.graph.nodes if n.op == "call_function"]  # latest user first
     ['(x, w_bf16_2)', '(mm_default, w_bf16)']
@@ -81,11 +81,10 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
 from amp_fx.passes import meta
-from amp_fx.passes.fp8_matmuls import WEIGHT_VIEWS
+from amp_fx.passes.fx_edit import CAST_OP, WEIGHT_VIEWS, copy_graph_module, placeholders, walk_views
 
 __all__ = ["Lifted", "Fp8WeightCast", "lift_weight_casts"]
 
-_CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -122,7 +121,7 @@ class Lifted(NamedTuple):
 
 
 def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: Sequence[Any]) -> bool:
-    if node.op != "call_function" or node.target is not _CAST or len(node.args) != 1:
+    if node.op != "call_function" or node.target is not CAST_OP or len(node.args) != 1:
         return False
     src = node.args[0]
     if src not in position or set(node.kwargs) != {"dtype"} or node.kwargs["dtype"] not in _LOW:
@@ -198,22 +197,21 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                       ) -> tuple[torch.fx.GraphModule, list[Any], list[Lifted]]:
     """Lift parameter casts (and, where their order matters, fp32 uses) into inputs, on a copy
     (contract in the module doc)."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    position = {n: i for i, n in enumerate(placeholders)}
+    copy = copy_graph_module(gm)
+    graph = copy.graph
+    inputs_before = placeholders(graph)
+    position = {n: i for i, n in enumerate(inputs_before)}
     where = {n: i for i, n in enumerate(graph.nodes)}
     lifted: list[Lifted] = []
     inputs = list(example_inputs)
-    last = placeholders[-1]
+    last = inputs_before[-1]
     fake_mode = detect_fake_mode(example_inputs)
     last = _lift_fp8_weight_casts(graph, position, example_inputs, fake_mode, last, lifted, inputs)
     casts = [n for n in graph.nodes if _liftable(n, position, example_inputs)]
     by_weight: dict[tuple[torch.fx.Node, torch.dtype], list[torch.fx.Node]] = {}
     for cast in casts:
         by_weight.setdefault((cast.args[0], cast.kwargs["dtype"]), []).append(cast)
-    fp32_uses = _fp32_uses_to_lift(placeholders, example_inputs, set(casts), {src for src, _ in by_weight}, where)
+    fp32_uses = _fp32_uses_to_lift(inputs_before, example_inputs, set(casts), {src for src, _ in by_weight}, where)
     if not casts and not fp32_uses and not lifted:
         return gm, list(example_inputs), []
     # eager's creation order: a cast at its first user (before that user's own node), an fp32
@@ -240,7 +238,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         with graph.inserting_after(last):  # a placeholder's name is its argument's: unique
             ph = graph.placeholder(name if names[name] == 1 else f"{name}_{names[name]}")
         ph.meta["val"] = val
-        ph.meta[_USE_KEY if own else _CAST_KEY] = True
+        ph.meta[meta.WEIGHT_USE if own else meta.WEIGHT_CACHE] = True
         last = ph
         lifted.append(Lifted(i, dtype, created))
         inputs.append(_example(example_inputs[i], dtype, fake_mode))
@@ -268,11 +266,10 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                 user, [src], lambda src=src, dtype=dtype, created=created: new_input(
                     src, dtype, src.meta.get("val"), next(created)))
     graph.lint()
-    return torch.fx.GraphModule(gm, graph), inputs, lifted
+    copy.recompile()
+    return copy, inputs, lifted
 
 
-_CAST_KEY = "amp_fx_weight_cache"
-_USE_KEY = "amp_fx_weight_use"
 _FP8_PARTS = ("w8", "w8_scale", "w8_grad", "w8_grad_scale")
 
 
@@ -284,19 +281,14 @@ def _weight_operand(node: Any, position: dict[torch.fx.Node, int], inputs: Seque
                     ) -> tuple[torch.fx.Node, tuple[tuple[Any, tuple[Any, ...]], ...]] | None:
     """The fp32 parameter placeholder an fp8 matmul's weight operand is a view of, and the views
     (each an ATen view op whose other arguments are constants), or None."""
-    views: list[tuple[Any, tuple[Any, ...]]] = []
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in WEIGHT_VIEWS:
-        rest = node.args[1:]
-        if node.kwargs or not all(_constant(a) for a in rest):
-            return None
-        views.append((node.target, tuple(rest)))
-        node = node.args[0]
+    node, views = walk_views(node, WEIGHT_VIEWS,
+                             stop=lambda v: bool(v.kwargs) or not all(_constant(a) for a in v.args[1:]))
     if not isinstance(node, torch.fx.Node) or node not in position:
         return None
     weight = inputs[position[node]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
         return None
-    return node, tuple(reversed(views))
+    return node, tuple((v.target, tuple(v.args[1:])) for v in reversed(views))
 
 
 def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, int], example_inputs: Sequence[Any],
@@ -326,7 +318,7 @@ def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, 
                 with graph.inserting_after(last):
                     ph = graph.placeholder(f"{src.name}_{_FP8_PARTS[part]}_{len(shared)}")
                 ph.meta["val"] = val
-                ph.meta[_CAST_KEY] = True
+                ph.meta[meta.WEIGHT_CACHE] = True
                 last = ph
                 lifted.append(Lifted(position[src], example.dtype, -1, Fp8WeightCast(recipe, views, part)))
                 inputs.append(example)

@@ -40,6 +40,11 @@ key                    written by                      read by
                        replaced a converted matmul
                        (the fp8 call, or the bias add
                        after it): the matmul's name
+``WEIGHT_CACHE``       lift_weight_casts, every input  the weight-cache tests (which inputs the
+                       it adds for a weight's cast     cache fills)
+``WEIGHT_USE``         lift_weight_casts, every input  the weight-cache tests
+                       it adds for an fp32 use of a
+                       weight
 =====================  ==============================  ==========================================
 
 Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
@@ -50,7 +55,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS"]
+           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS", "WEIGHT_CACHE", "WEIGHT_USE"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -64,6 +69,8 @@ FOLDED = "amp_fx_folded"
 PARAMETER = "amp_fx_parameter"
 FP8 = "amp_fx_fp8"
 FP8_OF = "amp_fx_fp8_of"
+WEIGHT_CACHE = "amp_fx_weight_cache"
+WEIGHT_USE = "amp_fx_weight_use"
 RNN_CELLS = "amp_fx_rnn_cells"
 """Set (to the RNN op's name) on the nodes of an RNN op captured as torch's decomposition into
 cells, where eager would run cuDNN's RNN (``amp_fx.passes.capture._rnn_without_cudnn``)."""

@@ -37,6 +37,7 @@ from amp_fx.passes import meta
 from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name, source_text
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
+from amp_fx.passes.fx_edit import CAST_OP, copy_graph_module, is_cast, placeholders
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
@@ -138,8 +139,7 @@ class GraphRecord:
     @property
     def casts(self) -> int:
         """Casts in the rewritten graph (inserted ones that survived folding, and the user's)."""
-        return sum(1 for n in self.rewritten.graph.nodes
-                   if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default)
+        return sum(1 for n in self.rewritten.graph.nodes if is_cast(n))
 
     def summary_rows(self) -> list[list[object]]:
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
@@ -224,7 +224,7 @@ def _capture(options: Options, work: GraphWork) -> None:
     with work.fake_mode:
         work.gm = capture(work.gm, work.fake_args, policy=options.policy, device_type=work.device_type,
                           dtype=options.dtype, leaf_flags=work.leaf_flags)
-    work.captured = _copy_graph_module(work.gm)
+    work.captured = copy_graph_module(work.gm)
 
 
 def _insert_casts(options: Options, work: GraphWork) -> None:
@@ -244,8 +244,7 @@ def _cast_policy(options: Options) -> Policy:
 
 def _fp8_matmuls(options: Options, work: GraphWork) -> None:
     assert options.fp8 is not None
-    placeholders = [n for n in work.gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(placeholders, work.parameter_names, strict=True):
+    for node, name in zip(placeholders(work.gm.graph), work.parameter_names, strict=True):
         node.meta[meta.PARAMETER] = name
     work.gm, work.fp8 = fp8_matmuls(work.gm, config=options.fp8, policy=options.policy,
                                     fake_mode=work.fake_mode, device_type=work.device_type)
@@ -290,7 +289,7 @@ def _aten_graph(work: GraphWork) -> str | None:
 
 def _leaves_marked(work: GraphWork) -> str | None:
     """Placeholders carry ``meta[LEAF]`` (capture writes it; insert_casts reads it)."""
-    missing = [n.name for n in work.gm.graph.nodes if n.op == "placeholder" and meta.LEAF not in n.meta]
+    missing = [n.name for n in placeholders(work.gm.graph) if meta.LEAF not in n.meta]
     return f"placeholders {missing} have no meta[{meta.LEAF!r}]" if missing else None
 
 
@@ -299,7 +298,7 @@ def _decided(work: GraphWork) -> str | None:
     for node in work.gm.graph.nodes:
         if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
                 and meta.DECISION not in node.meta and meta.CAST not in node.meta
-                and node.target is not torch.ops.aten._to_copy.default):
+                and node.target is not CAST_OP):
             return f"{node.format_node()} has no meta[{meta.DECISION!r}] (insert_casts has not run?)"
     return None
 
@@ -316,7 +315,7 @@ def _cast_decisions_recorded(work: GraphWork) -> str | None:
 
 def _example_per_placeholder(work: GraphWork) -> str | None:
     """One example input per placeholder, in order (lifting appends to both)."""
-    n = sum(1 for node in work.gm.graph.nodes if node.op == "placeholder")
+    n = len(placeholders(work.gm.graph))
     return None if n == len(work.example_inputs) else f"{n} placeholders but {len(work.example_inputs)} inputs"
 
 
@@ -356,10 +355,10 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
     downstream trace agree (``from_tensor`` memoizes). ``is_state``: tells the root's parameters and
     buffers from the caller's data, by identity (:func:`amp_fx.passes.capture.data_inputs`);
     ``state_name``: a parameter's name under the root, by identity (else its Dynamo source's)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = placeholders(gm.graph)
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
     fake_args = []
-    for node, real in zip(placeholders, example_inputs, strict=True):
+    for node, real in zip(inputs, example_inputs, strict=True):
         if isinstance(real, torch.Tensor):
             fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
         else:
@@ -370,7 +369,7 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
                      data_inputs=data_inputs(gm, example_inputs, is_state),
                      parameter_names=[((state_name(n, r) if state_name is not None else None) or source_name(n))
                                       if _is_parameter(n, r) else None
-                                      for n, r in zip(placeholders, example_inputs, strict=True)])
+                                      for n, r in zip(inputs, example_inputs, strict=True)])
 
 
 def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
@@ -430,9 +429,3 @@ def stage(name: str, index: int, before: Sequence[str]) -> Iterator[None]:
     except Exception as e:
         raise StageFailure(name, index, list(before), e) from e
 
-
-def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    env = graph.graph_copy(gm.graph, {})
-    graph.output(env)
-    return torch.fx.GraphModule(gm, graph)

@@ -43,8 +43,10 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
-from amp_fx.passes.capture import module_path, module_stack
-from amp_fx.passes.watch_nonfinite import WatchedOp, WatchRecord, append_first_origin, op_name
+from amp_fx._common.op_names import op_label
+from amp_fx.passes.capture import module_path
+from amp_fx.passes.fx_edit import innermost_module, placeholders
+from amp_fx.passes.watch_nonfinite import WatchedOp, WatchRecord, append_first_origin
 
 __all__ = ["watch_backward", "stamp_forward_nodes", "watching_downstream", "FORWARD_NODE", "WATCHABLE"]
 
@@ -86,8 +88,7 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
         name = (node.meta.get("custom") or {}).get(FORWARD_NODE)
         fwd = forward_nodes.get(name) if isinstance(name, str) else None
         if fwd is not None:
-            stack = module_stack(fwd)
-            return (stack[-1][0] if stack else "", op_name(fwd.target))
+            return innermost_module(fwd), op_label(fwd.target, packet=True)
         stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack") or {}
         paths = [v[0] for v in stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
         return (module_path(paths[-1]) if paths else "", "")
@@ -96,12 +97,13 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
         if node.meta.get("partitioner_tag") == "is_forward":
             return None  # recomputed from the forward: the forward watch saw this value
         module, grad_of = source(node)
-        return WatchedOp(module=module, op=op_name(op), dtype=dtype_name(dtype), node=node.name, grad_of=grad_of)
+        return WatchedOp(module=module, op=op_label(op, packet=True), dtype=dtype_name(dtype), node=node.name,
+                         grad_of=grad_of)
 
     entering = []
-    for node in gm.graph.nodes:
+    for node in placeholders(gm.graph):
         val = node.meta.get("val")
-        if node.op != "placeholder" or not _is_tangent(node) or not isinstance(val, torch.Tensor):
+        if not _is_tangent(node) or not isinstance(val, torch.Tensor):
             continue
         if not val.dtype.is_floating_point:
             continue
@@ -109,7 +111,7 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
         module, of = source(user) if user is not None else ("", "")
         entering.append((node, WatchedOp(module=module, op=of, dtype=dtype_name(val.dtype), node=node.name,
                                          grad_of=of, incoming=True)))
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders(gm.graph)]
     fake_mode = detect_fake_mode(vals)
     with fake_mode if fake_mode is not None else torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
         return append_first_origin(gm, dtype=dtype, data=set(), describe=describe, entering=entering, lowered=True)

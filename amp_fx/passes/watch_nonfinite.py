@@ -57,10 +57,12 @@ import torch.fx
 
 from amp_fx._common.compat import dtensor_type
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx._common.op_names import op_label
 from amp_fx.kernels.fp8_matmul import fp8_matmul
-from amp_fx.passes.capture import dtensor_method, module_stack
+from amp_fx.passes.capture import dtensor_method
+from amp_fx.passes.fx_edit import CAST_OP, FULL_VIEWS, aliases_input, innermost_module, placeholders, walk_views
 
-__all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "append_first_origin", "op_name", "NONE"]
+__all__ = ["WatchedOp", "WatchRecord", "watch_nonfinite", "append_first_origin", "NONE"]
 
 aten = torch.ops.aten
 
@@ -95,13 +97,6 @@ class WatchRecord:
     ops: list[WatchedOp] = field(default_factory=list)
 
 
-def op_name(target: object) -> str:
-    """``aten.mm`` for ``aten.mm.default``; another namespace's op by its full name."""
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target.__name__.split('.')[0]}" if target.namespace == "aten" else str(target)
-    return getattr(target, "__name__", str(target))
-
-
 def _computing_op(node: torch.fx.Node) -> object | None:
     """The op that computed ``node``'s value, or None if ``node`` only aliases or mutates."""
     target = node.target
@@ -112,8 +107,7 @@ def _computing_op(node: torch.fx.Node) -> object | None:
         return target
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    schema = target._schema
-    if target.is_view or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+    if aliases_input(target) or target._schema.is_mutable:
         return None
     return target
 
@@ -130,18 +124,10 @@ def _watched(node: torch.fx.Node, dtype: torch.dtype) -> object | None:
 # Ops that compute each output element from the input elements at the same (broadcast) index,
 # besides those ATen tags ``pointwise``: an inf/NaN in an input element explains the output's.
 _POINTWISE_EXTRA = frozenset({
-    aten._to_copy.default, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
+    CAST_OP, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
     aten.where.Scalar, aten.fill.Scalar, aten.full_like.default, aten.zeros_like.default,
     aten.ones_like.default, aten.copy.default,
 })
-
-# Views that show every element of their base (so the base's "holds an inf/NaN" is theirs).
-_FULL_VIEWS = frozenset({
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.permute.default, aten.t.default, aten.expand.default, aten.unsqueeze.default,
-    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.alias.default, aten.detach.default,
-})
-
 
 def _is_pointwise(op: object) -> bool:
     return op in _POINTWISE_EXTRA or torch.Tag.pointwise in getattr(op, "tags", ())
@@ -178,17 +164,9 @@ def _base(node: torch.fx.Node) -> torch.fx.Node:
         target = op_node.target
         if not isinstance(target, torch._ops.OpOverload) or not op_node.args:
             return node
-        aliases = target.is_view or any(r.alias_info is not None for r in target._schema.returns)
-        if not aliases or not isinstance(op_node.args[0], torch.fx.Node):
+        if not aliases_input(target) or not isinstance(op_node.args[0], torch.fx.Node):
             return node
         node = op_node.args[0]
-
-
-def _full_view_source(node: torch.fx.Node) -> torch.fx.Node:
-    """``node`` through views that show all of their base's elements (transpose, view, expand)."""
-    while node.op == "call_function" and node.target in _FULL_VIEWS and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node
 
 
 class _Checks:
@@ -241,7 +219,7 @@ class _Checks:
 
     def holds(self, value: torch.fx.Node) -> torch.fx.Node:
         """``any(explains(value))``, built once per value (and its full views)."""
-        key = _full_view_source(value)
+        key = walk_views(value, FULL_VIEWS)[0]  # a view of all its base's elements shares its check
         if key not in self.holds_memo:
             self.holds_memo[key] = _call(self.graph, aten.any.default, (self.explains(key),))
         return self.holds_memo[key]
@@ -277,15 +255,15 @@ def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
 
     ``data_inputs``: per placeholder, True where it is data the caller handed in (a batch) rather
     than module state; empty (or of another length) treats none as data."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    data = ({n for n, flag in zip(placeholders, data_inputs, strict=True) if flag}
-            if len(data_inputs) == len(placeholders) else set())
+    inputs = placeholders(gm.graph)
+    data = ({n for n, flag in zip(inputs, data_inputs, strict=True) if flag}
+            if len(data_inputs) == len(inputs) else set())
     return append_first_origin(gm, dtype=dtype, data=data, describe=_forward_op)
 
 
 def _forward_op(node: torch.fx.Node, op: object, dtype: torch.dtype) -> WatchedOp | None:
-    path = module_stack(node)
-    return WatchedOp(module=path[-1][0] if path else "", op=op_name(op), dtype=dtype_name(dtype), node=node.name)
+    return WatchedOp(module=innermost_module(node), op=op_label(op, packet=True), dtype=dtype_name(dtype),
+                     node=node.name)
 
 
 Describe = Callable[[torch.fx.Node, object, torch.dtype], "WatchedOp | None"]
@@ -338,7 +316,7 @@ def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: s
                 as_int = _call(graph, torch.ops.prims.convert_element_type.default, (stacked, torch.int32))
             else:
                 stacked = _call(graph, aten.stack.default, (flags,))
-                as_int = _call(graph, aten._to_copy.default, (stacked,), {"dtype": torch.int32})
+                as_int = _call(graph, CAST_OP, (stacked,), {"dtype": torch.int32})
             # argmax of the flags as int32 is the first flagged position (argmax returns the first
             # maximum); -1 where none is flagged.
             first = _call(graph, aten.argmax.default, (as_int,))
