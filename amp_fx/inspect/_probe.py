@@ -16,6 +16,7 @@ import torch.fx
 from torch.utils._pytree import tree_flatten
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes import meta
 from amp_fx.passes.capture import MODULE_STATE_SOURCES as _ROOTS
 from amp_fx.passes.capture import source_text
 from amp_fx.passes.insert_casts import CAST_OP
@@ -89,7 +90,7 @@ def clone_inputs(inputs: Sequence[Any], leaf_flags: Sequence[bool] | None = None
 
 
 def leaf_flags(record: GraphRecord) -> list[bool]:
-    return [bool(n.meta.get("amp_fx_leaf", False))
+    return [bool(n.meta.get(meta.LEAF, False))
             for n in record.captured.graph.nodes if n.op == "placeholder"]
 
 

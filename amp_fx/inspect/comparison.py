@@ -327,7 +327,7 @@ def _close(a: Any, b: Any, exact: bool, dtype: torch.dtype) -> bool:
 def _rule_of(node: torch.fx.Node | None) -> str:
     if node is None:
         return ""
-    d = node.meta.get("amp_fx_decision")
+    d = node.meta.get(meta.DECISION)
     return d.reason if d is not None else ""
 
 

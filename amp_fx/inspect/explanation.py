@@ -117,10 +117,10 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return "constant captured from your code"
     if node.op == "output":
         return "graph output"
-    if node.meta.get("amp_fx_cast") == "inserted":
-        why = node.meta.get("amp_fx_cast_reason", "?")
+    if node.meta.get(meta.CAST) == meta.CAST_INSERTED:
+        why = node.meta.get(meta.CAST_REASON, "?")
         shared = ("; cached: one cast of this weight for all its uses, as autocast's cast cache"
-                  if node.meta.get("amp_fx_cached") else "")
+                  if node.meta.get(meta.CACHED) else "")
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.args[0].name}"
@@ -129,7 +129,7 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
     if node.target is torch.amp.autocast_mode._exit_autocast:
         return f"autocast off after {node.prev.name}"
     fp8 = node.meta.get(meta.FP8)
-    decision = node.meta.get("amp_fx_decision")
+    decision = node.meta.get(meta.DECISION)
     if fp8 is not None:
         return fp8.reason if fp8.converted or decision is None else f"{decision.reason}; {fp8.reason}"
     out = dtype_name(value_dtype(node.meta.get("val")))
@@ -154,11 +154,11 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
 
 def _autocast_dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The dtype capture recorded for eager autocast; for a multi-output op, its first output's."""
-    if "amp_fx_autocast_dtype" in node.meta:
-        return node.meta["amp_fx_autocast_dtype"]
+    if meta.AUTOCAST_DTYPE in node.meta:
+        return node.meta[meta.AUTOCAST_DTYPE]
     first = next((u for u in node.users
                   if u.target is operator.getitem and u.args[1] == 0), None)
-    return None if first is None else first.meta.get("amp_fx_autocast_dtype")
+    return None if first is None else first.meta.get(meta.AUTOCAST_DTYPE)
 
 
 def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
@@ -186,7 +186,7 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
     cast = None
     if is_cast(node):
         kind = "cast"
-        cast = "inserted" if node.meta.get("amp_fx_cast") == "inserted" else "user"
+        cast = "inserted" if node.meta.get(meta.CAST) == meta.CAST_INSERTED else "user"
     elif node.target is operator.getitem:
         kind = "getitem"
     op = {"input": "input", "output": "output", "constant": "get_attr"}.get(kind) or op_label(node)
@@ -195,9 +195,9 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
         args="" if node.op in ("placeholder", "get_attr") else _args_text(node),
         value=describe_value(val) if node.op != "output" else "",
         dtype=value_dtype(val), module=path, module_type=mtype, rule=_rule(node, labels),
-        cast=cast, cached=bool(node.meta.get("amp_fx_cached", False)),
-        folded=tuple(node.meta.get("amp_fx_folded", ())), label=labels.get(node.name, ""),
-        autocast_dtype=node.meta.get("amp_fx_autocast_dtype"))
+        cast=cast, cached=bool(node.meta.get(meta.CACHED, False)),
+        folded=tuple(node.meta.get(meta.FOLDED, ())), label=labels.get(node.name, ""),
+        autocast_dtype=node.meta.get(meta.AUTOCAST_DTYPE))
 
 
 def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
@@ -537,7 +537,7 @@ class Explanation:
                 continue
             casts = []
             for a in new.all_input_nodes:
-                if is_cast(a) and a.meta.get("amp_fx_cast") == "inserted":
+                if is_cast(a) and a.meta.get(meta.CAST) == meta.CAST_INSERTED:
                     src = a.args[0]
                     casts.append(f"{labels.get(src.name, src.name)}->"
                                  f"{dtype_name(value_dtype(a.meta.get('val')))}")

@@ -52,6 +52,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.passes import meta
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, op_from_name, resolve_dtype
 
@@ -137,7 +138,7 @@ class NonfiniteReport:
 
 def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
     """For a cast amp_fx inserted, the op it was inserted for; else the node itself."""
-    if node.meta.get("amp_fx_cast") == "inserted":
+    if node.meta.get(meta.CAST) == meta.CAST_INSERTED:
         for user in node.users:
             if user.op == "call_function" and not is_cast(user):
                 return user
@@ -365,7 +366,7 @@ class _ProbeInterpreter(torch.fx.Interpreter):
 
 
 def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
-    if a.meta.get("amp_fx_cast") == "inserted" and isinstance(a.args[0], torch.fx.Node):
+    if a.meta.get(meta.CAST) == meta.CAST_INSERTED and isinstance(a.args[0], torch.fx.Node):
         src = a.args[0]
         return (f"{labels.get(src.name, src.name)} (cast to "
                 f"{dtype_name(a.kwargs.get('dtype'))} by amp_fx)")
@@ -561,7 +562,7 @@ def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | N
     node = hit["node"]
     if node.op == "placeholder":
         return "a graph input already holds inf/NaN"
-    if phase == "forward" and is_cast(node) and node.meta.get("amp_fx_cast") != "inserted":
+    if phase == "forward" and is_cast(node) and node.meta.get(meta.CAST) != meta.CAST_INSERTED:
         return "a cast in your code overflows"
     if phase == "forward" and hit.get("fp32") is not None and not all_finite(hit["fp32"]):
         return "the op gives inf/NaN in fp32 too"
@@ -641,7 +642,7 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
     report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
     fp32 = hit.get("fp32")
     report.fp32_finite = None if fp32 is None else all_finite(fp32)
-    if node.meta.get("amp_fx_cast") != "inserted" and is_cast(node):
+    if node.meta.get(meta.CAST) != meta.CAST_INSERTED and is_cast(node):
         report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
                              "its input does not fit the target dtype; drop it or clamp first")
         return None

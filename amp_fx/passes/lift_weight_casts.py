@@ -233,7 +233,7 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         with graph.inserting_after(last):  # a placeholder's name is its argument's: unique
             ph = graph.placeholder(name if names[name] == 1 else f"{name}_{names[name]}")
         ph.meta["val"] = val
-        ph.meta[_USE_KEY if own else _CAST_KEY] = True
+        ph.meta[meta.WEIGHT_USE if own else meta.WEIGHT_CACHE] = True
         last = ph
         lifted.append(Lifted(i, dtype, created))
         inputs.append(_example(example_inputs[i], dtype, fake_mode))
@@ -264,8 +264,6 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     return torch.fx.GraphModule(gm, graph), inputs, lifted
 
 
-_CAST_KEY = "amp_fx_weight_cache"
-_USE_KEY = "amp_fx_weight_use"
 _FP8_PARTS = ("w8", "w8_scale", "w8_grad", "w8_grad_scale")
 
 
@@ -319,7 +317,7 @@ def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, 
                 with graph.inserting_after(last):
                     ph = graph.placeholder(f"{src.name}_{_FP8_PARTS[part]}_{len(shared)}")
                 ph.meta["val"] = val
-                ph.meta[_CAST_KEY] = True
+                ph.meta[meta.WEIGHT_CACHE] = True
                 last = ph
                 lifted.append(Lifted(position[src], example.dtype, -1, Fp8WeightCast(recipe, views, part)))
                 inputs.append(example)

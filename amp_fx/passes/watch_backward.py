@@ -43,12 +43,13 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
+from amp_fx.passes import meta
 from amp_fx.passes.capture import module_path, module_stack
 from amp_fx.passes.watch_nonfinite import WatchedOp, WatchRecord, append_first_origin, op_name
 
 __all__ = ["watch_backward", "stamp_forward_nodes", "watching_downstream", "FORWARD_NODE", "WATCHABLE"]
 
-FORWARD_NODE = "amp_fx_node"
+FORWARD_NODE = meta.FORWARD_NODE
 """The key in a node's ``meta["custom"]`` that names the rewritten forward node it comes from."""
 
 WATCHABLE = ("aot_eager", "inductor")
