@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.passes import meta
 
 STEPS = 3
 CLIP = 0.05  # small enough to clip (the test checks the clipped run's parameters differ from the unclipped)
@@ -225,8 +226,8 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None
         compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
         out = compiled(x)
         out.float().pow(2).mean().backward()
-    decisions = [n.meta["amp_fx_fp8"] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
-                 if "amp_fx_fp8" in n.meta]
+    decisions = [n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
+                 if meta.FP8 in n.meta]
     return {"out": _local(out), "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
             "converted": sum(d.converted for d in decisions), "considered": len(decisions),
             "amp_fx_warnings": _fallbacks(caught)}

@@ -20,6 +20,7 @@ from torch import nn
 
 import amp_fx
 from amp_fx.errors import AmpFxWarning
+from amp_fx.passes import meta
 from amp_fx.testing import HostSyncCounter
 
 # (dtype, micro-batches per optimizer step) of the compile_step runs on the nn.Sequential model:
@@ -81,7 +82,7 @@ class _DownstreamGraphs:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         params = {n for n, t in zip(placeholders, example_inputs)
                   if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
-        self.lifted += sum(1 for n in placeholders if n.meta.get("amp_fx_weight_cache"))
+        self.lifted += sum(1 for n in placeholders if n.meta.get(meta.WEIGHT_CACHE))
         self.param_casts += sum(1 for n in gm.graph.nodes
                                 if n.target is torch.ops.aten._to_copy.default and n.args[0] in params)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)

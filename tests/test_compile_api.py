@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx import CastClass, Policy
+from amp_fx.passes import meta
 from amp_fx.testing.zoo import MLP, ZOO, eager_autocast_step, step
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -178,7 +179,7 @@ def test_two_policies_on_one_model_never_share_a_graph() -> None:
     r_default, r_kept = default.amp_fx_records[0], kept.amp_fx_records[0]
     assert r_default.rewritten is not r_kept.rewritten
     assert r_kept.casts < r_default.casts  # fc3's weight, bias and input are not cast down
-    reasons = {str(n.meta.get("amp_fx_decision")) for n in r_kept.rewritten.graph.nodes}
+    reasons = {str(n.meta.get(meta.DECISION)) for n in r_kept.rewritten.graph.nodes}
     assert any("fc3" in r for r in reasons), reasons
 
 
@@ -239,7 +240,7 @@ def test_binary_cross_entropy_runs_in_fp32_as_on_cpu_eager(dtype: torch.dtype) -
     for n, g in expected.grads.items():
         torch.testing.assert_close(actual.grads[n], g, atol=0, rtol=0)
     graph = compiled.amp_fx_records[0].rewritten.graph
-    decisions = [n.meta.get("amp_fx_decision") for n in graph.nodes
+    decisions = [n.meta.get(meta.DECISION) for n in graph.nodes
                  if n.target is torch.ops.aten.binary_cross_entropy.default]
     assert [d.cast_class for d in decisions] == [CastClass.FP32]
 

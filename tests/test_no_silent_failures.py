@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx import AmpFxError, AmpFxWarning, CastClass, Policy
+from amp_fx.passes import meta
 from amp_fx.testing.zoo import MLP
 
 BACKEND = "aot_eager"
@@ -211,8 +212,8 @@ def test_keep_fp32_name_is_a_name_under_the_root(wrapping: str, dtype: torch.dty
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     # Every module path recorded is a name under the root (model.head, not head).
-    kept = {n.meta["amp_fx_decision"].kept_module for r in compiled.amp_fx_records
-            for n in r.rewritten.graph.nodes if "amp_fx_decision" in n.meta}
+    kept = {n.meta[meta.DECISION].kept_module for r in compiled.amp_fx_records
+            for n in r.rewritten.graph.nodes if meta.DECISION in n.meta}
     assert kept == {None, "model.head"}
 
 

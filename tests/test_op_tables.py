@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from amp_fx.passes import meta
 from tests._oracle import DTYPES, Call, check, load_autocast_test_lists, run_amp_fx, run_eager
 
 _lists = load_autocast_test_lists()
@@ -300,8 +301,8 @@ def test_cpu_cast_lands_on_the_decomposed_op(fn: Any, args: tuple[Any, ...], exp
     call_args = tuple(torch.randn(a) if isinstance(a, tuple) else a for a in args)
     amp = run_amp_fx(Call(fn, call_args), "cpu", torch.bfloat16)
     assert amp.error is None, amp.error
-    decided = {n.target.name(): n.meta["amp_fx_decision"].reason
-               for n in amp.graph.graph.nodes if "amp_fx_decision" in n.meta}
+    decided = {n.target.name(): n.meta[meta.DECISION].reason
+               for n in amp.graph.graph.nodes if meta.DECISION in n.meta}
     assert expected in decided, decided
     assert "default cpu table" in decided[expected], decided[expected]
     assert "aten::einsum" not in decided and "aten::tensordot" not in decided, decided

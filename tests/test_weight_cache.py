@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.errors import AmpFxError, AmpFxWarning
+from amp_fx.passes import meta
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.zoo import ZOO, TiedLM, eager_autocast_step, step
@@ -207,7 +208,7 @@ def test_downstream_graphs_cast_no_weight(weight_cache: bool) -> None:
                               weight_cache=weight_cache)
     loss_fn(compiled(*inputs)).backward()
     (graph,) = graphs
-    lifted = [n for n in graph.graph.nodes if n.meta.get("amp_fx_weight_cache")]
+    lifted = [n for n in graph.graph.nodes if n.meta.get(meta.WEIGHT_CACHE)]
     if weight_cache:
         # emb.weight once, block.weight and block.bias twice each: one input per use
         assert _param_casts(graph) == 0 and len(lifted) == 5
@@ -227,13 +228,13 @@ def test_fp32_uses_lifted_only_where_their_order_matters(name: str) -> None:
     model, inputs, loss_fn = _build(name)
     compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_recording_backend(graphs), weight_cache=True)
     loss_fn(compiled(*inputs)).backward()
-    uses = [sum(1 for n in g.graph.nodes if n.meta.get("amp_fx_weight_use")) for g in graphs]
+    uses = [sum(1 for n in g.graph.nodes if n.meta.get(meta.WEIGHT_USE)) for g in graphs]
     expected = {"shared_enc_dec": [2], "shared_enc_dec_break": [2, 0], "tied_embedding": [1], "tied_break": [0, 0]}
     assert uses == expected[name]
 
 
 def _refuses_lifted_graphs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    if any(n.meta.get("amp_fx_weight_cache") for n in gm.graph.nodes if n.op == "placeholder"):
+    if any(n.meta.get(meta.WEIGHT_CACHE) for n in gm.graph.nodes if n.op == "placeholder"):
         raise RuntimeError("this backend compiles no graph with lifted weight casts")
     return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -269,7 +270,7 @@ def test_one_input_per_use_of_a_trainable_weight(frozen: bool) -> None:
     model.block.requires_grad_(not frozen)
     compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_recording_backend(graphs), weight_cache=True)
     loss_fn(compiled(*inputs)).backward()
-    lifted = [n for n in graphs[0].graph.nodes if n.meta.get("amp_fx_weight_cache")]
+    lifted = [n for n in graphs[0].graph.nodes if n.meta.get(meta.WEIGHT_CACHE)]
     assert len(lifted) == (2 if frozen else 4) and all(len(n.users) == (2 if frozen else 1) for n in lifted)
 
 

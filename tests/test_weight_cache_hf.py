@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.passes import meta
 from amp_fx.testing import assert_bitwise
 
 transformers = pytest.importorskip(
@@ -238,7 +239,7 @@ class _Downstream:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         params = {n for n, t in zip(placeholders, example_inputs, strict=True)
                   if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
-        self.lifted += sum(1 for n in placeholders if n.meta.get("amp_fx_weight_cache"))
+        self.lifted += sum(1 for n in placeholders if n.meta.get(meta.WEIGHT_CACHE))
         self.param_casts += sum(1 for n in gm.graph.nodes
                                 if n.target is torch.ops.aten._to_copy.default and n.args[0] in params)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)

@@ -40,11 +40,20 @@ key                    written by                      read by
                        replaced a converted matmul
                        (the fp8 call, or the bias add
                        after it): the matmul's name
-``WEIGHT_CACHE``       lift_weight_casts, every input  the weight-cache tests (which inputs the
-                       it adds for a weight's cast     cache fills)
-``WEIGHT_USE``         lift_weight_casts, every input  the weight-cache tests
-                       it adds for an fp32 use of a
-                       weight
+``RNN_CELLS``          capture, the nodes of an RNN    the backend's audit (the RNNs that run
+                       op captured as its cells: the   without cuDNN here, reported)
+                       RNN op's name
+``WEIGHT_CACHE``       lift_weight_casts, each new     the weight-cache tests (which inputs the
+                       input that takes a weight's     cache fills)
+                       cached low-precision copy
+``WEIGHT_USE``         lift_weight_casts, each new     the weight-cache tests
+                       input that takes one fp32 use
+                       of a weight (a node of its own)
+``FORWARD_NODE``       watch_backward's                watch_backward (which forward node a
+                       ``stamp_forward_nodes``, in     backward node differentiates)
+                       ``meta["custom"]`` of every op
+                       (AOTAutograd copies it to the
+                       nodes it traces): the op's name
 =====================  ==============================  ==========================================
 
 Keys torch itself writes and amp_fx keeps true: ``val`` (a fake tensor; insert_casts recomputes
@@ -55,7 +64,7 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 from __future__ import annotations
 
 __all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS", "WEIGHT_CACHE", "WEIGHT_USE"]
+           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS", "WEIGHT_CACHE", "WEIGHT_USE", "FORWARD_NODE"]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"
@@ -69,8 +78,15 @@ FOLDED = "amp_fx_folded"
 PARAMETER = "amp_fx_parameter"
 FP8 = "amp_fx_fp8"
 FP8_OF = "amp_fx_fp8_of"
-WEIGHT_CACHE = "amp_fx_weight_cache"
-WEIGHT_USE = "amp_fx_weight_use"
 RNN_CELLS = "amp_fx_rnn_cells"
 """Set (to the RNN op's name) on the nodes of an RNN op captured as torch's decomposition into
 cells, where eager would run cuDNN's RNN (``amp_fx.passes.capture._rnn_without_cudnn``)."""
+WEIGHT_CACHE = "amp_fx_weight_cache"
+"""True on an input of a lifted graph that takes a weight's cached low-precision copy
+(``amp_fx.passes.lift_weight_casts``)."""
+WEIGHT_USE = "amp_fx_weight_use"
+"""True on an input of a lifted graph that takes one fp32 use of a weight, through a node of its
+own (``amp_fx.passes.lift_weight_casts``)."""
+FORWARD_NODE = "amp_fx_node"
+"""The key in a node's ``meta["custom"]`` that names the rewritten forward node it comes from
+(``amp_fx.passes.watch_backward``)."""

@@ -44,13 +44,14 @@ from torch._guards import detect_fake_mode
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
+from amp_fx.passes import meta
 from amp_fx.passes.capture import module_path
 from amp_fx.passes.fx_edit import innermost_module, placeholders
 from amp_fx.passes.watch_nonfinite import WatchedOp, WatchRecord, append_first_origin
 
 __all__ = ["watch_backward", "stamp_forward_nodes", "watching_downstream", "FORWARD_NODE", "WATCHABLE"]
 
-FORWARD_NODE = "amp_fx_node"
+FORWARD_NODE = meta.FORWARD_NODE
 """The key in a node's ``meta["custom"]`` that names the rewritten forward node it comes from."""
 
 WATCHABLE = ("aot_eager", "inductor")

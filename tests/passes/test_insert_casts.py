@@ -9,6 +9,7 @@ import torch
 
 import amp_fx
 from amp_fx import CastClass, Policy
+from amp_fx.passes import meta
 
 cast = torch.ops.aten._to_copy.default
 
@@ -93,7 +94,7 @@ def test_keep_fp32_runs_the_kept_module_in_fp32(keep):
     linears = [n for n in rec.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
     head = linears[-1]
     assert all(a.meta["val"].dtype == torch.float32 for a in head.all_input_nodes)
-    assert "kept by policy" in head.meta["amp_fx_decision"].reason
+    assert "kept by policy" in head.meta[meta.DECISION].reason
     assert out.dtype == torch.float32
     # Body: bf16 unless the whole type is kept.
     body_dtype = linears[0].meta["val"].dtype
@@ -117,7 +118,7 @@ def test_policy_moves_an_op_and_it_is_no_longer_decomposed():
     assert torch.ops.aten.layer_norm.default in targets(moved)
     ln = next(n for n in moved.rewritten.graph.nodes if n.target is torch.ops.aten.layer_norm.default)
     assert ln.meta["val"].dtype == torch.float32
-    assert "moved by policy" in ln.meta["amp_fx_decision"].reason
+    assert "moved by policy" in ln.meta[meta.DECISION].reason
 
 
 def test_user_casts_stay_where_they_are():
@@ -136,7 +137,7 @@ def test_user_casts_stay_where_they_are():
     out, rec = _record(model, x)
     assert out.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    user = [n for n in _casts_of(rec) if n.meta.get("amp_fx_cast") != "inserted"]
+    user = [n for n in _casts_of(rec) if n.meta.get(meta.CAST) != meta.CAST_INSERTED]
     assert len(user) == 1 and user[0].meta["val"].dtype == torch.float32
 
 
