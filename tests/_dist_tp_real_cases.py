@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import amp_fx
+from amp_fx.passes import meta
 from amp_fx.testing import eager_amp_step
 from amp_fx.testing.real_models import REAL_MODELS
 from tests._dist_cases import _local
@@ -108,8 +109,8 @@ def tp_real(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
     fp8 = torch_tp()
     compiled = amp_fx.compile(fp8, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=True)
     out[("fp8", "amp_fx")] = _run(lambda m, opt: _sgd_step(compiled, loss_fn, opt, None), fp8, inputs)
-    decisions = [n.meta["amp_fx_fp8"] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
-                 if "amp_fx_fp8" in n.meta]
+    decisions = [n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
+                 if meta.FP8 in n.meta]
     out[("fp8", "amp_fx")]["fp8"] = {"converted": sum(d.converted for d in decisions),
                                      "considered": len(decisions),
                                      "linears": sum(isinstance(m, nn.Linear) for m in fp8.modules())}
