@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -164,11 +165,13 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
 
 
-def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
+def train(model: nn.Module, rank: int, dtype: str, form: str,
+          batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch) -> dict[str, Any]:
     """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
     amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
     with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
-    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``)."""
+    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``). ``batch(step)``: this
+    rank's batch (the same on every rank by default, as tensor parallelism wants)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -184,7 +187,7 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
                                        scaler=scaler, backend="aot_eager",
                                        max_grad_norm=CLIP if form == "step_clip" else None)
             for i in range(STEPS):
-                losses.append(step(*_batch(i)).detach().clone())
+                losses.append(step(*batch(i)).detach().clone())
                 scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
                               else torch.tensor(scaler.get_scale()))
                 at["step"] = i + 1
@@ -194,7 +197,7 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
             scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if eager
                       else amp_fx.GradScaler("cpu", growth_interval=2))
             for i in range(STEPS):
-                x, y = _batch(i)
+                x, y = batch(i)
                 ctx = torch.autocast("cpu", dtype=low) if eager else contextlib.nullcontext()
                 with ctx:
                     loss = F.mse_loss(forward(x).float(), y)
@@ -248,20 +251,25 @@ CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
          ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
 
 
-def sharded_model(layout: str, world_size: int) -> Transformer:
-    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks."""
+def sharded_model(layout: str, world_size: int, dp: int = 1) -> Transformer:
+    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks; "fsdp_tp" on a
+    dp ``dp`` x tp ``world_size // dp`` mesh, "hsdp_tp" on a replicate ``dp`` x shard 1 x tp
+    ``world_size // dp`` one (tests/_dist_tp4_cases.py runs both with dp 2)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
     if layout in ("tp", "sp"):
         return tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=layout == "sp")
-    if layout == "fsdp_tp":
-        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    if layout in ("fsdp_tp", "hsdp_tp"):
+        shape, names = (((dp, world_size // dp), ("dp", "tp")) if layout == "fsdp_tp" else
+                        ((dp, 1, world_size // dp), ("replicate", "shard", "tp")))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         tensor_parallel(model, mesh["tp"])
+        dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh["replicate", "shard"]
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        return fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=dp_mesh)
+        return fully_shard(model, mesh=dp_mesh)
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

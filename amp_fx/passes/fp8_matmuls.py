@@ -75,7 +75,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
-from amp_fx.kernels.fp8_weight import Fp8Weight
+from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.passes import meta
@@ -440,7 +440,7 @@ def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
     """The uses of each :class:`Fp8Weight` input other than (through views) an fp8 matmul's weight."""
     reads = []
     for node in graph.find_nodes(op="placeholder"):
-        if not isinstance(node.meta.get("val"), Fp8Weight):
+        if not holds_fp8_weight(node.meta.get("val")):
             continue
         todo = [(node, user) for user in node.users]
         while todo:
