@@ -106,14 +106,17 @@ def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = 
             })
         else:
             plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
-        parallelize_module(block, mesh, plan)
+        # src_data_rank=None: every rank built the same model from one seed, so each keeps its own
+        # shard (no scatter: the byte-counting backend has none, and its Python-side delegation
+        # cannot hand a tensor subclass such as torchao's weights to gloo)
+        parallelize_module(block, mesh, plan, src_data_rank=None)
     if sequence_parallel:  # the replicated input enters sharded on the sequence, the output leaves whole
         parallelize_module(model, mesh, {
             "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                            use_local_output=True),
             f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
                 output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
-        })
+        }, src_data_rank=None)
     return model
 
 
@@ -251,10 +254,11 @@ CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
          ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
 
 
-def sharded_model(layout: str, world_size: int, dp: int = 1) -> Transformer:
+def sharded_model(layout: str, world_size: int, dp: int = 1, dp_backend: str | None = None) -> Transformer:
     """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks; "fsdp_tp" on a
-    dp ``dp`` x tp ``world_size // dp`` mesh, "hsdp_tp" on a replicate ``dp`` x shard 1 x tp
-    ``world_size // dp`` one (tests/_dist_tp4_cases.py runs both with dp 2)."""
+    dp ``dp`` x tp ``world_size // dp`` mesh (its dp groups on ``dp_backend`` if given: the
+    byte-counting one), "hsdp_tp" on a replicate ``dp`` x shard 1 x tp ``world_size // dp`` one
+    (tests/_dist_tp4_cases.py runs both with dp 2)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -264,7 +268,8 @@ def sharded_model(layout: str, world_size: int, dp: int = 1) -> Transformer:
     if layout in ("fsdp_tp", "hsdp_tp"):
         shape, names = (((dp, world_size // dp), ("dp", "tp")) if layout == "fsdp_tp" else
                         ((dp, 1, world_size // dp), ("replicate", "shard", "tp")))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names,
+                                backend_override={"dp": dp_backend} if dp_backend else None)
         tensor_parallel(model, mesh["tp"])
         dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh["replicate", "shard"]
         for block in model.blocks:

@@ -254,10 +254,6 @@ class _CountingGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:  # distribute_tensor's
-        self._count("scatter", inputs)
-        return self._inner.scatter(outputs, inputs, opts)
-
     def barrier(self, opts: Any = None) -> Any:
         return self._inner.barrier(opts)
 
