@@ -164,6 +164,18 @@ def _clip(model: nn.Module) -> None:
             g.mul_(coef)
 
 
+def assert_within_traced_adam(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """compile_step's parameters against the eager recipe's: within the traced Adam step's rounding,
+    ADAM_TRACED_RTOL of each element's movement (STEPS AdamW steps at lr 1e-2, one skipped: at
+    most 2 * lr), plus one fp32 ulp of the value."""
+    from tests._step_cases import ADAM_TRACED_RTOL
+
+    for name, e in want.items():
+        a = got[name]
+        bound = ADAM_TRACED_RTOL * 2 * 1e-2 + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"{what}, {name}: max diff {(a - e).abs().max()}"
+
+
 def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
 
