@@ -15,7 +15,19 @@ import warnings
 from typing import Any
 
 import torch
-from _dist_tp_cases import _MLP, BATCH, SEQ, D, _batch, _local, sharded_model, train
+from _dist_tp_cases import (
+    _MLP,
+    BATCH,
+    SEQ,
+    D,
+    _batch,
+    _local,
+    fp8_outputs,
+    make_model,
+    sharded_model,
+    tensor_parallel,
+    train,
+)
 from torch import nn
 
 import amp_fx
@@ -115,8 +127,6 @@ def fp8_transformer_2x2(world_size: int) -> dict[str, Any]:
     casts the TP shard itself), ``FP8_STEPS`` SGD steps on one batch for every rank (FSDP2's dp
     average of two equal gradients is exact): the losses, this rank's parameters, how many matmuls
     ran in fp8, the AmpFxWarnings and the bytes all-gathered."""
-    from _dist_tp_cases import make_model, tensor_parallel
-
     results: dict[str, Any] = {}
     for form in ("gathered", "tp"):
         torch._dynamo.reset()
@@ -156,4 +166,7 @@ def tp4_all(rank: int, world_size: int) -> dict[Any, Any]:
         results[case] = train(sharded_model(layout, world_size, dp=DP), rank, dtype, form, batch)
     results["fp8_gather"] = fp8_gather_2x2(world_size)
     results["fp8_transformer"] = fp8_transformer_2x2(world_size)
+    torch._dynamo.reset()  # fp8 under sequence parallelism: its activation all-gather is reported
+    results["fp8_sp"] = fp8_outputs(tensor_parallel(make_model(), _mesh(world_size)["tp"], sequence_parallel=True),
+                                    _batch(0)[0], strict=False)
     return results
