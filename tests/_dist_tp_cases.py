@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,14 +107,17 @@ def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = 
             })
         else:
             plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
-        parallelize_module(block, mesh, plan)
+        # src_data_rank=None: every rank built the same model from one seed, so each keeps its own
+        # shard (no scatter: the byte-counting backend has none, and its Python-side delegation
+        # cannot hand a tensor subclass such as torchao's weights to gloo)
+        parallelize_module(block, mesh, plan, src_data_rank=None)
     if sequence_parallel:  # the replicated input enters sharded on the sequence, the output leaves whole
         parallelize_module(model, mesh, {
             "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                            use_local_output=True),
             f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
                 output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
-        })
+        }, src_data_rank=None)
     return model
 
 
@@ -161,15 +165,29 @@ def _clip(model: nn.Module) -> None:
             g.mul_(coef)
 
 
+def assert_within_traced_adam(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """compile_step's parameters against the eager recipe's: within the traced Adam step's rounding,
+    ADAM_TRACED_RTOL of each element's movement (STEPS AdamW steps at lr 1e-2, one skipped: at
+    most 2 * lr), plus one fp32 ulp of the value."""
+    from tests._step_cases import ADAM_TRACED_RTOL
+
+    for name, e in want.items():
+        a = got[name]
+        bound = ADAM_TRACED_RTOL * 2 * 1e-2 + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"{what}, {name}: max diff {(a - e).abs().max()}"
+
+
 def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
 
 
-def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
+def train(model: nn.Module, rank: int, dtype: str, form: str,
+          batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch) -> dict[str, Any]:
     """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
     amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
     with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
-    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``)."""
+    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``). ``batch(step)``: this
+    rank's batch (the same on every rank by default, as tensor parallelism wants)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -185,7 +203,7 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
                                        scaler=scaler, backend="aot_eager",
                                        max_grad_norm=CLIP if form == "step_clip" else None)
             for i in range(STEPS):
-                losses.append(step(*_batch(i)).detach().clone())
+                losses.append(step(*batch(i)).detach().clone())
                 scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
                               else torch.tensor(scaler.get_scale()))
                 at["step"] = i + 1
@@ -195,7 +213,7 @@ def train(model: nn.Module, rank: int, dtype: str, form: str) -> dict[str, Any]:
             scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if eager
                       else amp_fx.GradScaler("cpu", growth_interval=2))
             for i in range(STEPS):
-                x, y = _batch(i)
+                x, y = batch(i)
                 ctx = torch.autocast("cpu", dtype=low) if eager else contextlib.nullcontext()
                 with ctx:
                     loss = F.mse_loss(forward(x).float(), y)
@@ -249,20 +267,27 @@ CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
          ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
 
 
-def sharded_model(layout: str, world_size: int) -> Transformer:
-    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks."""
+def sharded_model(layout: str, world_size: int, dp: int = 1, dp_backend: str | None = None) -> Transformer:
+    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks; "fsdp_tp" on a
+    dp ``dp`` x tp ``world_size // dp`` mesh (its dp groups on ``dp_backend`` if given: the
+    byte-counting one), "hsdp_tp" on a replicate ``dp`` x shard 1 x tp ``world_size // dp`` one
+    (tests/_dist_tp4_cases.py runs both with dp 2)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
     if layout in ("tp", "sp"):
         return tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=layout == "sp")
-    if layout == "fsdp_tp":
-        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+    if layout in ("fsdp_tp", "hsdp_tp"):
+        shape, names = (((dp, world_size // dp), ("dp", "tp")) if layout == "fsdp_tp" else
+                        ((dp, 1, world_size // dp), ("replicate", "shard", "tp")))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names,
+                                backend_override={"dp": dp_backend} if dp_backend else None)
         tensor_parallel(model, mesh["tp"])
+        dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh["replicate", "shard"]
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        return fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=dp_mesh)
+        return fully_shard(model, mesh=dp_mesh)
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)

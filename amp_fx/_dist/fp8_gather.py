@@ -22,7 +22,9 @@ the fp8 all-gather, and what torchao computes with it.
 Which weights (:func:`gathered_fp8_weights`, when ``amp_fx.compile`` wraps the model): the
 ``weight`` of every ``nn.Linear`` owned by one module only, of the root unit of a model with
 other sharded units only where amp_fx compiles the Linear as a unit of its own
-(:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 of a 1-D mesh, gathered in
+(:func:`_fsdp_params` says why), sharded by ``fully_shard`` on dim 0 (of a 1-D mesh, or of the
+data-parallel dimensions of FSDP2 x TP or HSDP: the local shard is then a shard of the TP shard,
+cast with the whole weight's scale, and the gathered TP shard a DTensor over an Fp8Weight), gathered in
 fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
 cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
@@ -97,7 +99,9 @@ def _pre_all_gather(shard: torch.Tensor, mesh: Any, outer_size: torch.Size, oute
         shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, rows - shard.shape[0]))
     fp8_max = torch.finfo(E4M3).max
     data = (shard.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(E4M3)
-    return (data,), (scale,)
+    # gathered as its bytes: gloo has no float8 type ("Invalid scalar type" where every input of a
+    # unit's all-gather is e4m3; FSDP2 gathers mixed dtypes as bytes anyway)
+    return (data.view(torch.uint8),), (scale,)
 
 
 def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple[torch.Tensor, ...],
@@ -106,8 +110,9 @@ def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], met
     """The gathered weight (an :class:`Fp8Weight` over the gathered data, freed by FSDP2 after the
     forward), or, on later all-gathers into the same storage, its new scale."""
     (data,), (scale,) = outputs, metadata
-    if out is not None:
-        out._scale = scale  # type: ignore[attr-defined]
+    data = data.view(E4M3)
+    if out is not None:  # FSDP2 x TP: the unsharded parameter is a DTensor of the TP mesh over it
+        getattr(out, "_local_tensor", out)._scale = scale
         return None
     return Fp8Weight(data, scale, param_dtype, shard._amp_fx_fp8_reads), (data,)  # type: ignore[attr-defined]
 
@@ -152,17 +157,21 @@ class GatheredFp8Weights:
 @torch.no_grad()
 def precompute_scales(params: Sequence[torch.Tensor]) -> None:
     """Every weight's tensorwise e4m3 scale from the amax of the whole (sharded) weight, the
-    amaxes of all local shards in *one* all-reduce (MAX); stored on each local shard for its
-    next all-gathers. torchao's ``precompute_float8_dynamic_scale_for_fsdp`` (an inf-norm is the
-    amax; its max over shards is the whole weight's), with the fp8 matmul's own scale rule."""
-    if not params:
-        return
-    shards = [p._local_tensor for p in params]  # type: ignore[attr-defined]
-    amax = torch.stack([torch.max(torch.abs(t)) if t.numel() else t.new_zeros(()) for t in shards])
-    group = params[0].device_mesh.get_group()  # type: ignore[attr-defined]
-    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    for t, scale in zip(shards, scale_from_amax(amax, E4M3).unbind()):
-        t._amp_fx_fp8_scale = scale
+    amaxes of the local shards of the weights on one mesh in *one* all-reduce (MAX) per mesh
+    dimension (a 1-D FSDP2 mesh: one; FSDP2 x TP: over dp, then over tp, so every rank holds the
+    max over every shard of the weight; a replicated dimension's max is its value); stored on each
+    local shard for its next all-gathers. torchao's ``precompute_float8_dynamic_scale_for_fsdp``
+    (an inf-norm is the amax; DTensor reduces it over every mesh dimension), with the fp8 matmul's
+    own scale rule."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.device_mesh, []).append(p._local_tensor)  # type: ignore[attr-defined]
+    for mesh, shards in by_mesh.items():
+        amax = torch.stack([torch.max(torch.abs(t)) if t.numel() else t.new_zeros(()) for t in shards])
+        for dim in range(mesh.ndim):
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
+        for t, scale in zip(shards, scale_from_amax(amax, E4M3).unbind()):
+            t._amp_fx_fp8_scale = scale
 
 
 def _reset_fsdp_param(fsdp_param: Any) -> None:
@@ -207,8 +216,8 @@ def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
     if any(module_matches(s, path, type(module)) for s in (*policy.keep_out_of_fp8, *policy.keep_fp32)):
         return "kept out of fp8 by the policy"
     param = fsdp_param.sharded_param
-    if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-        return f"placements {param.placements} on a {param.device_mesh.ndim}-D mesh, not Shard(0) on a 1-D mesh"
+    if fsdp_param.fsdp_placement != Shard(0):
+        return f"FSDP2 shards it as {fsdp_param.fsdp_placement}, not Shard(0)"
     if fsdp_param.mp_policy.param_dtype not in (None, torch.float32) or param.dtype != torch.float32:
         return "not gathered in fp32 (MixedPrecisionPolicy(param_dtype=...) gathers it in low precision already)"
     if fsdp_param.offload_to_cpu:
@@ -250,7 +259,7 @@ def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module]
         reporter.did_less("fp8_all_gather:fp32", (
             f"amp_fx: FSDP2 all-gathers {', '.join(less)} in fp32 (4 bytes per element), not in fp8 "
             "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
-            "differ. Shard it with fully_shard on dim 0 of a 1-D mesh, not offloaded, owned by one "
+            "differ. Shard it with fully_shard on dim 0 (the default), not offloaded, owned by one "
             "nn.Linear, to gather it in fp8; strict=True makes this an error."))
     if not params:
         return None

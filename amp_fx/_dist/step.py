@@ -224,7 +224,11 @@ def _sharded_over(param: Any) -> tuple[Any, ...]:
     placements = getattr(param, "placements", None)
     if placements is None:
         return ()
-    return tuple(param.device_mesh.get_group(dim) for dim, p in enumerate(placements) if p.is_shard())
+    # not is_shard(): FSDP2 shards a TP shard's dim 0 over dp as _StridedShard, whose is_shard() is
+    # False (torch 2.13); counted as replicated, the dp sum was left out of FSDP2 x TP's global norm
+    # and each dp rank clipped with its own (0.99 and 1.00 against 1.07 on a dp 2 x tp 2 mesh)
+    return tuple(param.device_mesh.get_group(dim) for dim, p in enumerate(placements)
+                 if not (p.is_replicate() or p.is_partial()))
 
 
 def _placed_as_param(grad: Any, param: Any) -> Any:

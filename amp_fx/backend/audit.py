@@ -134,6 +134,13 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
         slow = slow_fp8_text(records)
         if slow is not None:
             reporter.notice(("fp8", "slow kernel"), slow)
+        gathered = [g for r in records if r.fp8 is not None for g in r.fp8.gathered_activations]
+        if gathered:
+            reporter.did_less(("fp8", "activation all-gather"), (
+                f"amp_fx: the input of {len(gathered)} fp8 matmul(s) is all-gathered before its fp8 cast "
+                f"({'; '.join(gathered[:4])}): sequence parallelism's all-gather moves the activation in its "
+                f"own dtype, as eager autocast does, not in fp8 as torchao's Float8ColwiseParallel does (the "
+                f"values are the same, the bytes 2-4x). Not supported yet; strict=True makes this an error."))
         return
     if not decisions:
         found = ("no graph of the first call has a matmul with a parameter operand "

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from amp_fx._common.matmul_output import matmul_output
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import mxfp8_matmul as _mx
-from amp_fx.kernels.fp8_weight import Fp8Weight
+from amp_fx.kernels.fp8_weight import fp8_parts
 
 __all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
            "E5M2", "EPS", "ALIGNMENT", "scale_from_amax", "Fp8Padding", "padding", "rowwise_scales_missing",
@@ -230,9 +230,9 @@ def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> Fp8Op
     it in high precision."""
     if cast.dtype is None:
         return x
-    if isinstance(x, Fp8Weight) and cast.dtype == E4M3 and not cast.rowwise:
+    if cast.dtype == E4M3 and not cast.rowwise and (parts := fp8_parts(x)) is not None:
         # cast before FSDP2's all-gather, with this rule's scale (amp_fx._dist.fp8_gather)
-        return Fp8Operand(x._data, x._scale, x.dtype, None)
+        return Fp8Operand(*parts, x.dtype, None)
     dim = axiswise_dim if cast.rowwise else None
     scale = _scale(x, cast.dtype, dim, pow2)
     scaled = x.to(torch.float32) * scale

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["EagerReads", "Fp8Weight"]
+__all__ = ["EagerReads", "Fp8Weight", "fp8_parts", "holds_fp8_weight"]
 
 aten = torch.ops.aten
 
@@ -101,6 +101,31 @@ class Fp8Weight(torch.Tensor):
             w = args[0]
             return Fp8Weight(func(w._data, *args[1:], **kwargs), w._scale, w.dtype, w._reads)
         return _dequantized_call(func, args, kwargs)
+
+
+def holds_fp8_weight(t: object) -> bool:
+    """``t`` is an :class:`Fp8Weight` or a DTensor over one (FSDP2 x TP gathers the TP shard: the
+    unsharded parameter is a DTensor of the TP mesh over what the fp8 all-gather made)."""
+    return isinstance(t, Fp8Weight) or isinstance(getattr(t, "_local_tensor", None), Fp8Weight)
+
+
+def fp8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(data, scale)`` of an :class:`Fp8Weight`; of a DTensor over one, the DTensor of the same
+    mesh and placements over the e4m3 data and the scale replicated (every rank's scale is the
+    whole weight's: :func:`amp_fx._dist.fp8_gather.precompute_scales`), as the fp8 matmul's own
+    cast of a DTensor weight makes them; None for any other tensor."""
+    if isinstance(w, Fp8Weight):
+        return w._data, w._scale
+    local = getattr(w, "_local_tensor", None)
+    if not isinstance(local, Fp8Weight):
+        return None
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = w.device_mesh  # type: ignore[attr-defined]
+    data = DTensor.from_local(local._data, mesh, w.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=w.shape, stride=w.stride())
+    scale = DTensor.from_local(local._scale, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return data, scale
 
 
 @torch._dynamo.disable

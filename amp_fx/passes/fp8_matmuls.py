@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -78,11 +79,11 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
-from amp_fx.kernels.fp8_weight import Fp8Weight
+from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.passes import meta
-from amp_fx.passes.capture import module_stack
+from amp_fx.passes.capture import dtensor_method, module_stack
 from amp_fx.passes.fx_edit import (
     CAST_OP,
     WEIGHT_VIEWS,
@@ -163,6 +164,12 @@ class Fp8Record:
     """Uses of a weight FSDP2 gathered in fp8 (an :class:`~amp_fx.kernels.fp8_weight.Fp8Weight`
     input, ``amp_fx/_dist/fp8_gather.py``) other than as an fp8 matmul's weight: ``"<weight> by
     <op> in <module>"``. Such a use reads the fp8 weight's ``data / scale``."""
+
+    gathered_activations: list[str] = field(default_factory=list)
+    """The converted matmuls whose input DTensor all-gathers before the cast (sequence
+    parallelism's ``Shard`` to ``Replicate`` redistribute): ``"<module> (<from> to <to>)"``. The
+    gather moves the input's dtype (what eager autocast moves), not e4m3 as torchao's
+    ``Float8ColwiseParallel`` does."""
 
     @property
     def converted(self) -> list[Fp8Decision]:
@@ -273,6 +280,9 @@ class _Fp8Rewriter:
         elif not all(isinstance(d, int) for d in shape):  # type: ignore[union-attr]
             reason += f"; a symbolic size: padded at run time where not a multiple of {ALIGNMENT}"
         self.convert(node, match, decide(True, reason, pad))
+        gathered = _gathered_activation(match.x)
+        if gathered is not None:
+            self.record.gathered_activations.append(f"{module or 'the root'} ({gathered})")
 
     def match(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """The operands of a matmul whose right operand is a 2-D parameter, or why not."""
@@ -419,11 +429,37 @@ class _Fp8Rewriter:
                             decision=decision)
 
 
+# value-preserving steps between a redistribute and the matmul: insert_casts' cast, views, detach
+_PASS_THROUGH = {aten._to_copy.default, aten.detach.default, aten.view.default, aten.reshape.default,
+                 aten.alias.default}
+
+
+def _gathered_activation(x: torch.fx.Node) -> str | None:
+    """``"<from> to <to>"`` where ``x`` is, through casts and views, a DTensor ``redistribute``
+    that gathers a sharded input (some ``Shard`` placement becomes ``Replicate``); None otherwise."""
+    node: Any = x
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target in _PASS_THROUGH:
+            node = node.args[0]
+            continue
+        if not (node.target is dtensor_method and node.args[0] == "redistribute"):
+            return None
+        source = node.args[1]
+        before = getattr(source.meta.get("val"), "placements", None) if isinstance(source, torch.fx.Node) else None
+        after = getattr(node.meta.get("val"), "placements", None)
+        if before is None or after is None:
+            return None
+        if any(b.is_shard() and a.is_replicate() for b, a in zip(before, after)):
+            return f"{before} to {after}"
+        node = source  # a redistribute that gathers nothing (a ColwiseParallel input already Replicate)
+    return None
+
+
 def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
     """The uses of each :class:`Fp8Weight` input other than (through views) an fp8 matmul's weight."""
     reads = []
     for node in placeholders(graph):
-        if not isinstance(node.meta.get("val"), Fp8Weight):
+        if not holds_fp8_weight(node.meta.get("val")):
             continue
         todo = [(node, user) for user in node.users]
         while todo:
