@@ -5,7 +5,8 @@
 
 import logging
 
-from amp_fx.compile import AmpCompiledModule, compile, options_of, records, uncompile
+from amp_fx.api import compile, options_of, records, uncompile
+from amp_fx.backend.wrapper import AmpCompiledModule
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite

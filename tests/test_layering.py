@@ -145,7 +145,7 @@ def test_no_import_cycle():
 
 @pytest.mark.parametrize("module, target", [
     ("amp_fx.policy", "amp_fx.step"),             # a table importing the training step
-    ("amp_fx.passes.insert_casts", "amp_fx.compile"),  # a pass importing the public face
+    ("amp_fx.passes.insert_casts", "amp_fx.api"),  # a pass importing the public face
     ("amp_fx.backend.compiler", "amp_fx.testing.zoo"),  # the library importing test helpers
 ])
 def test_the_checks_catch_an_upward_import_and_the_cycle_it_makes(module, target):
@@ -166,7 +166,8 @@ def test_no_private_name_imported_across_modules():
 
 
 @pytest.mark.parametrize("attribute, owner", [
-    ("_amp_fx_backend", "amp_fx/compile.py"),   # a compiled module's options: amp_fx.options_of
+    ("_amp_fx_backend", "amp_fx/backend/wrapper.py"),  # a compiled module's backend: backend_of
+    ("_amp_fx_inplace", "amp_fx/backend/inplace.py"),  # the call of compile(inplace=True)
     ("_skip_record", "amp_fx/scaler/grad_scaler.py"),  # the scaler's overflow record
 ])
 def test_private_state_is_read_by_its_owner_only(attribute, owner):

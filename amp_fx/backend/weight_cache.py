@@ -39,7 +39,7 @@ Not detectable cheaply, hence documented: in-place edits through ``param.data`` 
 counter, autograd's own checks miss them too) and fused kernels run outside a
 ``torch.optim.Optimizer``. Call :meth:`WeightCache.invalidate` after those.
 
-Not supported, hence refused (``amp_fx.compile.weight_cache_off_for_fsdp2``): FSDP2 models.
+Not supported, hence refused (:func:`weight_cache_off_for_fsdp2`): FSDP2 models.
 FSDP2 all-gathers each parameter into the same unsharded tensor every forward without bumping its
 version counter, and its optimizer steps the sharded parameters. DDP is supported: every rank
 holds and updates whole fp32 parameters, and DDP's reducer hooks sit on their AccumulateGrad
@@ -63,10 +63,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_fx._common.report import Reporter
+from amp_fx._dist.capture import distributed_units
 from amp_fx.kernels.fp8_matmul import weight_casts
 from amp_fx.passes.lift_weight_casts import Fp8WeightCast, Lifted
+from amp_fx.policy import Policy
 
-__all__ = ["WeightCache", "StepWriter", "LOW_DTYPES"]
+__all__ = ["WeightCache", "StepWriter", "LOW_DTYPES", "weight_cache_applies", "weight_cache_off_for_fsdp2"]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -388,3 +391,39 @@ class StepWriter:
         with torch.no_grad():
             WeightCache.write(self.pairs)
         self.cache.revalidate(self.pairs, self.cache.versions(self.pairs))
+
+
+def weight_cache_applies(policy: Policy, root: torch.nn.Module | None, reporter: Reporter, caller: str) -> bool:
+    """Whether ``weight_cache=True`` can be honoured for ``root``; where not, the reporter says why."""
+    if root is not None and weight_cache_off_for_fsdp2(root, reporter, caller):
+        return False
+    if not policy.cast_cache:
+        reporter.did_less("weight_cache:cast_cache",
+                          "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
+                          "turns off (each use would get its own gradient cast); the weight cache is off. "
+                          "Drop cast_cache=False or weight_cache=True.")
+        return False
+    return True
+
+
+def weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, caller: str) -> bool:
+    """Report (and return True) when ``model`` is sharded with ``fully_shard``: no weight cache.
+
+    FSDP2 all-gathers each parameter, every forward, into the same unsharded tensor, under
+    ``torch.autograd._unsafe_preserve_version_counter``: neither its version counter nor its
+    storage tells the cache that the values changed, and the optimizer steps the *sharded*
+    parameters, so no invalidation rule of amp_fx/backend/weight_cache.py would ever fire and the copy
+    would stay the first forward's (checked: training drifts from eager FSDP2 after one step).
+    DDP keeps whole fp32 parameters on every rank and is supported.
+    """
+    units = distributed_units(model)
+    if units is None or (torch.distributed.is_available()
+                         and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+        return False
+    reporter.did_less("weight_cache:fsdp2", (
+        f"{caller}(weight_cache=True): the model is sharded with fully_shard (FSDP2), which gathers "
+        "its parameters again in every forward into tensors whose changes the weight cache cannot "
+        "see; the cache is off and each forward casts the gathered weights, as eager autocast does. "
+        "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
+        "weights instead)."))
+    return True

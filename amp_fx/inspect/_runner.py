@@ -285,8 +285,8 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
     amp_fx's own errors (:class:`~amp_fx.errors.AmpFxError`, ``ValueError``) propagate; any other
     failure becomes :class:`~amp_fx.errors.AmpRunError` (see :func:`amp_failure`).
     """
-    from amp_fx.compile import compile as amp_compile
-    from amp_fx.compile import records
+    from amp_fx.api import compile as amp_compile
+    from amp_fx.api import records
 
     target = private_copy(model_or_fn)
     inputs = call.copy()

@@ -661,7 +661,8 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
             bug in the model), with the eager error chained; or the compiled model given without
             inputs has not run yet.
     """
-    from amp_fx.compile import AmpCompiledModule, options_of, records
+    from amp_fx.api import options_of, records
+    from amp_fx.backend.wrapper import AmpCompiledModule
 
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))

@@ -33,7 +33,8 @@ from tabulate import tabulate
 
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import layers
-from amp_fx.compile import AmpCompiledModule, options_of, reporter_of
+from amp_fx.api import options_of
+from amp_fx.backend.wrapper import AmpCompiledModule, reporter_of
 from amp_fx.options import Options
 from amp_fx.policy import resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode

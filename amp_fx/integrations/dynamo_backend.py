@@ -49,7 +49,7 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx.backend import AmpBackend
 from amp_fx.backend.audit import report_unused_policy
 from amp_fx.backend.names import frame_self
-from amp_fx.compile import check_keep_fp32
+from amp_fx.backend.wrapper import check_keep_fp32
 from amp_fx.options import Options
 from amp_fx.passes.insert_casts import graph_device_type
 from amp_fx.policy import Policy

@@ -30,7 +30,7 @@ except ImportError as e:  # pragma: no cover - exercised where transformers is m
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
-from amp_fx.compile import options_of
+from amp_fx.api import options_of
 from amp_fx.scaler import GradScaler
 
 __all__ = ["AmpFxTrainer", "amp_fx_dtype"]

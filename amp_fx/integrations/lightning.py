@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised where lightning is miss
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
-from amp_fx.compile import check_compile_kwargs, compile_with, options_of, records
+from amp_fx.api import check_compile_kwargs, compile_with, options_of, records
 from amp_fx.options import Options, inductor_config
 from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler

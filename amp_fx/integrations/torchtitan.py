@@ -38,7 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised where torchtitan is mis
     raise ImportError("amp_fx.integrations.torchtitan needs torchtitan: pip install amp_fx[torchtitan]") from e
 
 from amp_fx._common.report import Reporter
-from amp_fx.compile import compile_inplace_at_first_call
+from amp_fx.backend.inplace import compile_inplace_at_first_call
 from amp_fx.fp8 import Fp8Like
 from amp_fx.options import Options
 from amp_fx.policy import Policy

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from amp_fx._dist.step import distributed_forward
-from amp_fx.compile import compile_with
+from amp_fx.api import compile_with
 from amp_fx.options import Options
 
 __all__ = ["ForwardLoss", "LossFn", "compile_forward", "module_prefixes"]
@@ -77,7 +77,7 @@ def compile_forward(model: torch.nn.Module, forward_loss: ForwardLoss, options: 
     the forward into graphs, each rewritten, with no host sync between them. DDP/FSDP2: per-unit
     capture, no gradient sync within a window (``micro_step()``: the micro-batches of this window
     that came before). The caller has turned the weight cache off for FSDP2
-    (``amp_fx.compile.weight_cache_off_for_fsdp2``).
+    (``amp_fx.backend.weight_cache.weight_cache_off_for_fsdp2``).
     """
     label = f"compile_step({type(model).__name__})"
     forward = distributed_forward(model, forward_loss, dtype=options.dtype, accumulate=forward_loss.accumulate,

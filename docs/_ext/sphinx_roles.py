@@ -1,6 +1,6 @@
 """A griffe extension for the API reference: Sphinx roles in docstrings become code spans.
 
-amp_fx's docstrings name other objects the Sphinx way (``:func:`~amp_fx.compile.compile```,
+amp_fx's docstrings name other objects the Sphinx way (``:func:`~amp_fx.api.compile```,
 ``:class:`Policy```), which mkdocstrings would print as written. This shows each as the name in
 code (``compile``, ``Policy``): the last component where the role's target starts with ``~``, as
 Sphinx shows it. Loaded by mkdocs.yml (``extensions:``); not part of the package.
