@@ -23,7 +23,7 @@ import amp_fx
 from amp_fx.fp8 import Fp8Config
 from amp_fx.inspect._fp8_eager import Fp8Eager
 from amp_fx.inspect.advice import DEFAULT_TARGETS, FP8_ERROR_HAZARD
-from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import torchao_missing
 from amp_fx.testing.hazards import FP8_HAZARDS, build
