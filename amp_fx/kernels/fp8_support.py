@@ -1,4 +1,4 @@
-"""What torch's fp8 GEMM (``torch._scaled_mm``) can do on a device: the one place that asks.
+"""What torch's fp8 GEMM (``torch._scaled_mm``) can do on a device, for the float8 recipes.
 
 :func:`rowwise_scales_missing` (does ``_scaled_mm`` take rowwise scales here?) and
 :func:`fp8_tensor_cores_missing` (does it run on fp8 tensor cores, or on its reference kernel?),
