@@ -23,7 +23,7 @@ import amp_fx
 from amp_fx.fp8 import Fp8Config
 from amp_fx.inspect._fp8_eager import Fp8Eager
 from amp_fx.inspect.advice import DEFAULT_TARGETS, FP8_ERROR_HAZARD
-from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import torchao_missing
 from amp_fx.testing.hazards import FP8_HAZARDS, build
@@ -176,6 +176,19 @@ def test_fp8_advise_says_when_no_matmul_runs_in_fp8() -> None:
     assert "no matmul ran in fp8" in str(advice) and advice.fp8_matmuls == ()
     with pytest.raises(amp_fx.AmpFxError, match="no matmul of Sequential ran in fp8"):
         amp_fx.advise(model, x, dtype="bf16", fp8="tensorwise", strict=True)
+
+
+def test_fp8_advise_refuses_rowwise_where_scaled_mm_takes_no_rowwise_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where _scaled_mm takes no rowwise scales (torch 2.11's CPU kernel; simulated here where it
+    does), advise refuses a rowwise recipe before it measures, through the check the fp8 pass
+    uses (tests/test_fp8.py::test_rowwise_without_rowwise_scaled_mm_is_refused), naming itself."""
+    import amp_fx.kernels.fp8_support as fp8_support
+
+    monkeypatch.setattr(fp8_support, "rowwise_scales_missing", lambda device_type: "no rowwise here")
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    why = "^amp_fx.advise: fp8='rowwise' needs rowwise scales.*no rowwise here.*fp8='tensorwise'"
+    with pytest.raises(amp_fx.AmpFxError, match=why):
+        amp_fx.advise(model, torch.randn(16, 32), dtype="bf16", fp8="rowwise")
 
 
 def test_cli_advise_fp8_json(capsys: pytest.CaptureFixture[str]) -> None:

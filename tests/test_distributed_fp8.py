@@ -21,7 +21,7 @@ import pytest
 import torch
 from _dist_fp8_cases import CASES, ROWWISE_CASES, run_all
 
-from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
 from amp_fx.testing.fp8_reference import torchao_missing

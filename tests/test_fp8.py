@@ -23,8 +23,9 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_matmul import RECIPES as KERNEL_RECIPES
-from amp_fx.kernels.fp8_matmul import fp8_matmul, rowwise_scales_missing
+from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.kernels.fp8_recipes import RECIPES as KERNEL_RECIPES
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
 from amp_fx.policy import Policy
 from amp_fx.testing import assert_bitwise
@@ -838,9 +839,9 @@ def test_rowwise_without_rowwise_scaled_mm_is_refused(monkeypatch: pytest.Monkey
     """Where _scaled_mm takes no rowwise scales (torch 2.11's CPU kernel; simulated here where it
     does), a rowwise recipe is refused at compile time with the reason and the fix, not by an
     internal assert of _scaled_mm at the first GEMM. tensorwise still runs."""
-    import amp_fx.passes.fp8_matmuls as fp8_matmuls
+    import amp_fx.kernels.fp8_support as fp8_support
 
-    monkeypatch.setattr(fp8_matmuls, "rowwise_scales_missing", lambda device_type: "no rowwise here")
+    monkeypatch.setattr(fp8_support, "rowwise_scales_missing", lambda device_type: "no rowwise here")
     model, x = mlp()
     why = "fp8='rowwise' needs rowwise scales.*no rowwise here.*fp8='tensorwise'"
     with pytest.raises(amp_fx.AmpFxError, match=why):

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx.kernels.fp8_matmul import RECIPES as KERNEL_RECIPES
-from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.kernels.fp8_recipes import RECIPES as KERNEL_RECIPES
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import (
     count_gemm_flops,

@@ -15,7 +15,7 @@ import torch._dynamo.testing
 import amp_fx
 from amp_fx._common.report import Reporter
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
-from amp_fx.kernels.fp8_matmul import E4M3
+from amp_fx.kernels.fp8_recipes import E4M3
 
 
 def _gathered(name: str) -> tuple[GatheredFp8Weights, torch.Tensor]:

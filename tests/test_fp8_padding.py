@@ -23,8 +23,10 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.fp8 import Fp8Recipe
-from amp_fx.kernels.fp8_matmul import RECIPES as KERNEL_RECIPES
-from amp_fx.kernels.fp8_matmul import fp8_matmul, padding, rowwise_scales_missing
+from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.kernels.fp8_padding import padding
+from amp_fx.kernels.fp8_recipes import RECIPES as KERNEL_RECIPES
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import (
     count_gemm_flops,

@@ -21,7 +21,8 @@ import amp_fx
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.inspect.explanation import Explanation
 from amp_fx.kernels import mxfp8_matmul as mx
-from amp_fx.kernels.fp8_matmul import fp8_matmul, padding
+from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.kernels.fp8_padding import padding
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import torchao_missing, torchao_mxfp8
 

@@ -52,7 +52,8 @@ import torch
 
 from amp_fx._common.report import Reporter
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_matmul import E4M3, scale_from_amax
+from amp_fx.kernels.fp8_matmul import scale_from_amax
+from amp_fx.kernels.fp8_recipes import E4M3
 from amp_fx.kernels.fp8_weight import EagerReads, Fp8Weight
 from amp_fx.policy import Policy, module_matches
 

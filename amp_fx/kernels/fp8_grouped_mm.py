@@ -13,7 +13,7 @@ and output column of ``w``, per group and column for the weight gradient):
     grad_x[g] = grad[g]   @ w[e].T    (backward)
     grad_w[e] = x[g].T    @ grad[g]   (backward; ``g`` the rows of expert ``e``)
 
-Each operand is scaled as the recipe says (:data:`amp_fx.kernels.fp8_matmul.RECIPES`), over the
+Each operand is scaled as the recipe says (:data:`amp_fx.kernels.fp8_recipes.RECIPES`), over the
 group where the twin's ``nn.Linear`` would: a tensorwise scale of ``x`` is one per group, of
 ``w`` one per expert; a rowwise scale of ``x`` one per row; the weight gradient's operands are
 scaled per group and column. The scales are computed in the graph, without reading ``offs`` on
@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from amp_fx.fp8 import Fp8Recipe
-from amp_fx.kernels.fp8_matmul import ALIGNMENT, EPS, RECIPES, Cast, Fp8Operand, scaled_matmul
+from amp_fx.kernels.fp8_matmul import Fp8Operand, scaled_matmul
+from amp_fx.kernels.fp8_recipes import ALIGNMENT, EPS, RECIPES, Cast
 
 __all__ = ["fp8_grouped_mm", "grouped_mm_flops", "grouped_mm_operands"]
 

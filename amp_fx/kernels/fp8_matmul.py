@@ -7,21 +7,23 @@
     grad_x = grad   @ w.T      (backward;  "grad_output" and "weight")
     grad_w = x.T    @ grad     (backward;  "input" and "grad_output"; the result is w's gradient)
 
-each operand scaled and cast as its recipe says (:data:`RECIPES`), and ``torch._scaled_mm`` run
-on exactly the layouts, scales and output dtype torchao's ``Float8TrainingTensor`` gives it. The
-op sequence is torchao's, function for function (the name of the torchao function each helper
-reproduces is in its docstring), so the results are bitwise with ``convert_to_float8_training``
-on the same inputs; ``tests/test_fp8.py`` checks it against torchao itself.
+each operand scaled and cast as its recipe says (:data:`amp_fx.kernels.fp8_recipes.RECIPES`), and
+``torch._scaled_mm`` run on exactly the layouts, scales and output dtype torchao's
+``Float8TrainingTensor`` gives it. The op sequence is torchao's, function for function (the name
+of the torchao function each helper reproduces is in its docstring), so the results are bitwise
+with ``convert_to_float8_training`` on the same inputs; ``tests/test_fp8.py`` checks it against
+torchao itself.
 
 Every shape: ``torch._scaled_mm`` on a GPU needs ``mat1``'s columns and both of ``mat2``'s
-dimensions to be multiples of :data:`ALIGNMENT`. Each GEMM whose sizes are not pads its fp8
-operands with zeros (:func:`_pad_for_scaled_mm`, torchao's ``pad_inner_dim`` extended to
-``mat2``'s columns) and slices the result, on every device (the CPU kernel takes any size, but
-runs the same padded code, so what is tested here is what a GPU runs). Scales are computed
-before, on the unpadded tensors: a zero never raises an amax, so a padded tensor would give the
-same scales anyway, tensorwise and per row; the padded columns of a rowwise ``mat2`` get the scale
-1 (their data is zero and their output columns are sliced off). ``tests/test_fp8_padding.py``
-checks it bitwise with torchao's ``Float8LinearConfig(pad_inner_dim=True)``.
+dimensions to be multiples of :data:`~amp_fx.kernels.fp8_recipes.ALIGNMENT`. Each GEMM whose
+sizes are not pads its fp8 operands with zeros (:func:`amp_fx.kernels.fp8_padding.pad_for_scaled_mm`,
+torchao's ``pad_inner_dim`` extended to ``mat2``'s columns) and slices the result, on every
+device (the CPU kernel takes any size, but runs the same padded code, so what is tested here is
+what a GPU runs). Scales are computed before, on the unpadded tensors: a zero never raises an
+amax, so a padded tensor would give the same scales anyway, tensorwise and per row; the padded
+columns of a rowwise ``mat2`` get the scale 1 (their data is zero and their output columns are
+sliced off). ``tests/test_fp8_padding.py`` checks it bitwise with torchao's
+``Float8LinearConfig(pad_inner_dim=True)``.
 
 Why an ``autograd.Function`` of ATen ops and not a custom op: the fp8 pass puts a call of
 :func:`fp8_matmul` in the captured graph, and AOTAutograd traces through the Function into the
@@ -46,150 +48,21 @@ Example (a [32, 16] x [16, 48] matmul in fp8, tensorwise):
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import mxfp8_matmul as _mx
+from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
+from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
+from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.fp8_weight import fp8_parts
 
-__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "RECIPES", "RecipeCasts", "Cast", "E4M3",
-           "E5M2", "EPS", "ALIGNMENT", "scale_from_amax", "Fp8Padding", "padding", "rowwise_scales_missing",
+__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax",
+           # re-exported for amp_fx/backend/audit.py until it imports it from fp8_support
            "fp8_tensor_cores_missing"]
-
-ALIGNMENT = 16
-"""``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
-multiples of 16 (``mat1``'s rows may be anything). The CPU kernel takes any size; the fp8 matmul
-pads to this rule on every device, so the CPU runs the GPU's code path."""
-
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-EPS = 1e-12
-"""torchao's floor on amax (``torchao.float8.float8_utils.EPS``): a zero tensor gets a finite scale."""
-
-
-@dataclass(frozen=True)
-class Cast:
-    """How one operand enters one GEMM: its fp8 dtype and scale granularity; ``dtype=None``
-    keeps it in the high-precision dtype (torchao's ``ScalingType.DISABLED``)."""
-
-    dtype: torch.dtype | None
-    rowwise: bool = False
-    block: int = 0
-    """MX: one e8m0 scale per ``block`` elements along the GEMM's inner dimension (0: not MX)."""
-
-    @property
-    def label(self) -> str:
-        if self.dtype is None:
-            return "high precision"
-        if self.block:
-            return f"e4m3, e8m0 scale per {self.block}"
-        return f"{'e4m3' if self.dtype is E4M3 else 'e5m2'} {'rowwise' if self.rowwise else 'tensorwise'}"
-
-
-@dataclass(frozen=True)
-class RecipeCasts:
-    """A recipe as torchao's ``Float8LinearConfig.from_recipe_name`` builds it: the cast of each
-    operand in each GEMM (the ``cast_config_*`` fields), whether scales are rounded down to a
-    power of two, and ``use_fast_accum`` per GEMM (``gemm_config_*``; the default
-    ``Float8LinearConfig`` asks for it on the output GEMM only)."""
-
-    input: Cast
-    weight: Cast
-    grad_output: Cast
-    input_for_grad_weight: Cast
-    weight_for_grad_input: Cast
-    grad_output_for_grad_weight: Cast
-    round_scales_to_power_of_2: bool
-    fast_accum_output: bool = True
-    fast_accum_grad_input: bool = False
-    fast_accum_grad_weight: bool = False
-
-    @property
-    def granularity(self) -> str:
-        """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``/``mx``)."""
-        if self.input.block:
-            return f"mx (blocks of {self.input.block})"
-        return "rowwise" if self.input.rowwise else "tensorwise"
-
-    @property
-    def rowwise(self) -> bool:
-        """Whether some GEMM takes rowwise scales (``_scaled_mm``'s rowwise kernel)."""
-        return any(c.rowwise for c in (self.input, self.weight, self.grad_output,
-                                       self.input_for_grad_weight, self.weight_for_grad_input,
-                                       self.grad_output_for_grad_weight))
-
-
-_HP = Cast(None)
-_MX = Cast(E4M3, block=_mx.BLOCK)
-RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
-    # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
-    Fp8Recipe.TENSORWISE: RecipeCasts(
-        input=Cast(E4M3), weight=Cast(E4M3), grad_output=Cast(E5M2),
-        input_for_grad_weight=Cast(E4M3), weight_for_grad_input=Cast(E4M3),
-        grad_output_for_grad_weight=Cast(E5M2), round_scales_to_power_of_2=False),
-    Fp8Recipe.ROWWISE: RecipeCasts(
-        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
-        input_for_grad_weight=Cast(E4M3, True), weight_for_grad_input=Cast(E4M3, True),
-        grad_output_for_grad_weight=Cast(E4M3, True), round_scales_to_power_of_2=True),
-    Fp8Recipe.ROWWISE_WITH_GW_HP: RecipeCasts(
-        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
-        input_for_grad_weight=_HP, weight_for_grad_input=Cast(E4M3),
-        grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
-    # torchao/prototype/moe_training/mxfp8_linear.py, _to_mxfp8_then_scaled_mm (0.18.0): all e4m3,
-    # block 32, RCEIL; computed by amp_fx.kernels.mxfp8_matmul, not by _Fp8Matmul.
-    Fp8Recipe.MXFP8: RecipeCasts(
-        input=_MX, weight=_MX, grad_output=_MX, input_for_grad_weight=_MX, weight_for_grad_input=_MX,
-        grad_output_for_grad_weight=_MX, round_scales_to_power_of_2=True),
-})
-"""Each recipe's casts, as torchao 0.18 defines them."""
-
-
-@functools.cache
-def rowwise_scales_missing(device_type: str) -> str | None:
-    """None if ``torch._scaled_mm`` takes rowwise scales on ``device_type``, else why not.
-
-    A feature test on a 16 x 16 GEMM, run once: torch 2.11's CPU kernel takes per-tensor scales
-    only ("Now _scaled_mm only supports per-tensor scaling for CPU backend"), 2.13's takes both.
-    CUDA's rowwise kernel needs an sm_89+ GPU and is not probed here (no device is touched)."""
-    if device_type != "cpu":
-        return None
-    a = torch.zeros(16, 16).to(E4M3)
-    try:
-        torch._scaled_mm(a, a.t().contiguous().t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
-                         out_dtype=torch.bfloat16)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0][:120]
-        return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only ({first})"
-    return None
-
-
-_MIN_CAPABILITY = (8, 9)
-"""fp8 tensor cores (per-tensor and rowwise ``torch._scaled_mm``): Ada (sm_89), Hopper (sm_90) and later."""
-
-
-@functools.cache
-def fp8_tensor_cores_missing(device_type: str) -> str | None:
-    """None where ``torch._scaled_mm`` runs tensorwise and rowwise fp8 on tensor cores, else why not.
-
-    Asks the CUDA device's compute capability once; touches no tensor."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return (f"{device_type} has no fp8 tensor cores, so torch._scaled_mm runs its reference kernel (it "
-                f"converts the fp8 operands and multiplies them with a float matmul)")
-    if torch.version.hip is not None:
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < _MIN_CAPABILITY:
-        return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp8 tensor cores: "
-                f"torch._scaled_mm needs compute capability 8.9+")
-    return None
 
 
 class Fp8Operand(NamedTuple):
@@ -267,97 +140,6 @@ def _row_major(stride: tuple[int, ...]) -> bool:
     return stride[0] > stride[1] and stride[1] == 1
 
 
-def _aligned(size: int) -> int:
-    """``size`` rounded up to a multiple of :data:`ALIGNMENT` (torchao ``_get_min_alignment``)."""
-    return -(-size // ALIGNMENT) * ALIGNMENT
-
-
-def _pad_for_scaled_mm(a_data: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_rowwise: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(a_data, b_data, b_scale)`` zero-padded to the sizes ``_scaled_mm`` takes on a GPU: the
-    inner dimension of both (torchao ``preprocess_addmm`` with ``pad_inner_dim``:
-    ``pad_tensor_for_matmul(a, dims=1)``, ``(b, dims=0)``) and ``b``'s columns, which torchao does
-    not pad (a GPU refuses its result there). A rowwise ``b_scale`` (``[1, N]``) gets 1 for each
-    padded column. The operands themselves where their sizes are already multiples of 16: no op
-    is added (sizes known while tracing; a symbolic size is guarded on its remainder)."""
-    k, n = b_data.shape
-    pad_k, pad_n = _aligned(k) - k, _aligned(n) - n
-    if pad_k:
-        a_data = F.pad(a_data, (0, pad_k))
-    if pad_k or pad_n:
-        b_data = F.pad(b_data, (0, pad_n, 0, pad_k))
-    if pad_n and b_rowwise:
-        b_scale = F.pad(b_scale, (0, pad_n), value=1.0)
-    return a_data, b_data, b_scale
-
-
-@dataclass(frozen=True)
-class Fp8Padding:
-    """What the fp8 matmul ``[M, K] @ [K, N]`` pads, over the GEMMs its recipe runs in fp8 (the
-    others run as ``torch.mm``, unpadded), and what that costs."""
-
-    gemms: tuple[tuple[str, str, tuple[int, int, int], tuple[int, int, int]], ...]
-    """Per fp8 GEMM: its name (``out``, ``grad_x``, ``grad_w``), the names of ``(rows, inner,
-    cols)`` of ``mat1 @ mat2`` as ``_scaled_mm`` takes it (``"MKN"`` for ``out``), and those sizes
-    unpadded and padded."""
-    extra_flops: float
-    """FLOPs the padding adds to these GEMMs, as a fraction of their unpadded FLOPs."""
-    extra_bytes: float
-    """Bytes the padding adds to these GEMMs' traffic (fp8 operands read, 2-byte result written),
-    as a fraction of it unpadded. Not counted: the pads themselves, which in eager and
-    ``aot_eager`` copy each padded operand and under inductor are pointwise ops it may fuse into
-    the cast that makes the operand; the slice of the result is a view."""
-
-    @property
-    def dims(self) -> dict[str, tuple[int, int]]:
-        """Each padded dimension (``"M"``, ``"K"``, ``"N"``): (size, padded size)."""
-        out: dict[str, tuple[int, int]] = {}
-        for _, names, sizes, padded in self.gemms:
-            for name, size, p in zip(names, sizes, padded):
-                if p != size:
-                    out[name] = (size, p)
-        return dict(sorted(out.items()))
-
-    @property
-    def text(self) -> str:
-        """``"K 1001->1008, N 37->48: +2.1% FLOPs, +3.4% bytes"``."""
-        dims = ", ".join(f"{d} {s}->{p}" for d, (s, p) in self.dims.items())
-        return f"{dims}: +{100 * self.extra_flops:.1f}% FLOPs, +{100 * self.extra_bytes:.1f}% bytes"
-
-
-def _mx_aligned(size: int) -> int:
-    """``size`` rounded up to a multiple of MXFP8's block (32)."""
-    return -(-size // _mx.BLOCK) * _mx.BLOCK
-
-
-def _same(size: int) -> int:
-    return size
-
-
-def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
-    """What :func:`fp8_matmul` pads for an ``[M, K] @ [K, N]`` with ``recipe`` (the rule of
-    :func:`_pad_for_scaled_mm`: each GEMM's inner dimension and columns), None where every fp8
-    GEMM's sizes are already multiples of 16. MXFP8 pads each GEMM's inner dimension to a
-    multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here."""
-    c = RECIPES[recipe]
-    inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
-    gemms = [(name, names, shape) for name, names, shape, cast in (
-        ("out", "MKN", (m, k, n), c.input), ("grad_x", "MNK", (m, n, k), c.grad_output),
-        ("grad_w", "NMK", (n, m, k), c.input_for_grad_weight)) if cast.dtype is not None]
-    padded = [(name, names, (r, i, cc), (r, inner(i), cols(cc))) for name, names, (r, i, cc) in gemms]
-    if all(s == p for _, _, s, p in padded):
-        return None
-
-    def traffic(r: int, i: int, cc: int) -> int:
-        return r * i + i * cc + 2 * r * cc
-
-    flops = sum(r * i * cc for _, _, (r, i, cc), _ in padded)
-    extra_flops = sum(r * pi * pc for _, _, _, (r, pi, pc) in padded) - flops
-    base = sum(traffic(*s) for _, _, s, _ in padded)
-    extra_bytes = sum(traffic(*p) for _, _, _, p in padded) - base
-    return Fp8Padding(tuple(padded), extra_flops / flops, extra_bytes / base)
-
-
 def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fast_accum: bool) -> torch.Tensor:
     """torchao ``float8_mm`` (``preprocess_addmm`` + ``addmm_float8_unwrapped``); a plain
     ``torch.mm`` where both operands stay in high precision."""
@@ -367,7 +149,7 @@ def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fa
         return torch.mm(a, b)
     a_data, a_scale, b_data, b_scale = a.data, a.scale, b.data, b.scale
     n = b_data.shape[1]
-    a_data, b_data, b_scale = _pad_for_scaled_mm(a_data, b_data, b_scale, b.axiswise_dim is not None)
+    a_data, b_data, b_scale = pad_for_scaled_mm(a_data, b_data, b_scale, b.axiswise_dim is not None)
     if not _row_major(a_data.stride()):
         a_data = a_data.contiguous()
     if _row_major(b_data.stride()):

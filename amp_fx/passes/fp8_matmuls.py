@@ -21,7 +21,7 @@ converted, or left in ``dtype`` with the reason recorded. A matmul stays in ``dt
 
 Any size converts: where a dimension of one of its fp8 GEMMs is not a multiple of 16 (which
 ``torch._scaled_mm`` needs on a GPU), the fp8 matmul pads it with zeros and slices the result
-(:func:`amp_fx.kernels.fp8_matmul.padding` says what, and what it costs; the decision carries it).
+(:func:`amp_fx.kernels.fp8_padding.padding` says what, and what it costs; the decision carries it).
 
 A converted grouped GEMM becomes :func:`amp_fx.kernels.fp8_grouped_mm.fp8_grouped_mm` on the input
 as cast, the weight's views rebuilt on the fp32 parameter, and the offsets (per-group numerics:
@@ -75,10 +75,12 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
-from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
-from amp_fx.kernels.fp8_matmul import ALIGNMENT, RECIPES, Fp8Padding, fp8_matmul, padding, rowwise_scales_missing
+from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.kernels.fp8_padding import Fp8Padding, padding
+from amp_fx.kernels.fp8_recipes import ALIGNMENT, RECIPES
+from amp_fx.kernels.fp8_support import check_rowwise_support
 from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
@@ -492,9 +494,5 @@ def fp8_matmuls(gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy,
 
     Raises AmpFxError for a rowwise recipe on a device whose ``torch._scaled_mm`` takes no
     rowwise scales (torch 2.11's CPU kernel), before anything is rewritten."""
-    missing = rowwise_scales_missing(device_type) if RECIPES[config.recipe].rowwise else None
-    if missing is not None:
-        raise AmpFxError(f"amp_fx: fp8={config.recipe.value!r} needs rowwise scales in "
-                         f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
-                         f"newer (or a GPU) for the rowwise recipes.")
+    check_rowwise_support(config.recipe, device_type, "amp_fx")
     return gm, _Fp8Rewriter(gm, config, policy, fake_mode).run()

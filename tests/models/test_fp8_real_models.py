@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import amp_fx
-from amp_fx.kernels.fp8_matmul import rowwise_scales_missing
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import (
     count_gemm_flops,

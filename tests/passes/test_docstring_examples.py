@@ -7,6 +7,8 @@ import pytest
 import amp_fx._common.op_names
 import amp_fx.fp8
 import amp_fx.kernels.fp8_matmul
+import amp_fx.kernels.fp8_padding
+import amp_fx.kernels.fp8_recipes
 import amp_fx.options
 import amp_fx.passes.fold_casts
 import amp_fx.passes.fp8_matmuls
@@ -18,6 +20,7 @@ import amp_fx.passes.lift_weight_casts
 @pytest.mark.parametrize("module", [amp_fx.passes.insert_casts, amp_fx.passes.fold_casts,
                                     amp_fx.passes.lift_weight_casts, amp_fx.options,
                                     amp_fx.passes.fp8_matmuls, amp_fx.kernels.fp8_matmul, amp_fx.fp8,
+                                    amp_fx.kernels.fp8_recipes, amp_fx.kernels.fp8_padding,
                                     amp_fx.passes.fx_edit, amp_fx._common.op_names],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):

@@ -12,7 +12,6 @@ import torch
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
 from amp_fx._common.targets import check_target
-from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Like
 from amp_fx.inspect._runner import Call, run_eager_checked
 from amp_fx.inspect.advice._cost import cost, kept_modules
@@ -24,7 +23,7 @@ from amp_fx.inspect.advice._report import Advice
 from amp_fx.inspect.advice._search import MAX_RUNS, search
 from amp_fx.inspect.advice._training import compare_training
 from amp_fx.inspect.advice._verify import meets
-from amp_fx.kernels.fp8_matmul import RECIPES, rowwise_scales_missing
+from amp_fx.kernels.fp8_support import check_rowwise_support
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__: list[str] = []
@@ -136,12 +135,8 @@ def _checked(model: Any, dtype: str | torch.dtype, target: float | None, steps: 
 
 def _check_rowwise(config: Fp8Config | None, device_type: str) -> None:
     """A rowwise recipe needs rowwise scales in ``torch._scaled_mm`` on this device."""
-    if config is not None and RECIPES[config.recipe].rowwise:
-        missing = rowwise_scales_missing(device_type)
-        if missing is not None:
-            raise AmpFxError(f"amp_fx.advise: fp8={config.recipe.value!r} needs rowwise scales in "
-                             f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 "
-                             f"or newer (or a GPU) for the rowwise recipes.")
+    if config is not None:
+        check_rowwise_support(config.recipe, device_type, "amp_fx.advise")
 
 
 def _no_fp8_matmul(model: Any, config: Fp8Config, low: torch.dtype, strict: bool | None) -> None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from amp_fx.fp8 import Fp8Config
-from amp_fx.kernels.fp8_matmul import E4M3
+from amp_fx.kernels.fp8_recipes import E4M3
 
 __all__: list[str] = []
 

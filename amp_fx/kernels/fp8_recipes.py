@@ -1,0 +1,113 @@
+"""The fp8 recipes as data: each operand's cast in each GEMM, and the constants of the fp8 matmul.
+
+What torchao 0.18 keeps in ``torchao/float8/config.py`` (``Float8LinearConfig.from_recipe_name``),
+apart from the kernels that run it: :data:`RECIPES` maps each :class:`~amp_fx.fp8.Fp8Recipe` to
+its :class:`RecipeCasts`, read by the fp8 matmul (:mod:`amp_fx.kernels.fp8_matmul`), the grouped
+GEMM (:mod:`amp_fx.kernels.fp8_grouped_mm`), the padding rules (:mod:`amp_fx.kernels.fp8_padding`)
+and the fp8 pass.
+
+    >>> RECIPES[Fp8Recipe.TENSORWISE].grad_output.label
+    'e5m2 tensorwise'
+    >>> RECIPES[Fp8Recipe.ROWWISE].rowwise, RECIPES[Fp8Recipe.TENSORWISE].rowwise
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels import mxfp8_matmul as _mx
+
+__all__ = ["RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "ALIGNMENT"]
+
+ALIGNMENT = 16
+"""``torch._scaled_mm`` on CUDA needs ``mat1``'s columns and both of ``mat2``'s dimensions to be
+multiples of 16 (``mat1``'s rows may be anything). The CPU kernel takes any size; the fp8 matmul
+pads to this rule on every device, so the CPU runs the GPU's code path."""
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+EPS = 1e-12
+"""torchao's floor on amax (``torchao.float8.float8_utils.EPS``): a zero tensor gets a finite scale."""
+
+
+@dataclass(frozen=True)
+class Cast:
+    """How one operand enters one GEMM: its fp8 dtype and scale granularity; ``dtype=None``
+    keeps it in the high-precision dtype (torchao's ``ScalingType.DISABLED``)."""
+
+    dtype: torch.dtype | None
+    rowwise: bool = False
+    block: int = 0
+    """MX: one e8m0 scale per ``block`` elements along the GEMM's inner dimension (0: not MX)."""
+
+    @property
+    def label(self) -> str:
+        if self.dtype is None:
+            return "high precision"
+        if self.block:
+            return f"e4m3, e8m0 scale per {self.block}"
+        return f"{'e4m3' if self.dtype is E4M3 else 'e5m2'} {'rowwise' if self.rowwise else 'tensorwise'}"
+
+
+@dataclass(frozen=True)
+class RecipeCasts:
+    """A recipe as torchao's ``Float8LinearConfig.from_recipe_name`` builds it: the cast of each
+    operand in each GEMM (the ``cast_config_*`` fields), whether scales are rounded down to a
+    power of two, and ``use_fast_accum`` per GEMM (``gemm_config_*``; the default
+    ``Float8LinearConfig`` asks for it on the output GEMM only)."""
+
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+    input_for_grad_weight: Cast
+    weight_for_grad_input: Cast
+    grad_output_for_grad_weight: Cast
+    round_scales_to_power_of_2: bool
+    fast_accum_output: bool = True
+    fast_accum_grad_input: bool = False
+    fast_accum_grad_weight: bool = False
+
+    @property
+    def granularity(self) -> str:
+        """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``/``mx``)."""
+        if self.input.block:
+            return f"mx (blocks of {self.input.block})"
+        return "rowwise" if self.input.rowwise else "tensorwise"
+
+    @property
+    def rowwise(self) -> bool:
+        """Whether some GEMM takes rowwise scales (``_scaled_mm``'s rowwise kernel)."""
+        return any(c.rowwise for c in (self.input, self.weight, self.grad_output,
+                                       self.input_for_grad_weight, self.weight_for_grad_input,
+                                       self.grad_output_for_grad_weight))
+
+
+_HP = Cast(None)
+_MX = Cast(E4M3, block=_mx.BLOCK)
+RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
+    # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
+    Fp8Recipe.TENSORWISE: RecipeCasts(
+        input=Cast(E4M3), weight=Cast(E4M3), grad_output=Cast(E5M2),
+        input_for_grad_weight=Cast(E4M3), weight_for_grad_input=Cast(E4M3),
+        grad_output_for_grad_weight=Cast(E5M2), round_scales_to_power_of_2=False),
+    Fp8Recipe.ROWWISE: RecipeCasts(
+        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
+        input_for_grad_weight=Cast(E4M3, True), weight_for_grad_input=Cast(E4M3, True),
+        grad_output_for_grad_weight=Cast(E4M3, True), round_scales_to_power_of_2=True),
+    Fp8Recipe.ROWWISE_WITH_GW_HP: RecipeCasts(
+        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
+        input_for_grad_weight=_HP, weight_for_grad_input=Cast(E4M3),
+        grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
+    # torchao/prototype/moe_training/mxfp8_linear.py, _to_mxfp8_then_scaled_mm (0.18.0): all e4m3,
+    # block 32, RCEIL; computed by amp_fx.kernels.mxfp8_matmul, not by _Fp8Matmul.
+    Fp8Recipe.MXFP8: RecipeCasts(
+        input=_MX, weight=_MX, grad_output=_MX, input_for_grad_weight=_MX, weight_for_grad_input=_MX,
+        grad_output_for_grad_weight=_MX, round_scales_to_power_of_2=True),
+})
+"""Each recipe's casts, as torchao 0.18 defines them."""
