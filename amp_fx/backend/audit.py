@@ -16,7 +16,7 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1, unsharded_class_name
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_matmul import fp8_tensor_cores_missing
+from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack

@@ -57,12 +57,9 @@ from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
 from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
-from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.fp8_weight import fp8_parts
 
-__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax",
-           # re-exported for amp_fx/backend/audit.py until it imports it from fp8_support
-           "fp8_tensor_cores_missing"]
+__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax"]
 
 
 class Fp8Operand(NamedTuple):
