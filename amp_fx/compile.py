@@ -225,8 +225,10 @@ class _InplaceCall:
 
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
-            self.compiled = _compile(self.module, self.options)
-            self.forward = self.compiled._amp_fx_forward
+            compiled = _compile(self.module, self.options)
+            assert isinstance(compiled, AmpCompiledModule)  # _compile wraps every module in one
+            self.compiled = compiled
+            self.forward = compiled._amp_fx_forward  # type: ignore[method-assign]  # built: its forward from now on
         return self.compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -287,6 +289,7 @@ def check_keep_fp32(policy: Policy, model: object) -> None:
 
 def _recompile(module: torch.nn.Module, options: Options, training: bool) -> AmpCompiledModule:
     compiled = _compile(module, options)
+    assert isinstance(compiled, AmpCompiledModule)  # _compile wraps every module in one
     compiled.train(training)
     return compiled
 
