@@ -450,7 +450,9 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
         return None
     # a fixed random cotangent (a plain sum would give e.g. softmax outputs zero gradients);
     # .float(), mul and sum are not in autocast's tables, so both sides compute it alike
-    return sum((o.float() * g).sum() for o, g in zip(floats, _cotangents(floats)))
+    loss = sum((o.float() * g).sum() for o, g in zip(floats, _cotangents(floats)))
+    assert isinstance(loss, torch.Tensor)  # floats is not empty
+    return loss
 
 
 def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
@@ -610,13 +612,13 @@ def compare(
                                               False, Error(math.inf, math.inf), None, None))
     if grads:
         for name in [*eager_grads, *(n for n in amp_grads if n not in eager_grads)]:
-            e, a = eager_grads.get(name), amp_grads.get(name)
-            if e is None or a is None:
+            eg, ag = eager_grads.get(name), amp_grads.get(name)
+            if eg is None or ag is None:
                 report.grads.append(ValueComparison(
-                    name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
-                    False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
+                    name, "-" if eg is None else _dtypes(eg), "-" if ag is None else _dtypes(ag),
+                    False, Error(math.inf, math.inf), None, None, _nonfinite(ag), _nonfinite(eg)))
                 continue
-            report.grads.append(value(name, e, a, ref_grads.get(name)))
+            report.grads.append(value(name, eg, ag, ref_grads.get(name)))
         if not report.grads:
             why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
                    if not isinstance(model_or_fn, torch.nn.Module) else

@@ -80,7 +80,7 @@ class Fp8Weight(torch.Tensor):
         self._scale = scale
         self._reads = reads
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # Tensor.__repr__'s signature
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ also takes tensor_contents=
         return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:

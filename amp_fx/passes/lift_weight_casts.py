@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -124,7 +124,8 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     if node.op != "call_function" or node.target is not _CAST or len(node.args) != 1:
         return False
     src = node.args[0]
-    if src not in position or set(node.kwargs) != {"dtype"} or node.kwargs["dtype"] not in _LOW:
+    if (not isinstance(src, torch.fx.Node) or src not in position or set(node.kwargs) != {"dtype"}
+            or node.kwargs["dtype"] not in _LOW):
         return False
     weight = inputs[position[src]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
@@ -257,9 +258,12 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         for user in users:
             n = _occurrences(user, src)
             created = iter([rank[(where[user], 1, n - 1 - k, src.name, "")] for k in range(n)])
-            _give_each_occurrence_its_input(
-                user, [src], lambda src=src, dtype=dtype, created=created: new_input(
-                    src, dtype, src.meta.get("val"), next(created)))
+
+            def make_input(src: torch.fx.Node = src, dtype: torch.dtype = dtype,
+                           created: Iterator[int] = created) -> torch.fx.Node:
+                return new_input(src, dtype, src.meta.get("val"), next(created))
+
+            _give_each_occurrence_its_input(user, [src], make_input)
     graph.lint()
     return torch.fx.GraphModule(gm, graph), inputs, lifted
 

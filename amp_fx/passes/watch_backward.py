@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -88,8 +88,8 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
         if fwd is not None:
             stack = module_stack(fwd)
             return (stack[-1][0] if stack else "", op_name(fwd.target))
-        stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack") or {}
-        paths = [v[0] for v in stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
+        nn_stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack") or {}
+        paths = [v[0] for v in nn_stack.values() if isinstance(v, tuple) and isinstance(v[0], str)]
         return (module_path(paths[-1]) if paths else "", "")
 
     def describe(node: torch.fx.Node, op: object, dtype: torch.dtype) -> WatchedOp | None:
@@ -157,8 +157,9 @@ def watching_downstream(backend: str, *, inductor_config: Mapping[str, Any] | No
 
         def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                return compile_fx(gm, example_inputs, inner_compile=inner,
-                                  config_patches=dict(inductor_config or {}))
+                # typed with the union of what compile_fx's export modes return: here the callable
+                return cast(Callable[..., Any], compile_fx(gm, example_inputs, inner_compile=inner,
+                                                           config_patches=dict(inductor_config or {})))
 
         return compile_inductor
     return None
