@@ -604,8 +604,8 @@ def compare(
             _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
             _nonfinite(a), _nonfinite(e))
 
-    for (name, e), (_, a) in zip(e_outs, a_outs):
-        report.outputs.append(value(name, e, a, r_outs.get(name)))
+    for (name, e_out), (_, a_out) in zip(e_outs, a_outs):
+        report.outputs.append(value(name, e_out, a_out, r_outs.get(name)))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
         report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),

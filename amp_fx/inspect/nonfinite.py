@@ -180,8 +180,8 @@ def policy_code(policy: Policy) -> str:
     parts = []
     # "aten::exp" names the default overload here and, to Policy, every overload: list the
     # others only when their packet's name is not already listed
-    names = cast(Mapping[str, CastClass], policy.op_classes)  # Policy keeps its keys as names
-    ops = {k: v for k, v in names.items()
+    op_names = cast(Mapping[str, CastClass], policy.op_classes)  # Policy keeps its keys as names
+    ops = {k: v for k, v in op_names.items()
            if "." not in k.partition("::")[2] or k.partition(".")[0] not in policy.op_classes}
     if ops:
         parts.append("op_classes={" + ", ".join(f'"{k}": CastClass.{v.name}'

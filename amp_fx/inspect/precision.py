@@ -92,7 +92,7 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def _name(dtype: torch.dtype) -> str:
+def _name(dtype: torch.dtype | None) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -363,8 +363,9 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     # gradients
     with_grad = [p for p in params if p.grad is not None]
     if with_grad:
-        rows.append(PrecisionRow("gradients", _dtypes(_local(p.grad) for p in with_grad),
-                                 sum(_nbytes(p.grad) for p in with_grad) / sum(_local(p).numel() for p in with_grad),
+        grads = [p.grad for p in with_grad if p.grad is not None]  # the same tensors, typed
+        rows.append(PrecisionRow("gradients", _dtypes(_local(g) for g in grads),
+                                 sum(_nbytes(g) for g in grads) / sum(_local(p).numel() for p in with_grad),
                                  f".grad of {len(with_grad)} of {len(params)} parameters"))
     elif compiled_step:  # the step clears them after its optimizer step: none between steps
         rows.append(PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,

@@ -259,11 +259,11 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
             n = _occurrences(user, src)
             created = iter([rank[(where[user], 1, n - 1 - k, src.name, "")] for k in range(n)])
 
-            def make_input(src: torch.fx.Node = src, dtype: torch.dtype = dtype,
+            def next_input(src: torch.fx.Node = src, dtype: torch.dtype = dtype,
                            created: Iterator[int] = created) -> torch.fx.Node:
                 return new_input(src, dtype, src.meta.get("val"), next(created))
 
-            _give_each_occurrence_its_input(user, [src], make_input)
+            _give_each_occurrence_its_input(user, [src], next_input)
     graph.lint()
     return torch.fx.GraphModule(gm, graph), inputs, lifted
 
