@@ -388,7 +388,7 @@ def _compile(model_or_fn: F, options: Options, *, label: str | None = None,
              root: torch.nn.Module | None = None) -> F:
     reporter = Reporter(options.strict)
     check_target(model_or_fn, "amp_fx.compile")
-    model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]
+    model_or_fn = unwrap_compiled(model_or_fn)  # type: ignore[assignment]  # the target under a wrapper, same kind
     if isinstance(model_or_fn, torch.nn.Module):
         root = model_or_fn
     check_keep_fp32(options.policy, model_or_fn if root is None else root)
@@ -405,13 +405,13 @@ def _compile(model_or_fn: F, options: Options, *, label: str | None = None,
                 "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
                 "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
                 f"{FSDP1_ALTERNATIVE}."))
-        return AmpCompiledModule(model_or_fn, amp_backend)  # type: ignore[return-value]
+        return AmpCompiledModule(model_or_fn, amp_backend)  # type: ignore[return-value]  # F: a module comes back wrapped
     compiled = amp_call(model_or_fn, amp_backend)
-    compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
-    compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
-    compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]
-    compiled.amp_fx_options = options  # type: ignore[attr-defined]
-    return compiled  # type: ignore[return-value]
+    compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]  # read back by options_of and explain
+    compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]  # read back by options_of and explain
+    compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]  # read back by options_of and explain
+    compiled.amp_fx_options = options  # type: ignore[attr-defined]  # read back by options_of and explain
+    return compiled  # type: ignore[return-value]  # F: a module comes back wrapped
 
 
 def _compile_inplace(model: object, options: Options) -> Any:

@@ -132,12 +132,12 @@ class RootNames:
                 obj = getattr(obj, attr, None)
             elif index is not None:
                 try:
-                    obj = obj[int(index)]  # type: ignore[index]
+                    obj = obj[int(index)]  # type: ignore[index]  # a container the path was built from
                 except Exception:
                     obj = getattr(obj, index, None)  # ``[0]`` of a ModuleList written as an index
             else:
                 try:
-                    obj = obj[key]  # type: ignore[index]
+                    obj = obj[key]  # type: ignore[index]  # a container the path was built from
                 except Exception:
                     obj = getattr(obj, key, None)
         return obj

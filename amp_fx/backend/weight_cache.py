@@ -332,7 +332,7 @@ class WeightCache:
                 fed[j] = casts[(i, dtype)]
             return compiled(*args, *fed)
 
-        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # AOT's boxed-calling flag, set on the function
         return run
 
 

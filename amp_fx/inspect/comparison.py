@@ -356,7 +356,7 @@ def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, to
             return fp8_aten(n.target, args, kwargs, fp8[0], autocast[1], autocast[0])
         return run_node(n)
 
-    interp.run_node = tracked  # type: ignore[method-assign]
+    interp.run_node = tracked  # type: ignore[method-assign]  # an instance hook
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(SEED)
         try:

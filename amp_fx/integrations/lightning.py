@@ -81,8 +81,7 @@ class AmpFxPrecision(MixedPrecision):
         # amp_fx's dtype; a shared cast per weight only where the policy shares it in the graphs
         return torch.autocast(self.device, dtype=self.dtype, cache_enabled=self.policy.cast_cache)
 
-    # Lightning's trainer plugin signature; mypy compares it with lightning.fabric's Precision too
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(  # type: ignore[override]  # Lightning's trainer plugin signature, not fabric's
             self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._check_compiled_forward_ran(model)

@@ -176,5 +176,5 @@ def _strip_record(compiled: Callable[..., Any], ran: Callable[[torch.Tensor], No
         ran(out[-1])
         return type(out)(out[:-1]) if isinstance(out, tuple) else list(out[:-1])
 
-    run._boxed_call = True  # type: ignore[attr-defined]
+    run._boxed_call = True  # type: ignore[attr-defined]  # AOT's boxed-calling flag, set on the function
     return run
