@@ -256,13 +256,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     backend=args.backend, grads=not args.no_grads, fp8=args.fp8, **kwargs)
             print(report)
             return 0 if report.ok else 1
-        report = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,
-                                       backward=not args.no_backward, loss_scale=args.loss_scale, **kwargs)
-        print(report)
-        hint = _keep_fp32_hint(report, args)
+        found = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,
+                                      backward=not args.no_backward, loss_scale=args.loss_scale, **kwargs)
+        print(found)
+        hint = _keep_fp32_hint(found, args)
         if hint:
             print(hint)
-        return 1 if report.found else 0
+        return 1 if found.found else 0
     except UserCodeError as e:
         print(f"amp-fx: error in your code: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 __all__ = ["Fp8Recipe", "Fp8Config", "Fp8Like"]
 
@@ -63,6 +63,9 @@ class Fp8Config:
     """
 
     recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
+
+    if TYPE_CHECKING:  # the constructor also takes a recipe's name; __post_init__ stores the Fp8Recipe
+        def __init__(self, recipe: Fp8Recipe | str = Fp8Recipe.TENSORWISE) -> None: ...
 
     def __post_init__(self) -> None:
         recipe = self.recipe

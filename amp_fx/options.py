@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
@@ -28,7 +28,7 @@ import torch._inductor
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
-from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["Options", "check_backend", "inductor_config"]
@@ -57,6 +57,13 @@ class Options:
     fp8: Fp8Config | None = None
     """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
     stored as an ``Fp8Config`` (None: off)."""
+
+    if TYPE_CHECKING:  # what the constructor takes; __post_init__ stores the types declared above
+        def __init__(self, dtype: torch.dtype | str = torch.bfloat16, policy: Policy | None = None,
+                     backend: str | Backend = "inductor", fold: bool = True, strict: bool | None = None,
+                     weight_cache: bool = False, watch_nonfinite: bool = False,
+                     inductor: Mapping[str, Any] = ..., torch_compile: Mapping[str, Any] = ...,
+                     fp8: Fp8Like = None) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # the one place a frozen record normalises what it was given

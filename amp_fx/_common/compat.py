@@ -45,7 +45,7 @@ def current_decomposition_table() -> MutableMapping[Any, Callable[..., Any]]:
 
     table = getattr(proxy_tensor.get_proxy_mode(), "decomposition_table", None)
     if table is None:
-        table = proxy_tensor.CURRENT_DECOMPOSITION_TABLE
+        table = proxy_tensor.CURRENT_DECOMPOSITION_TABLE  # type: ignore[attr-defined]  # torch 2.11's only
     return table
 
 
@@ -185,7 +185,7 @@ def _install_exporting_flag_reader(table: Callable[[], dict[Callable[[], Any], A
             return {**found, torch.compiler.is_exporting: torch.compiler._is_exporting_flag}
         return found
 
-    torch._dynamo.variables.torch.tracing_state_functions = tracing_state_functions  # type: ignore[attr-defined]
+    torch._dynamo.variables.torch.tracing_state_functions = tracing_state_functions  # type: ignore[assignment]  # same call as the lru_cache'd original
 
 
 def is_exporting_as_eager() -> contextlib.AbstractContextManager[None]:

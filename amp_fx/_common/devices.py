@@ -57,10 +57,10 @@ def autocast_device_type(tensors: Iterable[object], default: str = "cpu") -> str
     """The autocast device of a call or graph: an accelerator among the tensors' devices wins over
     the CPU (as a CUDA model with a CPU index tensor autocasts on CUDA); ``default`` if no tensor.
     Raises ValueError for a device type with no policy."""
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if tensors and all(t.is_cpu for t in tensors):  # first, and without t.device (6x is_cpu's cost):
+    found = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if found and all(t.is_cpu for t in found):  # first, and without t.device (6x is_cpu's cost):
         return "cpu"                                # a compiled model's every call on cpu inputs asks
-    types = {t.device.type for t in tensors}
+    types = {t.device.type for t in found}
     unsupported = sorted(types - set(DEVICES))
     if unsupported:
         raise ValueError(f"amp_fx: the model's tensors are on {unsupported}, a device amp_fx has no "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -28,9 +28,11 @@ def resolve_backend(backend: str | Backend, *,
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
+        # compile_fx is typed with the union of what its export modes return; a compile returns
+        # the compiled callable.
         if inductor_config:
-            return functools.partial(compile_fx, config_patches=dict(inductor_config))
-        return compile_fx
+            return cast(Backend, functools.partial(compile_fx, config_patches=dict(inductor_config)))
+        return cast(Backend, compile_fx)
     return torch._dynamo.lookup_backend(backend)
 
 

@@ -81,7 +81,7 @@ def fresh_callable(target: Callable[..., Any]) -> Callable[..., Any]:
     one-line forwarding function.
     """
     if isinstance(target, torch.nn.Module):
-        return types.MethodType(fresh_function(_call_module), target)
+        return types.MethodType(fresh_function(_call_module), target)  # type: ignore[arg-type]  # a def is a types.FunctionType; mypy types it as a callable
     if isinstance(target, types.FunctionType):
         return fresh_function(target)
     if isinstance(target, types.MethodType) and isinstance(target.__func__, types.FunctionType):
@@ -90,4 +90,4 @@ def fresh_callable(target: Callable[..., Any]) -> Callable[..., Any]:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return target(*args, **kwargs)
 
-    return fresh_function(forward)
+    return fresh_function(forward)  # type: ignore[arg-type]  # a def is a types.FunctionType; mypy types it as a callable

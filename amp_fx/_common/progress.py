@@ -23,7 +23,7 @@ PROGRESS_LOGGER = "amp_fx.progress"
 progress_log = logging.getLogger(PROGRESS_LOGGER)
 
 
-class _UnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+class _UnlessConfigured(logging.StreamHandler):
     """stderr, as it is at each record (pytest's capsys swaps it), unless the root logger has a
     handler: then the record propagates there, and printing it here too would print it twice."""
 

@@ -136,7 +136,7 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal policy_checked
         tensors = _call_tensors(args, kwargs)
-        direct = own_forward is not None and calls_forward_only(target)
+        direct = own_forward is not None and calls_forward_only(target)  # type: ignore[arg-type]  # set for a module only
         leaves = (direct, *map(is_cacheable_leaf, tensors))
         device_type = autocast_device_type(tensors, default="")
         if device_type in ("", "cpu"):

@@ -165,7 +165,7 @@ class AmpBackend:
             runs.count += 1
             return compiled(*args)
 
-        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # AOT's boxed-calling flag, set on the function
         return run
 
     def _run_wrapper(self, compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
@@ -189,7 +189,7 @@ class AmpBackend:
                 refuse_double_backward(out, guarded)
             return out
 
-        run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        run_without_autocast._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # AOT's boxed-calling flag, set on the function
         return run_without_autocast
 
     def _compile_with_weight_cache(self, work: GraphWork, record: GraphRecord) -> Callable[..., Any]:

@@ -61,7 +61,7 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
             node.meta[_STATIC] = dynamo_node.meta[_STATIC]
     for node in ours[len(theirs):]:
         setattr(node, _SOURCE, None)
-    gm._param_name_to_source = param_sources
+    setattr(gm, "_param_name_to_source", param_sources)  # Dynamo's attribute, not declared on GraphModule
     gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
 
 

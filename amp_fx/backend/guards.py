@@ -67,7 +67,7 @@ def _guard_backward(function: object) -> bool:
             raise AmpFxError(_DOUBLE_BACKWARD)
         return backward(ctx, *grads)
 
-    function.backward = staticmethod(refuse_create_graph)  # type: ignore[attr-defined]
+    function.backward = staticmethod(refuse_create_graph)  # type: ignore[attr-defined]  # replaced on this Function
     return True
 
 

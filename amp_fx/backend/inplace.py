@@ -43,9 +43,11 @@ class _InplaceCall:
 
     def build(self) -> AmpCompiledModule:
         if self.compiled is None:
-            self.compiled = wrap(self.module, self.options)
-            self.forward = self.compiled._amp_fx_forward
-        return self.compiled
+            compiled = wrap(self.module, self.options)
+            assert isinstance(compiled, AmpCompiledModule)  # wrap wraps every module in one
+            self.compiled = compiled
+            self.forward = compiled._amp_fx_forward  # type: ignore[method-assign]  # built: its forward from now on
+        return compiled if self.compiled is None else self.compiled
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Until built (a copy's first call): build, then the compiled forward (set on the instance)."""

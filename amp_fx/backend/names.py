@@ -12,6 +12,7 @@ import inspect
 import os
 import re
 import sys
+import types
 from typing import Any
 
 import torch
@@ -79,7 +80,7 @@ class RootNames:
         """The innermost module of the root that is running on this thread's Python stack (the
         frame Dynamo compiles runs inside its call): the first frame, from here outwards, whose
         first argument is one (``Module._call_impl(self, ...)``, a ``forward``)."""
-        frame = sys._getframe(1)
+        frame: types.FrameType | None = sys._getframe(1)
         while frame is not None:
             try:
                 own = frame_self(frame.f_code, frame.f_locals)
@@ -131,12 +132,12 @@ class RootNames:
                 obj = getattr(obj, attr, None)
             elif index is not None:
                 try:
-                    obj = obj[int(index)]  # type: ignore[index]
+                    obj = obj[int(index)]  # type: ignore[index]  # a container the path was built from
                 except Exception:
                     obj = getattr(obj, index, None)  # ``[0]`` of a ModuleList written as an index
             else:
                 try:
-                    obj = obj[key]  # type: ignore[index]
+                    obj = obj[key]  # type: ignore[index]  # a container the path was built from
                 except Exception:
                     obj = getattr(obj, key, None)
         return obj

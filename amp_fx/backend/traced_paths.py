@@ -97,7 +97,11 @@ _AND = (operator.and_, torch.logical_and, torch.bitwise_and)
 
 
 def _run(n: Node, args: tuple, kwargs: dict) -> object:
-    return getattr(args[0], n.target)(*args[1:], **kwargs) if n.op == "call_method" else n.target(*args, **kwargs)
+    if n.op == "call_method":
+        assert isinstance(n.target, str)  # a call_method node's target is the method's name
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    assert callable(n.target)  # and a call_function node's the function
+    return n.target(*args, **kwargs)
 
 
 def _fold_node(n: Node, known: dict[Node, _Folded | None]) -> _Folded | None:

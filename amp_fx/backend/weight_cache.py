@@ -84,12 +84,12 @@ class _CachedCast(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, lowp: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor, lowp: torch.Tensor) -> torch.Tensor:
         ctx.weight_dtype = weight.dtype
         return lowp.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
         return (None if grad is None else grad.to(ctx.weight_dtype)), None
 
 
@@ -99,11 +99,11 @@ class _Use(torch.autograd.Function):
     use would (see :mod:`amp_fx.passes.lift_weight_casts`). forward: an alias; backward: identity."""
 
     @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
         return weight.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
@@ -351,7 +351,7 @@ class WeightCache:
                 fed[j] = casts[(i, dtype)]
             return compiled(*args, *fed)
 
-        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]  # AOT's boxed-calling flag, set on the function
         return run
 
 

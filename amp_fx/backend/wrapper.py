@@ -220,6 +220,7 @@ def check_keep_fp32(policy: Policy, model: object) -> None:
 
 def _recompile(module: torch.nn.Module, options: Options, training: bool) -> AmpCompiledModule:
     compiled = wrap(module, options)
+    assert isinstance(compiled, AmpCompiledModule)  # wrap wraps every module in one
     compiled.train(training)
     return compiled
 

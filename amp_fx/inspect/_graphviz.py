@@ -19,19 +19,29 @@ __all__: list[str] = []
 
 class DotNode(Protocol):
     """What a picture shows of a node (``explanation.NodeInfo`` has these fields); a protocol so
-    that this module needs nothing from the tools that draw with it."""
+    that this module needs nothing from the tools that draw with it. Read-only, as a frozen
+    dataclass's fields are."""
 
-    name: str
-    kind: str
-    op: str
-    value: str
-    module: str
-    rule: str
-    cast: str | None
-    cached: bool
-    folded: tuple[str, ...]
-    label: str
-
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def value(self) -> str: ...
+    @property
+    def module(self) -> str: ...
+    @property
+    def rule(self) -> str: ...
+    @property
+    def cast(self) -> str | None: ...
+    @property
+    def cached(self) -> bool: ...
+    @property
+    def folded(self) -> tuple[str, ...]: ...
+    @property
+    def label(self) -> str: ...
     @property
     def dtype_name(self) -> str: ...
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -101,6 +101,7 @@ class Call:
     def names(self, model_or_fn: Any) -> dict[int, str]:
         """id of each input tensor -> the forward's argument name (``x``, ``input_ids``), with
         the path inside a nested argument (``batch['mask']``)."""
+        bound: Mapping[str, Any]
         try:
             target = model_or_fn.forward if isinstance(model_or_fn, torch.nn.Module) else model_or_fn
             bound = inspect.signature(target).bind(*self.args, **self.kwargs).arguments
@@ -371,7 +372,9 @@ def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: 
             out = call.copy()(target)
         floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
         if floats:
-            sum(t.float().sum() for t in floats).backward()
+            loss = sum(t.float().sum() for t in floats)
+            assert isinstance(loss, torch.Tensor)  # floats is not empty
+            loss.backward()
     except Exception as e:
         return e
     return None
@@ -389,7 +392,9 @@ def _compiled_autocast_error(model_or_fn: Any, call: Call, device_type: str, dty
                 out = call.copy()(compiled)
             floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
             if floats:
-                sum(t.float().sum() for t in floats).backward()
+                loss = sum(t.float().sum() for t in floats)
+                assert isinstance(loss, torch.Tensor)  # floats is not empty
+                loss.backward()
     except Exception as err:
         return err
     return None

@@ -450,7 +450,9 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
         return None
     # a fixed random cotangent (a plain sum would give e.g. softmax outputs zero gradients);
     # .float(), mul and sum are not in autocast's tables, so both sides compute it alike
-    return sum((o.float() * g).sum() for o, g in zip(floats, _cotangents(floats)))
+    total = sum((o.float() * g).sum() for o, g in zip(floats, _cotangents(floats)))
+    assert isinstance(total, torch.Tensor)  # floats is not empty
+    return total
 
 
 def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:

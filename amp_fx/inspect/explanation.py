@@ -123,7 +123,7 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
                   if node.meta.get(meta.CACHED) else "")
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
-        return f"element {node.args[1]} of {node.args[0].name}"
+        return f"element {node.args[1]} of {node.all_input_nodes[0].name}"  # args[0], the one node
     if node.target is torch.amp.autocast_mode._enter_autocast:
         return f"autocast on for {node.next.name} alone: it runs its own autocast kernel"
     if node.target is torch.amp.autocast_mode._exit_autocast:
@@ -136,7 +136,8 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
     if decision is None:
         return "python op (not a tensor op)" if node.op == "call_function" else ""
     if is_cast(node) and decision.cast_class is CastClass.NONE:
-        return f"cast in your code (to {dtype_name(node.kwargs.get('dtype'))}); not autocast"
+        to = node.kwargs.get("dtype")
+        return f"cast in your code (to {dtype_name(to if isinstance(to, torch.dtype) else None)}); not autocast"
     reason = decision.reason
     if decision.cast_class is CastClass.NONE and "not autocast" in reason:
         ins = _eligible_dtypes(node)
@@ -625,12 +626,17 @@ def _reference(reason: str, reasons: dict[str, int]) -> str:
 def _fp8_flop_share(decisions: Sequence[Fp8Decision]) -> float | None:
     """The share of the FLOPs of these matmuls (2 M K N each, unpadded) that run in fp8; None
     where there is none or a shape is unknown (or symbolic)."""
-    flops = [(2 * math.prod(d.shape), d.converted) for d in decisions  # type: ignore[arg-type]
-             if d.shape and all(isinstance(v, int) for v in d.shape)]
+    flops = [(f, d.converted) for d in decisions if (f := _flops(d)) is not None]
     total = sum(f for f, _ in flops)
     if not flops or len(flops) != len(decisions) or total == 0:
         return None
     return sum(f for f, converted in flops if converted) / total
+
+
+def _flops(d: Fp8Decision) -> int | None:
+    """2 M K N, None where the shape is unknown or symbolic."""
+    dims = [v for v in d.shape or () if isinstance(v, int)]
+    return 2 * math.prod(dims) if d.shape and len(dims) == len(d.shape) else None
 
 
 def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:

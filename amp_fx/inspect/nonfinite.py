@@ -25,9 +25,9 @@ the graphs as usual, so ops are seen in execution order.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -53,7 +53,7 @@ from amp_fx.inspect._runner import (
 )
 from amp_fx.passes.fx_edit import is_cast, is_inserted_cast
 from amp_fx.passes.pipeline import GraphRecord
-from amp_fx.policy import CastClass, Policy, op_from_name, resolve_dtype
+from amp_fx.policy import CastClass, OpLike, Policy, op_from_name, resolve_dtype
 
 __all__ = ["find_nonfinite", "NonfiniteReport"]
 
@@ -164,7 +164,7 @@ def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.
             if not (isinstance(k, str) and any(_inside(k, m) and k != m for m in modules))]
     keep += [m for m in modules if m not in keep]
     # overloads, not names: Policy reads the name "aten::exp" as every overload of aten.exp
-    classes = {op_from_name(k): v for k, v in policy.op_classes.items()}
+    classes: dict[OpLike, CastClass] = {op_from_name(k): v for k, v in policy.op_classes.items()}
     return Policy(op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
                   keep_fp32=tuple(keep), cast_cache=policy.cast_cache,
                   keep_out_of_fp8=policy.keep_out_of_fp8)
@@ -180,7 +180,8 @@ def policy_code(policy: Policy) -> str:
     parts = []
     # "aten::exp" names the default overload here and, to Policy, every overload: list the
     # others only when their packet's name is not already listed
-    ops = {k: v for k, v in policy.op_classes.items()
+    op_names = cast(Mapping[str, CastClass], policy.op_classes)  # Policy keeps its keys as names
+    ops = {k: v for k, v in op_names.items()
            if "." not in k.partition("::")[2] or k.partition(".")[0] not in policy.op_classes}
     if ops:
         parts.append("op_classes={" + ", ".join(f'"{k}": CastClass.{v.name}'
@@ -307,6 +308,8 @@ class _Probe:
 
 
 class _ProbeInterpreter(torch.fx.Interpreter):
+    module: torch.fx.GraphModule  # what it runs: a captured graph
+
     def __init__(self, gm: torch.fx.GraphModule, probe: _Probe) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.probe = probe
@@ -354,21 +357,27 @@ class _ProbeInterpreter(torch.fx.Interpreter):
         """The op re-run with its fp16/bf16 inputs in float32; a cast to lower precision
         is dropped instead (its input is what fp32 would use)."""
         if is_cast(n) and n.kwargs.get("dtype") in (torch.float16, torch.bfloat16):
-            return _upcast(self.env[n.args[0]])
+            return _upcast(self.env[n.all_input_nodes[0]])  # args[0], the cast's one node input
         args = torch.fx.node.map_arg(n.args, lambda a: _upcast(self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: _upcast(self.env[a]))
         try:
             with torch.no_grad():
+                assert callable(n.target)  # a call_function node's
                 return n.target(*args, **kwargs)
         except Exception:  # the op has no fp32 form with these arguments: no claim either way
             return None
+
+
+def _dtype_kwarg(node: torch.fx.Node) -> torch.dtype | None:
+    dtype = node.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
     if is_inserted_cast(a) and isinstance(a.args[0], torch.fx.Node):
         src = a.args[0]
         return (f"{labels.get(src.name, src.name)} (cast to "
-                f"{dtype_name(a.kwargs.get('dtype'))} by amp_fx)")
+                f"{dtype_name(_dtype_kwarg(a))} by amp_fx)")
     return labels.get(a.name, a.name)
 
 
@@ -409,7 +418,8 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
                 loss = loss_fn(out)
             else:
                 floats = [t for t in tensors_of(out) if t.is_floating_point() and t.requires_grad]
-                loss = sum(t.float().sum() for t in floats) if floats else None
+                total = sum(t.float().sum() for t in floats)
+                loss = total if isinstance(total, torch.Tensor) else None  # 0: no floats
         if probe.settle(out, loss) and probe.forward_hit is None:
             notes.append("the model's output (or the loss) holds inf/NaN, but no op in the "
                          "captured graphs produced it: it comes from code that runs between graph "
@@ -547,7 +557,7 @@ def _kept_in_fp32(hit: dict[str, Any], node: torch.fx.Node
                   ) -> tuple[list[str], list[torch._ops.OpOverload]]:
     """What keeps ``node`` in fp32: its innermost module, or for a top-level op the op itself."""
     path = _module_of(hit, node)
-    return ([path], []) if path else ([], [node.target])
+    return ([path], []) if path else ([], [node.target])  # type: ignore[list-item]  # an ATen graph's op
 
 
 def _where(hit: dict[str, Any], phase: str) -> str:

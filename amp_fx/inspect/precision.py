@@ -395,9 +395,11 @@ def _compute_weights_row(setup: _Setup, compute: torch.dtype | None, master: tup
 def _gradients_row(params: list[torch.Tensor], n: int, master: tuple[torch.dtype, ...],
                    compiled_step: bool) -> PrecisionRow:
     with_grad = [p for p in params if p.grad is not None]
+    grads = [g for p in with_grad if (g := p.grad) is not None]
     if with_grad:
-        return PrecisionRow("gradients", _dtypes(_local(p.grad) for p in with_grad),
-                            sum(_nbytes(p.grad) for p in with_grad) / sum(_local(p).numel() for p in with_grad),
+        nbytes: int = sum(_nbytes(g) for g in grads)
+        return PrecisionRow("gradients", _dtypes(_local(g) for g in grads),
+                            nbytes / sum(_local(p).numel() for p in with_grad),
                             f".grad of {len(with_grad)} of {len(params)} parameters")
     if compiled_step:  # the step clears them after its optimizer step: none between steps
         return PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,

@@ -34,6 +34,7 @@ The backend sees only graphs. What ``amp_fx.compile`` does around them, it does 
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -187,7 +188,7 @@ def _compiled_root() -> torch.nn.Module | None:
     the stack still leads to the module the user compiled.
     """
     optimized = torch._dynamo.eval_frame.OptimizedModule
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_argcount and code.co_varnames[0] == "self" and code.co_name in (

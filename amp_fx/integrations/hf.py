@@ -36,7 +36,7 @@ from amp_fx.scaler import GradScaler
 __all__ = ["AmpFxTrainer", "amp_fx_dtype"]
 
 
-def amp_fx_dtype(model: torch.nn.Module) -> torch.dtype | None:
+def amp_fx_dtype(model: object) -> torch.dtype | None:
     """The dtype ``model`` was compiled to by ``amp_fx.compile`` (in place or not), else None."""
     try:
         return options_of(model).dtype

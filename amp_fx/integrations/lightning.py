@@ -81,7 +81,8 @@ class AmpFxPrecision(MixedPrecision):
         # amp_fx's dtype; a shared cast per weight only where the policy shares it in the graphs
         return torch.autocast(self.device, dtype=self.dtype, cache_enabled=self.policy.cast_cache)
 
-    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any) -> Any:
+    def optimizer_step(  # type: ignore[override]  # Lightning's trainer plugin signature, not fabric's
+            self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._check_compiled_forward_ran(model)
         return out

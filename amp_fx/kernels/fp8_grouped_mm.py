@@ -144,6 +144,7 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
             ae, be = a[:, start:end], b[start:end]
             sa = scale_a[e] if fp8 else None
         if fp8:
+            assert sa is not None  # set above whenever fp8
             res = scaled_matmul(Fp8Operand(ae, sa, out_dtype, -1 if a_rowwise else None),
                       Fp8Operand(be, scale_b[e], torch.float32, 0 if b_rowwise else None), fast_accum)
         else:

@@ -71,7 +71,7 @@ class Fp8Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reads: int = 0) -> Fp8Weight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        return torch.Tensor._make_wrapper_subclass(
             cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
             layout=data.layout, device=data.device, requires_grad=False)
 
@@ -80,7 +80,7 @@ class Fp8Weight(torch.Tensor):
         self._scale = scale
         self._reads = reads
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ also takes tensor_contents=
         return f"Fp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
@@ -95,7 +95,7 @@ class Fp8Weight(torch.Tensor):
         return self._data.to(self.dtype) / self._scale
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch's stub types the disabled impl; subclasses define a classmethod
         kwargs = kwargs or {}
         if func in _VIEWS and isinstance(args[0], Fp8Weight):
             w = args[0]

@@ -95,7 +95,7 @@ def _closed_form(s: Any) -> Any:
     if isinstance(s, lr_sched.MultiStepLR):
         milestones = sorted(s.milestones.elements())
         def multistep(e: torch.Tensor, i: int, base: float) -> torch.Tensor:
-            passed = sum((e >= m).to(torch.float64) for m in milestones)
+            passed = sum(((e >= m).to(torch.float64) for m in milestones), e.new_zeros((), dtype=torch.float64))
             return base * s.gamma ** passed
         return multistep
     if isinstance(s, lr_sched.OneCycleLR):

@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -124,7 +124,8 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     if node.op != "call_function" or node.target is not CAST_OP or len(node.args) != 1:
         return False
     src = node.args[0]
-    if src not in position or set(node.kwargs) != {"dtype"} or node.kwargs["dtype"] not in _LOW:
+    if (not isinstance(src, torch.fx.Node) or src not in position or set(node.kwargs) != {"dtype"}
+            or node.kwargs["dtype"] not in _LOW):
         return False
     weight = inputs[position[src]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
@@ -148,7 +149,7 @@ def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode
     with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
         ex = torch.empty_strided(local.shape, local.stride(), dtype=dtype, device=local.device)
         if sharded:  # a DTensor weight (tensor parallelism): its copy is one, placed as the weight
-            ex = dtensor.from_local(ex, weight.device_mesh, weight.placements, run_check=False,  # type: ignore[union-attr]
+            ex = dtensor.from_local(ex, weight.device_mesh, weight.placements, run_check=False,  # type: ignore[union-attr, attr-defined]  # a DTensor
                                     shape=weight.shape, stride=weight.stride())
     return ex.requires_grad_(weight.requires_grad)
 
@@ -262,9 +263,12 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         for user in users:
             n = _occurrences(user, src)
             created = iter([rank[(where[user], 1, n - 1 - k, src.name, "")] for k in range(n)])
-            _give_each_occurrence_its_input(
-                user, [src], lambda src=src, dtype=dtype, created=created: new_input(
-                    src, dtype, src.meta.get("val"), next(created)))
+
+            def next_input(src: torch.fx.Node = src, dtype: torch.dtype = dtype,
+                           created: Iterator[int] = created) -> torch.fx.Node:
+                return new_input(src, dtype, src.meta.get("val"), next(created))
+
+            _give_each_occurrence_its_input(user, [src], next_input)
     graph.lint()
     copy.recompile()
     return copy, inputs, lifted

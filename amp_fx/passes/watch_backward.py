@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -160,8 +160,9 @@ def watching_downstream(backend: str, *, inductor_config: Mapping[str, Any] | No
 
         def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with torch._functorch.config.patch(enable_autograd_cache=False):
-                return compile_fx(gm, example_inputs, inner_compile=inner,
-                                  config_patches=dict(inductor_config or {}))
+                # compile_fx's declared return is a union; given a graph module it returns the callable
+                return cast(Callable[..., Any], compile_fx(gm, example_inputs, inner_compile=inner,
+                                                           config_patches=dict(inductor_config or {})))
 
         return compile_inductor
     return None

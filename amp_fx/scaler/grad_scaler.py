@@ -710,12 +710,12 @@ class GradScaler(torch.amp.GradScaler):
                 else torch.zeros((), dtype=torch.float32, device=scale.device)
             )
             # Product of the scales if the user already set optimizer.grad_scale (as torch).
-            optimizer.grad_scale = (  # type: ignore[attr-defined]
+            optimizer.grad_scale = (  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
                 getattr(optimizer, "grad_scale", None)
                 if optimizer_state["stage"] == OptState.UNSCALED
                 else scale * getattr(optimizer, "grad_scale", 1)
             )
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
             if self._first_step_needs_host_decision(optimizer) and found_inf.item():
                 # torch's fused SGD creates its momentum buffers with empty_like on the first
                 # step and its kernel then skips writing them, so a skipped first step leaves
@@ -723,15 +723,15 @@ class GradScaler(torch.amp.GradScaler):
                 # skip means; for Adam, AdamW and Adagrad the result is bitwise the same.
                 logger.debug("skipping the first step of %s on the host", type(optimizer).__name__)
                 optimizer_state["stage"] = OptState.STEPPED
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
+                del optimizer.grad_scale  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
+                del optimizer.found_inf  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
                 return None
         retval = optimizer.step(*args, **kwargs_)
         optimizer_state["stage"] = OptState.STEPPED
         self._stepped_optimizers.add(optimizer)
         if not has_grad_scaler_kwarg:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+            del optimizer.grad_scale  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
+            del optimizer.found_inf  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
         return retval
 
     def _first_step_needs_host_decision(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -776,7 +776,7 @@ class GradScaler(torch.amp.GradScaler):
                     "update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0."
                 )
             if isinstance(new_scale, float):
-                self._scale.fill_(new_scale)  # type: ignore[union-attr]
+                self._scale.fill_(new_scale)  # type: ignore[union-attr]  # set once the scaler has scaled
             else:
                 reason = (
                     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -788,7 +788,7 @@ class GradScaler(torch.amp.GradScaler):
                     raise AssertionError(reason)
                 if new_scale.requires_grad is True:
                     raise AssertionError(reason)
-                self._scale.copy_(new_scale)  # type: ignore[union-attr]
+                self._scale.copy_(new_scale)  # type: ignore[union-attr]  # set once the scaler has scaled
         else:
             if found_inf_combined is None:
                 raise AssertionError("No inf checks were recorded prior to update.")

@@ -89,6 +89,7 @@ class CompiledStep:
         if self._lowprec is not None:
             self._fused = False
             if options.weight_cache:
+                assert config.train_state is not None  # _low_precision returns None without one
                 self._report.did_less("weight_cache:train_state", (
                     f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
                     "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
@@ -176,7 +177,7 @@ class CompiledStep:
     @property
     def graphs_compiled(self) -> int:
         """Graphs compiled so far: forward+loss graphs plus finish graphs (recompiles included)."""
-        return len(self._forward.amp_fx_records) + self._finish.backend.graphs
+        return len(self._forward.amp_fx_records) + self._finish.backend.graphs  # type: ignore[attr-defined]  # set by _compile
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (interchangeable with ``torch.amp.GradScaler.state_dict()``).

@@ -214,7 +214,7 @@ class Finish:
         sharded = self.shards.view  # FSDP2: local shards, the flag and the norm combined across ranks
         params = self.params if sharded is None else sharded.params
         present = [i for i, p in enumerate(params) if p.grad is not None]
-        grads = [params[i].grad for i in present]
+        grads: list[torch.Tensor] = [params[i].grad for i in present]  # type: ignore[misc]  # present: not None
         # amp_fx/overflow: which gradients held an inf/NaN, from the same kernel pass, and the
         # forward watch's first op; FSDP2 combines both across ranks in the found-inf all-reduce.
         flags = torch.zeros(len(grads), dtype=torch.float32, device=inv_scale.device)
@@ -239,7 +239,7 @@ class Finish:
             else:
                 norms = torch._foreach_norm(grads, 2.0)
                 total_norm = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if sharded is None
-                              else sharded.global_norm(norms, present))
+                              else sharded.global_norm(norms, present))  # type: ignore[arg-type]  # reads it as a sequence
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)

@@ -227,6 +227,6 @@ class OptimizerFollower:
         from torch.optim.optimizer import _global_optimizer_post_hooks
 
         opt = self.optimizer
-        opt._opt_called = True  # type: ignore[attr-defined]  (what an LR scheduler's wrapper records)
+        opt._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's wrapper records
         for hook in (*opt._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
             hook(opt, (), {})

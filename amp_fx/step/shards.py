@@ -27,13 +27,13 @@ def amp_flags(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None,
               found_inf: torch.Tensor) -> Iterator[None]:
     """``optimizer.grad_scale`` and ``optimizer.found_inf`` set for a fused optimizer's step inside
     (it divides by the one and skips on the device where the other is 1.0), deleted after."""
-    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
     try:
         yield
     finally:
-        del optimizer.grad_scale  # type: ignore[attr-defined]
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        del optimizer.grad_scale  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
+        del optimizer.found_inf  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
 
 
 class StepShards:

@@ -58,7 +58,7 @@ class _FirstOrigin(TorchDispatchMode):
         self.running = running
         self.found: tuple[str, str] | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.found is None:
             outs = [inner for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == self.dtype

@@ -110,7 +110,7 @@ class _TorchaoMXFP8Linear(torch.nn.Module):
     reference for amp_fx's padding (a zero never raises a block's amax; ``tests/test_mxfp8.py``'s
     kernel test checks this on one GEMM)."""
 
-    def __init__(self, linear: torch.nn.Module, pad: bool = False) -> None:
+    def __init__(self, linear: torch.nn.Linear, pad: bool = False) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.pad = pad
@@ -158,11 +158,11 @@ def expert_linears(weights: torch.Tensor) -> torch.nn.ModuleList:
     """One bias-free ``nn.Linear`` per expert of ``weights`` (``[E, out, in]``, ``nn.Linear``'s
     layout; pass a transposed view for ``[E, in, out]``), each holding a copy of its expert's
     weight: the twin torchao can convert of experts held as one 3-D parameter."""
-    linears = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights)
+    linears = [torch.nn.Linear(w.shape[1], w.shape[0], bias=False) for w in weights]
     with torch.no_grad():
         for linear, w in zip(linears, weights, strict=True):
             linear.weight.copy_(w)
-    return linears
+    return torch.nn.ModuleList(linears)
 
 
 def linear_twin(model: torch.nn.Module) -> torch.nn.Module:

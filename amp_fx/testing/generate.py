@@ -23,10 +23,10 @@ def tiny_causal_lm(arch: str) -> torch.nn.Module:
                                          bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config).eval()
     if arch == "llama":
-        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+        llama = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=128, vocab_size=128,
                                           max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
-        return transformers.LlamaForCausalLM(config).eval()
+        return transformers.LlamaForCausalLM(llama).eval()
     raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
 
 
@@ -43,4 +43,4 @@ def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, cache: str) -> An
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():
-        return model.generate(ids, **kwargs)
+        return model.generate(ids, **kwargs)  # type: ignore[operator]  # transformers' GenerationMixin.generate

@@ -164,6 +164,8 @@ class Cancellation(nn.Module):
 
 
 class CancellationAfterModule(nn.Module):
+    offset: Tensor
+
     def __init__(self, hazard: bool) -> None:
         super().__init__()
         self.proj = nn.Linear(16, 16)
@@ -244,11 +246,12 @@ class ResidualCancellation(nn.Module):
     def __init__(self, hazard: bool) -> None:
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(6))
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        blocks = [nn.Linear(16, 16) for _ in range(6)]
+        self.blocks = nn.ModuleList(blocks)
         self.norm = nn.LayerNorm(16)
         self.head = nn.Linear(16, 4)
         with torch.no_grad():
-            self.blocks[4].bias.add_(1000.0 if hazard else 0.0)
+            blocks[4].bias.add_(1000.0 if hazard else 0.0)
 
     def forward(self, x: Tensor) -> Tensor:
         for norm, block in zip(self.norms, self.blocks):

@@ -113,7 +113,7 @@ def _images(gen: torch.Generator, size: int, channels: int = 3) -> Tensor:
 
 # --- Hugging Face transformers ------------------------------------------------------------------
 
-_HF_DIMS = dict(vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+_HF_DIMS: dict[str, Any] = dict(vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, max_position_embeddings=64)
 
 
@@ -181,8 +181,9 @@ def _hf_mixtral(gen: torch.Generator) -> Built:
 def _hf_t5(gen: torch.Generator) -> Built:
     import transformers as tf
 
-    config = tf.T5Config(vocab_size=_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
-                         dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    config = tf.T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PreTrainedConfig keyword
+        vocab_size=_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+        use_cache=False, decoder_start_token_id=0, pad_token_id=0)
     model = tf.T5ForConditionalGeneration(config)
     return _no_dropout(model), {"input_ids": _ids(gen, _BATCH, _SEQ), "labels": _ids(gen, _BATCH, 8)}, _hf_loss
 
@@ -190,9 +191,9 @@ def _hf_t5(gen: torch.Generator) -> Built:
 def _hf_vit(gen: torch.Generator) -> Built:
     import transformers as tf
 
-    config = tf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0,
-                          attention_probs_dropout_prob=0.0)
+    config = tf.ViTConfig(  # type: ignore[call-arg]  # num_labels: a PreTrainedConfig keyword
+        image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = tf.ViTForImageClassification(config)
     labels = torch.randint(0, 10, (_BATCH,), generator=gen)
     return _no_dropout(model), {"pixel_values": _images(gen, 32), "labels": labels}, _hf_loss
@@ -201,7 +202,8 @@ def _hf_vit(gen: torch.Generator) -> Built:
 def _hf_convnext(gen: torch.Generator) -> Built:
     import transformers as tf
 
-    config = tf.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32)
+    config = tf.ConvNextConfig(  # type: ignore[call-arg]  # num_labels: a PreTrainedConfig keyword
+        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32)
     model = tf.ConvNextForImageClassification(config)
     labels = torch.randint(0, 10, (_BATCH,), generator=gen)
     return _no_dropout(model), {"pixel_values": _images(gen, 32), "labels": labels}, _hf_loss
@@ -211,7 +213,7 @@ def _hf_convnext(gen: torch.Generator) -> Built:
 # (combine_mode="generic": a torch.vmap'd combine function) only while Dynamo compiles; eagerly it
 # runs a sequential loop. hidden 32 with state 8 keeps the scan's graph small (the scan over 16
 # tokens unrolls into 2 * log2(16) vmap'd levels per layer).
-_SSM_DIMS = dict(vocab_size=_VOCAB, hidden_size=32, use_cache=False)
+_SSM_DIMS: dict[str, Any] = dict(vocab_size=_VOCAB, hidden_size=32, use_cache=False)
 _SSM_MODULES = ("mamba", "falcon_mamba", "jamba")
 
 
@@ -246,14 +248,14 @@ def _ssm_traced_path() -> Iterator[None]:
     reads True in their modeling modules, so the mixer scans with ``associative_scan`` eagerly too
     (Dynamo traces the same branch)."""
     modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in _SSM_MODULES]
-    saved = [m.is_torchdynamo_compiling for m in modules]
+    saved = [getattr(m, "is_torchdynamo_compiling") for m in modules]
     for m in modules:
-        m.is_torchdynamo_compiling = lambda: True
+        setattr(m, "is_torchdynamo_compiling", lambda: True)
     try:
         yield
     finally:
         for m, fn in zip(modules, saved, strict=True):
-            m.is_torchdynamo_compiling = fn
+            setattr(m, "is_torchdynamo_compiling", fn)
 
 
 # --- torchvision ----------------------------------------------------------------------------------
@@ -294,7 +296,7 @@ def _timm(name: str, **kwargs: Any) -> Callable[[torch.Generator], Built]:
 
 # --- diffusers ------------------------------------------------------------------------------------
 
-_UNET_DIMS = dict(sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1)
+_UNET_DIMS: dict[str, Any] = dict(sample_size=16, block_out_channels=(32, 64), norm_num_groups=8, layers_per_block=1)
 
 
 def _unet2d(gen: torch.Generator) -> Built:
@@ -304,7 +306,7 @@ def _unet2d(gen: torch.Generator) -> Built:
                         down_block_types=("DownBlock2D", "AttnDownBlock2D"),
                         up_block_types=("AttnUpBlock2D", "UpBlock2D"))
     inputs = {"sample": _images(gen, 16), "timestep": torch.tensor([10, 500])}
-    return _no_dropout(model), inputs, _sq_mean
+    return _no_dropout(model), inputs, _sq_mean  # type: ignore[arg-type]  # mypy does not see diffusers' ModelMixin(torch.nn.Module) base
 
 
 def _unet2d_condition(gen: torch.Generator) -> Built:
@@ -315,7 +317,7 @@ def _unet2d_condition(gen: torch.Generator) -> Built:
                                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
     inputs = {"sample": _images(gen, 16, channels=4), "timestep": torch.tensor([10, 500]),
               "encoder_hidden_states": torch.randn(_BATCH, 8, 32, generator=gen)}
-    return _no_dropout(model), inputs, _sq_mean
+    return _no_dropout(model), inputs, _sq_mean  # type: ignore[arg-type]  # mypy does not see diffusers' ModelMixin(torch.nn.Module) base
 
 
 # --- the registry ---------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class HostSyncCounter:
         self._prof.__exit__(*exc)
         # The raw events (name, interval, thread): prof.events() would build an object and a
         # tree for every event, seconds for a training step's thousands of ops.
+        assert self._prof.profiler is not None and self._prof.profiler.kineto_results is not None  # after __exit__
         all_events = [(e.name(), e.start_ns(), e.end_ns(), e.start_thread_id())
                       for e in self._prof.profiler.kineto_results.events()]
         self.collectives.update(name for name, *_ in all_events if name.startswith(("gloo:", "nccl:")))

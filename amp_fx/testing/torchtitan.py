@@ -79,7 +79,7 @@ def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_d
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.init_states(buffer_device=None)
+        model.init_states(buffer_device=None)  # type: ignore[operator]  # torchtitan's model; parallelize_fn returns it as nn.Module
     if model_dtype != torch.float32:
         model.to(model_dtype)
     return model

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ __all__ = [
 
 SEED = 0
 
-LossFn = Callable[[object], Tensor]
+LossFn = Callable[[Any], Tensor]  # of the model's output
 Built = tuple[nn.Module, tuple[Tensor, ...], LossFn]
 Factory = Callable[[], Built]
 

@@ -95,7 +95,8 @@ def advise(
     base = run(())
     if config is not None and not base.fp8_calls:
         _no_fp8_matmul(model, config, low, strict)
-    best, runs, words = base, 1, []
+    best, runs = base, 1
+    words: list[str] = []
     if not meets(base.finite, base.error, target):
         best, runs, words = search(base, run, target, grain(low, config), max_runs)
     verified = meets(best.finite, best.error, target)

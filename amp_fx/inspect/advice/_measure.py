@@ -98,7 +98,7 @@ def keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str) 
             with torch.autocast(device_type, enabled=False):
                 return _inner(*args, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]  # an instance attribute on a copy
+        module.forward = forward  # an instance attribute on a copy
 
 
 def fp8_mode(fp8: Fp8Config | None, dtype: torch.dtype, device_type: str, stack: list[str],

@@ -59,6 +59,7 @@ def end_to_end(model: torch.nn.Module, outs: Sequence[torch.Tensor], out_parts: 
     grads: dict[str, torch.Tensor] = {}
     loss_error = grad_error = None
     if loss is not None:
+        assert ref.loss is not None  # both from the same loss_fn (loss_of)
         loss_error = rel_error([loss.detach()], [ref.loss], tiny)
         finite = finite and all_finite([loss.detach()])
         if loss.requires_grad and finite:  # with a non-finite forward no scale helps
