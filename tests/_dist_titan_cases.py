@@ -12,17 +12,24 @@ steps on cross-entropy over random tokens:
 
 tp: tensor parallel 2 (sequence parallel, torchtitan's default), the same tokens on both ranks.
 dp: FSDP2 over 2 ranks, each its own tokens.
+dp_tp: FSDP2 2 x tensor parallel 2 on 4 ranks (torchtitan's mesh puts tp innermost: ranks 0-1 and
+2-3 are the tp groups), each tp group its own tokens. The cases of one world size run in one spawn.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
 STEPS = 3
-LAYOUTS = {"tp": {"tp": 2}, "dp": {"dp_shard": 2}}
+LAYOUTS = {"tp": {"tp": 2}, "dp": {"dp_shard": 2}, "dp_tp": {"dp_shard": 2, "tp": 2}}
 CASES = [(layout, dtype, form) for layout in LAYOUTS for dtype in ("bf16", "fp16") for form in ("eager", "amp_fx")]
+
+
+def world_size_of(layout: str) -> int:
+    return math.prod(LAYOUTS[layout].values())
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -51,7 +58,7 @@ def _train(rank: int, layout: str, dtype: str, form: str) -> dict:
     scaler: GradScaler | None = None
     if dtype == "fp16":
         scaler = amp_fx.GradScaler("cpu") if form == "amp_fx" else ShardedGradScaler("cpu")
-    gen = torch.Generator().manual_seed(100 + (rank if layout == "dp" else 0))
+    gen = torch.Generator().manual_seed(100 + rank // LAYOUTS[layout].get("tp", 1))  # the data-parallel rank
     losses, scales = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
@@ -84,9 +91,10 @@ def _train(rank: int, layout: str, dtype: str, form: str) -> dict:
 
 
 def titan_all(rank: int, world_size: int) -> dict:
-    """Every case on this rank; a case that raised holds its error (so the others still run)."""
+    """Every case of this world size on this rank; a case that raised holds its error (so the
+    others still run)."""
     results: dict = {}
-    for case in CASES:
+    for case in (c for c in CASES if world_size_of(c[0]) == world_size):
         try:
             results[case] = _train(rank, *case)
         except Exception as e:  # noqa: BLE001 - reported by the test that reads this case

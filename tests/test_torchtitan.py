@@ -14,7 +14,9 @@ at dp_shard=1), so tp=2 alone runs through the unit capture too.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 
 pytest.importorskip("torchtitan", reason="needs torchtitan (pip install amp_fx[torchtitan]; torch >= 2.12)")
 
-from _dist_titan_cases import CASES, titan_all  # noqa: E402
+from _dist_titan_cases import CASES, titan_all, world_size_of  # noqa: E402
 
 from amp_fx import AmpFxError, AmpFxWarning  # noqa: E402
 from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize, with_amp_fx  # noqa: E402
@@ -38,8 +40,10 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(titan_all)
+def spawn() -> Callable[[int], list[dict]]:
+    """``spawn(world_size)``: every rank's results of the cases of that world size (one spawn
+    each, on first use: 2 ranks for tp and dp, 4 for dp_tp)."""
+    return functools.cache(lambda world_size: run_ranks(titan_all, world_size=world_size))
 
 
 def _name(case: tuple) -> str:
@@ -47,10 +51,12 @@ def _name(case: tuple) -> str:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] == "amp_fx"], ids=_name)
-def test_torchtitan_parallelize_llama_bitwise_with_eager_autocast(ranks, case):
+def test_torchtitan_parallelize_llama_bitwise_with_eager_autocast(spawn, case):
     """Losses, scales, every rank's local gradients at the 3rd step and parameters after it, bit
     for bit; no amp_fx warning (a fallback to torch.compile + autocast would warn)."""
     layout, dtype, _ = case
+    ranks = spawn(world_size_of(layout))
+    assert len(ranks) == world_size_of(layout)
     for rank, res in enumerate(ranks):
         got, want = res[case], res[(layout, dtype, "eager")]
         what = f"rank {rank}, {_name(case)}"
@@ -65,18 +71,24 @@ def test_torchtitan_parallelize_llama_bitwise_with_eager_autocast(ranks, case):
             assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
 
 
-def test_torchtitan_cases_train(ranks):
-    """The comparison is not vacuous: the loss moves over the 3 steps, every parameter has a
-    gradient, and the tp ranks hold different shards."""
+@pytest.mark.parametrize("layout", ["tp", "dp_tp"])
+def test_torchtitan_cases_train(spawn, layout):
+    """The comparison is not vacuous: the loss moves over the 3 steps, the ranks of a tp group hold
+    different shards, and on dp_tp the two tp groups train on different tokens."""
+    ranks = spawn(world_size_of(layout))
     for res in ranks:
-        for case in CASES:
+        for case in (c for c in CASES if c[0] == layout):
             assert "error" not in res[case], f"{_name(case)}: {res[case].get('error')}"
             losses = res[case]["losses"]
             assert losses[0] != losses[-1], _name(case)
-    tp0, tp1 = ranks[0][("tp", "bf16", "amp_fx")], ranks[1][("tp", "bf16", "amp_fx")]
-    name = "layers.0.attention.wo.weight" if "layers.0.attention.wo.weight" in tp0["grads"] else next(
-        n for n in tp0["grads"] if n.endswith("wo.weight"))
+    case = (layout, "bf16", "amp_fx")
+    tp0, tp1 = ranks[0][case], ranks[1][case]
+    name = "layers.0.attention.wo.weight"
+    assert name in tp0["params"], sorted(tp0["params"])
     assert not torch.equal(tp0["params"][name], tp1["params"][name])
+    if layout == "dp_tp":
+        assert torch.equal(ranks[0][case]["losses"], ranks[1][case]["losses"])  # one tp group, one loss
+        assert not torch.equal(ranks[0][case]["losses"], ranks[2][case]["losses"])
 
 
 def test_with_amp_fx_rewrites_the_trainer_config():
