@@ -15,8 +15,14 @@ at dp_shard=1), so tp=2 alone runs through the unit capture too.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +30,7 @@ import torch
 
 pytest.importorskip("torchtitan", reason="needs torchtitan (pip install amp_fx[torchtitan]; torch >= 2.12)")
 
-from _dist_titan_cases import CASES, titan_all, world_size_of  # noqa: E402
+from _dist_titan_cases import CASES, FP8_CASES, titan_all, titan_fp8, world_size_of  # noqa: E402
 
 from amp_fx import AmpFxError, AmpFxWarning  # noqa: E402
 from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize, with_amp_fx  # noqa: E402
@@ -89,6 +95,100 @@ def test_torchtitan_cases_train(spawn, layout):
     if layout == "dp_tp":
         assert torch.equal(ranks[0][case]["losses"], ranks[1][case]["losses"])  # one tp group, one loss
         assert not torch.equal(ranks[0][case]["losses"], ranks[2][case]["losses"])
+
+
+@pytest.fixture(scope="module")
+def fp8_ranks() -> list[dict]:
+    return run_ranks(titan_fp8)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=" ".join)
+def test_fp8_bitwise_with_torchtitans_float8_converter(fp8_ranks, case):
+    """amp_fx's fp8 on dp_shard 2 against torchtitan's own ``Float8LinearConverter`` (torchao's
+    ``Float8Linear`` in every Linear) on the same model, mesh, weights and tokens: losses, every
+    rank's local gradients at the 2nd AdamW step and the parameters after it, bit for bit. Both
+    scale the same values (the bf16 operands) with the same recipe, so nothing less is right."""
+    recipe, param_dtype = case
+    for rank, res in enumerate(fp8_ranks):
+        got, want = res[(*case, "amp_fx")], res[(*case, "torchtitan")]
+        what = f"rank {rank}, {recipe}, mixed_precision_param={param_dtype}"
+        assert "error" not in want, f"{what}: torchtitan's float8: {want.get('error')}"
+        assert "error" not in got, f"{what}: {got.get('error')}"
+        assert want["linear_types"] == ["FSDPFloat8Linear", "Float8Linear"], want["linear_types"]  # converted
+        assert got["linear_types"] == ["FSDPLinear", "Linear"], got["linear_types"]
+        # the only thing amp_fx says: no fp8 tensor cores on this CPU (no fallback, no unconverted matmul)
+        assert len(got["amp_fx_warnings"]) == 1 and "no fp8 tensor cores" in got["amp_fx_warnings"][0], \
+            got["amp_fx_warnings"]
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert set(got["grads"]) == set(want["grads"]), what
+        for name in want["grads"]:
+            assert_bitwise(got["grads"][name], want["grads"][name], f"{what}: grad {name}")
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+    losses = [res[(*case, "amp_fx")]["losses"] for res in fp8_ranks]
+    assert not torch.equal(losses[0], losses[1])  # each rank its own tokens
+
+
+_DOCS = Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
+
+# Run in a process of its own: torchtitan's registries import its Trainer (tensorboard, datasets:
+# stood in for where missing) and its float8 converter's registry entries touch inductor's config.
+_PARSE = """
+import json, sys
+from amp_fx.testing.torchtitan import stand_in_for_trainer_extras
+stand_in_for_trainer_extras()
+sys.path.insert(0, sys.argv[1])
+from torchtitan.config.manager import ConfigManager
+try:
+    config = ConfigManager().parse_args(sys.argv[2:])
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    raise SystemExit(0)
+fn = config.model_spec.parallelize_fn
+print(json.dumps({"parallelize_fn": "/".join(fn.__code__.co_filename.split("/")[-3:]),
+                  "wraps": f"{fn.__wrapped__.__module__}.{fn.__wrapped__.__name__}",
+                  "mixed_precision_param": config.training.mixed_precision_param,
+                  "compile_components": config.compile.components,
+                  "loss": type(config.loss).__qualname__}))
+"""
+
+
+def _documented_command() -> tuple[str, list[str]]:
+    """docs/torchtitan.md's config module (the block that starts ``# my_configs.py``) and the
+    arguments its command gives ``torchtitan.train``."""
+    text = _DOCS.read_text()
+    module = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+                  if b.startswith("# my_configs.py"))
+    command = next(line for line in text.splitlines() if "-m torchtitan.train" in line)
+    return module, command.split("-m torchtitan.train", 1)[1].split()
+
+
+def _parse(tmp_path: Path, module: str, args: list[str]) -> dict:
+    (tmp_path / "my_configs.py").write_text(module)
+    done = subprocess.run([sys.executable, "-c", _PARSE, str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_documented_command_parses_into_amp_fxs_config(tmp_path):
+    """The command and config module of docs/torchtitan.md, parsed by torchtitan's own
+    ``ConfigManager`` (what ``torchtitan.train`` does first; training itself needs an accelerator):
+    the model's parallelize_fn is amp_fx's around torchtitan's ``parallelize_llama``, the
+    parameters stay fp32 (autocast semantics), torchtitan's model compile is off and the loss is
+    the plain one (lm_head inside the model); a CLI override still applies on top. A config name
+    with a typo gets torchtitan's error, which lists the module's config functions."""
+    module, args = _documented_command()
+    assert args[:2] == ["--module", "my_configs"], args
+    config = _parse(tmp_path, module, args)
+    assert config == {"parallelize_fn": "amp_fx/integrations/torchtitan.py",  # functools.wraps hides the name
+                      "wraps": "torchtitan.models.llama3.parallelize.parallelize_llama",
+                      "mixed_precision_param": "float32", "compile_components": ["loss"],
+                      "loss": "CrossEntropyLoss.Config"}, config
+    overridden = _parse(tmp_path, module, [*args, "--training.mixed_precision_param", "bfloat16"])
+    assert overridden["mixed_precision_param"] == "bfloat16"
+    typo = _parse(tmp_path, module, [a + "x" if a == args[-1] else a for a in args])
+    assert "error" in typo and f"'{args[-1]}x' not found" in typo["error"], typo
+    assert f"'{args[-1]}'" in typo["error"]  # the available config functions are listed
 
 
 def test_with_amp_fx_rewrites_the_trainer_config():
