@@ -213,6 +213,33 @@ def test_with_amp_fx_refuses_fp16_and_bad_configs():
         amp_fx_parallelize(lambda m, **kw: m, {"dtype": "bf16"})
 
 
+def test_with_amp_fx_refuses_pipeline_parallelism_and_torchtitans_float8():
+    """Both at config time, before any rank starts, each naming the fix."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.models.llama3 import model_registry
+
+    from amp_fx.testing.fp8_reference import torchao_missing
+
+    config = trainer_config_fields()
+    config.parallelism = ParallelismConfig(pipeline_parallel_degree=2)
+    with pytest.raises(ValueError, match=r"pipeline parallelism .*amp_fx.compile"):
+        with_amp_fx(config)
+    config = trainer_config_fields()
+    assert with_amp_fx(config, AmpFxTitanConfig(fp8="rowwise")) is config  # unconverted: accepted
+    if torchao_missing() is not None:
+        pytest.skip(f"torchtitan's float8 converter needs torchao: {torchao_missing()}")
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    from amp_fx.testing.torchtitan import float8_on_cpu
+
+    float8_on_cpu()
+    config = trainer_config_fields()
+    config.model_spec = model_registry("debugmodel", converters=[Float8LinearConverter.Config()])
+    said = r"made 31 Linear layers Float8Linear \(lm_head, .*AmpFxTitanConfig\(fp8='rowwise'\)"
+    with pytest.raises(ValueError, match=said):
+        with_amp_fx(config, AmpFxTitanConfig(fp8="rowwise"))
+
+
 def _parallelize_args(*, pp: bool = False, param: str = "float32") -> dict:
     from torchtitan.config import CompileConfig, TrainingConfig
 
