@@ -132,7 +132,8 @@ def _train_fp8(rank: int, recipe: str, param_dtype: str, form: str) -> dict:
         model = cpu_debugmodel(dp_shard=2, n_layers=1, param_dtype=param_dtype,
                                parallelize_fn=amp_fx_parallelize(parallelize_llama, config))
     result = _steps(model, data_rank=rank, steps=FP8_STEPS, autocast=autocast)
-    result["linear_types"] = sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__})
+    result["linear_types"] = sorted({type(m).__name__ for m in model.modules()  # the layers that own a weight
+                                     if "Linear" in type(m).__name__ and "weight" in m._parameters})
     return result
 
 
