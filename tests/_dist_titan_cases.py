@@ -127,8 +127,8 @@ def _train_fp8(rank: int, recipe: str, param_dtype: str, form: str) -> dict:
         model = cpu_debugmodel(dp_shard=2, n_layers=1, param_dtype=param_dtype, float8_recipe=recipe)
         if param_dtype == "float32":
             autocast = _torchao_under_cpu_autocast
-    else:  # strict=False: amp_fx says once that the CPU has no fp8 tensor cores (the test reads it)
-        config = AmpFxTitanConfig(dtype="bf16", fp8=recipe, backend="aot_eager", strict=False)
+    else:  # strict from the suite's environment: a fallback raises (no fp8 tensor cores is a notice)
+        config = AmpFxTitanConfig(dtype="bf16", fp8=recipe, backend="aot_eager")
         model = cpu_debugmodel(dp_shard=2, n_layers=1, param_dtype=param_dtype,
                                parallelize_fn=amp_fx_parallelize(parallelize_llama, config))
     result = _steps(model, data_rank=rank, steps=FP8_STEPS, autocast=autocast)
