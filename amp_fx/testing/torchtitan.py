@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "float8_on_cpu", "parallel_dims", "stand_in_for_trainer_extras",
-           "trainer_config_fields"]
+__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims", "stand_in_for_trainer_extras", "trainer_config_fields"]
 
 TITAN_VOCAB = 2048  # the debugmodel's vocabulary
 
@@ -40,8 +39,7 @@ def _cpu_device_type() -> None:
         module.device_type = "cpu"
 
 
-def float8_on_cpu() -> None:
-    """torchtitan's float8 converter let through its hardware check (module docstring)."""
+def _float8_on_cpu() -> None:
     import torchtitan.components.quantization.float8 as float8
 
     float8.has_cuda_capability = lambda major, minor: True  # module docstring
@@ -85,7 +83,7 @@ def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_d
     if float8_recipe is not None:
         from torchtitan.components.quantization import Float8LinearConverter
 
-        float8_on_cpu()
+        _float8_on_cpu()
         config = Float8LinearConverter.Config(recipe_name=float8_recipe).build().convert(config)
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     with torch.device("meta"):
