@@ -1,5 +1,8 @@
 """amp_fx as torchtitan's mixed precision: torchtitan's Llama 3 debugmodel under its own
-``parallelize_llama`` on 2 gloo ranks, bitwise with eager autocast (tests/_dist_titan_cases.py).
+``parallelize_llama`` on 2 gloo ranks (tp 2, dp_shard 2) and 4 (dp_shard 2 x tp 2), bitwise with
+eager autocast (tests/_dist_titan_cases.py); the documented ``--module`` command parsed by
+torchtitan's own config machinery; what the integration refuses. fp8 against torchtitan's float8
+converter: tests/test_torchtitan_fp8.py.
 
 Before the fixes in ``amp_fx/_dist/capture.py`` the tp cases failed: amp_fx's FSDP2 unit capture
 called ``type(module).forward`` and skipped the per-instance forward torchtitan installs for TP
@@ -107,17 +110,20 @@ from amp_fx.testing.torchtitan import stand_in_for_trainer_extras
 stand_in_for_trainer_extras()
 sys.path.insert(0, sys.argv[1])
 from torchtitan.config.manager import ConfigManager
-try:
-    config = ConfigManager().parse_args(sys.argv[2:])
-except Exception as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-    raise SystemExit(0)
-fn = config.model_spec.parallelize_fn
-print(json.dumps({"parallelize_fn": "/".join(fn.__code__.co_filename.split("/")[-3:]),
-                  "wraps": f"{fn.__wrapped__.__module__}.{fn.__wrapped__.__name__}",
-                  "mixed_precision_param": config.training.mixed_precision_param,
-                  "compile_components": config.compile.components,
-                  "loss": type(config.loss).__qualname__}))
+
+def parse(args):
+    try:
+        config = ConfigManager().parse_args(args)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    fn = config.model_spec.parallelize_fn
+    return {"parallelize_fn": "/".join(fn.__code__.co_filename.split("/")[-3:]),
+            "wraps": f"{fn.__wrapped__.__module__}.{fn.__wrapped__.__name__}",
+            "mixed_precision_param": config.training.mixed_precision_param,
+            "compile_components": config.compile.components,
+            "loss": type(config.loss).__qualname__}
+
+print(json.dumps([parse(args) for args in json.loads(sys.argv[2])]))
 """
 
 
@@ -131,10 +137,11 @@ def _documented_command() -> tuple[str, list[str]]:
     return module, command.split("-m torchtitan.train", 1)[1].split()
 
 
-def _parse(tmp_path: Path, module: str, args: list[str]) -> dict:
+def _parse(tmp_path: Path, module: str, *arg_lists: list[str]) -> list[dict]:
+    """What ``ConfigManager().parse_args`` makes of each argument list, in one fresh process."""
     (tmp_path / "my_configs.py").write_text(module)
-    done = subprocess.run([sys.executable, "-c", _PARSE, str(tmp_path), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run([sys.executable, "-c", _PARSE, str(tmp_path), json.dumps(arg_lists)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -148,14 +155,13 @@ def test_the_documented_command_parses_into_amp_fxs_config(tmp_path):
     with a typo gets torchtitan's error, which lists the module's config functions."""
     module, args = _documented_command()
     assert args[:2] == ["--module", "my_configs"], args
-    config = _parse(tmp_path, module, args)
+    config, overridden, typo = _parse(tmp_path, module, args, [*args, "--training.mixed_precision_param", "bfloat16"],
+                                      [a + "x" if a == args[-1] else a for a in args])
     assert config == {"parallelize_fn": "amp_fx/integrations/torchtitan.py",  # functools.wraps hides the name
                       "wraps": "torchtitan.models.llama3.parallelize.parallelize_llama",
                       "mixed_precision_param": "float32", "compile_components": ["loss"],
                       "loss": "CrossEntropyLoss.Config"}, config
-    overridden = _parse(tmp_path, module, [*args, "--training.mixed_precision_param", "bfloat16"])
     assert overridden["mixed_precision_param"] == "bfloat16"
-    typo = _parse(tmp_path, module, [a + "x" if a == args[-1] else a for a in args])
     assert "error" in typo and f"'{args[-1]}x' not found" in typo["error"], typo
     assert f"'{args[-1]}'" in typo["error"]  # the available config functions are listed
 
