@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 __all__ = ["AmpFxTitanConfig", "amp_fx_parallelize", "with_amp_fx"]
 
 _PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_PP_REFUSED = ("pipeline parallelism (parallelism.pipeline_parallel_degree > 1) is not supported by this "
+               "integration yet; compile each stage with amp_fx.compile and use "
+               "amp_fx.GradScaler(process_group=...) (docs/distributed.md)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,7 +60,11 @@ class AmpFxTitanConfig:
 
     Attributes:
         dtype: "bf16" or "fp16" (fp16 needs a loss scaler: ``amp_fx.GradScaler``).
-        fp8: amp_fx's fp8 training recipe (``"tensorwise"``, ``"rowwise"``, ...) or None; bf16 only.
+        fp8: amp_fx's fp8 training recipe or None; bf16 only. ``"rowwise"`` and
+            ``"rowwise_with_gw_hp"`` are the ``recipe_name`` values of torchtitan's
+            ``Float8LinearConverter`` and give its numerics bit for bit (tests/test_torchtitan_fp8.py),
+            used instead of it on the unconverted model; amp_fx also has ``"tensorwise"`` (which
+            torchtitan 0.3.0 dropped) and ``"mxfp8"``.
         backend: the torch.compile backend amp_fx hands its graphs to.
         policy: overrides of autocast's op tables (``amp_fx.Policy``).
         strict: raise where amp_fx would warn that it did less than asked.
@@ -104,9 +111,7 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
     def parallelize(model: torch.nn.Module, *, parallel_dims: Any, training: Any, compile_config: Any,
                     **kwargs: Any) -> torch.nn.Module:
         if parallel_dims.pp_enabled:
-            raise ValueError("amp_fx_parallelize: pipeline parallelism (parallelism.pipeline_parallel_degree > 1) "
-                             "is not supported by this integration yet; compile each stage with "
-                             "amp_fx.compile and use amp_fx.GradScaler(process_group=...) (docs/distributed.md)")
+            raise ValueError(f"amp_fx_parallelize: {_PP_REFUSED}")
         param_dtype = _PARAM_DTYPES.get(training.mixed_precision_param)
         if param_dtype not in (torch.float32, options.dtype):
             raise ValueError(
@@ -148,15 +153,38 @@ def with_amp_fx(trainer_config: Trainer.Config, config: AmpFxTitanConfig | None 
 
     Raises ValueError for fp16: torchtitan's ``Trainer`` has no loss scaling, and fp16 gradients
     without it underflow; train fp16 in a loop of your own with :func:`amp_fx_parallelize` and
-    ``amp_fx.GradScaler``.
+    ``amp_fx.GradScaler``. Raises ValueError for pipeline parallelism (as :func:`amp_fx_parallelize`
+    does at parallelization, which also catches a degree set on the command line), and for a model
+    spec that torchtitan's float8 converter already converted (``Float8Linear``): amp_fx's fp8 is
+    ``AmpFxTitanConfig(fp8=...)`` on the unconverted model, bitwise with that converter's recipes.
     """
     config = AmpFxTitanConfig() if config is None else config
     if config.options().dtype == torch.float16:
         raise ValueError("with_amp_fx: fp16 needs loss scaling, which torchtitan's Trainer does not do; use "
                          "dtype='bf16', or amp_fx_parallelize with amp_fx.GradScaler in your own loop")
+    parallelism = getattr(trainer_config, "parallelism", None)
+    if parallelism is not None and parallelism.pipeline_parallel_degree > 1:
+        raise ValueError(f"with_amp_fx: {_PP_REFUSED}")
     spec = trainer_config.model_spec
+    converted = _float8_linears(spec.model)
+    if converted:
+        raise ValueError(
+            f"with_amp_fx: torchtitan's float8 converter already made {len(converted)} Linear layers "
+            f"Float8Linear ({converted[0]}, ...); amp_fx's fp8 replaces it: build the model spec without "
+            f"Float8LinearConverter and pass AmpFxTitanConfig(fp8='rowwise') (or its other recipes)")
     spec.parallelize_fn = amp_fx_parallelize(spec.parallelize_fn, config)
     trainer_config.compile.components = [c for c in trainer_config.compile.components if c != "model"]
     if isinstance(trainer_config.loss, ChunkedLossWrapper.Config):
         trainer_config.loss = trainer_config.loss.loss_fn
     return trainer_config
+
+
+def _float8_linears(model_config: Any) -> list[str]:
+    """The names of the Linear configs torchtitan's ``Float8LinearConverter`` swapped."""
+    from torchtitan.components.quantization.float8 import Float8Linear
+    from torchtitan.models.common.linear import Linear
+
+    if Float8Linear is None or not hasattr(model_config, "traverse"):  # torchao missing: nothing converted
+        return []
+    return [fqn for fqn, linear, _, _ in model_config.traverse(Linear.Config)
+            if isinstance(linear, Float8Linear.Config)]

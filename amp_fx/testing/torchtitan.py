@@ -11,7 +11,11 @@ CPU unit tests do; :func:`cpu_debugmodel` makes the same adjustments, each for a
 * ``spmd_backend="partial_dtensor"`` (0.3.0's default, "spmd_types", fails with torch 2.13's
   ``fully_shard`` beyond one rank: it targets a nightly torch);
 * FSDP2's gradient reduction is a plain SUM: torchtitan sets the divide factor to 1.0 (its
-  trainer scales by the global token count), which makes FSDP2 use PREMUL_SUM, which gloo lacks.
+  trainer scales by the global token count), which makes FSDP2 use PREMUL_SUM, which gloo lacks;
+* torchtitan's float8 converter is let through its hardware check (``has_cuda_capability``
+  answers True in ``components.quantization.float8``): it refuses anything older than an SM89 GPU
+  unless ``emulate=True``, which replaces the recipe by torchao's emulated tensorwise one, while
+  torchao's ``Float8Linear`` runs the real ``torch._scaled_mm`` on the CPU (rowwise included).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims", "trainer_config_fields"]
+__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims", "stand_in_for_trainer_extras", "trainer_config_fields"]
 
 TITAN_VOCAB = 2048  # the debugmodel's vocabulary
 
@@ -33,6 +37,12 @@ def _cpu_device_type() -> None:
 
     for module in (tools_utils, parallel_dims_module, dist_utils):
         module.device_type = "cpu"
+
+
+def _float8_on_cpu() -> None:
+    import torchtitan.components.quantization.float8 as float8
+
+    float8.has_cuda_capability = lambda major, minor: True  # module docstring
 
 
 def parallel_dims(*, tp: int = 1, dp_shard: int = 1) -> tuple[Any, Any]:
@@ -49,11 +59,16 @@ def parallel_dims(*, tp: int = 1, dp_shard: int = 1) -> tuple[Any, Any]:
 
 def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_dtype: str = "float32",
                    parallelize_fn: Callable[..., torch.nn.Module] | None = None, seed: int = 0,
-                   model_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                   model_dtype: torch.dtype = torch.float32, float8_recipe: str | None = None) -> torch.nn.Module:
     """torchtitan's Llama 3 debugmodel (dim 256, 16 heads, vocabulary 2048) with ``n_layers`` layers,
     built on meta, parallelized by ``parallelize_fn`` (default: torchtitan's ``parallelize_llama``)
     with ``training.mixed_precision_param=param_dtype``, then materialized on the CPU and
-    initialized with torch's generator seeded by ``seed`` (the same weights on every rank)."""
+    initialized with torch's generator seeded by ``seed`` (the same weights on every rank).
+
+    ``float8_recipe``: the model config first converted by torchtitan's own
+    ``Float8LinearConverter`` with that recipe ("rowwise", "rowwise_with_gw_hp"), as
+    ``model_registry(..., converters=[...])`` does: every ``Linear`` becomes torchao's
+    ``Float8Linear``."""
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.common import ScaledDotProductAttention
@@ -65,6 +80,11 @@ def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_d
     config.layers = config.layers[:n_layers]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if float8_recipe is not None:
+        from torchtitan.components.quantization import Float8LinearConverter
+
+        _float8_on_cpu()
+        config = Float8LinearConverter.Config(recipe_name=float8_recipe).build().convert(config)
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
     with torch.device("meta"):
         model = config.build()
@@ -98,3 +118,39 @@ def trainer_config_fields() -> Any:
 
     return SimpleNamespace(model_spec=model_registry("debugmodel"), loss=ChunkedLossWrapper.Config(),
                            compile=CompileConfig(enable=True, components=["model", "loss"]))
+
+
+def stand_in_for_trainer_extras() -> list[str]:
+    """Make torchtitan's config registries importable without what its ``Trainer`` alone needs:
+    stand-ins (in ``sys.modules``) for ``torch.utils.tensorboard`` (its metrics' ``SummaryWriter``)
+    and ``datasets`` (its data loaders), each only where the real one does not import; the names
+    stood in for. ``--module``/``--config`` parsing (``torchtitan.config.manager.ConfigManager``)
+    imports ``torchtitan.trainer`` through every registry and uses neither. For a process of its
+    own (a subprocess): the stand-ins stay in ``sys.modules``."""
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+
+    class _Unavailable:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("a stand-in (amp_fx.testing.torchtitan.stand_in_for_trainer_extras): "
+                               "pip install tensorboard datasets")
+
+    stand_ins = {"torch.utils.tensorboard": {"SummaryWriter": _Unavailable},
+                 "datasets": {"Dataset": _Unavailable, "load_dataset": _Unavailable},
+                 "datasets.distributed": {"split_dataset_by_node": _Unavailable}}
+    made = []
+    for name, attrs in stand_ins.items():
+        try:
+            importlib.import_module(name)
+            continue
+        except ImportError:
+            pass
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__path__ = []
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+        made.append(name)
+    return made
