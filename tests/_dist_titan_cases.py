@@ -131,7 +131,7 @@ def _train_fp8(rank: int, layout: str, recipe: str, param_dtype: str, form: str)
         if param_dtype == "float32":
             autocast = _torchao_under_cpu_autocast
     else:  # strict from the suite's environment (no fp8 tensor cores is a notice, not a shortfall), but
-        # on tp: amp_fx reports that FSDP2 gathers the weights of its 2-D mesh, not in fp8 (the test reads it)
+        # on tp: amp_fx reports that sequence parallelism gathers activations before their fp8 cast (the test reads it)
         strict = False if layout == "tp" else None
         config = AmpFxTitanConfig(dtype="bf16", fp8=recipe, backend="aot_eager", strict=strict)
         model = cpu_debugmodel(n_layers=1, param_dtype=param_dtype,
