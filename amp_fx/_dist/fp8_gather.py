@@ -46,7 +46,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -113,7 +113,8 @@ def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], met
     (data,), (scale,) = outputs, metadata
     data = data.view(E4M3)
     if out is not None:  # FSDP2 x TP: the unsharded parameter is a DTensor of the TP mesh over it
-        getattr(out, "_local_tensor", out)._scale = scale
+        # out: the Fp8Weight this function returned at the first all-gather (or a DTensor over it)
+        cast(Fp8Weight, getattr(out, "_local_tensor", out))._scale = scale
         return None
     return Fp8Weight(data, scale, param_dtype, shard._amp_fx_fp8_reads), (data,)  # type: ignore[attr-defined]
 
@@ -172,7 +173,7 @@ def precompute_scales(params: Sequence[torch.Tensor]) -> None:
         for dim in range(mesh.ndim):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
         for t, scale in zip(shards, scale_from_amax(amax, E4M3).unbind()):
-            t._amp_fx_fp8_scale = scale
+            t._amp_fx_fp8_scale = scale  # type: ignore[attr-defined]  # amp_fx's own attribute on the local shard (set in Fp8Gather.__init__)
 
 
 def _reset_fsdp_param(fsdp_param: Any) -> None:
