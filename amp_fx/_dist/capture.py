@@ -296,7 +296,7 @@ def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype
     for unit in units:
         if not isinstance(unit, fsdp):
             continue
-        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]
+        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]  # FSDPModule, mixed in by fully_shard
         if param_dtype in (None, torch.float32, dtype):
             continue
         raise ValueError(

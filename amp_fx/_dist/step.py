@@ -364,12 +364,12 @@ def distributed_forward(model: torch.nn.Module, forward_loss: Callable[..., tupl
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         last_of_window = micro_step() == accumulate - 1
         if fsdp2 and accumulate > 1:  # FSDP2 reads the flag in the backward, after this call returns
-            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]
+            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]  # FSDPModule's, mixed in
         sync = ddp_model.no_sync() if ddp_model is not None and not last_of_window else contextlib.nullcontext()
         with sync, torch.autocast(device_type, dtype=dtype):
             return forward_loss(compiled, scale, *batch, **model_kwargs)
 
-    forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
-    forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]
-    forward.amp_fx_watch = compiled.amp_fx_watch  # type: ignore[attr-defined]
+    forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]  # set on the function
+    forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]  # set on the function
+    forward.amp_fx_watch = compiled.amp_fx_watch  # type: ignore[attr-defined]  # set on the function
     return forward

@@ -289,7 +289,7 @@ class _Fp8Rewriter:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
-        elif not all(isinstance(d, int) for d in shape):  # type: ignore[union-attr]
+        elif shape is not None and not all(isinstance(d, int) for d in shape):
             reason += f"; a symbolic size: padded at run time where not a multiple of {ALIGNMENT}"
         self.convert(node, match, decide(True, reason, pad))
         gathered = _gathered_activation(match.x)
@@ -358,10 +358,10 @@ class _Fp8Rewriter:
     def padding(self, shape: tuple[int | str, int | str, int | str] | None) -> Fp8Padding | None:
         """What the fp8 matmul pads at these sizes (None where nothing, or a size is symbolic)."""
         assert shape is not None
-        if not all(isinstance(d, int) for d in shape):
-            return None
         m, k, n = shape
-        return padding(m, k, n, self.recipe)  # type: ignore[arg-type]
+        if not (isinstance(m, int) and isinstance(k, int) and isinstance(n, int)):
+            return None
+        return padding(m, k, n, self.recipe)
 
     def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
         for path, mtype in stack:

@@ -339,9 +339,10 @@ def _is_dtensor(node: torch.fx.Node) -> bool:
 
 def _call(graph: torch.fx.Graph, target: object, args: tuple[Any, ...],
           kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
-    node = graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]
+    # target: an ATen op or a prim (callable); typed object as the op tables hold them
+    node = graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]  # see above
     vals = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    node.meta["val"] = target(*vals[0], **vals[1])  # type: ignore[operator]
+    node.meta["val"] = target(*vals[0], **vals[1])  # type: ignore[operator]  # callable, as above
     return node
 
 
