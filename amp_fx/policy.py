@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from types import MappingProxyType
-from typing import Union
+from typing import Union, cast
 
 import torch
 
@@ -491,5 +491,5 @@ def _check_class_fits(name: str, cls: CastClass) -> None:
 @cache
 def _effective_table(policy: Policy, device_type: str) -> Mapping[str, CastClass]:
     table = dict(DEFAULT_TABLES.get(device_type, {}))
-    table.update(policy.op_classes)
+    table.update(cast(Mapping[str, CastClass], policy.op_classes))  # keys resolved in __post_init__
     return MappingProxyType({k: v for k, v in table.items() if v is not CastClass.NONE})

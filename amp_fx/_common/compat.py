@@ -11,10 +11,13 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, MutableMapping
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["dtensor_type", "autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
            "dynamo_folds_is_exporting", "is_exporting_as_eager", "number_scalars_as_eager"]
@@ -217,7 +220,7 @@ class _ReadExportingFlag:
         _reads_exporting_flag.reset(self.token)
 
 
-def dtensor_type() -> type | None:
+def dtensor_type() -> type[DTensor] | None:
     """``torch.distributed.tensor.DTensor``, or None in a torch build without distributed support."""
     if not torch.distributed.is_available():
         return None

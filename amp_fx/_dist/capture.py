@@ -26,10 +26,11 @@ splits the graph at DDP's bucket boundaries, exactly as for ``DDP(torch.compile(
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -65,7 +66,7 @@ FSDP1_ALTERNATIVE = (
     "(DTensor parameters; amp_fx.compile, amp_fx.GradScaler and amp_fx.compile_step support it)")
 
 
-def _is_ddp(module: torch.nn.Module) -> bool:
+def _is_ddp(module: torch.nn.Module) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
     return (torch.distributed.is_available()
             and isinstance(module, torch.nn.parallel.DistributedDataParallel))
 
@@ -190,7 +191,10 @@ def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
     """
     name = f"{_unit_forward.__name__}_{unit_class.__name__}"
     code = _unit_forward.__code__
-    code = code.replace(co_name=name, co_qualname=name) if hasattr(code, "co_qualname") else code.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # co_qualname is new in 3.11
+        code = code.replace(co_name=name, co_qualname=name)
+    else:
+        code = code.replace(co_name=name)
     fn = types.FunctionType(code, _unit_forward.__globals__, name)
     fn.__qualname__ = name
     return fn
@@ -292,7 +296,7 @@ def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype
     for unit in units:
         if not isinstance(unit, fsdp):
             continue
-        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]
+        param_dtype = unit._get_fsdp_state()._mp_policy.param_dtype  # type: ignore[operator]  # FSDPModule, mixed in by fully_shard
         if param_dtype in (None, torch.float32, dtype):
             continue
         raise ValueError(

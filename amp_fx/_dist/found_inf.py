@@ -95,13 +95,14 @@ def ranks_of(model: torch.nn.Module) -> Any:
     its FSDP2 (DTensor) parameters are sharded over (the default group for a mesh of more than one
     dimension); None when the model is not distributed. Looks through ``torch.compile`` and
     ``amp_fx.compile`` wrappers."""
-    if dtensor_type() is None or not torch.distributed.is_initialized():
+    dtensor = dtensor_type()
+    if dtensor is None or not torch.distributed.is_initialized():
         return None
     for layer in layers(model):
         if isinstance(layer, torch.nn.parallel.DistributedDataParallel):
             return layer.process_group
-        model = layer
-    dtensor = dtensor_type()
+        if isinstance(layer, torch.nn.Module):  # every layer of a module is one (compile wrappers)
+            model = layer
     for p in model.parameters():
         if isinstance(p, dtensor) and any(not pl.is_replicate() for pl in p.placements):
             mesh = p.device_mesh

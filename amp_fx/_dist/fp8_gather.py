@@ -46,7 +46,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -94,7 +94,7 @@ def _pre_all_gather(shard: torch.Tensor, mesh: Any, outer_size: torch.Size, oute
     """FSDP2's all-gather inputs for ``shard``: its e4m3 cast with the precomputed scale, padded
     to FSDP2's equal shard size (zeros cast to zeros), and the scale as metadata. torchao's
     ``hp_tensor_and_scale_to_float8``: multiply in fp32, saturate, cast."""
-    scale = shard._amp_fx_fp8_scale  # type: ignore[attr-defined]
+    scale = shard._amp_fx_fp8_scale  # type: ignore[attr-defined]  # amp_fx's attribute on the local shard
     rows = -(-outer_size[0] // mesh.size())
     if shard.shape[0] != rows:
         shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, rows - shard.shape[0]))
@@ -113,9 +113,10 @@ def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], met
     (data,), (scale,) = outputs, metadata
     data = data.view(E4M3)
     if out is not None:  # FSDP2 x TP: the unsharded parameter is a DTensor of the TP mesh over it
-        getattr(out, "_local_tensor", out)._scale = scale
+        # out: the Fp8Weight this function returned at the first all-gather (or a DTensor over it)
+        cast(Fp8Weight, getattr(out, "_local_tensor", out))._scale = scale
         return None
-    return Fp8Weight(data, scale, param_dtype, shard._amp_fx_fp8_reads), (data,)  # type: ignore[attr-defined]
+    return Fp8Weight(data, scale, param_dtype, shard._amp_fx_fp8_reads), (data,)  # type: ignore[attr-defined]  # amp_fx's attribute on the local shard
 
 
 class GatheredFp8Weights:
@@ -129,7 +130,7 @@ class GatheredFp8Weights:
         self._reads = EagerReads()
         self._checked = 0  # the records checked so far
         for p in self.params:
-            local = p._local_tensor  # type: ignore[attr-defined]
+            local = p._local_tensor  # type: ignore[attr-defined]  # p: a DTensor (typed Tensor)
             local._amp_fx_fp8_scale = torch.ones((), dtype=torch.float32, device=local.device)
             local._amp_fx_fp8_reads = self._reads.id
             local.fsdp_pre_all_gather = _Extension(local, post=False)
@@ -166,13 +167,13 @@ def precompute_scales(params: Sequence[torch.Tensor]) -> None:
     own scale rule."""
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for p in params:
-        by_mesh.setdefault(p.device_mesh, []).append(p._local_tensor)  # type: ignore[attr-defined]
+        by_mesh.setdefault(p.device_mesh, []).append(p._local_tensor)  # type: ignore[attr-defined]  # DTensor
     for mesh, shards in by_mesh.items():
         amax = torch.stack([torch.max(torch.abs(t)) if t.numel() else t.new_zeros(()) for t in shards])
         for dim in range(mesh.ndim):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group(dim))
         for t, scale in zip(shards, scale_from_amax(amax, E4M3).unbind()):
-            t._amp_fx_fp8_scale = scale
+            t._amp_fx_fp8_scale = scale  # type: ignore[attr-defined]  # amp_fx's own attribute on the local shard (set in Fp8Gather.__init__)
 
 
 def _reset_fsdp_param(fsdp_param: Any) -> None:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -65,7 +65,7 @@ SHARD_LOCAL_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 
 
-def _is_ddp(model: torch.nn.Module) -> bool:
+def _is_ddp(model: torch.nn.Module) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
     return torch.distributed.is_available() and isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
@@ -354,7 +354,8 @@ def distributed_forward(model: torch.nn.Module, forward_loss: Callable[..., tupl
     callable takes ``(scale, *batch, **model_kwargs)`` and has the compiled forward's
     ``amp_fx_records``, ``amp_fx_weight_cache`` and ``amp_fx_watch`` attributes.
     """
-    ddp, fsdp2 = _is_ddp(model), is_fsdp2(model)
+    ddp_model = model if _is_ddp(model) else None
+    ddp, fsdp2 = ddp_model is not None, is_fsdp2(model)
     if not (ddp or fsdp2):
         return None
     compiled = compile_model(model)
@@ -363,12 +364,12 @@ def distributed_forward(model: torch.nn.Module, forward_loss: Callable[..., tupl
     def forward(scale: torch.Tensor, *batch: Any, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         last_of_window = micro_step() == accumulate - 1
         if fsdp2 and accumulate > 1:  # FSDP2 reads the flag in the backward, after this call returns
-            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]
-        sync = model.no_sync() if ddp and not last_of_window else contextlib.nullcontext()
+            model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]  # FSDPModule's, mixed in
+        sync = ddp_model.no_sync() if ddp_model is not None and not last_of_window else contextlib.nullcontext()
         with sync, torch.autocast(device_type, dtype=dtype):
             return forward_loss(compiled, scale, *batch, **model_kwargs)
 
-    forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]
-    forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]
-    forward.amp_fx_watch = compiled.amp_fx_watch  # type: ignore[attr-defined]
+    forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]  # set on the function
+    forward.amp_fx_weight_cache = compiled.amp_fx_weight_cache  # type: ignore[attr-defined]  # set on the function
+    forward.amp_fx_watch = compiled.amp_fx_watch  # type: ignore[attr-defined]  # set on the function
     return forward

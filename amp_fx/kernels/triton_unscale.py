@@ -334,7 +334,8 @@ def _plan(grads: list[torch.Tensor], block: int, chunk: int, device: torch.devic
     """
     dtype = grads[0].dtype
     if all(map(_IS_CONTIGUOUS, grads)):
-        key = (device, dtype, block, chunk, tuple(map(_DATA_PTR, grads)), tuple(map(_NUMEL, grads)))
+        key: tuple[object, ...] = (device, dtype, block, chunk, tuple(map(_DATA_PTR, grads)),
+                                   tuple(map(_NUMEL, grads)))
         plan = _cached_plan(key)
         if plan is not None:
             return plan, []

@@ -44,7 +44,7 @@ from amp_fx.kernels import cpu_unscale
 try:
     from amp_fx.kernels import triton_unscale
 except ImportError:  # no triton wheel for this platform (macOS, Windows; see pyproject.toml)
-    triton_unscale = None  # type: ignore[assignment]
+    triton_unscale = None  # type: ignore[assignment]  # the module or None; callers check
 
 __all__ = ["unscale_check_", "unscale_check_norm_"]
 

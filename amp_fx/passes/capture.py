@@ -37,12 +37,14 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import (
+    ProxyTorchDispatchMode,
+    PythonKeyTracer,
     disable_proxy_modes_tracing,
     get_proxy_mode,
     make_fx,
@@ -119,7 +121,8 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     """
     claimed = policy.table(device_type)
     table: dict[Any, Callable[..., Any]] = {}
-    for name, cls in policy.op_classes.items():
+    # Policy.__post_init__ resolves every key of op_classes to an overload name ("aten::linear")
+    for name, cls in cast(Mapping[str, CastClass], policy.op_classes).items():
         if cls is not default_class(name, device_type):
             table[op_from_name(name)] = _record_without_autocast(op_from_name(name))
     for name, cls in claimed.items():
@@ -170,7 +173,7 @@ def _rnn_without_cudnn(op: torch._ops.OpOverload) -> Callable[..., Any]:
         first = args[0] if args else None
         if not (isinstance(first, torch.Tensor) and rnn_runs_cudnn(first.device.type)):
             return cxx(*args, **kwargs)
-        graph = get_proxy_mode().tracer.graph
+        graph = _proxy_mode().tracer.graph
         before = set(graph.nodes)
         out = op.decompose(*args, **kwargs)
         for node in graph.nodes:
@@ -179,6 +182,14 @@ def _rnn_without_cudnn(op: torch._ops.OpOverload) -> Callable[..., Any]:
         return out
 
     return decomp
+
+
+def _proxy_mode() -> ProxyTorchDispatchMode:
+    """The proxy mode of the trace in progress (capture's ``make_fx``, which runs the callers)."""
+    mode = get_proxy_mode()
+    if mode is None:
+        raise RuntimeError("amp_fx: called outside the trace of capture's make_fx (no proxy mode)")
+    return mode
 
 
 def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
@@ -226,7 +237,9 @@ def autocast_hop(device_type: str, dtype: torch.dtype, name: str, *args: Any, **
 def _record_opaque(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Record ``fn(*args, **kwargs)`` as one node of the graph being traced, without tracing into
     it; its example outputs are computed with tracing off."""
-    tracer = get_proxy_mode().tracer
+    tracer = _proxy_mode().tracer
+    if not isinstance(tracer, PythonKeyTracer):  # make_fx's tracer; one appending to a graph has no root
+        raise RuntimeError(f"amp_fx: cannot record {fn} as one node under {type(tracer).__name__}")
     # Pre-dispatch tracing also intercepts torch.autocast's enter/exit at the torch-function
     # level (recording them instead of running them); the body of a custom Function decorated
     # with custom_fwd(cast_inputs=...) opens torch.autocast(enabled=False), so with that mode
@@ -299,7 +312,8 @@ def _transform_regions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Region]
     transform to the call that closes it (nested transforms included), is the unit eager runs.
     """
     regions: dict[torch.fx.Node, _Region] = {}
-    depth, members, start = 0, [], None
+    depth, start = 0, None
+    members: list[torch.fx.Node] = []
     for node in gm.graph.nodes:
         opens = node.op == "call_function" and node.target in _TRANSFORM_OPEN
         closes = node.op == "call_function" and node.target in _TRANSFORM_CLOSE
@@ -311,7 +325,7 @@ def _transform_regions(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, _Region]
             members.append(node)
         if closes and depth > 0:
             depth -= 1
-            if depth == 0:
+            if depth == 0 and start is not None:  # set when depth left 0
                 regions[start] = _cut_region(gm, members)
     return regions
 
@@ -388,7 +402,7 @@ class _InliningInterpreter(torch.fx.Interpreter):
         region = self.regions.get(n)
         if region is not None:
             log.info("amp_fx: a functorch transform region (%s) stays whole; its ops are cast by eager "
-                     "autocast", n.target.__name__)
+                     "autocast", getattr(n.target, "__name__", n.target))
             with self._set_current_node(n):
                 values = _record_opaque(autocast_region, (self.device_type, self.dtype, region.body,
                                                           *(self.env[a] for a in region.inputs)), {})

@@ -42,7 +42,7 @@ import torch
 import torch.fx
 
 from amp_fx.passes import meta
-from amp_fx.passes.fx_edit import is_cast
+from amp_fx.passes.fx_edit import arg_node, is_cast
 
 __all__ = ["fold_casts", "FoldRecord", "RULES", "is_pure_cast", "covers"]
 
@@ -102,7 +102,7 @@ def _is_output(node: torch.fx.Node) -> bool:
 
 def noop_cast(node: torch.fx.Node) -> torch.fx.Node | None:
     """Rule ``noop_cast``: returns the node to use instead, or None."""
-    src = node.args[0]
+    src = arg_node(node)  # a pure cast's input is a node (is_pure_cast)
     if _dtype(node) != _dtype(src) or src.op == "placeholder" or _is_output(node):
         return None
     if _mutated(node) or _mutated(src):
@@ -111,10 +111,10 @@ def noop_cast(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _chain(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    mid = node.args[0]
+    mid = arg_node(node)  # the rules see only pure casts, whose input is a node
     if not is_pure_cast(mid) or len(mid.users) != 1:
         return None
-    src = mid.args[0]
+    src = arg_node(mid)
     if not covers(_dtype(mid), _dtype(src)):
         return None
     return mid, src

@@ -90,6 +90,7 @@ from amp_fx.passes.fx_edit import (
     CAST_OP,
     WEIGHT_VIEWS,
     add_node,
+    arg_node,
     innermost_module,
     is_inserted_cast,
     mark_cast,
@@ -149,10 +150,12 @@ class Fp8Decision:
     @property
     def flops(self) -> int:
         """The multiply-adds times two of the forward GEMM (0 where a size is symbolic)."""
-        if self.shape is None or not all(isinstance(d, int) for d in self.shape):
+        if self.shape is None:
             return 0
         m, k, n = self.shape
-        return 2 * m * k * n  # type: ignore[operator]
+        if not (isinstance(m, int) and isinstance(k, int) and isinstance(n, int)):
+            return 0
+        return 2 * m * k * n
 
 
 @dataclass
@@ -207,10 +210,17 @@ def _parameter(node: object) -> torch.fx.Node | None:
     return None
 
 
+def _optional_node(arg: object) -> torch.fx.Node | None:
+    """A matmul's optional tensor operand (a bias): a node, or None."""
+    if arg is None or isinstance(arg, torch.fx.Node):
+        return arg
+    raise TypeError(f"amp_fx: a matmul's bias is {arg!r}, neither a tensor nor None")
+
+
 def _text(d: object) -> int | str:
     """A size as an int, or as text where it is symbolic (never ``int()`` of a symbol: that would
     specialise it)."""
-    return int(d) if is_concrete_int(d) else str(d)  # type: ignore[arg-type]
+    return int(d) if isinstance(d, (int, torch.SymInt)) and is_concrete_int(d) else str(d)
 
 
 class _Fp8Rewriter:
@@ -279,7 +289,7 @@ class _Fp8Rewriter:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
-        elif not all(isinstance(d, int) for d in shape):  # type: ignore[union-attr]
+        elif shape is not None and not all(isinstance(d, int) for d in shape):
             reason += f"; a symbolic size: padded at run time where not a multiple of {ALIGNMENT}"
         self.convert(node, match, decide(True, reason, pad))
         gathered = _gathered_activation(match.x)
@@ -295,8 +305,8 @@ class _Fp8Rewriter:
             return None, ("a batched matmul (aten.bmm): _scaled_mm takes 2-D operands, so a 3-D "
                           "weight stays in the autocast dtype")
         if target is aten.linear.default:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else node.kwargs.get("bias")
+            x, w = arg_node(node, 0), arg_node(node, 1)
+            bias = _optional_node(args[2] if len(args) > 2 else node.kwargs.get("bias"))
             weight = _parameter(w)
             if weight is None:
                 return None, "the parameter is the input of F.linear, not its weight"
@@ -306,9 +316,9 @@ class _Fp8Rewriter:
         if target is aten.addmm.default:
             if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(args) > 3:
                 return None, "addmm with beta or alpha other than 1"
-            bias, x, w = args[0], args[1], args[2]
+            bias, x, w = arg_node(node, 0), arg_node(node, 1), arg_node(node, 2)
         else:
-            x, w = args[0], args[1]
+            x, w = arg_node(node, 0), arg_node(node, 1)
             bias = None
         weight = _parameter(w)
         if weight is None:
@@ -348,10 +358,10 @@ class _Fp8Rewriter:
     def padding(self, shape: tuple[int | str, int | str, int | str] | None) -> Fp8Padding | None:
         """What the fp8 matmul pads at these sizes (None where nothing, or a size is symbolic)."""
         assert shape is not None
-        if not all(isinstance(d, int) for d in shape):
-            return None
         m, k, n = shape
-        return padding(m, k, n, self.recipe)  # type: ignore[arg-type]
+        if not (isinstance(m, int) and isinstance(k, int) and isinstance(n, int)):
+            return None
+        return padding(m, k, n, self.recipe)
 
     def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
         for path, mtype in stack:

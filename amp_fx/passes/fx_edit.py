@@ -6,8 +6,9 @@ pass reads as its rule alone (as inductor's ``fx_utils.py`` serves its ``fx_pass
 * views: the sets of ATen view ops (:data:`LAYOUT_VIEWS` within :data:`FULL_VIEWS` and
   :data:`WEIGHT_VIEWS`), :func:`walk_views` up through them (:func:`uncast`: through amp_fx's
   casts), and :func:`aliases_input` for any op whose result shares an input's storage;
-* reading: :func:`innermost_module`, :func:`val` (an op's name, for users, is
-  :func:`amp_fx._common.op_names.op_label`, which the op tables below the passes use too);
+* reading: :func:`arg_node` (an argument that must be a node), :func:`innermost_module`,
+  :func:`val` (an op's name, for users, is :func:`amp_fx._common.op_names.op_label`, which the op
+  tables below the passes use too);
 * building: :data:`CAST_OP`, :func:`add_node` (a node with ``meta["val"]``, its module and its
   decision), :func:`mark_cast` and :func:`is_inserted_cast` (``meta.CAST``).
 
@@ -22,7 +23,7 @@ pass reads as its rule alone (as inductor's ``fx_utils.py`` serves its ``fx_pass
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.fx
@@ -34,7 +35,7 @@ from amp_fx.passes.capture import module_stack
 from amp_fx.policy import Decision
 
 __all__ = ["CAST_OP", "LAYOUT_VIEWS", "FULL_VIEWS", "WEIGHT_VIEWS", "placeholders", "copy_graph_module",
-           "walk_views", "uncast", "aliases_input", "innermost_module", "val", "add_node", "mark_cast",
+           "walk_views", "uncast", "aliases_input", "arg_node", "innermost_module", "val", "add_node", "mark_cast",
            "is_inserted_cast", "is_cast"]
 
 aten = torch.ops.aten
@@ -72,18 +73,31 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
+@overload
+def uncast(node: torch.fx.Node) -> torch.fx.Node: ...
+@overload
+def uncast(node: object) -> object: ...
 def uncast(node: object) -> object:
-    """The value before the casts amp_fx inserted (casts the model wrote itself are kept)."""
-    while isinstance(node, torch.fx.Node) and is_inserted_cast(node) and node.args:
+    """The value before the casts amp_fx inserted (casts the model wrote itself are kept); a node
+    for a node (amp_fx casts nodes only)."""
+    while (isinstance(node, torch.fx.Node) and is_inserted_cast(node) and node.args
+           and isinstance(node.args[0], torch.fx.Node)):
         node = node.args[0]
     return node
 
 
+@overload
+def walk_views(node: torch.fx.Node, views: Collection[object], *, through_casts: bool = False,
+               stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[torch.fx.Node, list[torch.fx.Node]]: ...
+@overload
+def walk_views(node: object, views: Collection[object], *, through_casts: bool = False,
+               stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[object, list[torch.fx.Node]]: ...
 def walk_views(node: object, views: Collection[object], *, through_casts: bool = False,
                stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[object, list[torch.fx.Node]]:
     """Up from ``node`` through calls of ``views`` (with ``through_casts``, through the casts amp_fx
-    inserted too): the value they view and the views passed, nearest first. The walk ends at a view
-    whose first argument is not a node, or for which ``stop(view)`` is true."""
+    inserted too): the value they view (a node where ``node`` is one) and the views passed,
+    nearest first. The walk ends at a view whose first argument is not a node, or for which
+    ``stop(view)`` is true."""
     passed: list[torch.fx.Node] = []
     if through_casts:
         node = uncast(node)
@@ -97,6 +111,15 @@ def walk_views(node: object, views: Collection[object], *, through_casts: bool =
 def aliases_input(op: torch._ops.OpOverload) -> bool:
     """Whether ``op``'s result shares an input's storage: a view, or an in-place or out= op's return."""
     return op.is_view or any(r.alias_info is not None for r in op._schema.returns)
+
+
+def arg_node(node: torch.fx.Node, i: int = 0) -> torch.fx.Node:
+    """``node.args[i]`` where the caller knows it is a node (an ATen op's tensor operand, a cast's
+    input); raises ``TypeError`` naming ``node`` when it is not."""
+    arg = node.args[i]
+    if not isinstance(arg, torch.fx.Node):
+        raise TypeError(f"argument {i} of {node.format_node()} is {arg!r}, not a graph node")
+    return arg
 
 
 def innermost_module(node: torch.fx.Node) -> str:

@@ -200,10 +200,11 @@ class _CastInserter:
                     "at::autocast::prioritize' here too")
         return current
 
-    def apply(self, node: torch.fx.Node, decision: Decision) -> None:
+    def apply(self, node: torch.fx.Node, op: torch._ops.OpOverload, decision: Decision) -> None:
+        """Carry out ``decision`` on ``node``, a call of ``op``."""
         cls = decision.cast_class
-        if cls is CastClass.LOWER_PRECISION_FP and self.policy.lowers_experts(node.target.name()):
-            self.lower_grouped(node, decision.reason)
+        if cls is CastClass.LOWER_PRECISION_FP and self.policy.lowers_experts(op.name()):
+            self.lower_grouped(node, op, decision.reason)
         elif cls is CastClass.LOWER_PRECISION_FP:
             self.cast_args(node, lambda v: self.lower, decision.reason)
         elif cls is CastClass.FP32:
@@ -212,19 +213,20 @@ class _CastInserter:
             to = self.promote_type(node)
             self.cast_args(node, lambda v: to, decision.reason)
         elif cls is CastClass.FP32_SET_OPT_DTYPE:
-            self.set_opt_dtype(node)
+            self.set_opt_dtype(node, op)
         elif cls is CastClass.FP32_APPEND_DTYPE:
-            self.append_dtype(node)
+            self.append_dtype(node, op)
         elif cls is CastClass.OWN_KERNEL:
             self.own_region(node)
         elif cls is CastClass.BANNED:
-            raise AmpFxError(f"{banned_message(node.target.name(), self.policy, self.device_type)} "
+            raise AmpFxError(f"{banned_message(op.name(), self.policy, self.device_type)} "
                              f"(at {node.format_node()})")
 
-    def lower_grouped(self, node: torch.fx.Node, why: str) -> None:
-        """A grouped expert GEMM in the autocast dtype, as one ``aten._grouped_mm`` (module doc)."""
-        if node.target is not _GROUPED_MM:  # transformers::grouped_mm_fallback(input, weight, offs)
-            schema = node.target._schema
+    def lower_grouped(self, node: torch.fx.Node, op: torch._ops.OpOverload, why: str) -> None:
+        """A grouped expert GEMM (``node``, a call of ``op``) in the autocast dtype, as one
+        ``aten._grouped_mm`` (module doc)."""
+        if op is not _GROUPED_MM:  # transformers::grouped_mm_fallback(input, weight, offs)
+            schema = op._schema
             given = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | dict(node.kwargs)
             offs = given["offs"]
             if _val(offs).dtype != torch.int32:
@@ -262,10 +264,10 @@ class _CastInserter:
         for n in (enter, leave):
             n.meta["nn_module_stack"] = stack
 
-    def set_opt_dtype(self, node: torch.fx.Node) -> None:
+    def set_opt_dtype(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> None:
         if not node.args or not _eligible(_val(node.args[0]), self.device_type):
             return
-        schema = node.target._schema
+        schema = op._schema
         index, arg = next((i, a) for i, a in enumerate(schema.arguments) if a.name == "dtype")
         given = node.kwargs.get("dtype") if arg.kwarg_only or index >= len(node.args) else node.args[index]
         if given is None:
@@ -277,9 +279,9 @@ class _CastInserter:
                 node.kwargs = {**node.kwargs, "dtype": torch.float32}
             self.record.dtype_args_set += 1
 
-    def append_dtype(self, node: torch.fx.Node) -> None:
-        target = op_from_name(APPEND_DTYPE_REDISPATCH[node.target.name()])
-        schema = node.target._schema
+    def append_dtype(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> None:
+        target = op_from_name(APPEND_DTYPE_REDISPATCH[op.name()])
+        schema = op._schema
         args = list(node.args)
         for a in schema.arguments[len(args):]:
             args.append(node.kwargs.get(a.name, a.default_value))
@@ -292,8 +294,8 @@ class _CastInserter:
 
     def value(self, arg: Any) -> Any:
         """An argument's run-time stand-in: its fake value, or the submodule a get_attr names."""
-        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-            return getattr(self.gm, arg.target)
+        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and isinstance(arg.target, str):
+            return getattr(self.gm, arg.target)  # a get_attr's target is always the attribute's name
         return _val(arg)
 
     def refresh_val(self, node: torch.fx.Node) -> None:
@@ -306,8 +308,11 @@ class _CastInserter:
         # sizes. Without it they run torch's C++ kernels, and torch 2.11's matmul calls numel() on
         # a 3-d input with a symbolic batch ("Cannot call numel() on tensor with symbolic sizes",
         # at a bias-free linear once Dynamo recompiles with dynamic shapes); 2.13's does not.
+        target = node.target
+        if isinstance(target, str):  # only call_function nodes are visited; their target is callable
+            raise TypeError(f"amp_fx: cannot recompute the value of {node.format_node()}")
         with self.fake_mode, region, enable_python_dispatcher():
-            node.meta["val"] = val = node.target(*args, **kwargs)
+            node.meta["val"] = val = target(*args, **kwargs)
         expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
             self.record.autocast_mismatches.append(
@@ -318,7 +323,7 @@ class _CastInserter:
         device_type, dtype, enabled = node.args[:3]
         enabled_now, dtype_now = self.regions[-1]
         if device_type == self.device_type:
-            self.regions.append((bool(enabled), dtype or dtype_now))
+            self.regions.append((bool(enabled), dtype if isinstance(dtype, torch.dtype) else dtype_now))
         else:
             self.regions.append((enabled_now, dtype_now))
         self.lower = self.regions[-1][1]
@@ -359,11 +364,11 @@ class _CastInserter:
     def visit(self, node: torch.fx.Node, changed: set[torch.fx.Node]) -> None:
         """Decide and apply one op's casts; re-propagate its value if it can have changed."""
         call = (node.target, node.args, dict(node.kwargs))
-        if isinstance(node.target, torch._ops.OpOverload):
-            decision = self.decide(node)
+        if isinstance(op := node.target, torch._ops.OpOverload):
+            decision = self.decide(node, op)
             node.meta[meta.DECISION] = decision
             self.record.ops_by_class[decision.cast_class.value] += 1
-            self.apply(node, decision)
+            self.apply(node, op, decision)
         rewritten = call != (node.target, node.args, dict(node.kwargs))
         if isinstance(call[0], torch._ops.OpOverload) and call[0].name() in GROUPED_MM_OPS:
             self.record_expert(node, call[0])
@@ -388,8 +393,8 @@ class _CastInserter:
             lowered=node.target is _GROUPED_MM and self.policy.lowers_experts(called.name())
             and node.meta[meta.DECISION].cast_class is CastClass.LOWER_PRECISION_FP))
 
-    def decide(self, node: torch.fx.Node) -> Decision:
-        op = node.target
+    def decide(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> Decision:
+        """The decision for ``node``, a call of ``op``."""
         if node.meta.get(meta.CAST) == meta.CAST_INSERTED:
             return Decision(CastClass.NONE, "cast inserted by amp_fx")
         enabled, dtype = self.regions[-1]

@@ -51,6 +51,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -289,8 +290,8 @@ def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: s
     if entering:
         first_op = next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(first_op):
-            for value, named in entering:
-                record.ops.append(named)
+            for value, entered in entering:
+                record.ops.append(entered)
                 flags.append(checks.holds(value))
     for node in list(graph.nodes):
         target = node.target
@@ -336,11 +337,12 @@ def _is_dtensor(node: torch.fx.Node) -> bool:
     return dtensor is not None and isinstance(node.meta.get("val"), dtensor)
 
 
-def _call(graph: torch.fx.Graph, target: object, args: tuple[object, ...],
-          kwargs: dict[str, object] | None = None) -> torch.fx.Node:
-    node = graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]
+def _call(graph: torch.fx.Graph, target: object, args: tuple[Any, ...],
+          kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+    # target: an ATen op or a prim (callable); typed object as the op tables hold them
+    node = graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]  # see above
     vals = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    node.meta["val"] = target(*vals[0], **vals[1])  # type: ignore[operator]
+    node.meta["val"] = target(*vals[0], **vals[1])  # type: ignore[operator]  # callable, as above
     return node
 
 
