@@ -2,7 +2,7 @@
 
 ``CastClass`` mirrors ATen's ``at::autocast::CastPolicy`` (aten/src/ATen/autocast_mode.h) plus the
 banned ops. The default tables reproduce the registrations of the installed torch's (2.11 to 2.15)
-``AutocastCPU`` and ``AutocastCUDA`` dispatch keys overload for overload; ``tests/test_policy.py``
+``AutocastCPU`` and ``AutocastCUDA`` dispatch keys overload for overload; ``tests/policy/test_policy.py``
 checks them against ``torch._C._dispatch_get_registrations_for_dispatch_key`` so a torch upgrade
 that moves an op fails loudly instead of silently drifting from eager autocast.
 
@@ -73,7 +73,7 @@ def _table(dispatch_key: str, **classes: str) -> tuple[Mapping[str, CastClass], 
 # (amp_fx._common.compat.autocast_registrations: a feature test, not a version check). An op whose class
 # changed between versions would need two entries and a feature test of its own: none has.
 # VERSION_DEPENDENT names every entry that some supported torch does not register; an entry
-# missing from the installed torch and not named there fails tests/test_op_tables.py, and so
+# missing from the installed torch and not named there fails tests/policy/test_op_tables.py, and so
 # does an op the installed torch registers that is not listed.
 #
 # Overload names as the dispatcher spells them ("aten::conv2d" is the default overload).
@@ -224,7 +224,7 @@ def default_class(op_name: str, device_type: str) -> CastClass:
 def _has_own_kernel(op_name: str, device_type: str) -> bool:
     """Whether a library registered a kernel for ``op_name`` at ``device_type``'s Autocast key.
 
-    torch's ops are in the tables (tests/test_policy.py checks it), so only other namespaces count.
+    torch's ops are in the tables (tests/policy/test_policy.py checks it), so only other namespaces count.
     """
     from amp_fx._common.devices import DEVICES
 

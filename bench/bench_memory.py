@@ -16,7 +16,7 @@ scaling: ``amp_fx.GradScaler``,
 ``StepMode.MASKED``) and fp8 tensorwise (bf16 around the fp8 matmuls), each as ``amp_fx.compile``
 + the eager optimizer step and as ``amp_fx.compile_step``, without and with the weight cache.
 
-Counted per run (``amp_fx/testing/memory.py``, the counters tests/test_memory_counters.py checks
+Counted per run (``amp_fx/testing/memory.py``, the counters tests/backend/test_memory_counters.py checks
 against hand counts), after 3 warm-up steps:
 
 * **held between steps**, by kind: parameters, optimizer state, caches (amp_fx's weight cache),

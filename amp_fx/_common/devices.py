@@ -2,7 +2,7 @@
 the autocast device of a call or a graph.
 
 Adding a device type (XPU, MPS) is one :class:`AutocastDevice` here, plus its op table in
-``amp_fx/policy.py`` (``DEFAULT_TABLES``, checked against the dispatcher by ``tests/test_policy.py``).
+``amp_fx/policy.py`` (``DEFAULT_TABLES``, checked against the dispatcher by ``tests/policy/test_policy.py``).
 
     >>> import torch
     >>> autocast_device_type([torch.ones(1)])

@@ -8,7 +8,7 @@ any size: the fp8 matmul pads what ``_scaled_mm`` needs). A matmul that
 passes runs as the pass rewrites it: :func:`~amp_fx.kernels.fp8_matmul.fp8_matmul` on the input
 cast to the autocast dtype and the fp32 weight as ``[K, N]``, autocast off, then the bias cast to
 the output's dtype and added. So the forward and backward are those of
-``amp_fx.compile(model, backend="aot_eager", fp8=...)`` (``tests/test_advise_fp8.py`` checks it
+``amp_fx.compile(model, backend="aot_eager", fp8=...)`` (``tests/inspect/test_advise_fp8.py`` checks it
 bit for bit), with module hooks still firing.
 
 Each converted call is recorded (:class:`Fp8Call`): its module, shape, FLOPs and the error fp8

@@ -29,7 +29,7 @@ dtype), the absolute tolerance relative to the largest magnitude of the eager va
 With ``fp8=`` (a recipe, as :func:`amp_fx.compile` takes it) the eager side is eager autocast with
 fp8 where amp_fx put it: in (b) each matmul the fp8 pass converted runs as the pass rewrote it
 (``amp_fx.kernels.fp8_matmul``, torchao 0.18's float8 training numerics, bitwise with torchao's
-``convert_to_float8_training``: tests/test_fp8.py), matched to the node that replaced it in the
+``convert_to_float8_training``: tests/fp8/), matched to the node that replaced it in the
 rewritten graph; end to end, the eager model runs with the same matmuls in fp8
 (:class:`~amp_fx.inspect._fp8_eager.Fp8Eager`, honouring ``Policy(keep_out_of_fp8=...)``). The grouped
 expert GEMMs of mixture-of-experts layers (``torch._grouped_mm``, transformers'

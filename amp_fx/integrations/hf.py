@@ -9,7 +9,7 @@ usual ``state_dict`` keys, since it is the same module object::
 ``bf16=True``/``fp16=True`` in ``TrainingArguments`` make accelerate run the forward inside
 ``torch.autocast``. amp_fx's graphs run with autocast off and their own casts, and amp_fx opens its
 own ``torch.autocast`` (its dtype) inside accelerate's for the code Dynamo leaves to eager: amp_fx's
-dtype and policy hold either way (tests/test_hf.py checks it bit for bit).
+dtype and policy hold either way (tests/integrations/test_hf.py checks it bit for bit).
 
 For fp16, loss scaling is needed; :class:`AmpFxTrainer` is ``Trainer`` with amp_fx's
 :class:`~amp_fx.GradScaler` as accelerate's scaler (``TrainingArguments(fp16=True)``). On CPU,

@@ -16,7 +16,7 @@ that calls submodules directly runs them under eager autocast, and the plugin sa
 Lightning's ``MixedPrecision`` opens ``torch.autocast(..., cache_enabled=False)``: every use of a
 weight gets a cast of its own. amp_fx's default policy shares one cast per weight, as eager
 ``torch.autocast`` does by default; ``policy=amp_fx.Policy(cast_cache=False)`` matches Lightning's
-choice bit for bit on models that use a weight twice (tests/test_lightning.py).
+choice bit for bit on models that use a weight twice (tests/integrations/test_lightning.py).
 """
 
 from __future__ import annotations

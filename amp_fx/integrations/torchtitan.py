@@ -62,7 +62,7 @@ class AmpFxTitanConfig:
         dtype: "bf16" or "fp16" (fp16 needs a loss scaler: ``amp_fx.GradScaler``).
         fp8: amp_fx's fp8 training recipe or None; bf16 only. ``"rowwise"`` and
             ``"rowwise_with_gw_hp"`` are the ``recipe_name`` values of torchtitan's
-            ``Float8LinearConverter`` and give its numerics bit for bit (tests/test_torchtitan_fp8.py),
+            ``Float8LinearConverter`` and give its numerics bit for bit (tests/integrations/test_torchtitan_fp8.py),
             used instead of it on the unconverted model; amp_fx also has ``"tensorwise"`` (which
             torchtitan 0.3.0 dropped) and ``"mxfp8"``.
         backend: the torch.compile backend amp_fx hands its graphs to.

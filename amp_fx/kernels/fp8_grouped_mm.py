@@ -26,7 +26,7 @@ tensorwise scale repeated per row) for the forward and input-gradient GEMMs wher
 inner dimension) one ``torch._scaled_mm`` per group with the same scales,
 through the same code as :func:`~amp_fx.kernels.fp8_matmul.fp8_matmul` (padding included), so the
 CPU results are bitwise with torchao converting the ``nn.Linear``-per-expert twin
-(``tests/test_fp8_experts.py``).
+(``tests/fp8/test_fp8_experts.py``).
 
 Rows past ``offs[-1]`` (transformers' expert-parallel sentinels) give zeros. An empty group gives
 no rows and a zero weight gradient.

@@ -11,7 +11,7 @@ each operand scaled and cast as its recipe says (:data:`amp_fx.kernels.fp8_recip
 ``torch._scaled_mm`` run on exactly the layouts, scales and output dtype torchao's
 ``Float8TrainingTensor`` gives it. The op sequence is torchao's, function for function (the name
 of the torchao function each helper reproduces is in its docstring), so the results are bitwise
-with ``convert_to_float8_training`` on the same inputs; ``tests/test_fp8.py`` checks it against
+with ``convert_to_float8_training`` on the same inputs; ``tests/fp8/`` checks it against
 torchao itself.
 
 Every shape: ``torch._scaled_mm`` on a GPU needs ``mat1``'s columns and both of ``mat2``'s
@@ -22,7 +22,7 @@ device (the CPU kernel takes any size, but runs the same padded code, so what is
 what a GPU runs). Scales are computed before, on the unpadded tensors: a zero never raises an
 amax, so a padded tensor would give the same scales anyway, tensorwise and per row; the padded
 columns of a rowwise ``mat2`` get the scale 1 (their data is zero and their output columns are
-sliced off). ``tests/test_fp8_padding.py`` checks it bitwise with torchao's
+sliced off). ``tests/fp8/test_fp8_padding.py`` checks it bitwise with torchao's
 ``Float8LinearConfig(pad_inner_dim=True)``.
 
 Why an ``autograd.Function`` of ATen ops and not a custom op: the fp8 pass puts a call of

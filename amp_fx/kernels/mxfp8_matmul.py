@@ -24,7 +24,7 @@ Where the GEMM runs:
 * elsewhere (CPU, H100/H200): emulated, as torchao's ``KernelPreference.EMULATED``: each operand
   dequantized to bf16 (``e4m3 -> bf16`` times its block's power of two, exact) and multiplied with
   ``torch.mm`` in bf16. The numerics of MXFP8 (bitwise with torchao's emulated mode;
-  ``tests/test_mxfp8.py``), the speed of neither: the compile warns (:func:`mx_kernels_missing`).
+  ``tests/fp8/test_mxfp8.py``), the speed of neither: the compile warns (:func:`mx_kernels_missing`).
 
 Every shape: each operand is zero-padded along its blocked dimension to a multiple of 32 before
 it is scaled (torchao asserts that every dimension is a multiple of 32 instead). A zero never
@@ -305,7 +305,7 @@ class _MxGroupedMm(torch.autograd.Function):
 def mxfp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped expert GEMM ``torch._grouped_mm(x, w, offs=offs)`` in MXFP8, emulated
     (bitwise with torchao's ``_to_mxfp8_then_scaled_grouped_mm(x, w, offs,
-    kernel_preference=KernelPreference.EMULATED)``, ``tests/test_mxfp8.py``): ``x`` ``[M, K]`` and
+    kernel_preference=KernelPreference.EMULATED)``, ``tests/fp8/test_mxfp8.py``): ``x`` ``[M, K]`` and
     ``w`` ``[E, K, N]``, cast to bf16 first; ``offs`` int32 ``[E]``, each group's end row. The
     three GEMMs are blocked as :func:`mxfp8_matmul`'s, the weight gradient's along the tokens
     over the whole ``x`` (as torchao: a block may straddle two groups unless each group's size

@@ -24,4 +24,4 @@ from amp_fx.overflow.watch import ForwardWatch as ForwardWatch
 
 __all__ = ["OverflowReport", "FirstOp", "skip_aware"]
 
-_GRAPH_STRIDE = GRAPH_STRIDE  # the name tests/test_overflow.py imports
+_GRAPH_STRIDE = GRAPH_STRIDE  # the name tests/overflow/test_overflow.py imports

@@ -33,7 +33,7 @@ Compiled autograd and the experimental ``torch._dynamo.config.trace_autograd_ops
 backward in the same graph; they were not measured for this version. The finish is a full
 graph (``fullgraph=True``, so a break is an error, not a silent fallback); what matters
 for CUDA graphs and throughput is that nothing between them reads the device, which this package
-guarantees and ``tests/test_step.py`` proves with the profiler.
+guarantees and ``tests/step/test_step.py`` proves with the profiler.
 
 Warm-up: until every parameter of the optimizer has optimizer state (normally the first step),
 the finish runs eagerly through ``amp_fx.GradScaler`` (``unscale_``, ``clip_grad_norm_``,

@@ -58,7 +58,7 @@ class GradNorm(enum.Enum):
       bytes per fp32 element with the clip multiply). What it gives up: the sum is accumulated
       in fp32 with partial sums in fp64, in another order than ``clip_grad_norm_``, so the norm,
       and with it every clipped step, can differ from the eager recipe in the last bits (a few
-      fp32 ulps per step; ``tests/test_step.py`` pins 2^-20 relative to the parameters' movement).
+      fp32 ulps per step; ``tests/step/test_step.py`` pins 2^-20 relative to the parameters' movement).
     """
 
     FUSED = "fused"
@@ -71,7 +71,7 @@ def raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimize
 
 
 # The optimizers whose own step, with every hyperparameter a Python number, passes only numbers
-# as add_'s alpha and addcmul_/addcdiv_'s value (checked by tests/test_step.py, bit for bit, on
+# as add_'s alpha and addcmul_/addcdiv_'s value (checked by tests/step/test_step.py, bit for bit, on
 # 2.11, 2.13 and 2.15). Not Adagrad: its lr divided by a step-dependent term is a tensor when traced
 # (turning the rewrite off would read it on the host each step); not Adam, AdamW, Adamax, NAdam,
 # RAdam, ASGD: their step-counter arithmetic in fp32 differs anyway (docs/compiled-step.md, "Limitations").

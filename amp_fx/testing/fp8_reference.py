@@ -107,7 +107,7 @@ class _TorchaoMXFP8Linear(torch.nn.Module):
 
     ``pad``: torchao asserts that M, K and N are multiples of 32; with ``pad`` the operands (the
     input flattened to 2-D) are zero-padded to multiples of 32 first and the result sliced, the
-    reference for amp_fx's padding (a zero never raises a block's amax; ``tests/test_mxfp8.py``'s
+    reference for amp_fx's padding (a zero never raises a block's amax; ``tests/fp8/test_mxfp8.py``'s
     kernel test checks this on one GEMM)."""
 
     def __init__(self, linear: torch.nn.Linear, pad: bool = False) -> None:

@@ -1,5 +1,5 @@
 """Tiny Hugging Face causal LMs (random init, no download) and the greedy ``generate`` call that
-the generate tests (tests/test_everyday.py) and bench/bench_generate.py share."""
+the generate tests (tests/usage/test_everyday.py) and bench/bench_generate.py share."""
 
 from __future__ import annotations
 

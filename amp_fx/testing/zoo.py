@@ -8,7 +8,7 @@ Each entry's factory returns ``(model, inputs, loss_fn)``:
 * ``loss_fn`` maps the model's output to a scalar fp32 loss using only ops that are *not* in eager
   autocast's CPU table (``.float()``, ``pow``, ``mean``, ``sum``), so it gives bitwise the same loss
   inside and outside an autocast region. The parity tests rely on that: eager autocast runs the loss
-  inside ``torch.autocast``, amp_fx outside (``tests/test_compile_parity.py`` checks the property).
+  inside ``torch.autocast``, amp_fx outside (``tests/backend/test_compile_parity.py`` checks the property).
   Models whose loss *is* an autocast op (cross_entropy) compute it in ``forward`` instead.
 
 Dims are 8-32 and batches 2-4: bf16/fp16 matmuls are ~25x slower than fp32 on a CPU with no

@@ -3,7 +3,7 @@
 Every test under tests/cuda/ carries ``GPU_TIER``: it is selected by ``pytest -m cuda`` and skips
 with the reason where CUDA is not available, as on the project's CPU machines, where the files are
 still imported (and linted) by the ordinary suite. The helpers, references and tolerances are the
-CPU tests' own, imported from their modules (``tests._parity``, ``tests._step_cases``,
+CPU tests' own, imported from their modules (``tests.backend._parity``, ``tests.step._step_cases``,
 ``tests.kernels._unscale_*``) and ``amp_fx.testing``.
 """
 

@@ -1,6 +1,6 @@
 """amp_fx.compile on CUDA against eager ``torch.autocast("cuda")``, on the tests' model zoo.
 
-The CUDA twin of tests/test_compile_parity.py, through the same helpers (tests/_parity.py) and its
+The CUDA twin of tests/backend/test_compile_parity.py, through the same helpers (tests/backend/_parity.py) and its
 derived tolerance: ``aot_eager`` must be bitwise (outputs, loss, every ``.grad``, buffers) for
 bf16 and fp16; ``inductor`` within the excess-precision tolerance (1 eps of the output's
 magnitude, 4 eps of each gradient's).
@@ -13,7 +13,7 @@ import torch
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.zoo import ZOO
-from tests._parity import (
+from tests.backend._parity import (
     DTYPES,
     INDUCTOR_MODELS,
     RNN_MODELS,
@@ -62,7 +62,7 @@ def test_cuda_rnn_runs_as_cells_and_says_so(name: str, dtype: torch.dtype) -> No
     """Eager runs nn.LSTM/nn.GRU through cuDNN's fused RNN, which capture cannot record (it
     failed: ``NotImplementedError: argument of type UntypedStorage``, H200, torch 2.11). amp_fx
     captures torch's decomposition into cells instead, as torch.compile does, and says so: bitwise
-    eager autocast running that decomposition (tests/_parity.py ``eager_rnns_as_cells``)."""
+    eager autocast running that decomposition (tests/backend/_parity.py ``eager_rnns_as_cells``)."""
     actual, expected, said = run_rnn_as_cells(name, dtype, "cuda", "aot_eager")
     assert_bitwise(actual, expected, "amp_fx vs eager autocast on the decomposed cells (CUDA)")
     assert [m for m in said if "rnn (an RNN module) run on CUDA as torch's decomposition" in m], said

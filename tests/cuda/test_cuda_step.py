@@ -1,7 +1,7 @@
 """amp_fx.compile_step on CUDA: no host sync after warm-up, eager-AMP trajectories, CUDA graphs.
 
-The CUDA twin of tests/test_step.py, with its model, optimizers, poisoned batches and checks
-(tests/_step_cases.py):
+The CUDA twin of tests/step/test_step.py, with its model, optimizers, poisoned batches and checks
+(tests/step/_step_cases.py):
 
 * after warm-up a step reads nothing on the host (the profiler sees every ``.item()``-like call,
   in compiled code too) and compiles and breaks nothing;
@@ -20,7 +20,8 @@ import torch._dynamo
 
 from amp_fx.step import GradNorm, compile_step
 from amp_fx.testing import assert_bitwise
-from tests._step_cases import (
+from tests.cuda._gpu import GPU_TIER
+from tests.step._step_cases import (
     BF16_POISON,
     FP16_POISON,
     OPTIMIZERS,
@@ -30,7 +31,6 @@ from tests._step_cases import (
     make_model,
     run_pair,
 )
-from tests.cuda._gpu import GPU_TIER
 
 pytestmark = GPU_TIER
 

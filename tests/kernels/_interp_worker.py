@@ -20,9 +20,9 @@ if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
     raise SystemExit("run with TRITON_INTERPRET=1 in the environment, before triton is imported")
 
 # Run as a script, this file's folder is sys.path[0]: _unscale_cases imports without a path edit.
-import _unscale_cases  # noqa: E402
 import torch  # noqa: E402
 
+import tests.kernels._unscale_cases as _unscale_cases  # noqa: E402
 from amp_fx.kernels import triton_unscale, unscale  # noqa: E402
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _unscale_cases import Case, all_cases
-from _unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close, reference_flags
 
 from amp_fx.kernels import cpu_unscale, triton_unscale, unscale, unscale_check_, unscale_check_norm_
 from amp_fx.testing.unscale_reference import reference_sum_of_squares_fp64
+from tests.kernels._unscale_cases import Case, all_cases
+from tests.kernels._unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close, reference_flags
 
 _CASES = all_cases()
 

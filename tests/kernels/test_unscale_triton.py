@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from _unscale_cases import Case, all_cases, launch_sizes
-from _unscale_checks import assert_same_as_torch, assert_sum_sq_close, reference_flags, sum_sq_rtol
 
 from amp_fx.kernels import triton_unscale
+from tests.kernels._unscale_cases import Case, all_cases, launch_sizes
+from tests.kernels._unscale_checks import assert_same_as_torch, assert_sum_sq_close, reference_flags, sum_sq_rtol
 
 _REPO = Path(__file__).resolve().parents[2]
 _CASES = all_cases()

@@ -38,7 +38,7 @@ from amp_fx.testing.fp8_reference import (
     torchao_mxfp8,
 )
 from amp_fx.testing.real_models import REAL_MODELS
-from tests.test_advise import _amp_fx_error
+from tests.inspect.test_advise import _amp_fx_error
 
 pytestmark = [pytest.mark.models,
               pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))]
@@ -77,7 +77,7 @@ def _without_twin(model: torch.nn.Module) -> tuple[type, ...]:
 def _twin_policy(entry: Any, model: torch.nn.Module) -> amp_fx.Policy:
     """The policy of the comparisons with torchao on the ``nn.Linear`` twin: what has no twin kept
     out of fp8, and the experts as the tier runs them (in fp32, as in the twin, whose grouped GEMMs
-    eager autocast runs in fp32; with fp8= alone they run in fp8: tests/test_fp8_experts.py)."""
+    eager autocast runs in fp32; with fp8= alone they run in fp8: tests/fp8/test_fp8_experts.py)."""
     return amp_fx.Policy(keep_out_of_fp8=_without_twin(model), autocast_experts=entry.policy.autocast_experts)
 
 

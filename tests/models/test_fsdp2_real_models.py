@@ -4,7 +4,7 @@ gloo ranks.
 ``fully_shard`` on each decoder layer, then the root (the "layers" sharding); "own_units" also
 shards the root's own modules first, as amp_fx's report tells users to (GPT-2's embedding is tied
 to its head: ``fully_shard([wte, lm_head])``). 3 SGD steps, the same batch on each rank, all runs
-in one spawn (tests/_dist_real_model_cases.py):
+in one spawn (tests/distributed/_dist_real_model_cases.py):
 
 * GPT-2, ``amp_fx.compile`` (bf16): losses and each rank's parameter shards bitwise with eager
   FSDP2 + ``torch.autocast``, in both shardings;
@@ -17,7 +17,7 @@ in one spawn (tests/_dist_real_model_cases.py):
 * Llama, ``fp8="tensorwise"`` (amp_fx's own fp8 all-gather): bitwise with amp_fx's fp8 on the
   unsharded model, and FSDP2 does not warn that the model "returned a view tensor" (it did while
   the fp8 matmul's output was a view:
-  tests/test_fp8.py::test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none).
+  tests/fp8/test_fp8_pass.py::test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ pytestmark = [
     # one spawn of 2 ranks: about 70 s alone, 190 s beside the rest of the suite on 2 cores, so
     # deselected by default (`python -m pytest -m models_slow tests/models` runs it). What it
     # found keeps a fast test in the default run: the fp8 output that was a view
-    # (tests/test_fp8.py::test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none)
-    # and the report's fix for tied weights (tests/test_distributed_fsdp.py, TiedRoot). The
+    # (tests/fp8/test_fp8_pass.py::test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none)
+    # and the report's fix for tied weights (tests/distributed/test_distributed_fsdp.py, TiedRoot). The
     # primary torch only: what depends on the torch version here is FSDP2's, which
-    # tests/test_distributed_fsdp.py covers on every torch.
+    # tests/distributed/test_distributed_fsdp.py covers on every torch.
     pytest.mark.models_slow,
     pytest.mark.primary,
 ]
@@ -48,7 +48,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    from tests._dist_real_model_cases import fsdp2_real
+    from tests.distributed._dist_real_model_cases import fsdp2_real
 
     return run_ranks(fsdp2_real)
 
@@ -85,7 +85,7 @@ def test_the_root_modules_outside_every_graph_are_reported_once_and_the_fix_sile
 def test_fp8_under_fsdp2_bitwise_with_unsharded_fp8_and_no_view_warning(ranks):
     for rank, res in enumerate(ranks):
         _assert_same(res[("fp8", "own_units", "amp_fx")], res[("fp8", "none", "amp_fx")], f"rank {rank}, fp8")
-        # the fp8 matmuls ran: the first loss is not the fp16 run's (nor bf16's: tested in tests/test_fp8.py)
+        # the fp8 matmuls ran: the first loss is not the fp16 run's (nor bf16's: tested in tests/fp8/)
         fp8_loss, fp16_loss = (res[(what, "own_units", form)]["losses"][0] for what, form in
                                [("fp8", "amp_fx"), ("fp16", "eager")])
         assert not torch.equal(fp8_loss, fp16_loss)

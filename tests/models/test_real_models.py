@@ -501,7 +501,7 @@ def _step_scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
     """(amp_fx's, the eager recipe's). fp16: torch's scaler, growth every 2 steps from 2^10 (the
     default 2^16 overflows these models' fp16 gradients in every step of a short run: no update
     would be compared). bf16: torch's scaler has no check-only mode; amp_fx's in its eager
-    host-sync mode is the reference (bitwise torch's otherwise: tests/test_scaler.py)."""
+    host-sync mode is the reference (bitwise torch's otherwise: tests/scaler/test_scaler.py)."""
     if dtype == torch.bfloat16:
         return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
                 GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))

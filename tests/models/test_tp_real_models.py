@@ -1,19 +1,19 @@
 """The real-model tier under tensor parallelism: transformers' Llama on 2 gloo ranks, made
 tensor-parallel by transformers itself (``from_pretrained(..., distributed_config=
 DistributedConfig(tp_size=2))``) and by torch's ``parallelize_module`` on the plan transformers'
-config states; all runs in one spawn (tests/_dist_tp_real_cases.py):
+config states; all runs in one spawn (tests/distributed/_dist_tp_real_cases.py):
 
 * ``amp_fx.compile`` (bf16, strict): losses and each rank's parameter shards bitwise with eager
   ``torch.autocast`` on the same tensor-parallel model, 3 SGD steps, both ways;
 * ``amp_fx.compile_step`` (fp16, ``amp_fx.GradScaler``, strict): bitwise with eager autocast and
-  ``amp_fx.GradScaler`` (bitwise with torch's on one device, tests/test_scaler.py). torch's own
+  ``amp_fx.GradScaler`` (bitwise with torch's on one device, tests/scaler/test_scaler.py). torch's own
   scalers cannot be the reference here: the norm weights are plain tensors beside DTensor
   gradients, and ``GradScaler``/``ShardedGradScaler`` refuse the mix ("got mixed torch.Tensor and
   DTensor");
 * ``fp8="tensorwise"`` (strict): every matmul with a parameter converted, the DTensor-sharded
   projections included. Its numbers are not compared: the row-parallel layers add two partial sums
   each rounded to bf16 where the unsharded run rounds once, and torchao's float8 TP styles scale
-  the fp32 input that amp_fx (as autocast) first casts to bf16; tests/test_distributed_tp.py proves
+  the fp32 input that amp_fx (as autocast) first casts to bf16; tests/distributed/test_distributed_tp.py proves
   fp8 under TP bitwise on a model where both scale the same values.
 """
 
@@ -49,7 +49,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    from tests._dist_tp_real_cases import tp_real
+    from tests.distributed._dist_tp_real_cases import tp_real
 
     return run_ranks(tp_real)
 

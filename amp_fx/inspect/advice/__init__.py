@@ -51,7 +51,7 @@ The files follow those phases, in the order a run goes through them:
 """
 
 # fp8_too_small and _keep_in_fp32 are reachable here as they were when advice was one module (the
-# docstrings name the first, tests/test_advise.py imports the second), and stay out of __all__
+# docstrings name the first, tests/inspect/test_advise.py imports the second), and stay out of __all__
 from amp_fx.inspect.advice._advise import DEFAULT_TARGETS, advise
 from amp_fx.inspect.advice._cost import Cost, KeptModule
 from amp_fx.inspect.advice._findings import FP8_ERROR_HAZARD, ModuleStats

@@ -32,7 +32,7 @@ DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -1
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
 may leave: 32 units of rounding (eps) of the dtype, 0.25 for bf16 and 0.031 for fp16. Eager
 autocast's own error on GPT-2, Llama and BERT (random init, 2 layers x 64) is about 0.75 eps
-(tests/test_advise.py::test_real_model_no_false_alarm), 40 times below, while a hazard (inf/NaN,
+(tests/inspect/test_advise.py::test_real_model_no_false_alarm), 40 times below, while a hazard (inf/NaN,
 a signal lost to cancellation) costs order 1, hundreds of eps."""
 
 

@@ -1,0 +1,509 @@
+"""What each rank runs for tests/distributed/test_distributed_tp.py: tensor parallelism (``parallelize_module``).
+
+A small pre-norm transformer (SDPA attention, ReLU MLP) sharded as torchtitan and torch's TP tutorial
+shard one: ``ColwiseParallel`` on q/k/v and the MLP's first linear, ``RowwiseParallel`` on the
+attention's output projection and the MLP's second linear. With ``sequence_parallel`` the norms are
+``SequenceParallel`` (their parameters replicated DTensors, the activations between the blocks sharded
+on the sequence), the attention and MLP gather their input with ``PrepareModuleInput`` and the row-wise
+linears reduce-scatter it back (``output_layouts=Shard(1)``): every parameter is a DTensor, and the
+residual stream is each rank's local slice of the sequence, as in torchtitan's Llama.
+
+One recipe, run by the reference (eager ``torch.autocast`` on the same sharded model, with FSDP's
+``ShardedGradScaler`` for fp16, whose found-inf flag is all-reduced over every rank) and by amp_fx:
+AdamW, MSE loss in fp32, an inf planted in rank 0's *local shard* of one gradient at step 1 (no other
+rank holds that element: every rank must skip that step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import amp_fx
+from amp_fx.passes import meta
+
+STEPS = 3
+CLIP = 0.05  # small enough to clip (the test checks the clipped run's parameters differ from the unclipped)
+PLANTED_STEP = 1
+D, HEADS, SEQ, BATCH = 32, 4, 8, 2
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.wo = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def make_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer()
+
+
+def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = False) -> Transformer:
+    """Shard ``model`` over ``mesh`` (1-D) in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    for block in model.blocks:
+        plan: dict[str, Any] = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                                "mlp.w1": ColwiseParallel()}
+        if sequence_parallel:
+            plan.update({
+                "norm1": SequenceParallel(), "norm2": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+            })
+        else:
+            plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
+        # src_data_rank=None: every rank built the same model from one seed, so each keeps its own
+        # shard (no scatter: the byte-counting backend has none, and its Python-side delegation
+        # cannot hand a tensor subclass such as torchao's weights to gloo)
+        parallelize_module(block, mesh, plan, src_data_rank=None)
+    if sequence_parallel:  # the replicated input enters sharded on the sequence, the output leaves whole
+        parallelize_module(model, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
+                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
+        }, src_data_rank=None)
+    return model
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank (tensor parallelism replicates the input)."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, SEQ, D, generator=g), torch.randn(BATCH, SEQ, D, generator=g)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def _plant(model: nn.Module, rank: int, step: int) -> None:
+    """An inf in one element of rank 0's local shard of ``blocks.0.attn.q.weight``'s gradient."""
+    if rank != 0 or step != PLANTED_STEP:
+        return
+    grad = model.blocks[0].attn.q.weight.grad
+    with torch.no_grad():
+        (grad._local_tensor if hasattr(grad, "_local_tensor") else grad).view(-1)[0] = math.inf
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    # foreach=False: without sequence parallelism the norms' parameters are plain tensors beside
+    # DTensors, which torch's foreach kernels refuse to mix in one list
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def _clip(model: nn.Module) -> None:
+    """``clip_grad_norm_(model.parameters(), CLIP)``, by hand where torch's cannot: its norms of
+    gradients on different meshes (FSDP2 x TP: the norms' parameters on the dp sub-mesh, the rest on
+    the 2-D mesh) cannot be stacked ("All operands in aten.stack.default must have the same
+    mesh"), so each gradient's norm is taken whole (``full_tensor``), as torchtitan's own
+    ``clip_grad_norm_`` does, then clip_grad_norm_'s formula."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    meshes = {id(g.device_mesh) for g in grads if hasattr(g, "device_mesh")}
+    if len(meshes) <= 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        return
+    norms = [torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, 2.0) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(CLIP / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            g.mul_(coef)
+
+
+def assert_within_traced_adam(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """compile_step's parameters against the eager recipe's: within the traced Adam step's rounding,
+    ADAM_TRACED_RTOL of each element's movement (STEPS AdamW steps at lr 1e-2, one skipped: at
+    most 2 * lr), plus one fp32 ulp of the value."""
+    from tests.step._step_cases import ADAM_TRACED_RTOL
+
+    for name, e in want.items():
+        a = got[name]
+        bound = ADAM_TRACED_RTOL * 2 * 1e-2 + 2**-24 * e.abs()
+        assert ((a - e).abs() <= bound).all(), f"{what}, {name}: max diff {(a - e).abs().max()}"
+
+
+def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
+
+
+def train(model: nn.Module, rank: int, dtype: str, form: str,
+          batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch) -> dict[str, Any]:
+    """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
+    amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
+    with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
+    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``). ``batch(step)``: this
+    rank's batch (the same on every rank by default, as tensor parallelism wants)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    opt = _adamw(model)
+    losses, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if form in ("step", "step_clip"):
+            at = {"step": 0}
+            opt.register_step_pre_hook(lambda *_: _plant(model, rank, at["step"]))
+            scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
+            step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y), dtype=dtype,
+                                       scaler=scaler, backend="aot_eager",
+                                       max_grad_norm=CLIP if form == "step_clip" else None)
+            for i in range(STEPS):
+                losses.append(step(*batch(i)).detach().clone())
+                scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
+                              else torch.tensor(scaler.get_scale()))
+                at["step"] = i + 1
+        else:
+            eager = form.startswith("eager")
+            forward: Any = model if eager else amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+            scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if eager
+                      else amp_fx.GradScaler("cpu", growth_interval=2))
+            for i in range(STEPS):
+                x, y = batch(i)
+                ctx = torch.autocast("cpu", dtype=low) if eager else contextlib.nullcontext()
+                with ctx:
+                    loss = F.mse_loss(forward(x).float(), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if scaler is not None:
+                    _plant(model, rank, i)
+                if form == "eager_clip":
+                    scaler.unscale_(opt)
+                    _clip(model)
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(torch.tensor(scaler.get_scale()))
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach().clone())
+    return {"losses": torch.stack(losses), "scales": torch.stack(scales) if scales else torch.zeros(0),
+            "params": {n: _local(p) for n, p in model.named_parameters()}, "amp_fx_warnings": _fallbacks(caught)}
+
+
+def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None) -> dict[str, Any]:
+    """One amp_fx fp8 (tensorwise) forward and backward: the output, the local gradients, and how many
+    of the captured matmuls with a parameter operand were converted. ``strict=False``: what amp_fx
+    reports is recorded as warnings (the suite runs strict)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
+        out = compiled(x)
+        out.float().pow(2).mean().backward()
+    decisions = [n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
+                 if meta.FP8 in n.meta]
+    return {"out": _local(out), "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+            "converted": sum(d.converted for d in decisions), "considered": len(decisions),
+            "amp_fx_warnings": _fallbacks(caught)}
+
+
+# (layout, dtype, form). Layouts: "tp" (column/row-wise), "sp" (the same with sequence parallelism),
+# "fsdp_tp" (FSDP2 x TP on a dp 1 x tp 2 mesh: 2-D DTensor parameters, FSDP2's units and TP's hooks
+# together; a 2 x 2 mesh needs 4 ranks and proves nothing this does not), "hsdp" (fully_shard on a
+# replicate 2 x shard 1 mesh). fp16 not on "tp": there the norms' parameters are plain tensors beside
+# DTensors, and the reference's ShardedGradScaler (torch's unscale kernel on DTensors) refuses the mix
+# ("got mixed torch.Tensor and DTensor").
+CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
+         ("sp", "bf16", "eager"), ("sp", "bf16", "amp_fx"),
+         ("sp", "fp16", "eager"), ("sp", "fp16", "amp_fx"), ("sp", "fp16", "step"),
+         ("fsdp_tp", "bf16", "eager"), ("fsdp_tp", "bf16", "amp_fx"),
+         ("fsdp_tp", "fp16", "eager"), ("fsdp_tp", "fp16", "amp_fx"), ("fsdp_tp", "fp16", "step"),
+         ("hsdp", "fp16", "eager"), ("hsdp", "fp16", "amp_fx"), ("hsdp", "fp16", "step"),
+         ("sp", "fp16", "eager_clip"), ("sp", "fp16", "step_clip"),
+         ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
+
+
+def sharded_model(layout: str, world_size: int, dp: int = 1, dp_backend: str | None = None) -> Transformer:
+    """``make_model()`` laid out as ``layout`` (see CASES) over ``world_size`` ranks; "fsdp_tp" on a
+    dp ``dp`` x tp ``world_size // dp`` mesh (its dp groups on ``dp_backend`` if given: the
+    byte-counting one), "hsdp_tp" on a replicate ``dp`` x shard 1 x tp ``world_size // dp`` one
+    (tests/distributed/_dist_tp4_cases.py runs both with dp 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    if layout in ("tp", "sp"):
+        return tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=layout == "sp")
+    if layout in ("fsdp_tp", "hsdp_tp"):
+        shape, names = (((dp, world_size // dp), ("dp", "tp")) if layout == "fsdp_tp" else
+                        ((dp, 1, world_size // dp), ("replicate", "shard", "tp")))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names,
+                                backend_override={"dp": dp_backend} if dp_backend else None)
+        tensor_parallel(model, mesh["tp"])
+        dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh["replicate", "shard"]
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        return fully_shard(model, mesh=dp_mesh)
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+class _MLP(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(D, 2 * D, bias=bias), nn.Linear(2 * D, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
+    """fp8 tensorwise, amp_fx on a TP MLP (Colwise w1, Rowwise w2) against torchao's
+    ``Float8ColwiseParallel``/``Float8RowwiseParallel`` on its ``Float8Linear``s, same mesh and
+    weights: "same" on bias-free linears fed a bf16-exact input, where both recipes scale the same
+    values; "bias" with biases and an fp32 input, where torchao's TP styles scale the fp32 input
+    (their hook runs before Float8Linear's autocast cast) and take the bias gradient from the fp8
+    grad_output, so torchao's TP differs from torchao unsharded, and amp_fx's TP (whose column-wise
+    layer is bitwise with unsharded fp8) is compared with torchao *unsharded* instead. None
+    without torchao."""
+    from amp_fx.testing.fp8_reference import cpu_autocast_torchao, torchao_float8, torchao_missing
+
+    if torchao_missing() is not None:
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    def run_torchao(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        out.float().pow(2).sum().backward()  # sum: the same loss on a shard and on the whole
+        return _local(out), {n: _local(p.grad) for n, p in model.named_parameters()}
+
+    def run_amp_fx(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager")(x)
+        out.float().pow(2).sum().backward()  # sum: the same loss on a shard and on the whole
+        return _local(out), {n: _local(p.grad) for n, p in model.named_parameters()}
+
+    results: dict[str, Any] = {}
+    for kind, bias in (("same", False), ("bias", True)):
+        torch.manual_seed(0)
+        base = _MLP(bias)
+        x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(5))
+        if not bias:
+            x = x.bfloat16().float()
+        ours = copy.deepcopy(base)
+        parallelize_module(ours, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        theirs = torchao_float8(copy.deepcopy(base), "tensorwise")
+        if bias:  # the unsharded torchao run, the column-wise layer alone (its output sharded here)
+            ours_w1 = copy.deepcopy(base.w1)
+            parallelize_module(ours_w1, mesh, ColwiseParallel())
+            results[kind] = {"amp_fx_w1": run_amp_fx(ours_w1, x),
+                             "torchao_w1": run_torchao(torchao_float8(copy.deepcopy(base.w1), "tensorwise"), x)}
+            continue
+        parallelize_module(theirs, mesh, {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()})
+        torch._dynamo.reset()
+        results[kind] = {"amp_fx": run_amp_fx(ours, x), "torchao": run_torchao(theirs, x)}
+    return results
+
+
+def inspection(layout: str, world_size: int) -> dict[str, Any]:
+    """The non-finite watch and compare on the sharded model. Watch: fp16, ``blocks.1.mlp.w1``'s
+    weight scaled by 1e6 (its fp16 output overflows), the overflow report's first op against the
+    first module whose output holds an inf in eager autocast (forward hooks, this rank's values);
+    compare: amp_fx against eager autocast op by op, bf16."""
+    model = sharded_model(layout, world_size)
+    with torch.no_grad():
+        weight = model.blocks[1].mlp.w1.weight
+        (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).mul_(1e6)
+    x, _ = _batch(0)
+    first: list[str] = []
+    handles = [m.register_forward_hook(
+        lambda mod, args, out, name=name: first.append(name)
+        if not first and isinstance(out, torch.Tensor) and not bool(torch.isfinite(_local(out)).all()) else None)
+        for name, m in model.named_modules() if name]
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x)
+    for h in handles:
+        h.remove()
+    torch._dynamo.reset()
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
+    scaler = amp_fx.GradScaler("cpu")
+    scaler.watch(compiled)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(compiled(x).float().pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    report = scaler.overflow_report()
+    torch._dynamo.reset()
+    result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
+    return {"eager_first": first[0] if first else None,
+            "watch_first": None if report is None or report.first_op is None else report.first_op.module,
+            "compare_ok": result.ok, "compared_ops": len(result.ops)}
+
+
+def inductor_errors(world_size: int) -> dict[str, Any]:
+    """The TP model's loss and gradients under inductor, bf16: eager autocast, ``torch.compile`` under
+    autocast and ``amp_fx.compile``, one forward and backward each; their differences from eager."""
+    runs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    x, y = _batch(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for form in ("eager", "torch.compile", "amp_fx"):
+            torch._dynamo.reset()
+            model = sharded_model("tp", world_size)
+            if form == "amp_fx":
+                out = amp_fx.compile(model, dtype="bf16")(x)
+            else:
+                run = model if form == "eager" else torch.compile(model)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = run(x)
+            loss = F.mse_loss(out.float(), y)
+            loss.backward()
+            runs[form] = (loss.detach(), torch.cat([_local(p.grad).flatten() for p in model.parameters()]))
+    eager_loss, eager_grads = runs["eager"]
+    return {form: {"loss": (loss - eager_loss).abs().item(), "grads": (grads - eager_grads).abs().max().item()}
+            for form, (loss, grads) in runs.items() if form != "eager"} | {"amp_fx_warnings": _fallbacks(caught)}
+
+
+def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
+    """Every case of tests/distributed/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results: dict[Any, Any] = {}
+    for case in CASES:
+        layout, dtype, form = case
+        torch._dynamo.reset()
+        results[case] = train(sharded_model(layout, world_size), rank, dtype, form)
+    torch._dynamo.reset()
+    x, _ = _batch(0)
+    results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x)
+    torch._dynamo.reset()
+    results["fp8_whole"] = fp8_outputs(make_model(), x)
+    torch._dynamo.reset()
+    results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
+    torch._dynamo.reset()
+    results["inspect_sp"] = inspection("sp", world_size)
+    results["inductor"] = inductor_errors(world_size)
+    torch._dynamo.reset()
+    results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
+    for schedule, form in PP_CASES:
+        torch._dynamo.reset()
+        results[("pp", schedule, form)] = pipeline_run(rank, world_size, schedule, form)
+    return results
+
+
+# ------------------------------------------------------------------------------------ pipeline
+PP_MICROBATCHES = 2
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: the block of the unsplit model at this rank's index (a user-defined
+    module, so Dynamo starts a frame in it)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def pipeline_run(rank: int, world_size: int, schedule: str, form: str) -> dict[str, Any]:
+    """Stage ``rank`` of a ``world_size``-stage pipeline (``torch.distributed.pipelining``, GPipe or
+    1F1B, 2 micro-batches), fp16, 3 AdamW steps, an inf planted in stage 0's gradient at step 1.
+    ``form``: "eager" (torch.autocast around the schedule's step, torch.amp.GradScaler driven by hand:
+    unscale_, its found-inf all-reduced (MAX) over every stage, step, update) or "amp_fx"
+    (``amp_fx.compile`` of the stage, ``amp_fx.GradScaler(process_group=WORLD)``)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage_module = _Stage(make_model().blocks[rank])
+    opt = _adamw(stage_module)
+    if form == "eager":
+        scaler: Any = torch.amp.GradScaler("cpu", growth_interval=2)
+        run_module: nn.Module = stage_module
+    else:
+        scaler = amp_fx.GradScaler("cpu", growth_interval=2, process_group=dist.group.WORLD)
+        run_module = amp_fx.compile(stage_module, dtype="fp16", backend="aot_eager")
+    stage = PipelineStage(run_module, rank, world_size, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    pipe = kind(stage, PP_MICROBATCHES, loss_fn=lambda out, y: scaler.scale(F.mse_loss(out.float(), y)))
+    losses, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            x, y = _batch(i)
+            step_losses: list[torch.Tensor] = []
+            ctx = torch.autocast("cpu", dtype=torch.float16) if form == "eager" else contextlib.nullcontext()
+            with ctx:
+                if rank == 0:
+                    pipe.step(x)
+                else:
+                    pipe.step(target=y, losses=step_losses)
+            if rank == 0 and i == PLANTED_STEP:
+                with torch.no_grad():
+                    stage_module.block.attn.q.weight.grad.view(-1)[0] = math.inf
+            if form == "eager":  # the flag combined over every stage by hand
+                if rank == 0:  # torch's scaler makes its scale in scale(), which only the loss's stage calls
+                    scaler.scale(torch.zeros(()))
+                scaler.unscale_(opt)
+                for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(torch.tensor(scaler.get_scale()))
+            if step_losses:
+                losses.append(torch.stack([loss.detach() for loss in step_losses]))
+    return {"losses": torch.stack(losses) if losses else torch.zeros(0), "scales": torch.stack(scales),
+            "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
+            "amp_fx_warnings": _fallbacks(caught)}
+
+
+PP_CASES = [(schedule, form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")]

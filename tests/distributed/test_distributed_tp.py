@@ -1,0 +1,198 @@
+"""amp_fx on tensor-parallel, FSDP2 x TP, HSDP and pipeline models: 2 gloo ranks, bitwise with eager autocast.
+
+The model and the recipe: ``tests/distributed/_dist_tp_cases.py``. Reference: eager ``torch.autocast`` on the same
+sharded model (fp16: FSDP's ``ShardedGradScaler``, whose found-inf flag is all-reduced over every rank).
+amp_fx: ``amp_fx.compile(model, backend="aot_eager")`` with ``amp_fx.GradScaler``, and
+``amp_fx.compile_step``. Before the fix in ``amp_fx/passes/capture.py`` (DTensor's ``from_local``,
+``to_local`` and ``redistribute`` recorded whole) every graph of these models fell back to
+``torch.compile`` + autocast with the warning "capture failed ... Unable to cast NotImplemented to
+Tensor": ``test_no_fallback_on_tensor_parallel_models`` fails there. All cases run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.distributed import run_ranks
+from tests.distributed._dist_tp_cases import CASES, PLANTED_STEP, assert_within_traced_adam, tp_all
+
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
+
+AMP_CASES = [c for c in CASES if c[2] != "eager"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(tp_all)
+
+
+def _name(case: tuple) -> str:
+    return " ".join(case)
+
+
+@pytest.mark.parametrize("case", AMP_CASES, ids=_name)
+def test_no_fallback_on_tensor_parallel_models(ranks, case):
+    for rank, res in enumerate(ranks):
+        assert res[case]["amp_fx_warnings"] == [], f"rank {rank}, {_name(case)}"
+
+
+@pytest.mark.parametrize("case", [c for c in AMP_CASES if c[2] == "amp_fx"], ids=_name)
+def test_tp_compile_bitwise_with_eager_autocast(ranks, case):
+    """Loss, scale and every rank's local parameters after 3 AdamW steps, bit for bit."""
+    layout, dtype, _ = case
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(layout, dtype, "eager")]
+        what = f"rank {rank}, {_name(case)}"
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+@pytest.mark.parametrize("layout", ["sp", "fsdp_tp", "hsdp"])
+def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks, layout):
+    """The inf is in rank 0's local shard only; every rank backs off at that step, eager and amp_fx."""
+    for case in [(layout, "fp16", form) for form in ("eager", "amp_fx", "step")]:
+        for rank, res in enumerate(ranks):
+            scales = res[case]["scales"].tolist()
+            assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"rank {rank}, {_name(case)}: {scales}"
+            assert scales[0] == scales[PLANTED_STEP - 1], f"rank {rank}, {_name(case)}: {scales}"
+
+
+@pytest.mark.parametrize(("layout", "clip"), [("sp", False), ("fsdp_tp", False), ("hsdp", False),
+                                             ("sp", True), ("fsdp_tp", True)])
+def test_tp_compile_step_matches_eager_recipe(ranks, layout, clip):
+    """compile_step, fp16, on sequence parallelism (Replicate norm parameters whose compiled
+    gradients are Partial until reduced), FSDP2 x TP (2-D parameters) and HSDP: losses and scales
+    bitwise; the parameters within the traced Adam step's rounding (ADAM_TRACED_RTOL of each
+    parameter's movement, as on FSDP2), where an unreduced Partial gradient was 5e3 times that
+    (0.006-0.016 on the norms). With ``max_grad_norm`` against ``unscale_`` + ``clip_grad_norm_``
+    (FSDP2 x TP: each gradient's norm taken whole, since torch's cannot stack norms of two meshes),
+    and the clip must have changed the parameters."""
+    form, ref = ("step_clip", "eager_clip") if clip else ("step", "eager")
+    case = (layout, "fp16", form)
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(layout, "fp16", ref)]
+        if clip:
+            unclipped = res[(layout, "fp16", "step")]["params"]
+            assert any(not torch.equal(unclipped[n], got["params"][n]) for n in unclipped), f"rank {rank}"
+        assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
+        assert_within_traced_adam(got["params"], want["params"], f"rank {rank}")
+
+
+def test_tp_fp8_converts_every_sharded_linear_and_matches_the_unsharded_run(ranks):
+    """fp8 tensorwise on the TP model: every matmul with a (DTensor) parameter operand converted,
+    the scales taken over the whole tensor (DTensor reduces the amax across ranks: a column-parallel
+    linear alone is bitwise with the unsharded one). The row-parallel linears add two ranks' bf16
+    partial outputs where the unsharded GEMM rounds once, and a one-ulp change of a bf16 input can move
+    an e4m3 value by one spacing (2^-3 relative) in the next fp8 matmul: the bound on the output is
+    2^-4 of its largest magnitude, on the gradients 2^-3 of the model's gradient norm."""
+    for rank, res in enumerate(ranks):
+        tp, whole = res["fp8_tp"], res["fp8_whole"]
+        assert tp["amp_fx_warnings"] == [], f"rank {rank}"
+        assert tp["converted"] == tp["considered"] == whole["converted"] == 12, f"rank {rank}"
+        out_err = (tp["out"].float() - whole["out"].float()).abs().max()
+        assert out_err <= 2**-4 * whole["out"].float().abs().max(), f"rank {rank}: output error {out_err}"
+        diffs, norms = [], []
+        for name, g in tp["grads"].items():
+            ref = whole["grads"][name]
+            if g.shape != ref.shape:  # this rank's shard of the unsharded gradient
+                dim = 0 if g.shape[0] != ref.shape[0] else 1
+                ref = ref.narrow(dim, rank * g.shape[dim], g.shape[dim])
+            diffs.append((g - ref).flatten())
+            norms.append(ref.flatten())
+        err, norm = torch.cat(diffs).norm(), torch.cat(norms).norm()
+        assert err <= 2**-3 * norm, f"rank {rank}: gradient error {err} of norm {norm}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_stages_fp16_skip_together_bitwise_with_eager_by_hand(ranks, schedule):
+    """Two stages (torch.distributed.pipelining), fp16: amp_fx.compile per stage and
+    amp_fx.GradScaler(process_group=WORLD) against eager autocast + torch.amp.GradScaler with its
+    found-inf all-reduced by hand. The inf planted in stage 0's gradient backs off the scale on
+    both stages (without the combined flag stage 1 would step and keep its scale); the loss on
+    the last stage, the scales and every stage's parameters bitwise."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("pp", schedule, "amp_fx")], res[("pp", schedule, "eager")]
+        what = f"stage {rank}, {schedule}"
+        assert got["amp_fx_warnings"] == [], what
+        scales = got["scales"].tolist()
+        assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"{what}: {scales}"
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+def test_tp_fp8_bitwise_with_torchaos_float8_tensor_parallel(ranks):
+    """amp_fx fp8 tensorwise on ColwiseParallel/RowwiseParallel against torchao's
+    Float8ColwiseParallel/Float8RowwiseParallel on Float8Linear, same mesh: bias-free linears fed a
+    bf16-exact input (where both recipes scale the same values) give the same output and gradients
+    bit for bit."""
+    if ranks[0]["fp8_torchao"] is None:
+        pytest.skip("torchao is not installed (the test extra pins it)")
+    for rank, res in enumerate(ranks):
+        case = res["fp8_torchao"]["same"]
+        (out, grads), (want_out, want_grads) = case["amp_fx"], case["torchao"]
+        assert_bitwise(out, want_out, f"rank {rank}: output")
+        for name, g in want_grads.items():
+            assert_bitwise(grads[name], g, f"rank {rank}: {name}")
+
+
+def test_tp_fp8_column_parallel_numerics_are_the_unsharded_ones(ranks):
+    """With a bias and an fp32 input, torchao's float8 TP styles change torchao's own numerics
+    (the hook scales the fp32 input; the bias gradient comes from the fp8 grad_output); amp_fx's
+    column-parallel linear stays bitwise with torchao's *unsharded* Float8Linear: output, weight and
+    bias gradients, each rank's slice."""
+    if ranks[0]["fp8_torchao"] is None:
+        pytest.skip("torchao is not installed (the test extra pins it)")
+    for rank, res in enumerate(ranks):
+        case = res["fp8_torchao"]["bias"]
+        (out, grads), (whole_out, whole_grads) = case["amp_fx_w1"], case["torchao_w1"]
+        rows = out.shape[-1]
+        assert_bitwise(out, whole_out[..., rank * rows:(rank + 1) * rows], f"rank {rank}: output")
+        for name, g in grads.items():
+            assert_bitwise(g, whole_grads[name].narrow(0, rank * g.shape[0], g.shape[0]), f"rank {rank}: {name}")
+
+
+def test_fsdp2_x_tp_fp8_converts_every_matmul_and_gathers_in_fp8(ranks):
+    """fp8 tensorwise on FSDP2 x TP: every matmul with a parameter operand in fp8 (share 1.0 >= the
+    0.95 asked), and FSDP2 gathers the Linear weights in fp8 on the 2-D mesh too: no AmpFxWarning
+    (before, one named each weight "placements ... on a 2-D mesh, not Shard(0) on a 1-D mesh" and
+    gathered it in fp32). The values and bytes on a dp 2 x tp 2 mesh:
+    tests/distributed/test_distributed_tp4.py."""
+    for rank, res in enumerate(ranks):
+        run = res["fp8_fsdp_tp"]
+        assert run["converted"] == run["considered"] == 12, f"rank {rank}"
+        assert run["amp_fx_warnings"] == [], f"rank {rank}: {run['amp_fx_warnings']}"
+
+
+def test_watch_and_compare_on_a_sequence_parallel_model(ranks):
+    """The non-finite watch names the module eager autocast's forward hooks see overflow first
+    (blocks.1.mlp.w1, its fp16 output past 65504) on every rank; before, its flags (DTensors beside
+    plain tensors) made the step raise "got mixed torch.Tensor and DTensor". compare runs op by op
+    (before: "aten.nonzero" has no sharding rule) and agrees with eager autocast, bf16."""
+    for rank, res in enumerate(ranks):
+        run = res["inspect_sp"]
+        assert run["eager_first"] == "blocks.1.mlp.w1", f"rank {rank}: {run}"
+        assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
+        assert run["compare_ok"] and run["compared_ops"] > 0, f"rank {rank}: {run}"
+
+
+def test_tp_inductor_within_torch_compile_autocasts_error(ranks):
+    """Inductor (bf16, TP): amp_fx's loss and gradients differ from eager autocast by no more than
+    torch.compile + autocast's do (inductor keeps fused intermediates in fp32, so neither is bitwise;
+    the slack is one fp32 ulp of the largest gradient difference, 2^-24 relative), no fallback."""
+    for rank, res in enumerate(ranks):
+        run = res["inductor"]
+        assert run["amp_fx_warnings"] == [], f"rank {rank}"
+        ours, theirs = run["amp_fx"], run["torch.compile"]
+        assert ours["loss"] <= theirs["loss"] * (1 + 2**-24), f"rank {rank}: {run}"
+        assert ours["grads"] <= theirs["grads"] * (1 + 2**-24), f"rank {rank}: {run}"

@@ -1,0 +1,150 @@
+"""amp_fx on FSDP2 x TP with both dimensions sharded: 4 gloo ranks on a dp 2 x tp 2 mesh.
+
+What only a 2 x 2 mesh shows (tests/distributed/test_distributed_tp.py's dp 1 x tp 2 mesh shards nothing over
+dp): FSDP2 all-gathers and reduce-scatters each TP shard over dp, the gradients of two different
+batches are averaged, and the found-inf flag and the global gradient norm span both dimensions.
+The model and the recipe: tests/distributed/_dist_tp_cases.py; the cases:
+tests/distributed/_dist_tp4_cases.py. All cases run in one spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amp_fx.testing import assert_bitwise
+from amp_fx.testing.distributed import run_ranks
+from tests.distributed._dist_tp4_cases import CASES, FP8_STEPS, WORLD, dp_rank, tp4_all
+from tests.distributed._dist_tp_cases import PLANTED_STEP, assert_within_traced_adam
+
+pytestmark = [
+    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.slow,
+]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(tp4_all, world_size=WORLD)
+
+
+def _name(case: tuple) -> str:
+    return " ".join(case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "amp_fx"], ids=_name)
+def test_2x2_compile_bitwise_with_eager_autocast(ranks, case):
+    """amp_fx.compile (fp16: amp_fx.GradScaler against ShardedGradScaler): no AmpFxWarning; the
+    losses, scales and every rank's local parameter shards after 3 AdamW steps, bit for bit; the
+    two dp ranks saw different batches (their losses differ), so the check covers FSDP2's average."""
+    layout, dtype, _ = case
+    for rank, res in enumerate(ranks):
+        got, want = res[case], res[(layout, dtype, "eager")]
+        what = f"rank {rank}, {_name(case)}"
+        assert got["amp_fx_warnings"] == [], what
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+    assert not torch.equal(ranks[0][case]["losses"], ranks[WORLD - 1][case]["losses"])
+
+
+@pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp_tp"])
+def test_2x2_fp16_every_rank_skips_the_planted_step(ranks, layout):
+    """The inf is in rank 0's local shard only; all 4 ranks back off at that step."""
+    forms = ("eager", "amp_fx", "step_clip") if layout == "fsdp_tp" else ("eager", "amp_fx")
+    for form in forms:
+        for rank, res in enumerate(ranks):
+            scales = res[(layout, "fp16", form)]["scales"].tolist()
+            assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"rank {rank}, {form}: {scales}"
+
+
+def test_2x2_compile_step_with_max_grad_norm_matches_eager_recipe(ranks):
+    """compile_step fp16 with ``max_grad_norm`` against ``unscale_`` + the global norm over both
+    dimensions clipped by hand (_dist_tp_cases._clip): losses and scales bitwise, the parameters
+    within the traced Adam step's rounding (the 2-rank tests' bound, ``assert_within_traced_adam``).
+    Before the fix in amp_fx/_dist/step.py (FSDP2's ``_StridedShard`` dp placement counted as
+    replicated) each dp rank clipped with a partial norm of its own: the second loss differed and
+    ``blocks.0.attn.k.bias`` by 0.01, a whole AdamW step."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("fsdp_tp", "fp16", "step_clip")], res[("fsdp_tp", "fp16", "eager_clip")]
+        assert got["amp_fx_warnings"] == [], f"rank {rank}"
+        assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
+        assert_within_traced_adam(got["params"], want["params"], f"rank {rank}")
+
+
+def _fp8_gather_bytes(run: dict, gathers: int) -> int:
+    """The bytes ``gathers`` all-gathers of this rank's shards move when each ``nn.Linear`` weight
+    element travels as 1 byte (e4m3) and every other parameter element as 4 (fp32)."""
+    return gathers * (run["weight_numel"] + 4 * (run["numel"] - run["weight_numel"]))
+
+
+def test_2x2_fp8_all_gather_bitwise_with_torchao_and_with_no_gather(ranks):
+    """FSDP2 x TP (dp 2 x tp 2), fp8 tensorwise, a Colwise/Rowwise MLP with biases fed a bf16-exact
+    input: each rank casts its dp shard of the TP shard with the whole weight's scale (amax over dp
+    and tp) and FSDP2 gathers it in fp8. The output and every gradient bitwise with amp_fx's fp8 on
+    the TP shards without FSDP2 (its own cast of the gathered TP shard; this rank's dp slice), the
+    output and the weight gradients bitwise with torchao's ``enable_fsdp_float8_all_gather`` +
+    ``Float8ColwiseParallel``/``Float8RowwiseParallel`` (torchao's TP styles take the bias
+    gradient from the fp8 grad_output: tests/distributed/test_distributed_tp.py). Bytes all-gathered: the
+    weights at 1 per element, the biases at 4, as torchao's; the bf16 run gathers all at 4."""
+    for rank, res in enumerate(ranks):
+        runs = res["fp8_gather"]
+        ours, alone, bf16 = runs["amp_fx"], runs["tp"], runs["bf16"]
+        what = f"rank {rank}"
+        assert_bitwise(ours["out"], alone["out"], f"{what}: output")
+        for name, g in ours["grads"].items():
+            ref = alone["grads"][name]
+            assert_bitwise(g, ref.narrow(0, dp_rank(rank) * g.shape[0], g.shape[0]), f"{what}: {name}")
+        gathers, left = divmod(bf16["all_gather"], 4 * bf16["numel"])
+        assert gathers >= 1 and left == 0, f"{what}: {bf16['all_gather']} bytes of {bf16['numel']} fp32 elements"
+        assert ours["all_gather"] == _fp8_gather_bytes(ours, gathers), f"{what}: {ours['all_gather']}"
+        assert ours["weight_numel"] > 0
+        if "torchao" not in runs:
+            continue
+        theirs = runs["torchao"]
+        assert_bitwise(ours["out"], theirs["out"], f"{what}: output against torchao")
+        for name in ("w1.weight", "w2.weight"):
+            assert_bitwise(ours["grads"][name], theirs["grads"][name], f"{what}: {name} against torchao")
+        assert ours["all_gather"] == theirs["all_gather"], f"{what}: {ours['all_gather']} != {theirs['all_gather']}"
+    if "torchao" not in ranks[0]["fp8_gather"]:
+        pytest.skip("torchao is not installed (the test extra pins it): compared with the no-gather run only")
+
+
+def test_2x2_fp8_transformer_gathers_in_fp8_bitwise_with_no_gather(ranks):
+    """The transformer under FSDP2 x TP, fp8 tensorwise: every matmul with a parameter operand in
+    fp8 (share 1.0 >= the 0.95 asked), no AmpFxWarning (before: "FSDP2 all-gathers ... in fp32
+    ... placements ... on a 2-D mesh"), the losses and this rank's parameters after FP8_STEPS SGD
+    steps bitwise with the same model on the TP mesh alone (the second step's all-gathers refresh
+    the scale of the DTensor FSDP2 keeps: before the fix, set on the DTensor instead of the fp8
+    weight inside it, it kept the first step's). Bytes: every block gathered twice per step (forward,
+    and again for the backward after FSDP2's reshard), each Linear weight element as 1 byte."""
+    for rank, res in enumerate(ranks):
+        ours, alone = res["fp8_transformer"]["gathered"], res["fp8_transformer"]["tp"]
+        what = f"rank {rank}"
+        assert ours["amp_fx_warnings"] == [] and alone["amp_fx_warnings"] == [], what
+        assert ours["converted"] == ours["considered"] == alone["converted"] == 12, what
+        assert_bitwise(ours["losses"], alone["losses"], f"{what}: losses")
+        for name, p in ours["params"].items():
+            ref = alone["params"][name]
+            if ref.shape != p.shape:  # FSDP2's dp shard of the TP shard
+                ref = ref.narrow(0, dp_rank(rank) * p.shape[0], p.shape[0])
+            assert_bitwise(p, ref, f"{what}: {name}")
+        assert ours["all_gather"] == _fp8_gather_bytes(ours, 2 * FP8_STEPS), f"{what}: {ours['all_gather']}"
+
+
+def test_fp8_under_sequence_parallelism_says_the_activation_gather_is_not_fp8(ranks):
+    """fp8 tensorwise on the sequence-parallel transformer (tp 2): every matmul in fp8, and one
+    AmpFxWarning naming the 8 whose input DTensor all-gathers before the fp8 cast (q, k, v and w1
+    of each block: the norm's output, Shard(1) to Replicate), which moves the activation's own
+    dtype where torchao's Float8ColwiseParallel moves e4m3. The twin without sequence parallelism
+    (fp8_transformer's "tp" run) has no warning."""
+    for rank, res in enumerate(ranks):
+        run = res["fp8_sp"]
+        assert run["converted"] == run["considered"] == 12, f"rank {rank}"
+        said = [w for w in run["amp_fx_warnings"] if "all-gathered before its fp8 cast" in w]
+        assert len(said) == 1 and len(run["amp_fx_warnings"]) == 1, f"rank {rank}: {run['amp_fx_warnings']}"
+        assert "the input of 8 fp8 matmul(s)" in said[0] and "blocks.0.attn.q ((Shard(dim=1),)" in said[0], said[0]
+        assert res["fp8_transformer"]["tp"]["amp_fx_warnings"] == [], f"rank {rank}"
