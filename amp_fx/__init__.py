@@ -1,6 +1,6 @@
 """amp_fx: automatic mixed precision as a torch.compile graph pass.
 
-    model = amp_fx.compile(model, dtype="bf16")
+model = amp_fx.compile(model, dtype="bf16")
 """
 
 import logging
@@ -17,13 +17,42 @@ from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.step import CompiledStep, GradNorm, compile_step
 
-__all__ = ["compile", "Fp8Recipe", "Fp8Config", "AmpCompiledModule", "records", "uncompile", "Options", "options_of",
-           "Policy", "CastClass", "AmpFxError", "AmpFxWarning",
-           "EagerError", "AmpRunError",
-           "explain", "Explanation", "GraphvizNotFound", "compare", "CompareReport",
-           "find_nonfinite", "NonfiniteReport", "advise", "Advice", "precision_report", "PrecisionReport",
-           "compile_step", "CompiledStep", "GradNorm",
-           "GradScaler", "ScalerMode", "StepMode", "OverflowReport", "FirstOp", "skip_aware"]
+__all__ = [
+    "compile",
+    "Fp8Recipe",
+    "Fp8Config",
+    "AmpCompiledModule",
+    "records",
+    "uncompile",
+    "Options",
+    "options_of",
+    "Policy",
+    "CastClass",
+    "AmpFxError",
+    "AmpFxWarning",
+    "EagerError",
+    "AmpRunError",
+    "explain",
+    "Explanation",
+    "GraphvizNotFound",
+    "compare",
+    "CompareReport",
+    "find_nonfinite",
+    "NonfiniteReport",
+    "advise",
+    "Advice",
+    "precision_report",
+    "PrecisionReport",
+    "compile_step",
+    "CompiledStep",
+    "GradNorm",
+    "GradScaler",
+    "ScalerMode",
+    "StepMode",
+    "OverflowReport",
+    "FirstOp",
+    "skip_aware",
+]
 __version__ = "0.1.0"
 
 # Every module logs to logging.getLogger(__name__), a child of this logger. A library adds only a

@@ -94,15 +94,29 @@ def compile(
     if not isinstance(inplace, bool):
         raise TypeError(f"amp_fx: inplace must be True or False, got {inplace!r}")
     mode, inductor = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
-    options = Options(dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
-                      weight_cache=weight_cache, watch_nonfinite=watch_nonfinite,
-                      inductor=inductor_config(backend, mode, inductor), torch_compile=torch_compile_kwargs,
-                      fp8=fp8)
+    options = Options(
+        dtype=dtype,
+        policy=policy,
+        backend=backend,
+        fold=fold,
+        strict=strict,
+        weight_cache=weight_cache,
+        watch_nonfinite=watch_nonfinite,
+        inductor=inductor_config(backend, mode, inductor),
+        torch_compile=torch_compile_kwargs,
+        fp8=fp8,
+    )
     return compile_with(model_or_fn, options, inplace=inplace)
 
 
-def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, label: str | None = None,
-                 root: torch.nn.Module | None = None) -> F:
+def compile_with(
+    model_or_fn: F,
+    options: Options,
+    *,
+    inplace: bool = False,
+    label: str | None = None,
+    root: torch.nn.Module | None = None,
+) -> F:
     """:func:`compile` with its options given as the record (for compile_step and the adapters);
     ``label`` names the model in the progress lines (default: its class or function name).
 
@@ -112,9 +126,11 @@ def compile_with(model_or_fn: F, options: Options, *, inplace: bool = False, lab
     if inplace:
         return compile_inplace(model_or_fn, options)
     if inplace_call(model_or_fn) is not None:
-        raise ValueError(f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
-                         "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
-                         "or amp_fx.uncompile(model) first to wrap it instead")
+        raise ValueError(
+            f"amp_fx.compile: this {type(model_or_fn).__name__} is already compiled in place by "
+            "amp_fx; call amp_fx.compile(model, inplace=True, ...) again to change its options, "
+            "or amp_fx.uncompile(model) first to wrap it instead"
+        )
     return wrap(model_or_fn, options, label=label, root=root)
 
 
@@ -129,8 +145,10 @@ def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
         return
     close = difflib.get_close_matches(unknown[0], ours + theirs, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise TypeError(f"amp_fx.compile got an unexpected keyword argument {unknown[0]!r}{hint}. amp_fx's options: "
-                    f"{', '.join(ours)}; passed on to torch.compile: {', '.join(theirs)}")
+    raise TypeError(
+        f"amp_fx.compile got an unexpected keyword argument {unknown[0]!r}{hint}. amp_fx's options: "
+        f"{', '.join(ours)}; passed on to torch.compile: {', '.join(theirs)}"
+    )
 
 
 @functools.cache
@@ -159,9 +177,11 @@ def uncompile(model: torch.nn.Module) -> torch.nn.Module:
     """
     call = inplace_call(model)
     if call is None:
-        raise ValueError(f"amp_fx.uncompile: {type(model).__name__} is not compiled in place by amp_fx "
-                         "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
-                         "is undone by using model itself (its original_module)")
+        raise ValueError(
+            f"amp_fx.uncompile: {type(model).__name__} is not compiled in place by amp_fx "
+            "(amp_fx.compile(model, inplace=True)); a module returned by amp_fx.compile(model) "
+            "is undone by using model itself (its original_module)"
+        )
     call.uninstall()
     return model
 

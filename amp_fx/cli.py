@@ -61,32 +61,39 @@ def load_target(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     except SyntaxError as e:
         raise UserCodeError(f"{e.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
     except Exception as e:
-        raise UserCodeError(f"{_user_frame(e.__traceback__, path) or file}: importing {file} "
-                            f"raised {type(e).__name__}: {e}") from None
+        raise UserCodeError(
+            f"{_user_frame(e.__traceback__, path) or file}: importing {file} raised {type(e).__name__}: {e}"
+        ) from None
     fn = getattr(module, func, None)
     if fn is None or not callable(fn):
-        defined = sorted(k for k, v in vars(module).items()
-                         if callable(v) and getattr(v, "__module__", None) == name
-                         and not k.startswith("_"))
-        raise UserCodeError(f"{file}: has no function {func!r} (it defines: "
-                            f"{', '.join(defined) or 'nothing callable'})")
+        defined = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and getattr(v, "__module__", None) == name and not k.startswith("_")
+        )
+        raise UserCodeError(
+            f"{file}: has no function {func!r} (it defines: {', '.join(defined) or 'nothing callable'})"
+        )
     try:
         result = fn()
     except Exception as e:
-        raise UserCodeError(f"{_user_frame(e.__traceback__, path) or file}: {func}() raised "
-                            f"{type(e).__name__}: {e}") from None
+        raise UserCodeError(
+            f"{_user_frame(e.__traceback__, path) or file}: {func}() raised {type(e).__name__}: {e}"
+        ) from None
     if not (isinstance(result, tuple) and len(result) in (2, 3)):
-        raise UserCodeError(f"{file}: {func}() must return (model, inputs) or (model, args, kwargs), got "
-                            f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple) else ""))
+        raise UserCodeError(
+            f"{file}: {func}() must return (model, inputs) or (model, args, kwargs), got "
+            f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, tuple) else "")
+        )
     model, args, kwargs = result if len(result) == 3 else (result[0], *_split_inputs(result[1]))
     if not isinstance(args, tuple):
         args = (args,)
     if not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-        raise UserCodeError(f"{file}: {func}()'s keyword inputs must be a dict with str keys, got "
-                            f"{type(kwargs).__name__}")
+        raise UserCodeError(
+            f"{file}: {func}()'s keyword inputs must be a dict with str keys, got {type(kwargs).__name__}"
+        )
     if not callable(model):
-        raise UserCodeError(f"{file}: {func}() returned a model that is not callable: "
-                            f"{type(model).__name__}")
+        raise UserCodeError(f"{file}: {func}() returned a model that is not callable: {type(model).__name__}")
     return model, args, kwargs
 
 
@@ -102,13 +109,18 @@ def _check_keywords(tool: Any, kwargs: dict[str, Any], target: str) -> None:
     """Keyword inputs named like one of the tool's own options would be taken as that option."""
     import inspect
 
-    own = [n for n, p in inspect.signature(tool).parameters.items()
-           if p.kind is not inspect.Parameter.VAR_KEYWORD and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    own = [
+        n
+        for n, p in inspect.signature(tool).parameters.items()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD and p.kind is not inspect.Parameter.VAR_POSITIONAL
+    ]
     clash = sorted(set(kwargs) & set(own))
     if clash:
-        raise UserCodeError(f"{target}: keyword inputs {clash} have the names of amp_fx.{tool.__name__}'s own "
-                            f"options; rename them in the model, or call amp_fx.{tool.__name__} from Python "
-                            f"with a wrapper function")
+        raise UserCodeError(
+            f"{target}: keyword inputs {clash} have the names of amp_fx.{tool.__name__}'s own "
+            f"options; rename them in the model, or call amp_fx.{tool.__name__} from Python "
+            f"with a wrapper function"
+        )
 
 
 _EXAMPLE = """\
@@ -132,49 +144,80 @@ _DTYPE_HELP = "the low-precision dtype (default %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="amp-fx", description="Inspect amp_fx's mixed precision.", epilog=_EXAMPLE,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="amp-fx",
+        description="Inspect amp_fx's mixed precision.",
+        epilog=_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def parser(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=_EXAMPLE,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(
+            name, help=help, description=help, epilog=_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
 
     def common(sp: argparse.ArgumentParser, dtype: str, backend: str | None) -> None:
         sp.add_argument("target", help=_TARGET_HELP)
         sp.add_argument("--dtype", default=dtype, choices=["bf16", "fp16", "bfloat16", "float16"], help=_DTYPE_HELP)
         if backend is not None:
-            sp.add_argument("--backend", default=backend,
-                            help=f"downstream torch.compile backend (default {backend})")
-        sp.add_argument("--keep-fp32", action="append", default=[], metavar="MODULE",
-                        help="keep this submodule in fp32 (repeatable)")
+            sp.add_argument("--backend", default=backend, help=f"downstream torch.compile backend (default {backend})")
+        sp.add_argument(
+            "--keep-fp32",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="keep this submodule in fp32 (repeatable)",
+        )
 
     e = parser("explain", "per-node dtypes, rules and casts; before/after; picture")
     common(e, "bf16", None)
     e.add_argument("--svg", metavar="PATH", help="write the graph picture (SVG via Graphviz)")
     e.add_argument("--fp8", default=None, choices=_FP8, help="also which matmuls run in fp8 with this recipe")
-    e.add_argument("--table", action="store_true",
-                   help="also every op: its dtype and why, the casts on its inputs, each matmul's fp8 decision")
+    e.add_argument(
+        "--table",
+        action="store_true",
+        help="also every op: its dtype and why, the casts on its inputs, each matmul's fp8 decision",
+    )
     c = parser("compare", "op by op against eager torch.autocast")
     common(c, "bf16", "aot_eager")
     c.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
-    c.add_argument("--fp8", default=None, choices=_FP8,
-                   help="with fp8 on (this recipe) on both sides: the eager side with torchao's numerics")
+    c.add_argument(
+        "--fp8",
+        default=None,
+        choices=_FP8,
+        help="with fp8 on (this recipe) on both sides: the eager side with torchao's numerics",
+    )
     f = parser("find-nonfinite", "the first op or gradient holding inf/NaN")
     common(f, "fp16", None)
     f.add_argument("--no-backward", action="store_true", help="check the forward only")
-    f.add_argument("--loss-scale", type=float, default=1.0,
-                   help="multiply the loss by this before the backward, as a GradScaler would (default 1.0)")
+    f.add_argument(
+        "--loss-scale",
+        type=float,
+        default=1.0,
+        help="multiply the loss by this before the backward, as a GradScaler would (default 1.0)",
+    )
     a = parser("advise", "which modules to keep in fp32, measured and verified")
     a.add_argument("target", help=_TARGET_HELP)
     a.add_argument("--dtype", default="fp16", choices=["bf16", "fp16", "bfloat16", "float16"], help=_DTYPE_HELP)
-    a.add_argument("--loss", metavar="FUNCTION",
-                   help="a function in the same file mapping the output to a scalar loss (gradients are "
-                        "then measured too)")
-    a.add_argument("--error-target", type=float, default=None, dest="error_target",
-                   help="largest end-to-end error vs float64 (default: 32 eps of the dtype)")
-    a.add_argument("--fp8", default=None, choices=_FP8,
-                   help="advise which matmuls to keep out of fp8 with this recipe (the rest in --dtype)")
+    a.add_argument(
+        "--loss",
+        metavar="FUNCTION",
+        help="a function in the same file mapping the output to a scalar loss (gradients are then measured too)",
+    )
+    a.add_argument(
+        "--error-target",
+        type=float,
+        default=None,
+        dest="error_target",
+        help="largest end-to-end error vs float64 (default: 32 eps of the dtype)",
+    )
+    a.add_argument(
+        "--fp8",
+        default=None,
+        choices=_FP8,
+        help="advise which matmuls to keep out of fp8 with this recipe (the rest in --dtype)",
+    )
     a.add_argument("--json", action="store_true", help="print the advice as JSON")
     a.add_argument("--html", metavar="PATH", help="also write the advice as a self-contained HTML page")
     return p
@@ -197,8 +240,9 @@ def _advise(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], args: a
     import amp_fx
 
     loss_fn = _loss_function(args.target, args.loss) if args.loss else None
-    advice = amp_fx.advise(model, *inputs, dtype=args.dtype, loss_fn=loss_fn, target=args.error_target,
-                           fp8=args.fp8, **kwargs)
+    advice = amp_fx.advise(
+        model, *inputs, dtype=args.dtype, loss_fn=loss_fn, target=args.error_target, fp8=args.fp8, **kwargs
+    )
     print(advice.to_json() if args.json else advice)
     if args.html:
         path = advice.to_html(args.html)
@@ -215,11 +259,12 @@ def _keep_fp32_hint(report: Any, args: argparse.Namespace) -> str:
     lines = []
     if names and not fix.op_classes:
         flags = " ".join(f"--keep-fp32 {n}" for n in names)
-        lines.append(f"hint: check the fix with: amp-fx find-nonfinite {args.target} "
-                     f"--dtype {args.dtype} {flags}")
+        lines.append(f"hint: check the fix with: amp-fx find-nonfinite {args.target} --dtype {args.dtype} {flags}")
     if fix.op_classes:
-        lines.append("hint: the fix moves ops to fp32 (op_classes), which has no command-line flag: "
-                     "pass policy=... to amp_fx.find_nonfinite in Python")
+        lines.append(
+            "hint: the fix moves ops to fp32 (op_classes), which has no command-line flag: "
+            "pass policy=... to amp_fx.find_nonfinite in Python"
+        )
     return "\n".join(lines)
 
 
@@ -228,8 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import amp_fx
     from amp_fx.errors import AmpRunError, EagerError, GraphvizNotFound
 
-    tool = {"advise": amp_fx.advise, "explain": amp_fx.explain, "compare": amp_fx.compare,
-            "find-nonfinite": amp_fx.find_nonfinite}[args.command]
+    tool = {
+        "advise": amp_fx.advise,
+        "explain": amp_fx.explain,
+        "compare": amp_fx.compare,
+        "find-nonfinite": amp_fx.find_nonfinite,
+    }[args.command]
     try:
         model, inputs, kwargs = load_target(args.target)
         _check_keywords(tool, kwargs, args.target)
@@ -252,12 +301,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"\n{g}")
             return 0
         if args.command == "compare":
-            report = amp_fx.compare(model, *inputs, dtype=args.dtype, policy=policy,
-                                    backend=args.backend, grads=not args.no_grads, fp8=args.fp8, **kwargs)
+            report = amp_fx.compare(
+                model,
+                *inputs,
+                dtype=args.dtype,
+                policy=policy,
+                backend=args.backend,
+                grads=not args.no_grads,
+                fp8=args.fp8,
+                **kwargs,
+            )
             print(report)
             return 0 if report.ok else 1
-        found = amp_fx.find_nonfinite(model, *inputs, dtype=args.dtype, policy=policy,
-                                      backward=not args.no_backward, loss_scale=args.loss_scale, **kwargs)
+        found = amp_fx.find_nonfinite(
+            model,
+            *inputs,
+            dtype=args.dtype,
+            policy=policy,
+            backward=not args.no_backward,
+            loss_scale=args.loss_scale,
+            **kwargs,
+        )
         print(found)
         hint = _keep_fp32_hint(found, args)
         if hint:
@@ -268,8 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except EagerError as e:
         cause = e.__cause__
-        where = _user_frame(cause.__traceback__, Path(args.target.rpartition(":")[0]).resolve()) \
-            if cause is not None else ""
+        where = (
+            _user_frame(cause.__traceback__, Path(args.target.rpartition(":")[0]).resolve())
+            if cause is not None
+            else ""
+        )
         print(f"amp-fx: error in your model{' at ' + where if where else ''}: {e}", file=sys.stderr)
         return 2
     except (amp_fx.AmpFxError, AmpRunError) as e:

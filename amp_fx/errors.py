@@ -46,4 +46,5 @@ class GraphvizNotFound(RuntimeError):
             f"amp_fx: Graphviz's `dot` program is not installed, so no SVG was made; the graph was "
             f"written as DOT to {dot_path}. Install Graphviz (`apt-get install graphviz`, "
             f"`conda install graphviz` or `brew install graphviz`), then run "
-            f"`dot -Tsvg {dot_path} -o {svg_path}`, or paste the DOT text into a Graphviz viewer.")
+            f"`dot -Tsvg {dot_path} -o {svg_path}`, or paste the DOT text into a Graphviz viewer."
+        )

@@ -65,6 +65,7 @@ class Fp8Config:
     recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
 
     if TYPE_CHECKING:  # the constructor also takes a recipe's name; __post_init__ stores the Fp8Recipe
+
         def __init__(self, recipe: Fp8Recipe | str = Fp8Recipe.TENSORWISE) -> None: ...
 
     def __post_init__(self) -> None:
@@ -73,11 +74,14 @@ class Fp8Config:
             try:
                 recipe = Fp8Recipe(recipe)
             except ValueError:
-                raise ValueError(f"amp_fx: unknown fp8 recipe {self.recipe!r}; expected one of "
-                                 f"{[r.value for r in Fp8Recipe]}") from None
+                raise ValueError(
+                    f"amp_fx: unknown fp8 recipe {self.recipe!r}; expected one of {[r.value for r in Fp8Recipe]}"
+                ) from None
         if not isinstance(recipe, Fp8Recipe):
-            raise TypeError(f"amp_fx: Fp8Config.recipe must be an amp_fx.Fp8Recipe or its name, "
-                            f"got {self.recipe!r} ({type(self.recipe).__name__})")
+            raise TypeError(
+                f"amp_fx: Fp8Config.recipe must be an amp_fx.Fp8Recipe or its name, "
+                f"got {self.recipe!r} ({type(self.recipe).__name__})"
+            )
         object.__setattr__(self, "recipe", recipe)
 
     @staticmethod
@@ -87,9 +91,11 @@ class Fp8Config:
             return value
         if isinstance(value, (str, Fp8Recipe)):
             return Fp8Config(recipe=value)
-        raise TypeError(f"amp_fx: fp8 must be None, a recipe name {[r.value for r in Fp8Recipe]}, an "
-                        f"amp_fx.Fp8Recipe or an amp_fx.Fp8Config, got {value!r} "
-                        f"({type(value).__name__})")
+        raise TypeError(
+            f"amp_fx: fp8 must be None, a recipe name {[r.value for r in Fp8Recipe]}, an "
+            f"amp_fx.Fp8Recipe or an amp_fx.Fp8Config, got {value!r} "
+            f"({type(value).__name__})"
+        )
 
 
 Fp8Like = Union[None, str, Fp8Recipe, Fp8Config]

@@ -59,11 +59,20 @@ class Options:
     stored as an ``Fp8Config`` (None: off)."""
 
     if TYPE_CHECKING:  # what the constructor takes; __post_init__ stores the types declared above
-        def __init__(self, dtype: torch.dtype | str = torch.bfloat16, policy: Policy | None = None,
-                     backend: str | Backend = "inductor", fold: bool = True, strict: bool | None = None,
-                     weight_cache: bool = False, watch_nonfinite: bool = False,
-                     inductor: Mapping[str, Any] = ..., torch_compile: Mapping[str, Any] = ...,
-                     fp8: Fp8Like = None) -> None: ...
+
+        def __init__(
+            self,
+            dtype: torch.dtype | str = torch.bfloat16,
+            policy: Policy | None = None,
+            backend: str | Backend = "inductor",
+            fold: bool = True,
+            strict: bool | None = None,
+            weight_cache: bool = False,
+            watch_nonfinite: bool = False,
+            inductor: Mapping[str, Any] = ...,
+            torch_compile: Mapping[str, Any] = ...,
+            fp8: Fp8Like = None,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # the one place a frozen record normalises what it was given
@@ -71,8 +80,10 @@ class Options:
         set_(self, "strict", resolve_strict(self.strict))
         set_(self, "fp8", Fp8Config.of(self.fp8))
         if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 and self.dtype != torch.bfloat16:
-            raise ValueError(f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
-                             f"as torchao's MXFP8 training does), got dtype={self.dtype}")
+            raise ValueError(
+                f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
+                f"as torchao's MXFP8 training does), got dtype={self.dtype}"
+            )
         if self.policy is None:
             set_(self, "policy", Policy())
         if not isinstance(self.policy, Policy):
@@ -85,8 +96,10 @@ class Options:
         set_(self, "inductor", dict(self.inductor))
         set_(self, "torch_compile", dict(self.torch_compile))
         if self.inductor and self.backend != "inductor":
-            raise ValueError(f"amp_fx: inductor options {dict(self.inductor)} are set, but backend="
-                             f"{self.backend!r}: mode= and options= configure inductor")
+            raise ValueError(
+                f"amp_fx: inductor options {dict(self.inductor)} are set, but backend="
+                f"{self.backend!r}: mode= and options= configure inductor"
+            )
 
     @property
     def backend_name(self) -> str:
@@ -98,8 +111,19 @@ class Options:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:  # the dict fields hold user values: hash what identifies a backend
-        return hash((self.dtype, self.policy, self.backend, self.fold, self.strict, self.weight_cache,
-                     self.watch_nonfinite, tuple(sorted(self.inductor.items(), key=repr)), self.fp8))
+        return hash(
+            (
+                self.dtype,
+                self.policy,
+                self.backend,
+                self.fold,
+                self.strict,
+                self.weight_cache,
+                self.watch_nonfinite,
+                tuple(sorted(self.inductor.items(), key=repr)),
+                self.fp8,
+            )
+        )
 
 
 def inductor_config(backend: object, mode: str | None, options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -116,9 +140,11 @@ def check_backend(backend: object) -> None:
     if callable(backend):
         return
     if not isinstance(backend, str):
-        raise TypeError(f"amp_fx: backend must be a torch.compile backend name (a str such as "
-                        f"'inductor', 'aot_eager', 'eager') or a callable, got {backend!r} "
-                        f"({type(backend).__name__})")
+        raise TypeError(
+            f"amp_fx: backend must be a torch.compile backend name (a str such as "
+            f"'inductor', 'aot_eager', 'eager') or a callable, got {backend!r} "
+            f"({type(backend).__name__})"
+        )
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
         raise ValueError(f"amp_fx: unknown backend {backend!r}; torch.compile knows {sorted(known)}")

@@ -28,8 +28,18 @@ import torch
 from amp_fx._common.compat import autocast_registrations
 from amp_fx._common.op_names import label_of
 
-__all__ = ["CastClass", "Policy", "Decision", "OpLike", "resolve_dtype", "DEFAULT_TABLES", "default_class",
-           "module_matches", "op_from_name", "GROUPED_MM_OPS"]
+__all__ = [
+    "CastClass",
+    "Policy",
+    "Decision",
+    "OpLike",
+    "resolve_dtype",
+    "DEFAULT_TABLES",
+    "default_class",
+    "module_matches",
+    "op_from_name",
+    "GROUPED_MM_OPS",
+]
 
 
 class CastClass(enum.Enum):
@@ -56,6 +66,7 @@ class CastClass(enum.Enum):
 
 
 OpLike = Union[str, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"]
+
 
 def _table(dispatch_key: str, **classes: str) -> tuple[Mapping[str, CastClass], Mapping[str, CastClass]]:
     """(every entry listed, the entries the installed torch registers at ``dispatch_key``)."""
@@ -141,39 +152,49 @@ _CUDA_LISTED, _CUDA_TABLE = _table(
 )
 
 _DIMNAME = "Dimname overload: registered by 2.11, not by 2.13 or 2.15 (named tensors, which Dynamo does not trace)"
-VERSION_DEPENDENT: Mapping[tuple[str, str], str] = MappingProxyType({
-    ("cpu", "aten::prod.dim_Dimname"): _DIMNAME,
-    ("cpu", "aten::index_copy.dimname"): _DIMNAME,
-    ("cpu", "aten::cholesky"): "registered by 2.11 and 2.13, not by 2.15",
-    ("cpu", "aten::qr"): "registered by 2.11 and 2.13, not by 2.15",
-    ("cpu", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
-    ("cuda", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
-    ("cuda", "aten::rms_norm"): "registered by 2.13 and 2.15, not by 2.11",
-    ("cuda", "aten::_cudnn_rnn"): (
-        "registered only by builds with cuDNN (the standard Linux wheels, not the CPU wheel); its "
-        "kernel also re-flattens the weights into one buffer, which changes no value"),
-    **{("cuda", f"aten::{name}"): _DIMNAME for name in (
-        "prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname",
-        "cumsum.dimname", "sum.dim_DimnameList", "norm.names_ScalarOpt_dim")},
-})
+VERSION_DEPENDENT: Mapping[tuple[str, str], str] = MappingProxyType(
+    {
+        ("cpu", "aten::prod.dim_Dimname"): _DIMNAME,
+        ("cpu", "aten::index_copy.dimname"): _DIMNAME,
+        ("cpu", "aten::cholesky"): "registered by 2.11 and 2.13, not by 2.15",
+        ("cpu", "aten::qr"): "registered by 2.11 and 2.13, not by 2.15",
+        ("cpu", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
+        ("cuda", "aten::linalg_matrix_sqrth"): "registered by 2.15 (the op is new in 2.15)",
+        ("cuda", "aten::rms_norm"): "registered by 2.13 and 2.15, not by 2.11",
+        ("cuda", "aten::_cudnn_rnn"): (
+            "registered only by builds with cuDNN (the standard Linux wheels, not the CPU wheel); its "
+            "kernel also re-flattens the weights into one buffer, which changes no value"
+        ),
+        **{
+            ("cuda", f"aten::{name}"): _DIMNAME
+            for name in (
+                "prod.dim_Dimname",
+                "softmax.Dimname",
+                "log_softmax.Dimname",
+                "cumprod.dimname",
+                "cumsum.dimname",
+                "sum.dim_DimnameList",
+                "norm.names_ScalarOpt_dim",
+            )
+        },
+    }
+)
 """(device type, op) -> which torch versions or builds register it, for entries not in all."""
 
-DEFAULT_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType(
-    {"cpu": _CPU_TABLE, "cuda": _CUDA_TABLE}
-)
+DEFAULT_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType({"cpu": _CPU_TABLE, "cuda": _CUDA_TABLE})
 """Eager autocast's op classes per device type for the installed torch, keyed by
 ``"aten::name[.overload]"``."""
 
-LISTED_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType(
-    {"cpu": _CPU_LISTED, "cuda": _CUDA_LISTED}
-)
+LISTED_TABLES: Mapping[str, Mapping[str, CastClass]] = MappingProxyType({"cpu": _CPU_LISTED, "cuda": _CUDA_LISTED})
 """Every entry of every supported torch, installed or not (for tests and tools)."""
 
 # fp32_append_dtype redispatch targets (AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE).
 APPEND_DTYPE_REDISPATCH: Mapping[str, str] = MappingProxyType(
-    {"aten::norm.Scalar": "aten::norm.ScalarOpt_dtype",
-     "aten::norm.ScalarOpt_dim": "aten::norm.ScalarOpt_dim_dtype",
-     "aten::norm.names_ScalarOpt_dim": "aten::norm.names_ScalarOpt_dim_dtype"}
+    {
+        "aten::norm.Scalar": "aten::norm.ScalarOpt_dtype",
+        "aten::norm.ScalarOpt_dim": "aten::norm.ScalarOpt_dim_dtype",
+        "aten::norm.names_ScalarOpt_dim": "aten::norm.names_ScalarOpt_dim_dtype",
+    }
 )
 
 GROUPED_MM_OPS: tuple[str, ...] = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
@@ -184,11 +205,17 @@ autocast runs them in their inputs' dtype: fp32 with fp32 weights). ``aten::_gro
 ``transformers::grouped_mm_fallback`` (a loop of ``torch.mm`` over the experts after
 ``offs.tolist()``, a host sync). ``Policy(autocast_experts=...)`` decides them."""
 
-_DTYPE_ALIASES: Mapping[object, torch.dtype] = MappingProxyType({
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, torch.bfloat16: torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    torch.float16: torch.float16,
-})
+_DTYPE_ALIASES: Mapping[object, torch.dtype] = MappingProxyType(
+    {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        torch.bfloat16: torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        torch.float16: torch.float16,
+    }
+)
 
 
 def resolve_dtype(dtype: object) -> torch.dtype:
@@ -265,7 +292,8 @@ def _normalize_op(op: OpLike) -> tuple[str, ...]:
         if overload not in packet.overloads():
             raise ValueError(
                 f"amp_fx: the policy names op {op!r}, but {ns}::{packet_name} has no overload "
-                f"{overload!r} (it has {sorted(packet.overloads())})")
+                f"{overload!r} (it has {sorted(packet.overloads())})"
+            )
         return (getattr(packet, overload).name(),)
     return tuple(getattr(packet, o).name() for o in packet.overloads())
 
@@ -321,8 +349,7 @@ class Policy:
     cast_cache: bool = True
     keep_out_of_fp8: Sequence[ModuleSelector] = ()
     autocast_experts: bool | None = None
-    op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(
-        init=False, repr=False, compare=False)
+    op_entries: tuple[tuple[str, tuple[str, ...], CastClass], ...] = field(init=False, repr=False, compare=False)
     """The entries of ``op_classes`` as given: (label, overload names, class), in order. Labels
     name the entry in messages ("aten.linear" for the user's "aten.linear")."""
 
@@ -346,18 +373,34 @@ class Policy:
         object.__setattr__(self, "keep_fp32", _selectors("keep_fp32", self.keep_fp32))
         object.__setattr__(self, "keep_out_of_fp8", _selectors("keep_out_of_fp8", self.keep_out_of_fp8))
         if self.autocast_experts is not None and not isinstance(self.autocast_experts, bool):
-            raise TypeError(f"amp_fx: Policy.autocast_experts must be True, False or None, "
-                            f"got {self.autocast_experts!r}")
+            raise TypeError(
+                f"amp_fx: Policy.autocast_experts must be True, False or None, got {self.autocast_experts!r}"
+            )
 
     def __hash__(self) -> int:
-        return hash((tuple(self.op_classes.items()), self.keep_fp32, self.cast_cache, self.keep_out_of_fp8,
-                     self.autocast_experts))
+        return hash(
+            (
+                tuple(self.op_classes.items()),
+                self.keep_fp32,
+                self.cast_cache,
+                self.keep_out_of_fp8,
+                self.autocast_experts,
+            )
+        )
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         # The read-only mappings do not pickle; the entries as given rebuild an equal policy
         # (copy.deepcopy, pickle and torch.save all go through here).
-        return (Policy, ({label: cls for label, _, cls in self.op_entries}, self.keep_fp32,
-                         self.cast_cache, self.keep_out_of_fp8, self.autocast_experts))
+        return (
+            Policy,
+            (
+                {label: cls for label, _, cls in self.op_entries},
+                self.keep_fp32,
+                self.cast_cache,
+                self.keep_out_of_fp8,
+                self.autocast_experts,
+            ),
+        )
 
     def entry_for(self, op_name: str) -> str | None:
         """The label of the ``op_classes`` entry that decides ``op_name`` ("aten::linear"), if any."""
@@ -387,28 +430,36 @@ class Policy:
             for sel in self.keep_fp32:
                 if module_matches(sel, path, mtype):
                     label = sel if isinstance(sel, str) else sel.__name__
-                    return Decision(CastClass.FP32, f"fp32: module {path or '<root>'} kept by "
-                                                    f"policy ({label})", kept_module=path)
+                    return Decision(
+                        CastClass.FP32, f"fp32: module {path or '<root>'} kept by policy ({label})", kept_module=path
+                    )
         name = op.name()
         short = label_of(name)
         if name in self.op_classes:
             cls = self.op_classes[name]
             return Decision(cls, f"{_label(cls)}: {short} (moved by policy)")
         if self.lowers_experts(name):
-            return Decision(CastClass.LOWER_PRECISION_FP, f"lower precision fp: {short} (grouped expert "
-                                                          "GEMM, Policy(autocast_experts=True))")
+            return Decision(
+                CastClass.LOWER_PRECISION_FP,
+                f"lower precision fp: {short} (grouped expert GEMM, Policy(autocast_experts=True))",
+            )
         cls = default_class(name, device_type)
         if cls is CastClass.NONE and name in GROUPED_MM_OPS:
-            return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes (a grouped expert GEMM: "
-                                 "no autocast table lists it; Policy(autocast_experts=True) runs it in the "
-                                 "autocast dtype)")
+            return Decision(
+                cls,
+                f"not autocast: {short} runs in its inputs' dtypes (a grouped expert GEMM: "
+                "no autocast table lists it; Policy(autocast_experts=True) runs it in the "
+                "autocast dtype)",
+            )
         if cls is CastClass.NONE:
             return Decision(cls, f"not autocast: {short} runs in its inputs' dtypes")
         if cls is CastClass.OWN_KERNEL:
             from amp_fx._common.devices import DEVICES
 
-            return Decision(cls, f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} "
-                                 "kernel, as in eager autocast")
+            return Decision(
+                cls,
+                f"own kernel: {short} runs its own {DEVICES[device_type].dispatch_key} kernel, as in eager autocast",
+            )
         return Decision(cls, f"{_label(cls)}: {short} (default {device_type} table)")
 
 
@@ -417,35 +468,40 @@ def _selectors(name: str, value: object) -> tuple[ModuleSelector, ...]:
     if isinstance(value, (str, type)):
         value = (value,)
     if not isinstance(value, Sequence):
-        raise TypeError(f"amp_fx: Policy.{name} must be a sequence of module names or nn.Module "
-                        f"subclasses, got {value!r}")
+        raise TypeError(
+            f"amp_fx: Policy.{name} must be a sequence of module names or nn.Module subclasses, got {value!r}"
+        )
     keep = tuple(value)
     for sel in keep:
         is_module_type = isinstance(sel, type) and issubclass(sel, torch.nn.Module)
         if not (isinstance(sel, str) and sel) and not is_module_type:
-            raise TypeError(
-                f"amp_fx: Policy.{name} entries must be module names or nn.Module "
-                f"subclasses, got {sel!r}")
+            raise TypeError(f"amp_fx: Policy.{name} entries must be module names or nn.Module subclasses, got {sel!r}")
     return keep
 
 
 def banned_message(op_name: str, policy: Policy, device_type: str) -> str:
     """Why amp_fx refuses ``op_name`` ("aten::linear"): the user's policy entry, or torch's table."""
     short = label_of(op_name)
-    bce = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
-           "use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss.")
+    bce = (
+        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast: "
+        "use torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss."
+    )
     label = policy.entry_for(op_name)
     if label is not None and policy.op_classes.get(op_name) is CastClass.BANNED:
-        return (f"amp_fx: {short} is banned by your policy: the entry "
-                f"Policy(op_classes={{{label!r}: CastClass.BANNED}}) makes amp_fx refuse every call "
-                f"of it. Drop the entry or give it another CastClass to run the op."
-                + (f" ({bce})" if op_name == "aten::binary_cross_entropy" else ""))
+        return (
+            f"amp_fx: {short} is banned by your policy: the entry "
+            f"Policy(op_classes={{{label!r}: CastClass.BANNED}}) makes amp_fx refuse every call "
+            f"of it. Drop the entry or give it another CastClass to run the op."
+            + (f" ({bce})" if op_name == "aten::binary_cross_entropy" else "")
+        )
     if op_name == "aten::binary_cross_entropy":
         advice = f"{bce} Or move the op with Policy(op_classes=...)."
     else:
         advice = "Move the op to another class with Policy(op_classes=...) if it is safe."
-    return (f"amp_fx: {short} is unsafe to autocast on {device_type} (banned by eager autocast's "
-            f"{device_type} table, and so by amp_fx): {advice}")
+    return (
+        f"amp_fx: {short} is unsafe to autocast on {device_type} (banned by eager autocast's "
+        f"{device_type} table, and so by amp_fx): {advice}"
+    )
 
 
 def _entry_spelling(op: OpLike) -> str:
@@ -476,16 +532,17 @@ def _check_class_fits(name: str, cls: CastClass) -> None:
             raise ValueError(
                 f"amp_fx: {name} cannot be OWN_KERNEL: it has no Autocast kernel of its own outside "
                 f"torch's tables (only ops of other libraries that register one, such as "
-                f"torchvision::roi_align, have)")
+                f"torchvision::roi_align, have)"
+            )
     if cls is CastClass.FP32_SET_OPT_DTYPE:
         arg = next((a for a in op._schema.arguments if a.name == "dtype"), None)
         if arg is None or "Optional" not in str(arg.type) and "?" not in str(arg.type):
-            raise ValueError(
-                f"amp_fx: {name} cannot be FP32_SET_OPT_DTYPE: it has no optional dtype argument")
+            raise ValueError(f"amp_fx: {name} cannot be FP32_SET_OPT_DTYPE: it has no optional dtype argument")
     if cls is CastClass.FP32_APPEND_DTYPE and name not in APPEND_DTYPE_REDISPATCH:
         raise ValueError(
             f"amp_fx: {name} cannot be FP32_APPEND_DTYPE: only {sorted(APPEND_DTYPE_REDISPATCH)} "
-            "have a dtype-taking overload to redispatch to")
+            "have a dtype-taking overload to redispatch to"
+        )
 
 
 @cache

@@ -42,8 +42,17 @@ def gpt2(layers: int, *, hazard: bool = False, fp8_hazard: bool = False) -> torc
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+        n_layer=layers,
+        n_embd=128,
+        n_head=4,
+        vocab_size=1000,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     if hazard:  # query/key projections of block 0 x300: q.k over 32 dims reaches ~1e5 > 65504
         with torch.no_grad():
@@ -85,7 +94,7 @@ def main() -> None:
 
     rows = []
     for layers in args.layers:
-        for hazard in ([False, True] if args.hazard else [False]):
+        for hazard in [False, True] if args.hazard else [False]:
             model = gpt2(layers, hazard=hazard and not args.fp8, fp8_hazard=hazard and bool(args.fp8))
 
             def fwd_bwd(dtype: torch.dtype | None = None) -> None:
@@ -104,23 +113,50 @@ def main() -> None:
                 low = resolve_dtype(name)
                 low_time = statistics.median(_times(lambda: fwd_bwd(low), args.repeats))
                 last: list[amp_fx.Advice] = []
-                ts = _times(lambda: last.append(amp_fx.advise(model, dtype=name, loss_fn=loss_fn, input_ids=ids,
-                                                              labels=ids, fp8=fp8)), args.repeats)
+                ts = _times(
+                    lambda: last.append(
+                        amp_fx.advise(model, dtype=name, loss_fn=loss_fn, input_ids=ids, labels=ids, fp8=fp8)
+                    ),
+                    args.repeats,
+                )
                 a = last[-1]
                 kept = a.keep_out_of_fp8 if fp8 else a.keep_fp32
-                rows.append([layers, "yes" if hazard else "no", name + (f" + fp8 {fp8}" if fp8 else ""),
-                             f"{base * 1e3:.0f}",
-                             f"{low_time / base:.1f}x", f"{statistics.median(ts):.2f}",
-                             f"{statistics.median(ts) / base:.1f}x",
-                             f"{percentile(ts, 0.1) / base:.1f}-{percentile(ts, 0.9) / base:.1f}x",
-                             a.runs, ", ".join(kept) or "-",
-                             f"{sum(k.flop_share for k in a.kept):.1%}" if a.kept else "-"])
+                rows.append(
+                    [
+                        layers,
+                        "yes" if hazard else "no",
+                        name + (f" + fp8 {fp8}" if fp8 else ""),
+                        f"{base * 1e3:.0f}",
+                        f"{low_time / base:.1f}x",
+                        f"{statistics.median(ts):.2f}",
+                        f"{statistics.median(ts) / base:.1f}x",
+                        f"{percentile(ts, 0.1) / base:.1f}-{percentile(ts, 0.9) / base:.1f}x",
+                        a.runs,
+                        ", ".join(kept) or "-",
+                        f"{sum(k.flop_share for k in a.kept):.1%}" if a.kept else "-",
+                    ]
+                )
     for line in machine_lines():
         print(line)
     print(f"GPT-2 n_embd 128, batch {args.batch} x {args.seq} tokens, {args.repeats} repeats (medians)")
-    print(tabulate(rows, headers=["layers", "hazard", "dtype", "fp32 fwd+bwd ms", "autocast fwd+bwd",
-                                  "advise s", "advise / fp32 fwd+bwd", "p10-p90", "policy runs",
-                                  "kept (fp32, or out of fp8)", "kept FLOP share"]))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "layers",
+                "hazard",
+                "dtype",
+                "fp32 fwd+bwd ms",
+                "autocast fwd+bwd",
+                "advise s",
+                "advise / fp32 fwd+bwd",
+                "p10-p90",
+                "policy runs",
+                "kept (fp32, or out of fp8)",
+                "kept FLOP share",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

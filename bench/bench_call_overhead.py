@@ -111,8 +111,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed block")
     parser.add_argument("--repeats", type=int, default=15, help="timed blocks per variant and mode")
     parser.add_argument("--warmup", type=int, default=200, help="untimed calls per variant and mode first")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
-                        help="thread: this thread's CPU time; wall: perf_counter")
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="thread", help="thread: this thread's CPU time; wall: perf_counter"
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -127,17 +128,43 @@ def main() -> None:
             rows.append([mode, name, statistics.median(values), min(values), max(values)])
         (_, base), (_, ours) = times.items()
         paired = [a - b for a, b in zip(ours, base, strict=True)]
-        rows.append([mode, "amp_fx - baseline", statistics.median(ours) - statistics.median(base),
-                     min(ours) - min(base), None, statistics.median(paired), min(paired), max(paired)])
+        rows.append(
+            [
+                mode,
+                "amp_fx - baseline",
+                statistics.median(ours) - statistics.median(base),
+                min(ours) - min(base),
+                None,
+                statistics.median(paired),
+                min(paired),
+                max(paired),
+            ]
+        )
 
     for line in machine_lines():
         print(line)
-    print(f"MLP {args.width}->{args.width}->{args.width}->{args.width}, batch {args.batch}, "
-          f"{args.dtype}, backend {args.backend}; {args.repeats} repeats x {args.calls} calls per "
-          f"variant and mode (after {args.warmup} warm-up calls), variants alternating, {args.clock} clock")
-    print(tabulate(rows, headers=["mode", "variant", "median us/call", "min us/call", "max us/call",
-                                  "paired diff median", "paired min", "paired max"],
-                   floatfmt=".1f", missingval="-"))
+    print(
+        f"MLP {args.width}->{args.width}->{args.width}->{args.width}, batch {args.batch}, "
+        f"{args.dtype}, backend {args.backend}; {args.repeats} repeats x {args.calls} calls per "
+        f"variant and mode (after {args.warmup} warm-up calls), variants alternating, {args.clock} clock"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "mode",
+                "variant",
+                "median us/call",
+                "min us/call",
+                "max us/call",
+                "paired diff median",
+                "paired min",
+                "paired max",
+            ],
+            floatfmt=".1f",
+            missingval="-",
+        )
+    )
 
 
 if __name__ == "__main__":

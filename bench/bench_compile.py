@@ -88,15 +88,15 @@ class _CountCasts(TorchDispatchMode):
         super().__init__()
         self.casts = 0
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object,
-                           args: tuple[object, ...] = (), kwargs: dict | None = None) -> object:
+    def __torch_dispatch__(
+        self, func: torch._ops.OpOverload, types: object, args: tuple[object, ...] = (), kwargs: dict | None = None
+    ) -> object:
         if func is torch.ops.aten._to_copy.default:
             self.casts += 1
         return func(*args, **(kwargs or {}))
 
 
-def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...],
-                            dtype: torch.dtype) -> int:
+def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...], dtype: torch.dtype) -> int:
     model = copy.deepcopy(model)
     counter = _CountCasts()
     with torch.autocast("cpu", dtype=dtype), counter:
@@ -107,21 +107,23 @@ def eager_casts_per_forward(model: nn.Module, inputs: tuple[Tensor, ...],
 Step = Callable[[], None]
 
 
-def _amp_fx_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...],
-                 loss_fn: LossFn) -> Step:
+def _amp_fx_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn) -> Step:
     def run() -> None:
         model.zero_grad(set_to_none=True)
         loss_fn(compiled(*inputs)).backward()
+
     return run
 
 
-def _autocast_step(compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...],
-                   loss_fn: LossFn, dtype: torch.dtype) -> Step:
+def _autocast_step(
+    compiled: nn.Module, model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn, dtype: torch.dtype
+) -> Step:
     def run() -> None:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype):
             loss = loss_fn(compiled(*inputs))
         loss.backward()
+
     return run
 
 
@@ -148,14 +150,27 @@ def _hf_model(args: argparse.Namespace) -> nn.Module:
 
     if args.model == "hf-gpt2":
         config = transformers.GPT2Config(
-            vocab_size=args.vocab, n_positions=max(args.seq, 64), n_embd=args.d_model,
-            n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, use_cache=False)
+            vocab_size=args.vocab,
+            n_positions=max(args.seq, 64),
+            n_embd=args.d_model,
+            n_layer=args.layers,
+            n_head=args.heads,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=2 * args.d_model,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, max_position_embeddings=max(args.seq, 64), use_cache=False)
+        vocab_size=args.vocab,
+        hidden_size=args.d_model,
+        intermediate_size=2 * args.d_model,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=max(args.seq, 64),
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -166,12 +181,17 @@ def _fp32_sq_mean(out: object) -> Tensor:
 
 def _build(args: argparse.Namespace) -> tuple[nn.Module, tuple[Tensor, ...], LossFn]:
     if args.model == "transformer_lm":
-        return zoo.transformer_lm(vocab=args.vocab, d_model=args.d_model, n_heads=args.heads,
-                                  n_layers=args.layers, seq=args.seq, batch=args.batch)
+        return zoo.transformer_lm(
+            vocab=args.vocab,
+            d_model=args.d_model,
+            n_heads=args.heads,
+            n_layers=args.layers,
+            seq=args.seq,
+            batch=args.batch,
+        )
     torch.manual_seed(zoo.SEED)
     model = _HFLogits(_hf_model(args)).train()
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(zoo.SEED + 1))
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(zoo.SEED + 1))
     return model, (ids,), _fp32_sq_mean
 
 
@@ -183,8 +203,7 @@ def _compile_pair(args: argparse.Namespace, backend: str, dtype: torch.dtype) ->
     compiled = amp_fx.compile(model, dtype=dtype, backend=backend)
     amp_step = _amp_fx_step(compiled, model, inputs, loss_fn)
     amp_step()
-    base_step = _autocast_step(torch.compile(base_model, backend=backend), base_model, inputs,
-                               loss_fn, dtype)
+    base_step = _autocast_step(torch.compile(base_model, backend=backend), base_model, inputs, loss_fn, dtype)
     base_step()
     return Compiled(amp_step, base_step, compiled)
 
@@ -219,35 +238,50 @@ def _compile_once(args: argparse.Namespace) -> None:
     else:
         run()
     seconds = time.perf_counter() - t0
-    out: dict[str, object] = {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu0,
-                              "main_cpu_seconds": time.process_time() - main0}
+    out: dict[str, object] = {
+        "seconds": seconds,
+        "cpu_seconds": _cpu_seconds() - cpu0,
+        "main_cpu_seconds": time.process_time() - main0,
+    }
     if profiler is not None:
         profiler.dump_stats(args.child_profile)
     if args.child == "amp_fx":
         records = compiled.amp_fx_records
-        out.update(graphs=len(records), nodes=sum(len(r.captured.graph.nodes) for r in records),
-                   passes={p: sum(r.pass_seconds[p] for r in records) for p in PASSES})
+        out.update(
+            graphs=len(records),
+            nodes=sum(len(r.captured.graph.nodes) for r in records),
+            passes={p: sum(r.pass_seconds[p] for r in records) for p in PASSES},
+        )
     print(_CHILD_MARK + json.dumps(out))
 
 
 _CHILD_MARK = "amp_fx-bench-compile-result: "
 
 
-def _cold_compile(args: argparse.Namespace, which: str, backend: str, dtype_name: str,
-                  profile: str | None = None) -> dict:
+def _cold_compile(
+    args: argparse.Namespace, which: str, backend: str, dtype_name: str, profile: str | None = None
+) -> dict:
     """Run :func:`_compile_once` in a fresh process with an empty inductor cache directory, so
     neither compile profits from kernels the other one built (their kernels largely coincide).
     With ``profile``, the first forward+backward runs under cProfile, its stats written there."""
     return _cold_compiles(args, [which], backend, dtype_name, profile=profile)[0]
 
 
-def _cold_compiles(args: argparse.Namespace, whiches: list[str], backend: str, dtype_name: str,
-                   profile: str | None = None, concurrent: bool = False) -> list[dict]:
+def _cold_compiles(
+    args: argparse.Namespace,
+    whiches: list[str],
+    backend: str,
+    dtype_name: str,
+    profile: str | None = None,
+    concurrent: bool = False,
+) -> list[dict]:
     """:func:`_cold_compile` for each of ``whiches``, one after the other, or with ``concurrent``
     at the same time: the processes start together and wait for each other before the timed
     call, so both compile under the same load from other processes (and from each other)."""
-    sizes = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-             for k in ("model", "layers", "d_model", "heads", "seq", "batch", "vocab")]
+    sizes = [
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("model", "layers", "d_model", "heads", "seq", "batch", "vocab")
+    ]
     if profile is not None:
         sizes.append(f"--child-profile={profile}")
     env = dict(os.environ)
@@ -263,12 +297,20 @@ def _cold_compiles(args: argparse.Namespace, whiches: list[str], backend: str, d
             if not args.keep_cache:
                 caches.append(tempfile.mkdtemp(prefix=_CACHE_PREFIX))
                 child_env["TORCHINDUCTOR_CACHE_DIR"] = caches[-1]
-            command = [sys.executable, __file__, *sizes, "--child", which, "--child-backend",
-                       backend, "--child-dtype", dtype_name]
+            command = [
+                sys.executable,
+                __file__,
+                *sizes,
+                "--child",
+                which,
+                "--child-backend",
+                backend,
+                "--child-dtype",
+                dtype_name,
+            ]
             if barrier is not None:
                 command += [f"--child-barrier={barrier}", f"--child-parties={len(whiches)}"]
-            proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(command, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append((which, proc))
             if not concurrent:
                 results.append(_child_result(which, proc, backend, dtype_name))
@@ -284,9 +326,8 @@ def _child_result(which: str, proc: subprocess.Popen, backend: str, dtype_name: 
     stdout, stderr = proc.communicate()
     lines = [ln for ln in stdout.splitlines() if ln.startswith(_CHILD_MARK)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"compile-timing child failed ({which}, {backend}, {dtype_name}):\n"
-                           f"{stderr[-3000:]}")
-    return json.loads(lines[-1][len(_CHILD_MARK):])
+        raise RuntimeError(f"compile-timing child failed ({which}, {backend}, {dtype_name}):\n{stderr[-3000:]}")
+    return json.loads(lines[-1][len(_CHILD_MARK) :])
 
 
 def _wait_for_parties(folder: str, which: str, parties: int) -> None:
@@ -311,8 +352,10 @@ def _time_steps(pair: Compiled, steps: int, warmup: int) -> tuple[list[float], l
 
 
 def _ms(values: list[float]) -> str:
-    return (f"{statistics.median(values) * 1e3:.2f} "
-            f"({percentile(values, 0.1) * 1e3:.2f}-{percentile(values, 0.9) * 1e3:.2f})")
+    return (
+        f"{statistics.median(values) * 1e3:.2f} "
+        f"({percentile(values, 0.1) * 1e3:.2f}-{percentile(values, 0.9) * 1e3:.2f})"
+    )
 
 
 def _warm_up_imports(backends: list[str]) -> None:
@@ -348,13 +391,11 @@ _PHASES: tuple[tuple[str, tuple[str, str]], ...] = (
 )
 
 
-def _phase_seconds(table: dict[tuple[str, int, str], tuple[int, float, float]],
-                   where: tuple[str, str]) -> float:
+def _phase_seconds(table: dict[tuple[str, int, str], tuple[int, float, float]], where: tuple[str, str]) -> float:
     """The cumulative time of the outermost entry of ``where`` (the largest, when one function
     name has several entries); 0 when it did not run."""
     file, name = where
-    return max((c for (f, _, n), (_, _, c) in table.items()
-                if n == name and os.path.basename(f) == file), default=0.0)
+    return max((c for (f, _, n), (_, _, c) in table.items() if n == name and os.path.basename(f) == file), default=0.0)
 
 
 def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) -> None:
@@ -388,15 +429,28 @@ def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) 
 
     amp, base = cum("amp_fx"), cum("baseline")
     print("\nphases, cumulative CPU seconds of the compiling process")
-    print(tabulate([[phase, *(f"{_phase_seconds(t, where):.2f}" for t in (amp, base)),
-                     f"{_phase_seconds(amp, where) - _phase_seconds(base, where):+.2f}"]
-                    for phase, where in _PHASES],
-                   headers=["phase", "amp_fx", "baseline", "difference"]))
+    print(
+        tabulate(
+            [
+                [
+                    phase,
+                    *(f"{_phase_seconds(t, where):.2f}" for t in (amp, base)),
+                    f"{_phase_seconds(amp, where) - _phase_seconds(base, where):+.2f}",
+                ]
+                for phase, where in _PHASES
+            ],
+            headers=["phase", "amp_fx", "baseline", "difference"],
+        )
+    )
     for which, table in (("amp_fx", amp), ("baseline", base)):
         rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:top]
         print(f"\n{which}: top {top} by cumulative CPU seconds of the compiling process")
-        print(tabulate([[f"{c:.2f}", f"{t:.2f}", n, label(k)] for k, (n, t, c) in rows],
-                       headers=["cum s", "own s", "calls", "function"]))
+        print(
+            tabulate(
+                [[f"{c:.2f}", f"{t:.2f}", n, label(k)] for k, (n, t, c) in rows],
+                headers=["cum s", "own s", "calls", "function"],
+            )
+        )
     diff = []
     for key in amp.keys() | base.keys():
         a, b = amp.get(key, (0, 0.0, 0.0)), base.get(key, (0, 0.0, 0.0))
@@ -404,16 +458,25 @@ def _profile(args: argparse.Namespace, backend: str, dtype_name: str, top: int) 
     for title, order in (("cumulative", 0), ("own", 1)):
         rows = sorted(diff, key=lambda r: -r[order])[:top]
         print(f"\nlargest differences in {title} seconds, amp_fx minus baseline")
-        print(tabulate([[f"{r[0]:+.2f}", f"{r[1]:+.2f}", f"{r[2]:.2f}", f"{r[3]:.2f}", r[4], r[5],
-                         label(r[6])] for r in rows],
-                       headers=["cum diff", "own diff", "amp_fx cum", "baseline cum",
-                                "amp_fx calls", "baseline calls", "function"]))
+        print(
+            tabulate(
+                [[f"{r[0]:+.2f}", f"{r[1]:+.2f}", f"{r[2]:.2f}", f"{r[3]:.2f}", r[4], r[5], label(r[6])] for r in rows],
+                headers=[
+                    "cum diff",
+                    "own diff",
+                    "amp_fx cum",
+                    "baseline cum",
+                    "amp_fx calls",
+                    "baseline calls",
+                    "function",
+                ],
+            )
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="transformer_lm",
-                        choices=["transformer_lm", "hf-gpt2", "hf-llama"])
+    parser.add_argument("--model", default="transformer_lm", choices=["transformer_lm", "hf-gpt2", "hf-llama"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -424,21 +487,29 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     parser.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
-    parser.add_argument("--compile-repeats", type=int, default=1,
-                        help="cold compiles of each kind (median reported; each is a process)")
-    parser.add_argument("--keep-cache", action="store_true",
-                        help="use inductor's usual cache directory (compile times may be warm)")
-    parser.add_argument("--compile-only", action="store_true",
-                        help="time the cold compiles only (no step times, no cast counts)")
-    parser.add_argument("--compile-threads", type=int,
-                        help="inductor's compile threads in the timed processes "
-                             "(TORCHINDUCTOR_COMPILE_THREADS); with 1, the CPU-time column counts "
-                             "every C++ build, which makes it a measure that load skews little")
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile one cold compile of each instead (first backend and dtype)")
+    parser.add_argument(
+        "--compile-repeats", type=int, default=1, help="cold compiles of each kind (median reported; each is a process)"
+    )
+    parser.add_argument(
+        "--keep-cache", action="store_true", help="use inductor's usual cache directory (compile times may be warm)"
+    )
+    parser.add_argument(
+        "--compile-only", action="store_true", help="time the cold compiles only (no step times, no cast counts)"
+    )
+    parser.add_argument(
+        "--compile-threads",
+        type=int,
+        help="inductor's compile threads in the timed processes "
+        "(TORCHINDUCTOR_COMPILE_THREADS); with 1, the CPU-time column counts "
+        "every C++ build, which makes it a measure that load skews little",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile one cold compile of each instead (first backend and dtype)"
+    )
     parser.add_argument("--profile-top", type=int, default=30)
-    parser.add_argument("--concurrent", action="store_true",
-                        help="run each pair's two compiles at the same time (see the module doc)")
+    parser.add_argument(
+        "--concurrent", action="store_true", help="run each pair's two compiles at the same time (see the module doc)"
+    )
     parser.add_argument("--child-profile", help=argparse.SUPPRESS)
     parser.add_argument("--child-barrier", help=argparse.SUPPRESS)
     parser.add_argument("--child-parties", type=int, default=1, help=argparse.SUPPRESS)
@@ -453,10 +524,11 @@ def main() -> None:
     model, inputs, _ = _build(args)
     n_params = sum(p.numel() for p in model.parameters())
     print(*machine_lines(), sep="\n")
-    print(f"model: {args.model} layers={args.layers} d_model={args.d_model} heads={args.heads} "
-          f"seq={args.seq} batch={args.batch} vocab={args.vocab} ({n_params:,} parameters)")
-    print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, "
-          "not with fp32\n")
+    print(
+        f"model: {args.model} layers={args.layers} d_model={args.d_model} heads={args.heads} "
+        f"seq={args.seq} batch={args.batch} vocab={args.vocab} ({n_params:,} parameters)"
+    )
+    print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, not with fp32\n")
     if args.profile:
         _profile(args, args.backends[0], args.dtypes[0], args.profile_top)
         return
@@ -468,8 +540,11 @@ def main() -> None:
             amps, bases = [], []
             for i in range(args.compile_repeats):  # alternate which one goes first
                 order = ["amp_fx", "baseline"] if i % 2 == 0 else ["baseline", "amp_fx"]
-                found = dict(zip(order, _cold_compiles(args, order, backend, dtype_name,
-                                                       concurrent=args.concurrent), strict=True))
+                found = dict(
+                    zip(
+                        order, _cold_compiles(args, order, backend, dtype_name, concurrent=args.concurrent), strict=True
+                    )
+                )
                 amps.append(found["amp_fx"])
                 bases.append(found["baseline"])
             amp = amps[0]
@@ -477,65 +552,117 @@ def main() -> None:
             base_s = statistics.median(b["seconds"] for b in bases)
             ratios = [a["seconds"] / b["seconds"] for a, b in zip(amps, bases, strict=True)]
             cpu_ratios = [a["cpu_seconds"] / b["cpu_seconds"] for a, b in zip(amps, bases, strict=True)]
-            main_ratios = [a["main_cpu_seconds"] / b["main_cpu_seconds"]
-                           for a, b in zip(amps, bases, strict=True)]
+            main_ratios = [a["main_cpu_seconds"] / b["main_cpu_seconds"] for a, b in zip(amps, bases, strict=True)]
             passes = {p: statistics.median(a["passes"][p] for a in amps) for p in PASSES}
             nodes = amp["nodes"]
             total = sum(passes.values())
-            compile_rows.append([
-                backend, dtype_name, amp["graphs"], nodes,
-                f"{amp_s:.2f}", f"{base_s:.2f}",
-                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
-                f"{statistics.median(a['cpu_seconds'] for a in amps):.2f}",
-                f"{statistics.median(b['cpu_seconds'] for b in bases):.2f}",
-                f"{statistics.median(cpu_ratios):.3f} ({min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})",
-                f"{statistics.median(main_ratios):.3f} ({min(main_ratios):.3f}-{max(main_ratios):.3f})",
-                *(f"{passes[p] * 1e3:.1f}" for p in PASSES),
-                f"{total * 1e3:.1f}", f"{total / nodes * 1e6:.1f}",
-            ])
-            amp_list = " ".join(f"{a['seconds']:.2f}/{a['cpu_seconds']:.2f}/{a['main_cpu_seconds']:.2f}"
-                                for a in amps)
-            base_list = " ".join(f"{b['seconds']:.2f}/{b['cpu_seconds']:.2f}/{b['main_cpu_seconds']:.2f}"
-                                 for b in bases)
-            print(f"compile {backend} {dtype_name} (wall/CPU/main CPU): amp_fx {amp_list} s, baseline {base_list} s, "
-                  f"load average "
-                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+            compile_rows.append(
+                [
+                    backend,
+                    dtype_name,
+                    amp["graphs"],
+                    nodes,
+                    f"{amp_s:.2f}",
+                    f"{base_s:.2f}",
+                    f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+                    f"{statistics.median(a['cpu_seconds'] for a in amps):.2f}",
+                    f"{statistics.median(b['cpu_seconds'] for b in bases):.2f}",
+                    f"{statistics.median(cpu_ratios):.3f} ({min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})",
+                    f"{statistics.median(main_ratios):.3f} ({min(main_ratios):.3f}-{max(main_ratios):.3f})",
+                    *(f"{passes[p] * 1e3:.1f}" for p in PASSES),
+                    f"{total * 1e3:.1f}",
+                    f"{total / nodes * 1e6:.1f}",
+                ]
+            )
+            amp_list = " ".join(f"{a['seconds']:.2f}/{a['cpu_seconds']:.2f}/{a['main_cpu_seconds']:.2f}" for a in amps)
+            base_list = " ".join(
+                f"{b['seconds']:.2f}/{b['cpu_seconds']:.2f}/{b['main_cpu_seconds']:.2f}" for b in bases
+            )
+            print(
+                f"compile {backend} {dtype_name} (wall/CPU/main CPU): amp_fx {amp_list} s, baseline {base_list} s, "
+                f"load average "
+                f"{os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.compile_only:
                 continue
             pair = _compile_pair(args, backend, dtype)
             if backend == args.backends[0]:
                 records = pair.amp_fx_module.amp_fx_records
-                cast_rows.append([
-                    dtype_name, eager_casts_per_forward(model, inputs, dtype),
-                    sum(r.inserted.casts_inserted for r in records),
-                    sum(r.inserted.casts_shared for r in records),
-                    sum(r.folded.total for r in records), sum(r.casts for r in records),
-                ])
+                cast_rows.append(
+                    [
+                        dtype_name,
+                        eager_casts_per_forward(model, inputs, dtype),
+                        sum(r.inserted.casts_inserted for r in records),
+                        sum(r.inserted.casts_shared for r in records),
+                        sum(r.folded.total for r in records),
+                        sum(r.casts for r in records),
+                    ]
+                )
             amp_times, base_times = _time_steps(pair, args.steps, args.warmup)
-            step_rows.append([
-                backend, dtype_name, _ms(amp_times), _ms(base_times),
-                f"{statistics.median(amp_times) / statistics.median(base_times):.3f}",
-            ])
+            step_rows.append(
+                [
+                    backend,
+                    dtype_name,
+                    _ms(amp_times),
+                    _ms(base_times),
+                    f"{statistics.median(amp_times) / statistics.median(base_times):.3f}",
+                ]
+            )
             print(f"done: {backend} {dtype_name}", file=sys.stderr, flush=True)
 
-    print(f"compile: first forward+backward after torch._dynamo.reset(), cold (a fresh process and "
-          f"inductor cache each), seconds, median of {args.compile_repeats}; ratio: median (min-max) "
-          f"of the per-pair ratios; CPU: the timed process and the children it waited for; main CPU: the "
-          f"timed process alone; amp_fx's passes, ms")
-    print(tabulate(compile_rows, headers=[
-        "backend", "dtype", "graphs", "ATen nodes", "amp_fx s", "torch.compile+autocast s",
-        "ratio", "amp_fx CPU s", "baseline CPU s", "CPU ratio", "main CPU ratio", "capture ms", "insert_casts ms",
-        "fold_casts ms", "passes ms", "passes ms / 1k nodes"]))
+    print(
+        f"compile: first forward+backward after torch._dynamo.reset(), cold (a fresh process and "
+        f"inductor cache each), seconds, median of {args.compile_repeats}; ratio: median (min-max) "
+        f"of the per-pair ratios; CPU: the timed process and the children it waited for; main CPU: the "
+        f"timed process alone; amp_fx's passes, ms"
+    )
+    print(
+        tabulate(
+            compile_rows,
+            headers=[
+                "backend",
+                "dtype",
+                "graphs",
+                "ATen nodes",
+                "amp_fx s",
+                "torch.compile+autocast s",
+                "ratio",
+                "amp_fx CPU s",
+                "baseline CPU s",
+                "CPU ratio",
+                "main CPU ratio",
+                "capture ms",
+                "insert_casts ms",
+                "fold_casts ms",
+                "passes ms",
+                "passes ms / 1k nodes",
+            ],
+        )
+    )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     if args.compile_only:
         return
-    print(f"\nstep: forward+backward, ms, median (p10-p90) over {args.steps} steps after "
-          f"{args.warmup} warm-up, amp_fx and baseline alternating")
-    print(tabulate(step_rows, headers=["backend", "dtype", "amp_fx", "torch.compile+autocast",
-                                       "ratio (median)"]))
+    print(
+        f"\nstep: forward+backward, ms, median (p10-p90) over {args.steps} steps after "
+        f"{args.warmup} warm-up, amp_fx and baseline alternating"
+    )
+    print(tabulate(step_rows, headers=["backend", "dtype", "amp_fx", "torch.compile+autocast", "ratio (median)"]))
     print("\ncasts per forward: eager autocast (aten._to_copy calls) vs amp_fx's rewritten graphs")
-    print(tabulate(cast_rows, headers=["dtype", "eager autocast", "amp_fx inserted",
-                                       "leaf-cast uses shared", "folded", "amp_fx in graph"]))
+    print(
+        tabulate(
+            cast_rows,
+            headers=[
+                "dtype",
+                "eager autocast",
+                "amp_fx inserted",
+                "leaf-cast uses shared",
+                "folded",
+                "amp_fx in graph",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

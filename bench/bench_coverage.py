@@ -60,27 +60,61 @@ from bench_weight_casts import HFLogits, lm_loss  # noqa: E402 (the same loss as
 def _gpt2(d: dict[str, int]) -> nn.Module:
     import transformers as tf
 
-    return HFLogits(tf.GPT2LMHeadModel(tf.GPT2Config(
-        vocab_size=d["vocab"], n_positions=d["seq"], n_embd=d["d"], n_layer=d["layers"], n_head=d["heads"],
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)))
+    return HFLogits(
+        tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                vocab_size=d["vocab"],
+                n_positions=d["seq"],
+                n_embd=d["d"],
+                n_layer=d["layers"],
+                n_head=d["heads"],
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
+    )
 
 
 def _moe(d: dict[str, int]) -> nn.Module:
     import transformers as tf
 
-    return HFLogits(tf.OlmoeForCausalLM(tf.OlmoeConfig(
-        vocab_size=d["vocab"], hidden_size=d["d"], intermediate_size=d["ffn"], num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"], num_key_value_heads=d["heads"], num_experts=d["experts"],
-        num_experts_per_tok=d["top_k"], max_position_embeddings=d["seq"], use_cache=False)))
+    return HFLogits(
+        tf.OlmoeForCausalLM(
+            tf.OlmoeConfig(
+                vocab_size=d["vocab"],
+                hidden_size=d["d"],
+                intermediate_size=d["ffn"],
+                num_hidden_layers=d["layers"],
+                num_attention_heads=d["heads"],
+                num_key_value_heads=d["heads"],
+                num_experts=d["experts"],
+                num_experts_per_tok=d["top_k"],
+                max_position_embeddings=d["seq"],
+                use_cache=False,
+            )
+        )
+    )
 
 
 def _llama3(d: dict[str, int]) -> nn.Module:
     import transformers as tf
 
-    return HFLogits(tf.LlamaForCausalLM(tf.LlamaConfig(
-        vocab_size=d["vocab"], hidden_size=d["d"], intermediate_size=d["ffn"], num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], max_position_embeddings=d["seq"],
-        rope_theta=500000.0, use_cache=False)))
+    return HFLogits(
+        tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                vocab_size=d["vocab"],
+                hidden_size=d["d"],
+                intermediate_size=d["ffn"],
+                num_hidden_layers=d["layers"],
+                num_attention_heads=d["heads"],
+                num_key_value_heads=d["kv_heads"],
+                max_position_embeddings=d["seq"],
+                rope_theta=500000.0,
+                use_cache=False,
+            )
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -93,16 +127,31 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "gpt2": Workload(_gpt2, {
-        "gpu": dict(vocab=50257, d=768, layers=4, heads=12, seq=1024, batch=8),
-        "tiny": dict(vocab=256, d=64, layers=2, heads=4, seq=64, batch=2)}, "tensorwise"),
-    "moe": Workload(_moe, {
-        "gpu": dict(vocab=50304, d=2048, ffn=1024, layers=2, heads=16, experts=64, top_k=8, seq=4096, batch=1),
-        "tiny": dict(vocab=256, d=64, ffn=32, layers=1, heads=4, experts=8, top_k=2, seq=32, batch=2)},
-        "rowwise", moe=True),
-    "llama3-8b": Workload(_llama3, {
-        "gpu": dict(vocab=128256, d=4096, ffn=14336, layers=1, heads=32, kv_heads=8, seq=8192, batch=1),
-        "tiny": dict(vocab=256, d=64, ffn=224, layers=1, heads=4, kv_heads=2, seq=64, batch=2)}, "tensorwise"),
+    "gpt2": Workload(
+        _gpt2,
+        {
+            "gpu": dict(vocab=50257, d=768, layers=4, heads=12, seq=1024, batch=8),
+            "tiny": dict(vocab=256, d=64, layers=2, heads=4, seq=64, batch=2),
+        },
+        "tensorwise",
+    ),
+    "moe": Workload(
+        _moe,
+        {
+            "gpu": dict(vocab=50304, d=2048, ffn=1024, layers=2, heads=16, experts=64, top_k=8, seq=4096, batch=1),
+            "tiny": dict(vocab=256, d=64, ffn=32, layers=1, heads=4, experts=8, top_k=2, seq=32, batch=2),
+        },
+        "rowwise",
+        moe=True,
+    ),
+    "llama3-8b": Workload(
+        _llama3,
+        {
+            "gpu": dict(vocab=128256, d=4096, ffn=14336, layers=1, heads=32, kv_heads=8, seq=8192, batch=1),
+            "tiny": dict(vocab=256, d=64, ffn=224, layers=1, heads=4, kv_heads=2, seq=64, batch=2),
+        },
+        "tensorwise",
+    ),
 }
 
 
@@ -123,8 +172,9 @@ def _torchao_moe(model: nn.Module, recipe: str) -> nn.Module:
     from torchao.quantization import quantize_
 
     model = torchao_float8(model, recipe, lambda m, fqn: not fqn.endswith(".gate"))
-    quantize_(model, Float8TrainingOpConfig(float8_linear_recipe=recipe),
-              filter_fn=lambda m, fqn: fqn.endswith(".experts"))
+    quantize_(
+        model, Float8TrainingOpConfig(float8_linear_recipe=recipe), filter_fn=lambda m, fqn: fqn.endswith(".experts")
+    )
     return model
 
 
@@ -145,17 +195,38 @@ def variants(work: Workload, device: str, backend: str) -> list[Variant]:
     r = work.recipe
     out = [Variant("torch.compile + autocast bf16", lambda m: torch.compile(m, backend=backend), autocast)]
     if work.moe:
-        why = no_torchao or (None if device == "cuda" else
-                             "torchao's MoE fp8 runs its grouped GEMMs with CUDA kernels only")
-        out.append(Variant(f"torchao MoE fp8 {r} + torch.compile",
-                           lambda m: torch.compile(_torchao_moe(m, r), backend=backend), torchao_region, why))
+        why = no_torchao or (
+            None if device == "cuda" else "torchao's MoE fp8 runs its grouped GEMMs with CUDA kernels only"
+        )
+        out.append(
+            Variant(
+                f"torchao MoE fp8 {r} + torch.compile",
+                lambda m: torch.compile(_torchao_moe(m, r), backend=backend),
+                torchao_region,
+                why,
+            )
+        )
     else:
-        out.append(Variant(f"torchao fp8 {r} + torch.compile",
-                           lambda m: torch.compile(torchao_float8(m, r), backend=backend), torchao_region, no_torchao))
-    out += [Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", policy=policy, backend=backend,
-                                                           strict=False), nullcontext),
-            Variant(f"amp_fx fp8 {r}", lambda m: amp_fx.compile(m, dtype="bf16", fp8=r, policy=policy,
-                                                               backend=backend, strict=False), nullcontext)]
+        out.append(
+            Variant(
+                f"torchao fp8 {r} + torch.compile",
+                lambda m: torch.compile(torchao_float8(m, r), backend=backend),
+                torchao_region,
+                no_torchao,
+            )
+        )
+    out += [
+        Variant(
+            "amp_fx bf16",
+            lambda m: amp_fx.compile(m, dtype="bf16", policy=policy, backend=backend, strict=False),
+            nullcontext,
+        ),
+        Variant(
+            f"amp_fx fp8 {r}",
+            lambda m: amp_fx.compile(m, dtype="bf16", fp8=r, policy=policy, backend=backend, strict=False),
+            nullcontext,
+        ),
+    ]
     return out
 
 
@@ -170,8 +241,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run(work: Workload, dims: dict[str, int], variant: Variant, batches: list[tuple[Tensor, Tensor]],
-        device: str, warmup: int) -> dict[str, Any]:
+def run(
+    work: Workload,
+    dims: dict[str, int],
+    variant: Variant,
+    batches: list[tuple[Tensor, Tensor]],
+    device: str,
+    warmup: int,
+) -> dict[str, Any]:
     """One variant's row: two untimed steps (compiles and recompiles), one counted step, then
     ``len(batches)`` AdamW steps of which the first ``warmup`` are not timed."""
     torch.manual_seed(0)
@@ -201,8 +278,12 @@ def run(work: Workload, dims: dict[str, int], variant: Variant, batches: list[tu
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    row: dict[str, Any] = {"variant": variant.name, "low share": f"{flops.low_share:.3f}",
-                           "fp8 share": f"{flops.fp8_share:.3f}", f"loss after {len(batches)}": f"{loss.item():.4f}"}
+    row: dict[str, Any] = {
+        "variant": variant.name,
+        "low share": f"{flops.low_share:.3f}",
+        "fp8 share": f"{flops.fp8_share:.3f}",
+        f"loss after {len(batches)}": f"{loss.item():.4f}",
+    }
     if device == "cuda":
         tokens = dims["batch"] * dims["seq"]
         row["tokens/s"] = tokens / statistics.median(times)
@@ -238,22 +319,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", choices=("gpu", "tiny"), default=None,
-                        help="shapes (default: gpu on CUDA, tiny on a CPU)")
+    parser.add_argument(
+        "--preset", choices=("gpu", "tiny"), default=None, help="shapes (default: gpu on CUDA, tiny on a CPU)"
+    )
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--steps", type=int, default=10, help="AdamW steps per variant, timed after --warmup")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--variants", default=None, help="only the variants whose name contains one of these "
-                        "comma-separated strings")
+    parser.add_argument(
+        "--variants", default=None, help="only the variants whose name contains one of these comma-separated strings"
+    )
     parser.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     args = parser.parse_args()
     preset = args.preset or ("gpu" if args.device == "cuda" else "tiny")
     print("\n".join(machine_lines()))
-    print(f"device {args.device}, backend {args.backend}, preset {preset}, {args.steps} AdamW steps "
-          f"({args.warmup} untimed)")
+    print(
+        f"device {args.device}, backend {args.backend}, preset {preset}, {args.steps} AdamW steps "
+        f"({args.warmup} untimed)"
+    )
     if args.device == "cpu":
-        print("CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
-              "kernel here; its speed says nothing about a GPU's)")
+        print(
+            "CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
+            "kernel here; its speed says nothing about a GPU's)"
+        )
     warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
     for name in args.workloads.split(","):
         work = WORKLOADS[name]
@@ -276,8 +363,11 @@ def main() -> None:
                 # a peer that fails on a workload is where its coverage ends, not a failure of this run
                 why = "not run: torchao fails here" if variant.name.startswith("torchao") else "failed"
                 rows.append({"variant": variant.name, "low share": f"{why}: {type(e).__name__}: {str(e)[:100]}"})
-            print(f"[bench_coverage] {name}: {rows[-1]} ({time.perf_counter() - began:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[bench_coverage] {name}: {rows[-1]} ({time.perf_counter() - began:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         print(f"\n{name} {dims}")
         print(table(rows))
 

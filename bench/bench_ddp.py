@@ -42,8 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
-                         nn.Linear(256, 16))
+    return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 16))
 
 
 def _shard(model: nn.Module) -> nn.Module:
@@ -66,8 +65,9 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
 
     low = DTYPES[dtype]
 
-    def recipe(model: nn.Module, forward: Callable[..., torch.Tensor], scaler: Any,
-               autocast: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    def recipe(
+        model: nn.Module, forward: Callable[..., torch.Tensor], scaler: Any, autocast: bool
+    ) -> Callable[[torch.Tensor, torch.Tensor], None]:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -80,6 +80,7 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
+
         return step
 
     def eager_ddp() -> Callable[..., None]:
@@ -91,17 +92,24 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
             m = _model()
             ddp = DDP(amp_fx.compile(m, dtype=dtype, backend=backend))
             return recipe(m, ddp, amp_fx.GradScaler("cpu", step_mode=step_mode), False)
+
         return build
 
     def step_ddp(weight_cache: bool = False) -> Callable[..., None]:
         m = _model()
-        step = amp_fx.compile_step(DDP(m), torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
-                                   lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
-                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED),
-                                   weight_cache=weight_cache)
+        step = amp_fx.compile_step(
+            DDP(m),
+            torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+            lambda out, y: F.mse_loss(out.float(), y),
+            dtype=dtype,
+            backend=backend,
+            scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED),
+            weight_cache=weight_cache,
+        )
 
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             step(x, y)
+
         return run
 
     def eager_fsdp() -> Callable[..., None]:
@@ -110,12 +118,18 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
 
     def step_fsdp() -> Callable[..., None]:
         m = _shard(_model())
-        step = amp_fx.compile_step(m, torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
-                                   lambda out, y: F.mse_loss(out.float(), y), dtype=dtype, backend=backend,
-                                   scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED))
+        step = amp_fx.compile_step(
+            m,
+            torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+            lambda out, y: F.mse_loss(out.float(), y),
+            dtype=dtype,
+            backend=backend,
+            scaler=amp_fx.GradScaler("cpu", step_mode=amp_fx.StepMode.MASKED),
+        )
 
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             step(x, y)
+
         return run
 
     def amp_fsdp() -> Callable[..., None]:
@@ -126,15 +140,20 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
     return {
         "eager DDP + autocast + torch.amp.GradScaler": ("", eager_ddp),
         "DDP(amp_fx.compile(m)) + amp_fx.GradScaler": (
-            "eager DDP + autocast + torch.amp.GradScaler", amp_ddp(amp_fx.StepMode.HOST_SYNC)),
+            "eager DDP + autocast + torch.amp.GradScaler",
+            amp_ddp(amp_fx.StepMode.HOST_SYNC),
+        ),
         "DDP(amp_fx.compile(m)) + GradScaler(MASKED)": (
-            "eager DDP + autocast + torch.amp.GradScaler", amp_ddp(amp_fx.StepMode.MASKED)),
+            "eager DDP + autocast + torch.amp.GradScaler",
+            amp_ddp(amp_fx.StepMode.MASKED),
+        ),
         "amp_fx.compile_step(DDP(m))": ("eager DDP + autocast + torch.amp.GradScaler", step_ddp),
         "amp_fx.compile_step(DDP(m), weight_cache=True)": (
-            "eager DDP + autocast + torch.amp.GradScaler", lambda: step_ddp(weight_cache=True)),
+            "eager DDP + autocast + torch.amp.GradScaler",
+            lambda: step_ddp(weight_cache=True),
+        ),
         "eager FSDP2 + autocast + ShardedGradScaler": ("", eager_fsdp),
-        "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": (
-            "eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),
+        "amp_fx.compile(FSDP2 m) + GradScaler(MASKED)": ("eager FSDP2 + autocast + ShardedGradScaler", amp_fsdp),
         "amp_fx.compile_step(FSDP2 m)": ("eager FSDP2 + autocast + ShardedGradScaler", step_fsdp),
     }
 
@@ -142,8 +161,7 @@ def _configs(dtype: str, backend: str) -> dict[str, tuple[str, Callable[[], Step
 def _bench(rank: int, world_size: int, dtype: str, backend: str, rounds: int, steps: int) -> dict[str, Any]:
     configs = _configs(dtype, backend)
     gen = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(32, 128, generator=gen), torch.randn(32, 16, generator=gen))
-               for _ in range(steps)]
+    batches = [(torch.randn(32, 128, generator=gen), torch.randn(32, 16, generator=gen)) for _ in range(steps)]
     fns = {name: build() for name, (_, build) in configs.items()}
     for fn in fns.values():  # warm-up: compile, create optimizer state
         for x, y in batches[:3]:
@@ -165,8 +183,7 @@ def _bench(rank: int, world_size: int, dtype: str, backend: str, rounds: int, st
             for x, y in batches:
                 fn(x, y)
         counts[name] = (collectives / steps, reads.count / steps)
-    return {"times": times, "counts": counts,
-            "baselines": {name: base for name, (base, _) in configs.items()}}
+    return {"times": times, "counts": counts, "baselines": {name: base for name, (base, _) in configs.items()}}
 
 
 def main() -> None:
@@ -180,16 +197,18 @@ def main() -> None:
     times, counts, baselines = result["times"], result["counts"], result["baselines"]
     for line in machine_lines():
         print(line)
-    print(f"2 gloo ranks, 1 thread each, dtype {args.dtype}, backend {args.backend}, "
-          f"{args.rounds} interleaved rounds x {args.steps} steps (rank 0's timings)")
-    print(f"{'configuration':48s} {'time ratio':>10s} {'spread':>15s} {'collectives/step':>17s} "
-          f"{'host reads/step':>16s}")
+    print(
+        f"2 gloo ranks, 1 thread each, dtype {args.dtype}, backend {args.backend}, "
+        f"{args.rounds} interleaved rounds x {args.steps} steps (rank 0's timings)"
+    )
+    print(
+        f"{'configuration':48s} {'time ratio':>10s} {'spread':>15s} {'collectives/step':>17s} {'host reads/step':>16s}"
+    )
     for name, per_round in times.items():
         base = baselines[name]
         if base:
             ratios = [t / b for t, b in zip(per_round, times[base])]
-            ratio, spread = (f"{statistics.median(ratios):.2f}",
-                             f"{min(ratios):.2f}-{max(ratios):.2f}")
+            ratio, spread = (f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}")
         else:
             ratio, spread = "1.00", "(baseline)"
         collectives, reads = counts[name]

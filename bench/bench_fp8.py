@@ -90,12 +90,20 @@ def variants(device: str, backend: str, recipes: list[str], with_torchao: bool) 
     def bf16_autocast() -> AbstractContextManager[object]:
         return torch.autocast(device, torch.bfloat16)
 
-    out = [Variant("torch.compile + autocast bf16", lambda m: torch.compile(m, backend=backend), bf16_autocast),
-           Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", backend=backend), nullcontext)]
+    out = [
+        Variant("torch.compile + autocast bf16", lambda m: torch.compile(m, backend=backend), bf16_autocast),
+        Variant("amp_fx bf16", lambda m: amp_fx.compile(m, dtype="bf16", backend=backend), nullcontext),
+    ]
     for r in recipes:
-        out.append(Variant(f"amp_fx fp8 {r}", lambda m, r=r: amp_fx.compile(
-            m, dtype="bf16", fp8=r, backend=backend, strict=False), nullcontext))
+        out.append(
+            Variant(
+                f"amp_fx fp8 {r}",
+                lambda m, r=r: amp_fx.compile(m, dtype="bf16", fp8=r, backend=backend, strict=False),
+                nullcontext,
+            )
+        )
     if with_torchao:
+
         def autocast() -> AbstractContextManager[object]:
             stack = ExitStack()
             if device == "cpu":
@@ -104,8 +112,13 @@ def variants(device: str, backend: str, recipes: list[str], with_torchao: bool) 
             return stack
 
         for r in recipes:  # torchao_float8 converts a copy: the variant trains the copy's parameters
-            out.append(Variant(f"torchao {r} + torch.compile", lambda m, r=r: torch.compile(
-                torchao_float8(m, r), backend=backend), autocast))
+            out.append(
+                Variant(
+                    f"torchao {r} + torch.compile",
+                    lambda m, r=r: torch.compile(torchao_float8(m, r), backend=backend),
+                    autocast,
+                )
+            )
     return out
 
 
@@ -124,8 +137,14 @@ def _grads(model: nn.Module) -> Tensor:
     return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
 
 
-def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[Tensor, Tensor]],
-        exact: tuple[float, Tensor], device: str) -> dict[str, object]:
+def run(
+    kind: str,
+    dims: dict[str, int],
+    variant: Variant,
+    batches: list[tuple[Tensor, Tensor]],
+    exact: tuple[float, Tensor],
+    device: str,
+) -> dict[str, object]:
     torch.manual_seed(0)
     # torchao converts a copy: without its name the unconverted model (1.25 GiB of fp32 parameters
     # on the h100 preset) is freed, and is no part of torchao's peak memory (amp_fx's model is it)
@@ -180,8 +199,7 @@ def run(kind: str, dims: dict[str, int], variant: Variant, batches: list[tuple[T
     return row
 
 
-def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor], device: str
-                    ) -> tuple[float, Tensor]:
+def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor], device: str) -> tuple[float, Tensor]:
     """The float64 loss and flattened gradients, the gradients kept on the CPU: on a GPU they
     would stay allocated through every variant's timed steps (2.6 GB on the h100 preset) and
     count in its peak memory."""
@@ -210,20 +228,29 @@ def _moe_models() -> dict[str, object]:
     def qwen3_moe(gen: torch.Generator) -> object:
         import transformers as tf
 
-        config = tf.Qwen3MoeConfig(**rm._HF_DIMS, moe_intermediate_size=64, num_key_value_heads=4, head_dim=16,
-                                   num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, use_cache=False)
+        config = tf.Qwen3MoeConfig(
+            **rm._HF_DIMS,
+            moe_intermediate_size=64,
+            num_key_value_heads=4,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            use_cache=False,
+        )
         return rm._hf_causal(config, tf.Qwen3MoeForCausalLM, gen)
 
     def olmoe(gen: torch.Generator) -> object:
         import transformers as tf
 
         dims = dict(rm._HF_DIMS, intermediate_size=64)
-        config = tf.OlmoeConfig(**dims, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                                use_cache=False)
+        config = tf.OlmoeConfig(**dims, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, use_cache=False)
         return rm._hf_causal(config, tf.OlmoeForCausalLM, gen)
 
-    return {"hf_qwen3_moe": rm.RealModel("hf_qwen3_moe", "transformers", qwen3_moe),
-            "hf_olmoe": rm.RealModel("hf_olmoe", "transformers", olmoe)}
+    return {
+        "hf_qwen3_moe": rm.RealModel("hf_qwen3_moe", "transformers", qwen3_moe),
+        "hf_olmoe": rm.RealModel("hf_olmoe", "transformers", olmoe),
+    }
 
 
 def _share(flops: object, low: bool) -> str:
@@ -277,26 +304,41 @@ def _tier_rows(name: str, entry: Any, recipes: list[str]) -> list[dict[str, obje
             loss_fn(compiled(**inputs)).backward()
         with count_gemm_flops() as flops:
             loss_fn(compiled(**inputs)).backward()
-        decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None
-                     for d in r.fp8.decisions}
-        kept = sorted({d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
-                       for d in decisions.values() if not d.converted})
-        rows.append({"model": name, "recipe": recipe, "matmuls": len(decisions),
-                     "fp8": sum(d.converted for d in decisions.values()),
-                     "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
-                     "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
-                     "low autocast": _share(autocast_flops, True),
-                     "low amp_fx": _share(flops, True), "fp8 amp_fx": _share(flops, False),
-                     "low torchao": _share(ref_flops, True), "fp8 torchao": _share(ref_flops, False),
-                     "kept out (why)": "; ".join(kept + ([ref_flops] if isinstance(ref_flops, str) else []))
-                     or "-"})
+        decisions = {d.weight: d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions}
+        kept = sorted(
+            {
+                d.reason.removeprefix("not fp8: ").split(" not a multiple")[0].split(";")[0]
+                for d in decisions.values()
+                if not d.converted
+            }
+        )
+        rows.append(
+            {
+                "model": name,
+                "recipe": recipe,
+                "matmuls": len(decisions),
+                "fp8": sum(d.converted for d in decisions.values()),
+                "padded": sum(d.padding is not None for d in decisions.values() if d.converted),
+                "padding FLOPs": f"{flops.padding / flops.total:.3f}" if flops.total else "-",
+                "low autocast": _share(autocast_flops, True),
+                "low amp_fx": _share(flops, True),
+                "fp8 amp_fx": _share(flops, False),
+                "low torchao": _share(ref_flops, True),
+                "fp8 torchao": _share(ref_flops, False),
+                "kept out (why)": "; ".join(kept + ([ref_flops] if isinstance(ref_flops, str) else [])) or "-",
+            }
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=None, help="models to run (default llama-like,hf-gpt2; with "
-                        "--tier: names of the tier's models and hf_qwen3_moe, hf_olmoe; default all)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="models to run (default llama-like,hf-gpt2; with "
+        "--tier: names of the tier's models and hf_qwen3_moe, hf_olmoe; default all)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--backend", default="inductor")
@@ -321,8 +363,10 @@ def main() -> None:
         tier(recipes, args.models.split(",") if args.models_given else None)
         return
     if args.device == "cpu":
-        print("CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
-              "kernel here; its speed says nothing about a GPU's)")
+        print(
+            "CPU: tokens/s and peak memory are not reported (fp8 GEMMs run as _scaled_mm's reference "
+            "kernel here; its speed says nothing about a GPU's)"
+        )
     warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
     for kind in args.models.split(","):
         batches = _batches(args.steps, dims["vocab"], dims["batch"], dims["seq"], args.device)

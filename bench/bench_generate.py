@@ -81,8 +81,13 @@ def main() -> None:
                 for name, (model, autocast, counter) in variants.items():
                     torch._dynamo.reset()
                     results[name] = _run(model, autocast, dtype, ids, cache)
-                    graphs[name] = ("-" if counter is None else len(amp_fx.records(counter)) if name == "amp_fx"
-                                    else counter.frame_count)
+                    graphs[name] = (
+                        "-"
+                        if counter is None
+                        else len(amp_fx.records(counter))
+                        if name == "amp_fx"
+                        else counter.frame_count
+                    )
                 for name, (model, autocast, _) in variants.items():
                     _run(model, autocast, dtype, ids, cache)  # warm-up after the resets: compiles again
                 for _ in range(args.repeats):
@@ -95,11 +100,34 @@ def main() -> None:
                     same = torch.equal(out.sequences, ref.sequences)
                     bitwise = all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits, strict=True))
                     t = times[name]
-                    rows.append([arch, cache, dtype, name, graphs[name], same, bitwise,
-                                 f"{1e3 * statistics.median(t):.1f} ({1e3 * percentile(t, 0.1):.1f}-"
-                                 f"{1e3 * percentile(t, 0.9):.1f})"])
-    print(tabulate(rows, headers=["model", "cache", "dtype", "variant", "graphs", "tokens equal",
-                                  "logits bitwise", "ms per generate, median (p10-p90)"]))
+                    rows.append(
+                        [
+                            arch,
+                            cache,
+                            dtype,
+                            name,
+                            graphs[name],
+                            same,
+                            bitwise,
+                            f"{1e3 * statistics.median(t):.1f} ({1e3 * percentile(t, 0.1):.1f}-"
+                            f"{1e3 * percentile(t, 0.9):.1f})",
+                        ]
+                    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "model",
+                "cache",
+                "dtype",
+                "variant",
+                "graphs",
+                "tokens equal",
+                "logits bitwise",
+                "ms per generate, median (p10-p90)",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -87,14 +87,14 @@ def lr_at(step: int, steps: int, peak: float = 1e-3, floor: float = 1e-5, warmup
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def build(name: str, init: nn.Module, backend: str) -> tuple[Callable[[Tensor, Tensor], Tensor], nn.Module,
-                                                                 torch.optim.Optimizer]:
+def build(
+    name: str, init: nn.Module, backend: str
+) -> tuple[Callable[[Tensor, Tensor], Tensor], nn.Module, torch.optim.Optimizer]:
     model = copy.deepcopy(init)
     if name == "bf16 round-to-nearest":
         model = model.bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0, 1), betas=(0.9, 0.95), weight_decay=0.1)
-    step = amp_fx.compile_step(model, opt, lm_loss, dtype="bf16", backend=backend,
-                               train_state=TRAIN_STATE.get(name))  # type: ignore[arg-type]
+    step = amp_fx.compile_step(model, opt, lm_loss, dtype="bf16", backend=backend, train_state=TRAIN_STATE.get(name))  # type: ignore[arg-type]
     return step, model, opt
 
 
@@ -136,8 +136,10 @@ def main() -> None:
     batches = [data.batch(dims["batch"], dims["seq"], train_gen) for _ in range(args.steps)]
 
     print("\n".join(machine_lines()))
-    print(f"Llama-like {dims}, {args.steps} AdamW steps, backend {args.backend}, device {args.device}; "
-          f"data: Markov chain, entropy rate {data.entropy_rate():.4f} nats/token (the lowest loss)")
+    print(
+        f"Llama-like {dims}, {args.steps} AdamW steps, backend {args.backend}, device {args.device}; "
+        f"data: Markov chain, entropy rate {data.entropy_rate():.4f} nats/token (the lowest loss)"
+    )
     rows, fp32_eval = [], None
     for name in names:
         torch.manual_seed(0)  # the same stream for stochastic rounding in every invocation
@@ -155,10 +157,17 @@ def main() -> None:
         held = held_per_param(model, opt)
         ev = eval_loss(model, held_out, args.device)
         fp32_eval = ev if name == "fp32 master" else fp32_eval
-        rows.append({"run": name, "train loss (last 20)": f"{train:.4f}", "held-out loss": f"{ev:.4f}",
-                     "- fp32 master": "" if fp32_eval is None else f"{ev - fp32_eval:+.4f}",
-                     "B/param held": f"{held:.2f}", "first loss": f"{float(losses[0]):.4f}",
-                     "s": f"{seconds:.0f}"})
+        rows.append(
+            {
+                "run": name,
+                "train loss (last 20)": f"{train:.4f}",
+                "held-out loss": f"{ev:.4f}",
+                "- fp32 master": "" if fp32_eval is None else f"{ev - fp32_eval:+.4f}",
+                "B/param held": f"{held:.2f}",
+                "first loss": f"{float(losses[0]):.4f}",
+                "s": f"{seconds:.0f}",
+            }
+        )
         print(f"  {name}: done in {seconds:.0f} s", file=sys.stderr)
     print(tabulate(rows, headers="keys", tablefmt="github"))
 

@@ -108,14 +108,17 @@ class Run:
 
 
 def runs() -> list[Run]:
-    out = [Run("fp32", "fp32"), Run("eager autocast", "autocast"), Run(ANCHOR, "compile"),
-           Run("torchao fp8 tensorwise + compile", "torchao", fp8="tensorwise"),
-           Run("torchao fp8 tensorwise + compile, fp8 all-gather", "torchao", fp8="tensorwise", fp8_all_gather=True)]
+    out = [
+        Run("fp32", "fp32"),
+        Run("eager autocast", "autocast"),
+        Run(ANCHOR, "compile"),
+        Run("torchao fp8 tensorwise + compile", "torchao", fp8="tensorwise"),
+        Run("torchao fp8 tensorwise + compile, fp8 all-gather", "torchao", fp8="tensorwise", fp8_all_gather=True),
+    ]
     for label, dtype, fp8 in (("bf16", "bf16", None), ("fp16", "fp16", None), ("fp8", "bf16", "tensorwise")):
         for kind, how in (("amp_fx", "compile"), ("amp_fx step", "compile_step")):
             for cache in (False, True):
-                out.append(Run(f"amp_fx {label}, {how}" + (", weight cache" if cache else ""), kind, dtype, fp8,
-                               cache))
+                out.append(Run(f"amp_fx {label}, {how}" + (", weight cache" if cache else ""), kind, dtype, fp8, cache))
     for state in ("bf16_sr", "bf16_kahan"):  # bf16 parameters, gradients and moments (docs: compiled step)
         out.append(Run(f"amp_fx bf16, compile_step, train_state={state}", "amp_fx step", train_state=state))
     return out
@@ -146,11 +149,19 @@ def build(run: Run, dims: dict[str, int], device: str, backend: str, wrap: str =
         precompute_float8_dynamic_scale_for_fsdp(model)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3)
-    ddp: Callable[[nn.Module], nn.Module] = (torch.nn.parallel.DistributedDataParallel if wrap == "ddp"
-                                             else lambda m: m)
+    ddp: Callable[[nn.Module], nn.Module] = torch.nn.parallel.DistributedDataParallel if wrap == "ddp" else lambda m: m
     if run.kind == "amp_fx step":
-        step = amp_fx.compile_step(ddp(model), opt, lm_loss, dtype=run.dtype, fp8=run.fp8, backend=backend,
-                                   weight_cache=run.weight_cache, train_state=run.train_state, strict=False)
+        step = amp_fx.compile_step(
+            ddp(model),
+            opt,
+            lm_loss,
+            dtype=run.dtype,
+            fp8=run.fp8,
+            backend=backend,
+            weight_cache=run.weight_cache,
+            train_state=run.train_state,
+            strict=False,
+        )
         cache = getattr(step._forward, "amp_fx_weight_cache", None)
         return Trainer(step, params, opt, lambda: weight_cache_tensors(cache))
 
@@ -165,16 +176,20 @@ def build(run: Run, dims: dict[str, int], device: str, backend: str, wrap: str =
 
     cache = None
     if run.kind == "amp_fx":
-        compiled = amp_fx.compile(model, dtype=run.dtype, fp8=run.fp8, backend=backend,
-                                  weight_cache=run.weight_cache, strict=False)
+        compiled = amp_fx.compile(
+            model, dtype=run.dtype, fp8=run.fp8, backend=backend, weight_cache=run.weight_cache, strict=False
+        )
         cache = compiled.amp_fx_weight_cache
         forward = ddp(compiled)
     elif run.kind in ("compile", "torchao"):
         forward = ddp(torch.compile(model, backend=backend))
     else:
         forward = ddp(model)
-    scaler = (amp_fx.GradScaler(device, step_mode=amp_fx.StepMode.MASKED)
-              if run.kind == "amp_fx" and run.dtype == "fp16" else None)
+    scaler = (
+        amp_fx.GradScaler(device, step_mode=amp_fx.StepMode.MASKED)
+        if run.kind == "amp_fx" and run.dtype == "fp16"
+        else None
+    )
 
     def step(ids: Tensor, targets: Tensor) -> Tensor:
         with region():
@@ -231,16 +246,26 @@ def measure(run: Run, dims: dict[str, int], device: str, backend: str, warmup: i
         total, activations = saved.bytes(), saved.bytes(exclude=[*t.params, *t.caches()])
     n = sum(p.numel() for p in t.params)
     held_total = sum(held.values())
-    out = dict(held, gradients=max(held["gradients"], grads.bytes), saved=total, activations=activations,
-               peak=held_total + peak.bytes, net=peak.net, params=n, compiled_during=_graphs() - before,
-               warnings=sorted({str(w.message).split(";")[0][:120] for w in caught
-                                if issubclass(w.category, amp_fx.AmpFxWarning)}))
+    out = dict(
+        held,
+        gradients=max(held["gradients"], grads.bytes),
+        saved=total,
+        activations=activations,
+        peak=held_total + peak.bytes,
+        net=peak.net,
+        params=n,
+        compiled_during=_graphs() - before,
+        warnings=sorted(
+            {str(w.message).split(";")[0][:120] for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)}
+        ),
+    )
     out["per_param"] = (held_total - held["gradients"] + out["gradients"]) / n
     return out
 
 
-def _dist_rank(rank: int, world_size: int, names: list[str], dims: dict[str, int], backend: str,
-               warmup: int) -> dict[str, dict[str, Any]]:
+def _dist_rank(
+    rank: int, world_size: int, names: list[str], dims: dict[str, int], backend: str, warmup: int
+) -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)
     out: dict[str, dict[str, Any]] = {}
     batch = _batch(dims, "cpu", seed=rank)
@@ -259,9 +284,13 @@ def _dist_rank(rank: int, world_size: int, names: list[str], dims: dict[str, int
                 with sent_bytes() as sent:
                     t.step(*batch)
                 n = sum(p.numel() for p in t.params)  # the whole model's: a DTensor's numel is global
-                out[key] = {"sent": dict(sent), "params": n,
-                            "warnings": sorted({str(w.message)[:200] for w in caught
-                                                if issubclass(w.category, amp_fx.AmpFxWarning)})}
+                out[key] = {
+                    "sent": dict(sent),
+                    "params": n,
+                    "warnings": sorted(
+                        {str(w.message)[:200] for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)}
+                    ),
+                }
             except Exception as e:  # noqa: BLE001 - one run's failure is a row, not the end of the table
                 out[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     return out
@@ -276,8 +305,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--backend", default="inductor", help="single-process runs (default inductor)")
     parser.add_argument("--dist-backend", default="aot_eager", help="the gloo ranks' runs")
-    parser.add_argument("--runs", default="", help="prefixes of run names, separated by ';' (default: all); "
-                        "a name ending in '$' selects that run alone")
+    parser.add_argument(
+        "--runs",
+        default="",
+        help="prefixes of run names, separated by ';' (default: all); a name ending in '$' selects that run alone",
+    )
     parser.add_argument("--no-dist", action="store_true", help="leave out the DDP/FSDP2 table")
     parser.add_argument("--no-memory", action="store_true", help="the DDP/FSDP2 table only")
     parser.add_argument("--warmup", type=int, default=3)
@@ -290,8 +322,11 @@ def main() -> None:
     dims.update({k: getattr(args, k) for k in dims if getattr(args, k) is not None})
     missing = torchao_missing()
     prefixes = [p.strip() for p in args.runs.split(";") if p.strip()]
-    selected = [r for r in runs() if (not prefixes or any(_selects(p, r.name) for p in prefixes))
-                and not (r.kind == "torchao" and missing)]
+    selected = [
+        r
+        for r in runs()
+        if (not prefixes or any(_selects(p, r.name) for p in prefixes)) and not (r.kind == "torchao" and missing)
+    ]
     if prefixes and ANCHOR not in [r.name for r in selected]:
         selected.insert(0, next(r for r in runs() if r.name == ANCHOR))  # the ratios' denominator
 
@@ -299,12 +334,11 @@ def main() -> None:
     if args.device == "cuda":
         print(f"device: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
     print(f"torchao: {missing or _version('torchao')}, amp_fx {_version('amp_fx')}")
-    print(f"Llama-like {dims}, AdamW, one step after {args.warmup} warm-up; backend {args.backend}; "
-          f"MiB = 2^20 bytes")
+    print(f"Llama-like {dims}, AdamW, one step after {args.warmup} warm-up; backend {args.backend}; MiB = 2^20 bytes")
     warnings.filterwarnings("ignore", category=UserWarning, module="torchao")
 
     results = {}
-    for run in ([] if args.no_memory else [r for r in selected if not r.fp8_all_gather]):
+    for run in [] if args.no_memory else [r for r in selected if not r.fp8_all_gather]:
         began = time.perf_counter()
         try:
             results[run.name] = measure(run, dims, args.device, args.backend, args.warmup)
@@ -312,18 +346,26 @@ def main() -> None:
             results[run.name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
         # each run as it comes (stderr), so a run stopped by a time limit still shows what it had measured
         r = results[run.name]
-        done = (f"failed: {r['error']}" if "error" in r else
-                f"peak {_mib(r['peak'])} MiB, activations {_mib(r['activations'])} MiB, "
-                f"B/param {r['per_param']:.2f}")
-        print(f"[bench_memory] {run.name}: {done} ({time.perf_counter() - began:.0f} s)", file=sys.stderr,
-              flush=True)
+        done = (
+            f"failed: {r['error']}"
+            if "error" in r
+            else f"peak {_mib(r['peak'])} MiB, activations {_mib(r['activations'])} MiB, B/param {r['per_param']:.2f}"
+        )
+        print(f"[bench_memory] {run.name}: {done} ({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
     if results:
         print(tabulate(_memory_rows(results), headers="keys", disable_numparse=True, tablefmt="github"))
     notes = {f"{name}: {w}" for name, r in results.items() for w in r.get("warnings", [])}
-    notes |= {f"{name}: {r['compiled_during']} graph(s) compiled during the measured steps"
-              for name, r in results.items() if r.get("compiled_during")}
-    notes |= {f"{name}: the measured step allocated {r['net']} bytes more than it freed (a free of unknown "
-              "size, or a step that grows)" for name, r in results.items() if r.get("net")}
+    notes |= {
+        f"{name}: {r['compiled_during']} graph(s) compiled during the measured steps"
+        for name, r in results.items()
+        if r.get("compiled_during")
+    }
+    notes |= {
+        f"{name}: the measured step allocated {r['net']} bytes more than it freed (a free of unknown "
+        "size, or a step that grows)"
+        for name, r in results.items()
+        if r.get("net")
+    }
     for note in sorted(notes):
         print(f"- {note}")
     if args.no_dist:
@@ -335,12 +377,16 @@ def main() -> None:
     names = [r.name for r in selected if r.train_state is None]
     left_out = [r.name for r in selected if r.train_state is not None]
     dist = run_ranks(_dist_rank, names, dims, args.dist_backend, args.warmup, backend=COUNTING_BACKEND)
-    print(f"\nsent per step, rank 0 (2 gloo ranks, backend {args.dist_backend}; "
-          "B/param: per parameter of the whole model)")
+    print(
+        f"\nsent per step, rank 0 (2 gloo ranks, backend {args.dist_backend}; "
+        "B/param: per parameter of the whole model)"
+    )
     print(tabulate(_dist_rows(dist), headers="keys", disable_numparse=True, tablefmt="github"))
     if left_out:
-        print(f"- left out: {', '.join(left_out)} (train_state is for a model that is not wrapped: "
-              "compile_step keeps a DDP or FSDP2 model's state in fp32 and says so)")
+        print(
+            f"- left out: {', '.join(left_out)} (train_state is for a model that is not wrapped: "
+            "compile_step keeps a DDP or FSDP2 model's state in fp32 and says so)"
+        )
     notes = {f"{key}: {w}" for key, r in dist[0].items() for w in r.get("warnings", [])}
     for note in sorted(notes):
         print(f"- {note}")
@@ -367,17 +413,23 @@ def _memory_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, str]]:
         if "error" in r:
             rows.append({"run": name, "parameters": f"failed: {r['error']}"})
             continue
-        rows.append({
-            "run": name,
-            "parameters": _mib(r["parameters"]), "gradients": _mib(r["gradients"]),
-            "optimizer state": _mib(r["optimizer state"]), "caches": _mib(r["caches"]),
-            "B/param": f"{r['per_param']:.2f}",
-            "saved": _mib(r["saved"]), "activations": _mib(r["activations"]),
-            "activations / anchor": f"{r['activations'] / anchor['activations']:.2f}" if "activations" in anchor
-            else "-",
-            "peak": _mib(r["peak"]),
-            "peak / anchor": f"{r['peak'] / anchor['peak']:.2f}" if "peak" in anchor else "-",
-        })
+        rows.append(
+            {
+                "run": name,
+                "parameters": _mib(r["parameters"]),
+                "gradients": _mib(r["gradients"]),
+                "optimizer state": _mib(r["optimizer state"]),
+                "caches": _mib(r["caches"]),
+                "B/param": f"{r['per_param']:.2f}",
+                "saved": _mib(r["saved"]),
+                "activations": _mib(r["activations"]),
+                "activations / anchor": f"{r['activations'] / anchor['activations']:.2f}"
+                if "activations" in anchor
+                else "-",
+                "peak": _mib(r["peak"]),
+                "peak / anchor": f"{r['peak'] / anchor['peak']:.2f}" if "peak" in anchor else "-",
+            }
+        )
     return rows
 
 

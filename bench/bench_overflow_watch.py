@@ -38,16 +38,31 @@ from amp_fx.testing.bench import machine_lines, percentile
 def gpt2(layers: int, width: int, vocab: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=8, vocab_size=vocab, n_positions=256,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=8,
+        vocab_size=vocab,
+        n_positions=256,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def llama(layers: int, width: int, vocab: int) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=int(width * 8 / 3) // 8 * 8,
-                      num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        intermediate_size=int(width * 8 / 3) // 8 * 8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -75,6 +90,7 @@ def _compiled(make: Callable[[], torch.nn.Module], watch: bool, backward: bool =
             return step(*args)
         finally:
             backend.watching_downstream = hook
+
     return forward_watch_only
 
 
@@ -98,6 +114,7 @@ def _eager(make: Callable[[], torch.nn.Module], variant: str) -> Callable[..., A
         scaler.update()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
     return step
 
 
@@ -118,8 +135,13 @@ def _time(step: Callable[..., Any], batch: tuple[torch.Tensor, torch.Tensor], n:
     return statistics.median(times)
 
 
-def compare(pair: tuple[Callable[..., Any], Callable[..., Any]], batch: tuple[torch.Tensor, torch.Tensor],
-            rounds: int, steps: int, warmup: int) -> tuple[list[float], float, float]:
+def compare(
+    pair: tuple[Callable[..., Any], Callable[..., Any]],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    rounds: int,
+    steps: int,
+    warmup: int,
+) -> tuple[list[float], float, float]:
     """Ratios (second / first) of each round's median; the first's and second's overall medians."""
     base, other = pair
     for _ in range(warmup):
@@ -149,15 +171,19 @@ def main() -> None:
     p.add_argument("--llama-width", type=int, default=256)
     p.add_argument("--only", choices=["compiled", "eager"], default=None)
     p.add_argument("--model", choices=["gpt2", "llama"], default=None, help="one model only (default: both)")
-    p.add_argument("--watch", choices=["forward", "both", "all"], default="all",
-                   help="compiled pairs: the forward watch / off, the forward+backward watch / off, or all three pairs")
+    p.add_argument(
+        "--watch",
+        choices=["forward", "both", "all"],
+        default="all",
+        help="compiled pairs: the forward watch / off, the forward+backward watch / off, or all three pairs",
+    )
     args = p.parse_args()
 
     models = {
-        f"GPT-2-like {args.gpt2_layers}x{args.gpt2_width}": lambda: gpt2(args.gpt2_layers, args.gpt2_width,
-                                                                           args.vocab),
-        f"Llama-like {args.llama_layers}x{args.llama_width}": lambda: llama(args.llama_layers, args.llama_width,
-                                                                             args.vocab),
+        f"GPT-2-like {args.gpt2_layers}x{args.gpt2_width}": lambda: gpt2(args.gpt2_layers, args.gpt2_width, args.vocab),
+        f"Llama-like {args.llama_layers}x{args.llama_width}": lambda: llama(
+            args.llama_layers, args.llama_width, args.vocab
+        ),
     }
     if args.model is not None:
         models = {k: v for k, v in models.items() if k.lower().startswith(args.model[:3])}
@@ -169,26 +195,43 @@ def main() -> None:
         pairs = {}
         if args.only in (None, "compiled"):
             if args.watch in ("forward", "all"):
-                pairs["compile_step inductor: forward watch / off"] = (_compiled(make, False),
-                                                                       _compiled(make, True, backward=False))
+                pairs["compile_step inductor: forward watch / off"] = (
+                    _compiled(make, False),
+                    _compiled(make, True, backward=False),
+                )
             if args.watch in ("both", "all"):
-                pairs["compile_step inductor: forward+backward watch / off"] = (_compiled(make, False),
-                                                                                _compiled(make, True))
+                pairs["compile_step inductor: forward+backward watch / off"] = (
+                    _compiled(make, False),
+                    _compiled(make, True),
+                )
             if args.watch == "all":
                 pairs["compile_step inductor: forward+backward watch / forward watch"] = (
-                    _compiled(make, True, backward=False), _compiled(make, True))
+                    _compiled(make, True, backward=False),
+                    _compiled(make, True),
+                )
         if args.only in (None, "eager"):
             pairs["eager: DebugUnderflowOverflow / none"] = (_eager(make, "none"), _eager(make, "debug"))
             pairs["eager: detect_anomaly / none"] = (_eager(make, "none"), _eager(make, "anomaly"))
         for what, pair in pairs.items():
             ratios, base, other = compare(pair, batch, args.rounds, args.steps, args.warmup)
-            rows.append([name, what, f"{1e3 * base:.1f}", f"{1e3 * other:.1f}", f"{statistics.median(ratios):.3f}",
-                         f"{percentile(ratios, 0.1):.3f}", f"{percentile(ratios, 0.9):.3f}"])
+            rows.append(
+                [
+                    name,
+                    what,
+                    f"{1e3 * base:.1f}",
+                    f"{1e3 * other:.1f}",
+                    f"{statistics.median(ratios):.3f}",
+                    f"{percentile(ratios, 0.1):.3f}",
+                    f"{percentile(ratios, 0.9):.3f}",
+                ]
+            )
             print(rows[-1], flush=True)
     for line in machine_lines():
         print(line)
-    print(f"batch {args.batch} x seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds x {args.steps} steps, "
-          f"ratios = per-round median with / without")
+    print(
+        f"batch {args.batch} x seq {args.seq}, vocab {args.vocab}, {args.rounds} rounds x {args.steps} steps, "
+        f"ratios = per-round median with / without"
+    )
     print(tabulate(rows, headers=["model", "comparison", "without ms", "with ms", "ratio p50", "p10", "p90"]))
 
 

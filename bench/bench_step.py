@@ -48,8 +48,9 @@ class TinyTransformer(torch.nn.Module):
     def __init__(self, vocab: int, d_model: int, heads: int, layers: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, d_model)
-        layer = torch.nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
-                                                 norm_first=True)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = torch.nn.Linear(d_model, vocab)
 
@@ -70,8 +71,9 @@ Window = list[tuple[torch.Tensor, torch.Tensor]]
 """One optimizer step's micro-batches (``--accumulate`` of them): (tokens, targets) each."""
 
 
-def cuda_graphed(step: Callable[..., torch.Tensor], window: Window, warmup: int = 3
-                 ) -> Callable[[Window], torch.Tensor]:
+def cuda_graphed(
+    step: Callable[..., torch.Tensor], window: Window, warmup: int = 3
+) -> Callable[[Window], torch.Tensor]:
     """``step`` warmed up on a side stream for ``warmup`` optimizer steps, then one whole
     optimizer step (``len(window)`` micro-batches: the step decides on the host, by counting its
     calls, which call ends the accumulation window) captured as one CUDA graph, replayed once per
@@ -101,6 +103,7 @@ def cuda_graphed(step: Callable[..., torch.Tensor], window: Window, warmup: int 
 
 def per_window(step: Callable[..., torch.Tensor]) -> Callable[[Window], torch.Tensor]:
     """One optimizer step of ``step``: one call per micro-batch of the window."""
+
     def run(micro_batches: Window) -> torch.Tensor:
         for x, y in micro_batches:
             loss = step(x, y)
@@ -109,8 +112,9 @@ def per_window(step: Callable[..., torch.Tensor]) -> Callable[[Window], torch.Te
     return run
 
 
-def measure(steps: dict[str, Callable[[Window], torch.Tensor]], windows: list[Window],
-            warmup: int, device: torch.device) -> dict[str, dict[str, Any]]:
+def measure(
+    steps: dict[str, Callable[[Window], torch.Tensor]], windows: list[Window], warmup: int, device: torch.device
+) -> dict[str, dict[str, Any]]:
     """Time the variants interleaved, one optimizer step (one accumulation window) of each in
     turn, so that load from other processes on a shared machine falls on all of them alike; then
     count host reads and graph breaks."""
@@ -152,17 +156,29 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timed ones")
-    parser.add_argument("--accumulate", type=int, default=1,
-                        help="micro-batches per optimizer step (gradient accumulation); every time in the table "
-                             "is one optimizer step, all its micro-batches included")
-    parser.add_argument("--weight-cache", action="store_true",
-                        help="also amp_fx.compile_step(weight_cache=True) (and its CUDA graph on CUDA), beside "
-                             "the rows without it")
-    parser.add_argument("--backend", default="inductor",
-                        help="torch.compile backend of the compiled variants (aot_eager: a quick CPU check)")
-    parser.add_argument("--fused", action="store_true",
-                        help="AdamW(fused=True) (skips on the device in torch's recipe too); default: "
-                             "AdamW's default implementation, which torch's GradScaler skips on the host")
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation); every time in the table "
+        "is one optimizer step, all its micro-batches included",
+    )
+    parser.add_argument(
+        "--weight-cache",
+        action="store_true",
+        help="also amp_fx.compile_step(weight_cache=True) (and its CUDA graph on CUDA), beside the rows without it",
+    )
+    parser.add_argument(
+        "--backend",
+        default="inductor",
+        help="torch.compile backend of the compiled variants (aot_eager: a quick CPU check)",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="AdamW(fused=True) (skips on the device in torch's recipe too); default: "
+        "AdamW's default implementation, which torch's GradScaler skips on the host",
+    )
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -173,9 +189,16 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     n = args.warmup + args.steps + 3
-    windows = [[(torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
-                 torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device))
-                for _ in range(args.accumulate)] for _ in range(n)]
+    windows = [
+        [
+            (
+                torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
+                torch.randint(args.vocab, (args.batch, args.seq), generator=g).to(device),
+            )
+            for _ in range(args.accumulate)
+        ]
+        for _ in range(n)
+    ]
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -192,13 +215,27 @@ def main() -> None:
 
     def compiled_model() -> Callable[..., torch.Tensor]:
         model, opt = fresh()
-        return eager_amp_step(torch.compile(model, backend=args.backend), opt, lm_loss, scaler(), dtype=dtype,
-                              accumulate=args.accumulate, params=list(model.parameters()))
+        return eager_amp_step(
+            torch.compile(model, backend=args.backend),
+            opt,
+            lm_loss,
+            scaler(),
+            dtype=dtype,
+            accumulate=args.accumulate,
+            params=list(model.parameters()),
+        )
 
     def compile_step(weight_cache: bool = False) -> Callable[..., torch.Tensor]:
         model, opt = fresh()
-        return amp_fx.compile_step(model, opt, lm_loss, dtype=dtype, backend=args.backend,
-                                   accumulate=args.accumulate, weight_cache=weight_cache)
+        return amp_fx.compile_step(
+            model,
+            opt,
+            lm_loss,
+            dtype=dtype,
+            backend=args.backend,
+            accumulate=args.accumulate,
+            weight_cache=weight_cache,
+        )
 
     variants: dict[str, Callable[[], Callable[[Window], torch.Tensor]]] = {
         "eager autocast + GradScaler": lambda: per_window(eager()),
@@ -210,8 +247,9 @@ def main() -> None:
     if args.weight_cache:
         variants["amp_fx.compile_step, weight cache"] = lambda: per_window(compile_step(weight_cache=True))
         if device.type == "cuda":
-            variants["amp_fx.compile_step, weight cache, CUDA graph"] = (
-                lambda: cuda_graphed(compile_step(weight_cache=True), windows[0]))
+            variants["amp_fx.compile_step, weight cache, CUDA graph"] = lambda: cuda_graphed(
+                compile_step(weight_cache=True), windows[0]
+            )
     torch._dynamo.reset()
     results = measure({name: build() for name, build in variants.items()}, windows, args.warmup, device)
 
@@ -219,8 +257,9 @@ def main() -> None:
     torch._dynamo.reset()
     counters.clear()
     model, opt = fresh()
-    whole = torch.compile(eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype, accumulate=args.accumulate),
-                          backend="eager")
+    whole = torch.compile(
+        eager_amp_step(model, opt, lm_loss, scaler(), dtype=dtype, accumulate=args.accumulate), backend="eager"
+    )
     for window in windows[:3]:
         per_window(whole)(window)
     whole_breaks = sum(counters["graph_break"].values())
@@ -229,28 +268,61 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         t = r["times"]
-        rows.append([name, f"{statistics.median(t) * 1e3:.2f}", f"{statistics.median(t) / base:.2f}",
-                     f"{percentile(t, 0.1) / base:.2f}", f"{percentile(t, 0.9) / base:.2f}",
-                     f"{r['syncs']:.1f}", f"{r['kernel_reads']:.1f}", f"{r['breaks']:.1f}", f"{r['warmup_s']:.0f}"])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(t) * 1e3:.2f}",
+                f"{statistics.median(t) / base:.2f}",
+                f"{percentile(t, 0.1) / base:.2f}",
+                f"{percentile(t, 0.9) / base:.2f}",
+                f"{r['syncs']:.1f}",
+                f"{r['kernel_reads']:.1f}",
+                f"{r['breaks']:.1f}",
+                f"{r['warmup_s']:.0f}",
+            ]
+        )
     print(*machine_lines(), sep="\n")
     if device.type == "cuda":
-        print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each optimizer step timed "
-              "from a synchronized device to a synchronized device")
-    print(f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
-          f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
-          f"{args.accumulate} micro-batch(es) per optimizer step, backend {args.backend}, "
-          f"{args.steps} timed optimizer steps after {args.warmup} warm-up, variants interleaved")
-    print(tabulate(rows, headers=["variant", "median ms/opt. step", "median/eager", "p10/eager", "p90/eager",
-                                  "host reads/opt. step", "reads in CPU kernels/opt. step",
-                                  "graph breaks/opt. step", "warm-up s (compile)"]))
+        print(
+            f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}; each optimizer step timed "
+            "from a synchronized device to a synchronized device"
+        )
+    print(
+        f"model: TinyTransformer(vocab={args.vocab}, d_model={args.d_model}, heads={args.heads}, "
+        f"layers={args.layers}), batch {args.batch}x{args.seq}, {dtype}, AdamW(fused={args.fused}), "
+        f"{args.accumulate} micro-batch(es) per optimizer step, backend {args.backend}, "
+        f"{args.steps} timed optimizer steps after {args.warmup} warm-up, variants interleaved"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "variant",
+                "median ms/opt. step",
+                "median/eager",
+                "p10/eager",
+                "p90/eager",
+                "host reads/opt. step",
+                "reads in CPU kernels/opt. step",
+                "graph breaks/opt. step",
+                "warm-up s (compile)",
+            ],
+        )
+    )
     for name in ("amp_fx.compile_step, CUDA graph", "amp_fx.compile_step, weight cache, CUDA graph"):
         if name in results:
             graphed = statistics.median(results[name]["times"]) / base
-            print(f"CUDA-graphed {name.removeprefix('amp_fx.').removesuffix(', CUDA graph')}: {graphed:.2f}x eager "
-                  f"autocast + GradScaler's median step time (target < 1: {'met' if graphed < 1 else 'NOT met'})")
-    reasons = sorted({key.splitlines()[0] + (": " + key.splitlines()[1].split("function `")[-1].split("`")[0]
-                                             if "function `" in key else "")
-                      for key in counters["graph_break"]})
+            print(
+                f"CUDA-graphed {name.removeprefix('amp_fx.').removesuffix(', CUDA graph')}: {graphed:.2f}x eager "
+                f"autocast + GradScaler's median step time (target < 1: {'met' if graphed < 1 else 'NOT met'})"
+            )
+    reasons = sorted(
+        {
+            key.splitlines()[0]
+            + (": " + key.splitlines()[1].split("function `")[-1].split("`")[0] if "function `" in key else "")
+            for key in counters["graph_break"]
+        }
+    )
     print(f"torch.compile of the whole eager recipe (Dynamo, 3 optimizer steps): {whole_breaks} graph breaks:")
     for reason in reasons:
         print(f"  - {reason}")

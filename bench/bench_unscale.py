@@ -56,6 +56,7 @@ _ROUND = 7  # repetitions per round
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
+
         def cuda_time(fn: Callable[[], object]) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -63,12 +64,14 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
+
         return cuda_time
 
     def cpu_time(fn: Callable[[], object]) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
+
     return cpu_time
 
 
@@ -99,14 +102,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--numel", type=int, default=None,
-                        help="elements per tensor (default: 1M on cpu, 4M on cuda)")
+    parser.add_argument("--numel", type=int, default=None, help="elements per tensor (default: 1M on cpu, 4M on cuda)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--min-reps", type=int, default=14)
     parser.add_argument("--max-reps", type=int, default=63)
-    parser.add_argument("--sweep", action="store_true",
-                        help="CUDA: time the Triton kernel per tile, chunk and warp count, and the "
-                             "launcher's host time")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="CUDA: time the Triton kernel per tile, chunk and warp count, and the launcher's host time",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_unscale: --device cuda, but torch.cuda.is_available() is False")
@@ -114,8 +118,10 @@ def main() -> None:
         from amp_fx.kernels import triton_unscale
 
         if args.device != "cuda" and not triton_unscale.is_interpreted():
-            raise SystemExit("bench_unscale: --sweep tunes the CUDA kernel: pass --device cuda (on a CPU, only "
-                             "under TRITON_INTERPRET=1, with small --tensors and --numel, to check the script)")
+            raise SystemExit(
+                "bench_unscale: --sweep tunes the CUDA kernel: pass --device cuda (on a CPU, only "
+                "under TRITON_INTERPRET=1, with small --tensors and --numel, to check the script)"
+            )
         _sweep(torch.device(args.device), args.tensors, args.numel or 1 << 22, args.warmup, args.max_reps)
         return
     device = torch.device(args.device)
@@ -138,20 +144,22 @@ def main() -> None:
         flat_src = torch.randn(args.tensors * numel, device=device)
         flat_dst = torch.empty_like(flat_src)
         methods["device-to-device copy"] = lambda s: flat_dst.copy_(flat_src)
-    methods.update({
-        "torch _amp_foreach_non_finite_check_and_unscale_": (
-            lambda s: reference_unscale_check_(grads, found_inf, s)
-        ),
-        "amp_fx unscale_check_": lambda s: unscale_check_(grads, found_inf, s),
-        "torch unscale_ + clip_grad_norm_": (
-            lambda s: torch_unscale_then_clip_(params, found_inf, s, max_norm=1e30)
-        ),
-        "torch unscale_ + _foreach_norm (no clip multiply)": lambda s: (
-            reference_unscale_check_(grads, found_inf, s),
-            torch._foreach_norm(grads),
-        ),
-        "amp_fx unscale_check_norm_": lambda s: unscale_check_norm_(grads, found_inf, s),
-    })
+    methods.update(
+        {
+            "torch _amp_foreach_non_finite_check_and_unscale_": (
+                lambda s: reference_unscale_check_(grads, found_inf, s)
+            ),
+            "amp_fx unscale_check_": lambda s: unscale_check_(grads, found_inf, s),
+            "torch unscale_ + clip_grad_norm_": (
+                lambda s: torch_unscale_then_clip_(params, found_inf, s, max_norm=1e30)
+            ),
+            "torch unscale_ + _foreach_norm (no clip multiply)": lambda s: (
+                reference_unscale_check_(grads, found_inf, s),
+                torch._foreach_norm(grads),
+            ),
+            "amp_fx unscale_check_norm_": lambda s: unscale_check_norm_(grads, found_inf, s),
+        }
+    )
     reference = targets["reference"]
     timed = _timer(device)
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -162,8 +170,9 @@ def main() -> None:
     def ratios() -> dict[str, list[float]]:
         """Per repetition: x reference (reference time / method time), and the norm speedup."""
         out = {name: [r / t for r, t in zip(times[reference], ts)] for name, ts in times.items()}
-        out["norm speedup"] = [c / n for c, n in zip(times["torch unscale_ + clip_grad_norm_"],
-                                                      times["amp_fx unscale_check_norm_"])]
+        out["norm speedup"] = [
+            c / n for c, n in zip(times["torch unscale_ + clip_grad_norm_"], times["amp_fx unscale_check_norm_"])
+        ]
         return out
 
     judged = ("amp_fx unscale_check_", "norm speedup")
@@ -185,35 +194,57 @@ def main() -> None:
     rows = []
     for name, ts in times.items():
         gbps = [total_bytes / t / 1e9 for t in ts]
-        rows.append([name, f"{statistics.median(ts) * 1e3:.2f}", f"{percentile(gbps, 0.1):.1f}",
-                     f"{percentile(gbps, 0.5):.1f}", f"{percentile(gbps, 0.9):.1f}", _fmt(r[name])])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(ts) * 1e3:.2f}",
+                f"{percentile(gbps, 0.1):.1f}",
+                f"{percentile(gbps, 0.5):.1f}",
+                f"{percentile(gbps, 0.9):.1f}",
+                _fmt(r[name]),
+            ]
+        )
 
     print(*machine_lines(), sep="\n")
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}")
-    print(f"{args.tensors} fp32 gradients x {numel} elements on {device.type}, {reps} repetitions "
-          f"(interleaved) after {args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element")
-    print(tabulate(rows, headers=["method", "median ms", "p10 GB/s", "p50 GB/s", "p90 GB/s",
-                                  f"x {reference}: median (p10-p90)"], tablefmt="github"))
+    print(
+        f"{args.tensors} fp32 gradients x {numel} elements on {device.type}, {reps} repetitions "
+        f"(interleaved) after {args.warmup} warm-up; GB/s at {_BYTES_PER_ELEMENT} bytes per element"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=["method", "median ms", "p10 GB/s", "p50 GB/s", "p90 GB/s", f"x {reference}: median (p10-p90)"],
+            tablefmt="github",
+        )
+    )
     busy = [k for k in judged if not _small(r[k])]
     check_ratio = _spread(r["amp_fx unscale_check_"])[0]
     speedup = _spread(r["norm speedup"])[0]
 
     def verdict(ok: bool, key: str) -> str:
         if key in busy:
-            return (f"inconclusive: machine busy (spread above {_MAX_SPREAD:.0%} of the median "
-                    f"after {reps} repetitions)")
+            return f"inconclusive: machine busy (spread above {_MAX_SPREAD:.0%} of the median after {reps} repetitions)"
         return "met" if ok else "NOT met"
 
-    print(f"unscale+check at {_fmt(r['amp_fx unscale_check_'])} of the {reference} "
-          f"(target >= {targets['check']}): {verdict(check_ratio >= targets['check'], judged[0])}")
-    print(f"unscale+check+norm {_fmt(r['norm speedup'])}x torch unscale_ + clip_grad_norm_ "
-          f"(target >= {targets['norm_speedup']}x): "
-          f"{verdict(speedup >= targets['norm_speedup'], judged[1])}")
+    print(
+        f"unscale+check at {_fmt(r['amp_fx unscale_check_'])} of the {reference} "
+        f"(target >= {targets['check']}): {verdict(check_ratio >= targets['check'], judged[0])}"
+    )
+    print(
+        f"unscale+check+norm {_fmt(r['norm speedup'])}x torch unscale_ + clip_grad_norm_ "
+        f"(target >= {targets['norm_speedup']}x): "
+        f"{verdict(speedup >= targets['norm_speedup'], judged[1])}"
+    )
     if triton_missing is None:
-        print(tabulate(host_time(grads, found_inf, inv, args.warmup, 200),
-                       headers=["host time per call, steady state, no sync", "median us", "p10-p90 us", ""],
-                       tablefmt="github"))
+        print(
+            tabulate(
+                host_time(grads, found_inf, inv, args.warmup, 200),
+                headers=["host time per call, steady state, no sync", "median us", "p10-p90 us", ""],
+                tablefmt="github",
+            )
+        )
         print(f"target (GPU): launch_unscale_check < {_HOST_TARGET_US:.0f} us per call")
     else:
         print(f"host time per call: not measured ({triton_missing})")
@@ -222,8 +253,9 @@ def main() -> None:
 _HOST_TARGET_US = 30.0  # issue 51: launcher host time per call in the steady state, on the GPU's host
 
 
-def host_time(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: dict[int, torch.Tensor], warmup: int,
-              reps: int) -> list[list[str]]:
+def host_time(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv: dict[int, torch.Tensor], warmup: int, reps: int
+) -> list[list[str]]:
     """Rows of host time per call in the steady state (the launch plan found in its cache), no
     device sync: the host-side work before the launch (``triton_unscale._plan``: the gradients'
     addresses, sizes and contiguity, one dict lookup) and, on CUDA, the whole launcher
@@ -233,10 +265,12 @@ def host_time(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: dict[int,
 
     device = found_inf.device
     calls: dict[str, Callable[[int], object]] = {
-        "host work before the launch (_plan)": lambda rep: tu._plan(grads, tu.BLOCK, tu.CHUNK, device)}
+        "host work before the launch (_plan)": lambda rep: tu._plan(grads, tu.BLOCK, tu.CHUNK, device)
+    }
     if device.type == "cuda":
         calls["launch_unscale_check (plan + Triton launch)"] = lambda rep: tu.launch_unscale_check(
-            grads, found_inf, inv[rep % 2], compute_norm=False)
+            grads, found_inf, inv[rep % 2], compute_norm=False
+        )
     rows = []
     for name, call in calls.items():
         times = []
@@ -276,8 +310,20 @@ def _sweep(device: torch.device, tensors: int, numel: int, warmup: int, reps: in
 
         def run(s: torch.Tensor) -> None:
             tu._unscale_check_kernel[(table.shape[0],)](
-                table, found_inf, s, found_inf, found_inf, ELEM=tu._TORCH_TO_TL[torch.float32], BLOCK=block,
-                SPAN=span, COMPUTE_NORM=False, ALIGNED=True, HAS_FLAGS=False, num_warps=warps)
+                table,
+                found_inf,
+                s,
+                found_inf,
+                found_inf,
+                ELEM=tu._TORCH_TO_TL[torch.float32],
+                BLOCK=block,
+                SPAN=span,
+                COMPUTE_NORM=False,
+                ALIGNED=True,
+                HAS_FLAGS=False,
+                num_warps=warps,
+            )
+
         return run
 
     methods: dict[str, Callable[[torch.Tensor], object]] = {"device-to-device copy": lambda s: dst.copy_(src)}
@@ -290,8 +336,10 @@ def _sweep(device: torch.device, tensors: int, numel: int, warmup: int, reps: in
             if rep >= warmup:
                 times[name].append(t)
     copy = times["device-to-device copy"]
-    rows = [[name, f"{statistics.median(ts) * 1e3:.3f}", _fmt([c / t for c, t in zip(copy, ts)])]
-            for name, ts in times.items()]
+    rows = [
+        [name, f"{statistics.median(ts) * 1e3:.3f}", _fmt([c / t for c, t in zip(copy, ts)])]
+        for name, ts in times.items()
+    ]
     host = []
     for rep in range(warmup + reps):  # the launcher as the step calls it: host time, no sync
         sync()
@@ -303,14 +351,23 @@ def _sweep(device: torch.device, tensors: int, numel: int, warmup: int, reps: in
     assert found_inf.item() == 0.0, "randn gradients must not be flagged"
     print(*machine_lines(), sep="\n")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
-    print(f"device: {name}, CUDA {torch.version.cuda}; {tensors} fp32 gradients x "
-          f"{numel} elements, {reps} repetitions (interleaved) after {warmup} warm-up; defaults: block "
-          f"{tu.BLOCK}, chunk {tu.CHUNK}, {tu.NUM_WARPS} warps")
-    print(tabulate(rows, headers=["Triton kernel alone", "median ms", "x device-to-device copy: median (p10-p90)"],
-                   tablefmt="github"))
+    print(
+        f"device: {name}, CUDA {torch.version.cuda}; {tensors} fp32 gradients x "
+        f"{numel} elements, {reps} repetitions (interleaved) after {warmup} warm-up; defaults: block "
+        f"{tu.BLOCK}, chunk {tu.CHUNK}, {tu.NUM_WARPS} warps"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=["Triton kernel alone", "median ms", "x device-to-device copy: median (p10-p90)"],
+            tablefmt="github",
+        )
+    )
     mid, lo, hi = _spread([h * 1e6 for h in host])
-    print(f"launch_unscale_check host time per call (table found in the cache, no sync): {mid:.0f} us "
-          f"(p10 {lo:.0f}, p90 {hi:.0f})")
+    print(
+        f"launch_unscale_check host time per call (table found in the cache, no sync): {mid:.0f} us "
+        f"(p10 {lo:.0f}, p90 {hi:.0f})"
+    )
 
 
 if __name__ == "__main__":

@@ -156,23 +156,47 @@ def hf_gpt2(vocab: int, d: int, layers: int, heads: int, seq: int) -> nn.Module:
     """transformers' GPT2LMHeadModel (head tied to the embedding), no dropout."""
     import transformers
 
-    return HFLogits(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=layers, n_head=heads,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)))
+    return HFLogits(
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=vocab,
+                n_positions=seq,
+                n_embd=d,
+                n_layer=layers,
+                n_head=heads,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
+    )
 
 
 def hf_llama(vocab: int, d: int, layers: int, heads: int, seq: int) -> nn.Module:
     """transformers' LlamaForCausalLM (rotary embeddings, SwiGLU, untied head), the llama-like MLP width."""
     import transformers
 
-    return HFLogits(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=d, intermediate_size=256 * math.ceil(8 * d / 3 / 256),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=max(seq, 64))))
+    return HFLogits(
+        transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=d,
+                intermediate_size=256 * math.ceil(8 * d / 3 / 256),
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=heads,
+                max_position_embeddings=max(seq, 64),
+            )
+        )
+    )
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"gpt2-like": GPT2, "llama-like": Llama,
-                                               "hf-gpt2": hf_gpt2, "hf-llama": hf_llama}
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "gpt2-like": GPT2,
+    "llama-like": Llama,
+    "hf-gpt2": hf_gpt2,
+    "hf-llama": hf_llama,
+}
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -258,8 +282,15 @@ class Variant:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.eager_forward = name == "eager autocast"
         if name.startswith("amp_fx"):
-            self.step = amp_fx.compile_step(model, self.opt, lm_loss, dtype=DTYPE, accumulate=accumulate,
-                                            backend=counter.backend(), weight_cache=name.endswith("cache"))
+            self.step = amp_fx.compile_step(
+                model,
+                self.opt,
+                lm_loss,
+                dtype=DTYPE,
+                accumulate=accumulate,
+                backend=counter.backend(),
+                weight_cache=name.endswith("cache"),
+            )
             self._wrap_update(self.step)
         else:
             run = model if self.eager_forward else torch.compile(model, backend=counter.backend())
@@ -323,8 +354,9 @@ def _build(name: str, kind: str, vocab: int, d: int, layers: int, heads: int, se
 # --- measurements ------------------------------------------------------------------------------
 
 
-def cast_bytes(kind: str, dims: dict[str, int], accumulate: int, batch: list[tuple[Tensor, Tensor]]
-               ) -> tuple[dict[str, dict[str, int]], dict[str, Variant]]:
+def cast_bytes(
+    kind: str, dims: dict[str, int], accumulate: int, batch: list[tuple[Tensor, Tensor]]
+) -> tuple[dict[str, dict[str, int]], dict[str, Variant]]:
     """Bytes per optimizer step for each variant; returns the two amp_fx variants, still compiled."""
     out, keep = {}, {}
     for name in ("eager autocast", "torch.compile+autocast", "amp_fx", "amp_fx + weight cache"):
@@ -336,7 +368,7 @@ def cast_bytes(kind: str, dims: dict[str, int], accumulate: int, batch: list[tup
         for x, y in batch[: 3 * accumulate]:  # compile, compile_step's eager warm-up, one compiled step
             variant.step(x, y)
         counter.active = True
-        for x, y in batch[3 * accumulate: 4 * accumulate]:
+        for x, y in batch[3 * accumulate : 4 * accumulate]:
             variant.step(x, y)
         counter.active = False
         out[name] = dict(counter.bytes)
@@ -366,8 +398,7 @@ def _peak_transient(fn: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
     now = peak = 0
     for _, action, _, size in prof._memory_profile().timeline:
@@ -379,14 +410,15 @@ def _peak_transient(fn: Callable[[], None]) -> int:
     return peak
 
 
-def time_and_memory(kind: str, variants: dict[str, Variant], accumulate: int,
-                    batch: list[tuple[Tensor, Tensor]], steps: int) -> list[list[object]]:
+def time_and_memory(
+    kind: str, variants: dict[str, Variant], accumulate: int, batch: list[tuple[Tensor, Tensor]], steps: int
+) -> list[list[object]]:
     """amp_fx without and with the cache, already compiled and warm: interleaved step times, the
     bytes held between steps and the peak during one step."""
-    window = batch[3 * accumulate: 4 * accumulate]
+    window = batch[3 * accumulate : 4 * accumulate]
     times: dict[str, list[float]] = defaultdict(list)
     for i in range(steps):
-        for name, v in (variants.items() if i % 2 == 0 else reversed(variants.items())):
+        for name, v in variants.items() if i % 2 == 0 else reversed(variants.items()):
             t0 = time.perf_counter()
             for x, y in window:
                 v.step(x, y)
@@ -403,9 +435,19 @@ def time_and_memory(kind: str, variants: dict[str, Variant], accumulate: int,
 
         peak = held + _peak_transient(one_window)
         med = percentile(times[name], 0.5)
-        rows.append([kind, accumulate, name, f"{med * 1e3:.0f}", f"{med / base:.3f}",
-                     f"{percentile(times[name], 0.1) / base:.3f}", f"{percentile(times[name], 0.9) / base:.3f}",
-                     f"{held / 2**20:.1f}", f"{peak / 2**20:.1f}"])
+        rows.append(
+            [
+                kind,
+                accumulate,
+                name,
+                f"{med * 1e3:.0f}",
+                f"{med / base:.3f}",
+                f"{percentile(times[name], 0.1) / base:.3f}",
+                f"{percentile(times[name], 0.9) / base:.3f}",
+                f"{held / 2**20:.1f}",
+                f"{peak / 2**20:.1f}",
+            ]
+        )
     return rows
 
 
@@ -428,18 +470,28 @@ def check_fusion(kind: str, dims: dict[str, int]) -> str:
     with inductor_config.patch(fx_graph_cache=False):
         _, code = run_and_get_code(lambda: step(x, y))
     text = "\n".join(code)
-    kernels = text.count("extern \"C\"")
-    signatures = [chunk.split(")", 1)[0] for chunk in text.split("extern \"C\"")[1:]]
-    both = sum(1 for sig, chunk in zip(signatures, text.split("extern \"C\"")[1:])
-               if "float* out_ptr" in sig and "at::BFloat16* out_ptr" in sig and "convert<at::BFloat16>" in chunk)
-    return (f"code compiled for the step after warm-up (inductor, SGD momentum): {kernels} C++ kernels; {both} "
-            "store updated fp32 parameters and their bf16 copies from the same loop")
+    kernels = text.count('extern "C"')
+    signatures = [chunk.split(")", 1)[0] for chunk in text.split('extern "C"')[1:]]
+    both = sum(
+        1
+        for sig, chunk in zip(signatures, text.split('extern "C"')[1:])
+        if "float* out_ptr" in sig and "at::BFloat16* out_ptr" in sig and "convert<at::BFloat16>" in chunk
+    )
+    return (
+        f"code compiled for the step after warm-up (inductor, SGD momentum): {kernels} C++ kernels; {both} "
+        "store updated fp32 parameters and their bf16 copies from the same loop"
+    )
 
 
 def _batches(n: int, dims: dict[str, int], batch_size: int = 1) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, dims["vocab"], (batch_size, dims["seq"]), generator=g),
-             torch.randint(0, dims["vocab"], (batch_size, dims["seq"]), generator=g)) for _ in range(n)]
+    return [
+        (
+            torch.randint(0, dims["vocab"], (batch_size, dims["seq"]), generator=g),
+            torch.randint(0, dims["vocab"], (batch_size, dims["seq"]), generator=g),
+        )
+        for _ in range(n)
+    ]
 
 
 def main() -> None:
@@ -451,14 +503,35 @@ def main() -> None:
     parser.add_argument("--check-fusion", action="store_true", help="inspect inductor's finish graph")
     parser.add_argument("--memory-only", action="store_true", help="amp_fx without/with the cache: memory")
     args = parser.parse_args()
-    dims = (dict(vocab=256, d=128, layers=2, heads=4, seq=4) if args.quick
-            else dict(vocab=256, d=512, layers=6, heads=8, seq=4))
+    dims = (
+        dict(vocab=256, d=128, layers=2, heads=4, seq=4)
+        if args.quick
+        else dict(vocab=256, d=512, layers=6, heads=8, seq=4)
+    )
     print("\n".join(machine_lines()))
     print(f"bf16, batch 1 x seq {dims['seq']}, AdamW (non-fused); dims {dims}", flush=True)
-    byte_headers = ["model", "params", "accumulate", "variant", "weight MiB", "weight B/param", "weight / eager",
-                    "weight / eager as executed", "activation MiB"]
-    time_headers = ["model", "accumulate", "variant", "median ms", "time / no cache", "p10", "p90",
-                    "held between steps MiB", "peak MiB"]
+    byte_headers = [
+        "model",
+        "params",
+        "accumulate",
+        "variant",
+        "weight MiB",
+        "weight B/param",
+        "weight / eager",
+        "weight / eager as executed",
+        "activation MiB",
+    ]
+    time_headers = [
+        "model",
+        "accumulate",
+        "variant",
+        "median ms",
+        "time / no cache",
+        "p10",
+        "p90",
+        "held between steps MiB",
+        "peak MiB",
+    ]
     kinds = list(MODELS) if args.model == "all" else [args.model]
     if importlib.util.find_spec("transformers") is None and any(k.startswith("hf-") for k in kinds):
         print("transformers is not installed: no hf-* rows (pip install transformers)")
@@ -473,8 +546,7 @@ def main() -> None:
                     variants[name] = Variant(name, _build(name, kind, **dims), accumulate, CastBytes())
                     for x, y in batch[: 3 * accumulate]:
                         variants[name].step(x, y)
-                print(tabulate(time_and_memory(kind, variants, accumulate, batch, 1), headers=time_headers),
-                      flush=True)
+                print(tabulate(time_and_memory(kind, variants, accumulate, batch, 1), headers=time_headers), flush=True)
             continue
         n_params = sum(p.numel() for p in _build("count", kind, **dims).parameters())
         for accumulate in args.accumulate:
@@ -485,14 +557,26 @@ def main() -> None:
             for name, b in result.items():
                 weight = b.get("weight", 0) + b.get("update (fused)", 0)
                 executed = b.get("weight", 0) + b.get("update", 0)
-                rows.append([kind, f"{n_params / 1e6:.1f}M", accumulate, name, f"{weight / 2**20:.1f}",
-                             f"{weight / n_params:.1f}", f"{weight / eager_weight:.2f}",
-                             f"{executed / eager_weight:.2f}", f"{b.get('activation', 0) / 2**20:.1f}"])
+                rows.append(
+                    [
+                        kind,
+                        f"{n_params / 1e6:.1f}M",
+                        accumulate,
+                        name,
+                        f"{weight / 2**20:.1f}",
+                        f"{weight / n_params:.1f}",
+                        f"{weight / eager_weight:.2f}",
+                        f"{executed / eager_weight:.2f}",
+                        f"{b.get('activation', 0) / 2**20:.1f}",
+                    ]
+                )
             print("\ncast bytes per optimizer step (reads + writes of executed dtype casts, aot_eager)")
             print(tabulate(rows, headers=byte_headers), flush=True)
             print(f"\nstep time (aot_eager, median of {args.steps}, interleaved) and memory, per optimizer step")
-            print(tabulate(time_and_memory(kind, compiled, accumulate, batch, args.steps), headers=time_headers),
-                  flush=True)
+            print(
+                tabulate(time_and_memory(kind, compiled, accumulate, batch, args.steps), headers=time_headers),
+                flush=True,
+            )
     if args.check_fusion:
         print("\n" + check_fusion("llama-like", dict(vocab=64, d=32, layers=1, heads=2, seq=8)))
 

@@ -39,8 +39,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_fp8 import PRESETS, _batches, _release, variants  # noqa: E402 (the variants the gap was measured on)
 from bench_weight_casts import MODELS, lm_loss  # noqa: E402
 
-PAIRS = (("amp_fx bf16", "torch.compile + autocast bf16"),
-         ("amp_fx fp8 tensorwise", "torchao tensorwise + torch.compile"))
+PAIRS = (
+    ("amp_fx bf16", "torch.compile + autocast bf16"),
+    ("amp_fx fp8 tensorwise", "torchao tensorwise + torch.compile"),
+)
 
 _KERNEL_CALL = re.compile(r"^\s+((?:triton|cpp)_\w+?)(?:_\d+)?(?:\.run)?\(", re.M)
 _EXTERN_CALL = re.compile(r"\b(extern_kernels\.\w+|torch\.ops\.\w+\.\w+|aten\.\w+)(?:\.default)?\(")
@@ -134,11 +136,13 @@ def main() -> None:
     for variant in variants(args.device, "inductor", ["tensorwise"], missing is None):
         _release(args.device)
         torch.manual_seed(0)
-        model = variant.build(MODELS["llama-like"](dims["vocab"], dims["d"], dims["layers"], dims["heads"],
-                                                   dims["seq"]).to(args.device))
+        model = variant.build(
+            MODELS["llama-like"](dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(args.device)
+        )
 
-        def step(ids: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module = model,
-                 variant: object = variant) -> None:
+        def step(
+            ids: torch.Tensor, targets: torch.Tensor, model: torch.nn.Module = model, variant: object = variant
+        ) -> None:
             with variant.region():  # type: ignore[attr-defined]
                 logits = model(ids)
             lm_loss(logits, targets).backward()
@@ -153,8 +157,13 @@ def main() -> None:
             continue
         graphs[variant.name] = [parse(c) for c in codes]
         total = _total(graphs[variant.name])
-        row = [variant.name, len(codes), sum(total.kernels.values()), sum(total.externs.values()),
-               ", ".join(f"{k} {n}" for k, n in sorted(total.externs.items()))]
+        row = [
+            variant.name,
+            len(codes),
+            sum(total.kernels.values()),
+            sum(total.externs.values()),
+            ", ".join(f"{k} {n}" for k, n in sorted(total.externs.items())),
+        ]
         if args.profile and args.device == "cuda":
             times[variant.name] = _device_times(step, batches, args.device)
             row.append(f"{sum(times[variant.name].values()) / 1e3:.2f}")

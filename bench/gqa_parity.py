@@ -34,10 +34,18 @@ def _build(heads: int, kv_heads: int, head_size: int, seq: int, attention: str) 
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=128, hidden_size=heads * head_size, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                            head_dim=head_size, max_position_embeddings=128, use_cache=False,
-                            attn_implementation=attention)
+    config = tf.LlamaConfig(
+        vocab_size=128,
+        hidden_size=heads * head_size,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_size,
+        max_position_embeddings=128,
+        use_cache=False,
+        attn_implementation=attention,
+    )
     model = tf.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}, lambda out: out.loss
@@ -62,8 +70,9 @@ def _row(heads: int, kv_heads: int, head_size: int, seq: int, attention: str, dt
     ours_model = copy.deepcopy(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
-        ours = real_step(amp_fx.compile(ours_model, dtype=dtype, backend="aot_eager", strict=False),
-                         ours_model, inputs, loss_fn)
+        ours = real_step(
+            amp_fx.compile(ours_model, dtype=dtype, backend="aot_eager", strict=False), ours_model, inputs, loss_fn
+        )
     reported = any("grouped-query attention" in str(w.message) for w in caught)
     plain_model = copy.deepcopy(model)
     compiled = torch.compile(plain_model, backend="aot_eager")
@@ -75,8 +84,17 @@ def _row(heads: int, kv_heads: int, head_size: int, seq: int, attention: str, dt
     plain = real_step(under_autocast, plain_model, inputs, loss_fn)
     torch._dynamo.reset()
     yes = {True: "bitwise", False: "differs"}
-    return [heads, kv_heads, head_size, seq, attention, dtype_id, yes[_bitwise(ours, ref)], yes[_bitwise(plain, ref)],
-            "yes" if reported else "no"]
+    return [
+        heads,
+        kv_heads,
+        head_size,
+        seq,
+        attention,
+        dtype_id,
+        yes[_bitwise(ours, ref)],
+        yes[_bitwise(plain, ref)],
+        "yes" if reported else "no",
+    ]
 
 
 def main() -> None:
@@ -89,13 +107,29 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for shape, head_size, seq, attention, dtype_id in itertools.product(
-            args.shapes, args.head_sizes, args.seqs, args.attention, args.dtypes):
+        args.shapes, args.head_sizes, args.seqs, args.attention, args.dtypes
+    ):
         heads, kv_heads = (int(p) for p in shape.split("/"))
         rows.append(_row(heads, kv_heads, head_size, seq, attention, dtype_id))
         print(rows[-1], flush=True)
     print(f"torch {torch.__version__}")
-    print(tabulate(rows, headers=["heads", "kv heads", "head size", "seq", "attention", "dtype", "amp_fx",
-                                  "torch.compile", "reported"], tablefmt="github"))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "heads",
+                "kv heads",
+                "head size",
+                "seq",
+                "attention",
+                "dtype",
+                "amp_fx",
+                "torch.compile",
+                "reported",
+            ],
+            tablefmt="github",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -80,20 +80,26 @@ def main() -> None:
         for (model, dtype, feature), outcome in results[version].items():
             rows[model, dtype][feature].append(f"{version}: {outcome}")
     features = list(dict.fromkeys(_FEATURES.values()))
-    table = [[model, dtype, *("<br>".join(rows[model, dtype].get(f, [])) or "-" for f in features)]
-             for (model, dtype) in rows]
+    table = [
+        [model, dtype, *("<br>".join(rows[model, dtype].get(f, [])) or "-" for f in features)]
+        for (model, dtype) in rows
+    ]
     print(tabulate(table, headers=["model", "dtype", *features], tablefmt="github"))
     for version in versions:
         times = all_times[version]
         slowest = sorted(times.items(), key=lambda kv: -kv[1])[: args.slowest]
-        print(f"\ntorch {version}: {len(times)} cases, {sum(times.values()):.0f} s in all; slowest: "
-              + ", ".join(f"{name} {t:.0f} s" for name, t in slowest))
+        print(
+            f"\ntorch {version}: {len(times)} cases, {sum(times.values()):.0f} s in all; slowest: "
+            + ", ".join(f"{name} {t:.0f} s" for name, t in slowest)
+        )
         if args.slow:
             with open(args.slow) as f:
                 slow = {line.strip().split("::")[-1] for line in f if "::" in line}
             default = {n: t for n, t in times.items() if n not in slow}
-            print(f"torch {version}, default run (without models_slow): {len(default)} cases, "
-                  f"{sum(default.values()):.0f} s")
+            print(
+                f"torch {version}, default run (without models_slow): {len(default)} cases, "
+                f"{sum(default.values()):.0f} s"
+            )
 
 
 if __name__ == "__main__":

@@ -103,14 +103,19 @@ def measure(rank: int, world: int, layers: int, batch: int, seq: int, seeds: int
             got = _run(model, tokens, labels)
             w = worst[mode]
             default = got if default is None else default
-            w["same"] = w.get("same", True) and got["loss"] == default["loss"] and all(
-                torch.equal(got["grads"][n], default["grads"][n]) for n in got["grads"])
+            w["same"] = (
+                w.get("same", True)
+                and got["loss"] == default["loss"]
+                and all(torch.equal(got["grads"][n], default["grads"][n]) for n in got["grads"])
+            )
             w["loss"] = max(w["loss"], abs(got["loss"] - ref["loss"]) / abs(ref["loss"]))
             for name, out in got["outs"].items():
                 w["outs"][name] = max(w["outs"].get(name, 0.0), _rel(out, ref["outs"][name]))
             names = list(ref["grads"])
-            all_err = _rel(torch.cat([got["grads"][n].flatten() for n in names]),
-                           torch.cat([ref["grads"][n].flatten() for n in names]))
+            all_err = _rel(
+                torch.cat([got["grads"][n].flatten() for n in names]),
+                torch.cat([ref["grads"][n].flatten() for n in names]),
+            )
             w["grad"] = max(w["grad"], all_err)
             for n in names:
                 w["grads"][n] = max(w["grads"].get(n, 0.0), _rel(got["grads"][n], ref["grads"][n]))
@@ -119,9 +124,17 @@ def measure(rank: int, world: int, layers: int, batch: int, seq: int, seeds: int
         w = worst[mode]
         unit, unit_err = max(w["outs"].items(), key=lambda kv: kv[1])
         param, param_err = max(w["grads"].items(), key=lambda kv: kv[1])
-        rows.append([mode, f"{w['loss']:.2e}", f"{w['outs'].get('lm_head', float('nan')):.2e}",
-                     f"{unit} {unit_err:.2e}", f"{w['grad']:.2e}", f"{param} {param_err:.2e}",
-                     "yes" if w["same"] else "no"])
+        rows.append(
+            [
+                mode,
+                f"{w['loss']:.2e}",
+                f"{w['outs'].get('lm_head', float('nan')):.2e}",
+                f"{unit} {unit_err:.2e}",
+                f"{w['grad']:.2e}",
+                f"{param} {param_err:.2e}",
+                "yes" if w["same"] else "no",
+            ]
+        )
     return rows
 
 
@@ -137,12 +150,26 @@ def main() -> None:
         print(line)
     import torchtitan
 
-    print(f"torchtitan {torchtitan.__version__ if hasattr(torchtitan, '__version__') else '0.3.0'}, "
-          f"Llama 3 debugmodel, {args.layers} layers, SDPA, batch {args.batch} x {args.seq} tokens, "
-          f"worst of {args.seeds} seeds, errors relative to float64")
-    print(tabulate(rows, headers=["mode", "loss error", "logits error", "worst unit output",
-                                  "gradient error (all)", "worst parameter gradient",
-                                  "bitwise = torchtitan default"], tablefmt="github"))
+    print(
+        f"torchtitan {torchtitan.__version__ if hasattr(torchtitan, '__version__') else '0.3.0'}, "
+        f"Llama 3 debugmodel, {args.layers} layers, SDPA, batch {args.batch} x {args.seq} tokens, "
+        f"worst of {args.seeds} seeds, errors relative to float64"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "mode",
+                "loss error",
+                "logits error",
+                "worst unit output",
+                "gradient error (all)",
+                "worst parameter gradient",
+                "bitwise = torchtitan default",
+            ],
+            tablefmt="github",
+        )
+    )
 
 
 if __name__ == "__main__":

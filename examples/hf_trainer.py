@@ -31,9 +31,17 @@ def random_tokens() -> list[dict[str, torch.Tensor]]:
 
 def train(model: torch.nn.Module, trainer_cls: type = transformers.Trainer, **args: object) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
-        targs = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=5,
-                                               logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                                               save_strategy="no", **args)
+        targs = transformers.TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=2,
+            max_steps=5,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            save_strategy="no",
+            **args,
+        )
         trainer = trainer_cls(model=model, args=targs, train_dataset=random_tokens())
         trainer.train()
         model.save_pretrained(out)  # the usual keys: the model is the same module object
@@ -54,8 +62,10 @@ def main() -> None:
     eager = tiny_gpt2()
     eager_losses = train(eager, bf16=True)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), eager.parameters()))
-    print(f"amp_fx losses: {losses}\nTrainer(bf16=True) losses: {eager_losses}\n"
-          f"parameters bitwise equal after 5 steps: {same}")
+    print(
+        f"amp_fx losses: {losses}\nTrainer(bf16=True) losses: {eager_losses}\n"
+        f"parameters bitwise equal after 5 steps: {same}"
+    )
 
 
 if __name__ == "__main__":

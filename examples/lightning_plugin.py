@@ -38,9 +38,16 @@ def fit(plugin: object) -> Regressor:
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(40, 16, generator=g), torch.randn(40, 1, generator=g))
     model = Regressor()
-    pl.Trainer(accelerator="cpu", max_steps=5, plugins=[plugin], logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0).fit(
-        model, torch.utils.data.DataLoader(data, batch_size=8))
+    pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+    ).fit(model, torch.utils.data.DataLoader(data, batch_size=8))
     return model
 
 

@@ -30,5 +30,6 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
 expected.float().square().mean().backward()
 
 same = torch.equal(out, expected) and all(
-    torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters())
+)
 print(f"output dtype: {out.dtype}; bitwise equal to eager torch.autocast (output and gradients): {same}")

@@ -31,8 +31,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--inf-at", type=int, default=5, help="step whose batch on rank 1 holds an inf (-1: none)")
-    parser.add_argument("--compile-backend", default=None,
-                        help="torch.compile backend (default: inductor on GPU, aot_eager on CPU)")
+    parser.add_argument(
+        "--compile-backend", default=None, help="torch.compile backend (default: inductor on GPU, aot_eager on CPU)"
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -63,9 +64,12 @@ def main() -> None:
         scaler.update()
         opt.zero_grad(set_to_none=True)
         # Printing reads the device (a sync): fine for an example, not for a hot loop.
-        print(f"rank {rank}/{world} step {step:3d} loss {loss.item():9.4f} "
-              f"scale {scaler.get_scale():8.0f} skipped {int(scaler.skipped_steps)}\n",
-              end="", flush=True)  # one write per line: the ranks share the terminal
+        print(
+            f"rank {rank}/{world} step {step:3d} loss {loss.item():9.4f} "
+            f"scale {scaler.get_scale():8.0f} skipped {int(scaler.skipped_steps)}\n",
+            end="",
+            flush=True,
+        )  # one write per line: the ranks share the terminal
     dist.destroy_process_group()
 
 

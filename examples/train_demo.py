@@ -32,8 +32,9 @@ class TinyTransformer(nn.Module):
     def __init__(self, d_model: int = 32, n_heads: int = 4, n_classes: int = 2) -> None:
         super().__init__()
         self.embed = nn.Linear(1, d_model)
-        self.block = nn.TransformerEncoderLayer(d_model, n_heads, dim_feedforward=2 * d_model,
-                                                dropout=0.0, batch_first=True)
+        self.block = nn.TransformerEncoderLayer(
+            d_model, n_heads, dim_feedforward=2 * d_model, dropout=0.0, batch_first=True
+        )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, n_classes)
 
@@ -57,8 +58,10 @@ def main() -> None:
     args = parser.parse_args()
     dtype = amp_fx.policy.resolve_dtype(args.dtype)
 
-    print("task: is the mean of 16 random numbers positive? "
-          f"(2 classes; chance: loss ln 2 = {_CHANCE_LOSS:.3f}, accuracy 0.50)")
+    print(
+        "task: is the mean of 16 random numbers positive? "
+        f"(2 classes; chance: loss ln 2 = {_CHANCE_LOSS:.3f}, accuracy 0.50)"
+    )
     torch.manual_seed(0)
     model = TinyTransformer()
     reference = copy.deepcopy(model)
@@ -67,8 +70,10 @@ def main() -> None:
     # fp16 needs loss scaling; bf16 does not (enabled=False makes every scaler call a no-op).
     scaler = amp_fx.GradScaler("cpu", enabled=args.dtype == "fp16")
     if scaler.is_enabled():
-        print("fp16: the loss is scaled by amp_fx.GradScaler (initial scale 2^16); steps whose "
-              "gradients overflow are skipped and the scale backs off")
+        print(
+            "fp16: the loss is scaled by amp_fx.GradScaler (initial scale 2^16); steps whose "
+            "gradients overflow are skipped and the scale backs off"
+        )
     gen = torch.Generator().manual_seed(0)
 
     # One forward+backward against eager torch.autocast on identical weights and data.
@@ -83,13 +88,16 @@ def main() -> None:
     loss.backward()
     ref_loss.backward()
     compile_s = time.perf_counter() - t0
-    grad_diff = max((p.grad - q.grad).abs().max().item()
-                    for p, q in zip(model.parameters(), reference.parameters()))
-    print(f"against eager autocast: loss {loss.item():.4f} (eager {ref_loss.item():.4f}), "
-          f"max |grad - eager grad| = {grad_diff:.3g}, first call incl. compile {compile_s:.1f}s")
+    grad_diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    print(
+        f"against eager autocast: loss {loss.item():.4f} (eager {ref_loss.item():.4f}), "
+        f"max |grad - eager grad| = {grad_diff:.3g}, first call incl. compile {compile_s:.1f}s"
+    )
     if args.backend == "inductor":
-        print("  (inductor keeps fused intermediates in fp32, so it differs from eager autocast by "
-              f"about one {args.dtype} rounding; --backend aot_eager is bitwise)")
+        print(
+            "  (inductor keeps fused intermediates in fp32, so it differs from eager autocast by "
+            f"about one {args.dtype} rounding; --backend aot_eager is bitwise)"
+        )
     opt.zero_grad()
 
     for step in range(1, args.steps + 1):
@@ -102,8 +110,10 @@ def main() -> None:
         if step % 10 == 0 or step == args.steps:
             acc = (compiled(x).detach().argmax(-1) == y).float().mean().item()
             scale = f", loss scale {scaler.get_scale():.0f}" if scaler.is_enabled() else ""
-            print(f"step {step}: loss {loss.item():.4f} (chance {_CHANCE_LOSS:.3f}), "
-                  f"batch accuracy {acc:.2f} (chance 0.50){scale}")
+            print(
+                f"step {step}: loss {loss.item():.4f} (chance {_CHANCE_LOSS:.3f}), "
+                f"batch accuracy {acc:.2f} (chance 0.50){scale}"
+            )
 
     print(f"\nWhat amp_fx did ({args.dtype}, backend={args.backend}):")
     print(compiled.amp_fx_summary())

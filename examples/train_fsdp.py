@@ -50,10 +50,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     parser.add_argument("--param-dtype", default="fp32", choices=["fp32", "same"])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--inf-at", type=int, default=5,
-                        help="step after whose backward rank 0's gradient shard gets an inf (-1: none)")
-    parser.add_argument("--compile-backend", default=None,
-                        help="torch.compile backend (default: inductor on GPU, aot_eager on CPU)")
+    parser.add_argument(
+        "--inf-at", type=int, default=5, help="step after whose backward rank 0's gradient shard gets an inf (-1: none)"
+    )
+    parser.add_argument(
+        "--compile-backend", default=None, help="torch.compile backend (default: inductor on GPU, aot_eager on CPU)"
+    )
     parser.add_argument("--compile-step", action="store_true", help="train with amp_fx.compile_step")
     args = parser.parse_args()
 
@@ -65,8 +67,7 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     low = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    mp = MixedPrecisionPolicy(param_dtype=low if args.param_dtype == "same" else None,
-                              reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=low if args.param_dtype == "same" else None, reduce_dtype=torch.float32)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), Block(64), Block(64), nn.Linear(64, 8)).to(device)
     # Every layer, the first and last Linear included: nn.Sequential's loop over the sharded layers
@@ -88,8 +89,7 @@ def main() -> None:
     target_map = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)).to(device)
     if args.compile_step:
         opt.register_step_pre_hook(lambda *_: plant_inf())
-        train_step = amp_fx.compile_step(model, opt, F.mse_loss, dtype=args.dtype, backend=backend,
-                                         scaler=scaler)
+        train_step = amp_fx.compile_step(model, opt, F.mse_loss, dtype=args.dtype, backend=backend, scaler=scaler)
     else:
         compiled = amp_fx.compile(model, dtype=args.dtype, backend=backend)
 
@@ -107,9 +107,12 @@ def main() -> None:
         at["step"] = step
         x = torch.randn(16, 32, generator=data).to(device)
         loss = train_step(x, x @ target_map)
-        print(f"rank {rank}/{world} step {step:3d} loss {loss.item():9.4f} "
-              f"scale {scaler.get_scale():8.0f} skipped {int(scaler.skipped_steps)}\n",
-              end="", flush=True)  # one write per line: the ranks share the terminal
+        print(
+            f"rank {rank}/{world} step {step:3d} loss {loss.item():9.4f} "
+            f"scale {scaler.get_scale():8.0f} skipped {int(scaler.skipped_steps)}\n",
+            end="",
+            flush=True,
+        )  # one write per line: the ranks share the terminal
     dist.destroy_process_group()
 
 

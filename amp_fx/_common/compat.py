@@ -19,8 +19,15 @@ import torch._dynamo
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["dtensor_type", "autocast_registrations", "current_decomposition_table", "dynamo_decomposes_number_scalars",
-           "dynamo_folds_is_exporting", "is_exporting_as_eager", "number_scalars_as_eager"]
+__all__ = [
+    "dtensor_type",
+    "autocast_registrations",
+    "current_decomposition_table",
+    "dynamo_decomposes_number_scalars",
+    "dynamo_folds_is_exporting",
+    "is_exporting_as_eager",
+    "number_scalars_as_eager",
+]
 
 
 @cache

@@ -33,10 +33,12 @@ class AutocastDevice:
     is checked against this key's registrations)."""
 
 
-DEVICES: Mapping[str, AutocastDevice] = MappingProxyType({
-    "cpu": AutocastDevice("cpu", "AutocastCPU"),
-    "cuda": AutocastDevice("cuda", "AutocastCUDA"),
-})
+DEVICES: Mapping[str, AutocastDevice] = MappingProxyType(
+    {
+        "cpu": AutocastDevice("cpu", "AutocastCPU"),
+        "cuda": AutocastDevice("cuda", "AutocastCUDA"),
+    }
+)
 """Every device type amp_fx has a policy for, keyed by device type."""
 
 
@@ -44,9 +46,11 @@ def check_supported(device_type: str, what: str, *, plural: bool = False) -> Non
     """Raise ValueError naming ``what`` (a tensor's name, "the model's tensors") on a device type
     with no autocast policy."""
     if device_type not in DEVICES:
-        raise ValueError(f"amp_fx: {what} {'are' if plural else 'is'} on device {device_type}, "
-                         f"which amp_fx has no autocast policy for; supported device types are "
-                         f"{_supported()}")
+        raise ValueError(
+            f"amp_fx: {what} {'are' if plural else 'is'} on device {device_type}, "
+            f"which amp_fx has no autocast policy for; supported device types are "
+            f"{_supported()}"
+        )
 
 
 def _supported() -> str:
@@ -59,12 +63,14 @@ def autocast_device_type(tensors: Iterable[object], default: str = "cpu") -> str
     Raises ValueError for a device type with no policy."""
     found = [t for t in tensors if isinstance(t, torch.Tensor)]
     if found and all(t.is_cpu for t in found):  # first, and without t.device (6x is_cpu's cost):
-        return "cpu"                                # a compiled model's every call on cpu inputs asks
+        return "cpu"  # a compiled model's every call on cpu inputs asks
     types = {t.device.type for t in found}
     unsupported = sorted(types - set(DEVICES))
     if unsupported:
-        raise ValueError(f"amp_fx: the model's tensors are on {unsupported}, a device amp_fx has no "
-                         f"autocast policy for; supported device types are {_supported()}")
+        raise ValueError(
+            f"amp_fx: the model's tensors are on {unsupported}, a device amp_fx has no "
+            f"autocast policy for; supported device types are {_supported()}"
+        )
     accelerators = sorted(types - {"cpu"})
     if accelerators:
         return accelerators[0]

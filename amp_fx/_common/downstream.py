@@ -18,8 +18,7 @@ __all__ = ["Backend", "resolve_backend", "backend_name"]
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
-def resolve_backend(backend: str | Backend, *,
-                    inductor_config: Mapping[str, Any] | None = None) -> Backend:
+def resolve_backend(backend: str | Backend, *, inductor_config: Mapping[str, Any] | None = None) -> Backend:
     """The compiler function for ``backend``: a callable is used as given; ``"inductor"`` is
     ``compile_fx`` (with ``inductor_config`` as its config patches); any other name is looked up
     in Dynamo's registry, as ``torch.compile(backend=name)`` does."""

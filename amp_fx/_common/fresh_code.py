@@ -27,8 +27,7 @@ __all__ = ["fresh_function", "fresh_callable", "fresh_forward", "calls_forward_o
 
 def fresh_function(fn: types.FunctionType) -> types.FunctionType:
     """A copy of ``fn`` (same globals, defaults, closure, attributes) with its own code object."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     copy.__module__ = fn.__module__
@@ -53,8 +52,11 @@ def fresh_forward(module: torch.nn.Module) -> Callable[..., Any] | None:
     frames of torch's own files, it inlines them from a caller (:func:`fresh_callable`).
     """
     forward = module.forward
-    if not (isinstance(forward, types.MethodType) and forward.__self__ is module
-            and isinstance(forward.__func__, types.FunctionType)):
+    if not (
+        isinstance(forward, types.MethodType)
+        and forward.__self__ is module
+        and isinstance(forward.__func__, types.FunctionType)
+    ):
         return None
     if forward.__func__.__module__.split(".")[0] == "torch":
         return None
@@ -65,10 +67,16 @@ def calls_forward_only(module: torch.nn.Module) -> bool:
     """Whether ``module._call_impl(...)`` is exactly ``module.forward(...)`` now: the condition
     under which ``nn.Module._call_impl`` skips every hook."""
     m = _module_globals
-    return not (module._backward_hooks or module._backward_pre_hooks
-                or module._forward_hooks or module._forward_pre_hooks
-                or m._global_backward_pre_hooks or m._global_backward_hooks
-                or m._global_forward_hooks or m._global_forward_pre_hooks)
+    return not (
+        module._backward_hooks
+        or module._backward_pre_hooks
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or m._global_backward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_forward_hooks
+        or m._global_forward_pre_hooks
+    )
 
 
 def fresh_callable(target: Callable[..., Any]) -> Callable[..., Any]:

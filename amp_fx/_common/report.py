@@ -22,8 +22,11 @@ __all__ = ["Reporter", "did_less", "resolve_strict", "strict_from_env", "STRICT_
 
 # Frames that are not the user's: amp_fx's and torch's own files, and the code FX generates for a
 # GraphModule (its file name is "<eval_with_key>.N").
-_NOT_USERS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-              os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, "<eval_with_key>")
+_NOT_USERS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    "<eval_with_key>",
+)
 
 STRICT_ENV = "AMP_FX_STRICT"
 

@@ -15,8 +15,10 @@ def check_target(obj: Any, tool: str, *, module_only: bool = False) -> None:
     a string or other value is named by its type, not reported as a model that fails to run."""
     wanted = "an nn.Module" if module_only else "an nn.Module or a callable"
     if isinstance(obj, type):
-        raise TypeError(f"{tool} expects a model (an nn.Module instance), got the class {obj.__qualname__} "
-                        f"itself: build the model first (model = {obj.__qualname__}(...)) and pass it")
+        raise TypeError(
+            f"{tool} expects a model (an nn.Module instance), got the class {obj.__qualname__} "
+            f"itself: build the model first (model = {obj.__qualname__}(...)) and pass it"
+        )
     if isinstance(obj, torch.nn.Module) or (not module_only and callable(obj)):
         return
     raise TypeError(f"{tool} expects {wanted}, got {type(obj).__name__} ({_short(obj)})")

@@ -36,8 +36,16 @@ import torch
 
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["FSDP1_ALTERNATIVE", "distributed_units", "is_fsdp1", "module_device_type",
-           "root_linears", "root_state_modules", "unit_call", "unsharded_class_name"]
+__all__ = [
+    "FSDP1_ALTERNATIVE",
+    "distributed_units",
+    "is_fsdp1",
+    "module_device_type",
+    "root_linears",
+    "root_state_modules",
+    "unit_call",
+    "unsharded_class_name",
+]
 
 
 def _fsdp_module_type() -> type | None:
@@ -63,12 +71,12 @@ def is_fsdp1(model: torch.nn.Module) -> bool:
 
 FSDP1_ALTERNATIVE = (
     "shard with FSDP2 instead: torch.distributed.fsdp.fully_shard on each block, then on the root "
-    "(DTensor parameters; amp_fx.compile, amp_fx.GradScaler and amp_fx.compile_step support it)")
+    "(DTensor parameters; amp_fx.compile, amp_fx.GradScaler and amp_fx.compile_step support it)"
+)
 
 
 def _is_ddp(module: torch.nn.Module) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
-    return (torch.distributed.is_available()
-            and isinstance(module, torch.nn.parallel.DistributedDataParallel))
+    return torch.distributed.is_available() and isinstance(module, torch.nn.parallel.DistributedDataParallel)
 
 
 def distributed_units(module: torch.nn.Module) -> list[torch.nn.Module] | None:
@@ -201,8 +209,9 @@ def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
 
 
 @contextmanager
-def _forwards_replaced(units: list[torch.nn.Module],
-                       compiled_for: Callable[[torch.nn.Module], Callable[..., Any]]) -> Iterator[None]:
+def _forwards_replaced(
+    units: list[torch.nn.Module], compiled_for: Callable[[torch.nn.Module], Callable[..., Any]]
+) -> Iterator[None]:
     saved = [u.__dict__.get("forward") for u in units]
     for u, old in zip(units, saved):
         if old is not None:
@@ -233,9 +242,14 @@ def _eager_call(module: torch.nn.Module) -> Iterator[None]:
             module.__dict__["_compiled_call_impl"] = own
 
 
-def unit_call(module: torch.nn.Module, units: list[torch.nn.Module],
-              compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
-              dtype: torch.dtype, *, gathered: GatheredFp8Weights | None = None) -> Callable[..., Any]:
+def unit_call(
+    module: torch.nn.Module,
+    units: list[torch.nn.Module],
+    compile_fn: Callable[[Callable[..., Any]], Callable[..., Any]],
+    dtype: torch.dtype,
+    *,
+    gathered: GatheredFp8Weights | None = None,
+) -> Callable[..., Any]:
     """The forward of a compiled DDP/FSDP2 model: ``module.__call__`` eagerly, units compiled.
 
     ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
@@ -304,7 +318,8 @@ def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype
             f"{param_dtype}) but amp_fx.compile was given dtype={dtype}: each weight would be "
             f"rounded to {param_dtype} by FSDP2, then to {dtype} by the autocast policy. Use "
             f"param_dtype={dtype} (low-precision all-gather) or param_dtype=None (fp32 storage, "
-            "amp_fx casts for compute)")
+            "amp_fx casts for compute)"
+        )
 
 
 def module_device_type(module: torch.nn.Module) -> str:

@@ -28,8 +28,16 @@ import torch
 from amp_fx._common.compat import dtensor_type
 from amp_fx._common.unwrap import layers
 
-__all__ = ["ShardedGrads", "combine_first_op", "pack_overflow", "ranks_of", "rank_first_op", "running_ddp",
-           "unpack_overflow", "unrank_first_op"]
+__all__ = [
+    "ShardedGrads",
+    "combine_first_op",
+    "pack_overflow",
+    "ranks_of",
+    "rank_first_op",
+    "running_ddp",
+    "unpack_overflow",
+    "unrank_first_op",
+]
 
 # The forward record across ranks (amp_fx/overflow): a rank's first non-finite op code (-1: none;
 # the graphs, and so the codes, are the same on every rank) and its global rank, packed as one int64
@@ -67,8 +75,9 @@ def combine_first_op(code: torch.Tensor | None, group: Any, device: torch.device
     return unrank_first_op(funcol.all_reduce(rank_first_op(code), "min", group))
 
 
-def pack_overflow(found_inf: torch.Tensor, flags: Sequence[torch.Tensor], first_op: torch.Tensor | None
-                  ) -> torch.Tensor:
+def pack_overflow(
+    found_inf: torch.Tensor, flags: Sequence[torch.Tensor], first_op: torch.Tensor | None
+) -> torch.Tensor:
     """The found-inf flag with what amp_fx/overflow records, as one int64 vector for one all-reduce
     (MAX), on ``found_inf``'s device: ``[found_inf, *flags, -rank_first_op(first_op)]``. ``flags``:
     per-gradient 0/1 flags (the same gradients, in the same order, on every rank); ``first_op``:
@@ -82,12 +91,13 @@ def pack_overflow(found_inf: torch.Tensor, flags: Sequence[torch.Tensor], first_
     return torch.cat(parts)
 
 
-def unpack_overflow(reduced: torch.Tensor, flag_count: int, first_op: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def unpack_overflow(
+    reduced: torch.Tensor, flag_count: int, first_op: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """A :func:`pack_overflow` vector after the all-reduce: the flag (int64, 0-dim), the
     ``flag_count`` gradient flags (int64) and, if ``first_op`` was packed, (record, rank)."""
     first = unrank_first_op(-reduced[1 + flag_count].reshape(())) if first_op else None
-    return reduced[0].reshape(()), reduced[1:1 + flag_count], first
+    return reduced[0].reshape(()), reduced[1 : 1 + flag_count], first
 
 
 def ranks_of(model: torch.nn.Module) -> Any:
@@ -147,9 +157,13 @@ class ShardedGrads:
         given: whether the flag is combined across ranks."""
         return bool(self._meshes) or self._given_group is not None
 
-    def combine_found_inf_(self, per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
-                           grad_flags: list[torch.Tensor] | None = None, first_op: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def combine_found_inf_(
+        self,
+        per_device: dict[torch.device, torch.Tensor],
+        scale: torch.Tensor,
+        grad_flags: list[torch.Tensor] | None = None,
+        first_op: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All-reduce (MAX) the flags across the ranks of the meshes, in one collective, in place.
 
         ``per_device`` maps each gradient device to its flag. A rank whose shards are all empty
@@ -168,8 +182,7 @@ class ShardedGrads:
         if not per_device:
             per_device[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
         flags = list(per_device.values())
-        combined = flags[0] if len(flags) == 1 else torch.stack(
-            [f.reshape(()).to(scale.device) for f in flags]).amax()
+        combined = flags[0] if len(flags) == 1 else torch.stack([f.reshape(()).to(scale.device) for f in flags]).amax()
         grad_flags = grad_flags or []
         packed = pack_overflow(combined.to(scale.device), grad_flags, first_op)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self._group())
@@ -202,4 +215,5 @@ class ShardedGrads:
         raise NotImplementedError(
             f"amp_fx.GradScaler: gradients are sharded over device meshes of shapes {shapes} "
             f"that do not span all {world} ranks; combining the inf/NaN flag over such meshes "
-            "is not supported (one 1-D mesh, or meshes over every rank, are)")
+            "is not supported (one 1-D mesh, or meshes over every rank, are)"
+        )

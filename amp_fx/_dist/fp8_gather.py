@@ -64,6 +64,7 @@ __all__ = ["GatheredFp8Weights", "gathered_fp8_weights", "precompute_scales"]
 
 log = logging.getLogger(__name__)
 
+
 class _Extension:
     """One of FSDP2's two all-gather extension methods, for one local shard (held weakly: the
     method is an attribute of the shard). Pickles as nothing to call (``torch.save`` of a
@@ -89,8 +90,9 @@ def _none() -> None:
     return None
 
 
-def _pre_all_gather(shard: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: Any,
-                    mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+def _pre_all_gather(
+    shard: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: Any, module: Any, mp_policy: Any
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """FSDP2's all-gather inputs for ``shard``: its e4m3 cast with the precomputed scale, padded
     to FSDP2's equal shard size (zeros cast to zeros), and the scale as metadata. torchao's
     ``hp_tensor_and_scale_to_float8``: multiply in fp32, saturate, cast."""
@@ -105,9 +107,14 @@ def _pre_all_gather(shard: torch.Tensor, mesh: Any, outer_size: torch.Size, oute
     return (data.view(torch.uint8),), (scale,)
 
 
-def _post_all_gather(shard: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: tuple[torch.Tensor, ...],
-                     param_dtype: torch.dtype, *, out: torch.Tensor | None = None
-                     ) -> tuple[Fp8Weight, tuple[torch.Tensor, ...]] | None:
+def _post_all_gather(
+    shard: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    metadata: tuple[torch.Tensor, ...],
+    param_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[Fp8Weight, tuple[torch.Tensor, ...]] | None:
     """The gathered weight (an :class:`Fp8Weight` over the gathered data, freed by FSDP2 after the
     forward), or, on later all-gathers into the same storage, its new scale."""
     (data,), (scale,) = outputs, metadata
@@ -145,15 +152,19 @@ class GatheredFp8Weights:
         and in eager code since. A use that did not (the weight read elsewhere, or by a matmul
         kept in ``dtype``) computed with the fp8 weight's ``data / scale``, not the fp32 weight:
         said once, with the fix."""
-        new, self._checked = records[self._checked:], len(records)
+        new, self._checked = records[self._checked :], len(records)
         reads = [r for record in new if record.fp8 is not None for r in record.fp8.fp8_weight_reads]
         reads += [f"a weight by {op} outside any compiled graph" for op in self._reads.take()]
         if reads:
-            reporter.did_less("fp8_all_gather:read_elsewhere", (
-                f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
-                f"but the model also reads one outside an fp8 matmul ({'; '.join(reads[:4])}): that use "
-                "computed with the fp8 weight (data / scale), not the fp32 one. Keep its module out of fp8 "
-                "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."))
+            reporter.did_less(
+                "fp8_all_gather:read_elsewhere",
+                (
+                    f"amp_fx: FSDP2 all-gathers the weights of the fp8 matmuls in fp8 ({', '.join(self.names)}), "
+                    f"but the model also reads one outside an fp8 matmul ({'; '.join(reads[:4])}): that use "
+                    "computed with the fp8 weight (data / scale), not the fp32 one. Keep its module out of fp8 "
+                    "(Policy(keep_out_of_fp8=[...]): FSDP2 then gathers it in fp32)."
+                ),
+            )
 
 
 @torch.no_grad()
@@ -237,8 +248,13 @@ def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
 _CHOSEN = ("not an nn.Linear weight", "kept out of fp8 by the policy", "not gathered in fp32")
 
 
-def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module], fp8: Fp8Config | None,
-                         policy: Policy, reporter: Reporter | None = None) -> GatheredFp8Weights | None:
+def gathered_fp8_weights(
+    root: torch.nn.Module,
+    units: Sequence[torch.nn.Module],
+    fp8: Fp8Config | None,
+    policy: Policy,
+    reporter: Reporter | None = None,
+) -> GatheredFp8Weights | None:
     """Cast before the all-gather the FSDP2 weights the fp8 matmul would cast after it (see the
     module docstring); None where there are none. An ``nn.Linear`` weight left to gather in fp32
     for a reason other than the user's choice is said once through ``reporter``."""
@@ -258,11 +274,15 @@ def gathered_fp8_weights(root: torch.nn.Module, units: Sequence[torch.nn.Module]
         names.append(f"{path}.weight" if path else "weight")
         _reset_fsdp_param(fsdp_param)
     if less and reporter is not None:
-        reporter.did_less("fp8_all_gather:fp32", (
-            f"amp_fx: FSDP2 all-gathers {', '.join(less)} in fp32 (4 bytes per element), not in fp8 "
-            "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
-            "differ. Shard it with fully_shard on dim 0 (the default), not offloaded, owned by one "
-            "nn.Linear, to gather it in fp8; strict=True makes this an error."))
+        reporter.did_less(
+            "fp8_all_gather:fp32",
+            (
+                f"amp_fx: FSDP2 all-gathers {', '.join(less)} in fp32 (4 bytes per element), not in fp8 "
+                "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
+                "differ. Shard it with fully_shard on dim 0 (the default), not offloaded, owned by one "
+                "nn.Linear, to gather it in fp8; strict=True makes this an error."
+            ),
+        )
     if not params:
         return None
     gathered = GatheredFp8Weights(params, names)

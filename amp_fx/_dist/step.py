@@ -55,14 +55,33 @@ import torch
 from amp_fx._common.compat import dtensor_type
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
-__all__ = ["LocalShards", "SHARD_LOCAL_OPTIMIZERS", "check_distributed_step", "clip_sharded_", "combine_norms",
-           "distributed_forward", "has_dtensor_params", "is_fsdp2", "is_sharded", "norm_groups", "torch_clips"]
+__all__ = [
+    "LocalShards",
+    "SHARD_LOCAL_OPTIMIZERS",
+    "check_distributed_step",
+    "clip_sharded_",
+    "combine_norms",
+    "distributed_forward",
+    "has_dtensor_params",
+    "is_fsdp2",
+    "is_sharded",
+    "norm_groups",
+    "torch_clips",
+]
 
 # torch.optim classes whose step is elementwise per parameter: on a rank's shard it computes
 # what DTensor's dispatch computes for that shard. Exact classes: a subclass may override step.
 SHARD_LOCAL_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+)
 
 
 def _is_ddp(model: torch.nn.Module) -> TypeGuard[torch.nn.parallel.DistributedDataParallel]:
@@ -90,8 +109,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return is_fsdp2(model) or (not _is_ddp(model) and has_dtensor_params(model))
 
 
-def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                           max_grad_norm: float | None = None, fused_norm: bool = False) -> None:
+def check_distributed_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None = None,
+    fused_norm: bool = False,
+) -> None:
     """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
 
     FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
@@ -103,7 +127,8 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
     if is_fsdp1(model):
         raise NotImplementedError(
             "amp_fx.compile_step: the model is wrapped in FullyShardedDataParallel (FSDP1), which "
-            f"compile_step does not support; {FSDP1_ALTERNATIVE}")
+            f"compile_step does not support; {FSDP1_ALTERNATIVE}"
+        )
     if not is_sharded(model):
         return
     kind = type(optimizer)
@@ -113,7 +138,8 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"amp_fx.compile_step: on a sharded model (FSDP2 or DTensor parameters) the optimizer steps on "
             f"each rank's local shards, which is exact only for elementwise optimizers ({names}); got "
             f"{kind.__module__}.{kind.__qualname__}. Use amp_fx.compile(model) with amp_fx.GradScaler("
-            "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors")
+            "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors"
+        )
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = _layout(params, fsdp2=is_fsdp2(model))
     if mesh is None and max_grad_norm is not None and fused_norm:
@@ -121,7 +147,8 @@ def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimi
             f"amp_fx.compile_step(max_grad_norm={max_grad_norm}, grad_norm=GradNorm.FUSED): the fused sum of "
             "squares covers every local gradient at once, which counts a replicated gradient once per rank "
             "outside FSDP2's default layout (Shard(0) on a 1-D mesh); use grad_norm=GradNorm.TORCH (the "
-            "default), which combines each gradient's norm over the mesh dimensions it is sharded on")
+            "default), which combines each gradient's norm over the mesh dimensions it is sharded on"
+        )
 
 
 def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
@@ -142,7 +169,8 @@ def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
                 raise NotImplementedError(
                     f"amp_fx.compile_step: parameter {i} of the optimizer is a plain tensor in an FSDP2 model "
                     "(not sharded by fully_shard); apply fully_shard to the root module too, so every "
-                    "parameter is sharded")
+                    "parameter is sharded"
+                )
             default = False
             continue
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
@@ -171,8 +199,10 @@ def norm_groups(params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
     on; one group object per set of ranks (fully_shard without a mesh makes a mesh, and a group
     object, per call), so that gradients sharded over the same ranks share one all-reduce."""
     same_ranks: dict[tuple[int, ...], Any] = {}
-    return [tuple(same_ranks.setdefault(tuple(torch.distributed.get_process_group_ranks(g)), g)
-                  for g in _sharded_over(p)) for p in params]
+    return [
+        tuple(same_ranks.setdefault(tuple(torch.distributed.get_process_group_ranks(g)), g) for g in _sharded_over(p))
+        for p in params
+    ]
 
 
 def combine_norms(local_norms: Sequence[torch.Tensor], groups: Sequence[tuple[Any, ...]]) -> torch.Tensor:
@@ -227,8 +257,9 @@ def _sharded_over(param: Any) -> tuple[Any, ...]:
     # not is_shard(): FSDP2 shards a TP shard's dim 0 over dp as _StridedShard, whose is_shard() is
     # False (torch 2.13); counted as replicated, the dp sum was left out of FSDP2 x TP's global norm
     # and each dp rank clipped with its own (0.99 and 1.00 against 1.07 on a dp 2 x tp 2 mesh)
-    return tuple(param.device_mesh.get_group(dim) for dim, p in enumerate(placements)
-                 if not (p.is_replicate() or p.is_partial()))
+    return tuple(
+        param.device_mesh.get_group(dim) for dim, p in enumerate(placements) if not (p.is_replicate() or p.is_partial())
+    )
 
 
 def _placed_as_param(grad: Any, param: Any) -> Any:
@@ -258,8 +289,7 @@ class LocalShards:
     created the state; the view is kept between steps (Dynamo guards on it).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *,
-                 fsdp2: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, fsdp2: bool = True) -> None:
         self._user = optimizer
         self._dparams = list(params)
         self.group = _flag_group(self._dparams, fsdp2)
@@ -303,12 +333,17 @@ class LocalShards:
                 old = user.get(k)
                 if _local(old) is lv:
                     continue
-                user[k] = (DTensor.from_local(lv, old.device_mesh, old.placements, run_check=False,
-                                              shape=old.shape, stride=old.stride())
-                           if isinstance(old, DTensor) else lv)
+                user[k] = (
+                    DTensor.from_local(
+                        lv, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
+                    )
+                    if isinstance(old, DTensor)
+                    else lv
+                )
 
-    def combine_found_inf(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def combine_found_inf(
+        self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The flag of every rank's shards, in one all-reduce (MAX) on the device (traceable), with
         what amp_fx/overflow records folded into it: ``flags`` (per gradient, 0/1: which local
         shards held an inf/NaN; the same gradients, in the same order, on every rank) and the
@@ -323,7 +358,7 @@ class LocalShards:
         flag, reduced_flags, first = unpack_overflow(packed, flags.numel(), first_op is not None)
         return flag.to(found_inf.dtype).reshape(found_inf.shape), reduced_flags.to(flags.dtype), first
 
-    def global_norm(self, local_norms: list[torch.Tensor], present: Sequence[int]) -> torch.Tensor:
+    def global_norm(self, local_norms: Sequence[torch.Tensor], present: Sequence[int]) -> torch.Tensor:
         """``clip_grad_norm_``'s total norm over DTensor gradients, from the local shards' norms
         (``local_norms[j]`` of parameter ``present[j]``).
 
@@ -342,9 +377,15 @@ class LocalShards:
         return funcol.all_reduce(local_sum, "sum", self.group)
 
 
-def distributed_forward(model: torch.nn.Module, forward_loss: Callable[..., tuple[torch.Tensor, torch.Tensor]], *,
-                        dtype: torch.dtype, accumulate: int, micro_step: Callable[[], int],
-                        compile_model: Callable[[torch.nn.Module], Any]) -> Callable[..., Any] | None:
+def distributed_forward(
+    model: torch.nn.Module,
+    forward_loss: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    accumulate: int,
+    micro_step: Callable[[], int],
+    compile_model: Callable[[torch.nn.Module], Any],
+) -> Callable[..., Any] | None:
     """The forward part of a compiled step whose model is DDP or FSDP2, or None for others.
 
     ``forward_loss(model, scale, *batch, **model_kwargs) -> (loss, scaled loss)``: the step's

@@ -23,12 +23,24 @@ from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
-__all__ = ["fp32_experts_text", "slow_fp8_text", "report_no_graph", "report_root_outside_graphs",
-           "report_unused_policy", "wrapper_fix"]
+__all__ = [
+    "fp32_experts_text",
+    "slow_fp8_text",
+    "report_no_graph",
+    "report_root_outside_graphs",
+    "report_unused_policy",
+    "wrapper_fix",
+]
 
 
-def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, *,
-                         fp8: Fp8Config | None = None, outside: Sequence[tuple[str, type]] = ()) -> None:
+def report_unused_policy(
+    records: Sequence[GraphRecord],
+    policy: Policy,
+    reporter: Reporter,
+    *,
+    fp8: Fp8Config | None = None,
+    outside: Sequence[tuple[str, type]] = (),
+) -> None:
     """Report each policy entry that decided no op of the graphs captured so far, and an fp8
     request honoured nowhere.
 
@@ -46,57 +58,86 @@ def report_unused_policy(records: Sequence[GraphRecord], policy: Policy, reporte
     ops = {n.target.name() for n in nodes if isinstance(n.target, torch._ops.OpOverload)}
     for sel in policy.keep_fp32:
         label = repr(sel) if isinstance(sel, str) else sel.__name__
-        inside = [kind for n, kind in whole.items() if any(module_matches(sel, path, mtype)
-                                                           for path, mtype in module_stack(n))]
+        inside = [
+            kind
+            for n, kind in whole.items()
+            if any(module_matches(sel, path, mtype) for path, mtype in module_stack(n))
+        ]
         if inside:
-            reporter.did_less(("keep_fp32 kept whole", label), (
-                f"amp_fx: Policy(keep_fp32=...) entry {label} selects ops inside "
-                f"{' and '.join(dict.fromkeys(inside))}, which amp_fx keeps whole: eager autocast casts "
-                f"the ops inside, so they are not kept in fp32. To keep them in fp32, run that code under "
-                f"torch.autocast(device_type, enabled=False) with fp32 inputs."))
+            reporter.did_less(
+                ("keep_fp32 kept whole", label),
+                (
+                    f"amp_fx: Policy(keep_fp32=...) entry {label} selects ops inside "
+                    f"{' and '.join(dict.fromkeys(inside))}, which amp_fx keeps whole: eager autocast casts "
+                    f"the ops inside, so they are not kept in fp32. To keep them in fp32, run that code under "
+                    f"torch.autocast(device_type, enabled=False) with fp32 inputs."
+                ),
+            )
         if any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
             continue
         skipped = [path for path, mtype in outside if module_matches(sel, path, mtype)]
-        reporter.did_less(("keep_fp32", label), (
-            f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
-            f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
-            f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
-            f"that fixed, the entry applies." if skipped else
-            f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
-            f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
-            f"for it. Name a module that runs ops (names are under the module passed to "
-            f"amp_fx.compile, as in its named_modules()), or drop the entry."))
+        reporter.did_less(
+            ("keep_fp32", label),
+            (
+                f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
+                f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
+                f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
+                f"that fixed, the entry applies."
+                if skipped
+                else f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
+                f"on the first call: no op ran inside such a module, so nothing was kept in fp32 "
+                f"for it. Name a module that runs ops (names are under the module passed to "
+                f"amp_fx.compile, as in its named_modules()), or drop the entry."
+            ),
+        )
     _report_fp8(records, policy, reporter, fp8, stacks)
     _report_experts(records, policy, reporter)
     _report_rnn_cells(nodes, reporter)
     kinds = list(dict.fromkeys(whole.values()))
-    unseen = (f", outside {' and '.join(kinds)}, whose ops amp_fx keeps whole and eager autocast casts: "
-              f"an entry does not reach them" if kinds else "")
+    unseen = (
+        f", outside {' and '.join(kinds)}, whose ops amp_fx keeps whole and eager autocast casts: "
+        f"an entry does not reach them"
+        if kinds
+        else ""
+    )
     for label, op_names, cls in policy.op_entries:
         if ops.intersection(op_names) or _unobservable(op_names, cls):
             continue
-        reporter.did_less(("op_classes", label), (
-            f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
-            f"op in the graphs captured on the first call (the model does not call "
-            f"{', '.join(op_names)}{unseen}), so it changed nothing. Check the op name and overload "
-            f"(amp_fx.explain lists the ops of each graph), or drop the entry."))
+        reporter.did_less(
+            ("op_classes", label),
+            (
+                f"amp_fx: Policy(op_classes=...) entry {label!r} -> CastClass.{cls.name} matched no "
+                f"op in the graphs captured on the first call (the model does not call "
+                f"{', '.join(op_names)}{unseen}), so it changed nothing. Check the op name and overload "
+                f"(amp_fx.explain lists the ops of each graph), or drop the entry."
+            ),
+        )
 
 
 def _report_rnn_cells(nodes: Sequence[torch.fx.Node], reporter: Reporter) -> None:
     """RNN modules captured where eager runs cuDNN's fused RNN: their cells run instead
     (``amp_fx.passes.capture._rnn_without_cudnn``), close to eager autocast but not bit for bit.
     ``nodes``: the call_function nodes of the captured graphs."""
-    rnns = [path or "<root>" for n in nodes if meta.RNN_CELLS in n.meta
-            for path, mtype in module_stack(n) if issubclass(mtype, torch.nn.RNNBase)]
+    rnns = [
+        path or "<root>"
+        for n in nodes
+        if meta.RNN_CELLS in n.meta
+        for path, mtype in module_stack(n)
+        if issubclass(mtype, torch.nn.RNNBase)
+    ]
     if not rnns:
         return
     names = list(dict.fromkeys(rnns))
-    reporter.did_less(("rnn cells", tuple(names)), (
-        f"amp_fx: {', '.join(names)} ({'an RNN module' if len(names) == 1 else 'RNN modules'}) run on CUDA "
-        f"as torch's decomposition into cells (linears and pointwise ops, what torch.compile traces), "
-        f"not as eager's cuDNN RNN, which cannot be captured: within rounding of eager autocast, not bit "
-        f"for bit, and slower than cuDNN. To keep cuDNN, leave torch._dynamo.config.allow_rnn False (its "
-        f"default): Dynamo then runs the RNN outside the graph, under eager autocast."))
+    reporter.did_less(
+        ("rnn cells", tuple(names)),
+        (
+            f"amp_fx: {', '.join(names)} ({'an RNN module' if len(names) == 1 else 'RNN modules'}) run on CUDA "
+            f"as torch's decomposition into cells (linears and pointwise ops, what torch.compile traces), "
+            f"not as eager's cuDNN RNN, which cannot be captured: within rounding of eager autocast, not bit "
+            f"for bit, and slower than cuDNN. To keep cuDNN, leave torch._dynamo.config.allow_rnn False (its "
+            f"default): Dynamo then runs the RNN outside the graph, under eager autocast."
+        ),
+    )
 
 
 def _kept_whole(node: torch.fx.Node) -> str | None:
@@ -110,23 +151,36 @@ def _kept_whole(node: torch.fx.Node) -> str | None:
     return None
 
 
-def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter, fp8: Fp8Config | None,
-                stacks: set[tuple[tuple[str, type], ...]]) -> None:
+def _report_fp8(
+    records: Sequence[GraphRecord],
+    policy: Policy,
+    reporter: Reporter,
+    fp8: Fp8Config | None,
+    stacks: set[tuple[tuple[str, type], ...]],
+) -> None:
     """fp8 asked for and honoured nowhere in the graphs of the first call (each matmul's
     reason is in ``amp_fx.explain``); ``keep_out_of_fp8`` entries that matched no module, or
     that cannot matter because fp8 is off."""
     for sel in policy.keep_out_of_fp8:
         label = repr(sel) if isinstance(sel, str) else sel.__name__
         if fp8 is None:
-            reporter.did_less(("keep_out_of_fp8", "fp8 off"), (
-                f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} changes nothing: fp8 is off. "
-                f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."))
+            reporter.did_less(
+                ("keep_out_of_fp8", "fp8 off"),
+                (
+                    f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} changes nothing: fp8 is off. "
+                    f"Pass fp8='tensorwise' (or another recipe) to train in fp8, or drop the entry."
+                ),
+            )
         elif not any(module_matches(sel, path, mtype) for stack in stacks for path, mtype in stack):
-            reporter.did_less(("keep_out_of_fp8", label), (
-                f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} matched no op in the graphs "
-                f"captured on the first call, so no matmul was kept out of fp8 for it. Name a "
-                f"module that runs matmuls (names are under the module passed to amp_fx.compile, "
-                f"as in its named_modules()), or drop the entry."))
+            reporter.did_less(
+                ("keep_out_of_fp8", label),
+                (
+                    f"amp_fx: Policy(keep_out_of_fp8=...) entry {label} matched no op in the graphs "
+                    f"captured on the first call, so no matmul was kept out of fp8 for it. Name a "
+                    f"module that runs matmuls (names are under the module passed to amp_fx.compile, "
+                    f"as in its named_modules()), or drop the entry."
+                ),
+            )
     if fp8 is None or not records or noted_by_caller():
         return
     decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
@@ -136,22 +190,33 @@ def _report_fp8(records: Sequence[GraphRecord], policy: Policy, reporter: Report
             reporter.notice(("fp8", "slow kernel"), slow)
         gathered = [g for r in records if r.fp8 is not None for g in r.fp8.gathered_activations]
         if gathered:
-            reporter.did_less(("fp8", "activation all-gather"), (
-                f"amp_fx: the input of {len(gathered)} fp8 matmul(s) is all-gathered before its fp8 cast "
-                f"({'; '.join(gathered[:4])}): sequence parallelism's all-gather moves the activation in its "
-                f"own dtype, as eager autocast does, not in fp8 as torchao's Float8ColwiseParallel does (the "
-                f"values are the same, the bytes 2-4x). Not supported yet; strict=True makes this an error."))
+            reporter.did_less(
+                ("fp8", "activation all-gather"),
+                (
+                    f"amp_fx: the input of {len(gathered)} fp8 matmul(s) is all-gathered before its fp8 cast "
+                    f"({'; '.join(gathered[:4])}): sequence parallelism's all-gather moves the activation in its "
+                    f"own dtype, as eager autocast does, not in fp8 as torchao's Float8ColwiseParallel does (the "
+                    f"values are the same, the bytes 2-4x). Not supported yet; strict=True makes this an error."
+                ),
+            )
         return
     if not decisions:
-        found = ("no graph of the first call has a matmul with a parameter operand "
-                 "(nn.Linear, F.linear, Conv1D's addmm, x @ W)")
+        found = (
+            "no graph of the first call has a matmul with a parameter operand "
+            "(nn.Linear, F.linear, Conv1D's addmm, x @ W)"
+        )
     else:
         reasons = Counter(d.reason.removeprefix("not fp8: ").split(";")[0] for d in decisions)
-        found = (f"none of its {len(decisions)} matmuls with a parameter operand can run in fp8: "
-                 + "; ".join(f"{n} x {why}" for why, n in reasons.most_common(3)))
-    reporter.did_less(("fp8", "nothing converted"), (
-        f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
-        f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."))
+        found = f"none of its {len(decisions)} matmuls with a parameter operand can run in fp8: " + "; ".join(
+            f"{n} x {why}" for why, n in reasons.most_common(3)
+        )
+    reporter.did_less(
+        ("fp8", "nothing converted"),
+        (
+            f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
+            f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."
+        ),
+    )
 
 
 def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
@@ -166,15 +231,19 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
         if recipe is Fp8Recipe.MXFP8:
             missing = mx_kernels_missing(device_type)
             if missing is not None:
-                return (f"amp_fx: fp8='mxfp8' runs emulated here: {missing}. Each MXFP8 GEMM is dequantized "
-                        f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
-                        f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
-                        f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed.")
+                return (
+                    f"amp_fx: fp8='mxfp8' runs emulated here: {missing}. Each MXFP8 GEMM is dequantized "
+                    f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
+                    f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
+                    f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed."
+                )
         elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
-            return (f"amp_fx: fp8={recipe.value!r} runs without fp8 tensor cores here: {missing}. The "
-                    f"recipe's numerics, slower than bf16 (for developing and testing fp8 on this machine); "
-                    f"fp8 is fast on GPUs with compute capability 8.9+ (L4, L40S, H100, H200, B200). Here "
-                    f"dtype='bf16' alone trains faster.")
+            return (
+                f"amp_fx: fp8={recipe.value!r} runs without fp8 tensor cores here: {missing}. The "
+                f"recipe's numerics, slower than bf16 (for developing and testing fp8 on this machine); "
+                f"fp8 is fast on GPUs with compute capability 8.9+ (L4, L40S, H100, H200, B200). Here "
+                f"dtype='bf16' alone trains faster."
+            )
     return None
 
 
@@ -182,20 +251,32 @@ def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Re
     fp32 = fp32_experts_text(records, policy)
     if fp32 is not None and not noted_by_caller():  # explain shows it as a note
         reporter.did_less(("autocast_experts", "fp32"), fp32)
-    left = [e for r in records for e in r.inserted.experts if policy.autocast_experts and not e.lowered
-            and e.dtype == torch.float32 and r.dtype != torch.bfloat16]
+    left = [
+        e
+        for r in records
+        for e in r.inserted.experts
+        if policy.autocast_experts and not e.lowered and e.dtype == torch.float32 and r.dtype != torch.bfloat16
+    ]
     if left:
-        reporter.did_less(("autocast_experts", "not bf16"), (
-            f"amp_fx: Policy(autocast_experts=True) runs grouped expert GEMMs in bf16 only (torch compiles "
-            f"aten._grouped_mm for bf16 operands only), but dtype is {dtype_name(records[0].dtype)}: the experts "
-            f"{', '.join(dict.fromkeys(e.module for e in left))} stay in float32. Compile with dtype='bf16' to "
-            f"run them in bf16."))
+        reporter.did_less(
+            ("autocast_experts", "not bf16"),
+            (
+                f"amp_fx: Policy(autocast_experts=True) runs grouped expert GEMMs in bf16 only (torch compiles "
+                f"aten._grouped_mm for bf16 operands only), but dtype is {dtype_name(records[0].dtype)}: the experts "
+                f"{', '.join(dict.fromkeys(e.module for e in left))} stay in float32. Compile with dtype='bf16' to "
+                f"run them in bf16."
+            ),
+        )
     if policy.autocast_experts is not None and records and not any(r.inserted.experts for r in records):
-        reporter.did_less(("autocast_experts", "unused"), (
-            f"amp_fx: Policy(autocast_experts={policy.autocast_experts}) matched no grouped expert GEMM "
-            f"({', '.join(GROUPED_MM_OPS)}) in the graphs captured on the first call, so it changed "
-            f"nothing. Experts written as one nn.Linear each are linears, which autocast already runs "
-            f"in the low dtype; drop the entry."))
+        reporter.did_less(
+            ("autocast_experts", "unused"),
+            (
+                f"amp_fx: Policy(autocast_experts={policy.autocast_experts}) matched no grouped expert GEMM "
+                f"({', '.join(GROUPED_MM_OPS)}) in the graphs captured on the first call, so it changed "
+                f"nothing. Experts written as one nn.Linear each are linears, which autocast already runs "
+                f"in the low dtype; drop the entry."
+            ),
+        )
 
 
 def fp32_experts_text(records: Sequence[GraphRecord], policy: Policy | None) -> str | None:
@@ -206,37 +287,51 @@ def fp32_experts_text(records: Sequence[GraphRecord], policy: Policy | None) -> 
     policy = policy if policy is not None else Policy()
     if policy.autocast_experts is not None:
         return None
-    found = [e for r in records if r.fallback is None for e in r.inserted.experts
-             if e.dtype == torch.float32 and not e.lowered and e.op.replace(".", "::", 1) not in policy.op_classes]
+    found = [
+        e
+        for r in records
+        if r.fallback is None
+        for e in r.inserted.experts
+        if e.dtype == torch.float32 and not e.lowered and e.op.replace(".", "::", 1) not in policy.op_classes
+    ]
     if not found:
         return None
     modules = list(dict.fromkeys(e.module or "<root>" for e in found))
     shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
     ops = ", ".join(dict.fromkeys(e.op for e in found))
     low = dtype_name(records[0].dtype)
-    return (f"amp_fx: the mixture-of-experts layers {shown} run their grouped expert GEMMs ({ops}) in "
-            f"float32: no autocast table lists the op, so eager torch.autocast, torch.compile and amp_fx "
-            f"(bitwise with eager autocast) all run the experts in their weights' dtype. Pass "
-            f"policy=amp_fx.Policy(autocast_experts=True) to run them in {low}, each as one "
-            f"aten._grouped_mm (no host sync), or Policy(autocast_experts=False) to keep them in float32 "
-            f"without this warning.")
+    return (
+        f"amp_fx: the mixture-of-experts layers {shown} run their grouped expert GEMMs ({ops}) in "
+        f"float32: no autocast table lists the op, so eager torch.autocast, torch.compile and amp_fx "
+        f"(bitwise with eager autocast) all run the experts in their weights' dtype. Pass "
+        f"policy=amp_fx.Policy(autocast_experts=True) to run them in {low}, each as one "
+        f"aten._grouped_mm (no host sync), or Policy(autocast_experts=False) to keep them in float32 "
+        f"without this warning."
+    )
 
 
 def report_no_graph(reporter: Reporter, target: object) -> None:
     """Report a call of a compiled model or function that captured and ran no graph."""
-    what = type(target).__name__ if isinstance(target, torch.nn.Module) else \
-        getattr(target, "__qualname__", repr(target))
+    what = (
+        type(target).__name__ if isinstance(target, torch.nn.Module) else getattr(target, "__qualname__", repr(target))
+    )
     fix = wrapper_fix(target) or (
         "Dynamo skipped or gave up on every frame of the call (TORCH_LOGS=graph_breaks,"
         "recompiles says why); compile the module that does the work, or run it under "
-        "torch.autocast if it cannot be compiled.")
-    reporter.did_less(("no_graph",), (
-        f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
-        f"autocast (the same values, nothing compiled). {fix}"))
+        "torch.autocast if it cannot be compiled."
+    )
+    reporter.did_less(
+        ("no_graph",),
+        (
+            f"amp_fx.compile({what}): this call captured and ran no graph, so it ran as eager "
+            f"autocast (the same values, nothing compiled). {fix}"
+        ),
+    )
 
 
-def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str],
-                               reporter: Reporter) -> list[tuple[str, type]]:
+def report_root_outside_graphs(
+    records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str], reporter: Reporter
+) -> list[tuple[str, type]]:
     """Report the FSDP2 root's own modules (``own``: :func:`amp_fx._dist.capture.root_state_modules`)
     that no op of the graphs captured so far ran inside: Dynamo skipped the frame that runs them
     (a graph break inside the loop over the sharded blocks), so they ran as eager autocast, where
@@ -249,22 +344,26 @@ def report_root_outside_graphs(records: Sequence[GraphRecord], root: torch.nn.Mo
     if not missing:
         return []
     shown = ", ".join(name or "<root> (its own parameters and buffers)" for name in missing[:6]) + (
-        f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-    reporter.did_less(("fsdp2_root_frame",), (
-        f"amp_fx.compile({unsharded_class_name(root)}) under FSDP2: the first call's captured graphs ran no op of "
-        f"{shown}, of the root outside its fully_shard-ed units. The root's forward calls those units, each call "
-        f"breaks Dynamo's graph (FSDP2's hooks are not traced), and a break inside a loop (for block in "
-        f"self.blocks, nn.Sequential) makes Dynamo skip the whole frame: the root's frame (or that of the module "
-        f"between the root and the units that loops over them) ran without a graph. Those ops ran as eager "
-        f"autocast: their values are eager autocast's, but amp_fx's Policy (keep_fp32, op_classes) does not apply "
-        f"to them and fp8 does not reach them. Fix: move the loop over the units into a method of its own "
-        f"(def run_blocks(self, x): for block in self.blocks: x = block(x); return x), so that Dynamo skips only "
-        f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
-        f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
-        f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
-        f"fully_shard it or drop it.{_tied_fix(root, missing)}"))
-    return [(path, type(m)) for name in missing
-            for path, m in root.get_submodule(name).named_modules(prefix=name)]
+        f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+    )
+    reporter.did_less(
+        ("fsdp2_root_frame",),
+        (
+            f"amp_fx.compile({unsharded_class_name(root)}) under FSDP2: the first call's captured graphs ran no op of "
+            f"{shown}, of the root outside its fully_shard-ed units. The root's forward calls those units, each call "
+            f"breaks Dynamo's graph (FSDP2's hooks are not traced), and a break inside a loop (for block in "
+            f"self.blocks, nn.Sequential) makes Dynamo skip the whole frame: the root's frame (or that of the module "
+            f"between the root and the units that loops over them) ran without a graph. Those ops ran as eager "
+            f"autocast: their values are eager autocast's, but amp_fx's Policy (keep_fp32, op_classes) does not apply "
+            f"to them and fp8 does not reach them. Fix: move the loop over the units into a method of its own "
+            f"(def run_blocks(self, x): for block in self.blocks: x = block(x); return x), so that Dynamo skips only "
+            f"that method's frame and captures the rest of forward; or, where forward cannot change (nn.Sequential, a "
+            f"library model), fully_shard those modules too, before fully_shard(model), so that amp_fx compiles each "
+            f"as a unit of its own. A module that forward never calls is named too (no graph can show that it ran): "
+            f"fully_shard it or drop it.{_tied_fix(root, missing)}"
+        ),
+    )
+    return [(path, type(m)) for name in missing for path, m in root.get_submodule(name).named_modules(prefix=name)]
 
 
 def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:
@@ -278,13 +377,21 @@ def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:
     fixes, said = [], set()
     for name in filter(None, names):
         mine = {id(p) for p in root.get_submodule(name).parameters()}
-        partners = sorted({path for key in mine for path in holders.get(key, [])
-                           if path and path != name and not path.startswith(name + ".")})
+        partners = sorted(
+            {
+                path
+                for key in mine
+                for path in holders.get(key, [])
+                if path and path != name and not path.startswith(name + ".")
+            }
+        )
         if partners and name not in said:  # a pair both named: one call for both
             said.update(partners)
             units = ", ".join(f"model.{path}" for path in [name, *partners])
-            fixes.append(f" {name} shares a parameter with {', '.join(partners)} (tied "
-                         f"weights), and FSDP2 takes tied parameters in one unit: fully_shard([{units}]).")
+            fixes.append(
+                f" {name} shares a parameter with {', '.join(partners)} (tied "
+                f"weights), and FSDP2 takes tied parameters in one unit: fully_shard([{units}])."
+            )
     return "".join(fixes)
 
 
@@ -295,15 +402,20 @@ def wrapper_fix(target: object) -> str | None:
     except ImportError:  # pragma: no cover - torch built without distributed
         return None
     if isinstance(target, DistributedDataParallel):
-        return ("Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
-                "the model inside it instead: DDP(amp_fx.compile(model)).")
-    if isinstance(target, torch.nn.Module) and (is_fsdp1(target) or any(
-            getattr(p, "_fsdp_flattened", False) for p in target.parameters())):
+        return (
+            "Dynamo captures nothing through this DistributedDataParallel wrapper; compile "
+            "the model inside it instead: DDP(amp_fx.compile(model))."
+        )
+    if isinstance(target, torch.nn.Module) and (
+        is_fsdp1(target) or any(getattr(p, "_fsdp_flattened", False) for p in target.parameters())
+    ):
         # FSDP1 around the model, or the model inside FSDP1 (its parameters are views of
         # FSDP1's FlatParameter, marked _fsdp_flattened).
-        return (f"{type(target).__name__} is sharded by FullyShardedDataParallel (FSDP1), whose flat "
-                f"parameters and hooks Dynamo does not capture; it trains as eager FSDP1 under autocast. "
-                f"To compile it, {FSDP1_ALTERNATIVE}.")
+        return (
+            f"{type(target).__name__} is sharded by FullyShardedDataParallel (FSDP1), whose flat "
+            f"parameters and hooks Dynamo does not capture; it trains as eager FSDP1 under autocast. "
+            f"To compile it, {FSDP1_ALTERNATIVE}."
+        )
     fsdp_types: list[type] = []
     try:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -312,10 +424,12 @@ def wrapper_fix(target: object) -> str | None:
     except ImportError:  # pragma: no cover
         pass
     if fsdp_types and isinstance(target, tuple(fsdp_types)):
-        return (f"Dynamo captured no graph of this FSDP2-sharded {type(target).__name__}: it trained as "
-                "eager FSDP2 under autocast. amp_fx compiles an FSDP2 model unit by unit, sharded first: "
-                "fully_shard each block, then the root, then amp_fx.compile(model) (docs/distributed.md); "
-                "TORCH_LOGS=graph_breaks,recompiles says why Dynamo skipped the units' frames.")
+        return (
+            f"Dynamo captured no graph of this FSDP2-sharded {type(target).__name__}: it trained as "
+            "eager FSDP2 under autocast. amp_fx compiles an FSDP2 model unit by unit, sharded first: "
+            "fully_shard each block, then the root, then amp_fx.compile(model) (docs/distributed.md); "
+            "TORCH_LOGS=graph_breaks,recompiles says why Dynamo skipped the units' frames."
+        )
     return None
 
 

@@ -147,7 +147,8 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
             sibling = backend if not compiled_by_leaves else backend.sibling()
             backends.append(sibling)
             compiled = compiled_by_leaves[leaves] = torch.compile(
-                own_forward if direct else own_call, backend=sibling.for_dynamo(), **compile_kwargs)
+                own_forward if direct else own_call, backend=sibling.for_dynamo(), **compile_kwargs
+            )
         runs = backend.runs.count
         try:
             with torch.autocast(device_type, dtype=backend.dtype), is_exporting_as_eager():
@@ -171,8 +172,15 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     return call
 
 
-def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensors: list[torch.Tensor],
-                policy_checked: bool, outside: Sequence[tuple[str, type]] = ()) -> bool:
+def _check_call(
+    backend: AmpBackend,
+    target: object,
+    runs: int,
+    out: Any,
+    tensors: list[torch.Tensor],
+    policy_checked: bool,
+    outside: Sequence[tuple[str, type]] = (),
+) -> bool:
     """What one call did against what was asked: a call that ran no graph is reported, and after
     the first call that ran graphs, each policy entry that matched no op (``outside``: modules
     already reported as run outside every graph). Returns whether the policy has been checked."""
@@ -181,13 +189,20 @@ def _check_call(backend: AmpBackend, target: object, runs: int, out: Any, tensor
             report_no_graph(backend.reporter, target)
         return policy_checked
     if not policy_checked:
-        report_unused_policy(backend.records, backend.options.policy, backend.reporter,
-                             fp8=backend.options.fp8, outside=outside)
+        report_unused_policy(
+            backend.records, backend.options.policy, backend.reporter, fp8=backend.options.fp8, outside=outside
+        )
     return True
 
 
-def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: AmpBackend, *,
-                  gathered: GatheredFp8Weights | None = None, root_own: Sequence[str] = ()) -> Callable[..., Any]:
+def checked_units(
+    call: Callable[..., Any],
+    module: torch.nn.Module,
+    backend: AmpBackend,
+    *,
+    gathered: GatheredFp8Weights | None = None,
+    root_own: Sequence[str] = (),
+) -> Callable[..., Any]:
     """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
     of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
     fp8 matmuls of the graphs captured so far; ``root_own``: the FSDP2 root's own modules that hold
@@ -203,8 +218,7 @@ def checked_units(call: Callable[..., Any], module: torch.nn.Module, backend: Am
         outside: Sequence[tuple[str, type]] = ()
         if root_own and not policy_checked and backend.runs.count != runs:
             outside = report_root_outside_graphs(backend.records, module, root_own, backend.reporter)
-        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked,
-                                     outside)
+        policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked, outside)
         if gathered is not None and backend.records:
             gathered.check(backend.records, backend.reporter)
         return out
@@ -216,5 +230,6 @@ def _computed_floats(out: Any, inputs: list[torch.Tensor]) -> bool:
     """Whether a call returned a floating-point tensor it computed (not one of its inputs): a
     call that returns its input or only integers had nothing for amp_fx to compile."""
     given = {id(t) for t in inputs}
-    return any(isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in given
-               for t in tree_flatten(out)[0])
+    return any(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in given for t in tree_flatten(out)[0]
+    )

@@ -55,8 +55,14 @@ class AmpBackend:
     feed (``weight_cache=True``, ``watch_nonfinite=True``), and the records of its graphs.
     """
 
-    def __init__(self, options: Options, *, root: torch.nn.Module | None = None,
-                 reporter: Reporter | None = None, label: str | None = None) -> None:
+    def __init__(
+        self,
+        options: Options,
+        *,
+        root: torch.nn.Module | None = None,
+        reporter: Reporter | None = None,
+        label: str | None = None,
+    ) -> None:
         self.options = options
         self.label = label if label is not None else (type(root).__name__ if root is not None else "a function")
         """Names the model in the progress lines (amp_fx/_common/progress.py)."""
@@ -107,8 +113,10 @@ class AmpBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         guard_module_hooks()
         index = len(self.records)
-        with timed(f"amp_fx: {self.label}: compiled graph {index} ({_ops(gm)} ops, {dtype_name(self.dtype)}, "
-                   f"backend {self.options.backend_name})"):
+        with timed(
+            f"amp_fx: {self.label}: compiled graph {index} ({_ops(gm)} ops, {dtype_name(self.dtype)}, "
+            f"backend {self.options.backend_name})"
+        ):
             try:
                 return self._compile(gm, example_inputs, index)
             except StageFailure as failure:
@@ -127,8 +135,14 @@ class AmpBackend:
         with stage("traced_paths", index, ()):
             report_traced_paths(gm, self.reporter)
         with torch._C._DisableAutocast():
-            work = run_pipeline(self.options, gm, example_inputs, index=index,
-                                is_state=names.is_module_state, state_name=names.state_name)
+            work = run_pipeline(
+                self.options,
+                gm,
+                example_inputs,
+                index=index,
+                is_state=names.is_module_state,
+                state_name=names.state_name,
+            )
             record = work.record(self.options.dtype)
             carry_dynamo_inputs(gm, work.gm)  # record.rewritten: what the downstream backend gets
             if work.lifted is not None:  # or this, with the weight cache
@@ -145,17 +159,20 @@ class AmpBackend:
         self.records.append(record)
         return run
 
-    def _fall_back(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                   failure: StageFailure) -> Callable[..., Any]:
+    def _fall_back(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], failure: StageFailure
+    ) -> Callable[..., Any]:
         """Dynamo's graph ``gm`` compiled as torch.compile under torch.autocast compiles it: the
         downstream backend traces and runs it with the caller's autocast (amp_fx.compile's) on, so
         AOTAutograd records autocast's casts. Said once (raised in strict mode) naming the graph,
         the stage, the op and the cause."""
-        message = (f"{failure}. Graph {failure.index} ({_origin(gm)}) is compiled as torch.compile under "
-                   f"torch.autocast compiles it instead: eager autocast's casts, without amp_fx's policy, "
-                   f"fp8, weight cache or non-finite watch (amp_fx_records[{failure.index}].fallback says "
-                   f"so). This is a bug of amp_fx's: please report it with this message and the graph "
-                   f"(TORCH_LOGS=graph_code prints it).")
+        message = (
+            f"{failure}. Graph {failure.index} ({_origin(gm)}) is compiled as torch.compile under "
+            f"torch.autocast compiles it instead: eager autocast's casts, without amp_fx's policy, "
+            f"fp8, weight cache or non-finite watch (amp_fx_records[{failure.index}].fallback says "
+            f"so). This is a bug of amp_fx's: please report it with this message and the graph "
+            f"(TORCH_LOGS=graph_code prints it)."
+        )
         self.reporter.did_less(("fallback", failure.stage, failure.cause), message, cause=failure.__cause__)
         compiled = self._downstream(gm, list(example_inputs))
         self.records.append(GraphRecord.fell_back(gm, example_inputs, self.options.dtype, failure))
@@ -213,13 +230,18 @@ class AmpBackend:
                 error = e
         assert error is not None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        self.reporter.did_less(("weight_cache", type(error).__name__), (
-            f"amp_fx: weight_cache=True: the {self.options.backend_name} backend failed on graph "
-            f"{work.index} with its weight casts lifted into inputs ({type(error).__name__}: "
-            f"{first_line}); that graph casts its weights itself "
-            f"in every forward instead (no saving, and a weight it shares with another graph of "
-            f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
-            f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."), cause=error)
+        self.reporter.did_less(
+            ("weight_cache", type(error).__name__),
+            (
+                f"amp_fx: weight_cache=True: the {self.options.backend_name} backend failed on graph "
+                f"{work.index} with its weight casts lifted into inputs ({type(error).__name__}: "
+                f"{first_line}); that graph casts its weights itself "
+                f"in every forward instead (no saving, and a weight it shares with another graph of "
+                f"the forward is not bitwise with eager autocast). Pass weight_cache=False to compile "
+                f"without the cache, or report this graph (TORCH_LOGS=graph_code prints it)."
+            ),
+            cause=error,
+        )
         with stage("downstream", work.index, work.done):
             return downstream(work.gm, list(work.example_inputs))
 
@@ -238,8 +260,13 @@ class AmpBackend:
             record.watched_backward = watched
             return functools.partial(watch.ran, key)
 
-        downstream = watching_downstream(backend, inductor_config=self.options.inductor, dtype=self.options.dtype,
-                                         forward=record.rewritten, on_backward=on_backward)
+        downstream = watching_downstream(
+            backend,
+            inductor_config=self.options.inductor,
+            dtype=self.options.dtype,
+            forward=record.rewritten,
+            on_backward=on_backward,
+        )
         return downstream if downstream is not None else self._downstream
 
     def _report_unwatched_backward(self, watch: ForwardWatch) -> None:
@@ -253,10 +280,14 @@ class AmpBackend:
         else:
             why = f"backend {self.options.backend_name!r} is not one whose backward graph amp_fx reaches"
         watch.backward_unwatched = why
-        self.reporter.did_less(("watch_nonfinite", "backward"), (
-            f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
-            f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
-            f"'inductor' to name the backward's first inf too."))
+        self.reporter.did_less(
+            ("watch_nonfinite", "backward"),
+            (
+                f"amp_fx: watch_nonfinite=True watches the forward only: {why}. A step skipped because the "
+                f"backward overflowed is reported without its op. Compile with backend='aot_eager' or "
+                f"'inductor' to name the backward's first inf too."
+            ),
+        )
 
 
 class _HeldWeakly:
@@ -279,9 +310,12 @@ def _ops(gm: torch.fx.GraphModule) -> int:
 def _origin(gm: torch.fx.GraphModule) -> str:
     """Where Dynamo's graph ``gm`` came from: its compile id (frame/attempt, as TORCH_LOGS names
     it) and the modules of its first and last ops, where the graph records them."""
-    paths = [stack[-1][0] for n in gm.graph.nodes
-             if n.op in ("call_function", "call_method", "call_module")
-             and (stack := list((n.meta.get("nn_module_stack") or {}).values()))]
+    paths = [
+        stack[-1][0]
+        for n in gm.graph.nodes
+        if n.op in ("call_function", "call_method", "call_module")
+        and (stack := list((n.meta.get("nn_module_stack") or {}).values()))
+    ]
     where = f"compile {gm.meta['dynamo_compile_id']}" if "dynamo_compile_id" in gm.meta else "Dynamo graph"
     if not paths:
         return where

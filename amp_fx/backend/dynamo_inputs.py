@@ -59,7 +59,7 @@ def carry_dynamo_inputs(dynamo_gm: torch.fx.GraphModule, gm: torch.fx.GraphModul
         setattr(node, _SOURCE, getattr(dynamo_node, _SOURCE))
         if _STATIC in dynamo_node.meta:
             node.meta[_STATIC] = dynamo_node.meta[_STATIC]
-    for node in ours[len(theirs):]:
+    for node in ours[len(theirs) :]:
         setattr(node, _SOURCE, None)
     setattr(gm, "_param_name_to_source", param_sources)  # Dynamo's attribute, not declared on GraphModule
     gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
@@ -85,7 +85,11 @@ def _with_constant_sources(gm: torch.fx.GraphModule, param_sources: dict[str, So
         return param_sources
     shared = len({id(t) for _, t in owned}) < len(owned)
     if shared or any(name not in buffers for name in missing):
-        log.debug("carry_dynamo_inputs: %s have no Dynamo source (%s): the graph is handed over as a "
-                  "graph Dynamo did not capture", missing, "a tensor under two names" if shared else "parameters")
+        log.debug(
+            "carry_dynamo_inputs: %s have no Dynamo source (%s): the graph is handed over as a "
+            "graph Dynamo did not capture",
+            missing,
+            "a tensor under two names" if shared else "parameters",
+        )
         return None
     return {**param_sources, **{name: ConstantSource(f"amp_fx.{name}") for name in missing}}

@@ -15,11 +15,13 @@ from amp_fx.errors import AmpFxError
 __all__ = ["RunCount", "guard_module_hooks", "refuse_double_backward"]
 
 
-_DOUBLE_BACKWARD = ("amp_fx: a backward with create_graph=True (double backward, as in a gradient "
-                    "penalty) reached a graph compiled through AOTAutograd (backend='aot_eager' or "
-                    "'inductor'), which cannot differentiate its own backward. Compile this model "
-                    "with amp_fx.compile(..., backend='eager'): its casts stay explicit, it supports "
-                    "double backward and is bitwise with eager autocast (GradScaler included).")
+_DOUBLE_BACKWARD = (
+    "amp_fx: a backward with create_graph=True (double backward, as in a gradient "
+    "penalty) reached a graph compiled through AOTAutograd (backend='aot_eager' or "
+    "'inductor'), which cannot differentiate its own backward. Compile this model "
+    "with amp_fx.compile(..., backend='eager'): its casts stay explicit, it supports "
+    "double backward and is bitwise with eager autocast (GradScaler included)."
+)
 
 
 def refuse_double_backward(out: Any, guarded: set[type]) -> None:
@@ -39,8 +41,9 @@ def refuse_double_backward(out: Any, guarded: set[type]) -> None:
         if type(node) in guarded:
             return
         if "CompiledFunction" not in type(node).__name__:  # an output view: the graph is its parent
-            node = next((f for f, _ in node.next_functions
-                         if f is not None and "CompiledFunction" in type(f).__name__), None)
+            node = next(
+                (f for f, _ in node.next_functions if f is not None and "CompiledFunction" in type(f).__name__), None
+            )
             if node is None:
                 continue
             if type(node) in guarded:

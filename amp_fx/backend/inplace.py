@@ -78,11 +78,15 @@ def compile_inplace(model: object, options: Options) -> Any:
     """``compile(model, inplace=True)``: the module, its call set to amp_fx's compiled forward."""
     check_target(model, "amp_fx.compile(inplace=True)")
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
-                        f"{type(model).__name__}; drop inplace=True to compile a function")
+        raise TypeError(
+            f"amp_fx.compile(inplace=True) compiles an nn.Module in place, got "
+            f"{type(model).__name__}; drop inplace=True to compile a function"
+        )
     if isinstance(model, (AmpCompiledModule, torch._dynamo.eval_frame.OptimizedModule)):
-        raise TypeError(f"amp_fx.compile(inplace=True): {type(model).__name__} is a compiled wrapper; "
-                        "compile the module under it in place (its original_module / _orig_mod)")
+        raise TypeError(
+            f"amp_fx.compile(inplace=True): {type(model).__name__} is a compiled wrapper; "
+            "compile the module under it in place (its original_module / _orig_mod)"
+        )
     call = _InplaceCall(model, options)
     call.build()  # the checks of compile() run now, not at the first call
     call.install()

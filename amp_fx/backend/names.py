@@ -47,8 +47,7 @@ class RootNames:
             from torch._dynamo.symbolic_convert import InstructionTranslator
 
             tx = InstructionTranslator.current_tx()
-            self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals,
-                          "getattr": getattr}
+            self.scope = {"__builtins__": {}, "L": tx.f_locals, "G": tx.f_globals, "getattr": getattr}
             own = frame_self(tx.f_code, tx.f_locals)
             self._keyed: dict[str, Any] = dict(getattr(tx.output, "nn_modules", None) or {})
         except Exception:  # not called from Dynamo (a test calling the backend directly)
@@ -72,8 +71,10 @@ class RootNames:
             own_name = self._shared_path(own) if own is not None else None
             own = root.get_submodule(own_name) if own_name else None
         self.frame_module = (own_name, type(own)) if own_name else None
-        self._tensors = {id(t): n for n, t in (*root.named_parameters(remove_duplicate=False),
-                                              *root.named_buffers(remove_duplicate=False))}
+        self._tensors = {
+            id(t): n
+            for n, t in (*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False))
+        }
         self._objects: dict[str, object] = {}
 
     def _calling_module(self) -> torch.nn.Module | None:
@@ -123,7 +124,7 @@ class RootNames:
         if match is None or self.scope is None:
             return None
         obj: object = self.scope[match.group(1)].get(match.group(2))
-        rest = source[match.end():]
+        rest = source[match.end() :]
         for step in re.finditer(r"\.(\w+)|\[(-?\d+)\]|\['([^']*)'\]|(.)", rest):
             attr, index, key, other = step.groups()
             if other is not None or obj is None:

@@ -45,7 +45,8 @@ def leaves_cast_with_shared_cast(gm: torch.fx.GraphModule) -> list[torch.fx.Node
 
 
 _SPLITS_NOTED_BY_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "amp_fx_splits_noted_by_caller", default=False)
+    "amp_fx_splits_noted_by_caller", default=False
+)
 
 
 @contextlib.contextmanager
@@ -106,8 +107,9 @@ class SplitTracker:
         # (frame id, frame compile id) -> the CompileId of the compile that had them
         self._compiles: dict[tuple[int, int | None], object] = {}
 
-    def report(self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-               names: RootNames) -> None:
+    def report(
+        self, record: GraphRecord, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], names: RootNames
+    ) -> None:
         """Report once per weight whose uses a graph break splits (see docs/parity.md, Known differences):
         an ``AmpFxWarning`` through the owner's reporter (an error in strict mode), unless the
         caller notes splits itself (:func:`splits_noted_by_caller`).
@@ -146,21 +148,31 @@ class SplitTracker:
             low = dtype_name(self.dtype)
             if len(graphs.frames) > 1:
                 where = "is used on both sides of a graph break"
-                fix = ("Remove the graph break (TORCH_LOGS=graph_breaks says where it is), or pass "
-                       "weight_cache=True (one cast shared by every graph of the forward),")
+                fix = (
+                    "Remove the graph break (TORCH_LOGS=graph_breaks says where it is), or pass "
+                    "weight_cache=True (one cast shared by every graph of the forward),"
+                )
             else:
-                where = ("is used in two of the graphs Dynamo's DDPOptimizer splits one captured "
-                         "graph into at DDP's bucket boundaries")
-                fix = ("Pass weight_cache=True (one cast shared by every graph of the forward), or "
-                       "set torch._dynamo.config.optimize_ddp = False (one graph, no overlap of the "
-                       "all-reduce with the backward),")
+                where = (
+                    "is used in two of the graphs Dynamo's DDPOptimizer splits one captured "
+                    "graph into at DDP's bucket boundaries"
+                )
+                fix = (
+                    "Pass weight_cache=True (one cast shared by every graph of the forward), or "
+                    "set torch._dynamo.config.optimize_ddp = False (one graph, no overlap of the "
+                    "all-reduce with the backward),"
+                )
             if _SPLITS_NOTED_BY_CALLER.get():
                 log.debug("amp_fx: %s %s", name, where)
                 continue
-            self.reporter.did_less(("used across a graph break", name), (
-                f"amp_fx: {name} {where}; each graph casts it to {low} itself, so its gradient "
-                f"contributions add up in fp32 where eager autocast adds them in {low} (more "
-                f"accurate, not bitwise). {fix} to match eager autocast bit for bit."))
+            self.reporter.did_less(
+                ("used across a graph break", name),
+                (
+                    f"amp_fx: {name} {where}; each graph casts it to {low} itself, so its gradient "
+                    f"contributions add up in fp32 where eager autocast adds them in {low} (more "
+                    f"accurate, not bitwise). {fix} to match eager autocast bit for bit."
+                ),
+            )
 
     def _start_afresh_after_reset(self, frame: int, attempt: int | None, compile_id: object) -> None:
         """Forget the graphs seen before a ``torch._dynamo.reset()``.

@@ -45,8 +45,10 @@ _GQA_MAX_HEAD_DIM = 256
 def _traced_from(node: Node, file: str, function: str) -> bool:
     """Whether ``node`` was traced inside ``function`` of transformers' ``file`` (any frame)."""
     trace = node.meta.get("stack_trace") or ""
-    return any(path.replace("\\", "/").endswith("transformers/" + file) and fn == function
-               for path, fn in _FRAME.findall(trace))
+    return any(
+        path.replace("\\", "/").endswith("transformers/" + file) and fn == function
+        for path, fn in _FRAME.findall(trace)
+    )
 
 
 def _arg(node: Node, index: int, name: str) -> object:
@@ -60,9 +62,12 @@ def _repeated_kv_sdpa(gm: torch.fx.GraphModule) -> Iterator[tuple[Node, Node]]:
         if node.op != "call_function" or node.target is not _SDPA:
             continue
         key, mask = _arg(node, 1, "key"), _arg(node, 3, "attn_mask")
-        if (isinstance(key, Node) and isinstance(mask, Node)
-                and _traced_from(key, "integrations/sdpa_attention.py", "repeat_kv")
-                and _built_by(mask, "masking_utils.py", "sdpa_mask")):
+        if (
+            isinstance(key, Node)
+            and isinstance(mask, Node)
+            and _traced_from(key, "integrations/sdpa_attention.py", "repeat_kv")
+            and _built_by(mask, "masking_utils.py", "sdpa_mask")
+        ):
             yield node, mask
 
 
@@ -122,8 +127,13 @@ def _fold_node(n: Node, known: dict[Node, _Folded | None]) -> _Folded | None:
         bound = bounds[0] if len(bounds) == 1 else bounds[0] & bounds[1]
         return _Folded(bound.expand(example.shape), exact=False)
     first, rest = n.args[0], [known[i] for i in n.all_input_nodes if i is not n.args[0]]
-    if (n.op == "call_method" and n.target in _MONOTONE_METHODS and isinstance(first, Node)
-            and known[first] is not None and all(f is not None and f.exact for f in rest)):
+    if (
+        n.op == "call_method"
+        and n.target in _MONOTONE_METHODS
+        and isinstance(first, Node)
+        and known[first] is not None
+        and all(f is not None and f.exact for f in rest)
+    ):
         out = _run(n, args, kwargs)
         if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
             return _Folded(out, exact=False)
@@ -149,8 +159,7 @@ def _fold(node: Node) -> _Folded | None:
     known: dict[Node, _Folded | None] = {}
     # the model's random numbers must not move: a random op among the folded ones draws from a fork
     cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    with (torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad(),
-          torch.random.fork_rng(devices=cuda)):
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         for n in order:
             if n.op not in ("call_function", "call_method"):
                 known[n] = None  # a graph input or a module's state: data
@@ -211,12 +220,16 @@ def report_traced_paths(gm: torch.fx.GraphModule, reporter: Reporter) -> None:
     """Report, once per owner, each known traced path in Dynamo's graph ``gm`` that computes
     something else than eager."""
     if _gqa_differs(gm):
-        reporter.did_less(("traced_path", "transformers_gqa_sdpa"), (
-            "amp_fx: this model's grouped-query attention runs another computation compiled than eager: "
-            "traced, transformers cannot check position_ids for packed sequences or the padding mask, so it "
-            "builds a causal mask and repeats the key/value heads in the low dtype (repeat_kv) before sdpa; "
-            "eager, with no padded or packed token, passes no mask and calls sdpa with enable_gqa=True. The "
-            "k/v projections' gradients then differ from eager autocast's in the last bits (plain torch.compile "
-            "under autocast alike; amp_fx is bitwise with it). Training is unaffected beyond that; for "
-            "bitwise parity, attn_implementation='eager' takes one path in both (slower). docs/parity.md, "
-            "'Models that branch on being compiled', has the details."))
+        reporter.did_less(
+            ("traced_path", "transformers_gqa_sdpa"),
+            (
+                "amp_fx: this model's grouped-query attention runs another computation compiled than eager: "
+                "traced, transformers cannot check position_ids for packed sequences or the padding mask, so it "
+                "builds a causal mask and repeats the key/value heads in the low dtype (repeat_kv) before sdpa; "
+                "eager, with no padded or packed token, passes no mask and calls sdpa with enable_gqa=True. The "
+                "k/v projections' gradients then differ from eager autocast's in the last bits (plain torch.compile "
+                "under autocast alike; amp_fx is bitwise with it). Training is unaffected beyond that; for "
+                "bitwise parity, attn_implementation='eager' takes one path in both (slower). docs/parity.md, "
+                "'Models that branch on being compiled', has the details."
+            ),
+        )

@@ -138,8 +138,7 @@ class _Entry:
     def fresh_for(self, weight: torch.Tensor) -> bool:
         if _version(weight) != self.version or self.storage.expired():
             return False
-        return (self.storage.cdata == weight.untyped_storage()._cdata
-                and self.layout == _layout(weight))
+        return self.storage.cdata == weight.untyped_storage()._cdata and self.layout == _layout(weight)
 
 
 class _ForwardState(threading.local):
@@ -190,8 +189,11 @@ class WeightCache:
         out: list[torch.Tensor] = []
         for per_key in self._entries.values():
             for entry in per_key.values():
-                out += [entry.lowp] if isinstance(entry.lowp, torch.Tensor) else \
-                    [t for t in entry.lowp if isinstance(t, torch.Tensor)]
+                out += (
+                    [entry.lowp]
+                    if isinstance(entry.lowp, torch.Tensor)
+                    else [t for t in entry.lowp if isinstance(t, torch.Tensor)]
+                )
         return out
 
     # ------------------------------------------------------------------ one forward
@@ -239,8 +241,7 @@ class WeightCache:
             return entry.lowp
         with torch.no_grad():
             lowp = weight.detach().to(dtype)  # a new tensor: a pending backward may hold the old one
-        per_dtype[dtype] = _Entry(lowp, _version(weight), StorageWeakRef(weight.untyped_storage()),
-                                  _layout(weight))
+        per_dtype[dtype] = _Entry(lowp, _version(weight), StorageWeakRef(weight.untyped_storage()), _layout(weight))
         self.refreshes += 1
         return lowp
 
@@ -398,10 +399,12 @@ def weight_cache_applies(policy: Policy, root: torch.nn.Module | None, reporter:
     if root is not None and weight_cache_off_for_fsdp2(root, reporter, caller):
         return False
     if not policy.cast_cache:
-        reporter.did_less("weight_cache:cast_cache",
-                          "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
-                          "turns off (each use would get its own gradient cast); the weight cache is off. "
-                          "Drop cast_cache=False or weight_cache=True.")
+        reporter.did_less(
+            "weight_cache:cast_cache",
+            "amp_fx: weight_cache=True needs the shared leaf cast that Policy(cast_cache=False) "
+            "turns off (each use would get its own gradient cast); the weight cache is off. "
+            "Drop cast_cache=False or weight_cache=True.",
+        )
         return False
     return True
 
@@ -417,13 +420,18 @@ def weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, calle
     DDP keeps whole fp32 parameters on every rank and is supported.
     """
     units = distributed_units(model)
-    if units is None or (torch.distributed.is_available()
-                         and isinstance(model, torch.nn.parallel.DistributedDataParallel)):
+    if units is None or (
+        torch.distributed.is_available() and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    ):
         return False
-    reporter.did_less("weight_cache:fsdp2", (
-        f"{caller}(weight_cache=True): the model is sharded with fully_shard (FSDP2), which gathers "
-        "its parameters again in every forward into tensors whose changes the weight cache cannot "
-        "see; the cache is off and each forward casts the gathered weights, as eager autocast does. "
-        "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
-        "weights instead)."))
+    reporter.did_less(
+        "weight_cache:fsdp2",
+        (
+            f"{caller}(weight_cache=True): the model is sharded with fully_shard (FSDP2), which gathers "
+            "its parameters again in every forward into tensors whose changes the weight cache cannot "
+            "see; the cache is off and each forward casts the gathered weights, as eager autocast does. "
+            "Drop weight_cache=True (FSDP2's MixedPrecisionPolicy(param_dtype=...) gathers low-precision "
+            "weights instead)."
+        ),
+    )
     return True

@@ -57,14 +57,25 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         if units is not None and backend.options.fp8 is not None:  # the root's own Linears in fp8 too
             units = [*units, *root_linears(module, units)]
-        gathered = None if units is None else gathered_fp8_weights(module, units, backend.options.fp8,
-                                                                      backend.options.policy, backend.reporter)
+        gathered = (
+            None
+            if units is None
+            else gathered_fp8_weights(module, units, backend.options.fp8, backend.options.policy, backend.reporter)
+        )
         self.__dict__["_amp_fx_gathered_fp8"] = gathered
         self.__dict__["_amp_fx_forward"] = (
-            amp_call(module, backend) if units is None
-            else checked_units(unit_call(module, units, lambda fn: amp_call(fn, backend, check=False),
-                                          backend.dtype, gathered=gathered), module, backend,
-                               gathered=gathered, root_own=root_state_modules(module, units)))
+            amp_call(module, backend)
+            if units is None
+            else checked_units(
+                unit_call(
+                    module, units, lambda fn: amp_call(fn, backend, check=False), backend.dtype, gathered=gathered
+                ),
+                module,
+                backend,
+                gathered=gathered,
+                root_own=root_state_modules(module, units),
+            )
+        )
         self.training = module.training
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, tuple[object, ...]]:
@@ -78,8 +89,12 @@ class AmpCompiledModule(torch.nn.Module):
         # this module, no forward set on it, no compiled call, not traced by torch.jit): two
         # Python frames fewer on every call (docs/call-overhead.md). Otherwise nn.Module's call.
         d = self.__dict__
-        if (self._compiled_call_impl is None and "forward" not in d and calls_forward_only(self)
-                and not torch._C._get_tracing_state()):
+        if (
+            self._compiled_call_impl is None
+            and "forward" not in d
+            and calls_forward_only(self)
+            and not torch._C._get_tracing_state()
+        ):
             return d["_amp_fx_forward"](*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -99,8 +114,9 @@ class AmpCompiledModule(torch.nn.Module):
             if isinstance(found, types.MethodType) and found.__self__ is original:
                 watch = self.__dict__.get("_amp_fx_forward_watch")
                 if watch is None:
-                    watch = _ForwardWatch(original, self.__dict__["_amp_fx_forward"],
-                                          self.__dict__["_amp_fx_backend"].reporter)
+                    watch = _ForwardWatch(
+                        original, self.__dict__["_amp_fx_forward"], self.__dict__["_amp_fx_backend"].reporter
+                    )
                     self.__dict__["_amp_fx_forward_watch"] = watch
                 return _routed(found, watch)
             return found
@@ -192,11 +208,15 @@ class _ForwardWatch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling() and not self.inside:
-            self.reporter.did_less(("uncompiled method", self.method), (
-                f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
-                f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
-                f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
-                f"torch.autocast."))
+            self.reporter.did_less(
+                ("uncompiled method", self.method),
+                (
+                    f"amp_fx.compile({type(self.module).__name__}).{self.method}(...) called self.forward(...), "
+                    f"the eager forward: it ran in fp32, uncompiled, without amp_fx's graphs. Call "
+                    f"self(...) in {self.method} instead (it runs the compiled forward), or run it under "
+                    f"torch.autocast."
+                ),
+            )
         return self.__wrapped__(*args, **kwargs)
 
 
@@ -207,15 +227,17 @@ def check_keep_fp32(policy: Policy, model: object) -> None:
         if not names:
             continue
         if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"amp_fx: Policy.{field} names submodules {names}, but {model!r} is a "
-                             "function, not an nn.Module")
+            raise ValueError(
+                f"amp_fx: Policy.{field} names submodules {names}, but {model!r} is a function, not an nn.Module"
+            )
         known = {n for n, _ in model.named_modules() if n}
         for name in names:
             if name not in known:
                 close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
                 hint = f" (did you mean {close}?)" if close else ""
-                raise ValueError(f"amp_fx: Policy.{field} names submodule {name!r}, which "
-                                 f"{type(model).__name__} does not have{hint}")
+                raise ValueError(
+                    f"amp_fx: Policy.{field} names submodule {name!r}, which {type(model).__name__} does not have{hint}"
+                )
 
 
 def _recompile(module: torch.nn.Module, options: Options, training: bool) -> AmpCompiledModule:
@@ -225,8 +247,7 @@ def _recompile(module: torch.nn.Module, options: Options, training: bool) -> Amp
     return compiled
 
 
-def wrap(model_or_fn: F, options: Options, *, label: str | None = None,
-         root: torch.nn.Module | None = None) -> F:
+def wrap(model_or_fn: F, options: Options, *, label: str | None = None, root: torch.nn.Module | None = None) -> F:
     """``model_or_fn`` compiled with ``options`` (:func:`amp_fx.api.compile_with` less the in-place
     form): a module wrapped in :class:`AmpCompiledModule`, a function compiled and given its records."""
     reporter = Reporter(options.strict)
@@ -243,11 +264,15 @@ def wrap(model_or_fn: F, options: Options, *, label: str | None = None,
     if isinstance(model_or_fn, torch.nn.Module):
         _check_devices(model_or_fn)
         if is_fsdp1(model_or_fn):
-            reporter.did_less("fsdp1", (
-                f"amp_fx.compile({type(model_or_fn).__name__}): the model is sharded by "
-                "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
-                "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
-                f"{FSDP1_ALTERNATIVE}."))
+            reporter.did_less(
+                "fsdp1",
+                (
+                    f"amp_fx.compile({type(model_or_fn).__name__}): the model is sharded by "
+                    "FullyShardedDataParallel (FSDP1), whose flat parameters and hooks Dynamo does not "
+                    "capture: it will run as eager FSDP1 under autocast, nothing compiled. To compile it, "
+                    f"{FSDP1_ALTERNATIVE}."
+                ),
+            )
         return AmpCompiledModule(model_or_fn, amp_backend)  # type: ignore[return-value]
     compiled = amp_call(model_or_fn, amp_backend)
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]

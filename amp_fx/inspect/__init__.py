@@ -23,5 +23,15 @@ from amp_fx.inspect.explanation import Explanation, explain
 from amp_fx.inspect.nonfinite import NonfiniteReport, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
 
-__all__ = ["explain", "Explanation", "compare", "CompareReport", "find_nonfinite",
-           "NonfiniteReport", "advise", "Advice", "precision_report", "PrecisionReport"]
+__all__ = [
+    "explain",
+    "Explanation",
+    "compare",
+    "CompareReport",
+    "find_nonfinite",
+    "NonfiniteReport",
+    "advise",
+    "Advice",
+    "precision_report",
+    "PrecisionReport",
+]

@@ -54,8 +54,9 @@ class Flow(TorchDispatchMode):
     low-precision ops it ran with their FLOPs (``ops``), and for every floating value its
     producers (:meth:`producers`). Values are not changed."""
 
-    def __init__(self, stack: list[str], dtype: torch.dtype, device_type: str,
-                 only: frozenset[str] | None = None) -> None:
+    def __init__(
+        self, stack: list[str], dtype: torch.dtype, device_type: str, only: frozenset[str] | None = None
+    ) -> None:
         super().__init__()
         self.stack = stack
         self.dtype = dtype
@@ -77,8 +78,7 @@ class Flow(TorchDispatchMode):
                 found |= seen[1]
         return frozenset(found)
 
-    def _low_precision(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[torch.Tensor]
-                       ) -> float | None:
+    def _low_precision(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[torch.Tensor]) -> float | None:
         """The op's FLOPs if autocast ran it in the low dtype by its lower-precision list."""
         if self.only is not None:
             if func._overloadpacket.__name__ not in self.only:
@@ -93,8 +93,8 @@ class Flow(TorchDispatchMode):
         if listed is None:
             name = func._overloadpacket.__name__
             listed = self._listed[func] = (
-                name in _EXTRA_LOW
-                or default_class(f"aten::{name}", self.device_type) is CastClass.LOWER_PRECISION_FP)
+                name in _EXTRA_LOW or default_class(f"aten::{name}", self.device_type) is CastClass.LOWER_PRECISION_FP
+            )
         return 0.0 if listed else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -43,9 +43,16 @@ from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 __all__: list[str] = []
 
 F = torch.nn.functional
-_OPS = {F.linear: "aten.linear", torch.addmm: "aten.addmm", torch.Tensor.addmm: "aten.addmm",
-        torch.mm: "aten.mm", torch.Tensor.mm: "aten.mm", torch.matmul: "aten.matmul",
-        torch.Tensor.matmul: "aten.matmul", torch.Tensor.__matmul__: "aten.matmul"}
+_OPS = {
+    F.linear: "aten.linear",
+    torch.addmm: "aten.addmm",
+    torch.Tensor.addmm: "aten.addmm",
+    torch.mm: "aten.mm",
+    torch.Tensor.mm: "aten.mm",
+    torch.matmul: "aten.matmul",
+    torch.Tensor.matmul: "aten.matmul",
+    torch.Tensor.__matmul__: "aten.matmul",
+}
 """The torch functions the eager mode looks at, by the ATen op the fp8 pass sees for each."""
 
 
@@ -74,8 +81,9 @@ def _is_weight(t: Any) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
-def _gemm(x: torch.Tensor, w: torch.Tensor, recipe: Any, dtype: torch.dtype, device_type: str
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _gemm(
+    x: torch.Tensor, w: torch.Tensor, recipe: Any, dtype: torch.dtype, device_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 GEMM as the pass rewrites a matmul: ``x`` in the autocast dtype, ``w`` as
     ``[K, N]`` as it is, autocast off. Returns (result, the input in the autocast dtype)."""
     with torch.autocast(device_type, enabled=False):
@@ -120,8 +128,9 @@ def _grouped_name(func: Any) -> str | None:
     return name if name in GROUPED_MM_OPS else None
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype,
-                 device_type: str) -> torch.Tensor:
+def grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, device_type: str
+) -> torch.Tensor:
     """A grouped expert GEMM as the pass rewrites it: ``x`` in the autocast dtype, autocast off,
     then :func:`~amp_fx.kernels.mxfp8_matmul.mxfp8_grouped_mm` (which scales the bf16 casts of
     both operands) or :func:`~amp_fx.kernels.fp8_grouped_mm.fp8_grouped_mm` on the fp32 weight."""
@@ -132,8 +141,9 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: F
         return fp8_grouped_mm(x_low, w, offs, recipe)
 
 
-def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: Fp8Config, dtype: torch.dtype,
-             device_type: str) -> torch.Tensor:
+def fp8_aten(
+    target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: Fp8Config, dtype: torch.dtype, device_type: str
+) -> torch.Tensor:
     """A captured ATen matmul (``aten.linear``, ``aten.addmm``, ``aten.mm``, ``aten.matmul``) or
     grouped expert GEMM (``aten._grouped_mm``, ``transformers.grouped_mm_fallback``) that the pass
     converted, computed as the pass rewrote it, on its original (uncast) operands."""
@@ -149,9 +159,11 @@ def fp8_aten(target: Any, args: Sequence[Any], kwargs: dict[str, Any], config: F
 
 def module_stack(model: torch.nn.Module, stack: list[str]) -> AbstractContextManager[None]:
     """Module hooks that keep ``stack`` as the running module path, innermost last."""
+
     def post(name: str, out: Any) -> None:
         if name in stack:
             del stack[len(stack) - 1 - stack[::-1].index(name)]
+
     return module_hooks(model, lambda name, args, kwargs: stack.append(name), post)
 
 
@@ -162,9 +174,18 @@ class Fp8Eager(TorchFunctionMode):
     selects them). ``calls`` lists the matmuls that ran in fp8. ``grouped``: the module paths whose
     grouped expert GEMMs run in fp8 (module doc)."""
 
-    def __init__(self, config: Fp8Config, dtype: torch.dtype, device_type: str, stack: list[str],
-                 keep: Sequence[ModuleSelector] = (), *, measure: bool = True,
-                 root: torch.nn.Module | None = None, grouped: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: Fp8Config,
+        dtype: torch.dtype,
+        device_type: str,
+        stack: list[str],
+        keep: Sequence[ModuleSelector] = (),
+        *,
+        measure: bool = True,
+        root: torch.nn.Module | None = None,
+        grouped: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         self.recipe = config.recipe
         self.dtype = dtype
@@ -197,8 +218,9 @@ class Fp8Eager(TorchFunctionMode):
             return None
         return grouped_mm_operands(args, kwargs)
 
-    def _match(self, op: str, args: Any, kwargs: dict[str, Any]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    def _match(
+        self, op: str, args: Any, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(x, w as [K, N], bias) for a matmul the pass converts, else None."""
         if not torch.is_autocast_enabled(self.device_type) or torch.get_autocast_dtype(self.device_type) != self.dtype:
             return None
@@ -229,8 +251,9 @@ class Fp8Eager(TorchFunctionMode):
         innermost = self.stack[-1] if self.stack else ""
         if self.root is None:
             return any(isinstance(k, str) and module_matches(k, innermost, object) for k in self.keep)
-        return any(module_matches(k, path, type(self.root.get_submodule(path)))
-                   for path in self.stack for k in self.keep)
+        return any(
+            module_matches(k, path, type(self.root.get_submodule(path))) for path in self.stack for k in self.keep
+        )
 
     def _run(self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out, x_low = _gemm(x, w, self.recipe, self.dtype, self.device_type)

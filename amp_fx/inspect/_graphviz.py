@@ -48,8 +48,12 @@ class DotNode(Protocol):
 
 # Fill colour per dtype name: a ColorBrewer qualitative palette, fp32 cool, lower precision warm.
 DTYPE_COLORS = {
-    "fp32": "#9ecae1", "bf16": "#fdae6b", "fp16": "#fb6a4a", "fp64": "#bcbddc",
-    "bool": "#e5e5e5", "-": "#ffffff",
+    "fp32": "#9ecae1",
+    "bf16": "#fdae6b",
+    "fp16": "#fb6a4a",
+    "fp64": "#bcbddc",
+    "bool": "#e5e5e5",
+    "-": "#ffffff",
 }
 INT_COLOR = "#d9d9d9"
 INSERTED_CAST_BORDER = "#d62728"
@@ -66,16 +70,18 @@ def _color(dtype_name: str) -> str:
     return INT_COLOR
 
 
-def build_dot(graphs: Sequence[tuple[int, Sequence[DotNode], Sequence[tuple[str, str]]]],
-              *, title: str) -> str:
+def build_dot(graphs: Sequence[tuple[int, Sequence[DotNode], Sequence[tuple[str, str]]]], *, title: str) -> str:
     """One cluster per graph; ``graphs`` holds (index, nodes, edges as (src name, dst name))."""
-    lines = ["digraph amp_fx {", f"  label={_q(title)}; labelloc=t; fontname=Helvetica;",
-             "  rankdir=TB; node [fontname=Helvetica, fontsize=10, style=filled];",
-             "  edge [color=\"#777777\", arrowsize=0.6];"]
+    lines = [
+        "digraph amp_fx {",
+        f"  label={_q(title)}; labelloc=t; fontname=Helvetica;",
+        "  rankdir=TB; node [fontname=Helvetica, fontsize=10, style=filled];",
+        '  edge [color="#777777", arrowsize=0.6];',
+    ]
     used = set()
     for index, nodes, edges in graphs:
         lines.append(f"  subgraph cluster_{index} {{")
-        lines.append(f"    label={_q(f'graph {index}')}; style=rounded; color=\"#999999\";")
+        lines.append(f'    label={_q(f"graph {index}")}; style=rounded; color="#999999";')
         for n in nodes:
             used.add(n.dtype_name)
             attrs = {"fillcolor": _color(n.dtype_name), "shape": "box"}
@@ -91,8 +97,7 @@ def build_dot(graphs: Sequence[tuple[int, Sequence[DotNode], Sequence[tuple[str,
                 if n.module:
                     label.append(n.module)
             if n.cast == "inserted":
-                attrs.update(shape="box", color=INSERTED_CAST_BORDER, penwidth="3",
-                             style="filled,bold")
+                attrs.update(shape="box", color=INSERTED_CAST_BORDER, penwidth="3", style="filled,bold")
                 label.insert(0, "CAST (amp_fx" + (", cached)" if n.cached else ")"))
             elif n.cast == "user":
                 attrs.update(color=USER_CAST_BORDER, penwidth="2", style="filled,dashed")
@@ -108,12 +113,13 @@ def build_dot(graphs: Sequence[tuple[int, Sequence[DotNode], Sequence[tuple[str,
             lines.append(f"    {_q(f'g{index}_{src}')} -> {_q(f'g{index}_{dst}')};")
         lines.append("  }")
     lines.append("  subgraph cluster_legend {")
-    lines.append("    label=\"legend\"; style=dashed; color=\"#bbbbbb\";")
+    lines.append('    label="legend"; style=dashed; color="#bbbbbb";')
     for name in sorted(used - {"-"}):
-        lines.append(f"    {_q('legend_' + name)} [label={_q(name)}, shape=box, "
-                     f"fillcolor={_q(_color(name))}];")
-    lines.append(f"    legend_cast [label=\"cast inserted by amp_fx\", shape=box, "
-                 f"fillcolor=\"#ffffff\", color=\"{INSERTED_CAST_BORDER}\", penwidth=3];")
+        lines.append(f"    {_q('legend_' + name)} [label={_q(name)}, shape=box, fillcolor={_q(_color(name))}];")
+    lines.append(
+        f'    legend_cast [label="cast inserted by amp_fx", shape=box, '
+        f'fillcolor="#ffffff", color="{INSERTED_CAST_BORDER}", penwidth=3];'
+    )
     lines.append("  }")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -128,8 +134,7 @@ def write_svg(dot_text: str, path: str | Path) -> Path:
     exe = shutil.which("dot")
     if exe is None:
         raise GraphvizNotFound(dot_file, svg)
-    result = subprocess.run([exe, "-Tsvg", str(dot_file), "-o", str(svg)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run([exe, "-Tsvg", str(dot_file), "-o", str(svg)], capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise RuntimeError(f"amp_fx: `dot -Tsvg {dot_file}` failed: {result.stderr.strip()}")
     return svg

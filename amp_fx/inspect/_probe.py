@@ -30,8 +30,11 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
     this rank's local tensor: the inspection tools compare and check each rank's shard (torch's
     comparisons and masks on a DTensor would dispatch collectives, and some, ``nonzero``, have no
     sharding rule)."""
-    return [t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
-            for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return [
+        t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+        for t in tree_flatten(value)[0]
+        if isinstance(t, torch.Tensor)
+    ]
 
 
 def value_dtype(value: Any) -> torch.dtype | None:
@@ -66,8 +69,7 @@ def numel_or_none(t: torch.Tensor) -> int | None:
         return None
 
 
-def clone_tensor(t: torch.Tensor, *, to: torch.dtype | None = None,
-                 requires_grad: bool = False) -> torch.Tensor:
+def clone_tensor(t: torch.Tensor, *, to: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
     """A fresh leaf with ``t``'s values: floating values converted ``to`` a dtype when given;
     requiring grad when asked and the dtype can."""
     c = t.detach().clone()
@@ -76,12 +78,17 @@ def clone_tensor(t: torch.Tensor, *, to: torch.dtype | None = None,
     return c.requires_grad_(requires_grad and (c.is_floating_point() or c.is_complex()))
 
 
-def clone_inputs(inputs: Sequence[Any], leaf_flags: Sequence[bool] | None = None,
-                 *, to: torch.dtype | None = None) -> list[Any]:
+def clone_inputs(
+    inputs: Sequence[Any], leaf_flags: Sequence[bool] | None = None, *, to: torch.dtype | None = None
+) -> list[Any]:
     """Fresh copies of recorded graph inputs; leaves that required grad become fresh leaves again
     (eager autocast's cast cache applies to them), floating tensors optionally converted ``to``."""
-    return [clone_tensor(a, to=to, requires_grad=leaf_flags is not None and leaf_flags[i])
-            if isinstance(a, torch.Tensor) else a for i, a in enumerate(inputs)]
+    return [
+        clone_tensor(a, to=to, requires_grad=leaf_flags is not None and leaf_flags[i])
+        if isinstance(a, torch.Tensor)
+        else a
+        for i, a in enumerate(inputs)
+    ]
 
 
 def leaf_flags(record: GraphRecord) -> list[bool]:
@@ -117,8 +124,9 @@ def _positional_names(forward: Callable[..., Any] | None) -> list[str]:
         params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [p.name for p in params
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return [
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 def source_label(node: torch.fx.Node, positional: Sequence[str] = ()) -> str:
@@ -149,22 +157,24 @@ def tensor_range(t: torch.Tensor) -> dict[str, Any]:
     """min and max of |t| over its finite entries, and counts of inf and NaN (host syncs: this is
     a debugging tool)."""
     if not t.is_floating_point() or t.numel() == 0:
-        return {"dtype": t.dtype, "shape": tuple(t.shape), "min_abs": None, "max_abs": None,
-                "n_inf": 0, "n_nan": 0}
+        return {"dtype": t.dtype, "shape": tuple(t.shape), "min_abs": None, "max_abs": None, "n_inf": 0, "n_nan": 0}
     d = t.detach().double().abs()
     finite = torch.isfinite(d)
     n_nan = int(torch.isnan(d).sum())
     n_inf = int(torch.isinf(d).sum())
     vals = d[finite]
-    return {"dtype": t.dtype, "shape": tuple(t.shape),
-            "min_abs": float(vals.min()) if vals.numel() else None,
-            "max_abs": float(vals.max()) if vals.numel() else None,
-            "n_inf": n_inf, "n_nan": n_nan}
+    return {
+        "dtype": t.dtype,
+        "shape": tuple(t.shape),
+        "min_abs": float(vals.min()) if vals.numel() else None,
+        "max_abs": float(vals.max()) if vals.numel() else None,
+        "n_inf": n_inf,
+        "n_nan": n_nan,
+    }
 
 
 def all_finite(value: Any) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors_of(value)
-               if t.is_floating_point() or t.is_complex())
+    return all(bool(torch.isfinite(t).all()) for t in tensors_of(value) if t.is_floating_point() or t.is_complex())
 
 
 def format_range(r: dict[str, Any]) -> str:
@@ -192,16 +202,17 @@ def module_of(node: torch.fx.Node) -> tuple[str, str]:
 
 
 @contextmanager
-def module_hooks(model: torch.nn.Module, on_pre: Callable[..., None], on_post: Callable[..., None]
-                 ) -> Iterator[None]:
+def module_hooks(model: torch.nn.Module, on_pre: Callable[..., None], on_post: Callable[..., None]) -> Iterator[None]:
     """Call ``on_pre(name, args, kwargs)`` before and ``on_post(name, output)`` after every module's
     forward (``name`` as ``named_modules()`` gives it), while the context is open."""
     handles = []
     for name, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(
-            lambda mod, args, kwargs, name=name: on_pre(name, args, kwargs), with_kwargs=True))
-        handles.append(m.register_forward_hook(
-            lambda mod, args, out, name=name: on_post(name, out)))
+        handles.append(
+            m.register_forward_pre_hook(
+                lambda mod, args, kwargs, name=name: on_pre(name, args, kwargs), with_kwargs=True
+            )
+        )
+        handles.append(m.register_forward_hook(lambda mod, args, out, name=name: on_post(name, out)))
     try:
         yield
     finally:

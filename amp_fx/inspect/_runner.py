@@ -66,6 +66,7 @@ class Call:
     def copy(self, *, to: torch.dtype | None = None) -> Call:
         """Copies of the inputs (an in-place op on an input must not reach the user's tensor);
         floating tensors converted ``to`` a dtype when given."""
+
         def cp(a: Any) -> Any:
             if isinstance(a, torch.Tensor):
                 return clone_tensor(a, to=to, requires_grad=a.requires_grad)
@@ -76,14 +77,14 @@ class Call:
             if isinstance(a, dict):
                 return type(a)((k, cp(v)) for k, v in a.items())
             return a
+
         return Call(tuple(cp(a) for a in self.args), {k: cp(v) for k, v in self.kwargs.items()})
 
     def __call__(self, fn: Callable[..., T]) -> T:
         return fn(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in tree_flatten((list(self.args), self.kwargs))[0]
-                if isinstance(t, torch.Tensor)]
+        return [t for t in tree_flatten((list(self.args), self.kwargs))[0] if isinstance(t, torch.Tensor)]
 
     def device_type(self, model: Any = None) -> str:
         """``cuda`` when an input (or the model's first parameter) is on CUDA, else ``cpu``."""
@@ -95,6 +96,7 @@ class Call:
     def describe(self) -> str:
         def one(v: Any) -> str:
             return describe_value(v) if isinstance(v, torch.Tensor) else type(v).__name__
+
         parts = [one(a) for a in self.args] + [f"{k}={one(v)}" for k, v in self.kwargs.items()]
         return ", ".join(parts) or "no inputs"
 
@@ -120,8 +122,10 @@ def tensor_names(model_or_fn: Any, call: Call) -> dict[int, str]:
     names under the root module (``0.weight``, ``encoder.fc.bias``), then the call's inputs."""
     out: dict[int, str] = {}
     if isinstance(model_or_fn, torch.nn.Module):
-        for name, t in (*model_or_fn.named_parameters(remove_duplicate=False),
-                        *model_or_fn.named_buffers(remove_duplicate=False)):
+        for name, t in (
+            *model_or_fn.named_parameters(remove_duplicate=False),
+            *model_or_fn.named_buffers(remove_duplicate=False),
+        ):
             out.setdefault(id(t), name)
     for key, name in call.names(model_or_fn).items():
         out.setdefault(key, name)
@@ -138,7 +142,8 @@ def private_copy(model_or_fn: Any) -> Any:
         raise TypeError(
             f"amp_fx: cannot deep-copy {type(model_or_fn).__name__} ({type(e).__name__}: {e}); the "
             "inspection tools run on a copy so that your model's buffers (BatchNorm running stats) "
-            "are not updated") from e
+            "are not updated"
+        ) from e
 
 
 def _model_name(model_or_fn: Any) -> str:
@@ -158,14 +163,15 @@ def run_eager_checked(model_or_fn: Any, call: Call, *, tool: str) -> Any:
             return call.copy()(target)
     except Exception as e:
         text = _first_line(e)
-        looks_like_mismatch = any(w in str(e).lower() for w in
-                                  ("shape", "size", "dimension", "dtype", "expected", "argument"))
-        what = ("the inputs do not match the model" if looks_like_mismatch
-                else "the model fails in eager mode")
+        looks_like_mismatch = any(
+            w in str(e).lower() for w in ("shape", "size", "dimension", "dtype", "expected", "argument")
+        )
+        what = "the inputs do not match the model" if looks_like_mismatch else "the model fails in eager mode"
         raise EagerError(
             f"amp_fx.{tool}: {what}: calling {_model_name(model_or_fn)} on ({call.describe()}) "
             f"without amp_fx (plain eager, fp32) raises {text}. Fix the model or the example "
-            "inputs; amp_fx can only inspect a model that runs eagerly.") from e
+            "inputs; amp_fx can only inspect a model that runs eagerly."
+        ) from e
 
 
 @contextlib.contextmanager
@@ -187,8 +193,9 @@ class InputRecorder:
     graph module it was handed (``GraphRecord.rewritten``).
     """
 
-    def __init__(self, downstream: str | Backend, *, names: dict[int, str] | None = None,
-                 keep_inputs: bool = True) -> None:
+    def __init__(
+        self, downstream: str | Backend, *, names: dict[int, str] | None = None, keep_inputs: bool = True
+    ) -> None:
         self.name = backend_name(downstream)
         self._inner = resolve_backend(downstream)
         self._names = names or {}
@@ -208,16 +215,18 @@ class InputRecorder:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self._graphs.append(gm)
         key = id(gm)
-        self._labels[key] = {n.name: self._names[id(t)] for n, t in zip(placeholders(gm.graph), example_inputs)
-                             if isinstance(t, torch.Tensor) and id(t) in self._names}
+        self._labels[key] = {
+            n.name: self._names[id(t)]
+            for n, t in zip(placeholders(gm.graph), example_inputs)
+            if isinstance(t, torch.Tensor) and id(t) in self._names
+        }
         inner = self._inner(gm, example_inputs)
         if not self._keep:
             return inner
 
         def remember(args: Sequence[Any]) -> None:
             if key not in self._inputs:
-                self._inputs[key] = [a.detach().clone() if isinstance(a, torch.Tensor) else a
-                                     for a in args]
+                self._inputs[key] = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
 
         # Dynamo calls the compiled graph with positional tensors whatever the backend returns
         def run(*args: Any) -> Any:
@@ -275,10 +284,19 @@ class AmpRun:
         return {**input_labels(record, self.forward), **self.recorder.labels_for(record)}
 
 
-def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
-            policy: Policy | None, downstream: str | Backend, fold: bool = True,
-            keep_inputs: bool = True, then: Callable[[Any], Any] | None = None,
-            fp8: Fp8Like = None) -> AmpRun:
+def run_amp(
+    model_or_fn: Any,
+    call: Call,
+    *,
+    tool: str,
+    dtype: torch.dtype,
+    policy: Policy | None,
+    downstream: str | Backend,
+    fold: bool = True,
+    keep_inputs: bool = True,
+    then: Callable[[Any], Any] | None = None,
+    fp8: Fp8Like = None,
+) -> AmpRun:
     """Compile a private copy of the model with amp_fx and ``downstream`` (wrapped in an
     :class:`InputRecorder`), call it on copies of the inputs from :data:`SEED`, and pass the output
     to ``then`` (a loss and backward, say) in the same guarded region.
@@ -291,8 +309,7 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
 
     target = private_copy(model_or_fn)
     inputs = call.copy()
-    recorder = InputRecorder(downstream, names=tensor_names(target, inputs),
-                             keep_inputs=keep_inputs)
+    recorder = InputRecorder(downstream, names=tensor_names(target, inputs), keep_inputs=keep_inputs)
     with many_recompiles(), torch.random.fork_rng(devices=[]), splits_noted_by_caller():
         torch.manual_seed(SEED)
         compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8)
@@ -302,8 +319,14 @@ def run_amp(model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
         except (AmpFxError, ValueError):
             raise
         except Exception as e:
-            raise amp_failure(e, model_or_fn, call, tool=tool, dtype=dtype,
-                              backend=downstream if isinstance(downstream, str) else None) from e
+            raise amp_failure(
+                e,
+                model_or_fn,
+                call,
+                tool=tool,
+                dtype=dtype,
+                backend=downstream if isinstance(downstream, str) else None,
+            ) from e
     forward = target.forward if isinstance(target, torch.nn.Module) else target
     return AmpRun(compiled, list(records(compiled)), recorder, result, forward, target)
 
@@ -332,10 +355,12 @@ def weights_split_by_graph_breaks(run: AmpRun) -> dict[str, list[int]]:
 def split_weight_note(name: str, graphs: Sequence[int], dtype: torch.dtype) -> str:
     """What the inspection tools say about a weight of :func:`weights_split_by_graph_breaks`."""
     low = dtype_name(dtype)
-    return (f"{name} is used in graphs {', '.join(map(str, graphs))} (a graph break between its "
-            f"uses): eager autocast casts it to {low} once for the whole autocast region and sums "
-            f"its uses' gradients in that dtype; amp_fx casts it once per graph, so the sum is in "
-            "fp32 (not bitwise eager autocast; weight_cache=True shares one cast)")
+    return (
+        f"{name} is used in graphs {', '.join(map(str, graphs))} (a graph break between its "
+        f"uses): eager autocast casts it to {low} once for the whole autocast region and sums "
+        f"its uses' gradients in that dtype; amp_fx casts it once per graph, so the sum is in "
+        "fp32 (not bitwise eager autocast; weight_cache=True shares one cast)"
+    )
 
 
 def _frame_prefix(record: GraphRecord, by_identity: dict[str, str]) -> str:
@@ -349,7 +374,7 @@ def _frame_prefix(record: GraphRecord, by_identity: dict[str, str]) -> str:
             continue
         relative = source_label(theirs)
         if full.endswith("." + relative):
-            return full[:len(full) - len(relative)]
+            return full[: len(full) - len(relative)]
     return ""
 
 
@@ -358,8 +383,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype
-                         ) -> BaseException | None:
+def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype) -> BaseException | None:
     """The error eager ``torch.autocast`` raises on this model (forward and backward, as the tools
     run it), or None if it runs.
 
@@ -380,8 +404,9 @@ def eager_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: 
     return None
 
 
-def _compiled_autocast_error(model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype,
-                             backend: str) -> BaseException | None:
+def _compiled_autocast_error(
+    model_or_fn: Any, call: Call, device_type: str, dtype: torch.dtype, backend: str
+) -> BaseException | None:
     """The error plain ``torch.compile(backend=...)`` under eager autocast raises (forward and
     backward), or None if it runs."""
     target = private_copy(model_or_fn)
@@ -400,27 +425,35 @@ def _compiled_autocast_error(model_or_fn: Any, call: Call, device_type: str, dty
     return None
 
 
-def amp_failure(e: BaseException, model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype,
-                backend: str | None = None) -> AmpRunError:
+def amp_failure(
+    e: BaseException, model_or_fn: Any, call: Call, *, tool: str, dtype: torch.dtype, backend: str | None = None
+) -> AmpRunError:
     """Describe a failure of the amp_fx-compiled model, saying whether eager autocast fails too."""
     device_type = call.device_type()
     name = dtype_name(dtype)
     eager = eager_autocast_error(model_or_fn, call, device_type, dtype)
     if eager is not None:
-        same = (f"eager torch.autocast('{device_type}', {name}) fails on it too "
-                f"({_first_line(eager)}): this op has no {name} kernel here; keep "
-                f"the module that runs it in fp32 (Policy(keep_fp32=...)) or use another dtype")
+        same = (
+            f"eager torch.autocast('{device_type}', {name}) fails on it too "
+            f"({_first_line(eager)}): this op has no {name} kernel here; keep "
+            f"the module that runs it in fp32 (Policy(keep_fp32=...)) or use another dtype"
+        )
     else:
-        same = (f"eager torch.autocast('{device_type}', {name}) runs it, so this "
-                "looks like an amp_fx bug: please report it with this model")
+        same = (
+            f"eager torch.autocast('{device_type}', {name}) runs it, so this "
+            "looks like an amp_fx bug: please report it with this model"
+        )
         if isinstance(backend, str) and backend != "eager":
             compiled = _compiled_autocast_error(model_or_fn, call, device_type, dtype, backend)
             if compiled is not None:
-                same = (f"plain torch.compile(backend='{backend}') under eager torch.autocast "
-                        f"fails the same way ({_first_line(compiled)}): a torch.compile problem "
-                        "with this model, not amp_fx's; try backend='eager'")
-    return AmpRunError(f"amp_fx.{tool}: the model runs in fp32 eager mode but fails with amp_fx "
-                       f"({name}): {_first_line(e)}; {same}")
+                same = (
+                    f"plain torch.compile(backend='{backend}') under eager torch.autocast "
+                    f"fails the same way ({_first_line(compiled)}): a torch.compile problem "
+                    "with this model, not amp_fx's; try backend='eager'"
+                )
+    return AmpRunError(
+        f"amp_fx.{tool}: the model runs in fp32 eager mode but fails with amp_fx ({name}): {_first_line(e)}; {same}"
+    )
 
 
 class _GroupedMmPerGroup(torch.overrides.TorchFunctionMode):
@@ -433,9 +466,15 @@ class _GroupedMmPerGroup(torch.overrides.TorchFunctionMode):
             names = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
             given = dict(zip(names, args)) | kwargs
             a, b, offs = given.get("mat_a", given.get("self")), given["mat_b"], given.get("offs")
-            if (isinstance(a, torch.Tensor) and a.dtype == torch.float64 and offs is not None
-                    and given.get("bias") is None and given.get("out_dtype") in (None, torch.float64)
-                    and a.dim() == 2 and b.dim() in (2, 3)):
+            if (
+                isinstance(a, torch.Tensor)
+                and a.dtype == torch.float64
+                and offs is not None
+                and given.get("bias") is None
+                and given.get("out_dtype") in (None, torch.float64)
+                and a.dim() == 2
+                and b.dim() in (2, 3)
+            ):
                 return _grouped_mm_per_group(a, b, offs)
         return func(*args, **kwargs)
 

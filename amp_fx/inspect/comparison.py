@@ -196,16 +196,17 @@ class ValueComparison:
         what = self.name if kind == "output" else f"gradient of {self.name}"
         if self.amp_nonfinite == self.eager_nonfinite:
             return f"{what} holds {self.amp_nonfinite} (amp_fx and eager)"
-        sides = [f"{self.amp_nonfinite} with amp_fx" if self.amp_nonfinite else "",
-                 f"{self.eager_nonfinite} with eager" if self.eager_nonfinite else ""]
+        sides = [
+            f"{self.amp_nonfinite} with amp_fx" if self.amp_nonfinite else "",
+            f"{self.eager_nonfinite} with eager" if self.eager_nonfinite else "",
+        ]
         return f"{what} holds " + ", ".join(x for x in sides if x)
 
 
 def _nonfinite(value: Any) -> str:
     """``inf``, ``NaN`` or ``inf, NaN`` for what the value's floating tensors hold; empty if finite."""
     ts = [t.detach() for t in tensors_of(value) if t.is_floating_point() or t.is_complex()]
-    kinds = [k for k, test in (("inf", torch.isinf), ("NaN", torch.isnan))
-             if any(bool(test(t).any()) for t in ts)]
+    kinds = [k for k, test in (("inf", torch.isinf), ("NaN", torch.isnan)) if any(bool(test(t).any()) for t in ts)]
     return ", ".join(kinds)
 
 
@@ -234,14 +235,20 @@ class CompareReport:
 
     @property
     def ok(self) -> bool:
-        return (all(o.agree for o in self.ops) and all(v.agree for v in self.outputs)
-                and all(v.agree for v in self.grads))
+        return (
+            all(o.agree for o in self.ops) and all(v.agree for v in self.outputs) and all(v.agree for v in self.grads)
+        )
 
     @property
     def nonfinite(self) -> list[str]:
         """Outputs and gradients that hold inf or NaN, on either side, in words."""
-        return [t for kind, vs in (("output", self.outputs), ("gradient", self.grads)) for v in vs
-                for t in [v.nonfinite_text(kind)] if t]
+        return [
+            t
+            for kind, vs in (("output", self.outputs), ("gradient", self.grads))
+            for v in vs
+            for t in [v.nonfinite_text(kind)]
+            if t
+        ]
 
     @property
     def first_divergence(self) -> OpComparison | None:
@@ -253,47 +260,94 @@ class CompareReport:
         return next((o for o in self.ops if o.status != "folded" and not o.dtype_agrees), None)
 
     def op_table(self) -> str:
-        rows = [[o.graph, o.node, o.op, o.module, o.eager_dtype, o.amp_dtype,
-                 "folded" if o.status == "folded" else ("yes" if o.agree else "NO"),
-                 o.error_vs_eager, o.error_vs_reference, o.eager_error_vs_reference]
-                for o in self.ops]
-        return tabulate(rows, headers=["graph", "node", "op", "module", "eager", "amp_fx", "agree",
-                                       "|amp-eager| (rel)", f"|amp-{self.reference_dtype}| (rel)",
-                                       f"|eager-{self.reference_dtype}| (rel)"])
+        rows = [
+            [
+                o.graph,
+                o.node,
+                o.op,
+                o.module,
+                o.eager_dtype,
+                o.amp_dtype,
+                "folded" if o.status == "folded" else ("yes" if o.agree else "NO"),
+                o.error_vs_eager,
+                o.error_vs_reference,
+                o.eager_error_vs_reference,
+            ]
+            for o in self.ops
+        ]
+        return tabulate(
+            rows,
+            headers=[
+                "graph",
+                "node",
+                "op",
+                "module",
+                "eager",
+                "amp_fx",
+                "agree",
+                "|amp-eager| (rel)",
+                f"|amp-{self.reference_dtype}| (rel)",
+                f"|eager-{self.reference_dtype}| (rel)",
+            ],
+        )
 
     def value_table(self) -> str:
-        rows = [[kind, v.name, v.eager_dtype, v.amp_dtype, "yes" if v.agree else "NO",
-                 v.error_vs_eager, v.error_vs_reference or "-", v.eager_error_vs_reference or "-"]
-                for kind, vs in (("output", self.outputs), ("grad", self.grads)) for v in vs]
-        return tabulate(rows, headers=["", "name", "eager", "amp_fx", "agree", "|amp-eager| (rel)",
-                                       f"|amp-{self.reference_dtype}| (rel)",
-                                       f"|eager-{self.reference_dtype}| (rel)"])
+        rows = [
+            [
+                kind,
+                v.name,
+                v.eager_dtype,
+                v.amp_dtype,
+                "yes" if v.agree else "NO",
+                v.error_vs_eager,
+                v.error_vs_reference or "-",
+                v.eager_error_vs_reference or "-",
+            ]
+            for kind, vs in (("output", self.outputs), ("grad", self.grads))
+            for v in vs
+        ]
+        return tabulate(
+            rows,
+            headers=[
+                "",
+                "name",
+                "eager",
+                "amp_fx",
+                "agree",
+                "|amp-eager| (rel)",
+                f"|amp-{self.reference_dtype}| (rel)",
+                f"|eager-{self.reference_dtype}| (rel)",
+            ],
+        )
 
     def verdict(self) -> str:
-        mode = ("bitwise" if self.exact
-                else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})")
+        mode = "bitwise" if self.exact else f"within rtol={_tolerance(self.dtype):.3g} (backend {self.backend})"
         bad_values = self.nonfinite
         flag = ""
         if bad_values:
             shown = "; ".join(bad_values[:4]) + ("; ..." if len(bad_values) > 4 else "")
-            flag = (f"; NOT FINITE: {shown} (agreement is not health: amp_fx.find_nonfinite "
-                    "names the first op)")
+            flag = f"; NOT FINITE: {shown} (agreement is not health: amp_fx.find_nonfinite names the first op)"
         if self.ok:
             ops = sum(o.status != "folded" for o in self.ops)
-            return (f"OK: amp_fx agrees with eager torch.autocast ({self._what()}) on "
-                    f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
-                    f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}")
+            return (
+                f"OK: amp_fx agrees with eager torch.autocast ({self._what()}) on "
+                f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
+                f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}"
+            )
         first = self.first_divergence
         lines = [f"DIFFERS from eager torch.autocast ({self._what()}, {mode}){flag}"]
         if first is not None:
-            what = ("dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
-                    if not first.dtype_agrees else f"values, max abs diff {first.error_vs_eager}")
-            lines.append(f"first divergence: graph {first.graph}, node {first.where()}: {what}; "
-                         f"amp_fx decided: {first.rule}")
+            what = (
+                "dtype " + first.eager_dtype + " (eager) vs " + first.amp_dtype + " (amp_fx)"
+                if not first.dtype_agrees
+                else f"values, max abs diff {first.error_vs_eager}"
+            )
+            lines.append(
+                f"first divergence: graph {first.graph}, node {first.where()}: {what}; amp_fx decided: {first.rule}"
+            )
         bad = [v.name for v in (*self.outputs, *self.grads) if not v.agree]
         if bad:
-            lines.append("differing outputs/gradients: " + ", ".join(bad[:8])
-                         + (" ..." if len(bad) > 8 else ""))
+            lines.append("differing outputs/gradients: " + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -341,8 +395,13 @@ class _GraphRunError(Exception):
         super().__init__(f"{type(error).__name__}{at}: {first}")
 
 
-def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, torch.dtype] | None,
-         fp8: tuple[Fp8Config, frozenset[str]] | None = None) -> dict[str, Any]:
+def _run(
+    gm: torch.fx.GraphModule,
+    inputs: list[Any],
+    *,
+    autocast: tuple[str, torch.dtype] | None,
+    fp8: tuple[Fp8Config, frozenset[str]] | None = None,
+) -> dict[str, Any]:
     """Every node's value; with ``fp8`` (and ``autocast``), the nodes it names (matmuls the fp8 pass
     converted) computed as the pass rewrote them."""
     interp = ValueInterpreter(gm)
@@ -370,8 +429,7 @@ def _run(gm: torch.fx.GraphModule, inputs: list[Any], *, autocast: tuple[str, to
     return {n.name: v for n, v in interp.env.items()}
 
 
-def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report: CompareReport
-               ) -> dict[str, Any]:
+def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report: CompareReport) -> dict[str, Any]:
     """The captured graph without autocast, in float64, else float32; empty when it cannot run
     without autocast at all (noted)."""
     try:
@@ -385,27 +443,38 @@ def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report
                 f"({e32}). A dtype your code read while autocast was on is fixed in the captured "
                 "graph (e.g. a mask made with dtype=q.dtype, q an autocast output), so it no "
                 "longer matches when the graph runs in fp32; amp_fx and eager autocast are still "
-                "compared op by op, and the end-to-end reference runs your model itself")
+                "compared op by op, and the end-to-end reference runs your model itself"
+            )
             return {}
         report.reference_dtype = "fp32"
-        report.notes.append(f"graph {record.index} cannot run in float64 ({e64}); its reference "
-                            "is float32")
+        report.notes.append(f"graph {record.index} cannot run in float64 ({e64}); its reference is float32")
         return ref
 
 
-def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: CompareReport,
-                   run: AmpRun, fp8: Fp8Config | None = None) -> None:
+def _compare_graph(
+    record: GraphRecord,
+    inputs: list[Any],
+    exact: bool,
+    report: CompareReport,
+    run: AmpRun,
+    fp8: Fp8Config | None = None,
+) -> None:
     flags = leaf_flags(record)
     # captured matmul -> the node that replaced it in the rewritten graph (fp8 call or bias add)
     replaced = {n.meta[meta.FP8_OF]: n for n in record.rewritten.graph.nodes if meta.FP8_OF in n.meta}
     try:
         amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
-        eager = _run(record.captured, clone_inputs(inputs, flags),
-                     autocast=(record.device_type, record.dtype),
-                     fp8=(fp8, frozenset(replaced)) if fp8 is not None and replaced else None)
+        eager = _run(
+            record.captured,
+            clone_inputs(inputs, flags),
+            autocast=(record.device_type, record.dtype),
+            fp8=(fp8, frozenset(replaced)) if fp8 is not None and replaced else None,
+        )
     except _GraphRunError as e:
-        report.notes.append(f"graph {record.index} not compared op by op: re-running it on its "
-                            f"recorded inputs fails ({e}); the end-to-end comparison still runs")
+        report.notes.append(
+            f"graph {record.index} not compared op by op: re-running it on its "
+            f"recorded inputs fails ({e}); the end-to-end comparison still runs"
+        )
         return
     ref = _reference(record, inputs, flags, report)
     rewritten = {n.name: n for n in record.rewritten.graph.nodes}
@@ -424,17 +493,40 @@ def _compare_graph(record: GraphRecord, inputs: list[Any], exact: bool, report: 
             rule = decision.reason if decision is not None else "fp8"
         e_val = eager[node.name]
         if new is None:
-            report.ops.append(OpComparison(
-                record.index, node.name, op_label(node.target), path, _dtypes(e_val), "-", True,
-                Error(math.nan, math.nan), Error(math.nan, math.nan), Error(math.nan, math.nan),
-                "cast removed by fold_casts (value-preserving)", status="folded"))
+            report.ops.append(
+                OpComparison(
+                    record.index,
+                    node.name,
+                    op_label(node.target),
+                    path,
+                    _dtypes(e_val),
+                    "-",
+                    True,
+                    Error(math.nan, math.nan),
+                    Error(math.nan, math.nan),
+                    Error(math.nan, math.nan),
+                    "cast removed by fold_casts (value-preserving)",
+                    status="folded",
+                )
+            )
             continue
         a_val, r_val = amp[new.name], ref.get(node.name)
         agree = _dtypes(a_val) == _dtypes(e_val) and _bitwise(a_val, e_val)
-        report.ops.append(OpComparison(
-            record.index, node.name, op_label(node.target), path, _dtypes(e_val), _dtypes(a_val), agree,
-            _error(a_val, e_val), _error(a_val, r_val), _error(e_val, r_val),
-            rule if rule is not None else _rule_of(new)))
+        report.ops.append(
+            OpComparison(
+                record.index,
+                node.name,
+                op_label(node.target),
+                path,
+                _dtypes(e_val),
+                _dtypes(a_val),
+                agree,
+                _error(a_val, e_val),
+                _error(a_val, r_val),
+                _error(e_val, r_val),
+                rule if rule is not None else _rule_of(new),
+            )
+        )
 
 
 def _cotangents(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -458,15 +550,13 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
 def _named_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
     """``output`` for a lone tensor, else ``output`` with the path: ``output[0]``,
     ``output['logits']``."""
-    leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(out)[0]
-              if isinstance(t, torch.Tensor)]
+    leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(out)[0] if isinstance(t, torch.Tensor)]
     if len(leaves) == 1:
         return [("output", leaves[0][1])]
     return [(f"output{path}", t) for path, t in leaves]
 
 
-def _loss_and_backward(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, grads: bool
-                       ) -> Any:
+def _loss_and_backward(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None, grads: bool) -> Any:
     """amp_fx's run: the loss and backward after the compiled model's forward; returns ``out``."""
     loss = _loss(out, loss_fn)
     if grads and loss is not None and loss.requires_grad:
@@ -480,11 +570,18 @@ def _grads_of(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype] | None,
-                    grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
-                    to: torch.dtype | None = None, fp8: Fp8Config | None = None,
-                    keep_out_of_fp8: Sequence[Any] = (), grouped: frozenset[str] = frozenset()
-                    ) -> tuple[Any, dict[str, torch.Tensor]]:
+def _run_end_to_end(
+    model: Any,
+    call: Call,
+    *,
+    autocast: tuple[str, torch.dtype] | None,
+    grads: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    to: torch.dtype | None = None,
+    fp8: Fp8Config | None = None,
+    keep_out_of_fp8: Sequence[Any] = (),
+    grouped: frozenset[str] = frozenset(),
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Eager autocast's run (``autocast`` given) or the reference's: the loss ``loss_fn`` gives is
     computed inside the autocast region, the default projection outside it. With ``fp8`` (and
     ``autocast``), the matmuls the fp8 pass converts run in fp8 outside ``keep_out_of_fp8``, and
@@ -494,8 +591,9 @@ def _run_end_to_end(model: Any, call: Call, *, autocast: tuple[str, torch.dtype]
     root = model if isinstance(model, torch.nn.Module) else None
     fp8_mode: Any = contextlib.nullcontext()
     if fp8 is not None and autocast is not None:
-        fp8_mode = Fp8Eager(fp8, autocast[1], autocast[0], stack, keep_out_of_fp8, measure=False, root=root,
-                            grouped=grouped)
+        fp8_mode = Fp8Eager(
+            fp8, autocast[1], autocast[0], stack, keep_out_of_fp8, measure=False, root=root, grouped=grouped
+        )
     hooks: Any = module_stack(root, stack) if root is not None and fp8 is not None else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), hooks:
         torch.manual_seed(SEED)
@@ -558,15 +656,28 @@ def compare(
 
     config = Fp8Config.of(fp8)
     report.fp8 = None if config is None else config.recipe.value
-    run = run_amp(model_or_fn, call, tool="compare", dtype=lower, policy=policy,
-                  downstream=backend, then=lambda out: _loss_and_backward(out, loss_fn, grads), fp8=config)
+    run = run_amp(
+        model_or_fn,
+        call,
+        tool="compare",
+        dtype=lower,
+        policy=policy,
+        downstream=backend,
+        then=lambda out: _loss_and_backward(out, loss_fn, grads),
+        fp8=config,
+    )
     amp_out, amp_grads = run.result, _grads_of(run.compiled)
     _compare_graphs(report, run, exact, config)
-    eager_out, eager_grads = _run_end_to_end(private_copy(model_or_fn), call,
-                                             autocast=(device_type, lower), grads=grads,
-                                             loss_fn=loss_fn, fp8=config,
-                                             keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
-                                             grouped=_fp8_grouped_modules(run.records))
+    eager_out, eager_grads = _run_end_to_end(
+        private_copy(model_or_fn),
+        call,
+        autocast=(device_type, lower),
+        grads=grads,
+        loss_fn=loss_fn,
+        fp8=config,
+        keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
+        grouped=_fp8_grouped_modules(run.records),
+    )
     ref_out, ref_grads = _float64_reference(model_or_fn, call, report, grads=grads, loss_fn=loss_fn)
     _compare_outputs(report, eager_out, amp_out, ref_out, exact, lower)
     if grads:
@@ -579,25 +690,28 @@ def _compare_graphs(report: CompareReport, run: AmpRun, exact: bool, config: Fp8
     """The op-by-op part: every graph amp_fx compiled and ran, against eager autocast."""
     recs, recorder = run.records, run.recorder
     if not recs or not any(n.op == "call_function" for r in recs for n in r.captured.graph.nodes):
-        report.notes.append("no ops were captured: the function does nothing torch.compile puts "
-                            "in a graph, so there is nothing to compare op by op")
+        report.notes.append(
+            "no ops were captured: the function does nothing torch.compile puts "
+            "in a graph, so there is nothing to compare op by op"
+        )
     for r in recs:
         inputs = recorder.inputs_for(r)
         if r.fallback is not None:
-            report.notes.append(f"graph {r.index} not compared op by op: {r.fallback_text}; the "
-                                "end-to-end comparison still runs")
+            report.notes.append(
+                f"graph {r.index} not compared op by op: {r.fallback_text}; the end-to-end comparison still runs"
+            )
             continue
         if inputs is None:
             report.notes.append(f"graph {r.index} was compiled but not called; not compared")
             continue
         _compare_graph(r, inputs, exact, report, run, config)
-    if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype
-                        for o in report.ops):
+    if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
 
 
-def _float64_reference(model_or_fn: Any, call: Call, report: CompareReport, *, grads: bool,
-                       loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[Any, dict[str, torch.Tensor]]:
+def _float64_reference(
+    model_or_fn: Any, call: Call, report: CompareReport, *, grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """The outputs and gradients of a float64 copy, without autocast; (None, {}) and a note where
     the model fails in float64."""
     try:
@@ -607,56 +721,89 @@ def _float64_reference(model_or_fn: Any, call: Call, report: CompareReport, *, g
         with float64_grouped_mm():  # grouped expert GEMMs have no float64 kernel
             return _run_end_to_end(ref_model, call, autocast=None, grads=grads, loss_fn=loss_fn, to=torch.float64)
     except Exception as e:
-        report.notes.append(f"no float64 end-to-end reference: the model fails in float64 "
-                            f"({type(e).__name__}: {e})")
+        report.notes.append(f"no float64 end-to-end reference: the model fails in float64 ({type(e).__name__}: {e})")
         return None, {}
 
 
 def _value(name: str, e: Any, a: Any, r: Any, exact: bool, lower: torch.dtype) -> ValueComparison:
     """One output or gradient: amp_fx's (``a``) against eager autocast's (``e``) and float64's (``r``)."""
     return ValueComparison(
-        name, _dtypes(e), _dtypes(a), _close(a, e, exact, lower), _error(a, e),
-        _error(a, r) if r is not None else None, _error(e, r) if r is not None else None,
-        _nonfinite(a), _nonfinite(e))
+        name,
+        _dtypes(e),
+        _dtypes(a),
+        _close(a, e, exact, lower),
+        _error(a, e),
+        _error(a, r) if r is not None else None,
+        _error(e, r) if r is not None else None,
+        _nonfinite(a),
+        _nonfinite(e),
+    )
 
 
-def _compare_outputs(report: CompareReport, eager_out: Any, amp_out: Any, ref_out: Any, exact: bool,
-                     lower: torch.dtype) -> None:
+def _compare_outputs(
+    report: CompareReport, eager_out: Any, amp_out: Any, ref_out: Any, exact: bool, lower: torch.dtype
+) -> None:
     e_outs, a_outs = _named_outputs(eager_out), _named_outputs(amp_out)
     r_outs = dict(_named_outputs(ref_out)) if ref_out is not None else {}
     for (name, e), (_, a) in zip(e_outs, a_outs):
         report.outputs.append(_value(name, e, a, r_outs.get(name), exact, lower))
     if len(e_outs) != len(a_outs):
         report.notes.append(f"eager gives {len(e_outs)} output tensors, amp_fx {len(a_outs)}")
-        report.outputs.append(ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)),
-                                              False, Error(math.inf, math.inf), None, None))
+        report.outputs.append(
+            ValueComparison("outputs", str(len(e_outs)), str(len(a_outs)), False, Error(math.inf, math.inf), None, None)
+        )
 
 
-def _compare_grads(report: CompareReport, eager_grads: dict[str, torch.Tensor], amp_grads: dict[str, torch.Tensor],
-                   ref_grads: dict[str, torch.Tensor], exact: bool, lower: torch.dtype, model_or_fn: Any) -> None:
+def _compare_grads(
+    report: CompareReport,
+    eager_grads: dict[str, torch.Tensor],
+    amp_grads: dict[str, torch.Tensor],
+    ref_grads: dict[str, torch.Tensor],
+    exact: bool,
+    lower: torch.dtype,
+    model_or_fn: Any,
+) -> None:
     for name in [*eager_grads, *(n for n in amp_grads if n not in eager_grads)]:
         e, a = eager_grads.get(name), amp_grads.get(name)
         if e is None or a is None:
-            report.grads.append(ValueComparison(
-                name, "-" if e is None else _dtypes(e), "-" if a is None else _dtypes(a),
-                False, Error(math.inf, math.inf), None, None, _nonfinite(a), _nonfinite(e)))
+            report.grads.append(
+                ValueComparison(
+                    name,
+                    "-" if e is None else _dtypes(e),
+                    "-" if a is None else _dtypes(a),
+                    False,
+                    Error(math.inf, math.inf),
+                    None,
+                    None,
+                    _nonfinite(a),
+                    _nonfinite(e),
+                )
+            )
             continue
         report.grads.append(_value(name, e, a, ref_grads.get(name), exact, lower))
     if not report.grads:
-        why = ("it is a function: compare reads the gradients of an nn.Module's parameters"
-               if not isinstance(model_or_fn, torch.nn.Module) else
-               "no parameter got a gradient (no floating output requires grad, or loss_fn "
-               "does not depend on the parameters)")
-        message = (f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass "
-                   "grads=False to compare outputs only")
+        why = (
+            "it is a function: compare reads the gradients of an nn.Module's parameters"
+            if not isinstance(model_or_fn, torch.nn.Module)
+            else "no parameter got a gradient (no floating output requires grad, or loss_fn "
+            "does not depend on the parameters)"
+        )
+        message = (
+            f"amp_fx.compare: grads=True, but no gradient was compared: {why}; pass grads=False to compare outputs only"
+        )
         report.notes.append(message.removeprefix("amp_fx.compare: "))
         did_less(("compare", "no grads", why), message)
 
 
 def _fp8_grouped_modules(records: Sequence[GraphRecord]) -> frozenset[str]:
     """The modules whose grouped expert GEMMs the fp8 pass converted."""
-    return frozenset(d.module for r in records if r.fp8 is not None for d in r.fp8.decisions
-                     if d.converted and d.op == "aten._grouped_mm")
+    return frozenset(
+        d.module
+        for r in records
+        if r.fp8 is not None
+        for d in r.fp8.decisions
+        if d.converted and d.op == "aten._grouped_mm"
+    )
 
 
 def _explain_cross_graph_grads(report: CompareReport, run: AmpRun) -> None:
@@ -667,5 +814,6 @@ def _explain_cross_graph_grads(report: CompareReport, run: AmpRun) -> None:
     split = weights_split_by_graph_breaks(run)
     for g in report.grads:
         if not g.agree and g.name in split:
-            report.notes.append(split_weight_note(g.name, split[g.name], report.dtype)
-                                + "; compare the reference columns")
+            report.notes.append(
+                split_weight_note(g.name, split[g.name], report.dtype) + "; compare the reference columns"
+            )

@@ -119,8 +119,11 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
         return "graph output"
     if is_inserted_cast(node):
         why = node.meta.get(meta.CAST_REASON, "?")
-        shared = ("; cached: one cast of this weight for all its uses, as autocast's cast cache"
-                  if node.meta.get(meta.CACHED) else "")
+        shared = (
+            "; cached: one cast of this weight for all its uses, as autocast's cast cache"
+            if node.meta.get(meta.CACHED)
+            else ""
+        )
         return f"inserted for {why}{shared}"
     if node.target is operator.getitem:
         return f"element {node.args[1]} of {node.all_input_nodes[0].name}"  # args[0], the one node
@@ -147,7 +150,7 @@ def _rule(node: torch.fx.Node, labels: dict[str, str]) -> str:
             return f"{reason}; no floating input: {out} from its arguments"
         if len(ins) == 1:
             return f"{reason} ({dtype_name(ins[0])})"
-        return (f"{reason} ({', '.join(dtype_name(d) for d in ins)}) and gives {out}")
+        return f"{reason} ({', '.join(dtype_name(d) for d in ins)}) and gives {out}"
     if decision.cast_class is CastClass.PROMOTE:
         return f"{reason}: widest input gives {out}"
     return reason
@@ -157,8 +160,7 @@ def _autocast_dtype(node: torch.fx.Node) -> torch.dtype | None:
     """The dtype capture recorded for eager autocast; for a multi-output op, its first output's."""
     if meta.AUTOCAST_DTYPE in node.meta:
         return node.meta[meta.AUTOCAST_DTYPE]
-    first = next((u for u in node.users
-                  if u.target is operator.getitem and u.args[1] == 0), None)
+    first = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
     return None if first is None else first.meta.get(meta.AUTOCAST_DTYPE)
 
 
@@ -172,14 +174,21 @@ def _args_text(node: torch.fx.Node, limit: int = 70) -> str:
         if isinstance(a, torch.dtype):
             return dtype_name(a)
         return repr(a)
+
     parts = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
     text = ", ".join(parts)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
-               val: Any = None, *, use_meta: bool = True,
-               where: tuple[str, str] | None = None) -> NodeInfo:
+def _node_info(
+    index: int,
+    node: torch.fx.Node,
+    labels: dict[str, str],
+    val: Any = None,
+    *,
+    use_meta: bool = True,
+    where: tuple[str, str] | None = None,
+) -> NodeInfo:
     if use_meta:
         val = node.meta.get("val")
     path, mtype = module_of(node) if where is None else where
@@ -192,13 +201,22 @@ def _node_info(index: int, node: torch.fx.Node, labels: dict[str, str],
         kind = "getitem"
     op = {"input": "input", "output": "output", "constant": "get_attr"}.get(kind) or op_label(node.target)
     return NodeInfo(
-        graph=index, name=node.name, kind=kind, op=op,
+        graph=index,
+        name=node.name,
+        kind=kind,
+        op=op,
         args="" if node.op in ("placeholder", "get_attr") else _args_text(node),
         value=describe_value(val) if node.op != "output" else "",
-        dtype=value_dtype(val), module=path, module_type=mtype, rule=_rule(node, labels),
-        cast=cast, cached=bool(node.meta.get(meta.CACHED, False)),
-        folded=tuple(node.meta.get(meta.FOLDED, ())), label=labels.get(node.name, ""),
-        autocast_dtype=node.meta.get(meta.AUTOCAST_DTYPE))
+        dtype=value_dtype(val),
+        module=path,
+        module_type=mtype,
+        rule=_rule(node, labels),
+        cast=cast,
+        cached=bool(node.meta.get(meta.CACHED, False)),
+        folded=tuple(node.meta.get(meta.FOLDED, ())),
+        label=labels.get(node.name, ""),
+        autocast_dtype=node.meta.get(meta.AUTOCAST_DTYPE),
+    )
 
 
 def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
@@ -248,8 +266,7 @@ def _bytes_text(n: int | None) -> str:
 
 
 def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes
-            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
 
 
 class Explanation:
@@ -260,33 +277,42 @@ class Explanation:
     rewritten graph node by node.
     """
 
-    def __init__(self, records: Sequence[GraphRecord], *, notes: Sequence[str] = (),
-                 inputs: Sequence[list[Any] | None] | None = None,
-                 policy: Policy | None = None,
-                 labels: Sequence[dict[str, str]] | None = None,
-                 module_of: Callable[[GraphRecord, torch.fx.Node], tuple[str, str]] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        records: Sequence[GraphRecord],
+        *,
+        notes: Sequence[str] = (),
+        inputs: Sequence[list[Any] | None] | None = None,
+        policy: Policy | None = None,
+        labels: Sequence[dict[str, str]] | None = None,
+        module_of: Callable[[GraphRecord, torch.fx.Node], tuple[str, str]] | None = None,
+    ) -> None:
         self.records = list(records)
         self._where = module_of
-        self._labels = (list(labels) if labels is not None
-                        else [input_labels(r) for r in self.records])
+        self._labels = list(labels) if labels is not None else [input_labels(r) for r in self.records]
         self.notes = list(notes)
         self.policy = policy
         self._fp32_cache: dict[int, dict[str, Any] | None] = {}
         self._runtime_cache: dict[int, dict[str, Any] | None] = {}
         self._inputs = list(inputs) if inputs is not None else [None] * len(self.records)
-        self.notes += [f"graph {r.index}: {r.fallback_text}; its ops are not shown"
-                       for r in self.records if r.fallback is not None]
+        self.notes += [
+            f"graph {r.index}: {r.fallback_text}; its ops are not shown" for r in self.records if r.fallback is not None
+        ]
         if not self.records or not any(_op_nodes(r.captured) for r in self.records):
             self.notes.append(
                 "no ops were captured: torch.compile found no tensor operations to put in a graph "
                 "(the function does nothing, or only returns its inputs), so amp_fx had nothing to "
-                "rewrite")
-        elif not any(t is not None and t.is_floating_point()
-                     for r in self.records for n in _op_nodes(r.captured)
-                     for t in [_first_tensor(n)]):
-            self.notes.append("no floating-point ops: the graphs compute only on integers or "
-                              "booleans, so amp_fx inserted no casts")
+                "rewrite"
+            )
+        elif not any(
+            t is not None and t.is_floating_point()
+            for r in self.records
+            for n in _op_nodes(r.captured)
+            for t in [_first_tensor(n)]
+        ):
+            self.notes.append(
+                "no floating-point ops: the graphs compute only on integers or booleans, so amp_fx inserted no casts"
+            )
         experts = fp32_experts_text(self.records, policy)
         if experts is not None:
             self.notes.append(experts.removeprefix("amp_fx: "))
@@ -295,9 +321,14 @@ class Explanation:
             self.notes.append(slow.removeprefix("amp_fx: "))
         fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
         if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
-            self.notes.append(f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
-                              + ("none has a parameter operand" if not any(f.decisions for f in fp8)
-                                 else "each one's reason is in the fp8 table below"))
+            self.notes.append(
+                f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
+                + (
+                    "none has a parameter operand"
+                    if not any(f.decisions for f in fp8)
+                    else "each one's reason is in the fp8 table below"
+                )
+            )
 
     @classmethod
     def from_records(cls, records: Sequence[GraphRecord]) -> Explanation:
@@ -317,16 +348,18 @@ class Explanation:
             labels = self._labels[r.index]
             if not before:
                 run = self._runtime(r.index)
-                out += [_node_info(r.index, n, labels, where=self._module(r, n))
-                        if run is None or n.name not in run
-                        else _node_info(r.index, n, labels, run[n.name], use_meta=False,
-                                        where=self._module(r, n))
-                        for n in r.rewritten.graph.nodes]
+                out += [
+                    _node_info(r.index, n, labels, where=self._module(r, n))
+                    if run is None or n.name not in run
+                    else _node_info(r.index, n, labels, run[n.name], use_meta=False, where=self._module(r, n))
+                    for n in r.rewritten.graph.nodes
+                ]
                 continue
             vals = self._fp32(r)
-            out += [_node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False,
-                               where=self._module(r, n))
-                    for n in r.captured.graph.nodes]
+            out += [
+                _node_info(r.index, n, labels, (vals or {}).get(n.name), use_meta=False, where=self._module(r, n))
+                for n in r.captured.graph.nodes
+            ]
         return out
 
     def _module(self, record: GraphRecord, node: torch.fx.Node) -> tuple[str, str]:
@@ -339,11 +372,13 @@ class Explanation:
             values, why = _fp32_values(record)
             self._fp32_cache[record.index] = values
             if values is None:
-                message = (f"amp_fx.explain: graph {record.index}'s dtypes without amp are not "
-                           f"shown (the 'without amp' column and before=True): the captured graph "
-                           f"does not run without autocast ({why}); typically a dtype your code "
-                           "read under autocast is fixed in the graph. The rewritten graph is "
-                           "explained in full")
+                message = (
+                    f"amp_fx.explain: graph {record.index}'s dtypes without amp are not "
+                    f"shown (the 'without amp' column and before=True): the captured graph "
+                    f"does not run without autocast ({why}); typically a dtype your code "
+                    "read under autocast is fixed in the graph. The rewritten graph is "
+                    "explained in full"
+                )
                 self.notes.append(message.removeprefix("amp_fx.explain: "))
                 did_less(("explain", "no fp32 view", why), message)
         return self._fp32_cache[record.index]
@@ -357,8 +392,10 @@ class Explanation:
         inputs it was called with (available when built by :func:`explain` with inputs)."""
         run = self._runtime(graph)
         if run is None:
-            raise ValueError("amp_fx: this Explanation has no recorded inputs for graph "
-                             f"{graph}; build it with amp_fx.explain(model, *inputs)")
+            raise ValueError(
+                "amp_fx: this Explanation has no recorded inputs for graph "
+                f"{graph}; build it with amp_fx.explain(model, *inputs)"
+            )
         return {name: value_dtype(v) for name, v in run.items()}
 
     def meta_mismatches(self, graph: int) -> list[str]:
@@ -373,8 +410,7 @@ class Explanation:
                 meta, real = value_dtype(n.meta["val"]), value_dtype(run[n.name])
                 if meta != real:
                     op = op_label((n.args[0] if n.target is operator.getitem else n).target)
-                    out.append(f"{n.name} ({op}): meta {dtype_name(meta)}, "
-                               f"runs as {dtype_name(real)}")
+                    out.append(f"{n.name} ({op}): meta {dtype_name(meta)}, runs as {dtype_name(real)}")
         return out
 
     def _runtime(self, graph: int) -> dict[str, Any] | None:
@@ -403,38 +439,47 @@ class Explanation:
         for r in self.records:
             ops = [n for n in _op_nodes(r.rewritten) if not is_cast(n)]
             per_dtype = Counter(dtype_name(value_dtype(n.meta.get("val"))) for n in ops)
-            rows.append({
-                "graph": r.index,
-                "device": r.device_type,
-                "dtype": dtype_name(r.dtype),
-                "ops": len(ops),
-                "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
-                "casts inserted": r.inserted.casts_inserted,
-                "leaf casts shared": r.inserted.casts_shared,
-                "casts folded": ", ".join(f"{k} {v}" for k, v in sorted(r.folded.by_rule.items()))
-                                or "0",
-                "casts left": r.casts,
-                "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
-            })
+            rows.append(
+                {
+                    "graph": r.index,
+                    "device": r.device_type,
+                    "dtype": dtype_name(r.dtype),
+                    "ops": len(ops),
+                    "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
+                    "casts inserted": r.inserted.casts_inserted,
+                    "leaf casts shared": r.inserted.casts_shared,
+                    "casts folded": ", ".join(f"{k} {v}" for k, v in sorted(r.folded.by_rule.items())) or "0",
+                    "casts left": r.casts,
+                    "cast bytes/call": _bytes_text(cast_bytes(r.rewritten)),
+                }
+            )
             if any(r.fp8 is not None for r in self.records):
                 padded = 0 if r.fp8 is None else sum(d.padding is not None for d in r.fp8.converted)
                 share = None if r.fp8 is None else _fp8_flop_share(r.fp8.decisions)
-                rows[-1]["fp8 matmuls"] = "-" if r.fp8 is None else (
-                    f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})"
-                    + (f", {padded} padded" if padded else "")
-                    + (f", {share:.2f} of their FLOPs" if share is not None else ""))
+                rows[-1]["fp8 matmuls"] = (
+                    "-"
+                    if r.fp8 is None
+                    else (
+                        f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})"
+                        + (f", {padded} padded" if padded else "")
+                        + (f", {share:.2f} of their FLOPs" if share is not None else "")
+                    )
+                )
         return rows
 
     def module_rows(self, *, max_rows: int = 12) -> list[dict[str, Any]]:
         """The ops rolled up by module, at the deepest module depth (up to 3) that gives at most
         ``max_rows`` rows: ops per dtype, casts amp_fx inserted there and, with fp8, the share of
         the FLOPs of its matmuls with a parameter operand that run in fp8."""
-        ops = [(r, n) for r in self.records if r.fallback is None for n in self.nodes(r.index)
-               if n.kind in ("op", "cast")]
+        ops = [
+            (r, n) for r in self.records if r.fallback is None for n in self.nodes(r.index) if n.kind in ("op", "cast")
+        ]
         fp8 = [(r.index, d) for r in self.records if r.fp8 is not None for d in r.fp8.decisions]
         for depth in (3, 2, 1):
+
             def key(path: str, depth: int = depth) -> str:
                 return ".".join(path.split(".")[:depth]) if path else "<root>"
+
             groups = list(dict.fromkeys(key(n.module) for _, n in ops))
             if len(groups) <= max_rows:
                 break
@@ -457,8 +502,12 @@ class Explanation:
     def fp8_decisions(self, graph: int | None = None) -> list[Fp8Decision]:
         """Every matmul with a parameter operand that the fp8 pass considered (``fp8=`` on), in
         graph order: converted or not, and why (:class:`~amp_fx.passes.fp8_matmuls.Fp8Decision`)."""
-        return [d for r in (self.records if graph is None else [self.records[graph]])
-                if r.fp8 is not None for d in r.fp8.decisions]
+        return [
+            d
+            for r in (self.records if graph is None else [self.records[graph]])
+            if r.fp8 is not None
+            for d in r.fp8.decisions
+        ]
 
     def fp8_text(self, graph: int) -> str:
         """The fp8 pass's decision for each matmul of one graph: which run in fp8, with the
@@ -469,12 +518,22 @@ class Explanation:
         if r.fp8 is None:
             return f"graph {graph}: fp8 off"
         reasons: dict[str, int] = {}
-        rows = [[d.weight, d.module, d.op, "x".join(map(str, d.shape)) if d.shape else "?",
-                 "fp8" if d.converted else dtype_name(r.dtype), _reference(d.reason, reasons)]
-                for d in r.fp8.decisions]
-        return (f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
-                + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"])
-                + "".join(f"\n[{k}] {why}" for why, k in reasons.items()))
+        rows = [
+            [
+                d.weight,
+                d.module,
+                d.op,
+                "x".join(map(str, d.shape)) if d.shape else "?",
+                "fp8" if d.converted else dtype_name(r.dtype),
+                _reference(d.reason, reasons),
+            ]
+            for d in r.fp8.decisions
+        ]
+        return (
+            f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
+            + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"])
+            + "".join(f"\n[{k}] {why}" for why, k in reasons.items())
+        )
 
     def summary(self) -> str:
         """One row per graph: ops per dtype, casts inserted, folded by rule, left, bytes moved."""
@@ -489,8 +548,10 @@ class Explanation:
         for r in self.records:
             bad = self.meta_mismatches(r.index)
             if bad:
-                lines.append(f"note: graph {r.index}: shown with the dtypes measured at run time; "
-                             f"the graph's fake-tensor metadata differs for {'; '.join(bad)}")
+                lines.append(
+                    f"note: graph {r.index}: shown with the dtypes measured at run time; "
+                    f"the graph's fake-tensor metadata differs for {'; '.join(bad)}"
+                )
         return "\n".join(lines)
 
     def graph_text(self, graph: int, *, before: bool = False) -> str:
@@ -510,11 +571,9 @@ class Explanation:
             module = f"{n.module} ({n.module_type})" if n.module else ""
             rows.append([mark, n.name, what, n.value, module, _reference(n.rule, reasons)])
         r = self.records[graph]
-        title = (f"graph {graph} {'before' if before else 'after'} the passes "
-                 f"({r.device_type}, {dtype_name(r.dtype)})")
+        title = f"graph {graph} {'before' if before else 'after'} the passes ({r.device_type}, {dtype_name(r.dtype)})"
         legend = "".join(f"\n[{k}] {why}" for why, k in reasons.items())
-        return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module",
-                                                      "dtype decided by"]) + legend
+        return title + "\n" + tabulate(rows, headers=["", "node", "op", "value", "module", "dtype decided by"]) + legend
 
     def before_after(self, graph: int) -> str:
         """Each op of your program: its dtype before and after the passes, and the casts put on
@@ -533,34 +592,46 @@ class Explanation:
             before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
             eager = dtype_name(_autocast_dtype(n))
             if new is None:
-                rows.append([n.name, op_label(n.target), self._module(r, n)[0], before_dt, eager,
-                             "(folded away)", ""])
+                rows.append([n.name, op_label(n.target), self._module(r, n)[0], before_dt, eager, "(folded away)", ""])
                 continue
             casts = []
             for a in new.all_input_nodes:
                 if is_cast(a) and is_inserted_cast(a):
                     src = a.args[0]
-                    casts.append(f"{labels.get(src.name, src.name)}->"
-                                 f"{dtype_name(value_dtype(a.meta.get('val')))}")
+                    casts.append(f"{labels.get(src.name, src.name)}->{dtype_name(value_dtype(a.meta.get('val')))}")
             path, _ = self._module(r, n)
-            rows.append([n.name, op_label(n.target), path, before_dt, eager,
-                         dtype_name(value_dtype(new.meta.get("val"))), ", ".join(casts)])
-        return (f"graph {graph}: before -> after\n"
-                + tabulate(rows, headers=["node", "op", "module", "without amp", "eager autocast",
-                                          "amp_fx", "casts on inputs"]))
+            rows.append(
+                [
+                    n.name,
+                    op_label(n.target),
+                    path,
+                    before_dt,
+                    eager,
+                    dtype_name(value_dtype(new.meta.get("val"))),
+                    ", ".join(casts),
+                ]
+            )
+        return f"graph {graph}: before -> after\n" + tabulate(
+            rows, headers=["node", "op", "module", "without amp", "eager autocast", "amp_fx", "casts on inputs"]
+        )
 
     def __str__(self) -> str:
         """The summary: one row per graph, its legend and notes, and the ops rolled up by module.
         The node-by-node detail is :meth:`table`."""
-        parts = [f"amp_fx.explain: {len(self.records)} graph(s)"
-                 + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
-                 self.summary()]
+        parts = [
+            f"amp_fx.explain: {len(self.records)} graph(s)"
+            + (f", {dtype_name(self.records[0].dtype)}" if self.records else ""),
+            self.summary(),
+        ]
         rows = self.module_rows()
         if rows:
             parts += ["", "by module", tabulate(rows, headers="keys")]
         if self.records:
-            parts += ["", "Every op, its dtype and why, the casts on its inputs and each matmul's fp8 decision: "
-                          "print(report.table()) (amp-fx explain --table)."]
+            parts += [
+                "",
+                "Every op, its dtype and why, the casts on its inputs and each matmul's fp8 decision: "
+                "print(report.table()) (amp-fx explain --table).",
+            ]
         return "\n".join(parts)
 
     def table(self, graph: int | None = None) -> str:
@@ -610,7 +681,9 @@ class Explanation:
 _SUMMARY_LEGEND = textwrap.fill(
     "(casts inserted: the casts amp_fx added; leaf casts shared: weight casts one cast serves for every "
     "use, as eager autocast's cast cache; casts folded: removed because they changed no value, by rule; "
-    "casts left: the casts in the graph that runs, amp_fx's that were not folded plus your own)", 100)
+    "casts left: the casts in the graph that runs, amp_fx's that were not folded plus your own)",
+    100,
+)
 
 _INLINE_REASON = 40
 """Reasons up to this many characters stay in the row; longer ones (a policy's 200-character
@@ -645,9 +718,15 @@ def _first_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     return floats[0] if floats else (ts[0] if ts else None)
 
 
-def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
-            policy: Policy | None = None, fold: bool = True, fp8: Fp8Like = None,
-            **kwargs: Any) -> Explanation:
+def explain(
+    model_or_fn: Any,
+    *args: Any,
+    dtype: str | torch.dtype = "bf16",
+    policy: Policy | None = None,
+    fold: bool = True,
+    fp8: Fp8Like = None,
+    **kwargs: Any,
+) -> Explanation:
     """Explain what amp_fx does to ``model_or_fn`` on these inputs.
 
     With ``fp8`` (as :func:`amp_fx.compile` takes it), also which matmuls run in fp8, with the
@@ -673,28 +752,33 @@ def explain(model_or_fn: Any, *args: Any, dtype: str | torch.dtype = "bf16",
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))
         if not recs:
-            raise ValueError("amp_fx.explain: this compiled model has not run yet, so nothing was "
-                             "captured; call it once, or pass example inputs")
+            raise ValueError(
+                "amp_fx.explain: this compiled model has not run yet, so nothing was "
+                "captured; call it once, or pass example inputs"
+            )
         options = options_of(model_or_fn)
         original = getattr(model_or_fn, "original_module", None)
-        forward = original.forward if original is not None else getattr(
-            model_or_fn, "__wrapped__", None)
-        return Explanation(recs, policy=options.policy,
-                           labels=[input_labels(r, forward) for r in recs])
+        forward = original.forward if original is not None else getattr(model_or_fn, "__wrapped__", None)
+        return Explanation(recs, policy=options.policy, labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
         options = options_of(model_or_fn)
         dtype, policy, fold, fp8 = options.dtype, options.policy, options.fold, options.fp8
         model_or_fn = model_or_fn.original_module
     elif hasattr(model_or_fn, "amp_fx_records"):
-        raise TypeError("amp_fx.explain: pass the original function (not the one amp_fx.compile "
-                        "returned) with inputs, or the compiled one without inputs")
+        raise TypeError(
+            "amp_fx.explain: pass the original function (not the one amp_fx.compile "
+            "returned) with inputs, or the compiled one without inputs"
+        )
     lower = resolve_dtype(dtype)
     call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="explain")
-    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy,
-                  downstream="eager", fold=fold, fp8=fp8)
+    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8)
     split = weights_split_by_graph_breaks(run)
-    return Explanation(run.records, inputs=[run.recorder.inputs_for(r) for r in run.records],
-                       notes=[split_weight_note(name, where, lower) for name, where in split.items()],
-                       policy=policy if policy is not None else Policy(),
-                       labels=[run.labels(r) for r in run.records], module_of=run.module_of)
+    return Explanation(
+        run.records,
+        inputs=[run.recorder.inputs_for(r) for r in run.records],
+        notes=[split_weight_note(name, where, lower) for name, where in split.items()],
+        policy=policy if policy is not None else Policy(),
+        labels=[run.labels(r) for r in run.records],
+        module_of=run.module_of,
+    )

@@ -102,22 +102,25 @@ class NonfiniteReport:
     def __str__(self) -> str:
         if not self.found:
             checked_backward = not any("backward skipped" in n for n in self.notes)
-            grads = ' and every gradient in the backward' if checked_backward else ''
+            grads = " and every gradient in the backward" if checked_backward else ""
             if self.discarded:
-                lines = [f"no inf/NaN found: the model's outputs{grads} are finite with amp_fx "
-                         f"({dtype_name(self.dtype)})"]
+                lines = [
+                    f"no inf/NaN found: the model's outputs{grads} are finite with amp_fx ({dtype_name(self.dtype)})"
+                ]
             else:
-                lines = [f"no inf/NaN found: every op output in the forward{grads}"
-                         f" is finite with amp_fx ({dtype_name(self.dtype)})"]
+                lines = [
+                    f"no inf/NaN found: every op output in the forward{grads}"
+                    f" is finite with amp_fx ({dtype_name(self.dtype)})"
+                ]
             return "\n".join(lines + self._discarded_lines() + [f"note: {n}" for n in self.notes])
-        where = (f"module `{self.module_path}` ({self.module_type})" if self.module_path
-                 else "top level")
-        lines = [f"first inf/NaN in the {self.phase}: graph {self.graph}, node {self.node} "
-                 f"({self.op}) in {where}, dtype {self.dtype_name}",
-                 f"  {self.reason}"]
+        where = f"module `{self.module_path}` ({self.module_type})" if self.module_path else "top level"
+        lines = [
+            f"first inf/NaN in the {self.phase}: graph {self.graph}, node {self.node} "
+            f"({self.op}) in {where}, dtype {self.dtype_name}",
+            f"  {self.reason}",
+        ]
         if self.value_range:
-            lines.append(f"  {'gradient' if self.phase == 'backward' else 'output'}: "
-                         f"{self.value_range}")
+            lines.append(f"  {'gradient' if self.phase == 'backward' else 'output'}: {self.value_range}")
         if self.inputs:
             lines.append(tabulate([[n, r] for n, r in self.inputs], headers=["input", "range"]))
         if self.suggestion:
@@ -130,9 +133,10 @@ class NonfiniteReport:
     def _discarded_lines(self) -> list[str]:
         if not self.discarded:
             return []
-        return (["discarded: inf/NaN produced here reaches no output (every use of it was dropped, "
-                 "e.g. by torch.where or an integer cast), so it is not reported:"]
-                + [f"  {d}" for d in self.discarded])
+        return [
+            "discarded: inf/NaN produced here reaches no output (every use of it was dropped, "
+            "e.g. by torch.where or an integer cast), so it is not reported:"
+        ] + [f"  {d}" for d in self.discarded]
 
 
 def _deciding_node(node: torch.fx.Node) -> torch.fx.Node:
@@ -156,36 +160,41 @@ def _inside(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
-def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]
-               ) -> Policy:
+def _with_fp32(policy: Policy, modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]) -> Policy:
     """The user's policy plus ``modules`` kept in fp32 (replacing kept names inside them) and
     ``ops`` moved to fp32: the fix is cumulative, it never drops what the user already kept."""
-    keep = [k for k in policy.keep_fp32
-            if not (isinstance(k, str) and any(_inside(k, m) and k != m for m in modules))]
+    keep = [k for k in policy.keep_fp32 if not (isinstance(k, str) and any(_inside(k, m) and k != m for m in modules))]
     keep += [m for m in modules if m not in keep]
     # overloads, not names: Policy reads the name "aten::exp" as every overload of aten.exp
     classes: dict[OpLike, CastClass] = {op_from_name(k): v for k, v in policy.op_classes.items()}
-    return Policy(op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
-                  keep_fp32=tuple(keep), cast_cache=policy.cast_cache,
-                  keep_out_of_fp8=policy.keep_out_of_fp8)
+    return Policy(
+        op_classes={**classes, **{op: CastClass.FP32 for op in ops}},
+        keep_fp32=tuple(keep),
+        cast_cache=policy.cast_cache,
+        keep_out_of_fp8=policy.keep_out_of_fp8,
+    )
 
 
 def policy_code(policy: Policy) -> str:
     """The policy as the code that builds it: ``Policy(keep_fp32=("fc1", "fc2"))``."""
+
     def selector(k: object) -> str:
         if isinstance(k, str):
             return f'"{k}"'
         assert isinstance(k, type)
         return ("nn." if k.__module__.startswith("torch.nn") else f"{k.__module__}.") + k.__qualname__
+
     parts = []
     # "aten::exp" names the default overload here and, to Policy, every overload: list the
     # others only when their packet's name is not already listed
     op_names = cast(Mapping[str, CastClass], policy.op_classes)  # Policy keeps its keys as names
-    ops = {k: v for k, v in op_names.items()
-           if "." not in k.partition("::")[2] or k.partition(".")[0] not in policy.op_classes}
+    ops = {
+        k: v
+        for k, v in op_names.items()
+        if "." not in k.partition("::")[2] or k.partition(".")[0] not in policy.op_classes
+    }
     if ops:
-        parts.append("op_classes={" + ", ".join(f'"{k}": CastClass.{v.name}'
-                                                for k, v in ops.items()) + "}")
+        parts.append("op_classes={" + ", ".join(f'"{k}": CastClass.{v.name}' for k, v in ops.items()) + "}")
     if policy.keep_fp32:
         names = [selector(k) for k in policy.keep_fp32]
         parts.append("keep_fp32=(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")")
@@ -200,11 +209,9 @@ def policy_code(policy: Policy) -> str:
 def _kept_text(modules: Sequence[str], ops: Sequence[torch._ops.OpOverload]) -> str:
     words = []
     if modules:
-        words.append(("module " if len(modules) == 1 else "modules ")
-                     + ", ".join(f"`{m}`" for m in modules))
+        words.append(("module " if len(modules) == 1 else "modules ") + ", ".join(f"`{m}`" for m in modules))
     if ops:
-        words.append(("op " if len(ops) == 1 else "ops ")
-                     + ", ".join(op_label(op) for op in ops))
+        words.append(("op " if len(ops) == 1 else "ops ") + ", ".join(op_label(op) for op in ops))
     return " and ".join(words)
 
 
@@ -299,11 +306,11 @@ class _Probe:
         self._graph_outputs.clear()
         return bool(bad)
 
-    def hook(self, gm: torch.fx.GraphModule, node: torch.fx.Node
-             ) -> Callable[[torch.Tensor], None]:
+    def hook(self, gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
             if self.backward_hit is None and grad is not None and not all_finite(grad):
                 self.backward_hit = {"graph": gm, "node": node, "grad": grad.detach().clone()}
+
         return on_grad
 
 
@@ -325,8 +332,7 @@ class _ProbeInterpreter(torch.fx.Interpreter):
             for a in n.all_input_nodes:
                 if a in self.marked:
                     probe.returned(self.env[a], self.marked[a])
-        if (probe.backward and n.op == "call_function" and n.target is not operator.getitem
-                and torch.is_grad_enabled()):
+        if probe.backward and n.op == "call_function" and n.target is not operator.getitem and torch.is_grad_enabled():
             for t in tensors_of(out):
                 if t.requires_grad and t.is_floating_point():
                     t.register_hook(probe.hook(self.module, n))
@@ -338,11 +344,9 @@ class _ProbeInterpreter(torch.fx.Interpreter):
         if n.op == "placeholder":
             origins = probe.origins_of(out)
         else:
-            origins = frozenset().union(*(self.marked[a] for a in n.all_input_nodes
-                                          if a in self.marked))
+            origins = frozenset().union(*(self.marked[a] for a in n.all_input_nodes if a in self.marked))
         if not origins:
-            hit = {"graph": self.module, "node": n, "out": out,
-                   "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
+            hit = {"graph": self.module, "node": n, "out": out, "inputs": [(a, self.env[a]) for a in n.all_input_nodes]}
             if n.op == "call_function":
                 hit["fp32"] = self._fp32_output(n)
             origins = frozenset((len(probe.origins),))
@@ -376,8 +380,7 @@ def _dtype_kwarg(node: torch.fx.Node) -> torch.dtype | None:
 def _arg_label(a: torch.fx.Node, labels: dict[str, str]) -> str:
     if is_inserted_cast(a) and isinstance(a.args[0], torch.fx.Node):
         src = a.args[0]
-        return (f"{labels.get(src.name, src.name)} (cast to "
-                f"{dtype_name(_dtype_kwarg(a))} by amp_fx)")
+        return f"{labels.get(src.name, src.name)} (cast to {dtype_name(_dtype_kwarg(a))} by amp_fx)"
     return labels.get(a.name, a.name)
 
 
@@ -386,28 +389,39 @@ def _range_text(value: Any) -> str:
     return "; ".join(format_range(tensor_range(t)) for t in ts) or "-"
 
 
-def _forward_reason(node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.Node, Any]],
-                    dtype: torch.dtype | None) -> str:
+def _forward_reason(
+    node: torch.fx.Node, out: Any, inputs: list[tuple[torch.fx.Node, Any]], dtype: torch.dtype | None
+) -> str:
     in_ok = all(all_finite(v) for _, v in inputs)
     has_inf = any(bool(torch.isinf(t).any()) for t in tensors_of(out) if t.is_floating_point())
     if dtype in (torch.float16, torch.bfloat16) and in_ok and has_inf:
         fmax = torch.finfo(dtype).max
         if is_cast(node):
-            src = max((tensor_range(t)["max_abs"] or 0.0) for _, v in inputs for t in tensors_of(v)
-                      if t.is_floating_point())
-            return (f"casting to {dtype_name(dtype)} overflows: the input holds values up to "
-                    f"{src:.3g}, above {dtype_name(dtype)}'s max {fmax:.6g}")
-        return (f"the op's output overflows {dtype_name(dtype)}'s max {fmax:.6g} "
-                "(its inputs are finite)")
+            src = max(
+                (tensor_range(t)["max_abs"] or 0.0) for _, v in inputs for t in tensors_of(v) if t.is_floating_point()
+            )
+            return (
+                f"casting to {dtype_name(dtype)} overflows: the input holds values up to "
+                f"{src:.3g}, above {dtype_name(dtype)}'s max {fmax:.6g}"
+            )
+        return f"the op's output overflows {dtype_name(dtype)}'s max {fmax:.6g} (its inputs are finite)"
     if in_ok:
-        return ("the op produces NaN/inf from finite inputs (e.g. log of 0, 0/0, sqrt of a "
-                "negative, or an intermediate that overflows inside the op)")
+        return (
+            "the op produces NaN/inf from finite inputs (e.g. log of 0, 0/0, sqrt of a "
+            "negative, or an intermediate that overflows inside the op)"
+        )
     return "its inputs already hold inf/NaN"
 
 
-def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
-               backward: bool, loss_fn: Callable[[Any], torch.Tensor] | None,
-               loss_scale: float) -> tuple[_Probe, list[str], AmpRun]:
+def _probe_run(
+    model_or_fn: Any,
+    call: Call,
+    lower: torch.dtype,
+    policy: Policy,
+    backward: bool,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_scale: float,
+) -> tuple[_Probe, list[str], AmpRun]:
     notes: list[str] = []
     probe = _Probe(lower, backward)
 
@@ -421,21 +435,33 @@ def _probe_run(model_or_fn: Any, call: Call, lower: torch.dtype, policy: Policy,
                 total = sum(t.float().sum() for t in floats)
                 loss = total if isinstance(total, torch.Tensor) else None  # 0: no floats
         if probe.settle(out, loss) and probe.forward_hit is None:
-            notes.append("the model's output (or the loss) holds inf/NaN, but no op in the "
-                         "captured graphs produced it: it comes from code that runs between graph "
-                         "breaks or in loss_fn")
+            notes.append(
+                "the model's output (or the loss) holds inf/NaN, but no op in the "
+                "captured graphs produced it: it comes from code that runs between graph "
+                "breaks or in loss_fn"
+            )
         if probe.forward_hit is None and backward:
             if loss is None or not getattr(loss, "requires_grad", False):
                 notes.append("backward skipped: the output does not require grad")
-                did_less(("find_nonfinite", "backward skipped"),
-                         "amp_fx.find_nonfinite: backward=True, but the backward was not checked: "
-                         "the output (or loss_fn's loss) does not require grad; pass a loss_fn "
-                         "that depends on the parameters, or backward=False")
+                did_less(
+                    ("find_nonfinite", "backward skipped"),
+                    "amp_fx.find_nonfinite: backward=True, but the backward was not checked: "
+                    "the output (or loss_fn's loss) does not require grad; pass a loss_fn "
+                    "that depends on the parameters, or backward=False",
+                )
             else:
                 (loss * loss_scale).backward()
 
-    run = run_amp(model_or_fn, call, tool="find_nonfinite", dtype=lower, policy=policy,
-                  downstream=probe, keep_inputs=False, then=then)
+    run = run_amp(
+        model_or_fn,
+        call,
+        tool="find_nonfinite",
+        dtype=lower,
+        policy=policy,
+        downstream=probe,
+        keep_inputs=False,
+        then=then,
+    )
     for hit in (*probe.origins, probe.backward_hit):
         if hit is not None:
             hit["record"] = next(r for r in run.records if r.rewritten is hit.pop("graph"))
@@ -486,12 +512,12 @@ def find_nonfinite(
     policy = Policy() if policy is None else policy
     call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="find_nonfinite")
-    probe, notes, run = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn,
-                                   loss_scale)
-    notes += [split_weight_note(name, where, lower) + "; the backward checked here is amp_fx's"
-              for name, where in weights_split_by_graph_breaks(run).items()]
-    report = NonfiniteReport(dtype=lower, notes=notes,
-                             discarded=[_origin_text(run, o) for o in probe.discarded])
+    probe, notes, run = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn, loss_scale)
+    notes += [
+        split_weight_note(name, where, lower) + "; the backward checked here is amp_fx's"
+        for name, where in weights_split_by_graph_breaks(run).items()
+    ]
+    report = NonfiniteReport(dtype=lower, notes=notes, discarded=[_origin_text(run, o) for o in probe.discarded])
     hit = probe.forward_hit or probe.backward_hit
     if hit is None:
         return report
@@ -513,24 +539,26 @@ def find_nonfinite(
     steps: list[str] = []
     last: list[_Probe] = []
     if verify:
+
         def check(candidate: Policy) -> _Probe:
-            again, _, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn,
-                                     loss_scale)
+            again, _, _ = _probe_run(model_or_fn, call, lower, candidate, backward, loss_fn, loss_scale)
             last.append(again)
             return again
-        report.suggested_policy, modules, ops, report.verified, steps = _search_fix(
-            policy, modules, ops, check)
+
+        report.suggested_policy, modules, ops, report.verified, steps = _search_fix(policy, modules, ops, check)
     report.suggestion_code = policy_code(report.suggested_policy)
-    via = ("" if decider is node or steps
-           else f" (the cast was inserted for {decider.name}, {op_label(decider.target)})")
+    via = "" if decider is node or steps else f" (the cast was inserted for {decider.name}, {op_label(decider.target)})"
     report.suggestion = f"keep {_kept_text(modules, ops)} in fp32{via}: {report.suggestion_code}; {tail}"
     if verify:
         kept = last[-1].discarded if last else []
-        done = (f"with {report.suggestion_code} the whole model runs without inf/NaN"
-                f"{' (forward and backward)' if backward else ''}" if not kept else
-                f"with {report.suggestion_code} no inf/NaN reaches the outputs"
-                f"{', the loss or the gradients' if backward else ''} ({len(kept)} discarded "
-                "inside the model)")
+        done = (
+            f"with {report.suggestion_code} the whole model runs without inf/NaN"
+            f"{' (forward and backward)' if backward else ''}"
+            if not kept
+            else f"with {report.suggestion_code} no inf/NaN reaches the outputs"
+            f"{', the loss or the gradients' if backward else ''} ({len(kept)} discarded "
+            "inside the model)"
+        )
         report.verification = "; ".join(steps + ([done] if report.verified else []))
     return report
 
@@ -540,8 +568,10 @@ def _origin_text(run: AmpRun, hit: dict[str, Any]) -> str:
     node: torch.fx.Node = hit["node"]
     path = run.module_of(hit["record"], node)[0]
     what = "input" if node.op == "placeholder" else op_label(node.target)
-    return (f"graph {hit['record'].index}, node {node.name} ({what})"
-            f"{f' in module `{path}`' if path else ''}: {hit['shown']}")
+    return (
+        f"graph {hit['record'].index}, node {node.name} ({what})"
+        f"{f' in module `{path}`' if path else ''}: {hit['shown']}"
+    )
 
 
 _MAX_ROUNDS = 4
@@ -553,8 +583,7 @@ def _module_of(hit: dict[str, Any], node: torch.fx.Node) -> str:
     return hit["run"].module_of(hit["record"], node)[0]
 
 
-def _kept_in_fp32(hit: dict[str, Any], node: torch.fx.Node
-                  ) -> tuple[list[str], list[torch._ops.OpOverload]]:
+def _kept_in_fp32(hit: dict[str, Any], node: torch.fx.Node) -> tuple[list[str], list[torch._ops.OpOverload]]:
     """What keeps ``node`` in fp32: its innermost module, or for a top-level op the op itself."""
     path = _module_of(hit, node)
     return ([path], []) if path else ([], [node.target])  # type: ignore[list-item]  # an ATen graph's op
@@ -580,21 +609,26 @@ def _why_not_fixable(hit: dict[str, Any], phase: str, policy: Policy) -> str | N
     decider = _deciding_node(node)
     path = _module_of(hit, decider)
     if path and any(isinstance(k, str) and _inside(path, k) for k in policy.keep_fp32):
-        low = (hit["grad"].dtype if phase == "backward"
-               else next((t.dtype for t in tensors_of(hit["out"]) if t.is_floating_point()), None))
+        low = (
+            hit["grad"].dtype
+            if phase == "backward"
+            else next((t.dtype for t in tensors_of(hit["out"]) if t.is_floating_point()), None)
+        )
         if low in (torch.float16, torch.bfloat16):
-            return (f"module `{path}` is kept in fp32 by the policy, yet this op ran in "
-                    f"{dtype_name(low)}: amp_fx did not apply the policy here (a bug: please "
-                    "report it with this model)")
+            return (
+                f"module `{path}` is kept in fp32 by the policy, yet this op ran in "
+                f"{dtype_name(low)}: amp_fx did not apply the policy here (a bug: please "
+                "report it with this model)"
+            )
         return f"module `{path}` is already kept in fp32"
     if not path and not isinstance(decider.target, torch._ops.OpOverload):
         return "the op is not an ATen op a policy can name"
     return None
 
 
-def _search_fix(policy: Policy, modules: list[str], ops: list[torch._ops.OpOverload],
-                check: Callable[[Policy], _Probe]
-                ) -> tuple[Policy, list[str], list[torch._ops.OpOverload], bool, list[str]]:
+def _search_fix(
+    policy: Policy, modules: list[str], ops: list[torch._ops.OpOverload], check: Callable[[Policy], _Probe]
+) -> tuple[Policy, list[str], list[torch._ops.OpOverload], bool, list[str]]:
     """Add to ``modules``/``ops`` until the whole model runs finite, at most :data:`_MAX_ROUNDS`
     policies. When the next inf/NaN is in another module, the innermost module enclosing it and
     the last one kept is preferred (one fp32 region instead of several); at the root, the module
@@ -610,12 +644,13 @@ def _search_fix(policy: Policy, modules: list[str], ops: list[torch._ops.OpOverl
         kept = _kept_text(modules, ops)
         why = _why_not_fixable(hit, phase, candidate)
         if why is not None:
-            steps.append(f"with {policy_code(candidate)} the next inf/NaN is in the "
-                         f"{_where(hit, phase)}: {why}, so keeping more in fp32 does not help; "
-                         "run find_nonfinite with that policy")
+            steps.append(
+                f"with {policy_code(candidate)} the next inf/NaN is in the "
+                f"{_where(hit, phase)}: {why}, so keeping more in fp32 does not help; "
+                "run find_nonfinite with that policy"
+            )
             return candidate, modules, ops, False, steps
-        steps.append(f"keeping {kept} alone is not enough (next inf/NaN in the "
-                     f"{_where(hit, phase)})")
+        steps.append(f"keeping {kept} alone is not enough (next inf/NaN in the {_where(hit, phase)})")
         new_modules, new_ops = _kept_in_fp32(hit, _deciding_node(hit["node"]))
         if new_modules and modules:
             enclosing = _common_module(modules[-1], new_modules[0])
@@ -624,13 +659,13 @@ def _search_fix(policy: Policy, modules: list[str], ops: list[torch._ops.OpOverl
                 modules = [m for m in modules if not _inside(m, enclosing)]
         modules, ops = modules + new_modules, ops + new_ops
     candidate = _with_fp32(policy, modules, ops)
-    steps.append(f"gave up after {_MAX_ROUNDS} policies; run find_nonfinite with "
-                 f"{policy_code(candidate)} to go on")
+    steps.append(f"gave up after {_MAX_ROUNDS} policies; run find_nonfinite with {policy_code(candidate)} to go on")
     return candidate, modules, ops, False, steps
 
 
-def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict[str, str]
-                      ) -> tuple[torch.fx.Node, str] | None:
+def _describe_forward(
+    report: NonfiniteReport, hit: dict[str, Any], labels: dict[str, str]
+) -> tuple[torch.fx.Node, str] | None:
     """Fill in the forward hit; return the node to keep in fp32 and what was checked, or None
     when keeping something in fp32 is not the fix."""
     node: torch.fx.Node = hit["node"]
@@ -641,33 +676,44 @@ def _describe_forward(report: NonfiniteReport, hit: dict[str, Any], labels: dict
     if node.op == "placeholder":
         name = labels.get(node.name, node.name)
         report.op = "input"
-        report.reason = (f"the graph input `{name}` already holds inf/NaN before any op runs "
-                         "(a bad input batch, or parameters broken by an earlier step)")
+        report.reason = (
+            f"the graph input `{name}` already holds inf/NaN before any op runs "
+            "(a bad input batch, or parameters broken by an earlier step)"
+        )
         return None
     report.op = op_label(node.target)
-    report.inputs = [(_arg_label(a, labels),
-                      f"{dtype_name(next((t.dtype for t in tensors_of(v)), None))} "
-                      f"{_range_text(v)}") for a, v in hit["inputs"]]
+    report.inputs = [
+        (_arg_label(a, labels), f"{dtype_name(next((t.dtype for t in tensors_of(v)), None))} {_range_text(v)}")
+        for a, v in hit["inputs"]
+    ]
     report.reason = _forward_reason(node, out, hit["inputs"], report.dtype_found)
     fp32 = hit.get("fp32")
     report.fp32_finite = None if fp32 is None else all_finite(fp32)
     if not is_inserted_cast(node) and is_cast(node):
-        report.suggestion = ("this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
-                             "its input does not fit the target dtype; drop it or clamp first")
+        report.suggestion = (
+            "this cast is in your code (e.g. `.half()` / `.to(torch.float16)`): "
+            "its input does not fit the target dtype; drop it or clamp first"
+        )
         return None
     decider = _deciding_node(node)
     if report.fp32_finite is False:
-        report.suggestion = ("computing this op in fp32 gives inf/NaN too, so it is not a "
-                             "mixed-precision problem: the fp32 model fails here as well "
-                             "(check the inputs, the initialisation, the learning rate)")
+        report.suggestion = (
+            "computing this op in fp32 gives inf/NaN too, so it is not a "
+            "mixed-precision problem: the fp32 model fails here as well "
+            "(check the inputs, the initialisation, the learning rate)"
+        )
         return None
-    checked = ("with its inputs in fp32 the op gives a finite output"
-               if report.fp32_finite else "the op could not be re-run in fp32 to check")
+    checked = (
+        "with its inputs in fp32 the op gives a finite output"
+        if report.fp32_finite
+        else "the op could not be re-run in fp32 to check"
+    )
     return decider, checked
 
 
-def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], _labels: dict[str, str]
-                       ) -> tuple[torch.fx.Node, str] | None:
+def _describe_backward(
+    report: NonfiniteReport, hit: dict[str, Any], _labels: dict[str, str]
+) -> tuple[torch.fx.Node, str] | None:
     """Fill in the backward hit; as :func:`_describe_forward`."""
     node: torch.fx.Node = hit["node"]
     grad: torch.Tensor = hit["grad"]
@@ -678,15 +724,20 @@ def _describe_backward(report: NonfiniteReport, hit: dict[str, Any], _labels: di
     users = [u.name + f" ({op_label(u.target)})" for u in node.users if u.op == "call_function"]
     fmax = torch.finfo(grad.dtype).max if grad.is_floating_point() else None
     low = grad.dtype in (torch.float16, torch.bfloat16)
-    report.reason = (f"the gradient flowing into this op's output holds inf/NaN; it was computed "
-                     f"by the backward of {', '.join(users) or 'the loss'}"
-                     + (f"; in {dtype_name(grad.dtype)} it overflows the max {fmax:.6g}"
-                        if low else ""))
+    report.reason = (
+        f"the gradient flowing into this op's output holds inf/NaN; it was computed "
+        f"by the backward of {', '.join(users) or 'the loss'}"
+        + (f"; in {dtype_name(grad.dtype)} it overflows the max {fmax:.6g}" if low else "")
+    )
     decider = _deciding_node(node)
     if not low:
-        report.suggestion = ("the gradient is non-finite in fp32 too: not a precision problem of "
-                             "this op (check the loss and the loss scale)")
+        report.suggestion = (
+            "the gradient is non-finite in fp32 too: not a precision problem of "
+            "this op (check the loss and the loss scale)"
+        )
         return None
-    return decider, ("then this gradient is computed in fp32; or lower the loss scale (with a "
-                     "GradScaler an occasional inf gradient is expected: the step is skipped and "
-                     "the scale backs off; worry only when it recurs)")
+    return decider, (
+        "then this gradient is computed in fp32; or lower the loss scale (with a "
+        "GradScaler an occasional inf gradient is expected: the step is skipped and "
+        "the scale backs off; worry only when it recurs)"
+    )

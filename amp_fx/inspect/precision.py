@@ -39,8 +39,17 @@ from amp_fx.options import Options
 from amp_fx.policy import resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode
 
-__all__ = ["Downgrade", "FsdpUnit", "PrecisionReport", "PrecisionRow", "fsdp2_dtypes", "fsdp2_rows",
-           "precision_report", "report_downgrades", "step_report"]
+__all__ = [
+    "Downgrade",
+    "FsdpUnit",
+    "PrecisionReport",
+    "PrecisionRow",
+    "fsdp2_dtypes",
+    "fsdp2_rows",
+    "precision_report",
+    "report_downgrades",
+    "step_report",
+]
 
 
 class Downgrade(enum.Enum):
@@ -85,9 +94,18 @@ class PrecisionReport:
 
     def __str__(self) -> str:
         asked = "none asked" if self.compute_dtype is None else _name(self.compute_dtype)
-        table = tabulate([[r.part, ", ".join(map(_name, r.dtypes)) or "-",
-                           "-" if r.bytes_per_param is None else f"{r.bytes_per_param:.2f}", r.note]
-                          for r in self.rows], headers=["part", "dtype", "B/param", "how"])
+        table = tabulate(
+            [
+                [
+                    r.part,
+                    ", ".join(map(_name, r.dtypes)) or "-",
+                    "-" if r.bytes_per_param is None else f"{r.bytes_per_param:.2f}",
+                    r.note,
+                ]
+                for r in self.rows
+            ],
+            headers=["part", "dtype", "B/param", "how"],
+        )
         lines = [f"mixed precision: {asked}; {self.params} parameter elements", table]
         lines += [f"downgrade: {message}" for message in self.downgrades.values()]
         return "\n".join(lines)
@@ -133,6 +151,7 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 # --- the wrappers around the model -------------------------------------------------------------
+
 
 @dataclass
 class _Setup:
@@ -187,9 +206,12 @@ def _ddp_row(ddp: Any, params: Sequence[torch.Tensor], n: int) -> PrecisionRow:
     if hook and "allreduce" not in hook.lower():
         return PrecisionRow(part, (), None, f"comm hook {hook}: the dtype on the wire is the hook's")
     grad_dtypes = _param_grad_dtypes(params)
-    return PrecisionRow(part, tuple(dict.fromkeys(grad_dtypes)),
-                        sum(_local(p).numel() * d.itemsize for p, d in zip(params, grad_dtypes)) / n,
-                        (f"comm hook {hook}: " if hook else "no comm hook: ") + "in the gradients' dtype")
+    return PrecisionRow(
+        part,
+        tuple(dict.fromkeys(grad_dtypes)),
+        sum(_local(p).numel() * d.itemsize for p, d in zip(params, grad_dtypes)) / n,
+        (f"comm hook {hook}: " if hook else "no comm hook: ") + "in the gradients' dtype",
+    )
 
 
 def _param_grad_dtypes(params: Sequence[torch.Tensor]) -> list[torch.dtype]:
@@ -232,10 +254,20 @@ def fsdp2_rows(units: Sequence[FsdpUnit], n: int) -> tuple[list[PrecisionRow], s
             gathered[unit.name], reduced[unit.name] = g, r
             gather_bytes += numel * g.itemsize
             reduce_bytes += numel * r.itemsize
-    rows = [PrecisionRow("all_gather (FSDP2 parameters)", tuple(dict.fromkeys(gathered.values())),
-                         gather_bytes / n if n else None, _per_unit(gathered)),
-            PrecisionRow("reduce_scatter (FSDP2 gradients)", tuple(dict.fromkeys(reduced.values())),
-                         reduce_bytes / n if n else None, _per_unit(reduced))]
+    rows = [
+        PrecisionRow(
+            "all_gather (FSDP2 parameters)",
+            tuple(dict.fromkeys(gathered.values())),
+            gather_bytes / n if n else None,
+            _per_unit(gathered),
+        ),
+        PrecisionRow(
+            "reduce_scatter (FSDP2 gradients)",
+            tuple(dict.fromkeys(reduced.values())),
+            reduce_bytes / n if n else None,
+            _per_unit(reduced),
+        ),
+    ]
     asked = {u.policy.reduce_dtype for u in units if u.name in reduced and u.policy.reduce_dtype is not None}
     message = None
     if len(asked) == 1:
@@ -247,11 +279,14 @@ def fsdp2_rows(units: Sequence[FsdpUnit], n: int) -> tuple[list[PrecisionRow], s
                 f"FSDP2: reduce_dtype={want} is set on some fully_shard calls but not applied to every "
                 f"collective: {names} (mp_policy is per fully_shard call; a call without it reduces the "
                 f"gradients in their own dtype). Pass the same MixedPrecisionPolicy(..., reduce_dtype={want}) "
-                f"to every fully_shard call, the root's included.")
+                f"to every fully_shard call, the root's included."
+            )
     elif len(asked) > 1:
         names = ", ".join(f"fully_shard({name}): {_name(dtype)}" for name, dtype in reduced.items())
-        message = (f"FSDP2: the fully_shard calls ask for different reduce dtypes ({names}). Pass one "
-                   f"MixedPrecisionPolicy to every fully_shard call.")
+        message = (
+            f"FSDP2: the fully_shard calls ask for different reduce dtypes ({names}). Pass one "
+            f"MixedPrecisionPolicy to every fully_shard call."
+        )
     return rows, message
 
 
@@ -277,14 +312,18 @@ def _fsdp2_units(module: torch.nn.Module) -> list[FsdpUnit]:
         group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
         if group is None:
             continue
-        params = tuple((_local(p.sharded_param).numel(), p.sharded_param.dtype) for p in group.fsdp_params
-                       if p.sharded_param.requires_grad)
+        params = tuple(
+            (_local(p.sharded_param).numel(), p.sharded_param.dtype)
+            for p in group.fsdp_params
+            if p.sharded_param.requires_grad
+        )
         if params:
             units.append(FsdpUnit(name or "<root>", group.mp_policy, params))
     return units
 
 
 # --- the report --------------------------------------------------------------------------------
+
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     """The per-parameter state tensors by key (0-dim ones, such as AdamW's ``step``, left out)."""
@@ -304,9 +343,17 @@ def _compute_dtype(setup: _Setup, dtype: str | torch.dtype | None) -> torch.dtyp
     return None
 
 
-def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, setup: _Setup,
-           compute: torch.dtype | None, scaler: Any, loss: torch.Tensor | torch.dtype | None,
-           compiled_step: bool, train_state: str | None = None) -> PrecisionReport:
+def _build(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    setup: _Setup,
+    compute: torch.dtype | None,
+    scaler: Any,
+    loss: torch.Tensor | torch.dtype | None,
+    compiled_step: bool,
+    train_state: str | None = None,
+) -> PrecisionReport:
     params = _trained_params(model, optimizer)
     n = sum(_local(p).numel() for p in params)
     units = _fsdp2_units(setup.module or model)
@@ -319,17 +366,31 @@ def _build(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, s
     downgrades: dict[Downgrade, str] = {}
     asked = compute is not None and compute != torch.float32
     master = _dtypes(params)
-    rows = [_master_row(params, n, bool(units), train_state, compute if asked else None, downgrades),
-            _compute_weights_row(setup, compute, master, units, fsdp_param_dtypes),
-            _gradients_row(params, n, master, compiled_step)]
+    rows = [
+        _master_row(params, n, bool(units), train_state, compute if asked else None, downgrades),
+        _compute_weights_row(setup, compute, master, units, fsdp_param_dtypes),
+        _gradients_row(params, n, master, compiled_step),
+    ]
     if optimizer is not None:
         rows.append(_optimizer_row(optimizer, n, master, train_state, compute if asked else None, downgrades))
     held = setup.cache.tensors() if setup.cache is not None else []
-    rows.append(PrecisionRow("caches", _dtypes(held), sum(_nbytes(t) for t in held) / n,
-                             "amp_fx's weight cache" if setup.cache is not None else "no weight cache"))
+    rows.append(
+        PrecisionRow(
+            "caches",
+            _dtypes(held),
+            sum(_nbytes(t) for t in held) / n,
+            "amp_fx's weight cache" if setup.cache is not None else "no weight cache",
+        )
+    )
     loss_dtype = loss if isinstance(loss, torch.dtype) else getattr(loss, "dtype", None)
-    rows.append(PrecisionRow("loss", () if loss_dtype is None else (loss_dtype,), None,
-                             "pass loss= (the value the loss function returns)" if loss_dtype is None else ""))
+    rows.append(
+        PrecisionRow(
+            "loss",
+            () if loss_dtype is None else (loss_dtype,),
+            None,
+            "pass loss= (the value the loss function returns)" if loss_dtype is None else "",
+        )
+    )
     rows.append(_scaling_row(scaler, compute, downgrades, compiled_step))
     # collectives
     if setup.ddp is not None:
@@ -349,13 +410,21 @@ def _trained_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     else:
         params = _unique(p for p in model.parameters() if p.requires_grad)
     if not params:
-        raise ValueError("amp_fx.precision_report: no trainable parameters (pass the optimizer, or a "
-                         "model with parameters that require grad)")
+        raise ValueError(
+            "amp_fx.precision_report: no trainable parameters (pass the optimizer, or a "
+            "model with parameters that require grad)"
+        )
     return params
 
 
-def _master_row(params: list[torch.Tensor], n: int, sharded: bool, train_state: str | None,
-                asked: torch.dtype | None, downgrades: dict[Downgrade, str]) -> PrecisionRow:
+def _master_row(
+    params: list[torch.Tensor],
+    n: int,
+    sharded: bool,
+    train_state: str | None,
+    asked: torch.dtype | None,
+    downgrades: dict[Downgrade, str],
+) -> PrecisionRow:
     """The master weights; a downgrade where mixed precision (``asked``) meets 16-bit parameters."""
     low_master = [p for p in params if _low(p.dtype)]
     # compile_step(train_state=...) keeps the parameters and AdamW's moments in bf16 on purpose, with
@@ -366,14 +435,25 @@ def _master_row(params: list[torch.Tensor], n: int, sharded: bool, train_state: 
             f"parameters the optimizer updates are {_name(low_master[0].dtype)}: every update is rounded "
             f"to 16 bits (small updates are lost) and torch's optimizers keep their state in the "
             f"parameters' dtype. Keep the parameters in float32 (drop model.to({low_master[0].dtype}) / "
-            f"model.half(); call model.float()): amp_fx casts them for compute.")
-    return PrecisionRow("master weights", _dtypes(params), sum(_nbytes(p) for p in params) / n,
-                        "the parameters the optimizer updates" + (" (this rank's shards)" if sharded else "")
-                        + (f" (bf16 by compile_step(train_state={train_state!r}))" if train_state else ""))
+            f"model.half(); call model.float()): amp_fx casts them for compute."
+        )
+    return PrecisionRow(
+        "master weights",
+        _dtypes(params),
+        sum(_nbytes(p) for p in params) / n,
+        "the parameters the optimizer updates"
+        + (" (this rank's shards)" if sharded else "")
+        + (f" (bf16 by compile_step(train_state={train_state!r}))" if train_state else ""),
+    )
 
 
-def _compute_weights_row(setup: _Setup, compute: torch.dtype | None, master: tuple[torch.dtype, ...],
-                         units: Sequence[Any], fsdp_param_dtypes: set[torch.dtype]) -> PrecisionRow:
+def _compute_weights_row(
+    setup: _Setup,
+    compute: torch.dtype | None,
+    master: tuple[torch.dtype, ...],
+    units: Sequence[Any],
+    fsdp_param_dtypes: set[torch.dtype],
+) -> PrecisionRow:
     fp8 = setup.options.fp8 if setup.options is not None else None
     if units and fsdp_param_dtypes:
         note = "FSDP2 gathers them in MixedPrecisionPolicy.param_dtype"
@@ -382,8 +462,11 @@ def _compute_weights_row(setup: _Setup, compute: torch.dtype | None, master: tup
         weights, note = master, "the master weights themselves (already in the compute dtype)"
     elif compute is not None:
         weights = (compute,)
-        note = ("cast from the master weights once per optimizer step (the weight cache)" if setup.cache is not None
-                else "cast from the master weights in each forward")
+        note = (
+            "cast from the master weights once per optimizer step (the weight cache)"
+            if setup.cache is not None
+            else "cast from the master weights in each forward"
+        )
     else:
         weights, note = master, "the master weights themselves (no mixed precision asked)"
     if fp8 is not None:
@@ -392,33 +475,52 @@ def _compute_weights_row(setup: _Setup, compute: torch.dtype | None, master: tup
     return PrecisionRow("compute weights", weights, None, note)
 
 
-def _gradients_row(params: list[torch.Tensor], n: int, master: tuple[torch.dtype, ...],
-                   compiled_step: bool) -> PrecisionRow:
+def _gradients_row(
+    params: list[torch.Tensor], n: int, master: tuple[torch.dtype, ...], compiled_step: bool
+) -> PrecisionRow:
     with_grad = [p for p in params if p.grad is not None]
     grads = [g for p in with_grad if (g := p.grad) is not None]
     if with_grad:
         nbytes: int = sum(_nbytes(g) for g in grads)
-        return PrecisionRow("gradients", _dtypes(_local(g) for g in grads),
-                            nbytes / sum(_local(p).numel() for p in with_grad),
-                            f".grad of {len(with_grad)} of {len(params)} parameters")
+        return PrecisionRow(
+            "gradients",
+            _dtypes(_local(g) for g in grads),
+            nbytes / sum(_local(p).numel() for p in with_grad),
+            f".grad of {len(with_grad)} of {len(params)} parameters",
+        )
     if compiled_step:  # the step clears them after its optimizer step: none between steps
-        return PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
-                            "written by each step's backward in the parameters' dtype, cleared "
-                            "after its optimizer step")
-    return PrecisionRow("gradients", master, sum(_nbytes(p) for p in params) / n,
-                        "no .grad now: autograd accumulates them in the parameters' dtype")
+        return PrecisionRow(
+            "gradients",
+            master,
+            sum(_nbytes(p) for p in params) / n,
+            "written by each step's backward in the parameters' dtype, cleared after its optimizer step",
+        )
+    return PrecisionRow(
+        "gradients",
+        master,
+        sum(_nbytes(p) for p in params) / n,
+        "no .grad now: autograd accumulates them in the parameters' dtype",
+    )
 
 
-def _optimizer_row(optimizer: torch.optim.Optimizer, n: int, master: tuple[torch.dtype, ...],
-                   train_state: str | None, asked: torch.dtype | None,
-                   downgrades: dict[Downgrade, str]) -> PrecisionRow:
+def _optimizer_row(
+    optimizer: torch.optim.Optimizer,
+    n: int,
+    master: tuple[torch.dtype, ...],
+    train_state: str | None,
+    asked: torch.dtype | None,
+    downgrades: dict[Downgrade, str],
+) -> PrecisionRow:
     """The optimizer's state; a downgrade where mixed precision (``asked``) meets 16-bit state."""
     state = _optimizer_state(optimizer)
     tensors = [t for ts in state.values() for t in ts]
     if not tensors:
-        return PrecisionRow("optimizer state", master, None,
-                            f"none yet: {type(optimizer).__name__} creates it at its first step, "
-                            f"in each parameter's dtype")
+        return PrecisionRow(
+            "optimizer state",
+            master,
+            None,
+            f"none yet: {type(optimizer).__name__} creates it at its first step, in each parameter's dtype",
+        )
     low_state = [key for key, ts in state.items() if any(_low(t.dtype) for t in ts)]
     if asked is not None and low_state and train_state is None:
         downgrades[Downgrade.OPTIMIZER_STATE_16BIT] = (
@@ -426,35 +528,47 @@ def _optimizer_row(optimizer: torch.optim.Optimizer, n: int, master: tuple[torch
             f"{', '.join(low_state)} is in 16 bits (torch's optimizers create it in the parameters' "
             f"dtype): updates lose precision (users reported a 3x worse loss with bf16 AdamW state). "
             f"Keep the parameters in float32 and create the optimizer after model.float(), or load "
-            f"its state after the parameters are float32.")
+            f"its state after the parameters are float32."
+        )
     note = ", ".join(f"{key}: {', '.join(map(_name, _dtypes(ts)))}" for key, ts in state.items())
-    return PrecisionRow("optimizer state", _dtypes(tensors), sum(_nbytes(t) for t in tensors) / n,
-                        note + " (0-dim values such as step left out)")
+    return PrecisionRow(
+        "optimizer state",
+        _dtypes(tensors),
+        sum(_nbytes(t) for t in tensors) / n,
+        note + " (0-dim values such as step left out)",
+    )
 
 
-def _scaling_row(scaler: Any, compute: torch.dtype | None, downgrades: dict[Downgrade, str],
-                 compiled_step: bool) -> PrecisionRow:
-    scaling = (scaler is not None and scaler.is_enabled()
-               and not (isinstance(scaler, GradScaler) and scaler.mode is ScalerMode.CHECK_ONLY))
+def _scaling_row(
+    scaler: Any, compute: torch.dtype | None, downgrades: dict[Downgrade, str], compiled_step: bool
+) -> PrecisionRow:
+    scaling = (
+        scaler is not None
+        and scaler.is_enabled()
+        and not (isinstance(scaler, GradScaler) and scaler.mode is ScalerMode.CHECK_ONLY)
+    )
     if scaler is None:
         note = "no GradScaler given"
     else:
         kind = f"{type(scaler).__module__}.{type(scaler).__qualname__}"
-        mode = (f", {scaler.mode.value}" if isinstance(scaler, GradScaler) else "") + \
-            ("" if scaler.is_enabled() else ", disabled")
+        mode = (f", {scaler.mode.value}" if isinstance(scaler, GradScaler) else "") + (
+            "" if scaler.is_enabled() else ", disabled"
+        )
         note = f"{kind}{mode}"
     if compute == torch.bfloat16 and scaling:
         downgrades[Downgrade.SCALER_WITH_BF16] = (
             "a loss-scaling GradScaler is used with bf16: bf16 has float32's exponent range, so scaling "
             "saves no gradient from underflow and only adds work (torch's scaler reads the device on the "
             "host every step). Drop the scaler, or use amp_fx.GradScaler(mode=amp_fx.ScalerMode.CHECK_ONLY) "
-            "to keep skipping inf/NaN steps" + (" (compile_step's default for bf16)." if compiled_step else "."))
+            "to keep skipping inf/NaN steps" + (" (compile_step's default for bf16)." if compiled_step else ".")
+        )
     if compute == torch.float16 and not scaling:
         downgrades[Downgrade.FP16_WITHOUT_SCALING] = (
             "fp16 is used with no loss scaling" + ("" if scaler is None else f" ({note})") + ": fp16 "
             "gradients below 6e-8 flush to zero and above 65504 overflow. Use "
-            "amp_fx.GradScaler(device_type) (ScalerMode.DYNAMIC, the default)" +
-            (" or pass it as scaler= here." if scaler is None else "."))
+            "amp_fx.GradScaler(device_type) (ScalerMode.DYNAMIC, the default)"
+            + (" or pass it as scaler= here." if scaler is None else ".")
+        )
     return PrecisionRow("loss scaling", (), None, note + (" (scaling the loss)" if scaling else ""))
 
 
@@ -464,15 +578,22 @@ def report_downgrades(report: PrecisionReport, reporter: Reporter) -> None:
         return
     prefix = "amp_fx.precision_report: "
     if reporter.strict:
-        reporter.did_less(("precision",) + tuple(d.value for d in report.downgrades),
-                          prefix + "\n".join(report.downgrades.values()))
+        reporter.did_less(
+            ("precision",) + tuple(d.value for d in report.downgrades), prefix + "\n".join(report.downgrades.values())
+        )
     for kind, message in report.downgrades.items():
         reporter.did_less(("precision", kind.value), prefix + message)
 
 
-def precision_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                     scaler: Any = None, loss: torch.Tensor | torch.dtype | None = None,
-                     dtype: str | torch.dtype | None = None, strict: bool | None = None) -> PrecisionReport:
+def precision_report(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    scaler: Any = None,
+    loss: torch.Tensor | torch.dtype | None = None,
+    dtype: str | torch.dtype | None = None,
+    strict: bool | None = None,
+) -> PrecisionReport:
     """The dtype and bytes per parameter of every part of a training setup, and its silent downgrades.
 
     Args:
@@ -501,25 +622,42 @@ def precision_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer | 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"amp_fx.precision_report: model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"amp_fx.precision_report: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"amp_fx.precision_report: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     setup = _find(model)
-    report = _build(model, optimizer, setup=setup, compute=_compute_dtype(setup, dtype), scaler=scaler,
-                    loss=loss, compiled_step=False)
+    report = _build(
+        model,
+        optimizer,
+        setup=setup,
+        compute=_compute_dtype(setup, dtype),
+        scaler=scaler,
+        loss=loss,
+        compiled_step=False,
+    )
     reporter = setup.reporter if setup.reporter is not None and strict is None else Reporter(strict)
     report_downgrades(report, reporter)
     return report
 
 
-def step_report(step: Any, cache: Any, loss: torch.Tensor | torch.dtype | None,
-                reporter: Reporter, train_state: str | None = None) -> PrecisionReport:
+def step_report(
+    step: Any, cache: Any, loss: torch.Tensor | torch.dtype | None, reporter: Reporter, train_state: str | None = None
+) -> PrecisionReport:
     """:meth:`amp_fx.CompiledStep.precision_report`: the step's model, optimizer, scaler, dtype and
     weight cache, reported through the step's own reporter (once per step, its ``strict``).
     ``train_state``: the step's bf16 training state where it applies (its 16-bit parameters and
     moments are then on purpose)."""
     setup = _find(step.model)
     setup.options, setup.cache = step.options, cache
-    report = _build(step.model, step.optimizer, setup=setup, compute=step.config.dtype, scaler=step.scaler,
-                    loss=loss, compiled_step=True, train_state=train_state)
+    report = _build(
+        step.model,
+        step.optimizer,
+        setup=setup,
+        compute=step.config.dtype,
+        scaler=step.scaler,
+        loss=loss,
+        compiled_step=True,
+        train_state=train_state,
+    )
     report_downgrades(report, reporter)
     return report

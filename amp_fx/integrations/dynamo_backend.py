@@ -65,7 +65,7 @@ OPTIONS: Mapping[str, str] = {
     "strict": "raise instead of warning where amp_fx does less than asked (default: AMP_FX_STRICT)",
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
     "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", an amp_fx.Fp8Recipe or '
-           "an amp_fx.Fp8Config (default None: off)",
+    "an amp_fx.Fp8Config (default None: off)",
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 
@@ -91,13 +91,16 @@ class _Config:
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             known = "; ".join(f"{k}: {v}" for k, v in OPTIONS.items())
-            raise ValueError(f"amp_fx backend: unknown option(s) {unknown} in torch.compile(options=...); "
-                             f"amp_fx reads {known}")
+            raise ValueError(
+                f"amp_fx backend: unknown option(s) {unknown} in torch.compile(options=...); amp_fx reads {known}"
+            )
         inductor = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
         inductor.update(options.pop("inductor", None) or self.options.inductor)
-        return _Config(self.options.replace(**options, inductor=inductor),
-                       dtype_given=self.dtype_given or "dtype" in options,
-                       strict_given=self.strict_given or options.get("strict") is not None)
+        return _Config(
+            self.options.replace(**options, inductor=inductor),
+            dtype_given=self.dtype_given or "dtype" in options,
+            strict_given=self.strict_given or options.get("strict") is not None,
+        )
 
     def resolved(self, ambient: torch.dtype | None) -> Options:
         """The options for one compile: the ambient autocast's dtype where none was given, strict
@@ -116,11 +119,18 @@ class _NamedBackend:
         self.config = config
         # root module -> config key -> backend; the function-compiled (rootless) ones by key
         self._by_root: weakref.WeakKeyDictionary[torch.nn.Module, dict[Options, AmpBackend]] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
         self._rootless: dict[Options, AmpBackend] = {}
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], *,
-                 options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable[..., Any]:
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        *,
+        options: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+    ) -> Callable[..., Any]:
         config = self.config.merged(options, mode) if options or mode else self.config
         device_type = graph_device_type(example_inputs)
         ambient = torch.is_autocast_enabled(device_type)
@@ -130,25 +140,32 @@ class _NamedBackend:
         root = _compiled_root()
         backend = self._backend_for(root, resolved)
         if ambient_dtype is not None and ambient_dtype != dtype:
-            backend.reporter.did_less(("ambient dtype", ambient_dtype), (
-                f"amp_fx backend {self.__name__!r}: the model runs inside torch.autocast(dtype="
-                f"{dtype_name(ambient_dtype)}) but the backend casts its graphs to {dtype_name(dtype)}; "
-                f"code Dynamo leaves to eager runs in {dtype_name(ambient_dtype)}. Use one dtype: "
-                f"options={{'dtype': '{dtype_name(ambient_dtype)}'}} or the matching autocast."))
+            backend.reporter.did_less(
+                ("ambient dtype", ambient_dtype),
+                (
+                    f"amp_fx backend {self.__name__!r}: the model runs inside torch.autocast(dtype="
+                    f"{dtype_name(ambient_dtype)}) but the backend casts its graphs to {dtype_name(dtype)}; "
+                    f"code Dynamo leaves to eager runs in {dtype_name(ambient_dtype)}. Use one dtype: "
+                    f"options={{'dtype': '{dtype_name(ambient_dtype)}'}} or the matching autocast."
+                ),
+            )
         reason = getattr(gm, "compile_subgraph_reason", None)
         if not ambient and getattr(reason, "graph_break", False):
-            backend.reporter.did_less("graph break outside autocast", (
-                f"amp_fx backend {self.__name__!r}: {_root_label(root)} has a graph break, and the call "
-                f"runs outside torch.autocast: amp_fx casts inside the captured graphs, but the code "
-                f"Dynamo runs in eager at the break runs in fp32, where eager autocast (and "
-                f"amp_fx.compile) would run it in {dtype_name(dtype)}. Call the model inside "
-                f"torch.autocast('{device_type}', dtype={dtype}) or compile it with amp_fx.compile to "
-                f"match eager autocast."))
+            backend.reporter.did_less(
+                "graph break outside autocast",
+                (
+                    f"amp_fx backend {self.__name__!r}: {_root_label(root)} has a graph break, and the call "
+                    f"runs outside torch.autocast: amp_fx casts inside the captured graphs, but the code "
+                    f"Dynamo runs in eager at the break runs in fp32, where eager autocast (and "
+                    f"amp_fx.compile) would run it in {dtype_name(dtype)}. Call the model inside "
+                    f"torch.autocast('{device_type}', dtype={dtype}) or compile it with amp_fx.compile to "
+                    f"match eager autocast."
+                ),
+            )
         compiled = backend(gm, example_inputs)
         if root is not None and not getattr(reason, "graph_break", False) and _frame_self() is root:
             # the root's own frame is done: every graph of a call is in
-            report_unused_policy(backend.records, backend.options.policy, backend.reporter,
-                                 fp8=backend.options.fp8)
+            report_unused_policy(backend.records, backend.options.policy, backend.reporter, fp8=backend.options.fp8)
         return compiled
 
     def _backend_for(self, root: torch.nn.Module | None, options: Options) -> AmpBackend:
@@ -158,10 +175,12 @@ class _NamedBackend:
             return found
         names = [s for s in options.policy.keep_fp32 if isinstance(s, str)]
         if root is None and names:
-            raise ValueError(f"amp_fx backend {self.__name__!r}: Policy.keep_fp32 names submodules {names}, but "
-                             "the compiled code is not a module called through torch.compile(module) or "
-                             "module.compile(), so the backend has no root module to find them under. "
-                             "Compile the module, or use amp_fx.compile(module).")
+            raise ValueError(
+                f"amp_fx backend {self.__name__!r}: Policy.keep_fp32 names submodules {names}, but "
+                "the compiled code is not a module called through torch.compile(module) or "
+                "module.compile(), so the backend has no root module to find them under. "
+                "Compile the module, or use amp_fx.compile(module)."
+            )
         if root is not None:
             check_keep_fp32(options.policy, root)
         found = table[options] = AmpBackend(options, root=root)
@@ -191,8 +210,11 @@ def _compiled_root() -> torch.nn.Module | None:
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self" and code.co_name in (
-                "__call__", "_wrapped_call_impl", "_call_impl"):
+        if (
+            code.co_argcount
+            and code.co_varnames[0] == "self"
+            and code.co_name in ("__call__", "_wrapped_call_impl", "_call_impl")
+        ):
             obj = frame.f_locals.get("self")
             if isinstance(obj, optimized):
                 return obj._orig_mod
@@ -228,9 +250,16 @@ amp_fx_fp16_backend = _NamedBackend("amp_fx_fp16", _Config(Options(dtype=torch.f
 _NAMED: dict[str, _NamedBackend] = {b.__name__: b for b in (amp_fx_backend, amp_fx_bf16_backend, amp_fx_fp16_backend)}
 
 
-def register_backend(name: str, *, dtype: str | torch.dtype | None = None, policy: Policy | None = None,
-                     backend: str | Backend = "inductor", fold: bool = True, strict: bool | None = None,
-                     inductor: Mapping[str, Any] | None = None) -> str:
+def register_backend(
+    name: str,
+    *,
+    dtype: str | torch.dtype | None = None,
+    policy: Policy | None = None,
+    backend: str | Backend = "inductor",
+    fold: bool = True,
+    strict: bool | None = None,
+    inductor: Mapping[str, Any] | None = None,
+) -> str:
     """Register an amp_fx configuration under ``name`` for ``torch.compile(..., backend=name)``.
 
     For code that takes only a backend name (a config file, a framework's ``backend=`` string).
@@ -247,9 +276,18 @@ def register_backend(name: str, *, dtype: str | torch.dtype | None = None, polic
         raise TypeError(f"amp_fx: register_backend needs a non-empty str name, got {name!r}")
     if name in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"amp_fx: a torch.compile backend named {name!r} already exists; choose another name")
-    config = _Config(Options(dtype=torch.bfloat16 if dtype is None else dtype, policy=policy, backend=backend,
-                             fold=fold, strict=strict, inductor=dict(inductor or {})), dtype_given=dtype is not None,
-                     strict_given=strict is not None)
+    config = _Config(
+        Options(
+            dtype=torch.bfloat16 if dtype is None else dtype,
+            policy=policy,
+            backend=backend,
+            fold=fold,
+            strict=strict,
+            inductor=dict(inductor or {}),
+        ),
+        dtype_given=dtype is not None,
+        strict_given=strict is not None,
+    )
     named = _NAMED[name] = _NamedBackend(name, config)
     torch._dynamo.register_backend(named, name=name)
     return name

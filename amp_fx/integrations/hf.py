@@ -67,15 +67,21 @@ class AmpFxTrainer(transformers.Trainer):
         if dtype is None:
             return
         if dtype is torch.float16 and not self.args.fp16:
-            raise ValueError("amp_fx.hf.AmpFxTrainer: the model is compiled by amp_fx to fp16, whose gradients need "
-                             "loss scaling; set TrainingArguments(fp16=True) (amp_fx's GradScaler then scales)")
+            raise ValueError(
+                "amp_fx.hf.AmpFxTrainer: the model is compiled by amp_fx to fp16, whose gradients need "
+                "loss scaling; set TrainingArguments(fp16=True) (amp_fx's GradScaler then scales)"
+            )
         asked = torch.float16 if self.args.fp16 else torch.bfloat16 if self.args.bf16 else None
         if asked is not None and asked is not dtype:
-            did_less(("hf dtype", asked, dtype), (
-                f"amp_fx.hf.AmpFxTrainer: TrainingArguments asks for {dtype_name(asked)} but the model is "
-                f"compiled by amp_fx to {dtype_name(dtype)}: amp_fx's dtype is used inside the model. Set "
-                f"{'fp16' if dtype is torch.float16 else 'bf16'}=True (or compile the model to "
-                f"{dtype_name(asked)})."))
+            did_less(
+                ("hf dtype", asked, dtype),
+                (
+                    f"amp_fx.hf.AmpFxTrainer: TrainingArguments asks for {dtype_name(asked)} but the model is "
+                    f"compiled by amp_fx to {dtype_name(dtype)}: amp_fx's dtype is used inside the model. Set "
+                    f"{'fp16' if dtype is torch.float16 else 'bf16'}=True (or compile the model to "
+                    f"{dtype_name(asked)})."
+                ),
+            )
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

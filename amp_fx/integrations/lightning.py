@@ -52,15 +52,31 @@ class AmpFxPrecision(MixedPrecision):
         **torch_compile_kwargs: passed on by :func:`amp_fx.compile` to ``torch.compile``.
     """
 
-    def __init__(self, *, dtype: str | torch.dtype = "bf16", device: str = "cpu", policy: Policy | None = None,
-                 backend: str | Backend = "inductor", fold: bool = True, strict: bool | None = None,
-                 weight_cache: bool = False, scaler: torch.amp.GradScaler | None = None,
-                 **torch_compile_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        dtype: str | torch.dtype = "bf16",
+        device: str = "cpu",
+        policy: Policy | None = None,
+        backend: str | Backend = "inductor",
+        fold: bool = True,
+        strict: bool | None = None,
+        weight_cache: bool = False,
+        scaler: torch.amp.GradScaler | None = None,
+        **torch_compile_kwargs: Any,
+    ) -> None:
         check_compile_kwargs(torch_compile_kwargs)
         mode, inductor = torch_compile_kwargs.pop("mode", None), torch_compile_kwargs.pop("options", None)
-        self.options = Options(dtype=dtype, policy=policy, backend=backend, fold=fold, strict=strict,
-                               weight_cache=weight_cache, inductor=inductor_config(backend, mode, inductor),
-                               torch_compile=torch_compile_kwargs)
+        self.options = Options(
+            dtype=dtype,
+            policy=policy,
+            backend=backend,
+            fold=fold,
+            strict=strict,
+            weight_cache=weight_cache,
+            inductor=inductor_config(backend, mode, inductor),
+            torch_compile=torch_compile_kwargs,
+        )
         self.policy = self.options.policy
         self.dtype = self.options.dtype
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed" if self.dtype is torch.float16 else "bf16-mixed"
@@ -82,7 +98,8 @@ class AmpFxPrecision(MixedPrecision):
         return torch.autocast(self.device, dtype=self.dtype, cache_enabled=self.policy.cast_cache)
 
     def optimizer_step(  # type: ignore[override]  # Lightning's trainer plugin signature, not fabric's
-            self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any) -> Any:
+        self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any
+    ) -> Any:
         out = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._check_compiled_forward_ran(model)
         return out
@@ -90,11 +107,15 @@ class AmpFxPrecision(MixedPrecision):
     def _check_compiled_forward_ran(self, model: pl.LightningModule) -> None:
         if not _compiled(model) or records(model):
             return
-        self._reporter.did_less("lightning forward not called", (
-            f"amp_fx.lightning.AmpFxPrecision: {type(model).__name__}.training_step ran without calling the "
-            f"module's forward (self(...)), the only code amp_fx compiles: the step ran under eager "
-            f"torch.autocast, nothing compiled. Call self(...) in training_step, or compile the submodules it "
-            f"calls with amp_fx.compile(submodule, inplace=True) in configure_model."))
+        self._reporter.did_less(
+            "lightning forward not called",
+            (
+                f"amp_fx.lightning.AmpFxPrecision: {type(model).__name__}.training_step ran without calling the "
+                f"module's forward (self(...)), the only code amp_fx compiles: the step ran under eager "
+                f"torch.autocast, nothing compiled. Call self(...) in training_step, or compile the submodules it "
+                f"calls with amp_fx.compile(submodule, inplace=True) in configure_model."
+            ),
+        )
 
 
 def _compiled(module: torch.nn.Module) -> bool:

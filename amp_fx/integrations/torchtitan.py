@@ -49,9 +49,11 @@ if TYPE_CHECKING:
 __all__ = ["AmpFxTitanConfig", "amp_fx_parallelize", "with_amp_fx"]
 
 _PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_PP_REFUSED = ("pipeline parallelism (parallelism.pipeline_parallel_degree > 1) is not supported by this "
-               "integration yet; compile each stage with amp_fx.compile and use "
-               "amp_fx.GradScaler(process_group=...) (docs/distributed.md)")
+_PP_REFUSED = (
+    "pipeline parallelism (parallelism.pipeline_parallel_degree > 1) is not supported by this "
+    "integration yet; compile each stage with amp_fx.compile and use "
+    "amp_fx.GradScaler(process_group=...) (docs/distributed.md)"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,16 +81,17 @@ class AmpFxTitanConfig:
     def __post_init__(self) -> None:
         options = self.options()  # validates dtype, backend, fp8, policy, strict
         if self.fp8 is not None and options.dtype != torch.bfloat16:
-            raise ValueError(f"AmpFxTitanConfig: fp8={self.fp8!r} trains with bf16 around the fp8 matmuls; "
-                             f"got dtype={self.dtype!r}")
+            raise ValueError(
+                f"AmpFxTitanConfig: fp8={self.fp8!r} trains with bf16 around the fp8 matmuls; got dtype={self.dtype!r}"
+            )
 
     def options(self) -> Options:
-        return Options(dtype=self.dtype, policy=self.policy, backend=self.backend, strict=self.strict,
-                       fp8=self.fp8)
+        return Options(dtype=self.dtype, policy=self.policy, backend=self.backend, strict=self.strict, fp8=self.fp8)
 
 
-def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
-                       config: AmpFxTitanConfig) -> Callable[..., torch.nn.Module]:
+def amp_fx_parallelize(
+    parallelize_fn: Callable[..., torch.nn.Module], config: AmpFxTitanConfig
+) -> Callable[..., torch.nn.Module]:
     """A torchtitan ``parallelize_fn`` that runs ``parallelize_fn`` (e.g. ``parallelize_llama``),
     then compiles the model in place with amp_fx.
 
@@ -108,8 +111,9 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
     reporter = Reporter(config.strict)
 
     @functools.wraps(parallelize_fn)
-    def parallelize(model: torch.nn.Module, *, parallel_dims: Any, training: Any, compile_config: Any,
-                    **kwargs: Any) -> torch.nn.Module:
+    def parallelize(
+        model: torch.nn.Module, *, parallel_dims: Any, training: Any, compile_config: Any, **kwargs: Any
+    ) -> torch.nn.Module:
         if parallel_dims.pp_enabled:
             raise ValueError(f"amp_fx_parallelize: {_PP_REFUSED}")
         param_dtype = _PARAM_DTYPES.get(training.mixed_precision_param)
@@ -118,16 +122,23 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
                 f"amp_fx_parallelize: training.mixed_precision_param={training.mixed_precision_param!r} "
                 f"rounds every weight to it in FSDP2's all-gather, and amp_fx's dtype is {options.dtype}: "
                 f"use mixed_precision_param='float32' (autocast semantics) or an amp_fx dtype of "
-                f"{training.mixed_precision_param}")
+                f"{training.mixed_precision_param}"
+            )
         if compile_config.enable and "model" in compile_config.components:
-            reporter.did_less("torchtitan-compile", (
-                "amp_fx_parallelize: torchtitan's compile of the model (compile.enable with 'model' in "
-                "compile.components) is replaced by amp_fx's compile of the whole model; set "
-                "compile.enable=False to silence this"))
+            reporter.did_less(
+                "torchtitan-compile",
+                (
+                    "amp_fx_parallelize: torchtitan's compile of the model (compile.enable with 'model' in "
+                    "compile.components) is replaced by amp_fx's compile of the whole model; set "
+                    "compile.enable=False to silence this"
+                ),
+            )
             compile_config = dataclasses.replace(
-                compile_config, components=[c for c in compile_config.components if c != "model"])
-        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training,
-                               compile_config=compile_config, **kwargs)
+                compile_config, components=[c for c in compile_config.components if c != "model"]
+            )
+        model = parallelize_fn(
+            model, parallel_dims=parallel_dims, training=training, compile_config=compile_config, **kwargs
+        )
         compile_inplace_at_first_call(model, options)  # built at the first call (module docstring)
         model.register_forward_pre_hook(functools.partial(_check_lm_head, reporter=reporter))
         return model
@@ -137,11 +148,15 @@ def amp_fx_parallelize(parallelize_fn: Callable[..., torch.nn.Module],
 
 def _check_lm_head(model: torch.nn.Module, args: Any, *, reporter: Reporter) -> None:
     if getattr(model, "_skip_lm_head", False) and getattr(model, "lm_head", None) is not None:
-        reporter.did_less("torchtitan-lm-head", (
-            f"amp_fx: {type(model).__name__}.lm_head runs outside the model's forward (torchtitan's "
-            "ChunkedLossWrapper calls it from the loss), where amp_fx does not compile it: it runs in "
-            "fp32, not as autocast would. Use amp_fx.integrations.torchtitan.with_amp_fx, which keeps "
-            "lm_head in the model, or a loss that takes the model's logits"))
+        reporter.did_less(
+            "torchtitan-lm-head",
+            (
+                f"amp_fx: {type(model).__name__}.lm_head runs outside the model's forward (torchtitan's "
+                "ChunkedLossWrapper calls it from the loss), where amp_fx does not compile it: it runs in "
+                "fp32, not as autocast would. Use amp_fx.integrations.torchtitan.with_amp_fx, which keeps "
+                "lm_head in the model, or a loss that takes the model's logits"
+            ),
+        )
 
 
 def with_amp_fx(trainer_config: Trainer.Config, config: AmpFxTitanConfig | None = None) -> Trainer.Config:
@@ -160,8 +175,10 @@ def with_amp_fx(trainer_config: Trainer.Config, config: AmpFxTitanConfig | None 
     """
     config = AmpFxTitanConfig() if config is None else config
     if config.options().dtype == torch.float16:
-        raise ValueError("with_amp_fx: fp16 needs loss scaling, which torchtitan's Trainer does not do; use "
-                         "dtype='bf16', or amp_fx_parallelize with amp_fx.GradScaler in your own loop")
+        raise ValueError(
+            "with_amp_fx: fp16 needs loss scaling, which torchtitan's Trainer does not do; use "
+            "dtype='bf16', or amp_fx_parallelize with amp_fx.GradScaler in your own loop"
+        )
     parallelism = getattr(trainer_config, "parallelism", None)
     if parallelism is not None and parallelism.pipeline_parallel_degree > 1:
         raise ValueError(f"with_amp_fx: {_PP_REFUSED}")
@@ -171,7 +188,8 @@ def with_amp_fx(trainer_config: Trainer.Config, config: AmpFxTitanConfig | None 
         raise ValueError(
             f"with_amp_fx: torchtitan's float8 converter already made {len(converted)} Linear layers "
             f"Float8Linear ({converted[0]}, ...); amp_fx's fp8 replaces it: build the model spec without "
-            f"Float8LinearConverter and pass AmpFxTitanConfig(fp8='rowwise') (or its other recipes)")
+            f"Float8LinearConverter and pass AmpFxTitanConfig(fp8='rowwise') (or its other recipes)"
+        )
     spec.parallelize_fn = amp_fx_parallelize(spec.parallelize_fn, config)
     trainer_config.compile.components = [c for c in trainer_config.compile.components if c != "model"]
     if isinstance(trainer_config.loss, ChunkedLossWrapper.Config):
@@ -186,5 +204,6 @@ def _float8_linears(model_config: Any) -> list[str]:
 
     if Float8Linear is None or not hasattr(model_config, "traverse"):  # torchao missing: nothing converted
         return []
-    return [fqn for fqn, linear, _, _ in model_config.traverse(Linear.Config)
-            if isinstance(linear, Float8Linear.Config)]
+    return [
+        fqn for fqn, linear, _, _ in model_config.traverse(Linear.Config) if isinstance(linear, Float8Linear.Config)
+    ]

@@ -30,7 +30,9 @@ _CACHE_CHUNK = 1 << 20
 
 
 def cpu_unscale_check_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
 ) -> None:
     """Unscale ``grads`` in place and flag inf/NaN: exactly torch's fused CPU kernel.
@@ -117,7 +119,9 @@ def _sum_of_squares_fp64(batch: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cpu_unscale_check_norm_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unscale and check like ``cpu_unscale_check_``; return the fp32 0-dim sum of squares.

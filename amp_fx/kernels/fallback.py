@@ -27,9 +27,7 @@ _UnscaleFn = Callable[..., None]
 _FUSED_UNSCALE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
-def torch_unscale_check_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
+def torch_unscale_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """torch's fused kernel, once per dtype (it takes one dtype per call)."""
     per_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
@@ -45,15 +43,20 @@ def _fused_unscale_kernel() -> _UnscaleFn | None:
     except ImportError as e:
         from amp_fx._common.report import did_less
 
-        did_less("kernels.unscale import", f"amp_fx: amp_fx.kernels.unscale could not be imported ({e}); "
-                 "GradScaler uses torch's unscale kernel (same results, no fused norm). Install a triton "
-                 "that matches torch to use amp_fx's kernel.")
+        did_less(
+            "kernels.unscale import",
+            f"amp_fx: amp_fx.kernels.unscale could not be imported ({e}); "
+            "GradScaler uses torch's unscale kernel (same results, no fused norm). Install a triton "
+            "that matches torch to use amp_fx's kernel.",
+        )
         return None
     return cast(_UnscaleFn, unscale_check_)
 
 
 def unscale_check_any_dtype_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
 ) -> None:
     """Check and unscale gradients of one device in place, any floating dtype. ``flags`` (fp32,

@@ -92,8 +92,17 @@ def _gpu_ready(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool
     return a.shape[-1] % ALIGNMENT == 0 and b.shape[-1] % ALIGNMENT == 0
 
 
-def _on_gpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
-            a_rowwise: bool, b_rowwise: bool, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def _on_gpu(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    a_rowwise: bool,
+    b_rowwise: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     """One ``torch._scaled_grouped_mm``, row-grouped (rowwise scales; a tensorwise one repeated per
     row of its group, or per column of its expert)."""
     groups = offs.numel()
@@ -105,14 +114,29 @@ def _on_gpu(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: to
         sa = scale_a[rows.clamp(max=groups - 1)]
     sb = scale_b.reshape(groups, n) if b_rowwise else scale_b[:, None].expand(groups, n).contiguous()
     b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major per expert
-    return torch._scaled_grouped_mm(a.contiguous(), b, sa.reciprocal(), sb.reciprocal(), offs=offs.to(torch.int32),
-                                    out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_grouped_mm(
+        a.contiguous(),
+        b,
+        sa.reciprocal(),
+        sb.reciprocal(),
+        offs=offs.to(torch.int32),
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 @torch.library.custom_op("amp_fx::scaled_grouped_mm", mutates_args=())
-def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       offs: torch.Tensor, a_rowwise: bool, b_rowwise: bool, out_dtype: torch.dtype,
-                       fast_accum: bool) -> torch.Tensor:
+def _scaled_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    a_rowwise: bool,
+    b_rowwise: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     """The GEMMs of one grouped fp8 matmul, ``a`` and ``b`` already cast (or both in high precision,
     scales empty). Two forms, as ``torch._scaled_grouped_mm``'s:
 
@@ -145,8 +169,11 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
             sa = scale_a[e] if fp8 else None
         if fp8:
             assert sa is not None  # set above whenever fp8
-            res = scaled_matmul(Fp8Operand(ae, sa, out_dtype, -1 if a_rowwise else None),
-                      Fp8Operand(be, scale_b[e], torch.float32, 0 if b_rowwise else None), fast_accum)
+            res = scaled_matmul(
+                Fp8Operand(ae, sa, out_dtype, -1 if a_rowwise else None),
+                Fp8Operand(be, scale_b[e], torch.float32, 0 if b_rowwise else None),
+                fast_accum,
+            )
         else:
             res = torch.mm(ae, be)
         if grouped_rows:
@@ -158,8 +185,17 @@ def _scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, 
 
 
 @_scaled_grouped_mm.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, offs: torch.Tensor,
-      a_rowwise: bool, b_rowwise: bool, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    a_rowwise: bool,
+    b_rowwise: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
     if b.dim() == 3:
         return a.new_empty(a.shape[0], b.shape[-1], dtype=out_dtype)
     return a.new_empty(offs.shape[0], a.shape[0], b.shape[1], dtype=out_dtype)
@@ -202,8 +238,9 @@ def _group_amax(a: torch.Tensor, rows: torch.Tensor, groups: int, per_column: bo
 
 
 @torch.no_grad()
-def _cast_rows(a: torch.Tensor, cast: Cast, rows: torch.Tensor, groups: int, pow2: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_rows(
+    a: torch.Tensor, cast: Cast, rows: torch.Tensor, groups: int, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``a`` (``[M, K]``) as the left operand of the row-grouped form: data and scale (``[M, 1]`` per
     row, or ``[E]`` per group), or ``(a, empty)`` in high precision."""
     if cast.dtype is None:
@@ -216,8 +253,9 @@ def _cast_rows(a: torch.Tensor, cast: Cast, rows: torch.Tensor, groups: int, pow
 
 
 @torch.no_grad()
-def _cast_columns(a: torch.Tensor, cast: Cast, rows: torch.Tensor, groups: int, pow2: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cast_columns(
+    a: torch.Tensor, cast: Cast, rows: torch.Tensor, groups: int, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``a`` (``[M, C]``) for the weight-gradient GEMM, scaled per group (and per column where
     rowwise: torchao's axiswise dim 0 over the group's rows): data ``[M, C]`` and scale ``[E, C]``
     or ``[E]``."""
@@ -257,8 +295,17 @@ class _Fp8GroupedMm(torch.autograd.Function):
         rows = _groups(offs, x.shape[0], x.device)
         xa, xs = _cast_rows(x, c.input, rows, groups, pow2)
         wb, ws = _cast_experts(w, c.weight, 1, pow2)
-        return _scaled_grouped_mm(xa, _high_precision(x, wb, c.weight), xs, ws, offs, c.input.rowwise,
-                                  c.weight.rowwise, x.dtype, c.fast_accum_output)
+        return _scaled_grouped_mm(
+            xa,
+            _high_precision(x, wb, c.weight),
+            xs,
+            ws,
+            offs,
+            c.input.rowwise,
+            c.weight.rowwise,
+            x.dtype,
+            c.fast_accum_output,
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -271,16 +318,32 @@ class _Fp8GroupedMm(torch.autograd.Function):
             ga, gs = _cast_rows(grad, c.grad_output, rows, groups, pow2)
             wb, ws = _cast_experts(w, c.weight_for_grad_input, 2, pow2)  # scale [E, K, 1]
             wb = _high_precision(grad, wb, c.weight_for_grad_input).transpose(-2, -1)
-            grad_x = _scaled_grouped_mm(ga, wb, gs, ws.transpose(-2, -1) if ws.dim() == 3 else ws, offs,
-                                        c.grad_output.rowwise, c.weight_for_grad_input.rowwise, grad.dtype,
-                                        c.fast_accum_grad_input)
+            grad_x = _scaled_grouped_mm(
+                ga,
+                wb,
+                gs,
+                ws.transpose(-2, -1) if ws.dim() == 3 else ws,
+                offs,
+                c.grad_output.rowwise,
+                c.weight_for_grad_input.rowwise,
+                grad.dtype,
+                c.fast_accum_grad_input,
+            )
         if ctx.needs_input_grad[1]:
             ga, gs = _cast_columns(grad, c.grad_output_for_grad_weight, rows, groups, pow2)
             xb, xs = _cast_columns(x, c.input_for_grad_weight, rows, groups, pow2)
             rowwise_a, rowwise_b = c.grad_output_for_grad_weight.rowwise, c.input_for_grad_weight.rowwise
-            grad_w = _scaled_grouped_mm(ga.t(), xb, gs[:, :, None] if rowwise_a else gs,
-                                        xs[:, None, :] if rowwise_b else xs, offs, rowwise_a, rowwise_b,
-                                        grad.dtype, c.fast_accum_grad_weight).transpose(-2, -1)
+            grad_w = _scaled_grouped_mm(
+                ga.t(),
+                xb,
+                gs[:, :, None] if rowwise_a else gs,
+                xs[:, None, :] if rowwise_b else xs,
+                offs,
+                rowwise_a,
+                rowwise_b,
+                grad.dtype,
+                c.fast_accum_grad_weight,
+            ).transpose(-2, -1)
         return grad_x, grad_w, None, None
 
 

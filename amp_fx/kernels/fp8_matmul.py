@@ -141,8 +141,9 @@ def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fa
     """torchao ``float8_mm`` (``preprocess_addmm`` + ``addmm_float8_unwrapped``); a plain
     ``torch.mm`` where both operands stay in high precision."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), \
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (
             "a GEMM's operands are both fp8 or both high precision"
+        )
         return torch.mm(a, b)
     a_data, a_scale, b_data, b_scale = a.data, a.scale, b.data, b.scale
     n = b_data.shape[1]
@@ -171,9 +172,16 @@ def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fa
     orig_dtype = output_dtype
     if orig_dtype in (torch.float16, torch.float32) and rowwise:
         output_dtype = torch.bfloat16  # rowwise _scaled_mm has no fp16/fp32 output
-    output = torch._scaled_mm(a_data, b_data, scale_a=a_inverse_scale, scale_b=b_inverse_scale,
-                              bias=None, scale_result=None, out_dtype=output_dtype,
-                              use_fast_accum=fast_accum)
+    output = torch._scaled_mm(
+        a_data,
+        b_data,
+        scale_a=a_inverse_scale,
+        scale_b=b_inverse_scale,
+        bias=None,
+        scale_result=None,
+        out_dtype=output_dtype,
+        use_fast_accum=fast_accum,
+    )
     if post_inverse_scale is not None:
         output *= post_inverse_scale
     if output.shape[1] != n:
@@ -206,8 +214,9 @@ class _Fp8Matmul(torch.autograd.Function):
         return (*_backward_gemms(c, grad, x, w_dim0), None)
 
 
-def _backward_gemms(c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: Fp8Operand | torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_gemms(
+    c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: Fp8Operand | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The two backward GEMMs (torchao ``matmul_with_hp_or_float8_args.backward``), given the
     weight's input-gradient cast ``w_dim0``: ``(grad_x, grad_w as [K, N])``."""
     pow2 = c.round_scales_to_power_of_2
@@ -259,8 +268,16 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
     input-gradient cast of the weight (one byte per element) instead of the fp32 weight."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                wg_data: torch.Tensor, wg_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        wg_data: torch.Tensor,
+        wg_scale: torch.Tensor,
+        recipe: Fp8Recipe,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, wg_data, wg_scale)
         ctx.recipe = recipe
         c = RECIPES[recipe]
@@ -277,14 +294,22 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         return (*_backward_gemms(c, grad, x, w_dim0), None, None, None, None, None)
 
 
-def fp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                             wg_data: torch.Tensor, wg_scale: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+def fp8_matmul_cached_weight(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    wg_data: torch.Tensor,
+    wg_scale: torch.Tensor,
+    recipe: Fp8Recipe,
+) -> torch.Tensor:
     """:func:`fp8_matmul` with the weight's casts computed beforehand by :func:`weight_casts`
     (``weight_cache=True``: once per optimizer step); bitwise with ``fp8_matmul(x, w, recipe)``.
     ``w`` (the weight as ``[K, N]``) receives the gradient; its values are not read."""
     if recipe is Fp8Recipe.MXFP8:
-        return _mx.mxfp8_matmul_cached_weight(x, w, w_data, w_scale, wg_data, wg_scale,
-                                              emulate=_mx.mx_kernels_missing(x.device.type) is not None)
+        return _mx.mxfp8_matmul_cached_weight(
+            x, w, w_data, w_scale, wg_data, wg_scale, emulate=_mx.mx_kernels_missing(x.device.type) is not None
+        )
     return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe)
 
 

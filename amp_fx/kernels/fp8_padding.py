@@ -30,8 +30,9 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGNMENT) * ALIGNMENT
 
 
-def pad_for_scaled_mm(a_data: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_rowwise: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_for_scaled_mm(
+    a_data: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor, b_rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(a_data, b_data, b_scale)`` zero-padded to the sizes ``_scaled_mm`` takes on a GPU: the
     inner dimension of both (torchao ``preprocess_addmm`` with ``pad_inner_dim``:
     ``pad_tensor_for_matmul(a, dims=1)``, ``(b, dims=0)``) and ``b``'s columns, which torchao does
@@ -99,9 +100,15 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here."""
     c = RECIPES[recipe]
     inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
-    gemms = [(name, names, shape) for name, names, shape, cast in (
-        ("out", "MKN", (m, k, n), c.input), ("grad_x", "MNK", (m, n, k), c.grad_output),
-        ("grad_w", "NMK", (n, m, k), c.input_for_grad_weight)) if cast.dtype is not None]
+    gemms = [
+        (name, names, shape)
+        for name, names, shape, cast in (
+            ("out", "MKN", (m, k, n), c.input),
+            ("grad_x", "MNK", (m, n, k), c.grad_output),
+            ("grad_w", "NMK", (n, m, k), c.input_for_grad_weight),
+        )
+        if cast.dtype is not None
+    ]
     padded = [(name, names, (r, i, cc), (r, inner(i), cols(cc))) for name, names, (r, i, cc) in gemms]
     if all(s == p for _, _, s, p in padded):
         return None

@@ -83,31 +83,62 @@ class RecipeCasts:
     @property
     def rowwise(self) -> bool:
         """Whether some GEMM takes rowwise scales (``_scaled_mm``'s rowwise kernel)."""
-        return any(c.rowwise for c in (self.input, self.weight, self.grad_output,
-                                       self.input_for_grad_weight, self.weight_for_grad_input,
-                                       self.grad_output_for_grad_weight))
+        return any(
+            c.rowwise
+            for c in (
+                self.input,
+                self.weight,
+                self.grad_output,
+                self.input_for_grad_weight,
+                self.weight_for_grad_input,
+                self.grad_output_for_grad_weight,
+            )
+        )
 
 
 _HP = Cast(None)
 _MX = Cast(E4M3, block=_mx.BLOCK)
-RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType({
-    # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
-    Fp8Recipe.TENSORWISE: RecipeCasts(
-        input=Cast(E4M3), weight=Cast(E4M3), grad_output=Cast(E5M2),
-        input_for_grad_weight=Cast(E4M3), weight_for_grad_input=Cast(E4M3),
-        grad_output_for_grad_weight=Cast(E5M2), round_scales_to_power_of_2=False),
-    Fp8Recipe.ROWWISE: RecipeCasts(
-        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
-        input_for_grad_weight=Cast(E4M3, True), weight_for_grad_input=Cast(E4M3, True),
-        grad_output_for_grad_weight=Cast(E4M3, True), round_scales_to_power_of_2=True),
-    Fp8Recipe.ROWWISE_WITH_GW_HP: RecipeCasts(
-        input=Cast(E4M3, True), weight=Cast(E4M3, True), grad_output=Cast(E4M3, True),
-        input_for_grad_weight=_HP, weight_for_grad_input=Cast(E4M3),
-        grad_output_for_grad_weight=_HP, round_scales_to_power_of_2=True),
-    # torchao/prototype/moe_training/mxfp8_linear.py, _to_mxfp8_then_scaled_mm (0.18.0): all e4m3,
-    # block 32, RCEIL; computed by amp_fx.kernels.mxfp8_matmul, not by _Fp8Matmul.
-    Fp8Recipe.MXFP8: RecipeCasts(
-        input=_MX, weight=_MX, grad_output=_MX, input_for_grad_weight=_MX, weight_for_grad_input=_MX,
-        grad_output_for_grad_weight=_MX, round_scales_to_power_of_2=True),
-})
+RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType(
+    {
+        # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
+        Fp8Recipe.TENSORWISE: RecipeCasts(
+            input=Cast(E4M3),
+            weight=Cast(E4M3),
+            grad_output=Cast(E5M2),
+            input_for_grad_weight=Cast(E4M3),
+            weight_for_grad_input=Cast(E4M3),
+            grad_output_for_grad_weight=Cast(E5M2),
+            round_scales_to_power_of_2=False,
+        ),
+        Fp8Recipe.ROWWISE: RecipeCasts(
+            input=Cast(E4M3, True),
+            weight=Cast(E4M3, True),
+            grad_output=Cast(E4M3, True),
+            input_for_grad_weight=Cast(E4M3, True),
+            weight_for_grad_input=Cast(E4M3, True),
+            grad_output_for_grad_weight=Cast(E4M3, True),
+            round_scales_to_power_of_2=True,
+        ),
+        Fp8Recipe.ROWWISE_WITH_GW_HP: RecipeCasts(
+            input=Cast(E4M3, True),
+            weight=Cast(E4M3, True),
+            grad_output=Cast(E4M3, True),
+            input_for_grad_weight=_HP,
+            weight_for_grad_input=Cast(E4M3),
+            grad_output_for_grad_weight=_HP,
+            round_scales_to_power_of_2=True,
+        ),
+        # torchao/prototype/moe_training/mxfp8_linear.py, _to_mxfp8_then_scaled_mm (0.18.0): all e4m3,
+        # block 32, RCEIL; computed by amp_fx.kernels.mxfp8_matmul, not by _Fp8Matmul.
+        Fp8Recipe.MXFP8: RecipeCasts(
+            input=_MX,
+            weight=_MX,
+            grad_output=_MX,
+            input_for_grad_weight=_MX,
+            weight_for_grad_input=_MX,
+            grad_output_for_grad_weight=_MX,
+            round_scales_to_power_of_2=True,
+        ),
+    }
+)
 """Each recipe's casts, as torchao 0.18 defines them."""

@@ -31,8 +31,9 @@ def rowwise_scales_missing(device_type: str) -> str | None:
         return None
     a = torch.zeros(16, 16).to(E4M3)
     try:
-        torch._scaled_mm(a, a.t().contiguous().t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
-                         out_dtype=torch.bfloat16)
+        torch._scaled_mm(
+            a, a.t().contiguous().t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16
+        )
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0][:120]
         return f"torch {torch.__version__}'s CPU torch._scaled_mm takes per-tensor scales only ({first})"
@@ -49,14 +50,18 @@ def fp8_tensor_cores_missing(device_type: str) -> str | None:
 
     Asks the CUDA device's compute capability once; touches no tensor."""
     if device_type != "cuda" or not torch.cuda.is_available():
-        return (f"{device_type} has no fp8 tensor cores, so torch._scaled_mm runs its reference kernel (it "
-                f"converts the fp8 operands and multiplies them with a float matmul)")
+        return (
+            f"{device_type} has no fp8 tensor cores, so torch._scaled_mm runs its reference kernel (it "
+            f"converts the fp8 operands and multiplies them with a float matmul)"
+        )
     if torch.version.hip is not None:
         return None
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < _MIN_CAPABILITY:
-        return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp8 tensor cores: "
-                f"torch._scaled_mm needs compute capability 8.9+")
+        return (
+            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp8 tensor cores: "
+            f"torch._scaled_mm needs compute capability 8.9+"
+        )
     return None
 
 
@@ -66,6 +71,8 @@ def check_rowwise_support(recipe: Fp8Recipe, device_type: str, caller: str) -> N
     (torch 2.11's CPU kernel): refused before anything runs, with the reason and the fix."""
     missing = rowwise_scales_missing(device_type) if RECIPES[recipe].rowwise else None
     if missing is not None:
-        raise AmpFxError(f"{caller}: fp8={recipe.value!r} needs rowwise scales in "
-                         f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
-                         f"newer (or a GPU) for the rowwise recipes.")
+        raise AmpFxError(
+            f"{caller}: fp8={recipe.value!r} needs rowwise scales in "
+            f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
+            f"newer (or a GPU) for the rowwise recipes."
+        )

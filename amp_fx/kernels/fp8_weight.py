@@ -24,8 +24,14 @@ aten = torch.ops.aten
 
 # views that keep an Fp8Weight an Fp8Weight (what the fp8 pass puts between a parameter and the
 # fp8 matmul, and what FSDP2 applies to the gathered tensor)
-_VIEWS = {aten.t.default, aten.view.default, aten.as_strided.default, aten.detach.default,
-          aten.alias.default, aten.transpose.int}
+_VIEWS = {
+    aten.t.default,
+    aten.view.default,
+    aten.as_strided.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.transpose.int,
+}
 
 
 class EagerReads:
@@ -72,8 +78,15 @@ class Fp8Weight(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reads: int = 0) -> Fp8Weight:
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
-            layout=data.layout, device=data.device, requires_grad=False)
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=False,
+        )
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, reads: int = 0) -> None:
         self._data = data
@@ -87,8 +100,9 @@ class Fp8Weight(torch.Tensor):
         return ["_data", "_scale"], (self.dtype, self._reads)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[torch.dtype, int], outer_size: Any,
-                             outer_stride: Any) -> Fp8Weight:
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: tuple[torch.dtype, int], outer_size: Any, outer_stride: Any
+    ) -> Fp8Weight:
         return Fp8Weight(inner["_data"], inner["_scale"], *meta)
 
     def dequantized(self) -> torch.Tensor:
@@ -121,9 +135,15 @@ def fp8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = w.device_mesh  # type: ignore[attr-defined]
-    data = DTensor.from_local(local._data, mesh, w.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=w.shape, stride=w.stride())
+    mesh, placements = w.device_mesh, w.placements  # type: ignore[attr-defined]  # w is a DTensor
+    data = DTensor.from_local(
+        local._data,
+        mesh,
+        placements,
+        run_check=False,
+        shape=w.shape,
+        stride=w.stride(),
+    )
     scale = DTensor.from_local(local._scale, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return data, scale
 
@@ -134,8 +154,9 @@ def _dequantized_call(func: Any, args: Any, kwargs: Any) -> Any:
     frame Dynamo skipped or resumed after a graph break) still has Dynamo's frame callback set,
     which would compile the dequantization's Python frames as graphs of their own (checked: its
     result was then a FakeTensor)."""
-    owners = {w._reads for w in pytree.tree_leaves((args, kwargs))
-              if type(w) is Fp8Weight and type(w._data) is torch.Tensor}  # real: not a fake or functional trace
+    owners = {
+        w._reads for w in pytree.tree_leaves((args, kwargs)) if type(w) is Fp8Weight and type(w._data) is torch.Tensor
+    }  # real: not a fake or functional trace
     for owner in owners:
         if (reads := _OWNERS.get(owner)) is not None:
             reads.add(str(func))

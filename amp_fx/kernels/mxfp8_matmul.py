@@ -54,8 +54,14 @@ import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
 
-__all__ = ["BLOCK", "mxfp8_matmul", "mxfp8_matmul_cached_weight", "mx_weight_casts", "mx_kernels_missing",
-           "mxfp8_grouped_mm"]
+__all__ = [
+    "BLOCK",
+    "mxfp8_matmul",
+    "mxfp8_matmul_cached_weight",
+    "mx_weight_casts",
+    "mx_kernels_missing",
+    "mxfp8_grouped_mm",
+]
 
 BLOCK = 32
 """Elements per e8m0 scale (the OCP MX block size; torchao's only MXFP8 block size)."""
@@ -79,8 +85,10 @@ def mx_kernels_missing(device_type: str) -> str | None:
     major, minor = torch.cuda.get_device_capability()
     if (major, minor) < _MIN_CAPABILITY:
         name = torch.cuda.get_device_name()
-        return (f"{name} (compute capability {major}.{minor}) has no MXFP8 tensor cores: MX "
-                f"torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)")
+        return (
+            f"{name} (compute capability {major}.{minor}) has no MXFP8 tensor cores: MX "
+            f"torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)"
+        )
     return None
 
 
@@ -116,17 +124,27 @@ def _to_mx(x: torch.Tensor) -> _Mx:
     descale = max_abs / _E4M3_MAX
     # torchao's torch.where(cond, scalar, t), with the scalars as full tensors (same values): a
     # scalar would become a real tensor among fake ones where the weight cache traces this.
-    exponent = (torch.clamp(torch.ceil(torch.log2(descale)), min=-_E8M0_BIAS, max=_E8M0_BIAS)
-                + _E8M0_BIAS).to(torch.uint8)
-    exponent = torch.where(torch.isnan(descale), torch.full_like(exponent, _E8M0_NAN),
-                           torch.where(torch.isinf(descale), torch.full_like(exponent, 254), exponent))
+    exponent = (torch.clamp(torch.ceil(torch.log2(descale)), min=-_E8M0_BIAS, max=_E8M0_BIAS) + _E8M0_BIAS).to(
+        torch.uint8
+    )
+    exponent = torch.where(
+        torch.isnan(descale),
+        torch.full_like(exponent, _E8M0_NAN),
+        torch.where(torch.isinf(descale), torch.full_like(exponent, 254), exponent),
+    )
     # 2**-exponent; torchao's special cases: NaN stays NaN, inf -> 2**-127, exponent 0 (an
     # all-zero block, or amax below 2**-118) -> 1.
     rcp = torch.where(
-        exponent == _E8M0_NAN, descale,
-        torch.where(exponent == 254, torch.full_like(descale, 2**-127),
-                    torch.where(exponent == 0, torch.full_like(descale, 1.0),
-                                torch.exp2(_E8M0_BIAS - exponent.to(torch.float32)))))
+        exponent == _E8M0_NAN,
+        descale,
+        torch.where(
+            exponent == 254,
+            torch.full_like(descale, 2**-127),
+            torch.where(
+                exponent == 0, torch.full_like(descale, 1.0), torch.exp2(_E8M0_BIAS - exponent.to(torch.float32))
+            ),
+        ),
+    )
     data = torch.clamp(blocks * rcp, min=-_E4M3_MAX, max=_E4M3_MAX)
     data = data.to(_E4M3).reshape(rows, cols)
     return _Mx(data, exponent.squeeze(-1))
@@ -167,8 +185,9 @@ def _gemm(a: _Mx, b: _Mx, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor
     c = b.data.shape[0]
     b_data, b_scale = _pad_to(b.data.view(torch.uint8), 0, 16).view(_E4M3), _pad_to(b.scale, 0, 16)
     e8m0 = torch.float8_e8m0fnu
-    out = torch._scaled_mm(a.data, b_data.t(), _to_blocked(a.scale).view(e8m0), _to_blocked(b_scale).view(e8m0),
-                           out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(
+        a.data, b_data.t(), _to_blocked(a.scale).view(e8m0), _to_blocked(b_scale).view(e8m0), out_dtype=torch.bfloat16
+    )
     out = out[:, :c] if out.shape[1] != c else out
     return out.to(out_dtype)
 
@@ -211,8 +230,16 @@ class _MxMatmulCachedWeight(torch.autograd.Function):
     carries the gradient and is not read."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                wg_data: torch.Tensor, wg_scale: torch.Tensor, emulate: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        w_data: torch.Tensor,
+        w_scale: torch.Tensor,
+        wg_data: torch.Tensor,
+        wg_scale: torch.Tensor,
+        emulate: bool,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, wg_data, wg_scale)
         ctx.emulate = emulate
         return _forward(x, _Mx(w_data, w_scale), w.shape[1], emulate)
@@ -240,8 +267,16 @@ def mxfp8_matmul(x: torch.Tensor, w: torch.Tensor, *, emulate: bool) -> torch.Te
     return _MxMatmul.apply(x, w.to(x.dtype), emulate)
 
 
-def mxfp8_matmul_cached_weight(x: torch.Tensor, w: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor,
-                               wg_data: torch.Tensor, wg_scale: torch.Tensor, *, emulate: bool) -> torch.Tensor:
+def mxfp8_matmul_cached_weight(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale: torch.Tensor,
+    wg_data: torch.Tensor,
+    wg_scale: torch.Tensor,
+    *,
+    emulate: bool,
+) -> torch.Tensor:
     """:func:`mxfp8_matmul` with the weight's casts from :func:`mx_weight_casts`; bitwise with it.
     ``w`` (``[K, N]``) receives the gradient (in ``x``'s dtype, cast by autograd to ``w``'s)."""
     return _MxMatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, emulate)

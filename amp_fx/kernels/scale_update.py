@@ -86,9 +86,7 @@ def _check_inputs(
         raise RuntimeError("found_inf must be a float tensor.")
     devices = {t.device for t in (scale, growth_tracker, hysteresis_tracker, found_inf)}
     if len(devices) != 1:
-        raise RuntimeError(
-            f"update_scale_ expects all tensors on one device, got {sorted(map(str, devices))}."
-        )
+        raise RuntimeError(f"update_scale_ expects all tensors on one device, got {sorted(map(str, devices))}.")
 
 
 @torch.library.custom_op(
@@ -151,9 +149,7 @@ def update_scale_(
     zero = torch.zeros_like(tracker)
     new_tracker = torch.where(found | grow, zero, successful)
     refill = grow | (~found) if consecutive_hysteresis else grow
-    new_hyst = torch.where(
-        found, hyst_left, torch.where(refill, torch.full_like(hyst, hysteresis), hyst)
-    )
+    new_hyst = torch.where(found, hyst_left, torch.where(refill, torch.full_like(hyst, hysteresis), hyst))
 
     scale.copy_(new_scale.reshape(scale.shape))
     growth_tracker.copy_(new_tracker.reshape(growth_tracker.shape))

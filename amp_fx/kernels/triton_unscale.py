@@ -53,6 +53,7 @@ CHUNK = 65536
 BLOCK = 1024
 NUM_WARPS = 4
 
+
 def is_interpreted() -> bool:
     """True if the kernel in this module was built by the Triton interpreter.
 
@@ -299,12 +300,14 @@ def _cached_plan(key: tuple[object, ...]) -> _Plan | None:
     return plan
 
 
-def _new_plan(key: tuple[object, ...], flat: list[torch.Tensor], owners: list[int], block: int, chunk: int,
-              device: torch.device) -> _Plan:
+def _new_plan(
+    key: tuple[object, ...], flat: list[torch.Tensor], owners: list[int], block: int, chunk: int, device: torch.device
+) -> _Plan:
     """Build the plan of dense-block tensors ``flat`` (``owners[i]``: ``flat[i]``'s index in the
     caller's list) and keep it under ``key``."""
-    host = _chunk_table_host([t.data_ptr() for t in flat], [t.numel() for t in flat], owners,
-                             flat[0].element_size(), chunk)
+    host = _chunk_table_host(
+        [t.data_ptr() for t in flat], [t.numel() for t in flat], owners, flat[0].element_size(), chunk
+    )
     if device.type == "cpu":
         table = host
     else:
@@ -321,8 +324,9 @@ def _new_plan(key: tuple[object, ...], flat: list[torch.Tensor], owners: list[in
     return plan
 
 
-def _plan(grads: list[torch.Tensor], block: int, chunk: int, device: torch.device
-          ) -> tuple[_Plan | None, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _plan(
+    grads: list[torch.Tensor], block: int, chunk: int, device: torch.device
+) -> tuple[_Plan | None, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The launch plan of ``grads`` (None when every gradient is empty) and the copies to write
     back after the launch (gradients whose memory is not one dense block, processed in a
     contiguous buffer).
@@ -334,8 +338,7 @@ def _plan(grads: list[torch.Tensor], block: int, chunk: int, device: torch.devic
     """
     dtype = grads[0].dtype
     if all(map(_IS_CONTIGUOUS, grads)):
-        key: tuple[object, ...] = (device, dtype, block, chunk, tuple(map(_DATA_PTR, grads)),
-                                   tuple(map(_NUMEL, grads)))
+        key: tuple[object, ...] = (device, dtype, block, chunk, tuple(map(_DATA_PTR, grads)), tuple(map(_NUMEL, grads)))
         plan = _cached_plan(key)
         if plan is not None:
             return plan, []
@@ -358,8 +361,15 @@ def _plan(grads: list[torch.Tensor], block: int, chunk: int, device: torch.devic
             flat.append(buffer)
     if not flat:
         return None, []
-    key = (device, dtype, block, chunk, tuple(t.data_ptr() for t in flat), tuple(t.numel() for t in flat),
-           tuple(owners))
+    key = (
+        device,
+        dtype,
+        block,
+        chunk,
+        tuple(t.data_ptr() for t in flat),
+        tuple(t.numel() for t in flat),
+        tuple(owners),
+    )
     return _cached_plan(key) or _new_plan(key, flat, owners, block, chunk, device), copies
 
 
@@ -410,9 +420,7 @@ def launch_unscale_check(
     if plan is None:
         return torch.zeros((), dtype=torch.float32, device=device) if compute_norm else None
     n_chunks = plan.table.shape[0]
-    partials = (
-        torch.empty(n_chunks, dtype=torch.float32, device=device) if compute_norm else found_inf
-    )
+    partials = torch.empty(n_chunks, dtype=torch.float32, device=device) if compute_norm else found_inf
     _unscale_check_kernel[(n_chunks,)](
         plan.table,
         found_inf,

@@ -72,8 +72,10 @@ def _check_flags(flags: torch.Tensor | None, n: int, device: torch.device) -> No
     if flags is None:
         return
     if flags.dtype != torch.float32 or flags.shape != (n,) or flags.device != device:
-        raise ValueError(f"flags must be a float32 tensor of shape ({n},) (one per gradient) on {device}, got "
-                         f"{flags.dtype} with shape {tuple(flags.shape)} on {flags.device}")
+        raise ValueError(
+            f"flags must be a float32 tensor of shape ({n},) (one per gradient) on {device}, got "
+            f"{flags.dtype} with shape {tuple(flags.shape)} on {flags.device}"
+        )
 
 
 def _check_dense(i: int, g: torch.Tensor) -> None:
@@ -85,16 +87,15 @@ def _check_dense(i: int, g: torch.Tensor) -> None:
 
 
 def _check_group(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None = None,
 ) -> None:
     """Validate the op's inputs; errors name the offending tensor and what was expected."""
     for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
         if t.dtype != torch.float32 or t.numel() != 1:
-            raise ValueError(
-                f"{name} must be a 1-element float32 tensor, got {t.dtype} with shape "
-                f"{tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must be a 1-element float32 tensor, got {t.dtype} with shape {tuple(t.shape)}")
     device = found_inf.device
     if inv_scale.device != device:
         raise ValueError(f"inv_scale is on {inv_scale.device} but found_inf is on {device}")
@@ -123,7 +124,9 @@ def _check_group(
 # dispatcher drops a trailing argument equal to its default (IndexError on flags=None). Callers
 # always pass it, None included.
 def _unscale_check_impl(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None,
 ) -> None:
     _check_group(grads, found_inf, inv_scale, flags)
@@ -147,27 +150,27 @@ def _torch_unscale_check_(
         cpu_unscale.torch_unscale_check_per_tensor_(grads, found_inf, inv_scale, flags)
 
 
-_unscale_check_op = torch.library.custom_op(
-    "amp_fx::unscale_check_", mutates_args=("grads", "found_inf", "flags"))(_unscale_check_impl)
+_unscale_check_op = torch.library.custom_op("amp_fx::unscale_check_", mutates_args=("grads", "found_inf", "flags"))(
+    _unscale_check_impl
+)
 
 
 @_unscale_check_op.register_fake
-def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-      flags: torch.Tensor | None) -> None:
+def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor | None) -> None:
     # Validate here too: a meta/fake argument sends the call here, never to the real kernel.
     _check_group(grads, found_inf, inv_scale, flags)
 
 
 def _unscale_check_norm_impl(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None,
 ) -> torch.Tensor:
     _check_group(grads, found_inf, inv_scale, flags)
     device = found_inf.device
     if _use_triton(device):
-        sum_sq = triton_unscale.launch_unscale_check(
-            grads, found_inf, inv_scale, compute_norm=True, flags=flags
-        )
+        sum_sq = triton_unscale.launch_unscale_check(grads, found_inf, inv_scale, compute_norm=True, flags=flags)
         assert sum_sq is not None  # compute_norm=True always returns a tensor
         return sum_sq
     if device.type == "cpu":
@@ -181,7 +184,8 @@ def _unscale_check_norm_impl(
 
 
 _unscale_check_norm_op = torch.library.custom_op(
-    "amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf", "flags"))(_unscale_check_norm_impl)
+    "amp_fx::unscale_check_norm_", mutates_args=("grads", "found_inf", "flags")
+)(_unscale_check_norm_impl)
 
 
 def _eager_cpu(found_inf: torch.Tensor) -> bool:
@@ -192,14 +196,18 @@ def _eager_cpu(found_inf: torch.Tensor) -> bool:
 
 
 @_unscale_check_norm_op.register_fake
-def _(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-      flags: torch.Tensor | None) -> torch.Tensor:
+def _(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, flags: torch.Tensor | None
+) -> torch.Tensor:
     _check_group(grads, found_inf, inv_scale, flags)
     return found_inf.new_empty(())
 
 
 def _grouped_calls(
-    op: Callable[..., Any], grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+    op: Callable[..., Any],
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
     flags: torch.Tensor | None,
 ) -> list[Any]:
     """``op`` once per (device, dtype) group; ``flags`` (one per gradient, in ``grads`` order)
@@ -239,7 +247,10 @@ def _groups(
 
 
 def unscale_check_(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, *,
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
     flags: torch.Tensor | None = None,
 ) -> None:
     """Multiply every gradient by ``inv_scale`` in place; set ``found_inf`` to 1.0 on inf/NaN.
@@ -262,7 +273,10 @@ def unscale_check_(
 
 
 def unscale_check_norm_(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, *,
+    grads: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor,
+    *,
     flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``unscale_check_`` that also returns the sum of squares of the unscaled gradients.

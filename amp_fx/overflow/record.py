@@ -59,7 +59,7 @@ def strip_wrappers(path: str, prefixes: Sequence[str]) -> str:
     prefix removed once, in order (a model's own submodule named ``model`` keeps its name)."""
     for prefix in prefixes:
         if path.startswith(prefix):
-            path = path[len(prefix):]
+            path = path[len(prefix) :]
         elif path == prefix[:-1]:
             path = ""
     return path
@@ -95,8 +95,9 @@ class SkipRecord:
         them hold the parameters, or none does); None otherwise."""
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, model: torch.nn.Module, *, watch: ForwardWatch | None,
-               prefixes: tuple[str, ...] = _WRAPPER_PREFIXES) -> None:
+    def attach(
+        self, model: torch.nn.Module, *, watch: ForwardWatch | None, prefixes: tuple[str, ...] = _WRAPPER_PREFIXES
+    ) -> None:
         """Report on ``model``: gradients named as its root module names its parameters (through
         DDP, ``torch.compile`` and ``amp_fx.compile`` wrappers), the first forward op from ``watch``
         (None: not watched), its module path stripped of ``prefixes`` (the wrappers the forward was
@@ -133,9 +134,11 @@ class SkipRecord:
         kinds = ", ".join(type(m).__name__ for m, _ in (holding or models))
         self.unattached = (
             f"the optimizer's parameters belong to {len(holding)} models compiled with watch_nonfinite=True "
-            f"({kinds}), so the scaler cannot tell whose forward to name" if holding else
-            f"{len(models)} model(s) compiled with watch_nonfinite=True ({kinds}) hold none of the "
-            "optimizer's parameters")
+            f"({kinds}), so the scaler cannot tell whose forward to name"
+            if holding
+            else f"{len(models)} model(s) compiled with watch_nonfinite=True ({kinds}) hold none of the "
+            "optimizer's parameters"
+        )
 
     # ------------------------------------------------------------------ device state
     def init(self, device: torch.device) -> None:
@@ -187,9 +190,14 @@ class SkipRecord:
         taken = self.watch.take()
         return torch.full((), NONE, dtype=torch.int64, device=device) if taken is None else taken
 
-    def close_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None,
-               combined: tuple[torch.Tensor, torch.Tensor] | None = None,
-               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def close_(
+        self,
+        found_inf: torch.Tensor,
+        flags: torch.Tensor,
+        first_op: torch.Tensor | None,
+        combined: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """The end of one step: ``first_op`` (:meth:`take_first_op`) combined across the ranks of
         :attr:`group` in one all-reduce, unless ``combined`` already holds (record, rank) from the
         found-inf all-reduce (FSDP2), then :meth:`record_`. Functional collectives and in-place
@@ -202,9 +210,14 @@ class SkipRecord:
             first_op, rank = combine_first_op(first_op, self.group, found_inf.device)
         self.record_(found_inf, flags, first_op, rank, scales)
 
-    def record_(self, found_inf: torch.Tensor, flags: torch.Tensor, first_op: torch.Tensor | None,
-                first_rank: torch.Tensor | None = None,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def record_(
+        self,
+        found_inf: torch.Tensor,
+        flags: torch.Tensor,
+        first_op: torch.Tensor | None,
+        first_rank: torch.Tensor | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """One ``update()``: where ``found_inf``, keep this step's index, flags and forward record
         (``first_rank``: the rank it came from, when combined across ranks) and ``scales`` (the
         scale the step ran at, and the one its update left). In-place device ops only, so the same
@@ -235,12 +248,15 @@ class SkipRecord:
         ``compile_step`` after its warm-up) are not seen, and their reports give the run instead."""
         self._host_run = self._host_run + 1 if skipped else 0
         if self._host_run == SKIPS_IN_A_ROW_WARNING:
-            warn(f"amp_fx: {SKIPS_IN_A_ROW_WARNING} optimizer steps in a row were skipped (their gradients held "
-                 f"an inf or NaN), so the model has not trained for {SKIPS_IN_A_ROW_WARNING} steps. "
-                 f"overflow_report() (of the scaler or the compiled step) says why, with the scale at the "
-                 f"skipped step. Every gradient non-finite from the first steps on means init_scale is too "
-                 f"large; one layer named every time means that layer overflows at any scale "
-                 f"(docs/overflow.md).", UserWarning)
+            warn(
+                f"amp_fx: {SKIPS_IN_A_ROW_WARNING} optimizer steps in a row were skipped (their gradients held "
+                f"an inf or NaN), so the model has not trained for {SKIPS_IN_A_ROW_WARNING} steps. "
+                f"overflow_report() (of the scaler or the compiled step) says why, with the scale at the "
+                f"skipped step. Every gradient non-finite from the first steps on means init_scale is too "
+                f"large; one layer named every time means that layer overflows at any scale "
+                f"(docs/overflow.md).",
+                UserWarning,
+            )
 
     def report(self, skipped_steps: torch.Tensor) -> OverflowReport | None:
         """The one host read: None if no step was skipped since the last report."""
@@ -249,8 +265,16 @@ class SkipRecord:
         assert self.step is not None and self.flags is not None and self.first_op is not None
         assert self.first_rank is not None
         assert self.scales is not None and self.run_at is not None
-        values = torch.stack([self.pending.to(torch.int64), self.step, self.first_op, self.first_rank,
-                              skipped_steps.to(self.step), self.run_at]).tolist()
+        values = torch.stack(
+            [
+                self.pending.to(torch.int64),
+                self.step,
+                self.first_op,
+                self.first_rank,
+                skipped_steps.to(self.step),
+                self.run_at,
+            ]
+        ).tolist()
         pending, step, first_code, first_rank, skipped, in_a_row = values
         flags = self.flags.tolist()
         scale, scale_after = (None if v != v else v for v in self.scales.tolist())  # nan: not recorded
@@ -270,8 +294,15 @@ class SkipRecord:
             first = dataclasses.replace(first, module=strip_wrappers(first.module, self.prefixes))
         watched = self.watch.watched if self.watch is not None else ()
         unwatched = self.watch.backward_unwatched if self.watch is not None else ""
-        return OverflowReport(step=step, gradients=tuple(names), first_op=first, skipped=skipped,
-                              watched=watched, backward_unwatched=unwatched, scale=scale,
-                              scale_after=scale_after, in_a_row=in_a_row,
-                              every_gradient=bool(flags) and all(flags))
-
+        return OverflowReport(
+            step=step,
+            gradients=tuple(names),
+            first_op=first,
+            skipped=skipped,
+            watched=watched,
+            backward_unwatched=unwatched,
+            scale=scale,
+            scale_after=scale_after,
+            in_a_row=in_a_row,
+            every_gradient=bool(flags) and all(flags),
+        )

@@ -38,8 +38,10 @@ class FirstOp:
     def __str__(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
         if self.incoming:
-            return (f"{self.module or '<root>'} (the gradient of its {self.grad_of or 'output'} output, "
-                    f"{self.dtype}, entered the compiled backward non-finite){where}")
+            return (
+                f"{self.module or '<root>'} (the gradient of its {self.grad_of or 'output'} output, "
+                f"{self.dtype}, entered the compiled backward non-finite){where}"
+            )
         if self.backward:
             return f"{self.module or '<root>'} ({self.op}, {self.dtype}, backward of {self.grad_of or '?'}){where}"
         return f"{self.module or '<root>'} ({self.op}, {self.dtype}){where}"
@@ -86,9 +88,11 @@ class OverflowReport:
         grads = f"{len(self.gradients)} gradients non-finite ({names})" if self.gradients else "no gradient non-finite"
         where = self._where()
         if self.from_scale:  # after the op, so that a line still starts with where the first inf was
-            note = ("every gradient non-finite and no forward op overflowed: the loss scale is too large for "
-                    "these gradients, no layer is at fault (expected in the first steps: the scale backs off "
-                    "at each skip until they fit; a smaller init_scale skips fewer)")
+            note = (
+                "every gradient non-finite and no forward op overflowed: the loss scale is too large for "
+                "these gradients, no layer is at fault (expected in the first steps: the scale backs off "
+                "at each skip until they fit; a smaller init_scale skips fewer)"
+            )
             where = note if self.first_op is None else f"{where}; {note}"
         scale = ""
         if self.scale is not None:
@@ -105,10 +109,14 @@ class OverflowReport:
         if not self.watched:
             return "no op named (not watched: compile with watch_nonfinite=True)"
         if "backward" not in self.watched:
-            return (f"no op named: no forward op created an inf/NaN (a -inf mask or an in-place op is not "
-                    f"named); the backward is not watched ({self.backward_unwatched or 'no backward graph'})")
-        return ("no op named: no forward or backward op created an inf/NaN (a -inf mask, an in-place op "
-                "or code outside the compiled graphs is not named)")
+            return (
+                f"no op named: no forward op created an inf/NaN (a -inf mask or an in-place op is not "
+                f"named); the backward is not watched ({self.backward_unwatched or 'no backward graph'})"
+            )
+        return (
+            "no op named: no forward or backward op created an inf/NaN (a -inf mask, an in-place op "
+            "or code outside the compiled graphs is not named)"
+        )
 
 
 def _power(scale: float) -> str:

@@ -15,8 +15,17 @@ import torch
 
 __all__ = ["skip_aware"]
 
-_SUPPORTED_SCHEDULERS = ("LambdaLR", "StepLR", "MultiStepLR", "CosineAnnealingLR", "LinearLR", "OneCycleLR",
-                         "ExponentialLR", "ConstantLR", "MultiplicativeLR")
+_SUPPORTED_SCHEDULERS = (
+    "LambdaLR",
+    "StepLR",
+    "MultiStepLR",
+    "CosineAnnealingLR",
+    "LinearLR",
+    "OneCycleLR",
+    "ExponentialLR",
+    "ConstantLR",
+    "MultiplicativeLR",
+)
 
 
 class _SkipAwareScheduler:
@@ -40,14 +49,18 @@ class _SkipAwareScheduler:
         self.epoch = torch.full((), scheduler.last_epoch, dtype=torch.float64, device=device)
         for group in opt.param_groups:
             lr = group["lr"]
-            group["lr"] = (lr.detach().to(device=device, dtype=torch.float32) if isinstance(lr, torch.Tensor)
-                           else torch.tensor(float(lr), dtype=torch.float32, device=device))
+            group["lr"] = (
+                lr.detach().to(device=device, dtype=torch.float32)
+                if isinstance(lr, torch.Tensor)
+                else torch.tensor(float(lr), dtype=torch.float32, device=device)
+            )
 
     def step(self) -> None:
         skipped = self._skipped().reshape(()).to(self._device)
         self.epoch.copy_(torch.where(skipped, self.epoch, self.epoch + 1))
-        for i, (group, base) in enumerate(zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs,
-                                              strict=True)):
+        for i, (group, base) in enumerate(
+            zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs, strict=True)
+        ):
             group["lr"].copy_(self._lr_at(self.epoch, i, base).to(torch.float32))
         self.scheduler.last_epoch += 1
 
@@ -82,36 +95,47 @@ def _closed_form(s: Any) -> Any:
     if isinstance(s, lr_sched.StepLR):
         return lambda e, i, base: base * s.gamma ** torch.div(e, s.step_size, rounding_mode="floor")
     if isinstance(s, lr_sched.ExponentialLR):
-        return lambda e, i, base: base * s.gamma ** e
+        return lambda e, i, base: base * s.gamma**e
     if isinstance(s, lr_sched.CosineAnnealingLR):
         return lambda e, i, base: s.eta_min + (base - s.eta_min) * (1 + torch.cos(math.pi * e / s.T_max)) / 2
     if isinstance(s, lr_sched.LinearLR):
+
         def linear(e: torch.Tensor, i: int, base: float) -> torch.Tensor:
             frac = torch.clamp(e, max=s.total_iters) / s.total_iters
             return base * (s.start_factor + (s.end_factor - s.start_factor) * frac)
+
         return linear
     if isinstance(s, lr_sched.ConstantLR):
         return lambda e, i, base: base * torch.where(e < s.total_iters, s.factor, 1.0)
     if isinstance(s, lr_sched.MultiStepLR):
         milestones = sorted(s.milestones.elements())
+
         def multistep(e: torch.Tensor, i: int, base: float) -> torch.Tensor:
             passed = sum(((e >= m).to(torch.float64) for m in milestones), e.new_zeros((), dtype=torch.float64))
-            return base * s.gamma ** passed
+            return base * s.gamma**passed
+
         return multistep
     if isinstance(s, lr_sched.OneCycleLR):
         if s.cycle_momentum:
-            raise TypeError("amp_fx.skip_aware: OneCycleLR with cycle_momentum=True also schedules momentum, "
-                            "which skip_aware does not hold back; pass cycle_momentum=False")
+            raise TypeError(
+                "amp_fx.skip_aware: OneCycleLR with cycle_momentum=True also schedules momentum, "
+                "which skip_aware does not hold back; pass cycle_momentum=False"
+            )
         return _one_cycle(s)
-    raise TypeError(f"amp_fx.skip_aware: {name} is not supported; supported: {', '.join(_SUPPORTED_SCHEDULERS)} "
-                    "(schedulers whose lr is a closed form of the epoch). For others, read "
-                    "scaler.last_step_skipped yourself (a host read) before scheduler.step()")
+    raise TypeError(
+        f"amp_fx.skip_aware: {name} is not supported; supported: {', '.join(_SUPPORTED_SCHEDULERS)} "
+        "(schedulers whose lr is a closed form of the epoch). For others, read "
+        "scaler.last_step_skipped yourself (a host read) before scheduler.step()"
+    )
 
 
 def _one_cycle(s: Any) -> Any:
     phases = s._schedule_phases
-    anneal = s._anneal_func_type if hasattr(s, "_anneal_func_type") else ("cos" if s.anneal_func.__name__ ==
-                                                                           "_annealing_cos" else "linear")
+    anneal = (
+        s._anneal_func_type
+        if hasattr(s, "_anneal_func_type")
+        else ("cos" if s.anneal_func.__name__ == "_annealing_cos" else "linear")
+    )
 
     def interp(start: torch.Tensor, end: torch.Tensor, pct: torch.Tensor) -> torch.Tensor:
         if anneal == "cos":
@@ -127,12 +151,16 @@ def _one_cycle(s: Any) -> Any:
             end_step = float(phase["end_step"])
             here = ~done & ((e <= end_step) | torch.tensor(i == len(phases) - 1, device=e.device))
             pct = (e - start_step) / (end_step - start_step)
-            value = interp(torch.tensor(float(group[phase["start_lr"]]), dtype=torch.float64, device=e.device),
-                           torch.tensor(float(group[phase["end_lr"]]), dtype=torch.float64, device=e.device), pct)
+            value = interp(
+                torch.tensor(float(group[phase["start_lr"]]), dtype=torch.float64, device=e.device),
+                torch.tensor(float(group[phase["end_lr"]]), dtype=torch.float64, device=e.device),
+                pct,
+            )
             result = torch.where(here, value, result)
             done = done | here
             start_step = end_step
         return result
+
     return lr
 
 
@@ -152,6 +180,7 @@ def skip_aware(scheduler: Any, scaler: Any) -> _SkipAwareScheduler:
     Without the wrapper, schedulers keep torch's behaviour: they advance on skipped steps too.
     """
     if not hasattr(scaler, "last_step_skipped"):
-        raise TypeError(f"amp_fx.skip_aware: scaler must be an amp_fx.GradScaler or CompiledStep, got "
-                        f"{type(scaler).__name__}")
+        raise TypeError(
+            f"amp_fx.skip_aware: scaler must be an amp_fx.GradScaler or CompiledStep, got {type(scaler).__name__}"
+        )
     return _SkipAwareScheduler(scheduler, lambda: scaler.last_step_skipped)

@@ -113,11 +113,27 @@ class ForwardWatch:
         graph = key - BACKWARD if backward else key
         if position >= len(ops):
             which = "the backward of graph" if backward else "graph"
-            return FirstOp(module="<unknown>", op=f"<op {position} of {which} {graph}, not compiled on this rank>",
-                           dtype="?", graph=graph, node="", rank=rank, backward=backward)
+            return FirstOp(
+                module="<unknown>",
+                op=f"<op {position} of {which} {graph}, not compiled on this rank>",
+                dtype="?",
+                graph=graph,
+                node="",
+                rank=rank,
+                backward=backward,
+            )
         op = ops[position]
-        return FirstOp(module=op.module, op=op.op, dtype=op.dtype, graph=graph, node=op.node, rank=rank,
-                       backward=backward, grad_of=op.grad_of or "", incoming=op.incoming)
+        return FirstOp(
+            module=op.module,
+            op=op.op,
+            dtype=op.dtype,
+            graph=graph,
+            node=op.node,
+            rank=rank,
+            backward=backward,
+            grad_of=op.grad_of or "",
+            incoming=op.incoming,
+        )
 
 
 def forward_watch(model: object) -> ForwardWatch | None:

@@ -60,8 +60,19 @@ from amp_fx.policy import CastClass, Policy, banned_message, default_class, op_f
 
 log = logging.getLogger(__name__)
 
-__all__ = ["capture", "autocast_hop", "autocast_region", "dtensor_method", "eager_autocast", "is_cacheable_leaf",
-           "module_path", "module_stack", "source_name", "source_text", "data_inputs"]
+__all__ = [
+    "capture",
+    "autocast_hop",
+    "autocast_region",
+    "dtensor_method",
+    "eager_autocast",
+    "is_cacheable_leaf",
+    "module_path",
+    "module_stack",
+    "source_name",
+    "source_text",
+    "data_inputs",
+]
 
 
 def _decompose_like_autograd(op: torch._ops.OpOverload) -> Callable[..., Any]:
@@ -99,6 +110,7 @@ def _record_without_autocast(op: torch._ops.OpOverload) -> Callable[..., Any]:
     For ops the policy moved to another class: eager autocast's kernel for them would apply
     torch's class while tracing (and raise, for a banned op the policy allows).
     """
+
     def record(*args: Any, **kwargs: Any) -> Any:
         table = current_decomposition_table()
         entry = table.pop(op)  # so that calling op below records it instead of recursing here
@@ -131,7 +143,7 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
     for name in torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"):
         if name in claimed or not name.startswith("aten::"):
             continue
-        packet_name, _, overload = name[len("aten::"):].partition(".")
+        packet_name, _, overload = name[len("aten::") :].partition(".")
         try:
             op = getattr(getattr(torch.ops.aten, packet_name), overload or "default")
         except (AttributeError, RuntimeError):
@@ -146,8 +158,11 @@ def _decomposition_table(policy: Policy, device_type: str) -> Mapping[Any, Calla
 
 
 # The RNN ops nn.RNN/LSTM/GRU call (``torch._VF``), CompositeImplicitAutograd in ATen.
-_RNN_OPS = tuple(getattr(getattr(torch.ops.aten, name), overload)
-                 for name in ("lstm", "gru", "rnn_tanh", "rnn_relu") for overload in ("input", "data"))
+_RNN_OPS = tuple(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+    for overload in ("input", "data")
+)
 
 
 def rnn_runs_cudnn(device_type: str) -> bool:
@@ -214,8 +229,8 @@ def _dropout_like_eager(input: torch.Tensor, p: float, train: bool) -> torch.Ten
 # Private in torch; present in 2.13 (proxy_tensor.py). Without it, Functions that change the
 # autocast state themselves would be recorded with autocast's dtypes (see _record_opaque).
 _without_pre_dispatch_function_mode = getattr(
-    torch.fx.experimental.proxy_tensor, "_temp_remove_pre_dispatch_torch_function_mode",
-    contextlib.nullcontext)
+    torch.fx.experimental.proxy_tensor, "_temp_remove_pre_dispatch_torch_function_mode", contextlib.nullcontext
+)
 
 _AC_GRAPH_IDS = itertools.count(1_000_000)  # apart from the ids Dynamo's own tracing hands out
 
@@ -283,10 +298,12 @@ def _transform_calls(*names: str) -> frozenset[Any]:
     return frozenset(found)
 
 
-_TRANSFORM_OPEN = _transform_calls("_vmap_increment_nesting", "_grad_increment_nesting",
-                                   "_jvp_increment_nesting", "_enter_dual_level")
-_TRANSFORM_CLOSE = _transform_calls("_vmap_decrement_nesting", "_grad_decrement_nesting",
-                                    "_jvp_decrement_nesting", "_exit_dual_level")
+_TRANSFORM_OPEN = _transform_calls(
+    "_vmap_increment_nesting", "_grad_increment_nesting", "_jvp_increment_nesting", "_enter_dual_level"
+)
+_TRANSFORM_CLOSE = _transform_calls(
+    "_vmap_decrement_nesting", "_grad_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level"
+)
 
 
 @dataclass(frozen=True)
@@ -401,11 +418,16 @@ class _InliningInterpreter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         region = self.regions.get(n)
         if region is not None:
-            log.info("amp_fx: a functorch transform region (%s) stays whole; its ops are cast by eager "
-                     "autocast", getattr(n.target, "__name__", n.target))
+            log.info(
+                "amp_fx: a functorch transform region (%s) stays whole; its ops are cast by eager autocast",
+                getattr(n.target, "__name__", n.target),
+            )
             with self._set_current_node(n):
-                values = _record_opaque(autocast_region, (self.device_type, self.dtype, region.body,
-                                                          *(self.env[a] for a in region.inputs)), {})
+                values = _record_opaque(
+                    autocast_region,
+                    (self.device_type, self.dtype, region.body, *(self.env[a] for a in region.inputs)),
+                    {},
+                )
             self.region_values.update(zip(region.outputs, values, strict=True))
         if n in self.in_region:
             return self.region_values.pop(n, None)
@@ -423,8 +445,7 @@ class _InliningInterpreter(torch.fx.Interpreter):
             return _InliningInterpreter(body, self.device_type, self.dtype).run(*inputs)
         if isinstance(target, torch._ops.HigherOrderOperator):
             log.info("amp_fx: %s stays whole; its ops are cast by eager autocast", target.name())
-            return _record_opaque(autocast_hop, (self.device_type, self.dtype, target.name(), *args),
-                                  kwargs)
+            return _record_opaque(autocast_hop, (self.device_type, self.dtype, target.name(), *args), kwargs)
         if target in _dtensor_boundary_functions():
             return _record_opaque(target, args, kwargs)
         return super().call_function(target, args, kwargs)
@@ -485,8 +506,7 @@ def capture(
     except RuntimeError as e:
         if "at::autocast" not in str(e):
             raise
-        raise AmpFxError(f"amp_fx: eager autocast refuses an op of this graph, and so does amp_fx: "
-                         f"{e}") from e
+        raise AmpFxError(f"amp_fx: eager autocast refuses an op of this graph, and so does amp_fx: {e}") from e
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
@@ -498,8 +518,7 @@ def capture(
 
 def is_cacheable_leaf(t: object) -> bool:
     """Eager autocast's cast cache condition, minus the dtype test done at cast time."""
-    return (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf
-            and not t._is_view())
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and not t._is_view()
 
 
 _GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
@@ -515,7 +534,7 @@ def module_path(source: str) -> str:
         m = _GETATTR.search(source)
         if m is None:
             break
-        source = source[:m.start()] + f"{m.group(1)}.{m.group(2)}" + source[m.end():]
+        source = source[: m.start()] + f"{m.group(1)}.{m.group(2)}" + source[m.end() :]
     source = re.sub(r"^[LG]\['[^']*'\]", "", source)
     source = re.sub(r"\.__dict__\['(_modules|_parameters|_buffers)'\]", r".\1", source)
     source = re.sub(r"\._modules\['([^']*)'\]", r".\1", source)
@@ -550,8 +569,11 @@ def source_name(node: torch.fx.Node) -> str:
     return ".".join(p for p in module_path(text).split(".") if p not in ("_parameters", "_buffers"))
 
 
-def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                is_state: Callable[[torch.fx.Node, Any], bool] | None = None) -> list[bool]:
+def data_inputs(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
+) -> list[bool]:
     """Per placeholder of a Dynamo graph: True for a floating tensor the caller handed in (``L['x']``,
     ``L['args'][0]``, or a value a frame resumed after a graph break carries over), False for module
     state (parameters, buffers, globals), leaves that require grad, and inputs without a source.
@@ -562,9 +584,14 @@ def data_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     flags = []
     for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=True):
         text = source_text(node)
-        flags.append(bool(text) and not text.startswith(MODULE_STATE_SOURCES)
-                     and isinstance(value, torch.Tensor) and value.dtype.is_floating_point
-                     and not is_cacheable_leaf(value) and not (is_state is not None and is_state(node, value)))
+        flags.append(
+            bool(text)
+            and not text.startswith(MODULE_STATE_SOURCES)
+            and isinstance(value, torch.Tensor)
+            and value.dtype.is_floating_point
+            and not is_cacheable_leaf(value)
+            and not (is_state is not None and is_state(node, value))
+        )
     return flags
 
 
@@ -578,4 +605,3 @@ def module_stack(node: torch.fx.Node) -> tuple[tuple[str, type], ...]:
             continue
         out.append((module_path(source), mtype))
     return tuple(out)
-

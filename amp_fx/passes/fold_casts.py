@@ -80,8 +80,13 @@ def is_pure_cast(node: torch.fx.Node) -> bool:
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return False
     extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v is not None}
-    allowed = {"layout": src.layout, "device": src.device, "pin_memory": False,
-               "non_blocking": False, "memory_format": torch.preserve_format}
+    allowed = {
+        "layout": src.layout,
+        "device": src.device,
+        "pin_memory": False,
+        "non_blocking": False,
+        "memory_format": torch.preserve_format,
+    }
     return all(k in allowed and v == allowed[k] for k, v in extra.items()) and out.layout == src.layout
 
 
@@ -166,8 +171,7 @@ def fold_casts(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, FoldReco
                 record.by_rule[name] += 1
                 folded = [*node.meta.get(meta.FOLDED, ()), name]
                 if replacement is not node:
-                    replacement.meta[meta.FOLDED] = [
-                        *replacement.meta.get(meta.FOLDED, ()), *folded]
+                    replacement.meta[meta.FOLDED] = [*replacement.meta.get(meta.FOLDED, ()), *folded]
                     node.replace_all_uses_with(replacement)
                     gm.graph.erase_node(node)
                 else:

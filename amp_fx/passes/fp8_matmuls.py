@@ -123,6 +123,7 @@ def _grouped(target: object) -> bool:
     """A grouped expert GEMM (``aten._grouped_mm``, transformers' ``grouped_mm_fallback``)."""
     return isinstance(target, torch._ops.OpOverload) and target.name() in GROUPED_MM_OPS
 
+
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -224,8 +225,7 @@ def _text(d: object) -> int | str:
 
 
 class _Fp8Rewriter:
-    def __init__(self, gm: torch.fx.GraphModule, config: Fp8Config, policy: Policy,
-                 fake_mode: FakeTensorMode) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, config: Fp8Config, policy: Policy, fake_mode: FakeTensorMode) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.recipe = config.recipe
@@ -255,8 +255,7 @@ class _Fp8Rewriter:
 
         def decide(converted: bool, reason: str, pad: Fp8Padding | None = None) -> Fp8Decision:
             name = weight.meta.get(meta.PARAMETER) or weight.name
-            d = Fp8Decision(converted, reason, op, name, module, shape,
-                            self.recipe if converted else None, pad)
+            d = Fp8Decision(converted, reason, op, name, module, shape, self.recipe if converted else None, pad)
             self.record.decisions.append(d)
             return d
 
@@ -271,20 +270,24 @@ class _Fp8Rewriter:
         low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
         if not low or x_dtype not in _LOW:
             why = f" ({decision.reason})" if decision is not None else ""
-            node.meta[meta.FP8] = decide(False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, "
-                                                f"not in the autocast dtype{why}")
+            node.meta[meta.FP8] = decide(
+                False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
+            )
             return
         excluded = self.excluded(stack)
         if excluded is not None:
-            node.meta[meta.FP8] = decide(False, f"not fp8: module {excluded[0] or '<root>'} kept out of "
-                                                f"fp8 by policy ({excluded[1]})")
+            node.meta[meta.FP8] = decide(
+                False, f"not fp8: module {excluded[0] or '<root>'} kept out of fp8 by policy ({excluded[1]})"
+            )
             return
         pad = self.padding(shape) if match.offs is None else None
         reason = self.converted_reason()
         if match.offs is not None:
-            reason += (f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
-                       f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
-                       f"per group)")
+            reason += (
+                f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
+                f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
+                f"per group)"
+            )
         elif pad is not None and self.recipe is Fp8Recipe.MXFP8:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
@@ -302,8 +305,10 @@ class _Fp8Rewriter:
         if _grouped(target):
             return self.match_grouped(node)
         if target in (aten.bmm.default, aten.baddbmm.default):
-            return None, ("a batched matmul (aten.bmm): _scaled_mm takes 2-D operands, so a 3-D "
-                          "weight stays in the autocast dtype")
+            return None, (
+                "a batched matmul (aten.bmm): _scaled_mm takes 2-D operands, so a 3-D "
+                "weight stays in the autocast dtype"
+            )
         if target is aten.linear.default:
             x, w = arg_node(node, 0), arg_node(node, 1)
             bias = _optional_node(args[2] if len(args) > 2 else node.kwargs.get("bias"))
@@ -334,8 +339,10 @@ class _Fp8Rewriter:
     def match_grouped(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """``grouped_mm(x [M, K], w [E, K, N], offs)`` with ``w`` a view of a parameter, or why not."""
         if node.target is not _GROUPED_MM:
-            return None, (f"{op_label(node.target)} was not moved to the autocast dtype "
-                          f"(only aten._grouped_mm on autocast-dtype operands runs in fp8)")
+            return None, (
+                f"{op_label(node.target)} was not moved to the autocast dtype "
+                f"(only aten._grouped_mm on autocast-dtype operands runs in fp8)"
+            )
         operands = grouped_mm_operands(node.args, node.kwargs)
         if _parameter(node.args[1]) is None:
             return None, "the parameter is not the grouped GEMM's right operand"
@@ -373,12 +380,16 @@ class _Fp8Rewriter:
     def converted_reason(self) -> str:
         c = self.casts
         if self.recipe is Fp8Recipe.MXFP8:
-            return (f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
-                    f"each GEMM's inner dimension (out, grad_x, grad_w), from their bf16 values")
-        return (f"fp8 {self.recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
-                f"grad_x: grad ({c.grad_output.label}) @ w ({c.weight_for_grad_input.label}); "
-                f"grad_w: x ({c.input_for_grad_weight.label}) @ grad "
-                f"({c.grad_output_for_grad_weight.label})")
+            return (
+                f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
+                f"each GEMM's inner dimension (out, grad_x, grad_w), from their bf16 values"
+            )
+        return (
+            f"fp8 {self.recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
+            f"grad_x: grad ({c.grad_output.label}) @ w ({c.weight_for_grad_input.label}); "
+            f"grad_w: x ({c.input_for_grad_weight.label}) @ grad "
+            f"({c.grad_output_for_grad_weight.label})"
+        )
 
     def convert(self, node: torch.fx.Node, match: _Match, decision: Fp8Decision) -> None:
         stack = node.meta.get("nn_module_stack", {})
@@ -388,8 +399,12 @@ class _Fp8Rewriter:
                 if self.recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
                     out = self.call(mxfp8_grouped_mm, (match.x, match.weight, match.offs), stack, note)
                 else:
-                    out = self.call(fp8_grouped_mm, (match.x, self.fp32_view(match.weight, stack), match.offs,
-                                                     self.recipe), stack, note)
+                    out = self.call(
+                        fp8_grouped_mm,
+                        (match.x, self.fp32_view(match.weight, stack), match.offs, self.recipe),
+                        stack,
+                        note,
+                    )
                 out.meta[meta.FP8] = decision
                 out.meta[meta.FP8_OF] = node.name
                 inputs = node.all_input_nodes
@@ -406,11 +421,19 @@ class _Fp8Rewriter:
                 # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
                 bias, out_dtype = match.bias, _val(out).dtype
                 if _val(bias).dtype != out_dtype:
-                    bias = mark_cast(self.call(CAST_OP, (uncast(bias),), stack, note, {"dtype": out_dtype}),
-                                     decision.reason)
-                out = self.call(aten.add.Tensor, (out, bias), stack, Decision(
-                    CastClass.NONE, f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
-                                    f"GEMM (as torchao's Float8Linear adds it)"))
+                    bias = mark_cast(
+                        self.call(CAST_OP, (uncast(bias),), stack, note, {"dtype": out_dtype}), decision.reason
+                    )
+                out = self.call(
+                    aten.add.Tensor,
+                    (out, bias),
+                    stack,
+                    Decision(
+                        CastClass.NONE,
+                        f"fp8: the bias, in {dtype_name(out_dtype)}, added after the fp8 "
+                        f"GEMM (as torchao's Float8Linear adds it)",
+                    ),
+                )
         out.meta[meta.FP8_OF] = node.name
         inputs = node.all_input_nodes
         node.replace_all_uses_with(out)
@@ -419,31 +442,52 @@ class _Fp8Rewriter:
 
     def weight_note(self) -> str:
         if self.recipe is Fp8Recipe.MXFP8:
-            return ("fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes "
-                    "bf16 operands)")
-        return ("fp8: the weight as [K, N], in fp32 (the master weight is scaled, with no round trip "
-                "through the autocast dtype)")
+            return (
+                "fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes bf16 operands)"
+            )
+        return (
+            "fp8: the weight as [K, N], in fp32 (the master weight is scaled, with no round trip "
+            "through the autocast dtype)"
+        )
 
     def fp32_view(self, w: torch.fx.Node, stack: dict[str, object]) -> torch.fx.Node:
         """``w`` (views of a parameter's cast, or casts of its views) rebuilt on the fp32 parameter:
         the fp8 GEMMs scale the master weight, as torchao does."""
         node, views = walk_views(w, WEIGHT_VIEWS, through_casts=True)
         for view in reversed(views):
-            node = self.call(view.target, (node, *view.args[1:]), stack, Decision(
-                CastClass.NONE, "fp8: a view of the fp32 master weight (its fp8 casts scale it, with no "
-                                "round trip through the autocast dtype)"), dict(view.kwargs))
+            node = self.call(
+                view.target,
+                (node, *view.args[1:]),
+                stack,
+                Decision(
+                    CastClass.NONE,
+                    "fp8: a view of the fp32 master weight (its fp8 casts scale it, with no "
+                    "round trip through the autocast dtype)",
+                ),
+                dict(view.kwargs),
+            )
         return node
 
-    def call(self, target: object, args: tuple[object, ...], stack: dict[str, object],
-             decision: Decision, kwargs: dict[str, object] | None = None) -> torch.fx.Node:
+    def call(
+        self,
+        target: object,
+        args: tuple[object, ...],
+        stack: dict[str, object],
+        decision: Decision,
+        kwargs: dict[str, object] | None = None,
+    ) -> torch.fx.Node:
         with torch.no_grad():
-            return add_node(self.graph, target, args, kwargs, fake_mode=self.fake_mode, stack=stack,
-                            decision=decision)
+            return add_node(self.graph, target, args, kwargs, fake_mode=self.fake_mode, stack=stack, decision=decision)
 
 
 # value-preserving steps between a redistribute and the matmul: insert_casts' cast, views, detach
-_PASS_THROUGH = {aten._to_copy.default, aten.detach.default, aten.view.default, aten.reshape.default,
-                 aten.alias.default}
+_PASS_THROUGH = {
+    aten._to_copy.default,
+    aten.detach.default,
+    aten.view.default,
+    aten.reshape.default,
+    aten.alias.default,
+}
 
 
 def _gathered_activation(x: torch.fx.Node) -> str | None:
@@ -480,8 +524,7 @@ def _fp8_weight_reads(graph: torch.fx.Graph) -> list[str]:
                 todo += [(user, u) for u in user.users]
             elif not (user.target is fp8_matmul and user.args[1] is source and user.args[0] is not source):
                 module = innermost_module(user)
-                reads.append(f"{node.meta.get(meta.PARAMETER) or node.name} by {user.target} in "
-                             f"{module or 'the root'}")
+                reads.append(f"{node.meta.get(meta.PARAMETER) or node.name} by {user.target} in {module or 'the root'}")
     return reads
 
 
@@ -498,8 +541,9 @@ def _erase_unused_casts(graph: torch.fx.Graph, nodes: Sequence[torch.fx.Node]) -
             graph.erase_node(node)
 
 
-def fp8_matmuls(gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy,
-                fake_mode: FakeTensorMode, device_type: str = "cpu") -> tuple[torch.fx.GraphModule, Fp8Record]:
+def fp8_matmuls(
+    gm: torch.fx.GraphModule, *, config: Fp8Config, policy: Policy, fake_mode: FakeTensorMode, device_type: str = "cpu"
+) -> tuple[torch.fx.GraphModule, Fp8Record]:
     """Rewrite ``gm`` in place (contract in the module doc); returns it and what was done.
 
     Raises AmpFxError for a rowwise recipe on a device whose ``torch._scaled_mm`` takes no

@@ -34,9 +34,24 @@ from amp_fx.passes import meta
 from amp_fx.passes.capture import module_stack
 from amp_fx.policy import Decision
 
-__all__ = ["CAST_OP", "LAYOUT_VIEWS", "FULL_VIEWS", "WEIGHT_VIEWS", "placeholders", "copy_graph_module",
-           "walk_views", "uncast", "aliases_input", "arg_node", "innermost_module", "val", "add_node", "mark_cast",
-           "is_inserted_cast", "is_cast"]
+__all__ = [
+    "CAST_OP",
+    "LAYOUT_VIEWS",
+    "FULL_VIEWS",
+    "WEIGHT_VIEWS",
+    "placeholders",
+    "copy_graph_module",
+    "walk_views",
+    "uncast",
+    "aliases_input",
+    "arg_node",
+    "innermost_module",
+    "val",
+    "add_node",
+    "mark_cast",
+    "is_inserted_cast",
+    "is_cast",
+]
 
 aten = torch.ops.aten
 
@@ -47,8 +62,18 @@ LAYOUT_VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.defau
 """Views that only reorder a tensor's dimensions: a parameter's cast may move before them (a grouped
 expert GEMM's weight, ``insert_casts``)."""
 
-_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-                       aten.expand.default, aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim})
+_RESHAPES = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.alias.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+    }
+)
 
 FULL_VIEWS = LAYOUT_VIEWS | _RESHAPES | {aten.squeeze.dims, aten.detach.default}
 """Views that show every element of their base, so the base's "holds an inf/NaN" is theirs
@@ -80,20 +105,39 @@ def uncast(node: object) -> object: ...
 def uncast(node: object) -> object:
     """The value before the casts amp_fx inserted (casts the model wrote itself are kept); a node
     for a node (amp_fx casts nodes only)."""
-    while (isinstance(node, torch.fx.Node) and is_inserted_cast(node) and node.args
-           and isinstance(node.args[0], torch.fx.Node)):
+    while (
+        isinstance(node, torch.fx.Node)
+        and is_inserted_cast(node)
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+    ):
         node = node.args[0]
     return node
 
 
 @overload
-def walk_views(node: torch.fx.Node, views: Collection[object], *, through_casts: bool = False,
-               stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[torch.fx.Node, list[torch.fx.Node]]: ...
+def walk_views(
+    node: torch.fx.Node,
+    views: Collection[object],
+    *,
+    through_casts: bool = False,
+    stop: Callable[[torch.fx.Node], bool] | None = None,
+) -> tuple[torch.fx.Node, list[torch.fx.Node]]: ...
 @overload
-def walk_views(node: object, views: Collection[object], *, through_casts: bool = False,
-               stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[object, list[torch.fx.Node]]: ...
-def walk_views(node: object, views: Collection[object], *, through_casts: bool = False,
-               stop: Callable[[torch.fx.Node], bool] | None = None) -> tuple[object, list[torch.fx.Node]]:
+def walk_views(
+    node: object,
+    views: Collection[object],
+    *,
+    through_casts: bool = False,
+    stop: Callable[[torch.fx.Node], bool] | None = None,
+) -> tuple[object, list[torch.fx.Node]]: ...
+def walk_views(
+    node: object,
+    views: Collection[object],
+    *,
+    through_casts: bool = False,
+    stop: Callable[[torch.fx.Node], bool] | None = None,
+) -> tuple[object, list[torch.fx.Node]]:
     """Up from ``node`` through calls of ``views`` (with ``through_casts``, through the casts amp_fx
     inserted too): the value they view (a node where ``node`` is one) and the views passed,
     nearest first. The walk ends at a view whose first argument is not a node, or for which
@@ -101,8 +145,13 @@ def walk_views(node: object, views: Collection[object], *, through_casts: bool =
     passed: list[torch.fx.Node] = []
     if through_casts:
         node = uncast(node)
-    while (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in views
-           and isinstance(node.args[0], torch.fx.Node) and not (stop is not None and stop(node))):
+    while (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target in views
+        and isinstance(node.args[0], torch.fx.Node)
+        and not (stop is not None and stop(node))
+    ):
         passed.append(node)
         node = uncast(node.args[0]) if through_casts else node.args[0]
     return node, passed
@@ -133,9 +182,17 @@ def val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
 
 
-def add_node(graph: torch.fx.Graph, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
-             fake_mode: FakeTensorMode, stack: dict[str, Any], decision: Decision | None = None,
-             before: torch.fx.Node | None = None) -> torch.fx.Node:
+def add_node(
+    graph: torch.fx.Graph,
+    target: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    fake_mode: FakeTensorMode,
+    stack: dict[str, Any],
+    decision: Decision | None = None,
+    before: torch.fx.Node | None = None,
+) -> torch.fx.Node:
     """A new ``call_function`` node (before ``before``, else where the graph inserts now) with
     ``meta["val"]`` computed from its arguments' values under ``fake_mode`` (in the caller's grad
     mode), ``nn_module_stack`` = ``stack`` and, where given, ``meta.DECISION``."""

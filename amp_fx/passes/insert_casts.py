@@ -130,8 +130,12 @@ class ExpertGemm:
 
 def _eligible(val: Any, device_type: str) -> bool:
     """at::autocast::is_eligible: defined, floating point, not float64, on the autocast device."""
-    return (isinstance(val, torch.Tensor) and val.is_floating_point()
-            and val.dtype is not torch.float64 and val.device.type == device_type)
+    return (
+        isinstance(val, torch.Tensor)
+        and val.is_floating_point()
+        and val.dtype is not torch.float64
+        and val.device.type == device_type
+    )
 
 
 def _touches_alias(op: torch._ops.OpOverload) -> bool:
@@ -139,8 +143,9 @@ def _touches_alias(op: torch._ops.OpOverload) -> bool:
 
 
 class _CastInserter:
-    def __init__(self, gm: torch.fx.GraphModule, policy: Policy, device_type: str,
-                 dtype: torch.dtype, fake_mode: FakeTensorMode) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, policy: Policy, device_type: str, dtype: torch.dtype, fake_mode: FakeTensorMode
+    ) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.policy = policy
@@ -155,14 +160,29 @@ class _CastInserter:
     def cast(self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node, why: str) -> torch.fx.Node:
         """at::autocast::cached_cast for one tensor-valued node (eligibility checked by caller)."""
         val = _val(arg)
-        cacheable = (self.policy.cast_cache and to == self.lower and val.dtype == torch.float32
-                     and arg.op == "placeholder" and arg.meta.get(meta.LEAF, False))
+        cacheable = (
+            self.policy.cast_cache
+            and to == self.lower
+            and val.dtype == torch.float32
+            and arg.op == "placeholder"
+            and arg.meta.get(meta.LEAF, False)
+        )
         if cacheable and (arg, to) in self.cache:
             self.record.casts_shared += 1
             return self.cache[arg, to]
-        node = mark_cast(add_node(self.graph, CAST_OP, (arg,), {"dtype": to}, fake_mode=self.fake_mode,
-                                  stack=before.meta.get("nn_module_stack", {}), before=before),
-                         why, cached=cacheable)
+        node = mark_cast(
+            add_node(
+                self.graph,
+                CAST_OP,
+                (arg,),
+                {"dtype": to},
+                fake_mode=self.fake_mode,
+                stack=before.meta.get("nn_module_stack", {}),
+                before=before,
+            ),
+            why,
+            cached=cacheable,
+        )
         self.record.casts_inserted += 1
         if cacheable:
             self.cache[arg, to] = node
@@ -171,6 +191,7 @@ class _CastInserter:
     def cast_args(self, node: torch.fx.Node, to_type_of: Any, why: str, *, through_views: bool = False) -> None:
         """Cast every eligible tensor argument (in lists too) whose dtype differs from the target;
         ``through_views``: a view of a leaf gets the leaf's cast, viewed (:meth:`cast_through_views`)."""
+
         def visit(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
                 v = _val(a)
@@ -197,7 +218,8 @@ class _CastInserter:
                 raise AmpFxError(
                     f"amp_fx: {node.format_node()} mixes {v.dtype} with {self.lower} autocast; "
                     "eager autocast raises 'Unexpected floating ScalarType in "
-                    "at::autocast::prioritize' here too")
+                    "at::autocast::prioritize' here too"
+                )
         return current
 
     def apply(self, node: torch.fx.Node, op: torch._ops.OpOverload, decision: Decision) -> None:
@@ -219,8 +241,7 @@ class _CastInserter:
         elif cls is CastClass.OWN_KERNEL:
             self.own_region(node)
         elif cls is CastClass.BANNED:
-            raise AmpFxError(f"{banned_message(op.name(), self.policy, self.device_type)} "
-                             f"(at {node.format_node()})")
+            raise AmpFxError(f"{banned_message(op.name(), self.policy, self.device_type)} (at {node.format_node()})")
 
     def lower_grouped(self, node: torch.fx.Node, op: torch._ops.OpOverload, why: str) -> None:
         """A grouped expert GEMM (``node``, a call of ``op``) in the autocast dtype, as one
@@ -230,27 +251,44 @@ class _CastInserter:
             given = dict(zip((a.name for a in schema.arguments), node.args, strict=False)) | dict(node.kwargs)
             offs = given["offs"]
             if _val(offs).dtype != torch.int32:
-                offs = mark_cast(add_node(self.graph, CAST_OP, (offs,), {"dtype": torch.int32},
-                                          fake_mode=self.fake_mode, stack=node.meta.get("nn_module_stack", {}),
-                                          before=node), f"{why}: aten._grouped_mm takes int32 offsets")
+                offs = mark_cast(
+                    add_node(
+                        self.graph,
+                        CAST_OP,
+                        (offs,),
+                        {"dtype": torch.int32},
+                        fake_mode=self.fake_mode,
+                        stack=node.meta.get("nn_module_stack", {}),
+                        before=node,
+                    ),
+                    f"{why}: aten._grouped_mm takes int32 offsets",
+                )
             node.target = _GROUPED_MM
             node.args, node.kwargs = (given["input"], given["weight"], offs), {}
         self.cast_args(node, lambda v: self.lower, why, through_views=True)
 
-    def cast_through_views(self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node,
-                           why: str) -> torch.fx.Node | None:
+    def cast_through_views(
+        self, arg: torch.fx.Node, to: torch.dtype, before: torch.fx.Node, why: str
+    ) -> torch.fx.Node | None:
         """``arg``, a chain of layout views of an fp32 leaf, rebuilt on the leaf's (shared) cast;
         None when ``arg`` is not such a chain."""
-        src, views = walk_views(arg, LAYOUT_VIEWS,
-                                stop=lambda v: any(isinstance(a, torch.fx.Node) for a in v.args[1:]))
+        src, views = walk_views(arg, LAYOUT_VIEWS, stop=lambda v: any(isinstance(a, torch.fx.Node) for a in v.args[1:]))
         if not views or src.op != "placeholder":
             return None
         node = self.cast(src, to, before, why)
         for view in reversed(views):
-            node = add_node(self.graph, view.target, (node, *view.args[1:]), dict(view.kwargs),
-                            fake_mode=self.fake_mode, stack=view.meta.get("nn_module_stack", {}), before=before,
-                            decision=Decision(CastClass.NONE, f"view of the cast weight ({why}; cast before "
-                                                              "the view: the same values)"))
+            node = add_node(
+                self.graph,
+                view.target,
+                (node, *view.args[1:]),
+                dict(view.kwargs),
+                fake_mode=self.fake_mode,
+                stack=view.meta.get("nn_module_stack", {}),
+                before=before,
+                decision=Decision(
+                    CastClass.NONE, f"view of the cast weight ({why}; cast before the view: the same values)"
+                ),
+            )
         return node
 
     def own_region(self, node: torch.fx.Node) -> None:
@@ -283,7 +321,7 @@ class _CastInserter:
         target = op_from_name(APPEND_DTYPE_REDISPATCH[op.name()])
         schema = op._schema
         args = list(node.args)
-        for a in schema.arguments[len(args):]:
+        for a in schema.arguments[len(args) :]:
             args.append(node.kwargs.get(a.name, a.default_value))
         first = _val(node.args[0])
         out = torch.float32 if _eligible(first, self.device_type) else first.dtype
@@ -316,7 +354,8 @@ class _CastInserter:
         expected = node.meta.get(meta.AUTOCAST_DTYPE)
         if expected is not None and isinstance(val, torch.Tensor) and val.dtype != expected:
             self.record.autocast_mismatches.append(
-                f"{node.name}: {dtype_name(val.dtype)} (eager autocast: {dtype_name(expected)})")
+                f"{node.name}: {dtype_name(val.dtype)} (eager autocast: {dtype_name(expected)})"
+            )
 
     def enter_region(self, node: torch.fx.Node) -> None:
         """A ``torch.autocast`` region the model opens: (device_type, dtype, enabled, cache)."""
@@ -372,8 +411,10 @@ class _CastInserter:
         rewritten = call != (node.target, node.args, dict(node.kwargs))
         if isinstance(call[0], torch._ops.OpOverload) and call[0].name() in GROUPED_MM_OPS:
             self.record_expert(node, call[0])
-        autocast_op = (isinstance(call[0], torch._ops.OpOverload)
-                       and default_class(call[0].name(), self.device_type) is not CastClass.NONE)
+        autocast_op = (
+            isinstance(call[0], torch._ops.OpOverload)
+            and default_class(call[0].name(), self.device_type) is not CastClass.NONE
+        )
         inputs_changed = any(a in changed for a in node.all_input_nodes)
         if _own_kernel(node) and not rewritten and not inputs_changed and len(self.regions) == 1:
             # Capture computed this value under the same autocast state; recomputing it would give
@@ -387,11 +428,17 @@ class _CastInserter:
 
     def record_expert(self, node: torch.fx.Node, called: torch._ops.OpOverload) -> None:
         first = _val(node.args[0]) if node.args else None
-        self.record.experts.append(ExpertGemm(
-            node=node.name, op=op_label(called), module=innermost_module(node),
-            dtype=first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else None,
-            lowered=node.target is _GROUPED_MM and self.policy.lowers_experts(called.name())
-            and node.meta[meta.DECISION].cast_class is CastClass.LOWER_PRECISION_FP))
+        self.record.experts.append(
+            ExpertGemm(
+                node=node.name,
+                op=op_label(called),
+                module=innermost_module(node),
+                dtype=first.dtype if isinstance(first, torch.Tensor) and first.is_floating_point() else None,
+                lowered=node.target is _GROUPED_MM
+                and self.policy.lowers_experts(called.name())
+                and node.meta[meta.DECISION].cast_class is CastClass.LOWER_PRECISION_FP,
+            )
+        )
 
     def decide(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> Decision:
         """The decision for ``node``, a call of ``op``."""
@@ -399,26 +446,28 @@ class _CastInserter:
             return Decision(CastClass.NONE, "cast inserted by amp_fx")
         enabled, dtype = self.regions[-1]
         if not enabled:
-            return Decision(CastClass.NONE, "not autocast: torch.autocast(enabled=False) in the "
-                                            "model covers this op")
+            return Decision(CastClass.NONE, "not autocast: torch.autocast(enabled=False) in the model covers this op")
         decision = self.policy.classify(op, self.device_type, module_stack(node))
         if self.policy.lowers_experts(op.name()) and self.lower != torch.bfloat16:
             # torch's meta kernel of aten._grouped_mm (what compiles it) takes bf16 operands only
-            return Decision(CastClass.NONE, f"not autocast: {op_label(op)} stays in its "
-                                            f"inputs' dtypes: Policy(autocast_experts=True) runs grouped "
-                                            f"GEMMs in bf16 only (aten._grouped_mm compiles for bf16 only), "
-                                            f"not {dtype_name(self.lower)}")
+            return Decision(
+                CastClass.NONE,
+                f"not autocast: {op_label(op)} stays in its "
+                f"inputs' dtypes: Policy(autocast_experts=True) runs grouped "
+                f"GEMMs in bf16 only (aten._grouped_mm compiles for bf16 only), "
+                f"not {dtype_name(self.lower)}",
+            )
         if len(self.regions) > 1 and decision.cast_class is not CastClass.NONE:
             decision = dataclasses.replace(
-                decision, reason=f"{decision.reason}, in the model's torch.autocast region "
-                                 f"({dtype_name(dtype)})")
+                decision, reason=f"{decision.reason}, in the model's torch.autocast region ({dtype_name(dtype)})"
+            )
         if decision.kept_module is not None:
             # A kept module runs its compute in fp32; views and in-place ops keep their inputs,
             # since a cast copy would break aliasing (a mutation would land on the copy).
-            if _touches_alias(op) or not any(_eligible(_val(a), self.device_type)
-                                             for a in node.all_input_nodes):
-                return Decision(CastClass.NONE, decision.reason + "; view/in-place op left as is",
-                                kept_module=decision.kept_module)
+            if _touches_alias(op) or not any(_eligible(_val(a), self.device_type) for a in node.all_input_nodes):
+                return Decision(
+                    CastClass.NONE, decision.reason + "; view/in-place op left as is", kept_module=decision.kept_module
+                )
         return decision
 
 

@@ -124,8 +124,12 @@ def _liftable(node: torch.fx.Node, position: dict[torch.fx.Node, int], inputs: S
     if node.op != "call_function" or node.target is not CAST_OP or len(node.args) != 1:
         return False
     src = node.args[0]
-    if (not isinstance(src, torch.fx.Node) or src not in position or set(node.kwargs) != {"dtype"}
-            or node.kwargs["dtype"] not in _LOW):
+    if (
+        not isinstance(src, torch.fx.Node)
+        or src not in position
+        or set(node.kwargs) != {"dtype"}
+        or node.kwargs["dtype"] not in _LOW
+    ):
         return False
     weight = inputs[position[src]]
     if not isinstance(weight, torch.nn.Parameter) or weight.dtype != torch.float32:
@@ -149,8 +153,16 @@ def _example(weight: torch.Tensor, dtype: torch.dtype, fake_mode: FakeTensorMode
     with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
         ex = torch.empty_strided(local.shape, local.stride(), dtype=dtype, device=local.device)
         if sharded:  # a DTensor weight (tensor parallelism): its copy is one, placed as the weight
-            ex = dtensor.from_local(ex, weight.device_mesh, weight.placements, run_check=False,  # type: ignore[union-attr, attr-defined]  # a DTensor
-                                    shape=weight.shape, stride=weight.stride())
+            assert dtensor is not None  # sharded: the weight is a DTensor
+            mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]  # a DTensor
+            ex = dtensor.from_local(
+                ex,
+                mesh,
+                placements,
+                run_check=False,
+                shape=weight.shape,
+                stride=weight.stride(),
+            )
     return ex.requires_grad_(weight.requires_grad)
 
 
@@ -162,8 +174,9 @@ def _users_in_accumulation_order(casts: Sequence[torch.fx.Node]) -> list[torch.f
     return sorted({u: None for c in casts for u in c.users}, key=order.__getitem__, reverse=True)
 
 
-def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.fx.Node],
-                                    make_input: Callable[[], torch.fx.Node]) -> None:
+def _give_each_occurrence_its_input(
+    user: torch.fx.Node, casts: Sequence[torch.fx.Node], make_input: Callable[[], torch.fx.Node]
+) -> None:
     """Replace each occurrence of ``casts`` among ``user``'s inputs (args, then kwargs) by a new
     input, in order: autograd adds one node's outputs into a buffer in that order."""
 
@@ -173,8 +186,9 @@ def _give_each_occurrence_its_input(user: torch.fx.Node, casts: Sequence[torch.f
     user.args, user.kwargs = torch.fx.node.map_arg((user.args, user.kwargs), swap)
 
 
-def _direct_uses(src: torch.fx.Node, lifted_casts: set[torch.fx.Node], where: dict[torch.fx.Node, int]
-                 ) -> list[torch.fx.Node] | None:
+def _direct_uses(
+    src: torch.fx.Node, lifted_casts: set[torch.fx.Node], where: dict[torch.fx.Node, int]
+) -> list[torch.fx.Node] | None:
     """The users of ``src`` (an fp32 parameter) other than its lifted casts, in graph order, or
     None when one of them must keep ``src`` itself: the output (the graph returns the parameter)
     or an op that mutates an argument (an alias input would take the mutation)."""
@@ -194,8 +208,9 @@ def _occurrences(user: torch.fx.Node, src: torch.fx.Node) -> int:
     return len(found)
 
 
-def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
-                      ) -> tuple[torch.fx.GraphModule, list[Any], list[Lifted]]:
+def lift_weight_casts(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+) -> tuple[torch.fx.GraphModule, list[Any], list[Lifted]]:
     """Lift parameter casts (and, where their order matters, fp32 uses) into inputs, on a copy
     (contract in the module doc)."""
     copy = copy_graph_module(gm)
@@ -247,8 +262,9 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 
     for (src, dtype), same in by_weight.items():
         first = min(where[u] for c in same for u in c.users)
-        make_input = functools.partial(new_input, src, dtype, same[0].meta.get("val"),
-                                       rank[(first, 0, 0, src.name, dtype_name(dtype))])
+        make_input = functools.partial(
+            new_input, src, dtype, same[0].meta.get("val"), rank[(first, 0, 0, src.name, dtype_name(dtype))]
+        )
         if not inputs[position[src]].requires_grad:
             frozen = make_input()
             for cast in same:
@@ -264,8 +280,9 @@ def lift_weight_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
             n = _occurrences(user, src)
             created = iter([rank[(where[user], 1, n - 1 - k, src.name, "")] for k in range(n)])
 
-            def next_input(src: torch.fx.Node = src, dtype: torch.dtype = dtype,
-                           created: Iterator[int] = created) -> torch.fx.Node:
+            def next_input(
+                src: torch.fx.Node = src, dtype: torch.dtype = dtype, created: Iterator[int] = created
+            ) -> torch.fx.Node:
                 return new_input(src, dtype, src.meta.get("val"), next(created))
 
             _give_each_occurrence_its_input(user, [src], next_input)
@@ -281,12 +298,14 @@ def _constant(a: Any) -> bool:
     return isinstance(a, int) or (isinstance(a, (list, tuple)) and all(isinstance(b, int) for b in a))
 
 
-def _weight_operand(node: Any, position: dict[torch.fx.Node, int], inputs: Sequence[Any]
-                    ) -> tuple[torch.fx.Node, tuple[tuple[Any, tuple[Any, ...]], ...]] | None:
+def _weight_operand(
+    node: Any, position: dict[torch.fx.Node, int], inputs: Sequence[Any]
+) -> tuple[torch.fx.Node, tuple[tuple[Any, tuple[Any, ...]], ...]] | None:
     """The fp32 parameter placeholder an fp8 matmul's weight operand is a view of, and the views
     (each an ATen view op whose other arguments are constants), or None."""
-    node, views = walk_views(node, WEIGHT_VIEWS,
-                             stop=lambda v: bool(v.kwargs) or not all(_constant(a) for a in v.args[1:]))
+    node, views = walk_views(
+        node, WEIGHT_VIEWS, stop=lambda v: bool(v.kwargs) or not all(_constant(a) for a in v.args[1:])
+    )
     if not isinstance(node, torch.fx.Node) or node not in position:
         return None
     weight = inputs[position[node]]
@@ -295,9 +314,15 @@ def _weight_operand(node: Any, position: dict[torch.fx.Node, int], inputs: Seque
     return node, tuple((v.target, tuple(v.args[1:])) for v in reversed(views))
 
 
-def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, int], example_inputs: Sequence[Any],
-                           fake_mode: FakeTensorMode | None, last: torch.fx.Node, lifted: list[Lifted],
-                           inputs: list[Any]) -> torch.fx.Node:
+def _lift_fp8_weight_casts(
+    graph: torch.fx.Graph,
+    position: dict[torch.fx.Node, int],
+    example_inputs: Sequence[Any],
+    fake_mode: FakeTensorMode | None,
+    last: torch.fx.Node,
+    lifted: list[Lifted],
+    inputs: list[Any],
+) -> torch.fx.Node:
     """Each fp8 matmul (``fp8_matmul(x, w, recipe)`` of the fp8 pass) becomes
     ``fp8_matmul_cached_weight(x, w, *casts, recipe)``, its weight's four cast tensors new
     inputs (appended after ``last``; one set per (weight, views, recipe), shared by the matmuls
@@ -308,8 +333,10 @@ def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, 
         x, w, recipe = node.args
         found = _weight_operand(w, position, example_inputs)
         if found is None:
-            raise ValueError(f"the weight operand of fp8 matmul {node.name} ({w}) is not a view of an fp32 "
-                             f"parameter with constant arguments: its fp8 casts cannot be cached")
+            raise ValueError(
+                f"the weight operand of fp8 matmul {node.name} ({w}) is not a view of an fp32 "
+                f"parameter with constant arguments: its fp8 casts cannot be cached"
+            )
         src, views = found
         key = (src, views, recipe)
         if key not in shared:
@@ -333,9 +360,13 @@ def _lift_fp8_weight_casts(graph: torch.fx.Graph, position: dict[torch.fx.Node, 
     return last
 
 
-def _fp32_uses_to_lift(placeholders: Sequence[torch.fx.Node], example_inputs: Sequence[Any],
-                       lifted_casts: set[torch.fx.Node], cast: set[torch.fx.Node],
-                       where: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+def _fp32_uses_to_lift(
+    placeholders: Sequence[torch.fx.Node],
+    example_inputs: Sequence[Any],
+    lifted_casts: set[torch.fx.Node],
+    cast: set[torch.fx.Node],
+    where: dict[torch.fx.Node, int],
+) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     """For each trainable fp32 parameter whose gradient contributions the graph would otherwise
     sum out of eager's order (it has a lifted cast here, or two or more fp32 occurrences), its
     fp32 users in graph order."""

@@ -63,8 +63,23 @@ compiled root), ``recompute``/``ac_graph_id`` (activation checkpointing, set by 
 
 from __future__ import annotations
 
-__all__ = ["AUTOCAST_DTYPE", "LEAF", "DECISION", "CAST", "CAST_INSERTED", "CAST_REASON", "CACHED",
-           "FOLDED", "PARAMETER", "FP8", "FP8_OF", "RNN_CELLS", "WEIGHT_CACHE", "WEIGHT_USE", "FORWARD_NODE"]
+__all__ = [
+    "AUTOCAST_DTYPE",
+    "LEAF",
+    "DECISION",
+    "CAST",
+    "CAST_INSERTED",
+    "CAST_REASON",
+    "CACHED",
+    "FOLDED",
+    "PARAMETER",
+    "FP8",
+    "FP8_OF",
+    "RNN_CELLS",
+    "WEIGHT_CACHE",
+    "WEIGHT_USE",
+    "FORWARD_NODE",
+]
 
 AUTOCAST_DTYPE = "amp_fx_autocast_dtype"
 LEAF = "amp_fx_leaf"

@@ -43,8 +43,17 @@ from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
 from amp_fx.policy import Policy
 
-__all__ = ["Fallback", "GraphRecord", "GraphWork", "PIPELINE", "Stage", "StageFailure", "run_pipeline",
-           "stage", "summarize"]
+__all__ = [
+    "Fallback",
+    "GraphRecord",
+    "GraphWork",
+    "PIPELINE",
+    "Stage",
+    "StageFailure",
+    "run_pipeline",
+    "stage",
+    "summarize",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +69,10 @@ class StageFailure(AmpFxError):
         self.op = _failing_op(cause)
         self.cause = f"{type(cause).__name__}: {cause}"
         at = f" (op: {self.op})" if self.op is not None else ""
-        super().__init__(f"amp_fx: {stage} failed on graph {index} (passes run before it: "
-                         f"{', '.join(before) or 'none'}): {self.cause}{at}")
+        super().__init__(
+            f"amp_fx: {stage} failed on graph {index} (passes run before it: "
+            f"{', '.join(before) or 'none'}): {self.cause}{at}"
+        )
 
 
 def _failing_op(error: BaseException) -> str | None:
@@ -119,12 +130,21 @@ class GraphRecord:
     """Set when this graph fell back to what ``torch.compile`` under ``torch.autocast`` does."""
 
     @classmethod
-    def fell_back(cls, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dtype: torch.dtype,
-                  failure: StageFailure) -> GraphRecord:
+    def fell_back(
+        cls, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], dtype: torch.dtype, failure: StageFailure
+    ) -> GraphRecord:
         """The record of Dynamo's graph ``gm``, compiled as torch.compile would after ``failure``."""
-        return cls(index=failure.index, device_type=graph_device_type(example_inputs), dtype=dtype,
-                   dynamo_graph=gm, captured=gm, rewritten=gm, inserted=InsertRecord(), folded=FoldRecord(),
-                   fallback=Fallback(failure.stage, failure.op, failure.cause))
+        return cls(
+            index=failure.index,
+            device_type=graph_device_type(example_inputs),
+            dtype=dtype,
+            dynamo_graph=gm,
+            captured=gm,
+            rewritten=gm,
+            inserted=InsertRecord(),
+            folded=FoldRecord(),
+            fallback=Fallback(failure.stage, failure.op, failure.cause),
+        )
 
     @property
     def fallback_text(self) -> str:
@@ -133,8 +153,10 @@ class GraphRecord:
         if f is None:
             return ""
         at = f" at {f.op}" if f.op is not None else ""
-        return (f"amp_fx's {f.stage} failed on it{at} ({f.cause}), so it was compiled as torch.compile "
-                f"under torch.autocast compiles it (eager autocast's casts, not amp_fx's)")
+        return (
+            f"amp_fx's {f.stage} failed on it{at} ({f.cause}), so it was compiled as torch.compile "
+            f"under torch.autocast compiles it (eager autocast's casts, not amp_fx's)"
+        )
 
     @property
     def casts(self) -> int:
@@ -143,17 +165,35 @@ class GraphRecord:
 
     def summary_rows(self) -> list[list[object]]:
         ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
-        return [[self.index, self.device_type, dtype_name(self.dtype), ops,
-                 self.inserted.casts_inserted, self.inserted.casts_shared, self.folded.total,
-                 ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
-                 self.casts]]
+        return [
+            [
+                self.index,
+                self.device_type,
+                dtype_name(self.dtype),
+                ops,
+                self.inserted.casts_inserted,
+                self.inserted.casts_shared,
+                self.folded.total,
+                ", ".join(f"{k}={v}" for k, v in sorted(self.folded.by_rule.items())) or "-",
+                self.casts,
+            ]
+        ]
 
     def __str__(self) -> str:
         return summarize([self])
 
 
-_HEADERS = ["graph", "device", "dtype", "ops", "casts inserted", "leaf casts shared",
-            "casts folded", "folded by rule", "casts left"]
+_HEADERS = [
+    "graph",
+    "device",
+    "dtype",
+    "ops",
+    "casts inserted",
+    "leaf casts shared",
+    "casts folded",
+    "folded by rule",
+    "casts left",
+]
 
 
 def summarize(records: Sequence[GraphRecord]) -> str:
@@ -211,10 +251,19 @@ class GraphWork:
 
     def record(self, dtype: torch.dtype) -> GraphRecord:
         assert self.captured is not None, "the capture stage always runs"
-        return GraphRecord(index=self.index, device_type=self.device_type, dtype=dtype,
-                           dynamo_graph=self.dynamo_graph, captured=self.captured, rewritten=self.gm,
-                           inserted=self.inserted, folded=self.folded, pass_seconds=self.seconds,
-                           watched=self.watched, fp8=self.fp8)
+        return GraphRecord(
+            index=self.index,
+            device_type=self.device_type,
+            dtype=dtype,
+            dynamo_graph=self.dynamo_graph,
+            captured=self.captured,
+            rewritten=self.gm,
+            inserted=self.inserted,
+            folded=self.folded,
+            pass_seconds=self.seconds,
+            watched=self.watched,
+            fp8=self.fp8,
+        )
 
 
 # --- the stages ---------------------------------------------------------------------------------
@@ -222,14 +271,25 @@ class GraphWork:
 
 def _capture(options: Options, work: GraphWork) -> None:
     with work.fake_mode:
-        work.gm = capture(work.gm, work.fake_args, policy=options.policy, device_type=work.device_type,
-                          dtype=options.dtype, leaf_flags=work.leaf_flags)
+        work.gm = capture(
+            work.gm,
+            work.fake_args,
+            policy=options.policy,
+            device_type=work.device_type,
+            dtype=options.dtype,
+            leaf_flags=work.leaf_flags,
+        )
     work.captured = copy_graph_module(work.gm)
 
 
 def _insert_casts(options: Options, work: GraphWork) -> None:
-    work.gm, work.inserted = insert_casts(work.gm, policy=_cast_policy(options), device_type=work.device_type,
-                                          dtype=options.dtype, fake_mode=work.fake_mode)
+    work.gm, work.inserted = insert_casts(
+        work.gm,
+        policy=_cast_policy(options),
+        device_type=work.device_type,
+        dtype=options.dtype,
+        fake_mode=work.fake_mode,
+    )
 
 
 def _cast_policy(options: Options) -> Policy:
@@ -246,8 +306,9 @@ def _fp8_matmuls(options: Options, work: GraphWork) -> None:
     assert options.fp8 is not None
     for node, name in zip(placeholders(work.gm.graph), work.parameter_names, strict=True):
         node.meta[meta.PARAMETER] = name
-    work.gm, work.fp8 = fp8_matmuls(work.gm, config=options.fp8, policy=options.policy,
-                                    fake_mode=work.fake_mode, device_type=work.device_type)
+    work.gm, work.fp8 = fp8_matmuls(
+        work.gm, config=options.fp8, policy=options.policy, fake_mode=work.fake_mode, device_type=work.device_type
+    )
 
 
 def _fold_casts(options: Options, work: GraphWork) -> None:
@@ -296,9 +357,13 @@ def _leaves_marked(work: GraphWork) -> str | None:
 def _decided(work: GraphWork) -> str | None:
     """Every ATen op carries insert_casts' decision (what fold_casts, the watch and lifting read)."""
     for node in work.gm.graph.nodes:
-        if (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-                and meta.DECISION not in node.meta and meta.CAST not in node.meta
-                and node.target is not CAST_OP):
+        if (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and meta.DECISION not in node.meta
+            and meta.CAST not in node.meta
+            and node.target is not CAST_OP
+        ):
             return f"{node.format_node()} has no meta[{meta.DECISION!r}] (insert_casts has not run?)"
     return None
 
@@ -306,8 +371,7 @@ def _decided(work: GraphWork) -> str | None:
 def _cast_decisions_recorded(work: GraphWork) -> str | None:
     """insert_casts ran: its decisions are on the graph's ops (later passes add ops of their own,
     such as the watch's checks, which carry none)."""
-    ops = [n for n in work.gm.graph.nodes
-           if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    ops = [n for n in work.gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
     if ops and not any(meta.DECISION in n.meta for n in ops):
         return f"no op carries meta[{meta.DECISION!r}] (insert_casts has not run?)"
     return None
@@ -336,20 +400,31 @@ class Stage:
 PIPELINE: tuple[Stage, ...] = (
     Stage("capture", _capture),
     Stage("insert_casts", _insert_casts, requires=(_aten_graph, _leaves_marked)),
-    Stage("fp8_matmuls", _fp8_matmuls, enabled=lambda o: o.fp8 is not None,
-          requires=(_aten_graph, _decided, _example_per_placeholder)),
+    Stage(
+        "fp8_matmuls",
+        _fp8_matmuls,
+        enabled=lambda o: o.fp8 is not None,
+        requires=(_aten_graph, _decided, _example_per_placeholder),
+    ),
     Stage("fold_casts", _fold_casts, enabled=lambda o: o.fold, requires=(_aten_graph, _decided)),
-    Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite,
-          requires=(_aten_graph, _decided)),
-    Stage("lift_weight_casts", _lift_weight_casts, enabled=lambda o: o.weight_cache,
-          requires=(_cast_decisions_recorded, _example_per_placeholder)),
+    Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite, requires=(_aten_graph, _decided)),
+    Stage(
+        "lift_weight_casts",
+        _lift_weight_casts,
+        enabled=lambda o: o.weight_cache,
+        requires=(_cast_decisions_recorded, _example_per_placeholder),
+    ),
 )
 """What runs on every Dynamo graph, in order (see amp_fx/passes/README.md)."""
 
 
-def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
-            is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
-            state_name: Callable[[torch.fx.Node, Any], str | None] | None = None) -> GraphWork:
+def prepare(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    index: int,
+    is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
+    state_name: Callable[[torch.fx.Node, Any], str | None] | None = None,
+) -> GraphWork:
     """The work for one Dynamo graph: its inputs fakified through the backend's fake mode (the one
     AOTAutograd will use, not Dynamo's tracing one), so that the passes' fake values and the
     downstream trace agree (``from_tensor`` memoizes). ``is_state``: tells the root's parameters and
@@ -363,13 +438,21 @@ def prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], index: int,
             fake_args.append(real if isinstance(real, FakeTensor) else fake_mode.from_tensor(real))
         else:
             fake_args.append(node.meta.get("example_value", real))
-    return GraphWork(gm=gm, dynamo_graph=gm, example_inputs=list(example_inputs), fake_args=fake_args,
-                     fake_mode=fake_mode, device_type=graph_device_type(fake_args),
-                     leaf_flags=[is_cacheable_leaf(r) for r in example_inputs], index=index,
-                     data_inputs=data_inputs(gm, example_inputs, is_state),
-                     parameter_names=[((state_name(n, r) if state_name is not None else None) or source_name(n))
-                                      if _is_parameter(n, r) else None
-                                      for n, r in zip(inputs, example_inputs, strict=True)])
+    return GraphWork(
+        gm=gm,
+        dynamo_graph=gm,
+        example_inputs=list(example_inputs),
+        fake_args=fake_args,
+        fake_mode=fake_mode,
+        device_type=graph_device_type(fake_args),
+        leaf_flags=[is_cacheable_leaf(r) for r in example_inputs],
+        index=index,
+        data_inputs=data_inputs(gm, example_inputs, is_state),
+        parameter_names=[
+            ((state_name(n, r) if state_name is not None else None) or source_name(n)) if _is_parameter(n, r) else None
+            for n, r in zip(inputs, example_inputs, strict=True)
+        ],
+    )
 
 
 def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
@@ -378,10 +461,16 @@ def _is_parameter(node: torch.fx.Node, value: Any) -> bool:
     return isinstance(value, torch.nn.Parameter) or "_parameters" in source_text(node)
 
 
-def run_pipeline(options: Options, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
-                 index: int = 0, stages: Sequence[Stage] = PIPELINE,
-                 is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
-                 state_name: Callable[[torch.fx.Node, Any], str | None] | None = None) -> GraphWork:
+def run_pipeline(
+    options: Options,
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    index: int = 0,
+    stages: Sequence[Stage] = PIPELINE,
+    is_state: Callable[[torch.fx.Node, Any], bool] | None = None,
+    state_name: Callable[[torch.fx.Node, Any], str | None] | None = None,
+) -> GraphWork:
     """Run ``stages`` on one Dynamo graph; returns the work (``work.record(dtype)`` is its record).
 
     Raises :class:`StageFailure` where a stage (``prepare`` included) fails unexpectedly; an
@@ -428,4 +517,3 @@ def stage(name: str, index: int, before: Sequence[str]) -> Iterator[None]:
         raise
     except Exception as e:
         raise StageFailure(name, index, list(before), e) from e
-

@@ -67,8 +67,9 @@ def stamp_forward_nodes(gm: torch.fx.GraphModule) -> None:
             node.meta["custom"] = {**(node.meta.get("custom") or {}), FORWARD_NODE: node.name}
 
 
-def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
-                   forward: torch.fx.GraphModule | None = None) -> tuple[torch.fx.GraphModule, WatchRecord]:
+def watch_backward(
+    gm: torch.fx.GraphModule, *, dtype: torch.dtype, forward: torch.fx.GraphModule | None = None
+) -> tuple[torch.fx.GraphModule, WatchRecord]:
     """Append the first-origin record to the backward graph ``gm`` (see the module docstring).
 
     ``forward``: the rewritten forward graph (stamped by :func:`stamp_forward_nodes`), to name
@@ -98,8 +99,9 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
         if node.meta.get("partitioner_tag") == "is_forward":
             return None  # recomputed from the forward: the forward watch saw this value
         module, grad_of = source(node)
-        return WatchedOp(module=module, op=op_label(op, packet=True), dtype=dtype_name(dtype), node=node.name,
-                         grad_of=grad_of)
+        return WatchedOp(
+            module=module, op=op_label(op, packet=True), dtype=dtype_name(dtype), node=node.name, grad_of=grad_of
+        )
 
     entering = []
     for node in placeholders(gm.graph):
@@ -110,8 +112,12 @@ def watch_backward(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
             continue
         user = next((u for u in node.users if (u.meta.get("custom") or {}).get(FORWARD_NODE)), None)
         module, of = source(user) if user is not None else ("", "")
-        entering.append((node, WatchedOp(module=module, op=of, dtype=dtype_name(val.dtype), node=node.name,
-                                         grad_of=of, incoming=True)))
+        entering.append(
+            (
+                node,
+                WatchedOp(module=module, op=of, dtype=dtype_name(val.dtype), node=node.name, grad_of=of, incoming=True),
+            )
+        )
     vals = [n.meta.get("val") for n in placeholders(gm.graph)]
     fake_mode = detect_fake_mode(vals)
     with fake_mode if fake_mode is not None else torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
@@ -129,8 +135,14 @@ OnBackward = Callable[[WatchRecord], Callable[[torch.Tensor], None]]
 its position (int64, -1: none)."""
 
 
-def watching_downstream(backend: str, *, inductor_config: Mapping[str, Any] | None, dtype: torch.dtype,
-                        forward: torch.fx.GraphModule, on_backward: OnBackward) -> Downstream | None:
+def watching_downstream(
+    backend: str,
+    *,
+    inductor_config: Mapping[str, Any] | None,
+    dtype: torch.dtype,
+    forward: torch.fx.GraphModule,
+    on_backward: OnBackward,
+) -> Downstream | None:
     """The downstream compile of ``backend`` with the pass on its backward graph, or None where
     the backend has no backward graph amp_fx can reach (``eager``, another name, a callable).
 
@@ -161,8 +173,10 @@ def watching_downstream(backend: str, *, inductor_config: Mapping[str, Any] | No
         def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 # compile_fx's declared return is a union; given a graph module it returns the callable
-                return cast(Callable[..., Any], compile_fx(gm, example_inputs, inner_compile=inner,
-                                                           config_patches=dict(inductor_config or {})))
+                return cast(
+                    Callable[..., Any],
+                    compile_fx(gm, example_inputs, inner_compile=inner, config_patches=dict(inductor_config or {})),
+                )
 
         return compile_inductor
     return None

@@ -124,11 +124,21 @@ def _watched(node: torch.fx.Node, dtype: torch.dtype) -> object | None:
 
 # Ops that compute each output element from the input elements at the same (broadcast) index,
 # besides those ATen tags ``pointwise``: an inf/NaN in an input element explains the output's.
-_POINTWISE_EXTRA = frozenset({
-    CAST_OP, aten.masked_fill.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
-    aten.where.Scalar, aten.fill.Scalar, aten.full_like.default, aten.zeros_like.default,
-    aten.ones_like.default, aten.copy.default,
-})
+_POINTWISE_EXTRA = frozenset(
+    {
+        CAST_OP,
+        aten.masked_fill.Tensor,
+        aten.where.ScalarOther,
+        aten.where.ScalarSelf,
+        aten.where.Scalar,
+        aten.fill.Scalar,
+        aten.full_like.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.copy.default,
+    }
+)
+
 
 def _is_pointwise(op: object) -> bool:
     return op in _POINTWISE_EXTRA or torch.Tag.pointwise in getattr(op, "tags", ())
@@ -207,8 +217,11 @@ class _Checks:
     def nonfinite(self, value: torch.fx.Node) -> torch.fx.Node:
         value = self.checkable(value)
         if self.lowered:
-            return _call(self.graph, aten.logical_or.default, (_call(self.graph, aten.isinf.default, (value,)),
-                                                               _call(self.graph, aten.isnan.default, (value,))))
+            return _call(
+                self.graph,
+                aten.logical_or.default,
+                (_call(self.graph, aten.isinf.default, (value,)), _call(self.graph, aten.isnan.default, (value,))),
+            )
         return _call(self.graph, aten.logical_not.default, (_call(self.graph, aten.isfinite.default, (value,)),))
 
     def explains(self, value: torch.fx.Node) -> torch.fx.Node:
@@ -241,39 +254,54 @@ class _Checks:
             # Per element: an inf/NaN at an input's (broadcast) index explains the output's there.
             # (Not on DTensors: their local shards need not broadcast against each other.)
             explained = self.either([self.explains(value) for value in inputs])
-            unexplained = _call(self.graph, aten.logical_and.default,
-                                (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))))
+            unexplained = _call(
+                self.graph,
+                aten.logical_and.default,
+                (self.nonfinite(node), _call(self.graph, aten.logical_not.default, (explained,))),
+            )
             return _call(self.graph, aten.any.default, (unexplained,))
         # Otherwise: the output holds an inf/NaN and no input does.
         any_input = self.either([self.holds(value) for value in inputs])
-        return _call(self.graph, aten.logical_and.default,
-                     (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))))
+        return _call(
+            self.graph,
+            aten.logical_and.default,
+            (self.holds(node), _call(self.graph, aten.logical_not.default, (any_input,))),
+        )
 
 
-def watch_nonfinite(gm: torch.fx.GraphModule, *, dtype: torch.dtype,
-                    data_inputs: Sequence[bool] = ()) -> tuple[torch.fx.GraphModule, WatchRecord]:
+def watch_nonfinite(
+    gm: torch.fx.GraphModule, *, dtype: torch.dtype, data_inputs: Sequence[bool] = ()
+) -> tuple[torch.fx.GraphModule, WatchRecord]:
     """Append the first-origin record to ``gm``'s outputs (see the module docstring).
 
     ``data_inputs``: per placeholder, True where it is data the caller handed in (a batch) rather
     than module state; empty (or of another length) treats none as data."""
     inputs = placeholders(gm.graph)
-    data = ({n for n, flag in zip(inputs, data_inputs, strict=True) if flag}
-            if len(data_inputs) == len(inputs) else set())
+    data = (
+        {n for n, flag in zip(inputs, data_inputs, strict=True) if flag} if len(data_inputs) == len(inputs) else set()
+    )
     return append_first_origin(gm, dtype=dtype, data=data, describe=_forward_op)
 
 
 def _forward_op(node: torch.fx.Node, op: object, dtype: torch.dtype) -> WatchedOp | None:
-    return WatchedOp(module=innermost_module(node), op=op_label(op, packet=True), dtype=dtype_name(dtype),
-                     node=node.name)
+    return WatchedOp(
+        module=innermost_module(node), op=op_label(op, packet=True), dtype=dtype_name(dtype), node=node.name
+    )
 
 
 Describe = Callable[[torch.fx.Node, object, torch.dtype], "WatchedOp | None"]
 """How a pass names a watched node (None: do not watch it)."""
 
 
-def append_first_origin(gm: torch.fx.GraphModule, *, dtype: torch.dtype, data: set[torch.fx.Node],
-                        describe: Describe, entering: Sequence[tuple[torch.fx.Node, WatchedOp]] = (),
-                        lowered: bool = False) -> tuple[torch.fx.GraphModule, WatchRecord]:
+def append_first_origin(
+    gm: torch.fx.GraphModule,
+    *,
+    dtype: torch.dtype,
+    data: set[torch.fx.Node],
+    describe: Describe,
+    entering: Sequence[tuple[torch.fx.Node, WatchedOp]] = (),
+    lowered: bool = False,
+) -> tuple[torch.fx.GraphModule, WatchRecord]:
     """The pass itself, shared by the forward watch and the backward watch
     (``amp_fx.passes.watch_backward``): checks after every watched node, in graph order, and one
     more output, the position of the first flagged one (-1: none).
@@ -337,8 +365,9 @@ def _is_dtensor(node: torch.fx.Node) -> bool:
     return dtensor is not None and isinstance(node.meta.get("val"), dtensor)
 
 
-def _call(graph: torch.fx.Graph, target: object, args: tuple[Any, ...],
-          kwargs: dict[str, Any] | None = None) -> torch.fx.Node:
+def _call(
+    graph: torch.fx.Graph, target: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> torch.fx.Node:
     # target: an ATen op or a prim (callable); typed object as the op tables hold them
     node = graph.call_function(target, args, kwargs or {})  # type: ignore[arg-type]  # see above
     vals = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])

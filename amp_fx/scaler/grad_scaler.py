@@ -189,11 +189,15 @@ class GradScaler(torch.amp.GradScaler):
         self._report = Reporter(strict)
         if self._device == "cuda" and enabled and torch.cuda.amp.common.amp_definitely_not_available():
             # did less than asked (no scaling), so strict mode refuses it; torch says only "Disabling."
-            self._report.did_less("scaler without cuda", (
-                "amp_fx.GradScaler: device 'cuda' (the default, as in torch), but CUDA is not available, so "
-                "this scaler is disabled: scale() returns the loss as it is and fp16 gradients can underflow "
-                "to zero. Pass GradScaler('cpu') to scale losses on the CPU, or enabled=False where no "
-                "scaling is meant."))
+            self._report.did_less(
+                "scaler without cuda",
+                (
+                    "amp_fx.GradScaler: device 'cuda' (the default, as in torch), but CUDA is not available, so "
+                    "this scaler is disabled: scale() returns the loss as it is and fp16 gradients can underflow "
+                    "to zero. Pass GradScaler('cpu') to scale losses on the CPU, or enabled=False where no "
+                    "scaling is meant."
+                ),
+            )
             self._enabled = False
         if not isinstance(mode, ScalerMode):
             raise TypeError(f"mode must be a ScalerMode, got {mode!r}")
@@ -221,9 +225,7 @@ class GradScaler(torch.amp.GradScaler):
         self._growth_interval = growth_interval
         self._init_growth_tracker = 0
         self._growth_tracker: torch.Tensor | None = None
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
-            _refresh_per_optimizer_state
-        )
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
         # amp_fx's own device state, created next to the scale at the first scale().
         self._init_hysteresis_tracker = hysteresis
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -310,10 +312,14 @@ class GradScaler(torch.amp.GradScaler):
         record = self._skip_record
         report = record.report(self._skipped_steps)
         if report is not None and record.unattached is not None:
-            self._report.did_less(("overflow watch", record.unattached), (
-                f"amp_fx.GradScaler.overflow_report(): {record.unattached}; the report names no forward op "
-                "and the gradients by position. Call scaler.watch(model) with the model being trained "
-                "(on every rank)."))
+            self._report.did_less(
+                ("overflow watch", record.unattached),
+                (
+                    f"amp_fx.GradScaler.overflow_report(): {record.unattached}; the report names no forward op "
+                    "and the gradients by position. Call scaler.watch(model) with the model being trained "
+                    "(on every rank)."
+                ),
+            )
         return report
 
     @property
@@ -333,10 +339,7 @@ class GradScaler(torch.amp.GradScaler):
 
     # ---------------------------------------------------------------- lazy state
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = (
-            "This may indicate your script did not use scaler.scale(loss or outputs) "
-            "earlier in the iteration."
-        )
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
         if self._scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
         if self._growth_tracker is None:
@@ -357,15 +360,9 @@ class GradScaler(torch.amp.GradScaler):
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full(
-            (), self._init_growth_tracker, dtype=torch.int32, device=dev
-        )
-        self._hysteresis_tracker = torch.full(
-            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
-        )
-        self._skipped_steps = torch.full(
-            (), self._init_skipped_steps, dtype=torch.int64, device=dev
-        )
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=dev)
+        self._skipped_steps = torch.full((), self._init_skipped_steps, dtype=torch.int64, device=dev)
         self._last_found_inf = torch.zeros((), dtype=torch.float32, device=dev)
         self._skip_record.init(dev)
 
@@ -420,9 +417,7 @@ class GradScaler(torch.amp.GradScaler):
     @overload
     def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
-    def scale(
-        self, outputs: torch.Tensor | Iterable[torch.Tensor]
-    ) -> torch.Tensor | Iterable[torch.Tensor]:
+    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
         """Multiply a tensor or (nested) iterable of tensors by the scale.
 
         Returns ``outputs`` unchanged when disabled or in ``ScalerMode.CHECK_ONLY`` (the
@@ -517,7 +512,8 @@ class GradScaler(torch.amp.GradScaler):
             watch = self._skip_record.watch
             first_op = watch.peek(inv_scale.device) if watch is not None and sharded.is_sharded else None
             combined_first_op = sharded.combine_found_inf_(
-                per_device_found_inf._per_device_tensors, inv_scale, [f for _, f in grad_flags], first_op)
+                per_device_found_inf._per_device_tensors, inv_scale, [f for _, f in grad_flags], first_op
+            )
             state = self._per_optimizer_states[id(optimizer)]
             state["amp_fx_grad_flags"] = grad_flags
             if combined_first_op is not None:
@@ -547,9 +543,7 @@ class GradScaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
@@ -596,9 +590,7 @@ class GradScaler(torch.amp.GradScaler):
         **kwargs: Any,
     ) -> Any:
         assert self._scale is not None
-        found_inf = rules.combine_found_inf(
-            list(optimizer_state["found_inf_per_device"].values()), self._scale.device
-        )
+        found_inf = rules.combine_found_inf(list(optimizer_state["found_inf_per_device"].values()), self._scale.device)
         snapshot = Snapshot(optimizer)
         retval = optimizer.step(*args, **kwargs)
         reason = snapshot.needs_host_decision()
@@ -609,10 +601,7 @@ class GradScaler(torch.amp.GradScaler):
                     if isinstance(live, torch.Tensor):
                         devices.add(live.device)
             if torch.device("cpu") in devices:
-                reason = (
-                    "a parameter or state tensor is on the CPU "
-                    "(e.g. Adam's step counter without capturable=True)"
-                )
+                reason = "a parameter or state tensor is on the CPU (e.g. Adam's step counter without capturable=True)"
         if reason is None:
             snapshot.restore_where(found_inf)
             return retval
@@ -765,16 +754,12 @@ class GradScaler(torch.amp.GradScaler):
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
-        found_inf_combined = (
-            rules.combine_found_inf(found_infs, _scale.device) if found_infs else None
-        )
+        found_inf_combined = rules.combine_found_inf(found_infs, _scale.device) if found_infs else None
 
         before = _scale.clone()  # the scale this step ran at, for the skip record
         if new_scale is not None:
             if self._mode is ScalerMode.CHECK_ONLY:
-                raise ValueError(
-                    "update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0."
-                )
+                raise ValueError("update(new_scale) is not allowed in ScalerMode.CHECK_ONLY: the scale is 1.0.")
             if isinstance(new_scale, float):
                 self._scale.fill_(new_scale)  # type: ignore[union-attr]  # set once the scaler has scaled
             else:
@@ -803,8 +788,13 @@ class GradScaler(torch.amp.GradScaler):
             combined = [s["amp_fx_first_op"] for s in self._per_optimizer_states.values() if "amp_fx_first_op" in s]
             assert record.flags is not None
             flags = record.step_flags(pairs) if pairs else record.flags.new_zeros(record.flags.numel())
-            record.close_(found_inf_combined, flags, record.take_first_op(_scale.device),
-                          combined[-1] if combined else None, scales=(before, _scale))
+            record.close_(
+                found_inf_combined,
+                flags,
+                record.take_first_op(_scale.device),
+                combined[-1] if combined else None,
+                scales=(before, _scale),
+            )
             if self._host_skipped is not None:
                 record.host_saw(self._host_skipped)
         self._host_skipped = None
@@ -876,9 +866,7 @@ class GradScaler(torch.amp.GradScaler):
             "_growth_tracker": self._get_growth_tracker(),
             _STATE_KEY: {
                 "skipped_steps": self._read_int(self._skipped_steps, self._init_skipped_steps),
-                "hysteresis_tracker": self._read_int(
-                    self._hysteresis_tracker, self._init_hysteresis_tracker
-                ),
+                "hysteresis_tracker": self._read_int(self._hysteresis_tracker, self._init_hysteresis_tracker),
                 "min_scale": self._min_scale,
                 "max_scale": self._max_scale,
                 "hysteresis": self._hysteresis,
@@ -901,8 +889,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         if len(state_dict) == 0:
             raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
         if self._mode is ScalerMode.DYNAMIC:
             self._init_scale = cast(float, state_dict["scale"])
@@ -944,12 +931,8 @@ class GradScaler(torch.amp.GradScaler):
             # As torch: the tensors are re-created lazily after unpickling.
             state["_init_scale"] = self.get_scale()
             state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_skipped_steps"] = self._read_int(
-                self._skipped_steps, self._init_skipped_steps
-            )
-            state["_init_hysteresis_tracker"] = self._read_int(
-                self._hysteresis_tracker, self._init_hysteresis_tracker
-            )
+            state["_init_skipped_steps"] = self._read_int(self._skipped_steps, self._init_skipped_steps)
+            state["_init_hysteresis_tracker"] = self._read_int(self._hysteresis_tracker, self._init_hysteresis_tracker)
             for name in (
                 "_scale",
                 "_growth_tracker",
@@ -981,15 +964,11 @@ def _validate_bounds(
         raise ValueError(f"min_scale must be positive and finite, got {min_scale!r}")
     if min_scale is not None and lo < 1.0 / torch.finfo(torch.float32).max:
         # At such a scale inv_scale is inf, so every step would count as an overflow.
-        raise ValueError(
-            f"min_scale must have a finite float32 reciprocal (>= 2.94e-39), got {min_scale!r}"
-        )
+        raise ValueError(f"min_scale must have a finite float32 reciprocal (>= 2.94e-39), got {min_scale!r}")
     if max_scale is not None and not (0.0 < hi <= torch.finfo(torch.float32).max):
         raise ValueError(f"max_scale must be positive and within float32, got {max_scale!r}")
     if lo > hi:
         raise ValueError(f"min_scale ({lo}) must not exceed max_scale ({hi})")
     if mode is ScalerMode.DYNAMIC and not (lo <= init_scale <= hi):
-        raise ValueError(
-            f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}]"
-        )
+        raise ValueError(f"init_scale ({init_scale}) must lie in [min_scale, max_scale] = [{lo}, {hi}]")
     return lo, hi

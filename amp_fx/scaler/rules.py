@@ -25,8 +25,7 @@ import torch
 
 import amp_fx.kernels.scale_update  # noqa: F401  (registers torch.ops.amp_fx.update_scale_)
 
-__all__ = ["ScaleRule", "ScaleState", "combine_found_inf", "inv_scale_and_guard", "update_scale_",
-           "record_step_"]
+__all__ = ["ScaleRule", "ScaleState", "combine_found_inf", "inv_scale_and_guard", "update_scale_", "record_step_"]
 
 
 @dataclass(frozen=True)
@@ -102,9 +101,18 @@ def update_scale_(state: ScaleState, rule: ScaleRule, found_inf: torch.Tensor) -
     if not rule.dynamic:
         return
     torch.ops.amp_fx.update_scale_(
-        state.scale, state.growth_tracker, state.hysteresis_tracker, found_inf,
-        rule.growth_factor, rule.backoff_factor, rule.growth_interval, rule.min_scale,
-        rule.max_scale, rule.hysteresis, rule.consecutive_hysteresis)
+        state.scale,
+        state.growth_tracker,
+        state.hysteresis_tracker,
+        found_inf,
+        rule.growth_factor,
+        rule.backoff_factor,
+        rule.growth_interval,
+        rule.min_scale,
+        rule.max_scale,
+        rule.hysteresis,
+        rule.consecutive_hysteresis,
+    )
 
 
 def record_step_(state: ScaleState, found_inf: torch.Tensor) -> None:

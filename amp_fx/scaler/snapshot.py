@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "creates_state", "restore_where_", "same_value",
-           "unique_params"]
+__all__ = ["STATE_CREATED", "Snapshot", "copy_state", "creates_state", "restore_where_", "same_value", "unique_params"]
 
 # Why a step could not be undone on the device, when the optimizer created its state.
 STATE_CREATED = "optimizer state was created"
@@ -46,9 +45,7 @@ def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None and not state.get(p) for p in unique_params(optimizer))
 
 
-def copy_state(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], SavedState]:
+def copy_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], SavedState]:
     """Clones of ``params`` and of every tensor in their optimizer state (call under no_grad)."""
     saved_params = [p.detach().clone() for p in params]
     state: SavedState = []
@@ -57,8 +54,7 @@ def copy_state(
         if entry is None:
             state.append(None)
             continue
-        state.append({k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                      for k, v in entry.items()})
+        state.append({k: (v, v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()})
     return saved_params, state
 
 
@@ -128,9 +124,7 @@ class Snapshot:
         self.params = unique_params(optimizer)
         with torch.no_grad():
             self.saved_params, self.state = copy_state(optimizer, self.params)
-        self.groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
-        ]
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     def needs_host_decision(self) -> str | None:
         """Why the step just taken cannot be undone on the device, or None if it can."""
@@ -147,9 +141,7 @@ class Snapshot:
                 now = after[k]
                 if isinstance(live, torch.Tensor):
                     if not isinstance(now, torch.Tensor) or (
-                        now is not live
-                        and (now.shape, now.dtype, now.device)
-                        != (live.shape, live.dtype, live.device)
+                        now is not live and (now.shape, now.dtype, now.device) != (live.shape, live.dtype, live.device)
                     ):
                         return f"state tensor {k!r} was replaced by one of another kind"
                 elif not same_value(live, now):

@@ -50,13 +50,16 @@ class _Config:
 
     def __post_init__(self) -> None:
         if self.train_state is not None and self.dtype != torch.bfloat16:
-            raise ValueError(f"amp_fx.compile_step: train_state={self.train_state.value!r} trains bf16 "
-                             f"parameters; pass dtype='bf16' (got {self.dtype})")
+            raise ValueError(
+                f"amp_fx.compile_step: train_state={self.train_state.value!r} trains bf16 "
+                f"parameters; pass dtype='bf16' (got {self.dtype})"
+            )
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"amp_fx.compile_step: accumulate must be an int >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not (0.0 < float(self.max_grad_norm) < float("inf")):
             raise ValueError(
-                f"amp_fx.compile_step: max_grad_norm must be positive and finite, got {self.max_grad_norm!r}")
+                f"amp_fx.compile_step: max_grad_norm must be positive and finite, got {self.max_grad_norm!r}"
+            )
         if not isinstance(self.grad_norm, GradNorm):
             raise TypeError(f"amp_fx.compile_step: grad_norm must be a GradNorm, got {self.grad_norm!r}")
         if isinstance(self.n_inputs, bool) or not isinstance(self.n_inputs, int) or self.n_inputs < 1:
@@ -70,8 +73,16 @@ class CompiledStep:
     ``skipped_steps`` (0-dim int64 tensor), ``scale`` (0-dim float32 tensor).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, *,
-                 config: _Config, scaler: GradScaler, options: Options) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        *,
+        config: _Config,
+        scaler: GradScaler,
+        options: Options,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -90,17 +101,28 @@ class CompiledStep:
             self._fused = False
             if options.weight_cache:
                 assert config.train_state is not None  # _low_precision returns None without one
-                self._report.did_less("weight_cache:train_state", (
-                    f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
-                    "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
-                    "Drop weight_cache=True."))
+                self._report.did_less(
+                    "weight_cache:train_state",
+                    (
+                        f"amp_fx.compile_step(weight_cache=True, train_state={config.train_state.value!r}): "
+                        "the parameters are bf16 already, so there is nothing to cache; the cache is off. "
+                        "Drop weight_cache=True."
+                    ),
+                )
                 options = options.replace(weight_cache=False)
-        self._follow = OptimizerFollower(model, optimizer, self._report, fused=self._fused, fsdp2=shards.enabled,
-                                         replaced_step=self._lowprec is not None)
+        self._follow = OptimizerFollower(
+            model,
+            optimizer,
+            self._report,
+            fused=self._fused,
+            fsdp2=shards.enabled,
+            replaced_step=self._lowprec is not None,
+        )
         if options.weight_cache and weight_cache_off_for_fsdp2(model, self._report, "amp_fx.compile_step"):
             options = options.replace(weight_cache=False)
-        forward_loss = ForwardLoss(loss_fn, config.n_inputs, config.accumulate,
-                                   multiply_scale=scaler.mode is ScalerMode.DYNAMIC)
+        forward_loss = ForwardLoss(
+            loss_fn, config.n_inputs, config.accumulate, multiply_scale=scaler.mode is ScalerMode.DYNAMIC
+        )
         self._forward = compile_forward(model, forward_loss, options, micro_step=lambda: self._micro_step)
         # amp_fx/overflow: the scaler's skip record names this model's parameters and forward ops.
         # DDP/FSDP2 with the watch: every rank's forward record is combined at each update (FSDP2:
@@ -111,28 +133,43 @@ class CompiledStep:
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
         params = self._follow.params
-        self._finish = Finish(optimizer, params, record, fused=self._fused, max_grad_norm=config.max_grad_norm,
-                              grad_norm=config.grad_norm, writer=None if cache is None else StepWriter(cache, params),
-                              shards=shards, backend=options.backend,
-                              step_fn=None if self._lowprec is None else self._lowprec.step)
+        self._finish = Finish(
+            optimizer,
+            params,
+            record,
+            fused=self._fused,
+            max_grad_norm=config.max_grad_norm,
+            grad_norm=config.grad_norm,
+            writer=None if cache is None else StepWriter(cache, params),
+            shards=shards,
+            backend=options.backend,
+            step_fn=None if self._lowprec is None else self._lowprec.step,
+        )
         self._finish_backend = self._finish.backend
 
-    def _low_precision(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       mode: TrainState | None) -> LowPrecisionAdam | None:
+    def _low_precision(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mode: TrainState | None
+    ) -> LowPrecisionAdam | None:
         """The bf16 training state asked for, its parameters and state turned to bf16; None when
         not asked, or reported (strict: raised) when it cannot be honoured."""
         if mode is None:
             return None
         reason = unsupported(optimizer)
         if reason is None and distributed_units(model) is not None:
-            reason = ("a DDP or FSDP2 model (their gradient buckets and shards are laid out for the "
-                      "parameters' dtype before compile_step could change it)")
+            reason = (
+                "a DDP or FSDP2 model (their gradient buckets and shards are laid out for the "
+                "parameters' dtype before compile_step could change it)"
+            )
         if reason is not None:
-            self._report.did_less(("train_state", mode), (
-                f"amp_fx.compile_step(train_state={mode.value!r}) cannot replace the optimizer step of "
-                f"{reason}; the parameters and optimizer state keep their dtype and the optimizer steps "
-                "as it is. Use torch.optim.AdamW or Adam (amsgrad, maximize and differentiable off) on a "
-                "model that is not wrapped, or drop train_state."))
+            self._report.did_less(
+                ("train_state", mode),
+                (
+                    f"amp_fx.compile_step(train_state={mode.value!r}) cannot replace the optimizer step of "
+                    f"{reason}; the parameters and optimizer state keep their dtype and the optimizer steps "
+                    "as it is. Use torch.optim.AdamW or Adam (amsgrad, maximize and differentiable off) on a "
+                    "model that is not wrapped, or drop train_state."
+                ),
+            )
             return None
         lowprec = LowPrecisionAdam(mode)
         lowprec.prepare(optimizer)
@@ -186,9 +223,11 @@ class CompiledStep:
         (``micro_step == 0``); gradients of a half-accumulated window are not saved.
         """
         if self._micro_step != 0:
-            raise RuntimeError(f"amp_fx: CompiledStep.state_dict() in the middle of an accumulation window "
-                               f"({self._micro_step}/{self.config.accumulate} micro-batches); save at a "
-                               "window boundary")
+            raise RuntimeError(
+                f"amp_fx: CompiledStep.state_dict() in the middle of an accumulation window "
+                f"({self._micro_step}/{self.config.accumulate} micro-batches); save at a "
+                "window boundary"
+            )
         return self.scaler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -199,16 +238,21 @@ class CompiledStep:
         """:func:`amp_fx.precision_report` of this step: its model, optimizer, scaler, dtype and weight
         cache, and the loss of its last call (or ``loss``). Each silent downgrade warns once per step
         (``strict``: raises)."""
-        return step_report(self, getattr(self._forward, "amp_fx_weight_cache", None),
-                           self._loss_dtype if loss is None else loss, self._report,
-                           None if self._lowprec is None else self._lowprec.mode.value)
+        return step_report(
+            self,
+            getattr(self._forward, "amp_fx_weight_cache", None),
+            self._loss_dtype if loss is None else loss,
+            self._report,
+            None if self._lowprec is None else self._lowprec.mode.value,
+        )
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *batch: Any, **model_kwargs: Any) -> torch.Tensor:
         n = self.config.n_inputs
         if len(batch) < n and not model_kwargs:
-            raise TypeError(f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got "
-                            f"{len(batch)} argument(s)")
+            raise TypeError(
+                f"amp_fx: step() takes the model's {n} input(s) then the loss targets, got {len(batch)} argument(s)"
+            )
         self._follow.check_requires_grad()
         scale = self._scale_state()[0].scale
         loss, scaled = self._forward(scale, *batch, **model_kwargs)
@@ -345,36 +389,60 @@ def compile_step(
         >>> step = amp_fx.compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
         >>> loss = step(torch.randn(8, 4), torch.randn(8, 2))
     """
-    options = Options(dtype=dtype, policy=policy, backend=backend, strict=strict, weight_cache=weight_cache,
-                      watch_nonfinite=watch_nonfinite, torch_compile={"dynamic": dynamic}, fp8=fp8)
+    options = Options(
+        dtype=dtype,
+        policy=policy,
+        backend=backend,
+        strict=strict,
+        weight_cache=weight_cache,
+        watch_nonfinite=watch_nonfinite,
+        torch_compile={"dynamic": dynamic},
+        fp8=fp8,
+    )
     check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     # FSDP1, sharded layouts/optimizers, a norm that cannot be combined: a clear error
     check_distributed_step(model, optimizer, max_grad_norm=max_grad_norm, fused_norm=grad_norm is GradNorm.FUSED)
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
-    config = _Config(dtype=options.dtype, accumulate=accumulate, max_grad_norm=max_grad_norm, grad_norm=grad_norm,
-                     n_inputs=n_inputs, train_state=TrainState.parse(train_state))
+    config = _Config(
+        dtype=options.dtype,
+        accumulate=accumulate,
+        max_grad_norm=max_grad_norm,
+        grad_norm=grad_norm,
+        n_inputs=n_inputs,
+        train_state=TrainState.parse(train_state),
+    )
     check_params(model, optimizer)
     params = unique_params(optimizer)
     if not params:
         raise ValueError("amp_fx.compile_step: the optimizer has no parameters")
     devices = {p.device for p in params}
     if len(devices) != 1:
-        raise ValueError(f"amp_fx.compile_step: parameters on several devices {sorted(map(str, devices))} "
-                         "are not supported")
+        raise ValueError(
+            f"amp_fx.compile_step: parameters on several devices {sorted(map(str, devices))} are not supported"
+        )
     if scaler is None:
         scaler = _default_scaler(options.dtype, params[0].device, options.strict)
     elif not isinstance(scaler, GradScaler):
-        raise TypeError("amp_fx.compile_step: scaler must be an amp_fx GradScaler; to continue from a "
-                        "torch.amp.GradScaler, load its state: s = amp_fx.scaler.GradScaler('cpu'); "
-                        "s.load_state_dict(torch_scaler.state_dict())")
+        raise TypeError(
+            "amp_fx.compile_step: scaler must be an amp_fx GradScaler; to continue from a "
+            "torch.amp.GradScaler, load its state: s = amp_fx.scaler.GradScaler('cpu'); "
+            "s.load_state_dict(torch_scaler.state_dict())"
+        )
     if not scaler.is_enabled():
-        raise ValueError("amp_fx.compile_step: the scaler is disabled (e.g. a 'cuda' scaler without CUDA); "
-                         "pass one for the parameters' device type")
-    if any(isinstance(v, torch.Tensor) and v.requires_grad for g in optimizer.param_groups for v in g.values()
-           if not isinstance(v, list)):
+        raise ValueError(
+            "amp_fx.compile_step: the scaler is disabled (e.g. a 'cuda' scaler without CUDA); "
+            "pass one for the parameters' device type"
+        )
+    if any(
+        isinstance(v, torch.Tensor) and v.requires_grad
+        for g in optimizer.param_groups
+        for v in g.values()
+        if not isinstance(v, list)
+    ):
         raise ValueError("amp_fx.compile_step: differentiable optimizer hyperparameters are not supported")
     return CompiledStep(model, optimizer, loss_fn, config=config, scaler=scaler, options=options)

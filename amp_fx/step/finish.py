@@ -75,8 +75,9 @@ def raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimize
 # 2.11, 2.13 and 2.15). Not Adagrad: its lr divided by a step-dependent term is a tensor when traced
 # (turning the rewrite off would read it on the host each step); not Adam, AdamW, Adamax, NAdam,
 # RAdam, ASGD: their step-counter arithmetic in fp32 differs anyway (docs/compiled-step.md, "Limitations").
-_EAGER_ROUNDING_STEPS = tuple(inspect.unwrap(cls.step) for cls in
-                              (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adadelta))
+_EAGER_ROUNDING_STEPS = tuple(
+    inspect.unwrap(cls.step) for cls in (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adadelta)
+)
 
 
 def _step_as_eager(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
@@ -124,8 +125,10 @@ class _CountingBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
-        with timed(f"amp_fx: compile_step: compiled the optimizer step ({self.label}, graph {self.graphs - 1}, "
-                   f"backend {backend_name(self._backend)})"):
+        with timed(
+            f"amp_fx: compile_step: compiled the optimizer step ({self.label}, graph {self.graphs - 1}, "
+            f"backend {backend_name(self._backend)})"
+        ):
             return self._inner(gm, example_inputs)
 
 
@@ -134,10 +137,20 @@ class Finish:
     record, the optimizer, the clip settings, the weight cache's writer, the FSDP2 view) and the
     compiled graph itself (compiled on a code object of its own: its own Dynamo cache entries)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], record: SkipRecord, *,
-                 fused: bool, max_grad_norm: float | None, grad_norm: GradNorm, writer: StepWriter | None,
-                 shards: StepShards, backend: str | Backend,
-                 step_fn: Callable[[torch.optim.Optimizer], Any] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        record: SkipRecord,
+        *,
+        fused: bool,
+        max_grad_norm: float | None,
+        grad_norm: GradNorm,
+        writer: StepWriter | None,
+        shards: StepShards,
+        backend: str | Backend,
+        step_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.record = record
         self.max_grad_norm = max_grad_norm
@@ -150,8 +163,9 @@ class Finish:
         self.params = params
         self.slots = record.register(params)
         self.backend = _CountingBackend(backend, type(optimizer).__name__)
-        self.compiled = torch.compile(fresh_callable(self._finish_impl), backend=self.backend, fullgraph=True,
-                                      dynamic=False)
+        self.compiled = torch.compile(
+            fresh_callable(self._finish_impl), backend=self.backend, fullgraph=True, dynamic=False
+        )
         self._steps_placed = False
 
     def set_params(self, params: list[torch.Tensor]) -> None:
@@ -164,8 +178,9 @@ class Finish:
             self.writer = StepWriter(self.writer.cache, params)
         self.shards.reset()
 
-    def step(self, scale_state: tuple[rules.ScaleState, rules.ScaleRule], follow: OptimizerFollower,
-             report: Reporter) -> None:
+    def step(
+        self, scale_state: tuple[rules.ScaleState, rules.ScaleRule], follow: OptimizerFollower, report: Reporter
+    ) -> None:
         """One compiled optimizer step: the hooks and the weight cache's writer around the graph,
         then a fused optimizer's own step; a recompile the step did not cause is reported."""
         before, writer, opt = self.backend.graphs, self.writer, self.optimizer
@@ -204,12 +219,14 @@ class Finish:
                 f"amp_fx.compile_step: the optimizer part recompiled ({self.backend.graphs} graphs so "
                 "far): something it guards on changed between steps (the param groups, a hyperparameter "
                 "set to a new object, which parameters have gradients). Each recompile costs compile "
-                "time, and Dynamo stops compiling after 8; keep them fixed between steps.")
+                "time, and Dynamo stops compiling after 8; keep them fixed between steps.",
+            )
         follow.expect_recompile = False
 
     # ------------------------------------------------------------------ traced
-    def _finish_impl(self, state: rules.ScaleState, rule: rules.ScaleRule
-                     ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    def _finish_impl(
+        self, state: rules.ScaleState, rule: rules.ScaleRule
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         inv_scale, found_inf = rules.inv_scale_and_guard(state.scale, dynamic=rule.dynamic)
         sharded = self.shards.view  # FSDP2: local shards, the flag and the norm combined across ranks
         params = self.params if sharded is None else sharded.params
@@ -238,8 +255,11 @@ class Finish:
                 total_norm = (sum_sq if sharded is None else sharded.global_sum(sum_sq)).sqrt()
             else:
                 norms = torch._foreach_norm(grads, 2.0)
-                total_norm = (torch.linalg.vector_norm(torch.stack(norms), 2.0) if sharded is None
-                              else sharded.global_norm(norms, present))  # type: ignore[arg-type]  # reads it as a sequence
+                total_norm = (
+                    torch.linalg.vector_norm(torch.stack(norms), 2.0)
+                    if sharded is None
+                    else sharded.global_norm(norms, present)
+                )
             # clip_grad_norm_'s coefficient, written as it writes it (float / tensor is
             # reciprocal * float), so that with GradNorm.TORCH the bits are the same.
             clip_coef = max_norm / (total_norm + 1e-6)
@@ -256,9 +276,15 @@ class Finish:
             return grad_scale, found_inf
         return None
 
-    def _record_skip(self, found_inf: torch.Tensor, present: list[int], flags: torch.Tensor,
-                     first_op: torch.Tensor | None, combined: tuple[torch.Tensor, torch.Tensor] | None,
-                     scales: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _record_skip(
+        self,
+        found_inf: torch.Tensor,
+        present: list[int],
+        flags: torch.Tensor,
+        first_op: torch.Tensor | None,
+        combined: tuple[torch.Tensor, torch.Tensor] | None,
+        scales: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
         """The scaler's skip record (amp_fx/overflow), traced into the finish: the flags of the
         gradients present, in the record's slots, the forward watch's first op (combined across
         ranks, with the rank that saw it: ``SkipRecord.close_``) and the scale before and after."""
@@ -270,7 +296,8 @@ class Finish:
             step_flags = flags
         else:
             step_flags = record.flags.new_zeros(n).index_copy(
-                0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags)
+                0, torch.tensor(slots, dtype=torch.int64, device=record.flags.device), flags
+            )
         record.close_(found_inf, step_flags, first_op, combined, scales)
 
     def _masked_step(self, found_inf: torch.Tensor) -> None:

@@ -44,17 +44,22 @@ def check_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> No
     model_params = {id(p) for p in model.parameters()}
     foreign = [i for i, p in enumerate(unique_params(optimizer)) if id(p) not in model_params]
     if foreign:
-        raise ValueError(f"amp_fx.compile_step: the optimizer holds {len(foreign)} parameter(s) that are not "
-                         f"parameters of the model (positions {foreign[:5]} in its param_groups); build the "
-                         "optimizer on model.parameters()")
+        raise ValueError(
+            f"amp_fx.compile_step: the optimizer holds {len(foreign)} parameter(s) that are not "
+            f"parameters of the model (positions {foreign[:5]} in its param_groups); build the "
+            "optimizer on model.parameters()"
+        )
     in_opt = {id(p) for p in unique_params(optimizer)}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in in_opt]
     if missing:
         # The user's own setup, not something amp_fx left undone: a UserWarning, never strict.
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        warn(f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
-             f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
-             "optimizer or set requires_grad=False", UserWarning)
+        warn(
+            f"amp_fx.compile_step: trainable parameters not in the optimizer keep accumulating "
+            f"gradients (the step never zeroes them): {missing[:5]}{more}; add them to the "
+            "optimizer or set requires_grad=False",
+            UserWarning,
+        )
 
 
 class OptimizerFollower:
@@ -66,8 +71,16 @@ class OptimizerFollower:
     than lr changed, the optimizer steps eagerly; ``warmed_up``: one eager step was taken.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, report: Reporter, *,
-                 fused: bool, fsdp2: bool, replaced_step: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        report: Reporter,
+        *,
+        fused: bool,
+        fsdp2: bool,
+        replaced_step: bool = False,
+    ) -> None:
         self.model = model
         self.replaced_step = replaced_step  # compile_step's train_state: its Adam step replaces the optimizer's
         self.optimizer = optimizer
@@ -116,9 +129,14 @@ class OptimizerFollower:
                         device = group["params"][0].device if group["params"] else self.params[0].device
                         self._lr_tensors[i] = torch.zeros((), dtype=torch.float32, device=device)
                         self.expect_recompile = True
-                        logger.info("amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
-                                    "compiled step takes it as a device tensor from now on, so that it "
-                                    "does not recompile for each value", i, before_g[key], value)
+                        logger.info(
+                            "amp_fx.compile_step: param_groups[%d]['lr'] changed (%s -> %s); the "
+                            "compiled step takes it as a device tensor from now on, so that it "
+                            "does not recompile for each value",
+                            i,
+                            before_g[key],
+                            value,
+                        )
                 elif key == "lr" and isinstance(value, torch.Tensor) and value.dim() == 0:
                     # amp_fx.skip_aware: the lr became a device tensor, updated in place from now on
                     self.expect_recompile = True
@@ -134,7 +152,8 @@ class OptimizerFollower:
                         f"cycle_momentum); the compiled graph would recompile for every value, so the "
                         f"{type(self.optimizer).__name__} step now runs eagerly (masked by the scaler: "
                         "no host sync, bitwise the eager recipe). To keep it compiled, keep "
-                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)){fused_hint}.")
+                        f"{key!r} constant (e.g. OneCycleLR(..., cycle_momentum=False)){fused_hint}.",
+                    )
 
     @contextlib.contextmanager
     def lrs_as_tensors(self) -> Iterator[None]:
@@ -176,13 +195,17 @@ class OptimizerFollower:
             return
         changed = [name for (name, _), a, b in zip(named, before, now) if a != b]
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-        self.report.did_less(("requires_grad changed", tuple(changed)), (
-            f"amp_fx.compile_step: requires_grad changed for {changed[:5]}{more} since the step "
-            f"compiled its forward, and Dynamo on this torch ({torch.__version__}) does not recompile "
-            "for that (torch 2.11 guards no parameter's requires_grad; plain torch.compile alike): "
-            "those parameters would keep their old gradient behaviour (an unfrozen layer gets no "
-            "gradient). After changing requires_grad, call torch._dynamo.reset() and build a new "
-            "compile_step (same model, optimizer and scaler), or use torch >= 2.13."))
+        self.report.did_less(
+            ("requires_grad changed", tuple(changed)),
+            (
+                f"amp_fx.compile_step: requires_grad changed for {changed[:5]}{more} since the step "
+                f"compiled its forward, and Dynamo on this torch ({torch.__version__}) does not recompile "
+                "for that (torch 2.11 guards no parameter's requires_grad; plain torch.compile alike): "
+                "those parameters would keep their old gradient behaviour (an unfrozen layer gets no "
+                "gradient). After changing requires_grad, call torch._dynamo.reset() and build a new "
+                "compile_step (same model, optimizer and scaler), or use torch >= 2.13."
+            ),
+        )
 
     def follow_param_groups(self) -> bool:
         """Take on parameters the optimizer gained or lost since the last step; True if it did.
@@ -200,8 +223,12 @@ class OptimizerFollower:
             return False
         check_params(self.model, self.optimizer)
         check_distributed_step(self.model, self.optimizer)
-        logger.info("amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
-                    "follows them and recompiles its optimizer part once", len(self.params), len(params))
+        logger.info(
+            "amp_fx.compile_step: the optimizer's parameters changed (%d -> %d); the step "
+            "follows them and recompiles its optimizer part once",
+            len(self.params),
+            len(params),
+        )
         self.params = params
         self._seen_groups = group_values(self.optimizer)
         self.warmed_up = False
@@ -218,8 +245,9 @@ class OptimizerFollower:
         opt = self.optimizer
         for hook in (*_global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values()):
             if hook(opt, (), {}) is not None:
-                raise RuntimeError("amp_fx.compile_step: optimizer step pre-hooks that change the step's "
-                                   "arguments are not supported")
+                raise RuntimeError(
+                    "amp_fx.compile_step: optimizer step pre-hooks that change the step's arguments are not supported"
+                )
 
     def run_post_hooks(self) -> None:
         """The optimizer's step post-hooks (its own, then global), and the mark an LR scheduler's

@@ -41,8 +41,9 @@ class ForwardLoss:
     accumulate: int
     multiply_scale: bool
 
-    def __call__(self, model: Callable[..., Any], scale: torch.Tensor, *batch: Any, **model_kwargs: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, model: Callable[..., Any], scale: torch.Tensor, *batch: Any, **model_kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.n_inputs
         loss = self.loss_fn(model(*batch[:n], **model_kwargs), *batch[n:])
         _check_loss(loss)  # before the loss is used: a None loss must not reach the tracer's ops
@@ -68,8 +69,9 @@ class _OnOneDevice:
         return self.forward_loss(self.model, scale, *batch, **model_kwargs)
 
 
-def compile_forward(model: torch.nn.Module, forward_loss: ForwardLoss, options: Options, *,
-                    micro_step: Callable[[], int]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def compile_forward(
+    model: torch.nn.Module, forward_loss: ForwardLoss, options: Options, *, micro_step: Callable[[], int]
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """``forward(scale, *batch, **model_kwargs) -> (loss, scaled loss)``, compiled, with the compiled
     model's ``amp_fx_records``, ``amp_fx_weight_cache`` and ``amp_fx_watch``.
 
@@ -80,10 +82,19 @@ def compile_forward(model: torch.nn.Module, forward_loss: ForwardLoss, options: 
     (``amp_fx.backend.weight_cache.weight_cache_off_for_fsdp2``).
     """
     label = f"compile_step({type(model).__name__})"
-    forward = distributed_forward(model, forward_loss, dtype=options.dtype, accumulate=forward_loss.accumulate,
-                                  micro_step=micro_step, compile_model=lambda m: compile_with(m, options, label=label))
-    return forward if forward is not None else compile_with(_OnOneDevice(model, forward_loss).run, options,
-                                                            label=label, root=model)
+    forward = distributed_forward(
+        model,
+        forward_loss,
+        dtype=options.dtype,
+        accumulate=forward_loss.accumulate,
+        micro_step=micro_step,
+        compile_model=lambda m: compile_with(m, options, label=label),
+    )
+    return (
+        forward
+        if forward is not None
+        else compile_with(_OnOneDevice(model, forward_loss).run, options, label=label, root=model)
+    )
 
 
 def module_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
@@ -100,8 +111,14 @@ def _check_loss(loss: object) -> None:
     reads metadata only; a failing one breaks the graph and raises in eager)."""
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
         return
-    what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor)
-            else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}")
-    hint = (" (a Hugging Face model returns loss=None when no labels are passed)" if loss is None
-            else "; reduce it (e.g. .mean()) in loss_fn")
+    what = (
+        f"a {type(loss).__name__}"
+        if not isinstance(loss, torch.Tensor)
+        else f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+    )
+    hint = (
+        " (a Hugging Face model returns loss=None when no labels are passed)"
+        if loss is None
+        else "; reduce it (e.g. .mean()) in loss_fn"
+    )
     raise ValueError(f"amp_fx: loss_fn must return a floating-point scalar (0-dim) tensor, got {what}{hint}")

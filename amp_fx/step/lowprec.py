@@ -111,13 +111,19 @@ class LowPrecisionAdam:
         step = state.get("step")
         # on the parameter's device, as torchao's float32 counter: beta ** step in the graph
         # without a host tensor
-        state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if step is None
-                         else torch.as_tensor(step, dtype=torch.float32).to(p.device))
+        state["step"] = (
+            torch.zeros((), dtype=torch.float32, device=p.device)
+            if step is None
+            else torch.as_tensor(step, dtype=torch.float32).to(p.device)
+        )
         keys = ["exp_avg", "exp_avg_sq"] + (["kahan_comp"] if self.mode is TrainState.BF16_KAHAN else [])
         for key in keys:
             old = state.get(key)
-            state[key] = (torch.zeros_like(p, dtype=torch.bfloat16) if old is None
-                          else old.to(device=p.device, dtype=torch.bfloat16))
+            state[key] = (
+                torch.zeros_like(p, dtype=torch.bfloat16)
+                if old is None
+                else old.to(device=p.device, dtype=torch.bfloat16)
+            )
 
     # ------------------------------------------------------------------ the step
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -138,8 +144,7 @@ class LowPrecisionAdam:
                     if "exp_avg" not in state:
                         self._prepare_state(state, p)
                     state["step"] += 1
-                    p32 = _adam_fp32(p, p.grad, state, lr, beta1, beta2, group["weight_decay"], group["eps"],
-                                     decoupled)
+                    p32 = _adam_fp32(p, p.grad, state, lr, beta1, beta2, group["weight_decay"], group["eps"], decoupled)
                     if self.mode is TrainState.BF16_SR:
                         p.copy_(round_bf16_stochastic(p32))
                     else:
@@ -167,8 +172,17 @@ class LowPrecisionAdam:
                     del own[key]
 
 
-def _adam_fp32(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: torch.Tensor, beta1: float,
-               beta2: float, weight_decay: float, eps: float, decoupled: bool) -> torch.Tensor:
+def _adam_fp32(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    lr: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    decoupled: bool,
+) -> torch.Tensor:
     """The updated parameter in fp32 (not written); the moments updated in fp32 and stored back
     in their dtype. torchao's ``single_param_adam`` (amsgrad off) operation for operation, so
     that the roundings are the same."""

@@ -23,8 +23,9 @@ __all__ = ["StepShards", "amp_flags"]
 
 
 @contextlib.contextmanager
-def amp_flags(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None,
-              found_inf: torch.Tensor) -> Iterator[None]:
+def amp_flags(
+    optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None, found_inf: torch.Tensor
+) -> Iterator[None]:
     """``optimizer.grad_scale`` and ``optimizer.found_inf`` set for a fused optimizer's step inside
     (it divides by the one and skips on the device where the other is 1.0), deleted after."""
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]  # what fused optimizers read, as GradScaler sets it
@@ -67,8 +68,9 @@ class StepShards:
         self.view.before_finish()
         return self.view
 
-    def fused_step(self, raw_step: Callable[[torch.optim.Optimizer], Any], grad_scale: torch.Tensor | None,
-                   found_inf: torch.Tensor) -> None:
+    def fused_step(
+        self, raw_step: Callable[[torch.optim.Optimizer], Any], grad_scale: torch.Tensor | None, found_inf: torch.Tensor
+    ) -> None:
         """A fused optimizer's kernel on the local shards, skipped on the device where found_inf
         (the flag already combined across ranks); its hooks run around it, on the user's optimizer."""
         assert self.view is not None

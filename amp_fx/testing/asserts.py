@@ -34,13 +34,17 @@ def assert_bitwise(actual: Any, expected: Any, what: str = "") -> None:
         for field in dataclasses.fields(expected):
             assert_bitwise(getattr(actual, field.name), getattr(expected, field.name), f"{what}.{field.name}")
     elif isinstance(expected, dict):
-        _check(isinstance(actual, dict) and actual.keys() == expected.keys(),
-               f"{what}: keys {_keys(actual)} != {_keys(expected)}")
+        _check(
+            isinstance(actual, dict) and actual.keys() == expected.keys(),
+            f"{what}: keys {_keys(actual)} != {_keys(expected)}",
+        )
         for k in expected:
             assert_bitwise(actual[k], expected[k], f"{what}[{k!r}]")
     elif isinstance(expected, (list, tuple)):
-        _check(type(actual) is type(expected) and len(actual) == len(expected),
-               f"{what}: {type(actual).__name__} of {_len(actual)} != {type(expected).__name__} of {len(expected)}")
+        _check(
+            type(actual) is type(expected) and len(actual) == len(expected),
+            f"{what}: {type(actual).__name__} of {_len(actual)} != {type(expected).__name__} of {len(expected)}",
+        )
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_bitwise(a, e, f"{what}[{i}]")
     else:

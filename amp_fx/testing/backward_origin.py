@@ -61,20 +61,24 @@ class _FirstOrigin(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.found is None:
-            outs = [inner for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.dtype == self.dtype
-                    for inner in _plain(t)]
+            outs = [
+                inner
+                for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.dtype == self.dtype
+                for inner in _plain(t)
+            ]
             # A tensor subclass's op (torchao's Float8TrainingTensor: its ``aten.mm`` runs
             # ``_scaled_mm`` out of this mode's sight) is checked through the plain tensors it holds.
-            ins = [inner for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                   for inner in _plain(t)]
+            ins = [inner for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for inner in _plain(t)]
             if any(_nonfinite(t) for t in outs) and not any(_nonfinite(t) for t in ins):
                 name = f"{func.namespace}.{func.__name__.split('.')[0]}"
                 self.found = (name, self.running[-1] if self.running else "")
         return out
 
 
-def first_backward_origin(model: torch.nn.Module, loss: Callable[[], torch.Tensor],
-                          dtype: torch.dtype) -> BackwardOrigin:
+def first_backward_origin(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], dtype: torch.dtype
+) -> BackwardOrigin:
     """Run ``loss()`` (the eager autocast forward of ``model`` and the loss, scaled as the step
     scales it) with backward hooks on ``model``'s submodules, then its backward under the dispatch
     mode, and return where the backward first made an inf/NaN. The hooks are removed after; they
@@ -94,8 +98,9 @@ def first_backward_origin(model: torch.nn.Module, loss: Callable[[], torch.Tenso
             if not entered and any(g is not None and _nonfinite(g) for g in grad_output):
                 entered.append(name)
 
-        def post(mod: torch.nn.Module, grad_input: tuple[torch.Tensor | None, ...], grad_output: object,
-                 name: str = name) -> None:
+        def post(
+            mod: torch.nn.Module, grad_input: tuple[torch.Tensor | None, ...], grad_output: object, name: str = name
+        ) -> None:
             if name not in running:
                 return
             if all(g is None for g in grad_input):

@@ -35,10 +35,10 @@ def machine_lines() -> list[str]:
     except ImportError:  # platforms without a triton wheel (pyproject.toml's marker)
         triton_version = "not installed"
     return [
-        (f"torch {torch.__version__}, triton {triton_version}, "
-         f"python {platform.python_version()}"),
-        (f"{platform.platform()}, {platform.processor() or platform.machine()}, "
-         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-         f"load average {os.getloadavg()[0]:.1f} (other processes skew every variant alike)"),
+        (f"torch {torch.__version__}, triton {triton_version}, python {platform.python_version()}"),
+        (
+            f"{platform.platform()}, {platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+            f"load average {os.getloadavg()[0]:.1f} (other processes skew every variant alike)"
+        ),
     ]
-

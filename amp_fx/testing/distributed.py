@@ -34,8 +34,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, out_dir: str,
-               fn: Callable[..., Any], args: tuple[Any, ...], backend: str = "gloo") -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    backend: str = "gloo",
+) -> None:
     import torch.distributed as dist
 
     if backend != "gloo":
@@ -60,10 +67,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the children read it at start (module docstring)
     try:
         with tempfile.TemporaryDirectory() as out_dir:
-            mp.spawn(_rank_main, args=(world_size, free_port(), out_dir, fn, args, backend),
-                     nprocs=world_size, join=True)
-            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
-                    for r in range(world_size)]
+            mp.spawn(
+                _rank_main, args=(world_size, free_port(), out_dir, fn, args, backend), nprocs=world_size, join=True
+            )
+            return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         if hidden is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]

@@ -30,9 +30,16 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["cpu_autocast_torchao", "torchao_float8", "torchao_mxfp8", "torchao_missing", "linear_twin",
-           "expert_linears",
-           "GemmFlops", "count_gemm_flops"]
+__all__ = [
+    "cpu_autocast_torchao",
+    "torchao_float8",
+    "torchao_mxfp8",
+    "torchao_missing",
+    "linear_twin",
+    "expert_linears",
+    "GemmFlops",
+    "count_gemm_flops",
+]
 
 
 def torchao_missing() -> str | None:
@@ -81,9 +88,14 @@ def cpu_autocast_torchao() -> Iterator[None]:
         float8_linear.torch = original
 
 
-def torchao_float8(model: torch.nn.Module, recipe: str,
-                   module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *,
-                   pad_inner_dim: bool = False, fsdp_float8_all_gather: bool = False) -> torch.nn.Module:
+def torchao_float8(
+    model: torch.nn.Module,
+    recipe: str,
+    module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None,
+    *,
+    pad_inner_dim: bool = False,
+    fsdp_float8_all_gather: bool = False,
+) -> torch.nn.Module:
     """A copy of ``model`` with its ``nn.Linear`` swapped by torchao's ``convert_to_float8_training``
     (``pad_inner_dim``: torchao's option that zero-pads each GEMM's inner dimension to a multiple
     of 16, the reference for amp_fx's padding; ``fsdp_float8_all_gather``: its
@@ -92,8 +104,11 @@ def torchao_float8(model: torch.nn.Module, recipe: str,
     each optimizer step, as torchao's recipe says)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=pad_inner_dim,
-                                 enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe),
+        pad_inner_dim=pad_inner_dim,
+        enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
+    )
     return convert_to_float8_training(copy.deepcopy(model), module_filter_fn=module_filter_fn, config=config)
 
 
@@ -136,9 +151,9 @@ class _TorchaoMXFP8Linear(torch.nn.Module):
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-def torchao_mxfp8(model: torch.nn.Module,
-                  module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *,
-                  pad: bool = False) -> torch.nn.Module:
+def torchao_mxfp8(
+    model: torch.nn.Module, module_filter_fn: Callable[[torch.nn.Module, str], bool] | None = None, *, pad: bool = False
+) -> torch.nn.Module:
     """A copy of ``model`` with every ``nn.Linear`` (those ``module_filter_fn(module, name)``
     accepts, if given, as torchao's conversions take it) running torchao 0.18's emulated MXFP8
     training linear (:class:`_TorchaoMXFP8Linear`; ``pad``: on operands zero-padded to multiples
@@ -184,8 +199,17 @@ def linear_twin(model: torch.nn.Module) -> torch.nn.Module:
     return twin
 
 
-_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
-                    "aten::_grouped_mm", "aten::_scaled_grouped_mm"})
+_GEMMS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_scaled_mm",
+        "aten::_grouped_mm",
+        "aten::_scaled_grouped_mm",
+    }
+)
 """The GEMMs counted. The grouped ones (mixture-of-experts layers) count ``2 M K N``: each row of
 ``[M, K]`` meets one expert's ``[K, N]`` (the weight-gradient form, ``[K, M] x [M, N]`` grouped
 along ``M``, the same). transformers' ``grouped_mm_fallback`` and amp_fx's
@@ -257,8 +281,9 @@ def _ops(prof: Any) -> list[_Op]:
     for e in prof.profiler.kineto_results.events():
         name = e.name()
         if name in _GEMMS or name == _PAD or _compiling(name):
-            ops.append(_Op(name, e.start_ns(), e.end_ns(), e.start_thread_id(), e.shapes(),
-                           e.concrete_inputs(), e.dtypes()))
+            ops.append(
+                _Op(name, e.start_ns(), e.end_ns(), e.start_thread_id(), e.shapes(), e.concrete_inputs(), e.dtypes())
+            )
     ops.sort(key=lambda o: (o.thread, o.start, -o.end))
     open_: list[_Op] = []
     for op in ops:
@@ -331,8 +356,11 @@ def count_gemm_flops() -> Iterator[GemmFlops]:
     flops = GemmFlops()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         yield flops
-    events = [e for e in _ops(prof)
-              if (e.name in _GEMMS or e.name == _PAD) and not any(_compiling(a.name) for a in _ancestors(e))]
+    events = [
+        e
+        for e in _ops(prof)
+        if (e.name in _GEMMS or e.name == _PAD) and not any(_compiling(a.name) for a in _ancestors(e))
+    ]
     # run on fake tensors while Dynamo or AOTAutograd traced (a recompile): left out above
     unpadded: dict[int, int] = {}  # id of a _scaled_mm on padded operands -> its unpadded FLOPs
     pads: dict[tuple[int, ...], tuple[int, ...]] = {}  # since the last _scaled_mm: padded shape -> shape

@@ -19,13 +19,22 @@ def tiny_causal_lm(arch: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     if arch == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
         return transformers.GPT2LMHeadModel(config).eval()
     if arch == "llama":
-        llama = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=128, vocab_size=128,
-                                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+        llama = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=128,
+            max_position_embeddings=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return transformers.LlamaForCausalLM(llama).eval()
     raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
 
@@ -37,9 +46,15 @@ def prompt(batch: int = 2, length: int = 5) -> torch.Tensor:
 def greedy_generate(model: torch.nn.Module, ids: torch.Tensor, cache: str) -> Any:
     """``NEW_TOKENS`` greedy tokens with the KV cache ("dynamic" or "static"), logits and scores
     returned; no early stop (no end-of-sequence token), so every call runs the same steps."""
-    kwargs: dict[str, Any] = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                  output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                                  eos_token_id=None)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     with torch.no_grad():

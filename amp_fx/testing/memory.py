@@ -32,8 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COUNTING_BACKEND", "GradBytes", "PeakBytes", "SavedBytes", "held_bytes", "sent_bytes",
-           "storages", "unique_bytes", "weight_cache_tensors"]
+__all__ = [
+    "COUNTING_BACKEND",
+    "GradBytes",
+    "PeakBytes",
+    "SavedBytes",
+    "held_bytes",
+    "sent_bytes",
+    "storages",
+    "unique_bytes",
+    "weight_cache_tensors",
+]
 
 
 def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -123,8 +132,11 @@ class PeakBytes:
             self.net = torch.cuda.memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
-        events = [e for e in self._prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        events = [
+            e
+            for e in self._prof.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        ]
         now = peak = 0
         for e in sorted(events, key=lambda e: e.start_ns()):  # stable: ties keep the record order
             now += e.nbytes()
@@ -161,8 +173,9 @@ def weight_cache_tensors(cache: Any) -> list[torch.Tensor]:
     return [] if cache is None else cache.tensors()
 
 
-def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None,
-               caches: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+def held_bytes(
+    params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None, caches: Iterable[torch.Tensor] = ()
+) -> dict[str, int]:
     """Bytes held by kind, each storage counted once and under the first kind that holds it:
     parameters, gradients (``.grad`` as it stands), optimizer state, caches."""
     params = list(params)

@@ -113,8 +113,14 @@ def _images(gen: torch.Generator, size: int, channels: int = 3) -> Tensor:
 
 # --- Hugging Face transformers ------------------------------------------------------------------
 
-_HF_DIMS: dict[str, Any] = dict(vocab_size=_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=64)
+_HF_DIMS: dict[str, Any] = dict(
+    vocab_size=_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 
 
 def _hf_causal(config: Any, model_cls: Any, gen: torch.Generator) -> Built:
@@ -126,8 +132,17 @@ def _hf_causal(config: Any, model_cls: Any, gen: torch.Generator) -> Built:
 def _hf_gpt2(gen: torch.Generator) -> Built:
     import transformers as tf
 
-    config = tf.GPT2Config(vocab_size=_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config = tf.GPT2Config(
+        vocab_size=_VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     return _hf_causal(config, tf.GPT2LMHeadModel, gen)
 
 
@@ -154,8 +169,14 @@ def _hf_llama_gqa(gen: torch.Generator) -> Built:
 def _hf_gemma3(gen: torch.Generator, second_layer: str = "sliding_attention") -> Built:
     import transformers as tf
 
-    config = tf.Gemma3TextConfig(**_HF_DIMS, num_key_value_heads=2, head_dim=16, sliding_window=_SEQ // 2,
-                                 layer_types=["sliding_attention", second_layer], use_cache=False)
+    config = tf.Gemma3TextConfig(
+        **_HF_DIMS,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=_SEQ // 2,
+        layer_types=["sliding_attention", second_layer],
+        use_cache=False,
+    )
     return _hf_causal(config, tf.Gemma3ForCausalLM, gen)
 
 
@@ -173,8 +194,9 @@ def _hf_qwen2(gen: torch.Generator) -> Built:
 def _hf_mixtral(gen: torch.Generator) -> Built:
     import transformers as tf
 
-    config = tf.MixtralConfig(**_HF_DIMS, num_key_value_heads=4, num_local_experts=4,
-                              num_experts_per_tok=2, use_cache=False)
+    config = tf.MixtralConfig(
+        **_HF_DIMS, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, use_cache=False
+    )
     return _hf_causal(config, tf.MixtralForCausalLM, gen)
 
 
@@ -182,8 +204,17 @@ def _hf_t5(gen: torch.Generator) -> Built:
     import transformers as tf
 
     config = tf.T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a PreTrainedConfig keyword
-        vocab_size=_VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
-        use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+        vocab_size=_VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = tf.T5ForConditionalGeneration(config)
     return _no_dropout(model), {"input_ids": _ids(gen, _BATCH, _SEQ), "labels": _ids(gen, _BATCH, 8)}, _hf_loss
 
@@ -192,8 +223,16 @@ def _hf_vit(gen: torch.Generator) -> Built:
     import transformers as tf
 
     config = tf.ViTConfig(  # type: ignore[call-arg]  # num_labels: a PreTrainedConfig keyword
-        image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = tf.ViTForImageClassification(config)
     labels = torch.randint(0, 10, (_BATCH,), generator=gen)
     return _no_dropout(model), {"pixel_values": _images(gen, 32), "labels": labels}, _hf_loss
@@ -203,7 +242,8 @@ def _hf_convnext(gen: torch.Generator) -> Built:
     import transformers as tf
 
     config = tf.ConvNextConfig(  # type: ignore[call-arg]  # num_labels: a PreTrainedConfig keyword
-        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32)
+        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=32
+    )
     model = tf.ConvNextForImageClassification(config)
     labels = torch.randint(0, 10, (_BATCH,), generator=gen)
     return _no_dropout(model), {"pixel_values": _images(gen, 32), "labels": labels}, _hf_loss
@@ -235,10 +275,24 @@ def _hf_jamba(gen: torch.Generator) -> Built:
     import transformers as tf
 
     # Layer 0 a Mamba mixer with a dense MLP, layer 1 attention with a mixture of 2 experts (top 1).
-    config = tf.JambaConfig(**_SSM_DIMS, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                            expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8,
-                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False)
+    config = tf.JambaConfig(
+        **_SSM_DIMS,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        use_mamba_kernels=False,
+    )
     return _hf_causal(config, tf.JambaForCausalLM, gen)
 
 
@@ -275,8 +329,9 @@ def _torchvision(name: str, size: int, **kwargs: Any) -> Callable[[torch.Generat
 def _tv_vit(gen: torch.Generator) -> Built:
     from torchvision.models import VisionTransformer
 
-    model = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128,
-                              num_classes=10)
+    model = VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=64, mlp_dim=128, num_classes=10
+    )
     return _no_dropout(model), {"x": _images(gen, 32)}, _sq_mean
 
 
@@ -302,9 +357,14 @@ _UNET_DIMS: dict[str, Any] = dict(sample_size=16, block_out_channels=(32, 64), n
 def _unet2d(gen: torch.Generator) -> Built:
     from diffusers import UNet2DModel
 
-    model = UNet2DModel(**_UNET_DIMS, in_channels=3, out_channels=3, attention_head_dim=8,
-                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    model = UNet2DModel(
+        **_UNET_DIMS,
+        in_channels=3,
+        out_channels=3,
+        attention_head_dim=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    )
     inputs = {"sample": _images(gen, 16), "timestep": torch.tensor([10, 500])}
     return _no_dropout(model), inputs, _sq_mean  # type: ignore[arg-type]  # mypy does not see diffusers' ModelMixin(torch.nn.Module) base
 
@@ -312,11 +372,20 @@ def _unet2d(gen: torch.Generator) -> Built:
 def _unet2d_condition(gen: torch.Generator) -> Built:
     from diffusers import UNet2DConditionModel
 
-    model = UNet2DConditionModel(**_UNET_DIMS, in_channels=4, out_channels=4, cross_attention_dim=32,
-                                 attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
-    inputs = {"sample": _images(gen, 16, channels=4), "timestep": torch.tensor([10, 500]),
-              "encoder_hidden_states": torch.randn(_BATCH, 8, 32, generator=gen)}
+    model = UNet2DConditionModel(
+        **_UNET_DIMS,
+        in_channels=4,
+        out_channels=4,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    )
+    inputs = {
+        "sample": _images(gen, 16, channels=4),
+        "timestep": torch.tensor([10, 500]),
+        "encoder_hidden_states": torch.randn(_BATCH, 8, 32, generator=gen),
+    }
     return _no_dropout(model), inputs, _sq_mean  # type: ignore[arg-type]  # mypy does not see diffusers' ModelMixin(torch.nn.Module) base
 
 
@@ -364,8 +433,9 @@ REAL_MODELS: dict[str, RealModel] = {
         RealModel("hf_mamba", "transformers", _hf_mamba, traced_path=_ssm_traced_path),
         RealModel("hf_falcon_mamba", "transformers", _hf_falcon_mamba, traced_path=_ssm_traced_path),
         # Jamba's attention layer holds a mixture of experts: fp32 experts, as Mixtral's.
-        RealModel("hf_jamba", "transformers", _hf_jamba, traced_path=_ssm_traced_path,
-                  policy=Policy(autocast_experts=False)),
+        RealModel(
+            "hf_jamba", "transformers", _hf_jamba, traced_path=_ssm_traced_path, policy=Policy(autocast_experts=False)
+        ),
         RealModel("tv_resnet18", "torchvision", _torchvision("resnet18", 64)),
         RealModel("tv_mobilenet_v3_small", "torchvision", _torchvision("mobilenet_v3_small", 64)),
         RealModel("tv_efficientnet_b0", "torchvision", _torchvision("efficientnet_b0", 64)),
@@ -425,8 +495,9 @@ def _collect(model: nn.Module, out: Any, loss: Tensor) -> RealStep:
     return RealStep(output_tensors(out), loss.detach(), grads, buffers)
 
 
-def eager_autocast_real_step(model: nn.Module, inputs: dict[str, Tensor], loss_fn: LossFn,
-                             dtype: torch.dtype) -> RealStep:
+def eager_autocast_real_step(
+    model: nn.Module, inputs: dict[str, Tensor], loss_fn: LossFn, dtype: torch.dtype
+) -> RealStep:
     """The reference: ``with torch.autocast("cpu", dtype): loss = loss_fn(model(**inputs))``, then
     ``loss.backward()`` outside the region, as torch's AMP recipe does."""
     with torch.autocast("cpu", dtype=dtype):
@@ -443,4 +514,3 @@ def real_step(run: Callable[..., Any], model: nn.Module, inputs: dict[str, Tenso
     loss = loss_fn(out)
     loss.backward()
     return _collect(model, out, loss)
-

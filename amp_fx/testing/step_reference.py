@@ -61,8 +61,10 @@ class HostSyncCounter:
         # The raw events (name, interval, thread): prof.events() would build an object and a
         # tree for every event, seconds for a training step's thousands of ops.
         assert self._prof.profiler is not None and self._prof.profiler.kineto_results is not None  # after __exit__
-        all_events = [(e.name(), e.start_ns(), e.end_ns(), e.start_thread_id())
-                      for e in self._prof.profiler.kineto_results.events()]
+        all_events = [
+            (e.name(), e.start_ns(), e.end_ns(), e.start_thread_id())
+            for e in self._prof.profiler.kineto_results.events()
+        ]
         self.collectives.update(name for name, *_ in all_events if name.startswith(("gloo:", "nccl:")))
         kernels = [e for e in all_events if e[0].startswith("aten::") and e[0] not in HOST_READ_OPS]
         events = [e for e in all_events if e[0] in HOST_READ_OPS]
@@ -73,8 +75,11 @@ class HostSyncCounter:
             if start < outer_end:
                 continue
             outer_end = end
-            around = [(k_end - k_start, k_name) for k_name, k_start, k_end, k_thread in kernels
-                      if k_start <= start and end <= k_end and k_thread == thread]
+            around = [
+                (k_end - k_start, k_name)
+                for k_name, k_start, k_end, k_thread in kernels
+                if k_start <= start and end <= k_end and k_thread == thread
+            ]
             if around:
                 self.in_cpu_kernels += 1
                 self.in_kernel_names.append(f"{name} in {min(around)[1]}")

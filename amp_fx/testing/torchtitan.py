@@ -51,15 +51,24 @@ def parallel_dims(*, tp: int = 1, dp_shard: int = 1) -> tuple[Any, Any]:
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    config = ParallelismConfig(tensor_parallel_degree=tp, data_parallel_shard_degree=dp_shard,
-                               spmd_backend="partial_dtensor")
+    config = ParallelismConfig(
+        tensor_parallel_degree=tp, data_parallel_shard_degree=dp_shard, spmd_backend="partial_dtensor"
+    )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return config, ParallelDims.from_config(config, world)
 
 
-def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_dtype: str = "float32",
-                   parallelize_fn: Callable[..., torch.nn.Module] | None = None, seed: int = 0,
-                   model_dtype: torch.dtype = torch.float32, float8_recipe: str | None = None) -> torch.nn.Module:
+def cpu_debugmodel(
+    *,
+    tp: int = 1,
+    dp_shard: int = 1,
+    n_layers: int = 2,
+    param_dtype: str = "float32",
+    parallelize_fn: Callable[..., torch.nn.Module] | None = None,
+    seed: int = 0,
+    model_dtype: torch.dtype = torch.float32,
+    float8_recipe: str | None = None,
+) -> torch.nn.Module:
     """torchtitan's Llama 3 debugmodel (dim 256, 16 heads, vocabulary 2048) with ``n_layers`` layers,
     built on meta, parallelized by ``parallelize_fn`` (default: torchtitan's ``parallelize_llama``)
     with ``training.mixed_precision_param=param_dtype``, then materialized on the CPU and
@@ -89,9 +98,15 @@ def cpu_debugmodel(*, tp: int = 1, dp_shard: int = 1, n_layers: int = 2, param_d
     with torch.device("meta"):
         model = config.build()
     parallelize_fn = parallelize_llama if parallelize_fn is None else parallelize_fn
-    model = parallelize_fn(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param=param_dtype),
-                           parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
-                           dump_folder="")
+    model = parallelize_fn(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param=param_dtype),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -116,8 +131,11 @@ def trainer_config_fields() -> Any:
     from torchtitan.config import CompileConfig
     from torchtitan.models.llama3 import model_registry
 
-    return SimpleNamespace(model_spec=model_registry("debugmodel"), loss=ChunkedLossWrapper.Config(),
-                           compile=CompileConfig(enable=True, components=["model", "loss"]))
+    return SimpleNamespace(
+        model_spec=model_registry("debugmodel"),
+        loss=ChunkedLossWrapper.Config(),
+        compile=CompileConfig(enable=True, components=["model", "loss"]),
+    )
 
 
 def stand_in_for_trainer_extras() -> list[str]:
@@ -134,12 +152,15 @@ def stand_in_for_trainer_extras() -> list[str]:
 
     class _Unavailable:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError("a stand-in (amp_fx.testing.torchtitan.stand_in_for_trainer_extras): "
-                               "pip install tensorboard datasets")
+            raise RuntimeError(
+                "a stand-in (amp_fx.testing.torchtitan.stand_in_for_trainer_extras): pip install tensorboard datasets"
+            )
 
-    stand_ins = {"torch.utils.tensorboard": {"SummaryWriter": _Unavailable},
-                 "datasets": {"Dataset": _Unavailable, "load_dataset": _Unavailable},
-                 "datasets.distributed": {"split_dataset_by_node": _Unavailable}}
+    stand_ins = {
+        "torch.utils.tensorboard": {"SummaryWriter": _Unavailable},
+        "datasets": {"Dataset": _Unavailable, "load_dataset": _Unavailable},
+        "datasets.distributed": {"split_dataset_by_node": _Unavailable},
+    }
     made = []
     for name, attrs in stand_ins.items():
         try:

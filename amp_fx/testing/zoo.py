@@ -142,8 +142,7 @@ class SDPABlock(nn.Module):
 class RNNHead(nn.Module):
     """nn.LSTM or nn.GRU over a sequence, then a linear head on every step."""
 
-    def __init__(self, cell: type[nn.LSTM | nn.GRU], d_in: int = 8, d_hidden: int = 16,
-                 d_out: int = 8) -> None:
+    def __init__(self, cell: type[nn.LSTM | nn.GRU], d_in: int = 8, d_hidden: int = 16, d_out: int = 8) -> None:
         super().__init__()
         self.rnn = cell(d_in, d_hidden, batch_first=True)
         self.head = nn.Linear(d_hidden, d_out)
@@ -379,8 +378,16 @@ ZOO: dict[str, ZooEntry] = {
 """Every zoo entry by name."""
 
 
-def transformer_lm(*, vocab: int = 64, d_model: int = 64, n_heads: int = 4, n_layers: int = 2,
-                   seq: int = 32, batch: int = 4, seed: int = SEED) -> Built:
+def transformer_lm(
+    *,
+    vocab: int = 64,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_layers: int = 2,
+    seq: int = 32,
+    batch: int = 4,
+    seed: int = SEED,
+) -> Built:
     """A small pre-norm causal transformer LM (SDPA blocks, tied head) for the benchmark."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -393,8 +400,7 @@ class _TransformerLM(nn.Module):
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(
-            SDPABlock(d_model, n_heads, 4 * d_model) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(SDPABlock(d_model, n_heads, 4 * d_model) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
         self.scale = math.sqrt(d_model)
 
@@ -419,14 +425,14 @@ class StepResult:
 
 
 def _collect(model: nn.Module, out: Tensor, loss: Tensor) -> StepResult:
-    grads = {n: None if p.grad is None else p.grad.detach().clone()
-             for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return StepResult(out.detach(), loss.detach(), grads, buffers)
 
 
-def eager_autocast_step(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
-                        dtype: torch.dtype, *, device_type: str = "cpu") -> StepResult:
+def eager_autocast_step(
+    model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn, dtype: torch.dtype, *, device_type: str = "cpu"
+) -> StepResult:
     """The reference: ``with torch.autocast(device_type, dtype): loss = loss_fn(model(*inputs))``,
     then ``loss.backward()`` outside the region, as torch's AMP recipe does."""
     with torch.autocast(device_type, dtype=dtype):
@@ -436,8 +442,7 @@ def eager_autocast_step(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: L
     return _collect(model, out, loss)
 
 
-def step(run: Callable[..., object], model: nn.Module, inputs: tuple[Tensor, ...],
-         loss_fn: LossFn) -> StepResult:
+def step(run: Callable[..., object], model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn) -> StepResult:
     """One forward+backward through ``run`` (e.g. an amp_fx-compiled module) with no ambient
     autocast; grads and buffers are read from ``model``, which ``run`` shares state with."""
     out = run(*inputs)

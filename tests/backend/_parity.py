@@ -28,21 +28,20 @@ def dynamo_config(entry: ZooEntry) -> AbstractContextManager[None]:
     return torch._dynamo.config.patch(dict(entry.dynamo_config))
 
 
-def _eager_reference(model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn,
-                     dtype: torch.dtype, device: str) -> StepResult:
+def _eager_reference(
+    model: nn.Module, inputs: tuple[Tensor, ...], loss_fn: LossFn, dtype: torch.dtype, device: str
+) -> StepResult:
     try:
         return eager_autocast_step(model, inputs, loss_fn, dtype, device_type=device)
     except RuntimeError as e:  # e.g. oneDNN has no fp16 LSTM primitive on this CPU
         pytest.skip(f"eager autocast itself fails for {dtype}, so there is no reference: {e}")
 
 
-def _on(device: str, model: nn.Module, inputs: tuple[Tensor, ...]
-        ) -> tuple[nn.Module, tuple[Tensor, ...]]:
+def _on(device: str, model: nn.Module, inputs: tuple[Tensor, ...]) -> tuple[nn.Module, tuple[Tensor, ...]]:
     return model.to(device), tuple(t.to(device) for t in inputs)
 
 
-def _skip_if_backend_fails_without_amp_fx(entry: ZooEntry, backend: str, err: Exception,
-                                          device: str) -> None:
+def _skip_if_backend_fails_without_amp_fx(entry: ZooEntry, backend: str, err: Exception, device: str) -> None:
     """When amp_fx's run raised, check whether plain fp32 torch.compile fails the same way."""
     torch._dynamo.reset()
     model, inputs, loss_fn = entry.build()
@@ -51,9 +50,11 @@ def _skip_if_backend_fails_without_amp_fx(entry: ZooEntry, backend: str, err: Ex
         with dynamo_config(entry):
             loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
     except Exception as plain:  # noqa: BLE001 (any failure of the baseline means: not amp_fx)
-        pytest.skip(f"torch.compile(backend={backend!r}) fails on {entry.name} in fp32 without "
-                    f"amp_fx too ({type(plain).__name__}: {str(plain)[:120]}); amp_fx raised "
-                    f"{type(err).__name__}")
+        pytest.skip(
+            f"torch.compile(backend={backend!r}) fails on {entry.name} in fp32 without "
+            f"amp_fx too ({type(plain).__name__}: {str(plain)[:120]}); amp_fx raised "
+            f"{type(err).__name__}"
+        )
 
 
 @contextlib.contextmanager
@@ -69,9 +70,14 @@ def reports_splits(entry: ZooEntry) -> Iterator[None]:
     assert sorted(named) == sorted(entry.split_params)
 
 
-def run_pair(entry: ZooEntry, dtype: torch.dtype, *, device: str = "cpu",
-             reference: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-             **compile_kwargs: object) -> tuple[StepResult, StepResult, amp_fx.AmpCompiledModule]:
+def run_pair(
+    entry: ZooEntry,
+    dtype: torch.dtype,
+    *,
+    device: str = "cpu",
+    reference: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    **compile_kwargs: object,
+) -> tuple[StepResult, StepResult, amp_fx.AmpCompiledModule]:
     """(amp_fx result, eager autocast result, compiled module) from identical model copies on
     ``device``; ``reference``: a context the eager reference runs inside."""
     model, inputs, loss_fn = entry.build()
@@ -103,12 +109,14 @@ def assert_every_graph_rewritten(compiled: amp_fx.AmpCompiledModule) -> None:
 
 
 SHARED_ACROSS_BREAK = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
+    strict=True,
+    raises=AssertionError,
     reason="fc is used on both sides of the graph break: eager autocast's cast cache shares one "
-           "bf16/fp16 copy of fc.weight for the whole autocast region, so the two uses' gradients "
-           "add up in the low dtype before one cast back to fp32; amp_fx casts once per graph, so "
-           "they are cast back separately and add up in fp32 (reported to the amp_fx owner). "
-           "weight_cache=True makes it bitwise: tests/backend/test_weight_cache.py")
+    "bf16/fp16 copy of fc.weight for the whole autocast region, so the two uses' gradients "
+    "add up in the low dtype before one cast back to fp32; amp_fx casts once per graph, so "
+    "they are cast back separately and add up in fp32 (reported to the amp_fx owner). "
+    "weight_cache=True makes it bitwise: tests/backend/test_weight_cache.py",
+)
 
 
 def zoo_params(exclude: tuple[str, ...] = ()) -> list[object]:
@@ -142,14 +150,14 @@ GRAD_EPS = 4.0
 INDUCTOR_MODELS = ["mlp", "rmsnorm"]
 
 
-def assert_within_excess_precision(actual: StepResult, expected: StepResult, dtype: torch.dtype
-                                   ) -> None:
+def assert_within_excess_precision(actual: StepResult, expected: StepResult, dtype: torch.dtype) -> None:
     """Inductor against eager autocast: the output within :data:`OUT_EPS`, each gradient within
     :data:`GRAD_EPS` eps of its largest magnitude (derivation above)."""
     eps = torch.finfo(dtype).eps
     assert actual.out.dtype == expected.out.dtype
-    torch.testing.assert_close(actual.out, expected.out, rtol=0,
-                               atol=OUT_EPS * eps * expected.out.float().abs().max().item())
+    torch.testing.assert_close(
+        actual.out, expected.out, rtol=0, atol=OUT_EPS * eps * expected.out.float().abs().max().item()
+    )
     for n, g in expected.grads.items():
         atol = GRAD_EPS * eps * g.abs().max().item()
         torch.testing.assert_close(actual.grads[n], g, rtol=0, atol=atol, msg=msg(f"{n}.grad"))
@@ -190,12 +198,14 @@ def eager_rnns_as_cells() -> Iterator[None]:
         rnn._VF = before
 
 
-def run_rnn_as_cells(name: str, dtype: torch.dtype, device: str, backend: str
-                     ) -> tuple[StepResult, StepResult, list[str]]:
+def run_rnn_as_cells(
+    name: str, dtype: torch.dtype, device: str, backend: str
+) -> tuple[StepResult, StepResult, list[str]]:
     """amp_fx (not strict: it reports the cells) and the eager reference of
     :func:`eager_rnns_as_cells` on zoo model ``name``; with the AmpFxWarnings amp_fx gave."""
     with pytest.warns(amp_fx.AmpFxWarning) as said:
-        actual, expected, compiled = run_pair(ZOO[name], dtype, device=device, reference=eager_rnns_as_cells,
-                                              backend=backend, strict=False)
+        actual, expected, compiled = run_pair(
+            ZOO[name], dtype, device=device, reference=eager_rnns_as_cells, backend=backend, strict=False
+        )
     assert_every_graph_rewritten(compiled)
     return actual, expected, [str(w.message) for w in said if issubclass(w.category, amp_fx.AmpFxWarning)]

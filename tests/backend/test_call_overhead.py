@@ -35,8 +35,11 @@ def _mlp() -> nn.Module:
 
 
 def _no_graph_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught
-            if issubclass(w.category, AmpFxWarning) and "captured and ran no graph" in str(w.message)]
+    return [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, AmpFxWarning) and "captured and ran no graph" in str(w.message)
+    ]
 
 
 # --- "this call ran no graph" is checked on every call, not only the first ones -----------------
@@ -184,8 +187,7 @@ def test_compiled_module_call_still_runs_what_nn_module_call_runs(change: str) -
     x = torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = model(x)
-        changed = (model(_times_three_plus_one(x)) if change == "forward_pre_hook"
-                   else _times_three_plus_one(model(x)))
+        changed = model(_times_three_plus_one(x)) if change == "forward_pre_hook" else _times_three_plus_one(model(x))
     assert not torch.equal(plain, changed)
     torch.testing.assert_close(compiled(x), plain, atol=0, rtol=0)
 

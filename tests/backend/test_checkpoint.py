@@ -57,8 +57,9 @@ class _Run:
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # moments: optimizer state to compare
         self.scaler: Any = None
         if case in ("compile_step", "train_state"):
-            kwargs: dict[str, Any] = ({"dtype": "fp16"} if case == "compile_step"
-                                      else {"dtype": "bf16", "train_state": "bf16_kahan"})
+            kwargs: dict[str, Any] = (
+                {"dtype": "fp16"} if case == "compile_step" else {"dtype": "bf16", "train_state": "bf16_kahan"}
+            )
             # train_state turns the parameters to bf16 here, before any state is loaded into them
             self._step = amp_fx.compile_step(model, self.opt, _loss, backend="aot_eager", **kwargs)
             self.scaler = self._step
@@ -130,8 +131,11 @@ def test_a_checkpoint_loads_with_weights_only_into_a_plain_model_and_resumes_bit
     resumed.load(saved)
     for name, value in plain.state_dict().items():  # loaded bit for bit, in the dtype it was trained in
         assert_bitwise(value, saved["model"][name], f"loaded {name}")
-    actual = {"loss": resumed.step(STOP), "params": dict(plain.named_parameters()),
-              "opt": resumed.opt.state_dict()["state"]}
+    actual = {
+        "loss": resumed.step(STOP),
+        "params": dict(plain.named_parameters()),
+        "opt": resumed.opt.state_dict()["state"],
+    }
     assert_bitwise(actual, expected, f"{case}: step {STOP} after resuming")
 
 

@@ -128,10 +128,18 @@ def test_plain_function() -> None:
 # --- arguments --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("alias, expected", [
-    ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-    ("fp16", torch.float16), ("float16", torch.float16), (torch.float16, torch.float16),
-], ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(
+    "alias, expected",
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        (torch.float16, torch.float16),
+    ],
+    ids=lambda v: str(v).replace("torch.", ""),
+)
 def test_dtype_aliases(alias: object, expected: torch.dtype) -> None:
     model = nn.Linear(8, 4)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
@@ -147,8 +155,7 @@ def test_unknown_dtype_raises_naming_accepted_values(bad: object) -> None:
         amp_fx.compile(nn.Linear(4, 4), dtype=bad, backend=BACKEND)
     msg = str(info.value)
     assert repr(bad) in msg
-    accepted_values = ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', "torch.bfloat16",
-                       "torch.float16")
+    accepted_values = ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', "torch.bfloat16", "torch.float16")
     for accepted in accepted_values:
         assert accepted in msg, (accepted, msg)
 
@@ -185,8 +192,7 @@ def test_two_policies_on_one_model_never_share_a_graph() -> None:
 
 def test_keep_fp32_unknown_module_raises_naming_it() -> None:
     with pytest.raises(ValueError, match="nonexistent"):
-        amp_fx.compile(MLP(), dtype="bf16", policy=Policy(keep_fp32=("nonexistent",)),
-                       backend=BACKEND)
+        amp_fx.compile(MLP(), dtype="bf16", policy=Policy(keep_fp32=("nonexistent",)), backend=BACKEND)
 
 
 @pytest.mark.parametrize("op", ["aten.not_an_op", "aten::linear.not_an_overload"])
@@ -208,8 +214,11 @@ def test_parameters_and_grads_stay_fp32(dtype: torch.dtype) -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     # ...while the matmuls ran in the low dtype: the rewritten graph casts weights down.
     record = compiled.amp_fx_records[0]
-    low = [n for n in record.rewritten.graph.nodes
-           if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == dtype]
+    low = [
+        n
+        for n in record.rewritten.graph.nodes
+        if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == dtype
+    ]
     assert low
 
 
@@ -240,8 +249,9 @@ def test_binary_cross_entropy_runs_in_fp32_as_on_cpu_eager(dtype: torch.dtype) -
     for n, g in expected.grads.items():
         torch.testing.assert_close(actual.grads[n], g, atol=0, rtol=0)
     graph = compiled.amp_fx_records[0].rewritten.graph
-    decisions = [n.meta.get(meta.DECISION) for n in graph.nodes
-                 if n.target is torch.ops.aten.binary_cross_entropy.default]
+    decisions = [
+        n.meta.get(meta.DECISION) for n in graph.nodes if n.target is torch.ops.aten.binary_cross_entropy.default
+    ]
     assert [d.cast_class for d in decisions] == [CastClass.FP32]
 
 
@@ -270,11 +280,14 @@ def test_torch_banned_op_keeps_the_bce_advice() -> None:
 # --- backend validated at compile() (item 12) -------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, error, match", [
-    (3, TypeError, r"backend must be .* got 3 \(int\)"),
-    (None, TypeError, r"backend must be .* got None"),
-    ("not_a_backend", ValueError, r"unknown backend 'not_a_backend'.*aot_eager"),
-])
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (3, TypeError, r"backend must be .* got 3 \(int\)"),
+        (None, TypeError, r"backend must be .* got None"),
+        ("not_a_backend", ValueError, r"unknown backend 'not_a_backend'.*aot_eager"),
+    ],
+)
 def test_bad_backend_raises_at_compile(bad: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         amp_fx.compile(MLP(), backend=bad)  # type: ignore[arg-type]
@@ -303,10 +316,15 @@ _COPIES = {"deepcopy": copy.deepcopy, "pickle": _pickle_copy, "torch_save": _tor
 
 @pytest.mark.parametrize("how", sorted(_COPIES))
 def test_policy_copies_equal(how: str) -> None:
-    policy = Policy(op_classes={torch.ops.aten.linear.default: CastClass.FP32,
-                                torch.ops.aten.layer_norm: CastClass.FP32,
-                                "aten.conv2d": CastClass.LOWER_PRECISION_FP},
-                    keep_fp32=("fc1", nn.LayerNorm), cast_cache=False)
+    policy = Policy(
+        op_classes={
+            torch.ops.aten.linear.default: CastClass.FP32,
+            torch.ops.aten.layer_norm: CastClass.FP32,
+            "aten.conv2d": CastClass.LOWER_PRECISION_FP,
+        },
+        keep_fp32=("fc1", nn.LayerNorm),
+        cast_cache=False,
+    )
     copied = _COPIES[how](policy)
     assert copied == policy and hash(copied) == hash(policy)
     assert copied.op_entries == policy.op_entries

@@ -106,8 +106,7 @@ def test_fold_fires_on_user_round_trip(dtype: torch.dtype) -> None:
     # exact_round_trip drops both casts of the pair (the middle has no other user); the other
     # rules drop one cast each.
     removed = 2 * by_rule["exact_round_trip"] + by_rule["widen_then_cast"] + by_rule["noop_cast"]
-    assert (sum(r.casts for r in unfolded.amp_fx_records)
-            - sum(r.casts for r in folded.amp_fx_records)) == removed
+    assert (sum(r.casts for r in unfolded.amp_fx_records) - sum(r.casts for r in folded.amp_fx_records)) == removed
 
 
 # --- RNNs: Dynamo's default is to skip them ---------------------------------------------------
@@ -125,10 +124,12 @@ def test_rnn_skipped_by_dynamo_by_default_runs_under_eager_autocast(name: str) -
     plain = ZooEntry(name, entry.factory)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        actual, expected, compiled = run_pair(plain, torch.bfloat16, backend="aot_eager",
-                                              strict=False)
-    said = [w for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)
-            and "captured and ran no graph" in str(w.message)]
+        actual, expected, compiled = run_pair(plain, torch.bfloat16, backend="aot_eager", strict=False)
+    said = [
+        w
+        for w in caught
+        if issubclass(w.category, amp_fx.AmpFxWarning) and "captured and ran no graph" in str(w.message)
+    ]
     assert bool(said) == (compiled.amp_fx_records == []), [str(w.message) for w in caught]
     for record in compiled.amp_fx_records:
         traced = [str(n.target) for n in record.captured.graph.nodes if n.op == "call_function"]
@@ -204,6 +205,7 @@ def test_inductor_within_excess_precision_tolerance(name: str, dtype: torch.dtyp
 def _inductor_emulates_precision_casts() -> bool:
     """Feature test: does emulate_precision_casts change what CPU inductor computes for a fused
     bf16 pointwise chain? Yes on torch 2.13 and later; 2.11's CPU code generation ignores it."""
+
     def chain(x: Tensor) -> Tensor:
         return nn.functional.gelu(x * 1.7 + 0.3) * x
 
@@ -225,8 +227,10 @@ def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     and RMSNorm-weight gradients sum in another order), at most 1 ulp of the low dtype per
     element; every gradient error is far below the default's."""
     if not _inductor_emulates_precision_casts():
-        pytest.skip(f"torch {torch.__version__}'s CPU inductor ignores emulate_precision_casts "
-                    "(a fused bf16 chain compiles to the same values with it on and off)")
+        pytest.skip(
+            f"torch {torch.__version__}'s CPU inductor ignores emulate_precision_casts "
+            "(a fused bf16 chain compiles to the same values with it on and off)"
+        )
     dtype = torch.bfloat16
     default, expected = _inductor_pair(name, dtype, emulate=False)
     emulated, expected_again = _inductor_pair(name, dtype, emulate=True)
@@ -235,12 +239,11 @@ def test_inductor_emulate_precision_casts_closes_the_gap(name: str) -> None:
     torch.testing.assert_close(emulated.out, expected.out, atol=0, rtol=0)
     for n, g in expected.grads.items():
         # 1 ulp of the low dtype: ulp(x) <= eps * |x| for normal x, hence rtol=eps, atol=0.
-        torch.testing.assert_close(emulated.grads[n], g, atol=0, rtol=torch.finfo(dtype).eps,
-                                   msg=msg(f"{n}.grad with emulate_precision_casts"))
-    gap_default = max(_normwise_error(default.out, expected.out, dtype),
-                      _max_grad_error(default, expected, dtype))
-    gap_emulated = max(_normwise_error(emulated.out, expected.out, dtype),
-                       _max_grad_error(emulated, expected, dtype))
+        torch.testing.assert_close(
+            emulated.grads[n], g, atol=0, rtol=torch.finfo(dtype).eps, msg=msg(f"{n}.grad with emulate_precision_casts")
+        )
+    gap_default = max(_normwise_error(default.out, expected.out, dtype), _max_grad_error(default, expected, dtype))
+    gap_emulated = max(_normwise_error(emulated.out, expected.out, dtype), _max_grad_error(emulated, expected, dtype))
     assert gap_emulated < gap_default, (gap_emulated, gap_default)
 
 
@@ -271,15 +274,19 @@ def test_graph_break_every_graph_rewritten(name: str, dtype: torch.dtype) -> Non
     torch.testing.assert_close(actual.out, expected.out, atol=0, rtol=0)
 
 
-def _train(run: Callable[..., Tensor], model: nn.Module, inputs: tuple[Tensor, ...],
-           loss_fn: Callable[[object], Tensor], autocast_dtype: torch.dtype | None, steps: int
-           ) -> list[Tensor]:
+def _train(
+    run: Callable[..., Tensor],
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    loss_fn: Callable[[object], Tensor],
+    autocast_dtype: torch.dtype | None,
+    steps: int,
+) -> list[Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
-                            enabled=autocast_dtype is not None):
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             loss = loss_fn(run(*inputs))
         loss.backward()
         opt.step()
@@ -290,8 +297,9 @@ def _train(run: Callable[..., Tensor], model: nn.Module, inputs: tuple[Tensor, .
 @pytest.mark.parametrize("weight_cache", [False, True], ids=["no_cache", "weight_cache"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", ["graph_break", "graph_break_branch"])
-def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype, weight_cache: bool,
-                                            request: pytest.FixtureRequest) -> None:
+def test_graph_break_training_matches_eager(
+    name: str, dtype: torch.dtype, weight_cache: bool, request: pytest.FixtureRequest
+) -> None:
     """Three SGD steps (lr 0.5, momentum: large enough that a one-ulp gradient difference shows
     in the parameters): losses and final parameters bitwise equal to eager autocast training.
     A weight used on both sides of the break needs the weight cache (one cast per forward)."""
@@ -301,8 +309,13 @@ def test_graph_break_training_matches_eager(name: str, dtype: torch.dtype, weigh
     model, inputs, loss_fn = ZOO[name].build()
     reference = copy.deepcopy(model)
     expected = _train(reference, reference, inputs, loss_fn, dtype, steps)
-    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=weight_cache,
-                              strict=False if ZOO[name].split_params and not weight_cache else None)
+    compiled = amp_fx.compile(
+        model,
+        dtype=dtype,
+        backend="aot_eager",
+        weight_cache=weight_cache,
+        strict=False if ZOO[name].split_params and not weight_cache else None,
+    )
     if weight_cache:
         actual = _train(compiled, model, inputs, loss_fn, None, steps)
     else:
@@ -403,16 +416,18 @@ def test_dynamos_restart_of_a_trace_is_no_failure_of_amp_fx() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return traced(t)
 
-    assert_bitwise(actual, step(under_autocast, reference, (x,), _sq_mean),  # _sq_mean: autocast-neutral
-                   "amp_fx vs torch.compile + autocast, aot_eager_decomp_partition")
+    assert_bitwise(
+        actual,
+        step(under_autocast, reference, (x,), _sq_mean),  # _sq_mean: autocast-neutral
+        "amp_fx vs torch.compile + autocast, aot_eager_decomp_partition",
+    )
 
 
 # --- tied weights: amp_fx vs torch.compile under autocast --------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(
-        dtype: torch.dtype) -> None:
+def test_tied_weights_amp_fx_bitwise_where_torch_compile_autocast_is_not(dtype: torch.dtype) -> None:
     """torch.compile under an ambient autocast differs from eager on weights used in several
     places (the second half of this test checks it). Measured: it is the weights used by *two
     low-precision ops* (``block`` applied twice) that differ, since AOTAutograd traces each
@@ -542,10 +557,14 @@ def test_a_region_with_its_own_autocast_state_is_bitwise_gradient_by_gradient(re
         assert_bitwise(grad, ref_grads[name], f"{name}.grad")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "pytorch#179804 (open, torch 2.13): the compiled backward of a region with its own autocast state "
-    "differs from eager's; measured: a.weight, a.bias and b.weight (3 of 6) by up to 5e-3 of their "
-    "largest value, the output bitwise. Passes once upstream fixes it"))
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "pytorch#179804 (open, torch 2.13): the compiled backward of a region with its own autocast state "
+        "differs from eager's; measured: a.weight, a.bias and b.weight (3 of 6) by up to 5e-3 of their "
+        "largest value, the output bitwise. Passes once upstream fixes it"
+    ),
+)
 @pytest.mark.parametrize("region", _REGIONS)
 def test_torch_compile_under_autocast_matches_eager_in_such_a_region(region: str) -> None:
     runs = _region_runs(region)
@@ -578,5 +597,6 @@ def test_cast_cache_follows_each_calls_leafness(first_leaf: bool) -> None:
         out.float().sum().backward()
         expected_out, expected_grad = _eager_twice_grad(x, w0, leaf)
         torch.testing.assert_close(out, expected_out, atol=0, rtol=0)
-        torch.testing.assert_close(base.grad, expected_grad, atol=0, rtol=0,
-                                   msg=msg(f"w.grad ({'leaf' if leaf else 'non-leaf'} call)"))
+        torch.testing.assert_close(
+            base.grad, expected_grad, atol=0, rtol=0, msg=msg(f"w.grad ({'leaf' if leaf else 'non-leaf'} call)")
+        )

@@ -45,20 +45,29 @@ def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
 
     monkeypatch.setitem(fold_casts.RULES, "noop_cast", broken)
     model = amp_fx.compile(torch.nn.Linear(4, 4), backend="aot_eager")
-    with pytest.raises(amp_fx.AmpFxError, match=r"fold_casts failed on graph 0 \(passes run before it: "
-                                                 r"capture, insert_casts\): KeyError: 'planted'"):
+    with pytest.raises(
+        amp_fx.AmpFxError,
+        match=r"fold_casts failed on graph 0 \(passes run before it: "
+        r"capture, insert_casts\): KeyError: 'planted'",
+    ):
         model(torch.randn(2, 4))
 
 
-@pytest.mark.parametrize("call, says", [
-    (lambda: amp_fx.compile(torch.nn.Linear), r"amp_fx.compile expects a model .* got the class Linear itself"),
-    (lambda: amp_fx.compile(torch.nn.Linear, inplace=True), r"got the class Linear itself"),
-    (lambda: amp_fx.compile_step(torch.nn.Linear, None, None), r"compile_step expects .* the class Linear"),
-    (lambda: amp_fx.explain(torch.nn.Linear, torch.randn(2)), r"explain expects .* the class Linear"),
-    (lambda: amp_fx.explain("model", torch.randn(2)),
-     r"explain expects an nn.Module or a callable, got str \('model'\)"),
-    (lambda: amp_fx.compare(3, torch.randn(2)), r"compare expects an nn.Module or a callable, got int \(3\)"),
-], ids=["compile-class", "inplace-class", "compile_step-class", "explain-class", "explain-str", "compare-int"])
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda: amp_fx.compile(torch.nn.Linear), r"amp_fx.compile expects a model .* got the class Linear itself"),
+        (lambda: amp_fx.compile(torch.nn.Linear, inplace=True), r"got the class Linear itself"),
+        (lambda: amp_fx.compile_step(torch.nn.Linear, None, None), r"compile_step expects .* the class Linear"),
+        (lambda: amp_fx.explain(torch.nn.Linear, torch.randn(2)), r"explain expects .* the class Linear"),
+        (
+            lambda: amp_fx.explain("model", torch.randn(2)),
+            r"explain expects an nn.Module or a callable, got str \('model'\)",
+        ),
+        (lambda: amp_fx.compare(3, torch.randn(2)), r"compare expects an nn.Module or a callable, got int \(3\)"),
+    ],
+    ids=["compile-class", "inplace-class", "compile_step-class", "explain-class", "explain-str", "compare-int"],
+)
 def test_a_class_or_a_value_instead_of_a_model_is_named(call, says):
     """Not a model that "fails in eager mode" (explain's EagerError), nor accepted and called later."""
     with pytest.raises(TypeError, match=says):

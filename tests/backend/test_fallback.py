@@ -67,8 +67,9 @@ def _torch_compile_reference() -> dict[str, Any]:
 
 def _second_graph(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
     """The op that marks the graph after the break (the loss's sum), in Dynamo's graph or amp_fx's."""
-    return next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
-                 and "sum" in str(n.target)), None)
+    return next(
+        (n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and "sum" in str(n.target)), None
+    )
 
 
 def _graph_of(args: tuple[Any, ...]) -> torch.fx.GraphModule:
@@ -144,8 +145,11 @@ def test_a_failing_stage_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyP
     options = _plant(monkeypatch, case)
     stage = case.split(" ")[0]
     everywhere = _STAGES[case][2] is _planted_everywhere
-    graph, cause, op = (0, "RuntimeError: planted at call_function", "") if everywhere else (
-        1, "RuntimeError: planted at sum_1", "%sum_1")
+    graph, cause, op = (
+        (0, "RuntimeError: planted at call_function", "")
+        if everywhere
+        else (1, "RuntimeError: planted at sum_1", "%sum_1")
+    )
     model, x = _model_and_input()
     compiled = amp_fx.compile(model, backend="aot_eager", strict=False, **options)
     with warnings.catch_warnings(record=True) as caught:
@@ -156,24 +160,31 @@ def test_a_failing_stage_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyP
     stages = [r.fallback.stage if r.fallback is not None else None for r in compiled.amp_fx_records]
     assert stages == ([stage, stage] if everywhere else [None, stage])
     assert compiled.amp_fx_records[graph].fallback.cause == cause
-    fell_back = [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)
-                 and "compiled as torch.compile under torch.autocast" in str(w.message)]
+    fell_back = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, AmpFxWarning) and "compiled as torch.compile under torch.autocast" in str(w.message)
+    ]
     assert len(fell_back) == 1, fell_back
     message = fell_back[0]
     # module_names is what names modules under the root: failing, Dynamo's names are left
     module = "module 'a'" if everywhere else "module \"L['self'].b\"" if stage == "module_names" else "module 'b'"
     for part in (f"amp_fx: {stage} failed on graph {graph}", cause, f"(op: {op}", module):
         assert part in message, (part, message)
-    others = [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)
-              and str(w.message) not in fell_back]
+    others = [
+        str(w.message) for w in caught if issubclass(w.category, AmpFxWarning) and str(w.message) not in fell_back
+    ]
     # the weight cache says first that the lifted graph failed, then the graph falls back; fp8
     # that no matmul ran in fp8 (both graphs fell back)
     assert len(others) == (1 if options.get("weight_cache") or everywhere else 0), others
 
     strict = amp_fx.compile(_model_and_input()[0], backend="aot_eager", strict=True, **options)
     # with the weight cache, strict mode raises at its first shortfall: the lifted graph's failure
-    first = (rf"the aot_eager backend failed on graph 1 with its weight casts lifted .*{cause}"
-             if options.get("weight_cache") else rf"{stage} failed on graph {graph} .*{cause} \(op: {op}")
+    first = (
+        rf"the aot_eager backend failed on graph 1 with its weight casts lifted .*{cause}"
+        if options.get("weight_cache")
+        else rf"{stage} failed on graph {graph} .*{cause} \(op: {op}"
+    )
     with pytest.raises(AmpFxError, match=rf"{first}.*\[strict mode") as raised:
         _run(strict, *_model_and_input())
     assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == cause[14:]

@@ -22,9 +22,16 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _recipe_step(model: Callable[[Tensor], Tensor], params: list[nn.Parameter],
-                 opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: Tensor, y: Tensor,
-                 dtype: torch.dtype, forward_autocast: bool) -> Tensor:
+def _recipe_step(
+    model: Callable[[Tensor], Tensor],
+    params: list[nn.Parameter],
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: Tensor,
+    y: Tensor,
+    dtype: torch.dtype,
+    forward_autocast: bool,
+) -> Tensor:
     """The gradient-penalty step of PyTorch's AMP recipe ("Gradient penalty" section)."""
     with torch.autocast("cpu", dtype=dtype, enabled=forward_autocast):
         loss = nn.functional.mse_loss(model(x).float(), y)
@@ -64,10 +71,10 @@ def test_gradient_penalty_with_eager_backend_is_bitwise(dtype: torch.dtype) -> N
     torch.manual_seed(1)
     batches = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(4)]
     for x, y in batches:
-        expected = _recipe_step(reference, list(reference.parameters()), ref_opt, ref_scaler, x, y,
-                                dtype, forward_autocast=True)
-        actual = _recipe_step(compiled, list(ours.parameters()), opt, scaler, x, y, dtype,
-                              forward_autocast=False)
+        expected = _recipe_step(
+            reference, list(reference.parameters()), ref_opt, ref_scaler, x, y, dtype, forward_autocast=True
+        )
+        actual = _recipe_step(compiled, list(ours.parameters()), opt, scaler, x, y, dtype, forward_autocast=False)
         torch.testing.assert_close(actual, expected, atol=0, rtol=0)
         assert scaler.get_scale() == ref_scaler.get_scale()
     for (name, p), q in zip(ours.named_parameters(), reference.parameters()):

@@ -59,8 +59,11 @@ def test_fp8_saves_the_weight_for_the_backward_not_its_fp8_cast() -> None:
         out = compiled(x)
     out.float().sum().backward()
     weight_size = model[2].weight.numel()
-    fp8_weights = [tuple(t.shape) for t in saved.tensors
-                   if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() == weight_size]
+    fp8_weights = [
+        tuple(t.shape)
+        for t in saved.tensors
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and t.numel() == weight_size
+    ]
     assert fp8_weights == []
     ptr = model[2].weight.untyped_storage().data_ptr()
     assert any(t.untyped_storage().data_ptr() == ptr for t in saved.tensors), "the fp32 weight is saved"
@@ -87,19 +90,30 @@ def test_fp8_saves_the_weight_not_its_cast_in_a_graph_with_captured_constants() 
     ``addmm``, not of this.)"""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(  # one layer: the graph has its constants
-        n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0))
+    lm = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(  # one layer: the graph has its constants
+            n_layer=1, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    )
     from transformers.pytorch_utils import Conv1D
 
     # the projections (Conv1D) kept out of fp8: only the head's matmul, a smaller graph to compile
-    compiled = amp_fx.compile(_Logits(lm), dtype="bf16", fp8="tensorwise", backend="aot_eager_decomp_partition",
-                              policy=amp_fx.Policy(keep_out_of_fp8=(Conv1D,)))
+    compiled = amp_fx.compile(
+        _Logits(lm),
+        dtype="bf16",
+        fp8="tensorwise",
+        backend="aot_eager_decomp_partition",
+        policy=amp_fx.Policy(keep_out_of_fp8=(Conv1D,)),
+    )
     batches = [torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(0)) for shape in ((2, 8), (3, 12))]
     for ids in batches:
         compiled(ids).float().sum().backward()  # compiles outside the hooks; the second recompiles
     records = amp_fx.records(compiled)
-    symbolic = [n for n in records[-1].rewritten.graph.find_nodes(op="placeholder")
-                if isinstance(n.meta.get("val"), torch.SymInt)]
+    symbolic = [
+        n
+        for n in records[-1].rewritten.graph.find_nodes(op="placeholder")
+        if isinstance(n.meta.get("val"), torch.SymInt)
+    ]
     assert len(records) == 2 and symbolic, "the premise: a second graph, with symbolic sizes"
     assert any(name.startswith("_tensor_constant") for name, _ in records[1].rewritten.named_buffers()), "the premise"
     with SavedBytes() as saved:
@@ -122,12 +136,12 @@ def test_saved_bytes_count_a_storage_once() -> None:
 
 
 def _allocate() -> torch.Tensor:
-    a = torch.empty(1000)               # 4,000 live
-    b = torch.empty(2000)               # 12,000: the peak
+    a = torch.empty(1000)  # 4,000 live
+    b = torch.empty(2000)  # 12,000: the peak
     del a
-    c = torch.empty(500)                # 10,000
-    del b, c                            # 0
-    return torch.empty(3000)            # 12,000 again, kept
+    c = torch.empty(500)  # 10,000
+    del b, c  # 0
+    return torch.empty(3000)  # 12,000 again, kept
 
 
 def test_peak_bytes_follows_every_allocation_and_free() -> None:
@@ -146,8 +160,12 @@ def test_held_bytes_after_an_adamw_step_and_in_the_weight_cache() -> None:
     assert grads.bytes == 4 * (WEIGHT + BIAS)
     opt.step()
     # AdamW: exp_avg and exp_avg_sq like each parameter, and a 0-dim fp32 step count per parameter.
-    assert held_bytes(params, opt) == {"parameters": 4 * (WEIGHT + BIAS), "gradients": 4 * (WEIGHT + BIAS),
-                                       "optimizer state": 2 * 4 * (WEIGHT + BIAS) + 2 * 4, "caches": 0}
+    assert held_bytes(params, opt) == {
+        "parameters": 4 * (WEIGHT + BIAS),
+        "gradients": 4 * (WEIGHT + BIAS),
+        "optimizer state": 2 * 4 * (WEIGHT + BIAS) + 2 * 4,
+        "caches": 0,
+    }
     opt.zero_grad(set_to_none=True)
     assert held_bytes(params, opt)["gradients"] == 0
     # amp_fx's weight cache holds one bf16 copy of W and of b (autocast casts all of addmm's operands).

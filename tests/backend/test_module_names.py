@@ -32,13 +32,16 @@ KEEP = "model.layers.1.mlp"
 
 def renames_kwarg(old: str, new: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """transformers 5.24's ``deprecate_kwarg`` shape: ``wraps(func)`` over ``wrapped(*args, **kwargs)``."""
+
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if old in kwargs:
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
+
         return wrapped
+
     return decorate
 
 
@@ -46,6 +49,7 @@ def with_self(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return fn(self, *args, **kwargs)
+
     return wrapper
 
 
@@ -199,8 +203,12 @@ def test_keep_fp32_by_name_matches_through_a_decorator(variant, graph_break):
         y = compiled(_x())
         y.float().sum().backward()
         out[v] = (y, [p.grad for p in model.parameters()])
-        kept = [n for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
-                if n.target is torch.ops.aten.linear.default and module_stack(n)[-1][0] == KEEP]
+        kept = [
+            n
+            for r in amp_fx.records(compiled)
+            for n in r.rewritten.graph.nodes
+            if n.target is torch.ops.aten.linear.default and module_stack(n)[-1][0] == KEEP
+        ]
         assert kept and all(n.meta["val"].dtype is torch.float32 for n in kept), kept
     assert_bitwise(out[variant], out["plain"], "(output, grads)")
 
@@ -225,14 +233,24 @@ def test_compile_step_names_modules_and_keeps_fp32_as_compile_does(graph_break):
     opt.step()
     torch._dynamo.reset()
     stepped = _make("plain", graph_break)
-    step = amp_fx.compile_step(stepped, torch.optim.SGD(stepped.parameters(), lr=0.5), loss_fn, dtype="bf16",
-                               backend="aot_eager", policy=policy)
+    step = amp_fx.compile_step(
+        stepped,
+        torch.optim.SGD(stepped.parameters(), lr=0.5),
+        loss_fn,
+        dtype="bf16",
+        backend="aot_eager",
+        policy=policy,
+    )
     step(_x())
     names = {m for _, m in _op_modules(compiled)}
     step_names = {m for _, m in _op_modules(step._forward)}
     assert step_names == names | {""}, (step_names, names)  # "": the loss, in the step's frame
-    kept = [n for r in amp_fx.records(step._forward) for n in r.rewritten.graph.nodes
-            if n.target is torch.ops.aten.linear.default and module_stack(n)[-1][0] == KEEP]
+    kept = [
+        n
+        for r in amp_fx.records(step._forward)
+        for n in r.rewritten.graph.nodes
+        if n.target is torch.ops.aten.linear.default and module_stack(n)[-1][0] == KEEP
+    ]
     assert kept and all(n.meta["val"].dtype is torch.float32 for n in kept), kept
     assert_bitwise(list(stepped.parameters()), list(model.parameters()), "parameters after one step")
 

@@ -81,16 +81,24 @@ def _mlp() -> nn.Module:
 # One entry per class of compile-side warning: (what to compile, its policy, the message's key words).
 SHORTFALLS: dict[str, tuple[Callable[[], nn.Module], Policy, str]] = {
     "no_graph": (_NoGraph, Policy(), "captured and ran no graph"),
-    "keep_fp32_name": (_WithSpare, Policy(keep_fp32=("spare",)),
-                       r"keep_fp32=.*'spare' matched no op"),
+    "keep_fp32_name": (_WithSpare, Policy(keep_fp32=("spare",)), r"keep_fp32=.*'spare' matched no op"),
     "keep_fp32_type": (_mlp, Policy(keep_fp32=(nn.LayerNorm,)), "LayerNorm matched no op"),
-    "op_classes": (_mlp, Policy(op_classes={"aten.conv2d": CastClass.FP32}),
-                   r"'aten.conv2d' -> CastClass.FP32 matched no op"),
+    "op_classes": (
+        _mlp,
+        Policy(op_classes={"aten.conv2d": CastClass.FP32}),
+        r"'aten.conv2d' -> CastClass.FP32 matched no op",
+    ),
     # the vmap'd matmul runs in the low dtype, as eager autocast runs it: the entry is not honoured there
-    "keep_fp32_in_transform": (_vmapped, Policy(keep_fp32=("inner",)),
-                               r"keep_fp32=.*'inner' selects ops inside a functorch transform .* not kept in fp32"),
-    "op_classes_in_transform": (_vmapped, Policy(op_classes={"aten.mm": CastClass.FP32}),
-                                r"'aten.mm' -> CastClass.FP32 matched no op .*outside a functorch transform"),
+    "keep_fp32_in_transform": (
+        _vmapped,
+        Policy(keep_fp32=("inner",)),
+        r"keep_fp32=.*'inner' selects ops inside a functorch transform .* not kept in fp32",
+    ),
+    "op_classes_in_transform": (
+        _vmapped,
+        Policy(op_classes={"aten.mm": CastClass.FP32}),
+        r"'aten.mm' -> CastClass.FP32 matched no op .*outside a functorch transform",
+    ),
 }
 
 
@@ -147,8 +155,9 @@ def test_keep_fp32_outside_a_transform_region_reports_nothing() -> None:
     model = _vmapped()
     compiled = amp_fx.compile(model, policy=Policy(keep_fp32=("fc",)), backend=BACKEND, strict=True)
     compiled(_inputs(model))
-    linears = [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
-               if n.target is torch.ops.aten.linear.default]
+    linears = [
+        n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default
+    ]
     assert [n.meta["val"].dtype for n in linears] == [torch.float32]
 
 
@@ -206,14 +215,17 @@ def test_keep_fp32_name_is_a_name_under_the_root(wrapping: str, dtype: torch.dty
     x = torch.randn(2, 8, requires_grad=True)
     expected = _eager_reference(model, x, dtype)
     policy = Policy(keep_fp32=("model.head",))
-    compiled = amp_fx.compile(_WRAPPINGS[wrapping](model), dtype=dtype, policy=policy,
-                              backend=BACKEND, strict=True)
+    compiled = amp_fx.compile(_WRAPPINGS[wrapping](model), dtype=dtype, policy=policy, backend=BACKEND, strict=True)
     out = compiled(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     # Every module path recorded is a name under the root (model.head, not head).
-    kept = {n.meta[meta.DECISION].kept_module for r in compiled.amp_fx_records
-            for n in r.rewritten.graph.nodes if meta.DECISION in n.meta}
+    kept = {
+        n.meta[meta.DECISION].kept_module
+        for r in compiled.amp_fx_records
+        for n in r.rewritten.graph.nodes
+        if meta.DECISION in n.meta
+    }
     assert kept == {None, "model.head"}
 
 
@@ -242,8 +254,7 @@ def test_keep_fp32_covers_ops_of_a_submodules_own_resumed_frame(dtype: torch.dty
     x = torch.randn(2, 8)
     with torch.autocast("cpu", dtype=dtype), torch.autocast("cpu", enabled=False):
         expected = model(x)
-    compiled = amp_fx.compile(model, dtype=dtype, policy=Policy(keep_fp32=("model",)),
-                              backend=BACKEND, strict=True)
+    compiled = amp_fx.compile(model, dtype=dtype, policy=Policy(keep_fp32=("model",)), backend=BACKEND, strict=True)
     out = compiled(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
@@ -254,8 +265,7 @@ def test_keep_fp32_covers_ops_of_a_submodules_own_resumed_frame(dtype: torch.dty
 
 def test_frame_relative_name_is_rejected() -> None:
     with pytest.raises(ValueError, match="'head'.*did you mean \\['model.head'\\]"):
-        amp_fx.compile(_Wrapper(graph_break=True), backend=BACKEND,
-                       policy=Policy(keep_fp32=("head",)))
+        amp_fx.compile(_Wrapper(graph_break=True), backend=BACKEND, policy=Policy(keep_fp32=("head",)))
 
 
 # --- item 2: each compiled model owns its Dynamo cache entries --------------------------------

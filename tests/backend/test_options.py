@@ -86,14 +86,14 @@ def _compiled_kinds():
 def test_options_of_reads_what_was_asked(kind):
     compiled = _compiled_kinds()[kind]
     got = amp_fx.options_of(compiled)
-    assert got == Options(dtype=torch.float16, backend="aot_eager", fold=False, strict=got.strict,
-                          torch_compile={"dynamic": False})
+    assert got == Options(
+        dtype=torch.float16, backend="aot_eager", fold=False, strict=got.strict, torch_compile={"dynamic": False}
+    )
 
 
 def test_copies_keep_their_options():
     model = MLP()
-    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", policy=Policy(keep_fp32=("fc1",)),
-                              fold=False)
+    compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", policy=Policy(keep_fp32=("fc1",)), fold=False)
     buffer = io.BytesIO()
     torch.save(compiled, buffer)
     buffer.seek(0)
@@ -107,8 +107,9 @@ def test_options_of_holds_what_is_in_effect():
     off, and the record says the same (so a copy compiles without it, and says nothing again)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = amp_fx.compile(MLP(), backend="aot_eager", weight_cache=True, strict=False,
-                                  policy=Policy(cast_cache=False))
+        compiled = amp_fx.compile(
+            MLP(), backend="aot_eager", weight_cache=True, strict=False, policy=Policy(cast_cache=False)
+        )
     assert any("weight_cache=True needs the shared leaf cast" in str(w.message) for w in caught)
     assert amp_fx.options_of(compiled).weight_cache is False
     assert compiled.amp_fx_weight_cache is None
@@ -117,8 +118,9 @@ def test_options_of_holds_what_is_in_effect():
 def test_compile_step_builds_the_forward_from_one_record():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = amp_fx.compile_step(model, opt, torch.nn.functional.mse_loss, dtype="bf16", backend="aot_eager",
-                               dynamic=False)
+    step = amp_fx.compile_step(
+        model, opt, torch.nn.functional.mse_loss, dtype="bf16", backend="aot_eager", dynamic=False
+    )
     assert step.options.dtype is torch.bfloat16
     assert step.options.torch_compile == {"dynamic": False}
     assert step.options.backend == "aot_eager"

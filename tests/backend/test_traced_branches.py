@@ -91,8 +91,13 @@ class _GqaAttention(torch.nn.Module):
         super().__init__()
         import transformers
 
-        self.config = transformers.Gemma3TextConfig(hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
-                                                    head_dim=head_dim, sliding_window=window or 4096)
+        self.config = transformers.Gemma3TextConfig(
+            hidden_size=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            sliding_window=window or 4096,
+        )
         self.config._attn_implementation = "sdpa"
         self.window, self.head_dim = window, head_dim
         self.num_key_value_groups, self.is_causal = 2, True
@@ -103,14 +108,20 @@ class _GqaAttention(torch.nn.Module):
         from transformers import masking_utils
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        self._make_mask = (masking_utils.create_causal_mask if window is None
-                           else masking_utils.create_sliding_window_causal_mask)
+        self._make_mask = (
+            masking_utils.create_causal_mask if window is None else masking_utils.create_sliding_window_causal_mask
+        )
         self._attention = sdpa_attention_forward
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
-        mask = self._make_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                               past_key_values=None, position_ids=torch.arange(t).unsqueeze(0))
+        mask = self._make_mask(
+            config=self.config,
+            inputs_embeds=x,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=torch.arange(t).unsqueeze(0),
+        )
         q = self.q(x).view(b, t, 4, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(b, t, 4, self.head_dim).transpose(1, 2).chunk(2, dim=1)
         out, _ = self._attention(self, q, k.contiguous(), v.contiguous(), mask)

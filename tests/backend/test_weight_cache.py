@@ -145,9 +145,22 @@ def _build(name: str) -> tuple[nn.Module, tuple[Tensor, ...], Callable[[object],
 
 @pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("name", ["mlp", "tied_embedding", "rmsnorm", "sdpa_block", "graph_break",
-                                  "three_graphs", "three_graphs_early_twice", "tied_break", "twice_in_one_op",
-                                  "shared_enc_dec", "shared_enc_dec_break"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mlp",
+        "tied_embedding",
+        "rmsnorm",
+        "sdpa_block",
+        "graph_break",
+        "three_graphs",
+        "three_graphs_early_twice",
+        "tied_break",
+        "twice_in_one_op",
+        "shared_enc_dec",
+        "shared_enc_dec_break",
+    ],
+)
 def test_forward_backward_bitwise(name: str, dtype: torch.dtype) -> None:
     """``graph_break`` is a strict xfail without the cache (test_compile_parity.py): fc's two
     contributions then add up in fp32. With the cache every graph gets the same autograd node.
@@ -192,10 +205,16 @@ def _recording_backend(graphs: list[torch.fx.GraphModule]) -> Callable[..., Any]
 
 
 def _param_casts(gm: torch.fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
-               and n.target is torch.ops.aten._to_copy.default and n.args[0].op == "placeholder"
-               and n.args[0].meta["val"].dtype == torch.float32 and n.kwargs.get("dtype") == torch.bfloat16
-               and not n.args[0].name.startswith("l_args"))
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target is torch.ops.aten._to_copy.default
+        and n.args[0].op == "placeholder"
+        and n.args[0].meta["val"].dtype == torch.float32
+        and n.kwargs.get("dtype") == torch.bfloat16
+        and not n.args[0].name.startswith("l_args")
+    )
 
 
 @pytest.mark.parametrize("weight_cache", [True, False])
@@ -204,8 +223,9 @@ def test_downstream_graphs_cast_no_weight(weight_cache: bool) -> None:
     weights (negative twin: without the cache it casts every one of them)."""
     graphs: list[torch.fx.GraphModule] = []
     model, inputs, loss_fn = ZOO["tied_embedding"].build()
-    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_recording_backend(graphs),
-                              weight_cache=weight_cache)
+    compiled = amp_fx.compile(
+        model, dtype=torch.bfloat16, backend=_recording_backend(graphs), weight_cache=weight_cache
+    )
     loss_fn(compiled(*inputs)).backward()
     (graph,) = graphs
     lifted = [n for n in graph.graph.nodes if n.meta.get(meta.WEIGHT_CACHE)]
@@ -246,8 +266,9 @@ def test_backend_failure_on_the_lifted_graph_is_reported(strict: bool) -> None:
     bitwise with eager autocast; strict mode raises amp_fx's error, not Dynamo's."""
     model, inputs, loss_fn = ZOO["mlp"].build()
     expected = eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
-    compiled = amp_fx.compile(model, dtype=torch.bfloat16, backend=_refuses_lifted_graphs, weight_cache=True,
-                              strict=strict)
+    compiled = amp_fx.compile(
+        model, dtype=torch.bfloat16, backend=_refuses_lifted_graphs, weight_cache=True, strict=strict
+    )
     message = r"weight_cache=True: the .* backend failed on graph 0 .*RuntimeError.*Pass weight_cache=False"
     if strict:
         with pytest.raises(AmpFxError, match=message):
@@ -311,16 +332,22 @@ _OPTS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
 }
 # fp16: 1e6 overflows the fp16 matmul, inf poisons both dtypes; windows in a row are skipped.
-_POISON = {torch.float16: {2: 1e6, 3: 1e6, 4: math.inf, 9: 1e6},
-           torch.bfloat16: {2: math.inf, 3: math.inf, 9: -math.inf}}
+_POISON = {
+    torch.float16: {2: 1e6, 3: 1e6, 4: math.inf, 9: 1e6},
+    torch.bfloat16: {2: math.inf, 3: math.inf, 9: -math.inf},
+}
 
 
 def _scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
     if dtype == torch.bfloat16:  # torch's scaler has no check-only mode (see tests/step/test_step.py)
-        return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
-                GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
-    return (GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED),
-            torch.amp.GradScaler("cpu", growth_interval=3))
+        return (
+            GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
+            GradScaler("cpu", mode=ScalerMode.CHECK_ONLY),
+        )
+    return (
+        GradScaler("cpu", growth_interval=3, step_mode=StepMode.MASKED),
+        torch.amp.GradScaler("cpu", growth_interval=3),
+    )
 
 
 @pytest.mark.slow_cases
@@ -335,8 +362,16 @@ def test_compile_step_trajectory_bitwise(dtype: torch.dtype, accumulate: int, op
     ref_model = copy.deepcopy(model)
     ours_scaler, ref_scaler = _scalers(dtype)
     opt, ref_opt = _OPTS[opt_name](model.parameters()), _OPTS[opt_name](ref_model.parameters())
-    ours = amp_fx.compile_step(model, opt, F.mse_loss, dtype=dtype, scaler=ours_scaler, accumulate=accumulate,
-                               backend="aot_eager", weight_cache=True)
+    ours = amp_fx.compile_step(
+        model,
+        opt,
+        F.mse_loss,
+        dtype=dtype,
+        scaler=ours_scaler,
+        accumulate=accumulate,
+        backend="aot_eager",
+        weight_cache=True,
+    )
     ref = eager_amp_step(ref_model, ref_opt, F.mse_loss, ref_scaler, dtype=dtype, accumulate=accumulate)
     cache = ours._forward.amp_fx_weight_cache
     skipped_windows = 0
@@ -356,8 +391,9 @@ def test_compile_step_trajectory_bitwise(dtype: torch.dtype, accumulate: int, op
             for (_, lowp), old in zip(cache.pairs(list(model.parameters())), before, strict=True):
                 if old is not None:
                     assert_bitwise(lowp, old, "copy across a skipped step")
-        before = [lowp.clone() if cache.is_fresh(w, lowp) else None
-                  for w, lowp in cache.pairs(list(model.parameters()))]
+        before = [
+            lowp.clone() if cache.is_fresh(w, lowp) else None for w, lowp in cache.pairs(list(model.parameters()))
+        ]
     assert skipped_windows > 0, "no skipped step after warm-up: the overflow case was not exercised"
 
 
@@ -365,8 +401,9 @@ def test_compile_step_casts_nothing_in_the_forward_after_warm_up() -> None:
     """The finish graph writes the copies: no lazy recast once warm, and no recompile."""
     model = ZOO["mlp"].build()[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ours = amp_fx.compile_step(model, opt, F.mse_loss, dtype=torch.bfloat16, accumulate=2,
-                               backend="aot_eager", weight_cache=True)
+    ours = amp_fx.compile_step(
+        model, opt, F.mse_loss, dtype=torch.bfloat16, accumulate=2, backend="aot_eager", weight_cache=True
+    )
     cache = ours._forward.amp_fx_weight_cache
     batches = [(torch.randn(4, 16), torch.randn(4, 8)) for _ in range(10)]
     for x, y in batches[:4]:
@@ -504,8 +541,9 @@ def test_invalidation(edit: str) -> None:
     for p in (*model.parameters(), *ref_model.parameters()):
         p.grad = None
     fresh = [p.detach().to(dtype) for p in model.parameters()]
-    assert any(not torch.equal(s, f) for s, f in zip(stale, fresh, strict=True)), \
+    assert any(not torch.equal(s, f) for s, f in zip(stale, fresh, strict=True)), (
         "the edit left every bf16 cast unchanged: a stale copy could not fail this test"
+    )
 
     expected = eager_autocast_step(ref_model, inputs, loss_fn, dtype)
     actual = step(compiled, model, inputs, loss_fn)
@@ -534,12 +572,14 @@ def test_invalidate_after_data_edit() -> None:
 def test_cast_cache_off_turns_weight_cache_off_and_says_so() -> None:
     policy = amp_fx.Policy(cast_cache=False)
     with pytest.warns(AmpFxWarning, match="weight_cache=True needs the shared leaf cast"):
-        compiled = amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy,
-                                  weight_cache=True, strict=False)
+        compiled = amp_fx.compile(
+            nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy, weight_cache=True, strict=False
+        )
     assert compiled.amp_fx_weight_cache is None
     with pytest.raises(AmpFxError, match="weight_cache=True needs"):
-        amp_fx.compile(nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy, weight_cache=True,
-                       strict=True)
+        amp_fx.compile(
+            nn.Linear(4, 4), dtype="bf16", backend="aot_eager", policy=policy, weight_cache=True, strict=True
+        )
 
 
 def test_weight_cache_must_be_bool() -> None:

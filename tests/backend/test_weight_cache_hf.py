@@ -35,7 +35,8 @@ from amp_fx.passes import meta
 from amp_fx.testing import assert_bitwise
 
 transformers = pytest.importorskip(
-    "transformers", reason="the Hugging Face tier needs transformers (pip install transformers)")
+    "transformers", reason="the Hugging Face tier needs transformers (pip install transformers)"
+)
 
 pytestmark = pytest.mark.models
 
@@ -66,47 +67,104 @@ def _images(i: int, with_labels: bool = True) -> Batch:
 
 def _llama() -> nn.Module:
     # grouped-query attention (2 key/value heads for 4): k_proj/v_proj have 32 rows, not 64
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=64))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _mixtral() -> nn.Module:
     # a mixture of experts: 4 experts, 2 per token (routing, expert weights used per token group)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64))
+    return transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=64, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=64,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def _bert() -> nn.Module:
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def _t5() -> nn.Module:
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
-        num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    return transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            vocab_size=VOCAB,
+            d_model=HIDDEN,
+            d_kv=HIDDEN // HEADS,
+            d_ff=2 * HIDDEN,
+            num_layers=LAYERS,
+            num_heads=HEADS,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def _vit() -> nn.Module:
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=2 * HIDDEN, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return transformers.ViTForImageClassification(
+        transformers.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=HIDDEN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            intermediate_size=2 * HIDDEN,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def _convnext() -> nn.Module:
-    return transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
-        image_size=32, num_stages=2, hidden_sizes=[32, HIDDEN], depths=[1, 1], num_labels=10))
+    return transformers.ConvNextForImageClassification(
+        transformers.ConvNextConfig(
+            image_size=32, num_stages=2, hidden_sizes=[32, HIDDEN], depths=[1, 1], num_labels=10
+        )
+    )
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[..., Batch]]] = {
@@ -237,11 +295,15 @@ class _Downstream:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        params = {n for n, t in zip(placeholders, example_inputs, strict=True)
-                  if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
+        params = {
+            n
+            for n, t in zip(placeholders, example_inputs, strict=True)
+            if isinstance(t, nn.Parameter) and t.dtype == torch.float32
+        }
         self.lifted += sum(1 for n in placeholders if n.meta.get(meta.WEIGHT_CACHE))
-        self.param_casts += sum(1 for n in gm.graph.nodes
-                                if n.target is torch.ops.aten._to_copy.default and n.args[0] in params)
+        self.param_casts += sum(
+            1 for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.args[0] in params
+        )
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 

@@ -17,5 +17,6 @@ GPU_TIER = [
     pytest.mark.skipif(
         not torch.cuda.is_available(),
         reason="no CUDA device: the GPU tier runs on a machine with one "
-               "(`python -m pytest -m cuda tests`, docs/contributing.md, 'The GPU tier')"),
+        "(`python -m pytest -m cuda tests`, docs/contributing.md, 'The GPU tier')",
+    ),
 ]

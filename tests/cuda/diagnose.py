@@ -81,12 +81,12 @@ def main() -> None:
         with torch._dynamo.config.patch(dict(entry.dynamo_config)):
             return step(run, model, inputs, loss_fn)
 
-    where = (f", {torch.cuda.get_device_name()}, cuDNN {torch.backends.cudnn.version()}"
-             if args.device == "cuda" else "")
+    where = f", {torch.cuda.get_device_name()}, cuDNN {torch.backends.cudnn.version()}" if args.device == "cuda" else ""
     print(f"{args.model}, {args.dtype}, {args.device}, torch {torch.__version__}{where}")
     for cudnn in (True, False):
-        with torch.backends.cudnn.flags(enabled=cudnn, benchmark=False, deterministic=True,
-                                        allow_tf32=torch.backends.cudnn.allow_tf32):
+        with torch.backends.cudnn.flags(
+            enabled=cudnn, benchmark=False, deterministic=True, allow_tf32=torch.backends.cudnn.allow_tf32
+        ):
             reference = eager()
             print(f"cuDNN {'on (deterministic)' if cudnn else 'off'}:")
             print(f"  eager against eager: {_differing(eager(), reference) or 'bitwise'}")

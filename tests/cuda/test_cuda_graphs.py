@@ -52,20 +52,26 @@ def _non_static_inputs(build: object, autocast: bool) -> tuple[int, int, list[to
     counters.clear()
     model = _model()
     losses = _train(build(model), model, autocast)  # type: ignore[operator]
-    return (counters["inductor"]["cudagraph_recorded_non_static_inputs"], counters["inductor"]["cudagraph_skips"],
-            losses)
+    return (
+        counters["inductor"]["cudagraph_recorded_non_static_inputs"],
+        counters["inductor"]["cudagraph_skips"],
+        losses,
+    )
 
 
 def test_reduce_overhead_replays_copy_no_parameter() -> None:
     n_params = len(list(_model().parameters()))
     ref, ref_skips, _ = _non_static_inputs(lambda m: torch.compile(m, mode="reduce-overhead"), autocast=True)
     ours, skips, losses = _non_static_inputs(
-        lambda m: amp_fx.compile(m, dtype="bf16", mode="reduce-overhead"), autocast=False)
+        lambda m: amp_fx.compile(m, dtype="bf16", mode="reduce-overhead"), autocast=False
+    )
     assert (ref_skips, skips) == (0, 0), "a graph ran without CUDA graphs (cudagraph_skips)"
     assert ref > 0, "inductor recorded no CUDA graph"
     assert ref < n_params, f"torch.compile's graphs took {ref} non-static inputs for {n_params} parameters"
-    assert ours == ref, (f"amp_fx's CUDA graphs copy {ours} inputs per replay, torch.compile + autocast's {ref}: "
-                         f"the parameters are not static")
+    assert ours == ref, (
+        f"amp_fx's CUDA graphs copy {ours} inputs per replay, torch.compile + autocast's {ref}: "
+        f"the parameters are not static"
+    )
     _, _, plain = _non_static_inputs(lambda m: amp_fx.compile(m, dtype="bf16"), autocast=False)
     for step, (a, b) in enumerate(zip(losses, plain)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} with CUDA graphs, {b.item()} without"
@@ -76,9 +82,11 @@ def test_reduce_overhead_trains_as_without_cuda_graphs(weight_cache: bool) -> No
     """The weight cache adds inputs of its own (the parameters' casts, refreshed once per optimizer
     step): replays must still see each step's new weights."""
     _, skips, losses = _non_static_inputs(
-        lambda m: amp_fx.compile(m, dtype="bf16", mode="reduce-overhead", weight_cache=weight_cache), autocast=False)
-    _, _, plain = _non_static_inputs(lambda m: amp_fx.compile(m, dtype="bf16", weight_cache=weight_cache),
-                                     autocast=False)
+        lambda m: amp_fx.compile(m, dtype="bf16", mode="reduce-overhead", weight_cache=weight_cache), autocast=False
+    )
+    _, _, plain = _non_static_inputs(
+        lambda m: amp_fx.compile(m, dtype="bf16", weight_cache=weight_cache), autocast=False
+    )
     assert skips == 0
     for step, (a, b) in enumerate(zip(losses, plain)):
         assert torch.equal(a, b), f"step {step}: loss {a.item()} with CUDA graphs, {b.item()} without"

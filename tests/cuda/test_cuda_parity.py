@@ -34,11 +34,13 @@ pytestmark = GPU_TIER
 # (_native_batch_norm_legit_functional, native_batch_norm_backward); with cuDNN off both run the
 # native ones and amp_fx is bitwise.
 _CNN_BN_FP16 = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
+    strict=True,
+    raises=AssertionError,
     reason="cnn_bn in fp16 on CUDA: conv1.weight's gradient differs from eager autocast's in 152 of "
-           "216 elements by about one fp16 ulp (H200, torch 2.11, cuDNN deterministic): eager's "
-           "BatchNorm runs cuDNN's kernels, the traced graph the native ones (bitwise with cuDNN "
-           "off): docs/parity.md")
+    "216 elements by about one fp16 ulp (H200, torch 2.11, cuDNN deterministic): eager's "
+    "BatchNorm runs cuDNN's kernels, the traced graph the native ones (bitwise with cuDNN "
+    "off): docs/parity.md",
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -48,8 +50,9 @@ def test_cuda_aot_eager_bitwise(name: str, dtype: torch.dtype, request: pytest.F
     accumulate in a different order in each run, and even eager against eager would differ."""
     if (name, dtype) == ("cnn_bn", torch.float16):
         request.applymarker(_CNN_BN_FP16)
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
-                                    allow_tf32=torch.backends.cudnn.allow_tf32):
+    with torch.backends.cudnn.flags(
+        enabled=True, benchmark=False, deterministic=True, allow_tf32=torch.backends.cudnn.allow_tf32
+    ):
         actual, expected, compiled = run_pair(ZOO[name], dtype, device="cuda", backend="aot_eager")
     assert_every_graph_rewritten(compiled)
     assert all(r.device_type == "cuda" for r in compiled.amp_fx_records)

@@ -44,13 +44,23 @@ _CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", _CASES,
-                         ids=lambda v: getattr(v, "name", str(v).replace("torch.", "")))
-def test_cuda_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
-                                                        clip: float | None, grad_norm: GradNorm) -> None:
-    ours, ref, step = run_pair(dtype=dtype, opt_name=opt_name, accumulate=accumulate, clip=clip,
-                               grad_norm=grad_norm, backend="aot_eager", n=10, device="cuda",
-                               poison=FP16_POISON if dtype == torch.float16 else BF16_POISON)
+@pytest.mark.parametrize(
+    "dtype,opt_name,accumulate,clip,grad_norm", _CASES, ids=lambda v: getattr(v, "name", str(v).replace("torch.", ""))
+)
+def test_cuda_aot_eager_trajectory_is_bitwise_eager_amp(
+    dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None, grad_norm: GradNorm
+) -> None:
+    ours, ref, step = run_pair(
+        dtype=dtype,
+        opt_name=opt_name,
+        accumulate=accumulate,
+        clip=clip,
+        grad_norm=grad_norm,
+        backend="aot_eager",
+        n=10,
+        device="cuda",
+        poison=FP16_POISON if dtype == torch.float16 else BF16_POISON,
+    )
     for key in ("loss", "scale", "params"):
         for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
             assert_bitwise(a, e, f"{key}[{i}]")
@@ -61,8 +71,13 @@ def test_cuda_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_
 @pytest.mark.parametrize("opt_name", ["adam_fused", "sgd_momentum", "adam"])
 def test_cuda_no_host_sync_after_warm_up(opt_name: str, backend: str) -> None:
     model = make_model(device="cuda")
-    step = compile_step(model, OPTIMIZERS[opt_name](model.parameters()), torch.nn.functional.mse_loss,
-                        max_grad_norm=1.0, backend=backend)
+    step = compile_step(
+        model,
+        OPTIMIZERS[opt_name](model.parameters()),
+        torch.nn.functional.mse_loss,
+        max_grad_norm=1.0,
+        backend=backend,
+    )
     for x, y in make_batches(3, {}, device="cuda"):
         step(x, y)
     assert_steps_are_sync_free(step, make_batches(4, {1: 1e6}, seed=3, device="cuda"))
@@ -89,8 +104,14 @@ def test_cuda_graph_replay_is_bitwise_the_plain_step(opt_name: str) -> None:
     for graphed in (False, True):
         torch._dynamo.reset()
         model = make_model(device="cuda")
-        step = compile_step(model, _GRAPHED[opt_name](model.parameters()), torch.nn.functional.mse_loss,
-                            dtype=torch.float16, max_grad_norm=1.0, backend="inductor")
+        step = compile_step(
+            model,
+            _GRAPHED[opt_name](model.parameters()),
+            torch.nn.functional.mse_loss,
+            dtype=torch.float16,
+            max_grad_norm=1.0,
+            backend="inductor",
+        )
         static_x, static_y = (t.clone() for t in warm[0])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -36,16 +36,17 @@ def _to_cuda(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _run(variant: str, grads: list[torch.Tensor], found_inf: torch.Tensor,
-         inv_scale: torch.Tensor) -> torch.Tensor | None:
+def _run(
+    variant: str, grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> torch.Tensor | None:
     if variant == "op_check":
         unscale.unscale_check_(grads, found_inf, inv_scale)
         return None
     if variant == "op_norm":
         return unscale.unscale_check_norm_(grads, found_inf, inv_scale)
     return triton_unscale.launch_unscale_check(
-        grads, found_inf, inv_scale, compute_norm=variant == "small_norm",
-        block=SMALL_BLOCK, chunk=SMALL_CHUNK)
+        grads, found_inf, inv_scale, compute_norm=variant == "small_norm", block=SMALL_BLOCK, chunk=SMALL_CHUNK
+    )
 
 
 def _assert_bitwise_torch_cuda(outputs: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -53,8 +54,9 @@ def _assert_bitwise_torch_cuda(outputs: list[torch.Tensor], expected: list[torch
         assert out.stride() == exp.stride(), f"grads[{i}]: strides changed"
         torch.testing.assert_close(out, exp, atol=0, rtol=0, equal_nan=True, msg=f"grads[{i}]")
         keep = ~exp.isnan()
-        assert torch.equal(out.contiguous().view(_INT_VIEW[out.dtype])[keep],
-                           exp.contiguous().view(_INT_VIEW[exp.dtype])[keep]), f"grads[{i}]: -0.0"
+        assert torch.equal(
+            out.contiguous().view(_INT_VIEW[out.dtype])[keep], exp.contiguous().view(_INT_VIEW[exp.dtype])[keep]
+        ), f"grads[{i}]: -0.0"
 
 
 def test_kernel_is_compiled_not_interpreted() -> None:
@@ -78,8 +80,9 @@ def test_cuda_kernel_matches_torch(case: Case, variant: str) -> None:
         assert torch.equal(found_inf, expected_found), (found_inf, expected_found)
     # else: torch's CUDA op has no bf16 kernel ("not implemented for 'BFloat16'", seen on the
     # H200, torch 2.11); its CPU kernel, which has one, is the reference below.
-    torch_outputs = assert_same_as_torch(cpu_inputs, [g.cpu() for g in grads], found_inf.cpu(),
-                                         case.found_inf_start, case.inv_scale)
+    torch_outputs = assert_same_as_torch(
+        cpu_inputs, [g.cpu() for g in grads], found_inf.cpu(), case.found_inf_start, case.inv_scale
+    )
     if variant.endswith("norm"):
         assert sum_sq is not None and sum_sq.is_cuda
         assert_sum_sq_close(sum_sq.cpu(), torch_outputs, rtol=sum_sq_rtol(*launch_sizes(variant)))
@@ -120,8 +123,9 @@ def test_cuda_kernel_over_2_pow_31_elements(sizes: list[int], norm: bool) -> Non
     for i, (g, e) in enumerate(zip(grads, expected, strict=True)):
         nan = e.isnan()
         assert torch.equal(g.isnan(), nan), f"grads[{i}]: NaN positions differ"
-        assert torch.equal(torch.where(nan, 0, g).view(torch.int16),
-                           torch.where(nan, 0, e).view(torch.int16)), f"grads[{i}]"
+        assert torch.equal(torch.where(nan, 0, g).view(torch.int16), torch.where(nan, 0, e).view(torch.int16)), (
+            f"grads[{i}]"
+        )
     assert torch.equal(found_inf, expected_found)
     assert found_inf.item() == (0.0 if norm else 1.0)
     if norm:

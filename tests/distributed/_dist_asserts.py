@@ -9,8 +9,12 @@ import torch
 from amp_fx.testing import assert_bitwise
 
 
-def assert_same_run(got: dict[str, Any], want: dict[str, Any], what: str,
-                    keys: tuple[str, ...] = ("losses", "scales", "norms", "params")) -> None:
+def assert_same_run(
+    got: dict[str, Any],
+    want: dict[str, Any],
+    what: str,
+    keys: tuple[str, ...] = ("losses", "scales", "norms", "params"),
+) -> None:
     """Losses, scales, clipping norms and the rank's parameters (its shards, under FSDP2)
     equal bit for bit (NaN payloads included); ``keys`` the reference has."""
     for key in keys:

@@ -83,12 +83,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], scaler: Any,
-           rank: int, autocast_dtype: torch.dtype | None, *, plant_grads: bool,
-           accumulate: int = 1, no_sync: Callable[[], Any] | None = None,
-           clip: float | None = None, opt: Any = None, steps: range = range(STEPS),
-           on_window: Callable[[int], None] | None = None,
-           on_grads: Callable[[int], None] | None = None) -> dict[str, Any]:
+def _train(
+    model: nn.Module,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    scaler: Any,
+    rank: int,
+    autocast_dtype: torch.dtype | None,
+    *,
+    plant_grads: bool,
+    accumulate: int = 1,
+    no_sync: Callable[[], Any] | None = None,
+    clip: float | None = None,
+    opt: Any = None,
+    steps: range = range(STEPS),
+    on_window: Callable[[int], None] | None = None,
+    on_grads: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Optimizer steps ``steps`` of ``accumulate`` micro-batches each; all but the last
     micro-batch of a window run under ``no_sync()`` (DDP's no_sync, FSDP2's
     set_requires_gradient_sync). ``opt``: SGD with momentum unless given. ``on_window(step)``
@@ -123,8 +133,12 @@ def _train(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], sc
         movement.update()
         if on_window is not None:
             on_window(step)
-    out = {"losses": torch.stack(losses), "scales": torch.stack(scales),
-           "params": [_local(p) for p in model.parameters()], "moved": movement.total}
+    out = {
+        "losses": torch.stack(losses),
+        "scales": torch.stack(scales),
+        "params": [_local(p) for p in model.parameters()],
+        "moved": movement.total,
+    }
     if norms:
         out["norms"] = torch.stack(norms)
     return out
@@ -151,8 +165,9 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _linears_captured(compiled: Any) -> int:
-    return sum(1 for r in amp_fx.records(compiled) for n in r.captured.graph.nodes
-               if n.target is torch.ops.aten.linear.default)
+    return sum(
+        1 for r in amp_fx.records(compiled) for n in r.captured.graph.nodes if n.target is torch.ops.aten.linear.default
+    )
 
 
 RECIPES = {
@@ -164,8 +179,7 @@ RECIPES = {
 
 
 # ----------------------------------------------------------------------------------------- DDP
-def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
-            recipe: str = "plain") -> dict[str, Any]:
+def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str, recipe: str = "plain") -> dict[str, Any]:
     """``form``: "eager" (DDP + autocast + torch.amp.GradScaler), "inner" (DDP(amp_fx.compile(m))),
     "outer" (amp_fx.compile(DDP(m))); both amp_fx forms with amp_fx.GradScaler."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -175,8 +189,16 @@ def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     options = RECIPES[recipe]
     if form == "eager":
         ddp = DDP(model)
-        out = _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, low,
-                     plant_grads=False, no_sync=ddp.no_sync, **options)
+        out = _train(
+            model,
+            ddp,
+            torch.amp.GradScaler("cpu", growth_interval=2),
+            rank,
+            low,
+            plant_grads=False,
+            no_sync=ddp.no_sync,
+            **options,
+        )
         out["linears"] = 0
         return out
     if form == "inner":
@@ -187,8 +209,7 @@ def ddp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     collectives = _CountAllReduce()
     scaler = amp_fx.GradScaler("cpu", growth_interval=2)
     with collectives.in_scaler(scaler):
-        out = _train(model, wrapped, scaler, rank, None, plant_grads=False,
-                     no_sync=wrapped.no_sync, **options)
+        out = _train(model, wrapped, scaler, rank, None, plant_grads=False, no_sync=wrapped.no_sync, **options)
     out["linears"] = _linears_captured(compiled)
     out["scaler_collectives"] = collectives.count
     return out
@@ -208,6 +229,7 @@ def _shard(model: nn.Module, mp_policy: Any = None) -> nn.Module:
 
 def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
     """FSDP2's equivalent of DDP's no_sync: no reduce-scatter of the gradients."""
+
     @contextlib.contextmanager
     def no_sync() -> Any:
         model.set_requires_gradient_sync(False)
@@ -215,12 +237,21 @@ def _fsdp_no_sync(model: Any) -> Callable[[], Any]:
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
     return no_sync
 
 
-def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
-             param_dtype: str | None = None, recipe: str = "plain", optimizer: str = "sgd",
-             watch: bool = False) -> dict[str, Any]:
+def fsdp_run(
+    rank: int,
+    world_size: int,
+    dtype: str,
+    kind: str,
+    form: str,
+    param_dtype: str | None = None,
+    recipe: str = "plain",
+    optimizer: str = "sgd",
+    watch: bool = False,
+) -> dict[str, Any]:
     """``form``: "eager" (FSDP2 + autocast + ShardedGradScaler) or "amp_fx"
     (amp_fx.compile of the sharded model + amp_fx.GradScaler). ``param_dtype``: FSDP2's
     MixedPrecisionPolicy(param_dtype=...), with reduce_dtype float32. ``optimizer``: a key
@@ -229,15 +260,27 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     low = DTYPES[dtype]
-    mp = None if param_dtype is None else MixedPrecisionPolicy(
-        param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    mp = (
+        None
+        if param_dtype is None
+        else MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=torch.float32)
+    )
     model = _shard(make_model(kind), mp)
     options = RECIPES[recipe]
     if form == "eager":
         nonfinite: list[list[str]] = []
-        out = _train(model, model, ShardedGradScaler("cpu", growth_interval=2), rank, low,
-                     plant_grads=True, no_sync=_fsdp_no_sync(model), opt=_OPTIMIZERS[optimizer](model),
-                     on_grads=lambda step: nonfinite.append(_nonfinite_full_gradients(model)), **options)
+        out = _train(
+            model,
+            model,
+            ShardedGradScaler("cpu", growth_interval=2),
+            rank,
+            low,
+            plant_grads=True,
+            no_sync=_fsdp_no_sync(model),
+            opt=_OPTIMIZERS[optimizer](model),
+            on_grads=lambda step: nonfinite.append(_nonfinite_full_gradients(model)),
+            **options,
+        )
         out["linears"] = 0
         out["nonfinite"] = nonfinite
         return out
@@ -247,9 +290,17 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
     scaler.watch(compiled)  # overflow_report() names the parameters
     reports: list[Any] = []
     with collectives.in_scaler(scaler):
-        out = _train(model, compiled, scaler, rank, None, plant_grads=True,
-                     no_sync=_fsdp_no_sync(model), on_window=lambda step: reports.append(
-                         overflow_summary(scaler.overflow_report())), **options)
+        out = _train(
+            model,
+            compiled,
+            scaler,
+            rank,
+            None,
+            plant_grads=True,
+            no_sync=_fsdp_no_sync(model),
+            on_window=lambda step: reports.append(overflow_summary(scaler.overflow_report())),
+            **options,
+        )
     out["linears"] = _linears_captured(compiled)
     out["scaler_collectives"] = collectives.count
     out["overflow_reports"] = reports
@@ -259,9 +310,12 @@ def fsdp_run(rank: int, world_size: int, dtype: str, kind: str, form: str,
 def _nonfinite_full_gradients(model: nn.Module) -> list[str]:
     """The reference for overflow_report()'s gradients: the names of the parameters whose full
     (gathered: a collective) gradient holds an inf/NaN."""
-    return [n for n, p in model.named_parameters()
-            if p.grad is not None and not torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
-                                                         else p.grad).all()]
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.grad is not None
+        and not torch.isfinite(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).all()
+    ]
 
 
 def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
@@ -284,8 +338,7 @@ def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, An
     first = build()
     head = run(first, range(STEPS // 2))
     model_sd, optim_sd = get_state_dict(first[0], first[2])
-    dcp.save({"model": model_sd, "optim": optim_sd, "scaler": first[3].state_dict()},
-             checkpoint_id=checkpoint_dir)
+    dcp.save({"model": model_sd, "optim": optim_sd, "scaler": first[3].state_dict()}, checkpoint_id=checkpoint_dir)
     second = build()
     model_sd, optim_sd = get_state_dict(second[0], second[2])
     state = {"model": model_sd, "optim": optim_sd, "scaler": second[3].state_dict()}
@@ -293,8 +346,11 @@ def fsdp_resume(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, An
     set_state_dict(second[0], second[2], model_state_dict=state["model"], optim_state_dict=state["optim"])
     second[3].load_state_dict(state["scaler"])
     tail = run(second, range(STEPS // 2, STEPS))
-    resumed = {"losses": torch.cat([head["losses"], tail["losses"]]),
-               "scales": torch.cat([head["scales"], tail["scales"]]), "params": tail["params"]}
+    resumed = {
+        "losses": torch.cat([head["losses"], tail["losses"]]),
+        "scales": torch.cat([head["scales"], tail["scales"]]),
+        "params": tail["params"],
+    }
     return {"straight": straight, "resumed": resumed}
 
 
@@ -308,15 +364,27 @@ def ddp_step_run(rank: int, world_size: int, recipe: str) -> dict[str, Any]:
     options = RECIPES[recipe]
     accumulate = options.get("accumulate", 1)
     scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
-    step = amp_fx.compile_step(DDP(model), _sgd(model), lambda out, y: F.mse_loss(out.float(), y),
-                               dtype="fp16", scaler=scaler, max_grad_norm=options.get("clip"),
-                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager")
-    return {**_run_steps(step, scaler, rank, accumulate),
-            "params": [_local(p) for p in model.parameters()], "linears": _linears_captured(step._forward)}
+    step = amp_fx.compile_step(
+        DDP(model),
+        _sgd(model),
+        lambda out, y: F.mse_loss(out.float(), y),
+        dtype="fp16",
+        scaler=scaler,
+        max_grad_norm=options.get("clip"),
+        grad_norm=amp_fx.GradNorm.TORCH,
+        accumulate=accumulate,
+        backend="aot_eager",
+    )
+    return {
+        **_run_steps(step, scaler, rank, accumulate),
+        "params": [_local(p) for p in model.parameters()],
+        "linears": _linears_captured(step._forward),
+    }
 
 
-def _run_steps(step: Any, scaler: Any, rank: int, accumulate: int,
-               on_step: Callable[[int, Any], None] | None = None) -> dict[str, Any]:
+def _run_steps(
+    step: Any, scaler: Any, rank: int, accumulate: int, on_step: Callable[[int, Any], None] | None = None
+) -> dict[str, Any]:
     """``STEPS`` optimizer steps of a compile_step (``accumulate`` micro-batches each): the losses
     and scales, and the host reads and newly compiled graphs from step 2 on (step 0 is the eager
     warm-up). ``on_step(i, counter)`` runs after each step with its HostSyncCounter."""
@@ -335,12 +403,17 @@ def _run_steps(step: Any, scaler: Any, rank: int, accumulate: int,
         scales.append(_scale_of(scaler))
         if on_step is not None:
             on_step(i, counter)
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales), "host_reads": host_reads,
-            "graphs_after_warm_up": graphs_after_warm_up}
+    return {
+        "losses": torch.stack(losses),
+        "scales": torch.stack(scales),
+        "host_reads": host_reads,
+        "graphs_after_warm_up": graphs_after_warm_up,
+    }
 
 
-def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
-                  optimizer: str = "sgd") -> dict[str, Any]:
+def fsdp_step_run(
+    rank: int, world_size: int, dtype: str, recipe: str = "plain", optimizer: str = "sgd"
+) -> dict[str, Any]:
     """``amp_fx.compile_step`` on the FSDP2 model (per-Linear and root), the same recipe as
     ``fsdp_run``'s eager form: overflows in one rank's batch, the inf planted in rank 0's
     gradient shard (by an optimizer pre-hook: after the backward, before the finish, where the
@@ -356,10 +429,18 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
     opt.register_step_pre_hook(lambda *_: _plant_grad(model, rank, at["step"]))
     scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
     # watch_nonfinite: the forward record rides in the found-inf all-reduce (counted below)
-    step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y),
-                               dtype=dtype, scaler=scaler, max_grad_norm=options.get("clip"),
-                               grad_norm=amp_fx.GradNorm.TORCH, accumulate=accumulate, backend="aot_eager",
-                               watch_nonfinite=True)
+    step = amp_fx.compile_step(
+        model,
+        opt,
+        lambda out, y: F.mse_loss(out.float(), y),
+        dtype=dtype,
+        scaler=scaler,
+        max_grad_norm=options.get("clip"),
+        grad_norm=amp_fx.GradNorm.TORCH,
+        accumulate=accumulate,
+        backend="aot_eager",
+        watch_nonfinite=True,
+    )
     all_reduces: list[int] = []
     movement = _Movement(model)
     reports: list[Any] = []
@@ -374,8 +455,14 @@ def fsdp_step_run(rank: int, world_size: int, dtype: str, recipe: str = "plain",
             reports.append(overflow_summary(step.overflow_report()))
 
     run = _run_steps(step, scaler, rank, accumulate, on_step)
-    return {**run, "params": [_local(p) for p in model.parameters()], "all_reduces": all_reduces,
-            "moved": movement.total, "linears": _linears_captured(step._forward), "overflow_reports": reports}
+    return {
+        **run,
+        "params": [_local(p) for p in model.parameters()],
+        "all_reduces": all_reduces,
+        "moved": movement.total,
+        "linears": _linears_captured(step._forward),
+        "overflow_reports": reports,
+    }
 
 
 _OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -465,6 +552,7 @@ class _CountAllReduce:
                     return method(*args, **kwargs)
                 finally:
                     dist.all_reduce, funcol.all_reduce = real, real_funcol
+
             return inner
 
         @contextlib.contextmanager
@@ -490,7 +578,8 @@ def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
     for form in ("eager", "inner", "outer"):
         torch._dynamo.reset()
         results[("fp16", "seq", form, "accum_clip")] = ddp_run(
-            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip"
+        )
     for recipe in RECIPES:
         torch._dynamo.reset()
         results[("fp16", "seq", "step", recipe)] = ddp_step_run(rank, world_size, recipe)
@@ -519,12 +608,14 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
         for form in ("eager", "amp_fx"):
             torch._dynamo.reset()
             results[(dtype, "seq", form, "param_dtype")] = fsdp_run(
-                rank, world_size, dtype, "seq", form, param_dtype=dtype)
+                rank, world_size, dtype, "seq", form, param_dtype=dtype
+            )
     results["mismatch_error"] = _mismatched_param_dtype_error()
     for form in ("eager", "amp_fx"):
         torch._dynamo.reset()
         results[("fp16", "seq", form, "accum_clip")] = fsdp_run(
-            rank, world_size, "fp16", "seq", form, recipe="accum_clip")
+            rank, world_size, "fp16", "seq", form, recipe="accum_clip"
+        )
     # compile_step on the FSDP2 model, against the eager runs above (and one with AdamW).
     for dtype in DTYPES:
         torch._dynamo.reset()
@@ -532,14 +623,13 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     torch._dynamo.reset()
     results[("fp16", "seq", "step", "accum_clip")] = fsdp_step_run(rank, world_size, "fp16", "accum_clip")
     torch._dynamo.reset()
-    results[("fp16", "seq", "eager", "adamw")] = fsdp_run(rank, world_size, "fp16", "seq", "eager",
-                                                        optimizer="adamw")
+    results[("fp16", "seq", "eager", "adamw")] = fsdp_run(rank, world_size, "fp16", "seq", "eager", optimizer="adamw")
     results[("fp16", "seq", "step", "adamw")] = fsdp_step_run(rank, world_size, "fp16", optimizer="adamw")
     torch._dynamo.reset()
-    results[("fp16", "seq", "eager", "adamw_fused")] = fsdp_run(rank, world_size, "fp16", "seq", "eager",
-                                                              optimizer="adamw_fused")
-    results[("fp16", "seq", "step", "adamw_fused")] = fsdp_step_run(rank, world_size, "fp16",
-                                                                    optimizer="adamw_fused")
+    results[("fp16", "seq", "eager", "adamw_fused")] = fsdp_run(
+        rank, world_size, "fp16", "seq", "eager", optimizer="adamw_fused"
+    )
+    results[("fp16", "seq", "step", "adamw_fused")] = fsdp_step_run(rank, world_size, "fp16", optimizer="adamw_fused")
     results["fsdp_all_reduces"] = {recipe: fsdp_own_all_reduces(**RECIPES[recipe]) for recipe in RECIPES}
     results["compile_step_errors"] = compile_step_errors()
     torch._dynamo.reset()
@@ -717,8 +807,9 @@ def root_frame_reports() -> dict[str, Any]:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out["eager_out"] = sharded(LoopRoot)(x).detach()
     torch._dynamo.reset()
-    kept_root = amp_fx.compile(sharded(LoopRoot), dtype="bf16", backend="aot_eager", strict=False,
-                               policy=amp_fx.Policy(keep_fp32=("norm",)))
+    kept_root = amp_fx.compile(
+        sharded(LoopRoot), dtype="bf16", backend="aot_eager", strict=False, policy=amp_fx.Policy(keep_fp32=("norm",))
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept_root(x)
@@ -726,6 +817,7 @@ def root_frame_reports() -> dict[str, Any]:
     out["method_strict"], _, kept = strict_run(sharded(MethodRoot), policy=amp_fx.Policy(keep_fp32=("norm",)))
     out["method_kept_dtype"] = None if kept is None else kept.dtype
     out["own_units_strict"] = strict_run(sharded(LoopRoot, own_units=True))[0]
+
     # tied weights: the report names the one fully_shard call FSDP2 takes for both, which works
     def tied_root(fixed: bool) -> nn.Module:
         torch.manual_seed(0)
@@ -765,6 +857,7 @@ def _wire_dtypes(names: tuple[str, ...]) -> Any:
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             seen[name].append(tensors[-1].dtype)  # the input (all_gather/reduce_scatter: output first)
             return real[name](*args, **kwargs)
+
         return call
 
     for name in real:
@@ -797,11 +890,13 @@ def ddp_precision_reports() -> dict[str, Any]:
             model(torch.randn(2, 8)).sum().backward()
         report = amp_fx.precision_report(model, dtype="bf16")
         wrapped = amp_fx.precision_report(amp_fx.compile(model, dtype="bf16", backend="aot_eager"))
-        out[name] = {"reported": _precision_rows(report)["all_reduce (DDP gradients)"],
-                     "wrapped": _precision_rows(wrapped)["all_reduce (DDP gradients)"],
-                     "hook_sent": sorted(set(seen["all_reduce"]), key=str),
-                     "grad_dtypes": sorted({p.grad.dtype for p in model.parameters()}, key=str),
-                     "downgrades": sorted(d.value for d in report.downgrades)}
+        out[name] = {
+            "reported": _precision_rows(report)["all_reduce (DDP gradients)"],
+            "wrapped": _precision_rows(wrapped)["all_reduce (DDP gradients)"],
+            "hook_sent": sorted(set(seen["all_reduce"]), key=str),
+            "grad_dtypes": sorted({p.grad.dtype for p in model.parameters()}, key=str),
+            "downgrades": sorted(d.value for d in report.downgrades),
+        }
     return out
 
 
@@ -827,16 +922,20 @@ def fsdp_precision_reports() -> dict[str, Any]:
             strict = ""
         except amp_fx.AmpFxError as e:
             strict = str(e)
-        with _wire_dtypes(("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-                           "reduce_scatter_tensor")) as seen:
+        with _wire_dtypes(
+            ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor")
+        ) as seen:
             model(torch.randn(2, 8)).float().sum().backward()
         rows = _precision_rows(report)
         gathered = seen["all_gather_single"] + seen["all_gather_into_tensor"]
         reduced = seen["reduce_scatter_single"] + seen["reduce_scatter_tensor"]
-        out[name] = {"gather": rows["all_gather (FSDP2 parameters)"],
-                     "reduce": rows["reduce_scatter (FSDP2 gradients)"],
-                     "gather_sent": sorted(set(gathered), key=str), "reduce_sent": sorted(set(reduced), key=str),
-                     "compute": report.compute_dtype,
-                     "warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-                     "strict": strict}
+        out[name] = {
+            "gather": rows["all_gather (FSDP2 parameters)"],
+            "reduce": rows["reduce_scatter (FSDP2 gradients)"],
+            "gather_sent": sorted(set(gathered), key=str),
+            "reduce_sent": sorted(set(reduced), key=str),
+            "compute": report.compute_dtype,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+            "strict": strict,
+        }
     return out

@@ -56,8 +56,10 @@ def reads_weight(rank: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
         compiled(_batch(rank, 0)[0]).float().sum().backward()
-    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-            "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads]}
+    return {
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+        "reads": [r for rec in amp_fx.records(compiled) if rec.fp8 for r in rec.fp8.fp8_weight_reads],
+    }
 
 
 class RootReadsHead(nn.Module):
@@ -83,8 +85,7 @@ def root_reads_head(rank: int) -> list[str]:
     torch.manual_seed(0)
     model = RootReadsHead()
     fully_shard(model.blocks[0])
-    compiled = amp_fx.compile(fully_shard(model), dtype="bf16", fp8="tensorwise", backend="aot_eager",
-                              strict=False)
+    compiled = amp_fx.compile(fully_shard(model), dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
         compiled(_batch(rank, 0)[0]).float().sum().backward()
@@ -139,8 +140,7 @@ def _train(model: nn.Module, forward: Any, rank: int, reference: bool, precomput
 
                 precompute_float8_dynamic_scale_for_fsdp(model)
             losses.append(loss.detach().clone())
-    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-            "sent": _per_step(sent)}
+    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()], "sent": _per_step(sent)}
 
 
 def _per_step(sent: Any) -> dict[str, float]:
@@ -185,24 +185,42 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
         if form == "step":
             inner = DDP(model) if wrapper == "ddp" else _shard(model)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            step = amp_fx.compile_step(inner, opt, lambda out, y: F.mse_loss(out.float(), y), dtype="bf16",
-                                       fp8=recipe, backend="aot_eager", strict=False)
+            step = amp_fx.compile_step(
+                inner,
+                opt,
+                lambda out, y: F.mse_loss(out.float(), y),
+                dtype="bf16",
+                fp8=recipe,
+                backend="aot_eager",
+                strict=False,
+            )
             with sent_bytes() as sent:
                 losses = [step(*_batch(rank, i)).detach().clone() for i in range(STEPS)]
-            return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-                    "converted": _converted(step._forward), "warnings": _shortfalls(caught),
-                    "sent": _per_step(sent)}
+            return {
+                "losses": torch.stack(losses),
+                "params": [_local(p) for p in model.parameters()],
+                "converted": _converted(step._forward),
+                "warnings": _shortfalls(caught),
+                "sent": _per_step(sent),
+            }
         if form == "bf16":  # no fp8: the bytes the fp8 all-gather is compared with
             compiled = amp_fx.compile(_shard(model), dtype="bf16", backend="aot_eager", strict=False)
             return _train(model, compiled, rank, reference=False)
         if form == "outer_keep":  # the second Linear kept out of fp8: gathered in fp32
-            compiled = amp_fx.compile(_shard(model), dtype="bf16", fp8=recipe, backend="aot_eager", strict=False,
-                                      policy=amp_fx.Policy(keep_out_of_fp8=["2"]))
+            compiled = amp_fx.compile(
+                _shard(model),
+                dtype="bf16",
+                fp8=recipe,
+                backend="aot_eager",
+                strict=False,
+                policy=amp_fx.Policy(keep_out_of_fp8=["2"]),
+            )
             out = _train(model, compiled, rank, reference=False)
             return {**out, "converted": _converted(compiled), "warnings": _shortfalls(caught)}
         if wrapper == "ddp" and form in ("inner", "inner_cached"):
-            compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False,
-                                      weight_cache=form == "inner_cached")
+            compiled = amp_fx.compile(
+                model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=False, weight_cache=form == "inner_cached"
+            )
             wrapped = DDP(compiled)
         else:
             inner = DDP(model) if wrapper == "ddp" else _shard(model)
@@ -250,8 +268,11 @@ def dcp_resume(rank: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return {"loss": loss.detach(), "params": [_local(p) for p in opt.param_groups[0]["params"]],
-                "opt": [{k: _local(v) for k, v in s.items()} for s in opt.state.values()]}
+        return {
+            "loss": loss.detach(),
+            "params": [_local(p) for p in opt.param_groups[0]["params"]],
+            "opt": [{k: _local(v) for k, v in s.items()} for s in opt.state.values()],
+        }
 
     where = [tempfile.mkdtemp(prefix="amp_fx_dcp_") if rank == 0 else None]
     dist.broadcast_object_list(where)  # one checkpoint directory, rank 0's
@@ -280,8 +301,14 @@ def dcp_resume(rank: int) -> dict[str, Any]:
     return out
 
 
-CASES = [("ddp", "inner"), ("ddp", "inner_cached"), ("ddp", "outer"), ("ddp", "step"),
-         ("fsdp2", "outer"), ("fsdp2", "step")]
+CASES = [
+    ("ddp", "inner"),
+    ("ddp", "inner_cached"),
+    ("ddp", "outer"),
+    ("ddp", "step"),
+    ("fsdp2", "outer"),
+    ("fsdp2", "step"),
+]
 # The recipe changes the fp8 matmul's scales, not how DDP or FSDP2 wrap, capture and step it: every
 # form runs tensorwise (the recipe torchao's fp8 all-gather takes), rowwise once per wrapper.
 ROWWISE_CASES = [("ddp", "outer"), ("fsdp2", "outer")]

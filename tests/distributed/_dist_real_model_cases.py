@@ -46,8 +46,11 @@ def _shard(model: nn.Module, own_units: bool) -> nn.Module:
     return fully_shard(model)
 
 
-def _run(build: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., torch.Tensor]],
-         model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _run(
+    build: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., torch.Tensor]],
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+) -> dict[str, Any]:
     """``STEPS`` calls of the step ``build`` makes of the sharded model and its SGD."""
     torch._dynamo.reset()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -55,14 +58,22 @@ def _run(build: Callable[[nn.Module, torch.optim.Optimizer], Callable[..., torch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [step(**inputs).float() for _ in range(STEPS)]
-    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-            "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-            "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]}
+    return {
+        "losses": torch.stack(losses),
+        "params": [_local(p) for p in model.parameters()],
+        "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+        "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
+    }
 
 
-def _sgd_step(forward: Callable[..., Any], loss_fn: Callable[[Any], torch.Tensor],
-              opt: torch.optim.Optimizer, dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
+def _sgd_step(
+    forward: Callable[..., Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    dtype: torch.dtype | None,
+) -> Callable[..., torch.Tensor]:
     """Forward (under eager autocast where ``dtype`` is given), backward, SGD, zero_grad."""
+
     def step(**batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = loss_fn(forward(**batch))
@@ -70,18 +81,27 @@ def _sgd_step(forward: Callable[..., Any], loss_fn: Callable[[Any], torch.Tensor
         opt.step()
         opt.zero_grad()
         return loss.detach()
+
     return step
 
 
-def fsdp2_gpt2(fresh: Callable[[], nn.Module], loss_fn: Callable[[Any], torch.Tensor],
-               inputs: dict[str, torch.Tensor]) -> dict[tuple[str, str, str], dict[str, Any]]:
+def fsdp2_gpt2(
+    fresh: Callable[[], nn.Module], loss_fn: Callable[[Any], torch.Tensor], inputs: dict[str, torch.Tensor]
+) -> dict[tuple[str, str, str], dict[str, Any]]:
     """GPT-2 in bf16: eager autocast, amp_fx in both shardings (strict where nothing is reported)."""
-    out = {("gpt2", "any", "eager"): _run(lambda m, opt: _sgd_step(m, loss_fn, opt, torch.bfloat16),
-                                          _shard(fresh(), True), inputs)}
+    out = {
+        ("gpt2", "any", "eager"): _run(
+            lambda m, opt: _sgd_step(m, loss_fn, opt, torch.bfloat16), _shard(fresh(), True), inputs
+        )
+    }
     for own_units in (False, True):
         out[("gpt2", "own_units" if own_units else "layers", "amp_fx")] = _run(
-            lambda m, opt: _sgd_step(amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=own_units),
-                                     loss_fn, opt, None), _shard(fresh(), own_units), inputs)
+            lambda m, opt: _sgd_step(
+                amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=own_units), loss_fn, opt, None
+            ),
+            _shard(fresh(), own_units),
+            inputs,
+        )
     return out
 
 
@@ -97,12 +117,25 @@ def fsdp2_real(rank: int, world_size: int) -> dict[str, Any]:
     fresh = lambda: copy.deepcopy(model)  # noqa: E731 - every run starts from the same weights
     # Llama: sharded as the report says only (GPT-2 above covers the per-layer sharding), strict
     out[("fp16", "own_units", "eager")] = _run(
-        lambda m, opt: eager_amp_step(m, opt, loss_fn, ShardedGradScaler("cpu", growth_interval=2),
-                                      dtype=torch.float16), _shard(fresh(), True), inputs)
+        lambda m, opt: eager_amp_step(
+            m, opt, loss_fn, ShardedGradScaler("cpu", growth_interval=2), dtype=torch.float16
+        ),
+        _shard(fresh(), True),
+        inputs,
+    )
     out[("fp16", "own_units", "amp_fx")] = _run(
-        lambda m, opt: amp_fx.compile_step(m, opt, loss_fn, dtype="fp16", backend="aot_eager", strict=True,
-                                           scaler=amp_fx.GradScaler("cpu", growth_interval=2)),
-        _shard(fresh(), True), inputs)
+        lambda m, opt: amp_fx.compile_step(
+            m,
+            opt,
+            loss_fn,
+            dtype="fp16",
+            backend="aot_eager",
+            strict=True,
+            scaler=amp_fx.GradScaler("cpu", growth_interval=2),
+        ),
+        _shard(fresh(), True),
+        inputs,
+    )
     # fp8: the reference is amp_fx's fp8 on the unsharded model, in this rank (the same batch on
     # every rank: FSDP2's averaged gradient is each rank's own), its parameters cut as FSDP2 cuts
     # them (dim 0, torch.chunk)
@@ -110,6 +143,7 @@ def fsdp2_real(rank: int, world_size: int) -> dict[str, Any]:
     whole = _run(lambda m, opt: _sgd_step(fp8(m), loss_fn, opt, None), fresh(), inputs)
     whole["params"] = [p.chunk(world_size)[rank] for p in whole["params"]]
     out[("fp8", "none", "amp_fx")] = whole
-    out[("fp8", "own_units", "amp_fx")] = _run(lambda m, opt: _sgd_step(fp8(m), loss_fn, opt, None),
-                                               _shard(fresh(), True), inputs)
+    out[("fp8", "own_units", "amp_fx")] = _run(
+        lambda m, opt: _sgd_step(fp8(m), loss_fn, opt, None), _shard(fresh(), True), inputs
+    )
     return out

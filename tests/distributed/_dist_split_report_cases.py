@@ -68,8 +68,9 @@ def reference(rank: int, kind: str) -> dict[str, Any]:
 
     model, ddp_kwargs = _build(kind)
     ddp = DDP(model, **ddp_kwargs)
-    return _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, torch.bfloat16,
-                  plant_grads=False, steps=STEPS)
+    return _train(
+        model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, torch.bfloat16, plant_grads=False, steps=STEPS
+    )
 
 
 def _step_train(model: nn.Module, step: Any, scaler: Any, rank: int) -> dict[str, Any]:
@@ -77,8 +78,11 @@ def _step_train(model: nn.Module, step: Any, scaler: Any, rank: int) -> dict[str
     for i in STEPS:
         losses.append(step(*_batch(rank, i)).detach().clone())
         scales.append(_scale_of(scaler))
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
-            "params": [_local(p) for p in model.parameters()]}
+    return {
+        "losses": torch.stack(losses),
+        "scales": torch.stack(scales),
+        "params": [_local(p) for p in model.parameters()],
+    }
 
 
 def run(rank: int, kind: str, form: str, *, weight_cache: bool, strict: bool) -> dict[str, Any]:
@@ -94,9 +98,13 @@ def run(rank: int, kind: str, form: str, *, weight_cache: bool, strict: bool) ->
         try:
             if form == "step":
                 scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
-                compiled = amp_fx.compile_step(DDP(model, **ddp_kwargs), _sgd(model),
-                                               lambda out, y: F.mse_loss(out.float(), y),
-                                               scaler=scaler, **options)
+                compiled = amp_fx.compile_step(
+                    DDP(model, **ddp_kwargs),
+                    _sgd(model),
+                    lambda out, y: F.mse_loss(out.float(), y),
+                    scaler=scaler,
+                    **options,
+                )
                 out = _step_train(model, compiled, scaler, rank)
                 records = compiled._forward.amp_fx_records
             else:
@@ -105,8 +113,15 @@ def run(rank: int, kind: str, form: str, *, weight_cache: bool, strict: bool) ->
                     wrapped: Any = DDP(compiled, **ddp_kwargs)
                 else:
                     wrapped = compiled = amp_fx.compile(DDP(model, **ddp_kwargs), **options)
-                out = _train(model, wrapped, amp_fx.GradScaler("cpu", growth_interval=2), rank, None,
-                             plant_grads=False, steps=STEPS)
+                out = _train(
+                    model,
+                    wrapped,
+                    amp_fx.GradScaler("cpu", growth_interval=2),
+                    rank,
+                    None,
+                    plant_grads=False,
+                    steps=STEPS,
+                )
                 records = amp_fx.records(compiled)
         except AmpFxError as e:
             out, records = {"error": str(e)}, []

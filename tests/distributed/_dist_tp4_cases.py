@@ -38,10 +38,16 @@ WORLD = 4
 DP = 2
 
 # (layout, dtype, form), as in _dist_tp_cases.CASES
-CASES = [("fsdp_tp", "bf16", "eager"), ("fsdp_tp", "bf16", "amp_fx"),
-         ("fsdp_tp", "fp16", "eager"), ("fsdp_tp", "fp16", "amp_fx"),
-         ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip"),
-         ("hsdp_tp", "fp16", "eager"), ("hsdp_tp", "fp16", "amp_fx")]
+CASES = [
+    ("fsdp_tp", "bf16", "eager"),
+    ("fsdp_tp", "bf16", "amp_fx"),
+    ("fsdp_tp", "fp16", "eager"),
+    ("fsdp_tp", "fp16", "amp_fx"),
+    ("fsdp_tp", "fp16", "eager_clip"),
+    ("fsdp_tp", "fp16", "step_clip"),
+    ("hsdp_tp", "fp16", "eager"),
+    ("hsdp_tp", "fp16", "amp_fx"),
+]
 
 
 def dp_rank(rank: int) -> int:
@@ -52,8 +58,9 @@ def dp_rank(rank: int) -> int:
 def _mesh(world_size: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "tp"),
-                            backend_override={"dp": COUNTING_BACKEND})
+    return init_device_mesh(
+        "cpu", (DP, world_size // DP), mesh_dim_names=("dp", "tp"), backend_override={"dp": COUNTING_BACKEND}
+    )
 
 
 def _fp8_run(model: nn.Module, x: torch.Tensor, form: str) -> dict[str, Any]:
@@ -67,8 +74,12 @@ def _fp8_run(model: nn.Module, x: torch.Tensor, form: str) -> dict[str, Any]:
             dtype, fp8 = ("bf16", None) if form == "bf16" else ("bf16", "tensorwise")
             out = amp_fx.compile(model, dtype=dtype, fp8=fp8, backend="aot_eager")(x)
         out.float().pow(2).sum().backward()
-    return {"out": _local(out), "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
-            "all_gather": sent["all_gather"], **_numels(model)}
+    return {
+        "out": _local(out),
+        "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+        "all_gather": sent["all_gather"],
+        **_numels(model),
+    }
 
 
 def _numels(model: nn.Module) -> dict[str, int]:
@@ -106,8 +117,9 @@ def fp8_gather_2x2(world_size: int) -> dict[str, Any]:
             from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
             model = torchao_float8(model, "tensorwise", fsdp_float8_all_gather=True)
-            parallelize_module(model, mesh["tp"], {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()},
-                               src_data_rank=None)
+            parallelize_module(
+                model, mesh["tp"], {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()}, src_data_rank=None
+            )
             fully_shard(model, mesh=mesh["dp"])
             precompute_float8_dynamic_scale_for_fsdp(model)
         else:
@@ -130,8 +142,11 @@ def fp8_transformer_2x2(world_size: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for form in ("gathered", "tp"):
         torch._dynamo.reset()
-        model = (sharded_model("fsdp_tp", world_size, dp=DP, dp_backend=COUNTING_BACKEND) if form == "gathered" else
-                 tensor_parallel(make_model(), _mesh(world_size)["tp"]))
+        model = (
+            sharded_model("fsdp_tp", world_size, dp=DP, dp_backend=COUNTING_BACKEND)
+            if form == "gathered"
+            else tensor_parallel(make_model(), _mesh(world_size)["tp"])
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
         with warnings.catch_warnings(record=True) as caught, sent_bytes() as sent:
             warnings.simplefilter("always")
@@ -145,10 +160,14 @@ def fp8_transformer_2x2(world_size: int) -> dict[str, Any]:
                 losses.append(loss.detach())
         decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
         results[form] = {
-            "losses": torch.stack(losses), "params": {n: _local(p) for n, p in model.named_parameters()},
-            "converted": sum(d.converted for d in decisions), "considered": len(decisions),
+            "losses": torch.stack(losses),
+            "params": {n: _local(p) for n, p in model.named_parameters()},
+            "converted": sum(d.converted for d in decisions),
+            "considered": len(decisions),
             "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-            "all_gather": sent["all_gather"], **_numels(model)}
+            "all_gather": sent["all_gather"],
+            **_numels(model),
+        }
     return results
 
 
@@ -167,6 +186,7 @@ def tp4_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_gather"] = fp8_gather_2x2(world_size)
     results["fp8_transformer"] = fp8_transformer_2x2(world_size)
     torch._dynamo.reset()  # fp8 under sequence parallelism: its activation all-gather is reported
-    results["fp8_sp"] = fp8_outputs(tensor_parallel(make_model(), _mesh(world_size)["tp"], sequence_parallel=True),
-                                    _batch(0)[0], strict=False)
+    results["fp8_sp"] = fp8_outputs(
+        tensor_parallel(make_model(), _mesh(world_size)["tp"], sequence_parallel=True), _batch(0)[0], strict=False
+    )
     return results

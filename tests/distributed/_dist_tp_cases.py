@@ -96,15 +96,23 @@ def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = 
     )
 
     for block in model.blocks:
-        plan: dict[str, Any] = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-                                "mlp.w1": ColwiseParallel()}
+        plan: dict[str, Any] = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "mlp.w1": ColwiseParallel(),
+        }
         if sequence_parallel:
-            plan.update({
-                "norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "attn.wo": RowwiseParallel(output_layouts=Shard(1)), "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
-            })
+            plan.update(
+                {
+                    "norm1": SequenceParallel(),
+                    "norm2": SequenceParallel(),
+                    "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+                    "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+                }
+            )
         else:
             plan.update({"attn.wo": RowwiseParallel(), "mlp.w2": RowwiseParallel()})
         # src_data_rank=None: every rank built the same model from one seed, so each keeps its own
@@ -112,12 +120,19 @@ def tensor_parallel(model: Transformer, mesh: Any, *, sequence_parallel: bool = 
         # cannot hand a tensor subclass such as torchao's weights to gloo)
         parallelize_module(block, mesh, plan, src_data_rank=None)
     if sequence_parallel:  # the replicated input enters sharded on the sequence, the output leaves whole
-        parallelize_module(model, mesh, {
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-            f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
-                output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True),
-        }, src_data_rank=None)
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "blocks.0": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                ),
+                f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(
+                    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+                ),
+            },
+            src_data_rank=None,
+        )
     return model
 
 
@@ -181,8 +196,13 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]
 
 
-def train(model: nn.Module, rank: int, dtype: str, form: str,
-          batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch) -> dict[str, Any]:
+def train(
+    model: nn.Module,
+    rank: int,
+    dtype: str,
+    form: str,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] = _batch,
+) -> dict[str, Any]:
     """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
     amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
     with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
@@ -199,19 +219,33 @@ def train(model: nn.Module, rank: int, dtype: str, form: str,
             at = {"step": 0}
             opt.register_step_pre_hook(lambda *_: _plant(model, rank, at["step"]))
             scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
-            step = amp_fx.compile_step(model, opt, lambda out, y: F.mse_loss(out.float(), y), dtype=dtype,
-                                       scaler=scaler, backend="aot_eager",
-                                       max_grad_norm=CLIP if form == "step_clip" else None)
+            step = amp_fx.compile_step(
+                model,
+                opt,
+                lambda out, y: F.mse_loss(out.float(), y),
+                dtype=dtype,
+                scaler=scaler,
+                backend="aot_eager",
+                max_grad_norm=CLIP if form == "step_clip" else None,
+            )
             for i in range(STEPS):
                 losses.append(step(*batch(i)).detach().clone())
-                scales.append(scaler.get_scale_tensor().clone() if hasattr(scaler, "get_scale_tensor")
-                              else torch.tensor(scaler.get_scale()))
+                scales.append(
+                    scaler.get_scale_tensor().clone()
+                    if hasattr(scaler, "get_scale_tensor")
+                    else torch.tensor(scaler.get_scale())
+                )
                 at["step"] = i + 1
         else:
             eager = form.startswith("eager")
             forward: Any = model if eager else amp_fx.compile(model, dtype=dtype, backend="aot_eager")
-            scaler = (None if dtype == "bf16" else ShardedGradScaler("cpu", growth_interval=2) if eager
-                      else amp_fx.GradScaler("cpu", growth_interval=2))
+            scaler = (
+                None
+                if dtype == "bf16"
+                else ShardedGradScaler("cpu", growth_interval=2)
+                if eager
+                else amp_fx.GradScaler("cpu", growth_interval=2)
+            )
             for i in range(STEPS):
                 x, y = batch(i)
                 ctx = torch.autocast("cpu", dtype=low) if eager else contextlib.nullcontext()
@@ -231,8 +265,12 @@ def train(model: nn.Module, rank: int, dtype: str, form: str,
                     scales.append(torch.tensor(scaler.get_scale()))
                 opt.zero_grad(set_to_none=True)
                 losses.append(loss.detach().clone())
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales) if scales else torch.zeros(0),
-            "params": {n: _local(p) for n, p in model.named_parameters()}, "amp_fx_warnings": _fallbacks(caught)}
+    return {
+        "losses": torch.stack(losses),
+        "scales": torch.stack(scales) if scales else torch.zeros(0),
+        "params": {n: _local(p) for n, p in model.named_parameters()},
+        "amp_fx_warnings": _fallbacks(caught),
+    }
 
 
 def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None) -> dict[str, Any]:
@@ -244,11 +282,16 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None
         compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
         out = compiled(x)
         out.float().pow(2).mean().backward()
-    decisions = [n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
-                 if meta.FP8 in n.meta]
-    return {"out": _local(out), "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
-            "converted": sum(d.converted for d in decisions), "considered": len(decisions),
-            "amp_fx_warnings": _fallbacks(caught)}
+    decisions = [
+        n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes if meta.FP8 in n.meta
+    ]
+    return {
+        "out": _local(out),
+        "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+        "converted": sum(d.converted for d in decisions),
+        "considered": len(decisions),
+        "amp_fx_warnings": _fallbacks(caught),
+    }
 
 
 # (layout, dtype, form). Layouts: "tp" (column/row-wise), "sp" (the same with sequence parallelism),
@@ -257,14 +300,27 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None
 # replicate 2 x shard 1 mesh). fp16 not on "tp": there the norms' parameters are plain tensors beside
 # DTensors, and the reference's ShardedGradScaler (torch's unscale kernel on DTensors) refuses the mix
 # ("got mixed torch.Tensor and DTensor").
-CASES = [("tp", "bf16", "eager"), ("tp", "bf16", "amp_fx"),
-         ("sp", "bf16", "eager"), ("sp", "bf16", "amp_fx"),
-         ("sp", "fp16", "eager"), ("sp", "fp16", "amp_fx"), ("sp", "fp16", "step"),
-         ("fsdp_tp", "bf16", "eager"), ("fsdp_tp", "bf16", "amp_fx"),
-         ("fsdp_tp", "fp16", "eager"), ("fsdp_tp", "fp16", "amp_fx"), ("fsdp_tp", "fp16", "step"),
-         ("hsdp", "fp16", "eager"), ("hsdp", "fp16", "amp_fx"), ("hsdp", "fp16", "step"),
-         ("sp", "fp16", "eager_clip"), ("sp", "fp16", "step_clip"),
-         ("fsdp_tp", "fp16", "eager_clip"), ("fsdp_tp", "fp16", "step_clip")]
+CASES = [
+    ("tp", "bf16", "eager"),
+    ("tp", "bf16", "amp_fx"),
+    ("sp", "bf16", "eager"),
+    ("sp", "bf16", "amp_fx"),
+    ("sp", "fp16", "eager"),
+    ("sp", "fp16", "amp_fx"),
+    ("sp", "fp16", "step"),
+    ("fsdp_tp", "bf16", "eager"),
+    ("fsdp_tp", "bf16", "amp_fx"),
+    ("fsdp_tp", "fp16", "eager"),
+    ("fsdp_tp", "fp16", "amp_fx"),
+    ("fsdp_tp", "fp16", "step"),
+    ("hsdp", "fp16", "eager"),
+    ("hsdp", "fp16", "amp_fx"),
+    ("hsdp", "fp16", "step"),
+    ("sp", "fp16", "eager_clip"),
+    ("sp", "fp16", "step_clip"),
+    ("fsdp_tp", "fp16", "eager_clip"),
+    ("fsdp_tp", "fp16", "step_clip"),
+]
 
 
 def sharded_model(layout: str, world_size: int, dp: int = 1, dp_backend: str | None = None) -> Transformer:
@@ -279,10 +335,14 @@ def sharded_model(layout: str, world_size: int, dp: int = 1, dp_backend: str | N
     if layout in ("tp", "sp"):
         return tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel=layout == "sp")
     if layout in ("fsdp_tp", "hsdp_tp"):
-        shape, names = (((dp, world_size // dp), ("dp", "tp")) if layout == "fsdp_tp" else
-                        ((dp, 1, world_size // dp), ("replicate", "shard", "tp")))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names,
-                                backend_override={"dp": dp_backend} if dp_backend else None)
+        shape, names = (
+            ((dp, world_size // dp), ("dp", "tp"))
+            if layout == "fsdp_tp"
+            else ((dp, 1, world_size // dp), ("replicate", "shard", "tp"))
+        )
+        mesh = init_device_mesh(
+            "cpu", shape, mesh_dim_names=names, backend_override={"dp": dp_backend} if dp_backend else None
+        )
         tensor_parallel(model, mesh["tp"])
         dp_mesh = mesh["dp"] if layout == "fsdp_tp" else mesh["replicate", "shard"]
         for block in model.blocks:
@@ -343,8 +403,10 @@ def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
         if bias:  # the unsharded torchao run, the column-wise layer alone (its output sharded here)
             ours_w1 = copy.deepcopy(base.w1)
             parallelize_module(ours_w1, mesh, ColwiseParallel())
-            results[kind] = {"amp_fx_w1": run_amp_fx(ours_w1, x),
-                             "torchao_w1": run_torchao(torchao_float8(copy.deepcopy(base.w1), "tensorwise"), x)}
+            results[kind] = {
+                "amp_fx_w1": run_amp_fx(ours_w1, x),
+                "torchao_w1": run_torchao(torchao_float8(copy.deepcopy(base.w1), "tensorwise"), x),
+            }
             continue
         parallelize_module(theirs, mesh, {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()})
         torch._dynamo.reset()
@@ -363,10 +425,17 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
         (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).mul_(1e6)
     x, _ = _batch(0)
     first: list[str] = []
-    handles = [m.register_forward_hook(
-        lambda mod, args, out, name=name: first.append(name)
-        if not first and isinstance(out, torch.Tensor) and not bool(torch.isfinite(_local(out)).all()) else None)
-        for name, m in model.named_modules() if name]
+    handles = [
+        m.register_forward_hook(
+            lambda mod, args, out, name=name: (
+                first.append(name)
+                if not first and isinstance(out, torch.Tensor) and not bool(torch.isfinite(_local(out)).all())
+                else None
+            )
+        )
+        for name, m in model.named_modules()
+        if name
+    ]
     with torch.autocast("cpu", dtype=torch.float16):
         model(x)
     for h in handles:
@@ -382,9 +451,12 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
     report = scaler.overflow_report()
     torch._dynamo.reset()
     result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
-    return {"eager_first": first[0] if first else None,
-            "watch_first": None if report is None or report.first_op is None else report.first_op.module,
-            "compare_ok": result.ok, "compared_ops": len(result.ops)}
+    return {
+        "eager_first": first[0] if first else None,
+        "watch_first": None if report is None or report.first_op is None else report.first_op.module,
+        "compare_ok": result.ok,
+        "compared_ops": len(result.ops),
+    }
 
 
 def inductor_errors(world_size: int) -> dict[str, Any]:
@@ -407,8 +479,11 @@ def inductor_errors(world_size: int) -> dict[str, Any]:
             loss.backward()
             runs[form] = (loss.detach(), torch.cat([_local(p.grad).flatten() for p in model.parameters()]))
     eager_loss, eager_grads = runs["eager"]
-    return {form: {"loss": (loss - eager_loss).abs().item(), "grads": (grads - eager_grads).abs().max().item()}
-            for form, (loss, grads) in runs.items() if form != "eager"} | {"amp_fx_warnings": _fallbacks(caught)}
+    return {
+        form: {"loss": (loss - eager_loss).abs().item(), "grads": (grads - eager_grads).abs().max().item()}
+        for form, (loss, grads) in runs.items()
+        if form != "eager"
+    } | {"amp_fx_warnings": _fallbacks(caught)}
 
 
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
@@ -501,9 +576,12 @@ def pipeline_run(rank: int, world_size: int, schedule: str, form: str) -> dict[s
             scales.append(torch.tensor(scaler.get_scale()))
             if step_losses:
                 losses.append(torch.stack([loss.detach() for loss in step_losses]))
-    return {"losses": torch.stack(losses) if losses else torch.zeros(0), "scales": torch.stack(scales),
-            "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
-            "amp_fx_warnings": _fallbacks(caught)}
+    return {
+        "losses": torch.stack(losses) if losses else torch.zeros(0),
+        "scales": torch.stack(scales),
+        "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
+        "amp_fx_warnings": _fallbacks(caught),
+    }
 
 
 PP_CASES = [(schedule, form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")]

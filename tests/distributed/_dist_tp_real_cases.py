@@ -38,8 +38,9 @@ from tests.distributed._dist_real_model_cases import LR, STEPS, _sgd_step
 Step = Callable[..., torch.Tensor]
 
 
-def _run(build: Callable[[nn.Module, torch.optim.Optimizer], Step], model: nn.Module,
-         inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _run(
+    build: Callable[[nn.Module, torch.optim.Optimizer], Step], model: nn.Module, inputs: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """``STEPS`` calls of the step ``build`` makes of ``model`` and its SGD."""
     torch._dynamo.reset()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -47,9 +48,12 @@ def _run(build: Callable[[nn.Module, torch.optim.Optimizer], Step], model: nn.Mo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = [step(**inputs).float() for _ in range(STEPS)]
-    return {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-            "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-            "dtensor_params": sum(hasattr(p, "device_mesh") for p in model.parameters())}
+    return {
+        "losses": torch.stack(losses),
+        "params": [_local(p) for p in model.parameters()],
+        "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+        "dtensor_params": sum(hasattr(p, "device_mesh") for p in model.parameters()),
+    }
 
 
 def torch_plan(model: nn.Module) -> dict[str, Any]:
@@ -91,27 +95,62 @@ def tp_real(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
             model.save_pretrained(path[0])
         dist.barrier()
         for form in ("eager", "amp_fx"):
-            hf = type(model).from_pretrained(path[0], distributed_config=transformers.DistributedConfig(
-                tp_size=world_size)).train()
-            out[("hf", form)] = _run(lambda m, opt: _sgd_step(
-                m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
-                loss_fn, opt, torch.bfloat16 if form == "eager" else None), hf, inputs)
+            hf = (
+                type(model)
+                .from_pretrained(path[0], distributed_config=transformers.DistributedConfig(tp_size=world_size))
+                .train()
+            )
+            out[("hf", form)] = _run(
+                lambda m, opt: _sgd_step(
+                    m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
+                    loss_fn,
+                    opt,
+                    torch.bfloat16 if form == "eager" else None,
+                ),
+                hf,
+                inputs,
+            )
         dist.barrier()  # rank 0 removes its folder once every rank has loaded from it
     for form in ("eager", "amp_fx"):
-        out[("torch", form)] = _run(lambda m, opt: _sgd_step(
-            m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
-            loss_fn, opt, torch.bfloat16 if form == "eager" else None), torch_tp(), inputs)
-    out[("fp16", "eager")] = _run(lambda m, opt: eager_amp_step(
-        m, opt, loss_fn, amp_fx.GradScaler("cpu", growth_interval=2), dtype=torch.float16), torch_tp(), inputs)
-    out[("fp16", "amp_fx")] = _run(lambda m, opt: amp_fx.compile_step(
-        m, opt, loss_fn, dtype="fp16", backend="aot_eager", strict=True,
-        scaler=amp_fx.GradScaler("cpu", growth_interval=2)), torch_tp(), inputs)
+        out[("torch", form)] = _run(
+            lambda m, opt: _sgd_step(
+                m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
+                loss_fn,
+                opt,
+                torch.bfloat16 if form == "eager" else None,
+            ),
+            torch_tp(),
+            inputs,
+        )
+    out[("fp16", "eager")] = _run(
+        lambda m, opt: eager_amp_step(
+            m, opt, loss_fn, amp_fx.GradScaler("cpu", growth_interval=2), dtype=torch.float16
+        ),
+        torch_tp(),
+        inputs,
+    )
+    out[("fp16", "amp_fx")] = _run(
+        lambda m, opt: amp_fx.compile_step(
+            m,
+            opt,
+            loss_fn,
+            dtype="fp16",
+            backend="aot_eager",
+            strict=True,
+            scaler=amp_fx.GradScaler("cpu", growth_interval=2),
+        ),
+        torch_tp(),
+        inputs,
+    )
     fp8 = torch_tp()
     compiled = amp_fx.compile(fp8, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=True)
     out[("fp8", "amp_fx")] = _run(lambda m, opt: _sgd_step(compiled, loss_fn, opt, None), fp8, inputs)
-    decisions = [n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes
-                 if meta.FP8 in n.meta]
-    out[("fp8", "amp_fx")]["fp8"] = {"converted": sum(d.converted for d in decisions),
-                                     "considered": len(decisions),
-                                     "linears": sum(isinstance(m, nn.Linear) for m in fp8.modules())}
+    decisions = [
+        n.meta[meta.FP8] for r in amp_fx.records(compiled) for n in r.rewritten.graph.nodes if meta.FP8 in n.meta
+    ]
+    out[("fp8", "amp_fx")]["fp8"] = {
+        "converted": sum(d.converted for d in decisions),
+        "considered": len(decisions),
+        "linears": sum(isinstance(m, nn.Linear) for m in fp8.modules()),
+    }
     return out

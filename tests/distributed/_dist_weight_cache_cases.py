@@ -80,11 +80,13 @@ class _DownstreamGraphs:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        params = {n for n, t in zip(placeholders, example_inputs)
-                  if isinstance(t, nn.Parameter) and t.dtype == torch.float32}
+        params = {
+            n for n, t in zip(placeholders, example_inputs) if isinstance(t, nn.Parameter) and t.dtype == torch.float32
+        }
         self.lifted += sum(1 for n in placeholders if n.meta.get(meta.WEIGHT_CACHE))
-        self.param_casts += sum(1 for n in gm.graph.nodes
-                                if n.target is torch.ops.aten._to_copy.default and n.args[0] in params)
+        self.param_casts += sum(
+            1 for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.args[0] in params
+        )
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
@@ -95,18 +97,34 @@ def _fresh_copies(cache: Any, params: list[torch.Tensor], dtype: torch.dtype) ->
     return sum(cache.is_fresh(w, lowp) and torch.equal(lowp, w.detach().to(dtype)) for w, lowp in pairs), len(pairs)
 
 
-def _reference(rank: int, dtype: str, accumulate: int, build: Callable[[], nn.Module],
-               ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+def _reference(
+    rank: int, dtype: str, accumulate: int, build: Callable[[], nn.Module], ddp_kwargs: dict[str, Any]
+) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = build()
     ddp = DDP(model, **ddp_kwargs)
-    return _train(model, ddp, torch.amp.GradScaler("cpu", growth_interval=2), rank, DTYPES[dtype],
-                  plant_grads=False, accumulate=accumulate, no_sync=ddp.no_sync)
+    return _train(
+        model,
+        ddp,
+        torch.amp.GradScaler("cpu", growth_interval=2),
+        rank,
+        DTYPES[dtype],
+        plant_grads=False,
+        accumulate=accumulate,
+        no_sync=ddp.no_sync,
+    )
 
 
-def step_run(rank: int, dtype: str, accumulate: int, *, build: Callable[[], nn.Module] = lambda: make_model("seq"),
-             ddp_kwargs: dict[str, Any] | None = None, weight_cache: bool = True) -> dict[str, Any]:
+def step_run(
+    rank: int,
+    dtype: str,
+    accumulate: int,
+    *,
+    build: Callable[[], nn.Module] = lambda: make_model("seq"),
+    ddp_kwargs: dict[str, Any] | None = None,
+    weight_cache: bool = True,
+) -> dict[str, Any]:
     """``amp_fx.compile_step(DDP(model), weight_cache=...)`` with a dynamic-scale amp_fx.GradScaler
     (bf16 too, as the reference's torch.amp.GradScaler), aot_eager. Per optimizer step after the
     warm-up: host reads, new graphs, casts the cache computed, and whether every cached copy
@@ -119,9 +137,17 @@ def step_run(rank: int, dtype: str, accumulate: int, *, build: Callable[[], nn.M
     scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", AmpFxWarning)  # the no-cache twin's reports (strict with the cache)
-        step = amp_fx.compile_step(DDP(model, **(ddp_kwargs or {})), _sgd(model), _loss, dtype=dtype,
-                                   scaler=scaler, accumulate=accumulate, backend=downstream,
-                                   weight_cache=weight_cache, strict=weight_cache)
+        step = amp_fx.compile_step(
+            DDP(model, **(ddp_kwargs or {})),
+            _sgd(model),
+            _loss,
+            dtype=dtype,
+            scaler=scaler,
+            accumulate=accumulate,
+            backend=downstream,
+            weight_cache=weight_cache,
+            strict=weight_cache,
+        )
         cache = step._forward.amp_fx_weight_cache
         losses, scales, host_reads, new_graphs, recasts, fresh = [], [], 0, 0, [], []
         for i in range(STEPS):
@@ -138,13 +164,20 @@ def step_run(rank: int, dtype: str, accumulate: int, *, build: Callable[[], nn.M
             if cache is not None:
                 recasts.append(cache.refreshes - refreshes)
                 fresh.append(_fresh_copies(cache, params, DTYPES[dtype]))
-    return {"losses": torch.stack(losses), "scales": torch.stack(scales),
-            "params": [_local(p) for p in params], "host_reads": host_reads,
-            "graphs_after_warm_up": new_graphs, "recasts_after_warm_up": recasts,
-            "copies_fresh": fresh, "has_cache": cache is not None,
-            "param_casts": downstream.param_casts, "lifted": downstream.lifted,
-            "graphs": len(step._forward.amp_fx_records),
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]}
+    return {
+        "losses": torch.stack(losses),
+        "scales": torch.stack(scales),
+        "params": [_local(p) for p in params],
+        "host_reads": host_reads,
+        "graphs_after_warm_up": new_graphs,
+        "recasts_after_warm_up": recasts,
+        "copies_fresh": fresh,
+        "has_cache": cache is not None,
+        "param_casts": downstream.param_casts,
+        "lifted": downstream.lifted,
+        "graphs": len(step._forward.amp_fx_records),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)],
+    }
 
 
 def forms_run(rank: int, form: str, accumulate: int) -> dict[str, Any]:
@@ -171,8 +204,17 @@ def forms_run(rank: int, form: str, accumulate: int) -> dict[str, Any]:
         counts["skipped"].append(bool(scaler.last_step_skipped))
         seen[:] = [cache.refreshes, cache.hits]
 
-    out = _train(model, wrapped, scaler, rank, None, plant_grads=False, accumulate=accumulate,
-                 no_sync=wrapped.no_sync, on_window=on_window)
+    out = _train(
+        model,
+        wrapped,
+        scaler,
+        rank,
+        None,
+        plant_grads=False,
+        accumulate=accumulate,
+        no_sync=wrapped.no_sync,
+        on_window=on_window,
+    )
     out.update(counts)
     return out
 
@@ -187,13 +229,25 @@ def fsdp_run(rank: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", weight_cache=True, strict=False)
-        out = _train(model, compiled, amp_fx.GradScaler("cpu", growth_interval=2), rank, None,
-                     plant_grads=False, steps=steps)
+        out = _train(
+            model, compiled, amp_fx.GradScaler("cpu", growth_interval=2), rank, None, plant_grads=False, steps=steps
+        )
     ref_model = _shard(make_model("seq"))
-    ref = _train(ref_model, ref_model, ShardedGradScaler("cpu", growth_interval=2), rank, torch.bfloat16,
-                 plant_grads=False, steps=steps)
-    return {"ours": out, "ref": ref, "has_cache": compiled.amp_fx_weight_cache is not None,
-            "warnings": [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)]}
+    ref = _train(
+        ref_model,
+        ref_model,
+        ShardedGradScaler("cpu", growth_interval=2),
+        rank,
+        torch.bfloat16,
+        plant_grads=False,
+        steps=steps,
+    )
+    return {
+        "ours": out,
+        "ref": ref,
+        "has_cache": compiled.amp_fx_weight_cache is not None,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, AmpFxWarning)],
+    }
 
 
 def weight_cache_all(rank: int, world_size: int) -> dict[Any, Any]:
@@ -210,7 +264,8 @@ def weight_cache_all(rank: int, world_size: int) -> dict[Any, Any]:
     for weight_cache in (True, False):
         torch._dynamo.reset()
         results[("step", "shared", weight_cache)] = step_run(
-            rank, "bf16", 2, build=_shared_model, ddp_kwargs=SHARED_DDP, weight_cache=weight_cache)
+            rank, "bf16", 2, build=_shared_model, ddp_kwargs=SHARED_DDP, weight_cache=weight_cache
+        )
     torch._dynamo.reset()
     results["fsdp"] = fsdp_run(rank)
     results.update(tp_run(rank, world_size))
@@ -221,8 +276,9 @@ def weight_cache_all(rank: int, world_size: int) -> dict[Any, Any]:
 TP_STEPS = 3
 
 
-def _tp_window(forward: Callable[[torch.Tensor], torch.Tensor], step: int, accumulate: int,
-               autocast: bool) -> torch.Tensor:
+def _tp_window(
+    forward: Callable[[torch.Tensor], torch.Tensor], step: int, accumulate: int, autocast: bool
+) -> torch.Tensor:
     from tests.distributed._dist_tp_cases import _batch as tp_batch
 
     loss = torch.zeros(())
@@ -258,9 +314,18 @@ def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
         torch._dynamo.reset()
         model = build()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        forward: Any = model if form == "eager" else amp_fx.compile(
-            model, dtype="bf16", backend="aot_eager", strict=True, weight_cache=form.endswith("cache"),
-            fp8="tensorwise" if form.startswith("fp8") else None)
+        forward: Any = (
+            model
+            if form == "eager"
+            else amp_fx.compile(
+                model,
+                dtype="bf16",
+                backend="aot_eager",
+                strict=True,
+                weight_cache=form.endswith("cache"),
+                fp8="tensorwise" if form.startswith("fp8") else None,
+            )
+        )
         cache = getattr(forward, "amp_fx_weight_cache", None)
         losses, refreshes, hits = [], [], []
         for step in range(TP_STEPS):
@@ -271,17 +336,30 @@ def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
             if cache is not None:
                 refreshes.append(cache.refreshes - seen[0])
                 hits.append(cache.hits - seen[1])
-        out[("tp", form)] = {"losses": torch.stack(losses), "params": [_local(p) for p in model.parameters()],
-                             "refreshes": refreshes, "hits": hits}
+        out[("tp", form)] = {
+            "losses": torch.stack(losses),
+            "params": [_local(p) for p in model.parameters()],
+            "refreshes": refreshes,
+            "hits": hits,
+        }
     params_of_linears = None
     for weight_cache in (False, True):
         torch._dynamo.reset()
         model = build()
         params = list(model.parameters())
-        params_of_linears = sum(p.dim() >= 1 for m in model.modules() if isinstance(m, nn.Linear)
-                                for p in m.parameters(recurse=False))
-        step = amp_fx.compile_step(model, _adamw(model), _loss, dtype="fp16", backend="aot_eager", strict=True,
-                                   scaler=amp_fx.GradScaler("cpu", growth_interval=2), weight_cache=weight_cache)
+        params_of_linears = sum(
+            p.dim() >= 1 for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)
+        )
+        step = amp_fx.compile_step(
+            model,
+            _adamw(model),
+            _loss,
+            dtype="fp16",
+            backend="aot_eager",
+            strict=True,
+            scaler=amp_fx.GradScaler("cpu", growth_interval=2),
+            weight_cache=weight_cache,
+        )
         cache = step._forward.amp_fx_weight_cache
         losses, recasts, fresh = [], [], []
         for i in range(TP_STEPS + WARM_UP):
@@ -290,9 +368,17 @@ def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
             if cache is not None and i >= WARM_UP:
                 recasts.append(cache.refreshes - seen)
                 pairs = cache.pairs(params)
-                fresh.append(sum(cache.is_fresh(w, lowp) and torch.equal(_local(lowp), _local(w).to(torch.float16))
-                                 for w, lowp in pairs))
-        out[("tp_step", weight_cache)] = {"losses": torch.stack(losses), "params": [_local(p) for p in params],
-                                          "recasts": recasts, "fresh": fresh}
+                fresh.append(
+                    sum(
+                        cache.is_fresh(w, lowp) and torch.equal(_local(lowp), _local(w).to(torch.float16))
+                        for w, lowp in pairs
+                    )
+                )
+        out[("tp_step", weight_cache)] = {
+            "losses": torch.stack(losses),
+            "params": [_local(p) for p in params],
+            "recasts": recasts,
+            "fresh": fresh,
+        }
     out["tp_cast_params"] = params_of_linears
     return out

@@ -20,7 +20,8 @@ from tests.distributed._dist_cases import DTYPES, INF_BATCH, ddp_all
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="needs torch.distributed with gloo")
+    reason="needs torch.distributed with gloo",
+)
 
 FORMS = [("seq", "inner"), ("seq", "outer"), ("custom", "outer")]
 
@@ -34,8 +35,7 @@ def ranks() -> list[dict]:
 @pytest.mark.parametrize(("kind", "form"), FORMS)
 def test_ddp_bitwise_with_eager_ddp_autocast_and_torch_scaler(ranks, dtype, kind, form):
     for rank, res in enumerate(ranks):
-        assert_same_run(res[(dtype, kind, form)], res[(dtype, "seq", "eager")],
-                       f"rank {rank}, {dtype}, {kind}, {form}")
+        assert_same_run(res[(dtype, kind, form)], res[(dtype, "seq", "eager")], f"rank {rank}, {dtype}, {kind}, {form}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -28,8 +28,10 @@ from amp_fx.testing.memory import COUNTING_BACKEND
 from tests.distributed._dist_fp8_cases import CASES, ROWWISE_CASES, run_all
 
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing())),
     pytest.mark.slow,  # one spawn of 2 gloo ranks runs every case of this file
 ]
@@ -43,8 +45,10 @@ def ranks() -> list[dict]:
     return run_ranks(run_all, RECIPES, backend=COUNTING_BACKEND)
 
 
-@pytest.mark.parametrize(("wrapper", "form", "recipe"),
-                         [(w, f, r) for r in RECIPES for w, f in (CASES if r == "tensorwise" else ROWWISE_CASES)])
+@pytest.mark.parametrize(
+    ("wrapper", "form", "recipe"),
+    [(w, f, r) for r in RECIPES for w, f in (CASES if r == "tensorwise" else ROWWISE_CASES)],
+)
 def test_fp8_distributed_bitwise_with_torchao(ranks: list[dict], wrapper: str, form: str, recipe: str) -> None:
     for rank, results in enumerate(ranks):
         ours, ref = results[wrapper, form, recipe], results[wrapper, "torchao", recipe]

@@ -25,8 +25,10 @@ from tests.step._step_cases import ADAM_TRACED_RTOL
 # slow: one spawn of 2 gloo ranks runs every case of this file (tests/distributed/test_distributed_ddp.py is
 # the distributed file of the inner loop)
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 
@@ -43,8 +45,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_fsdp2_bitwise_with_eager_fsdp2_autocast_and_sharded_scaler(ranks, dtype, kind):
     for rank, res in enumerate(ranks):
-        assert_same_run(res[(dtype, kind, "amp_fx")], res[(dtype, "seq", "eager")],
-                       f"rank {rank}, {dtype}, {kind}")
+        assert_same_run(res[(dtype, kind, "amp_fx")], res[(dtype, "seq", "eager")], f"rank {rank}, {dtype}, {kind}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -161,8 +162,9 @@ def test_fsdp2_grad_scaler_watched_names_first_op_in_the_one_found_inf_collectiv
         assert res[(dtype, "seq", "amp_fx", "watched")]["scaler_collectives"] == STEPS
 
 
-@pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
-                                               ("fp16", "adamw_fused")])
+@pytest.mark.parametrize(
+    ("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"), ("fp16", "adamw_fused")]
+)
 def test_compile_step_on_fsdp2_overflow_report_names_gradients_and_first_op(ranks, dtype, recipe):
     """compile_step on FSDP2, watch_nonfinite=True: the gradients' flags and the forward record are
     folded into the found-inf all-reduce of the compiled finish (the collective count below stays
@@ -172,8 +174,9 @@ def test_compile_step_on_fsdp2_overflow_report_names_gradients_and_first_op(rank
     _check_overflow_reports(ranks, (dtype, "seq", "step", recipe), reference, watched=True)
 
 
-@pytest.mark.parametrize(("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"),
-                                               ("fp16", "adamw_fused")])
+@pytest.mark.parametrize(
+    ("dtype", "recipe"), [("bf16", "plain"), ("fp16", "plain"), ("fp16", "accum_clip"), ("fp16", "adamw_fused")]
+)
 def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype, recipe):
     """amp_fx.compile_step(fully_shard model) (SGD with momentum, or AdamW(fused=True) whose
     kernel runs on the local shards; StepMode.MASKED, GradNorm.TORCH, aot_eager) against eager
@@ -186,8 +189,12 @@ def test_compile_step_on_fsdp2_bitwise_sync_free_and_no_recompiles(ranks, dtype,
         want = res[(dtype, "seq", "eager")] if recipe == "plain" else res[(dtype, "seq", "eager", recipe)]
         if "norms" in want:  # clipping engaged on some step, so the global norm's bits matter
             assert (want["norms"][want["norms"].isfinite()] > RECIPES[recipe]["clip"]).any()
-        assert_same_run(res[(dtype, "seq", "step", recipe)], want, f"rank {rank}, {dtype}, {recipe}",
-                        keys=("losses", "scales", "params"))
+        assert_same_run(
+            res[(dtype, "seq", "step", recipe)],
+            want,
+            f"rank {rank}, {dtype}, {recipe}",
+            keys=("losses", "scales", "params"),
+        )
     _check_step_run(ranks, dtype, recipe)
 
 
@@ -289,8 +296,10 @@ def test_fsdp2_root_frame_skipped_by_dynamo_is_reported_with_the_fix(ranks):
         assert got["method_strict"] == "" and got["method_kept_dtype"] == torch.float32
         assert got["own_units_strict"] == ""
         assert "ran no op of body.inp," in got["tied_strict"]
-        assert ("body.inp shares a parameter with head (tied weights), and FSDP2 takes tied parameters in one "
-                "unit: fully_shard([model.body.inp, model.head])") in got["tied_strict"], got["tied_strict"]
+        assert (
+            "body.inp shares a parameter with head (tied weights), and FSDP2 takes tied parameters in one "
+            "unit: fully_shard([model.body.inp, model.head])"
+        ) in got["tied_strict"], got["tied_strict"]
         assert got["tied_fixed_strict"] == ""
 
 

@@ -21,8 +21,10 @@ from tests.distributed._dist_split_report_cases import FORMS
 # slow: one spawn of 2 gloo ranks runs every case of this file (tests/distributed/test_distributed_ddp.py is
 # the distributed file of the inner loop)
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 
@@ -69,8 +71,7 @@ def test_weight_cache_shares_the_cast_across_ddp_pieces_bitwise_and_unreported(r
         got = res[("buckets", form, True)]
         assert "error" not in got and got["warnings"] == []
         assert got["graphs"] >= 3
-        assert_same_run(got, res[("eager", "buckets")], f"rank {rank}, {form}",
-                        keys=("losses", "scales", "params"))
+        assert_same_run(got, res[("eager", "buckets")], f"rank {rank}, {form}", keys=("losses", "scales", "params"))
 
 
 def test_weight_across_a_graph_break_under_ddp_is_reported(ranks):
@@ -91,5 +92,4 @@ def test_no_report_for_ddp_pieces_without_a_shared_weight(ranks, form):
         got = res[("plain", form, False)]
         assert "error" not in got, got["error"]
         assert got["graphs"] >= 2
-        assert_same_run(got, res[("eager", "plain")], f"rank {rank}, {form}",
-                        keys=("losses", "scales", "params"))
+        assert_same_run(got, res[("eager", "plain")], f"rank {rank}, {form}", keys=("losses", "scales", "params"))

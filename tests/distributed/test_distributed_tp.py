@@ -19,8 +19,10 @@ from amp_fx.testing.distributed import run_ranks
 from tests.distributed._dist_tp_cases import CASES, PLANTED_STEP, assert_within_traced_adam, tp_all
 
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 
@@ -65,8 +67,9 @@ def test_tp_fp16_skips_the_planted_step_on_every_rank(ranks, layout):
             assert scales[0] == scales[PLANTED_STEP - 1], f"rank {rank}, {_name(case)}: {scales}"
 
 
-@pytest.mark.parametrize(("layout", "clip"), [("sp", False), ("fsdp_tp", False), ("hsdp", False),
-                                             ("sp", True), ("fsdp_tp", True)])
+@pytest.mark.parametrize(
+    ("layout", "clip"), [("sp", False), ("fsdp_tp", False), ("hsdp", False), ("sp", True), ("fsdp_tp", True)]
+)
 def test_tp_compile_step_matches_eager_recipe(ranks, layout, clip):
     """compile_step, fp16, on sequence parallelism (Replicate norm parameters whose compiled
     gradients are Partial until reduced), FSDP2 x TP (2-D parameters) and HSDP: losses and scales
@@ -157,7 +160,7 @@ def test_tp_fp8_column_parallel_numerics_are_the_unsharded_ones(ranks):
         case = res["fp8_torchao"]["bias"]
         (out, grads), (whole_out, whole_grads) = case["amp_fx_w1"], case["torchao_w1"]
         rows = out.shape[-1]
-        assert_bitwise(out, whole_out[..., rank * rows:(rank + 1) * rows], f"rank {rank}: output")
+        assert_bitwise(out, whole_out[..., rank * rows : (rank + 1) * rows], f"rank {rank}: output")
         for name, g in grads.items():
             assert_bitwise(g, whole_grads[name].narrow(0, rank * g.shape[0], g.shape[0]), f"rank {rank}: {name}")
 

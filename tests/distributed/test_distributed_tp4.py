@@ -18,8 +18,10 @@ from tests.distributed._dist_tp4_cases import CASES, FP8_STEPS, WORLD, dp_rank, 
 from tests.distributed._dist_tp_cases import PLANTED_STEP, assert_within_traced_adam
 
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 

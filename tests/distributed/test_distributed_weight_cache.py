@@ -21,8 +21,10 @@ from tests.distributed._dist_weight_cache_cases import STEP_CASES, TP_STEPS, WAR
 # slow: one spawn of 2 gloo ranks runs every case of this file (tests/distributed/test_distributed_ddp.py is
 # the distributed file of the inner loop)
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 
@@ -44,8 +46,9 @@ def test_compile_step_on_ddp_with_weight_cache_bitwise_and_sync_free(ranks, dtyp
     read and no new graph."""
     for rank, res in enumerate(ranks):
         got, want = res[("step", dtype, accumulate)], res[("eager", dtype, accumulate)]
-        assert_same_run(got, want, f"rank {rank}, {dtype}, accumulate={accumulate}",
-                        keys=("losses", "scales", "params"))
+        assert_same_run(
+            got, want, f"rank {rank}, {dtype}, accumulate={accumulate}", keys=("losses", "scales", "params")
+        )
         assert skipped_steps(got) == PLANTED
         assert got["host_reads"] == 0
         assert got["graphs_after_warm_up"] == 0

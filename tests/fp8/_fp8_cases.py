@@ -40,8 +40,11 @@ _NO_ROWWISE = rowwise_scales_missing("cpu")
 def _recipe(r: Fp8Recipe | str, value: object = None) -> object:
     """A recipe as a test parameter, skipped with the reason where this torch cannot run it."""
     rowwise = KERNEL_RECIPES[Fp8Recipe(r)].rowwise
-    return pytest.param(r if value is None else value, id=Fp8Recipe(r).value,
-                        marks=pytest.mark.skipif(rowwise and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE)))
+    return pytest.param(
+        r if value is None else value,
+        id=Fp8Recipe(r).value,
+        marks=pytest.mark.skipif(rowwise and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE)),
+    )
 
 
 def _needs_rowwise() -> None:
@@ -63,13 +66,18 @@ is not fp8 (fewer fp8 constructs for inductor to keep whole): its numerics are t
 tests'."""
 
 
-def compile_fp8(model: nn.Module, recipe: str | Fp8Config | None, *, backend: str = "aot_eager",
-                policy: Policy | None = None, strict: bool = True,
-                options: dict[str, object] | None = None) -> nn.Module:
+def compile_fp8(
+    model: nn.Module,
+    recipe: str | Fp8Config | None,
+    *,
+    backend: str = "aot_eager",
+    policy: Policy | None = None,
+    strict: bool = True,
+    options: dict[str, object] | None = None,
+) -> nn.Module:
     """``amp_fx.compile(model, dtype="bf16", fp8=recipe, ...)`` (``options``: inductor's)."""
     extra = {"options": options} if options else {}
-    return amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, policy=policy, strict=strict,
-                          **extra)
+    return amp_fx.compile(model, dtype="bf16", fp8=recipe, backend=backend, policy=policy, strict=strict, **extra)
 
 
 class MLP(nn.Module):
@@ -111,8 +119,9 @@ def amp_step(model: nn.Module, x: Tensor, recipe: str, backend: str) -> tuple[Te
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def sgd_uncached_and_cached(model: nn.Module, steps: list, *, lr: float, **compile_kwargs: object
-                            ) -> list[tuple[list[Tensor], dict[str, Tensor]]]:
+def sgd_uncached_and_cached(
+    model: nn.Module, steps: list, *, lr: float, **compile_kwargs: object
+) -> list[tuple[list[Tensor], dict[str, Tensor]]]:
     """``amp_fx.compile(copy of model, dtype="bf16", weight_cache=False, then True, **compile_kwargs)``,
     each trained with SGD: per optimizer step, ``loss_fn`` and a backward for each of its
     micro-batches, then the update. Per run (uncached first): the losses and the parameters."""

@@ -28,9 +28,14 @@ from tests.fp8._fp8_cases import (
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
 
 
-@pytest.mark.parametrize("value, recipe", [("rowwise", Fp8Recipe.ROWWISE),
-                                           (Fp8Recipe.TENSORWISE, Fp8Recipe.TENSORWISE),
-                                           (Fp8Config("rowwise_with_gw_hp"), Fp8Recipe.ROWWISE_WITH_GW_HP)])
+@pytest.mark.parametrize(
+    "value, recipe",
+    [
+        ("rowwise", Fp8Recipe.ROWWISE),
+        (Fp8Recipe.TENSORWISE, Fp8Recipe.TENSORWISE),
+        (Fp8Config("rowwise_with_gw_hp"), Fp8Recipe.ROWWISE_WITH_GW_HP),
+    ],
+)
 def test_config_accepts_a_name_a_recipe_or_a_config(value: object, recipe: Fp8Recipe) -> None:
     config = Fp8Config.of(value)  # type: ignore[arg-type]
     assert config is not None and config.recipe is recipe
@@ -70,8 +75,11 @@ def test_dynamo_backend_by_name_takes_fp8() -> None:
     with torch.autocast("cpu", torch.bfloat16):
         loss = loss_fn(compiled(x))
     loss.backward()
-    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
-                   "torch.compile(backend='amp_fx', fp8) vs torchao")
+    assert_bitwise(
+        (loss.detach(), {n: p.grad for n, p in ours.named_parameters()}),
+        expected,
+        "torch.compile(backend='amp_fx', fp8) vs torchao",
+    )
 
 
 def test_rowwise_without_rowwise_scaled_mm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,9 +97,13 @@ def test_rowwise_without_rowwise_scaled_mm_is_refused(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the notice is for a device without fp8 tensor cores")
-@pytest.mark.parametrize("recipe, says", [
-    ("tensorwise", "runs without fp8 tensor cores here: cpu has no fp8 tensor cores, so torch._scaled_mm runs its"),
-    ("mxfp8", "runs emulated here: cpu has no MXFP8 matmul kernel")])
+@pytest.mark.parametrize(
+    "recipe, says",
+    [
+        ("tensorwise", "runs without fp8 tensor cores here: cpu has no fp8 tensor cores, so torch._scaled_mm runs its"),
+        ("mxfp8", "runs emulated here: cpu has no MXFP8 matmul kernel"),
+    ],
+)
 def test_a_slow_fp8_kernel_is_one_notice_even_in_strict_mode(recipe: str, says: str) -> None:
     """One rule for every recipe: a kernel with the recipe's numerics but slower than bf16 is said
     once (a UserWarning, not an AmpFxWarning: nothing asked is undone, so strict mode runs it),

@@ -79,8 +79,8 @@ class _GroupedMixture(_Routed):
         super().__init__()
         e, d = self.experts_count, self.d
         self.router = nn.Linear(d, e)
-        self.w_in = nn.Parameter(torch.randn(e, hidden, d) / d ** 0.5)
-        self.w_out = nn.Parameter(torch.randn(e, d, hidden) / hidden ** 0.5)
+        self.w_in = nn.Parameter(torch.randn(e, hidden, d) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(e, d, hidden) / hidden**0.5)
 
     def experts(self, xs: Tensor, offs: Tensor) -> Tensor:
         grouped = torch.ops.transformers.grouped_mm_fallback
@@ -135,17 +135,22 @@ def test_grouped_experts_run_in_fp8_bitwise_with_torchao_per_expert_linears(reci
             ref_loss = loss_fn(ref(x))
         ref_loss.backward()
     assert_bitwise(loss.detach(), ref_loss.detach(), f"{recipe}: loss")
-    expected = {"router.weight": ref.router.weight.grad, "router.bias": ref.router.bias.grad,
-                "w_in": torch.stack([m.weight.grad for m in ref.inp]),
-                "w_out": torch.stack([m.weight.grad for m in ref.out])}
+    expected = {
+        "router.weight": ref.router.weight.grad,
+        "router.bias": ref.router.bias.grad,
+        "w_in": torch.stack([m.weight.grad for m in ref.inp]),
+        "w_out": torch.stack([m.weight.grad for m in ref.out]),
+    }
     assert_bitwise({n: p.grad for n, p in compiled.named_parameters()}, expected, f"{recipe}: gradients")
     # every group non-empty (else the twin's unused experts would have no gradient at all)
     assert all(m.weight.grad is not None for m in [*ref.inp, *ref.out])
     assert flops.other == ref_flops.other == 0 and flops.fp8_share == 1.0, (flops, ref_flops)
     # the same fp8 GEMM FLOPs (the twin also computes the input gradient of the router's GEMM
     # and of the first experts' GEMM on x, which AOTAutograd drops: x needs none)
-    assert flops.fp8 < ref_flops.fp8 and flops.fp8 + 2 * (32 * 32 * 4 + 64 * 32 * 48) == ref_flops.fp8, \
-        (flops, ref_flops)
+    assert flops.fp8 < ref_flops.fp8 and flops.fp8 + 2 * (32 * 32 * 4 + 64 * 32 * 48) == ref_flops.fp8, (
+        flops,
+        ref_flops,
+    )
 
 
 @pytest.mark.slow  # 8 to 13 s on a loaded 2-core CPU: one compile
@@ -167,23 +172,32 @@ def test_compare_with_fp8_runs_the_grouped_gemms_in_fp8_on_both_sides() -> None:
     assert report.ok and report.ops and all(o.agree for o in report.ops), str(report)
     grouped = [o for o in report.ops if "grouped_mm" in o.op]
     assert len(grouped) == 2 and all(o.rule.startswith("fp8 mxfp8") for o in grouped), str(report)
-    assert all(o.error_vs_reference.rel > 2 ** -6 for o in grouped)  # fp8's error, not bf16's (2**-8)
+    assert all(o.error_vs_reference.rel > 2**-6 for o in grouped)  # fp8's error, not bf16's (2**-8)
     assert sorted(g.name for g in report.grads if g.agree) == ["router.bias", "router.weight", "w_in", "w_out"]
 
     eager, stack = copy.deepcopy(model), []
-    with module_stack(eager, stack), torch.autocast("cpu", torch.bfloat16), \
-            Fp8Eager(Fp8Config("tensorwise"), torch.bfloat16, "cpu", stack, measure=False, grouped=frozenset({""})):
+    with (
+        module_stack(eager, stack),
+        torch.autocast("cpu", torch.bfloat16),
+        Fp8Eager(Fp8Config("tensorwise"), torch.bfloat16, "cpu", stack, measure=False, grouped=frozenset({""})),
+    ):
         loss = loss_fn(eager(x))
     loss.backward()
     ref = torchao_float8(_LinearTwin(model), "tensorwise", pad_inner_dim=True)
     with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
         ref_loss = loss_fn(ref(x))
     ref_loss.backward()
-    expected = {"router.weight": ref.router.weight.grad, "router.bias": ref.router.bias.grad,
-                "w_in": torch.stack([m.weight.grad for m in ref.inp]),
-                "w_out": torch.stack([m.weight.grad for m in ref.out])}
-    assert_bitwise((loss.detach(), {n: p.grad for n, p in eager.named_parameters()}), (ref_loss.detach(), expected),
-                   "eager fp8 with grouped GEMMs vs torchao's twin")
+    expected = {
+        "router.weight": ref.router.weight.grad,
+        "router.bias": ref.router.bias.grad,
+        "w_in": torch.stack([m.weight.grad for m in ref.inp]),
+        "w_out": torch.stack([m.weight.grad for m in ref.out]),
+    }
+    assert_bitwise(
+        (loss.detach(), {n: p.grad for n, p in eager.named_parameters()}),
+        (ref_loss.detach(), expected),
+        "eager fp8 with grouped GEMMs vs torchao's twin",
+    )
 
 
 # --- transformers' mixture-of-experts models ---------------------------------------------------------
@@ -194,14 +208,36 @@ U_E4M3, U_E5M2 = 2.0**-4, 2.0**-3  # unit roundoffs: 3 and 2 mantissa bits
 def _moe(name: str) -> tuple[nn.Module, dict[str, Tensor]]:
     torch.manual_seed(0)
     if name == "qwen3_moe":
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, max_position_embeddings=32))
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                max_position_embeddings=32,
+            )
+        )
     else:
-        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+        model = transformers.OlmoeForCausalLM(
+            transformers.OlmoeConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                max_position_embeddings=32,
+            )
+        )
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     return model.train(), {"input_ids": ids, "labels": ids}
 
@@ -254,8 +290,14 @@ def test_autocast_experts_false_keeps_the_experts_out_of_fp8() -> None:
     on fp32 operands, each with its reason; the other matmuls in fp8; nothing said (strict: the
     policy asked for it)."""
     model, inputs = _moe("qwen3_moe")
-    compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=True,
-                              policy=amp_fx.Policy(autocast_experts=False))
+    compiled = amp_fx.compile(
+        model,
+        dtype="bf16",
+        fp8="tensorwise",
+        backend="aot_eager",
+        strict=True,
+        policy=amp_fx.Policy(autocast_experts=False),
+    )
     compiled(**inputs)
     (record,) = amp_fx.records(compiled)
     kept = [d for d in record.fp8.decisions if not d.converted]

@@ -1,5 +1,4 @@
-"""Experts held as one 3-D parameter, in fp8, with and without the weight cache.
-"""
+"""Experts held as one 3-D parameter, in fp8, with and without the weight cache."""
 
 from __future__ import annotations
 
@@ -36,14 +35,14 @@ class _DenseMixture(nn.Module):
     def __init__(self, experts: int = 4, d: int = 32, hidden: int = 64) -> None:
         super().__init__()
         self.router = nn.Linear(d, experts)
-        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) / d ** 0.5)
-        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) / hidden ** 0.5)
+        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) / hidden**0.5)
 
     def forward(self, x: Tensor) -> Tensor:
         gate = torch.softmax(self.router(x), dim=-1)
         out = torch.zeros_like(x)
         for e in range(self.w_in.shape[0]):
-            out = out + gate[..., e:e + 1] * (torch.relu(x @ self.w_in[e]) @ self.w_out[e])
+            out = out + gate[..., e : e + 1] * (torch.relu(x @ self.w_in[e]) @ self.w_out[e])
         return out
 
 
@@ -61,7 +60,7 @@ class _MixtureTwin(nn.Module):
         gate = torch.softmax(self.router(x), dim=-1)
         out = torch.zeros_like(x)
         for e in range(len(self.inp)):
-            out = out + gate[..., e:e + 1] * self.out[e](torch.relu(self.inp[e](x)))
+            out = out + gate[..., e : e + 1] * self.out[e](torch.relu(self.inp[e](x)))
         return out
 
 
@@ -93,9 +92,12 @@ def test_experts_in_one_3d_parameter_run_in_fp8(recipe: str) -> None:
         ref_loss.backward()
     assert_bitwise(loss.detach(), ref_loss.detach(), f"{recipe}: loss")
     grads = dict(compiled.named_parameters())
-    expected = {"router.weight": ref.router.weight.grad, "router.bias": ref.router.bias.grad,
-                "w_in": torch.stack([ref.inp[e].weight.grad.t() for e in range(4)]),
-                "w_out": torch.stack([ref.out[e].weight.grad.t() for e in range(4)])}
+    expected = {
+        "router.weight": ref.router.weight.grad,
+        "router.bias": ref.router.bias.grad,
+        "w_in": torch.stack([ref.inp[e].weight.grad.t() for e in range(4)]),
+        "w_out": torch.stack([ref.out[e].weight.grad.t() for e in range(4)]),
+    }
     assert_bitwise({n: p.grad for n, p in grads.items()}, expected, f"{recipe}: gradients")
     # every GEMM in fp8: torchao's 27 (9 matmuls x 3) less the 5 input gradients of the matmuls
     # whose input is the model's (x needs none: the router's, the experts' first): AOTAutograd drops
@@ -110,6 +112,5 @@ def test_experts_in_one_3d_parameter_with_the_weight_cache() -> None:
     compiled uncached)."""
     torch.manual_seed(0)
     model, x = _DenseMixture(), torch.randn(2, 16, 32)
-    runs = sgd_uncached_and_cached(model, [[x, x], [x, x]], lr=0.1, fp8="tensorwise", backend="aot_eager",
-                                   strict=True)
+    runs = sgd_uncached_and_cached(model, [[x, x], [x, x]], lr=0.1, fp8="tensorwise", backend="aot_eager", strict=True)
     assert_bitwise(runs[1], runs[0], "3-D experts: fp8 weight cache vs uncached")

@@ -90,9 +90,15 @@ def _first_nonfinite_module_output(model: nn.Module, run: Callable[[], object]) 
     """The reference for a forward origin: the first module (in execution order) whose output
     holds an inf/NaN, from forward hooks on the eager torchao model."""
     found: list[str] = []
-    handles = [m.register_forward_hook(lambda mod, args, out, name=name: found.append(name)
-                                       if not found and not bool(torch.isfinite(out).all()) else None)
-               for name, m in model.named_modules() if name]
+    handles = [
+        m.register_forward_hook(
+            lambda mod, args, out, name=name: (
+                found.append(name) if not found and not bool(torch.isfinite(out).all()) else None
+            )
+        )
+        for name, m in model.named_modules()
+        if name
+    ]
     try:
         run()
     finally:
@@ -144,9 +150,9 @@ class _Functional(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.w = nn.Parameter(torch.randn(64, 32) / 32**0.5)
         self.lin = nn.Linear(64, 48)
-        self.v = nn.Parameter(torch.randn(48, 16) / 48 ** 0.5)
+        self.v = nn.Parameter(torch.randn(48, 16) / 48**0.5)
 
     def forward(self, x: Tensor) -> Tensor:
         return nn.functional.linear(torch.relu(self.lin(x @ self.w.t())), self.v.t())
@@ -164,13 +170,19 @@ def test_compare_with_fp8_is_against_torchaos_numerics(recipe: str) -> None:
     model, x = mlp()
     eager = copy.deepcopy(model)
     stack: list[str] = []
-    with module_stack(eager, stack), torch.autocast("cpu", torch.bfloat16), \
-            Fp8Eager(Fp8Config(recipe), torch.bfloat16, "cpu", stack, measure=False):
+    with (
+        module_stack(eager, stack),
+        torch.autocast("cpu", torch.bfloat16),
+        Fp8Eager(Fp8Config(recipe), torch.bfloat16, "cpu", stack, measure=False),
+    ):
         loss = loss_fn(eager(x))
     loss.backward()
     ref_loss, ref_grads = torchao_step(model, x, recipe)
-    assert_bitwise((loss.detach(), {n: p.grad for n, p in eager.named_parameters()}), (ref_loss, ref_grads),
-                   f"eager fp8 vs torchao, {recipe}")
+    assert_bitwise(
+        (loss.detach(), {n: p.grad for n, p in eager.named_parameters()}),
+        (ref_loss, ref_grads),
+        f"eager fp8 vs torchao, {recipe}",
+    )
 
     for m in (model, _Functional()):
         report = amp_fx.compare(m, x, dtype="bf16", fp8=recipe, loss_fn=loss_fn)
@@ -179,7 +191,7 @@ def test_compare_with_fp8_is_against_torchaos_numerics(recipe: str) -> None:
         fp8_ops = [o for o in report.ops if o.rule.startswith(f"fp8 {Fp8Recipe(recipe).value}")]
         assert len(fp8_ops) == 3, str(report)
         # the float64 columns show fp8's cost: far above bf16's rounding (2**-8)
-        assert all(o.error_vs_reference.rel > 2 ** -6 for o in fp8_ops)
+        assert all(o.error_vs_reference.rel > 2**-6 for o in fp8_ops)
 
 
 def test_compare_with_fp8_honours_keep_out_of_fp8_by_type() -> None:
@@ -188,8 +200,9 @@ def test_compare_with_fp8_honours_keep_out_of_fp8_by_type() -> None:
     everything still agrees (it would not if eager ran that Linear in fp8)."""
     torch.manual_seed(0)
     policy = Policy(keep_out_of_fp8=(nn.Linear,))
-    report = amp_fx.compare(_Functional(), torch.randn(2, 16, 32), dtype="bf16", fp8="tensorwise", policy=policy,
-                            loss_fn=loss_fn)
+    report = amp_fx.compare(
+        _Functional(), torch.randn(2, 16, 32), dtype="bf16", fp8="tensorwise", policy=policy, loss_fn=loss_fn
+    )
     assert report.first_divergence is None and all(g.agree for g in report.grads), str(report)
     matmuls = [(o.module, o.rule) for o in report.ops if o.op in ("aten.linear", "aten.matmul")]
     assert [m for m, r in matmuls if r.startswith("fp8 tensorwise")] == ["", ""], matmuls  # the root's two

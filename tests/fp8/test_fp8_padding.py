@@ -44,8 +44,9 @@ _NO_ROWWISE = rowwise_scales_missing("cpu")
 
 def _recipe(r: str) -> object:
     rowwise = KERNEL_RECIPES[Fp8Recipe(r)].rowwise
-    return pytest.param(Fp8Recipe(r), id=r,
-                        marks=pytest.mark.skipif(rowwise and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE)))
+    return pytest.param(
+        Fp8Recipe(r), id=r, marks=pytest.mark.skipif(rowwise and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE))
+    )
 
 
 # (M, K, N); how many of the GEMMs (out, grad_x, grad_w) amp_fx pads: out and grad_x where K or N
@@ -115,8 +116,17 @@ def _odd_gpt2() -> tuple[nn.Module, dict[str, Tensor]]:
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.GPT2Config(vocab_size=_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config = tf.GPT2Config(
+        vocab_size=_VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     model = tf.GPT2LMHeadModel(config).train()
     ids = torch.randint(0, _VOCAB, (_BATCH, _TOKENS), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
@@ -163,8 +173,10 @@ def test_gpt2_with_odd_vocabulary_and_tokens_runs_in_fp8() -> None:
     loss_ref.backward()
     assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
     conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    ref_grads = {n: p.grad.t() if n.rpartition(".")[0] in conv1d and n.endswith("weight") else p.grad
-                 for n, p in ref.named_parameters()}
+    ref_grads = {
+        n: p.grad.t() if n.rpartition(".")[0] in conv1d and n.endswith("weight") else p.grad
+        for n, p in ref.named_parameters()
+    }
     assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, ref_grads, "gradients")
 
     exact = float(copy.deepcopy(model).double()(**inputs).loss)

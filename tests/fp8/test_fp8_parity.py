@@ -84,20 +84,24 @@ def test_inductor_bitwise_with_torchao_when_casts_round(recipe: str) -> None:
     whole, scale and cast ops included."""
     model, x = mlp()
     expected = torchao_step(model, x, recipe)
-    ref = torch.compile(torchao_float8(model, recipe), backend="inductor",
-                        options={"emulate_precision_casts": True})
+    ref = torch.compile(torchao_float8(model, recipe), backend="inductor", options={"emulate_precision_casts": True})
     with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
         loss_ref = loss_fn(ref(x))
     if not torch.equal(loss_ref, expected[0]):
-        pytest.skip(f"torch {torch.__version__}'s inductor does not reproduce eager's roundings even "
-                    f"with emulate_precision_casts: torchao + torch.compile's own loss differs from its "
-                    f"eager one ({loss_ref.item()!r} != {expected[0].item()!r}); the error test below applies")
+        pytest.skip(
+            f"torch {torch.__version__}'s inductor does not reproduce eager's roundings even "
+            f"with emulate_precision_casts: torchao + torch.compile's own loss differs from its "
+            f"eager one ({loss_ref.item()!r} != {expected[0].item()!r}); the error test below applies"
+        )
     ours = copy.deepcopy(model)
     compiled = compile_fp8(ours, recipe, backend="inductor", options={"emulate_precision_casts": True})
     loss = loss_fn(compiled(x))
     loss.backward()
-    assert_bitwise((loss.detach(), {n: p.grad for n, p in ours.named_parameters()}), expected,
-                   f"amp_fx fp8={recipe} (inductor, emulate_precision_casts) vs torchao")
+    assert_bitwise(
+        (loss.detach(), {n: p.grad for n, p in ours.named_parameters()}),
+        expected,
+        f"amp_fx fp8={recipe} (inductor, emulate_precision_casts) vs torchao",
+    )
 
 
 def _relative_error(value: Tensor, reference: Tensor) -> float:
@@ -140,8 +144,10 @@ def test_inductor_error_no_worse_than_torchao_compiled(recipe: str) -> None:
         loss = loss_fn(compiled(xs))
         loss.backward()
         for key, value, module in (("torchao", loss_ref, ref), ("amp_fx", loss, ours)):
-            errors[key].append([_relative_error(value, loss64)] + [
-                _relative_error(p.grad, q.grad) for p, q in zip(module.parameters(), exact.parameters())])
+            errors[key].append(
+                [_relative_error(value, loss64)]
+                + [_relative_error(p.grad, q.grad) for p, q in zip(module.parameters(), exact.parameters())]
+            )
     names = ["loss"] + [f"{n}.grad" for n, _ in ours.named_parameters()]
     theirs, mine = torch.tensor(errors["torchao"]).mean(0), torch.tensor(errors["amp_fx"]).mean(0)
     worse = {n: (m, t) for n, m, t in zip(names, mine.tolist(), theirs.tolist()) if m > INDUCTOR_SLACK * t}

@@ -40,8 +40,12 @@ pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torcha
 
 
 def _fp8_nodes(compiled: nn.Module) -> list[torch.fx.Node]:
-    return [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
-            if n.op == "call_function" and n.target is fp8_matmul]
+    return [
+        n
+        for r in compiled.amp_fx_records
+        for n in r.rewritten.graph.nodes
+        if n.op == "call_function" and n.target is fp8_matmul
+    ]
 
 
 class LogitsAndLoss(nn.Module):
@@ -60,8 +64,9 @@ class LogitsAndLoss(nn.Module):
 @pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")
 @pytest.mark.parametrize("n, weight_cache", [(64, False), (40, True)], ids=["aligned", "padded-cached"])
 @pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("rowwise"), "mxfp8"])
-def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(recipe: str, n: int,
-                                                                         weight_cache: bool) -> None:
+def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(
+    recipe: str, n: int, weight_cache: bool
+) -> None:
     """``aten.matmul`` ends in ``aten._unsafe_view``: a bias-free Linear's output on 3-D input is
     a tensor of its own under eager autocast. The fp8 matmuls ended in ``reshape``: AOTAutograd
     then handed the logits back as a view of the 2-D GEMM result, and FSDP2 warned that the model
@@ -71,8 +76,9 @@ def test_a_converted_matmuls_output_is_no_view_as_eager_autocasts_is_none(recipe
     model, x = LogitsAndLoss(n), torch.randn(2, 16, 32)
     with torch.autocast("cpu", torch.bfloat16):
         assert model(x)[0]._base is None  # the reference
-    compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, weight_cache=weight_cache, backend="aot_eager",
-                              strict=True)
+    compiled = amp_fx.compile(
+        model, dtype="bf16", fp8=recipe, weight_cache=weight_cache, backend="aot_eager", strict=True
+    )
     logits, loss = compiled(x)
     assert len(_fp8_nodes(compiled)) == 1
     assert logits._base is None, f"{recipe}: the logits are a view of a {tuple(logits._base.shape)} tensor"
@@ -120,8 +126,11 @@ def test_every_linear_becomes_one_fp8_matmul(recipe: str) -> None:
     assert len(nodes) == 3
     assert not [n for n in record.rewritten.graph.nodes if n.target is torch.ops.aten.linear.default]
     # The weight enters in fp32 (torchao scales the master weight): no bf16 cast of a weight is left.
-    weights = {p for p in record.rewritten.graph.nodes if p.op == "placeholder"
-               and (p.meta.get(meta.PARAMETER) or "").endswith("weight")}
+    weights = {
+        p
+        for p in record.rewritten.graph.nodes
+        if p.op == "placeholder" and (p.meta.get(meta.PARAMETER) or "").endswith("weight")
+    }
     for w in weights:
         assert not [u for u in w.users if u.target is torch.ops.aten._to_copy.default], w
     assert [d.weight for d in record.fp8.decisions] == ["fc1.weight", "fc2.weight", "head.weight"]
@@ -143,7 +152,7 @@ class Functional(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.w1 = nn.Parameter(torch.randn(64, 32) / 32**0.5)
         self.b1 = nn.Parameter(torch.randn(64) / 10)
         self.w2 = nn.Parameter(torch.randn(64, 48) / 8)
         self.w3 = nn.Parameter(torch.randn(16, 48) / 7)
@@ -235,7 +244,8 @@ def test_shapes_scaled_mm_cannot_take_are_padded_and_a_3d_weight_stays_in_dtype(
 
 @pytest.mark.parametrize("recipe, fp8_grad_weight", [("rowwise", True), ("rowwise_with_gw_hp", False)])
 def test_rows_not_a_multiple_of_16_are_padded_only_where_the_weight_gradient_is_fp8(
-        recipe: str, fp8_grad_weight: bool) -> None:
+    recipe: str, fp8_grad_weight: bool
+) -> None:
     """M (batch x tokens) is the inner dimension of the weight-gradient GEMM: 2 x 9 = 18 rows are
     padded to 32 for rowwise, not for rowwise_with_gw_hp (whose weight gradient is high precision);
     both run in fp8."""
@@ -299,8 +309,9 @@ def test_policy_keeps_modules_out_of_fp8_like_torchao_module_filter(selector: ob
         loss_ref = loss_fn(ref(x))
     loss_ref.backward()
     assert_bitwise(loss.detach(), loss_ref.detach(), "loss")
-    assert_bitwise({n: p.grad for n, p in ours.named_parameters()},
-                   {n: p.grad for n, p in ref.named_parameters()}, "grads")
+    assert_bitwise(
+        {n: p.grad for n, p in ours.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()}, "grads"
+    )
 
 
 def test_keep_fp32_wins_over_fp8() -> None:

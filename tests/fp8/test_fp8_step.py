@@ -1,5 +1,4 @@
-"""``compile_step`` with fp8, bitwise with torchao's eager recipe.
-"""
+"""``compile_step`` with fp8, bitwise with torchao's eager recipe."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def test_compile_step_bitwise_with_torchao(recipe: str) -> None:
     def mse(out: Tensor, y: Tensor) -> Tensor:
         return (out.float() - y).pow(2).mean()
 
-    step = amp_fx.compile_step(ours, opt, mse, dtype="bf16", fp8=recipe, backend="aot_eager",
-                               max_grad_norm=1.0)
+    step = amp_fx.compile_step(ours, opt, mse, dtype="bf16", fp8=recipe, backend="aot_eager", max_grad_norm=1.0)
     losses, losses_ref = [], []
     for i in range(5):
         xs = x * (1 + i / 4)

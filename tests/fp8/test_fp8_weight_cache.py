@@ -37,9 +37,14 @@ def _weight_amaxes(model: nn.Module, run: Callable[[], None]) -> int:
     names = ("aten::max", "aten::amax")
     with torch.profiler.profile(record_shapes=True) as prof:
         run()
-    return sum(1 for e in prof.events()
-               if e.name in names and e.input_shapes and tuple(e.input_shapes[0]) in shapes
-               and (e.cpu_parent is None or e.cpu_parent.name not in names))
+    return sum(
+        1
+        for e in prof.events()
+        if e.name in names
+        and e.input_shapes
+        and tuple(e.input_shapes[0]) in shapes
+        and (e.cpu_parent is None or e.cpu_parent.name not in names)
+    )
 
 
 @pytest.mark.slow
@@ -56,16 +61,17 @@ def test_weight_cache_casts_fp8_weights_once_per_optimizer_step(recipe: str) -> 
     runs = {}
     for cached in (False, True):
         ours = copy.deepcopy(model)
-        compiled = amp_fx.compile(ours, dtype="bf16", fp8=recipe, backend="aot_eager", weight_cache=cached,
-                                  strict=True)
+        compiled = amp_fx.compile(ours, dtype="bf16", fp8=recipe, backend="aot_eager", weight_cache=cached, strict=True)
         opt = torch.optim.SGD(ours.parameters(), lr=0.5)
         losses, amaxes = [], []
         for step in range(3):
             for mb in batches * (step + 1):
+
                 def micro_batch(mb: Tensor = mb) -> None:
                     loss = loss_fn(compiled(mb))
                     loss.backward()
                     losses.append(loss.detach())
+
                 amaxes.append(_weight_amaxes(ours, micro_batch))
             opt.step()
             opt.zero_grad()
@@ -92,8 +98,17 @@ def test_weight_cache_fp8_casts_follow_the_compiled_step() -> None:
     for cached in (False, True):
         ours = copy.deepcopy(model)
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-        step = amp_fx.compile_step(ours, opt, mse, dtype="bf16", fp8="tensorwise", backend="aot_eager",
-                                   accumulate=2, weight_cache=cached, strict=True)
+        step = amp_fx.compile_step(
+            ours,
+            opt,
+            mse,
+            dtype="bf16",
+            fp8="tensorwise",
+            backend="aot_eager",
+            accumulate=2,
+            weight_cache=cached,
+            strict=True,
+        )
         losses = [step(x, target) for x in batches]
         runs.append((losses, dict(ours.named_parameters())))
     assert_bitwise(runs[1], runs[0], "compile_step with the fp8 weight cache vs without")
@@ -107,14 +122,21 @@ def test_weight_cache_fp8_under_inductor_bitwise_when_casts_round() -> None:
     eager) are bitwise with the uncached build's: 2 SGD steps of 2 micro-batches."""
     model, _ = mlp()
     batches = torch.randn(2, 5, 16, 32)
-    runs = sgd_uncached_and_cached(model, [batches * (step + 1) for step in range(2)], lr=0.5, fp8="tensorwise",
-                                   backend="inductor", options={"emulate_precision_casts": True})
+    runs = sgd_uncached_and_cached(
+        model,
+        [batches * (step + 1) for step in range(2)],
+        lr=0.5,
+        fp8="tensorwise",
+        backend="inductor",
+        options={"emulate_precision_casts": True},
+    )
     assert_bitwise(runs[1], runs[0], "inductor, fp8 weight cache vs without")
 
 
 def test_only_parameters_count_as_weights() -> None:
     """A buffer, and an input that requires grad, as the right operand: not a layer's weight, not
     fp8 (the negative twins of x @ W on a parameter)."""
+
     class NotWeights(nn.Module):
         def __init__(self) -> None:
             super().__init__()

@@ -39,7 +39,8 @@ from amp_fx.errors import AmpFxError
 from amp_fx.testing import assert_bitwise
 
 transformers = pytest.importorskip(
-    "transformers", reason="the MoE models come from transformers (pip install transformers)")
+    "transformers", reason="the MoE models come from transformers (pip install transformers)"
+)
 importlib.import_module("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
 
 VOCAB, HIDDEN, EXPERTS = 64, 32, 4
@@ -51,23 +52,53 @@ U_BF16 = 2.0**-8  # bf16's unit roundoff (8 significant bits)
 
 
 def _qwen3_moe() -> nn.Module:
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
-        num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=32))
+    return transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=8,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _olmoe() -> nn.Module:
-    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, num_experts=EXPERTS, num_experts_per_tok=2,
-        max_position_embeddings=32))
+    return transformers.OlmoeForCausalLM(
+        transformers.OlmoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_experts=EXPERTS,
+            num_experts_per_tok=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def _qwen3_dense() -> nn.Module:
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=32))
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=8,
+            max_position_embeddings=32,
+        )
+    )
 
 
 MOE: dict[str, Callable[[], nn.Module]] = {"qwen3_moe": _qwen3_moe, "olmoe": _olmoe}
@@ -88,8 +119,7 @@ class _GroupedInBf16(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is torch._grouped_mm:
-            args = tuple(a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a
-                         for a in args)
+            args = tuple(a.to(torch.bfloat16) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args)
         return func(*args, **kwargs)
 
 
@@ -108,17 +138,25 @@ class _AotGraphs:
 
     def grouped(self) -> list[tuple[str, list[torch.dtype]]]:
         """(op, dtypes of its tensor operands) of every grouped GEMM the graphs run, forward then backward."""
-        return [(str(n.target), [a.meta["val"].dtype for a in n.all_input_nodes])
-                for gm in self.graphs for n in gm.graph.nodes
-                if n.op == "call_function" and "grouped_mm" in str(n.target)]
+        return [
+            (str(n.target), [a.meta["val"].dtype for a in n.all_input_nodes])
+            for gm in self.graphs
+            for n in gm.graph.nodes
+            if n.op == "call_function" and "grouped_mm" in str(n.target)
+        ]
 
     def host_syncs(self) -> list[str]:
-        return [n.format_node() for gm in self.graphs for n in gm.graph.nodes
-                if n.op == "call_function" and n.target in (torch.ops.aten._local_scalar_dense.default,)]
+        return [
+            n.format_node()
+            for gm in self.graphs
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in (torch.ops.aten._local_scalar_dense.default,)
+        ]
 
 
-def _step(model: nn.Module, inputs: dict[str, Tensor], *, ref: bool = False,
-          grouped_bf16: bool = False) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+def _step(
+    model: nn.Module, inputs: dict[str, Tensor], *, ref: bool = False, grouped_bf16: bool = False
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """(loss, logits, grads) of one forward and backward; ``ref``: under eager autocast."""
     if ref:
         grouped = _GroupedInBf16() if grouped_bf16 else contextlib.nullcontext()
@@ -174,8 +212,10 @@ def test_default_is_an_error_in_strict_mode_and_false_silences_it() -> None:
     assert_bitwise(_step(silent, inputs), expected, "autocast_experts=False")
     # negative twin of the switch's graphs: the fallback loop, forward and backward, on fp32 operands
     ran = graphs.grouped()
-    assert {op for op, _ in ran} == {"transformers.grouped_mm_fallback.default",
-                                     "transformers.grouped_mm_fallback_backward.default"}, ran
+    assert {op for op, _ in ran} == {
+        "transformers.grouped_mm_fallback.default",
+        "transformers.grouped_mm_fallback_backward.default",
+    }, ran
     assert all(dts[:2] == [torch.float32] * 2 for _, dts in ran), ran
 
 
@@ -243,8 +283,9 @@ def test_autocast_experts_run_in_bf16_forward_and_backward_bitwise(name: str) ->
     # the experts' gradients (the loss alone can round to the same fp32 bits: the experts' share of
     # the residual stream is small at random init)
     experts = [n for n, p in model.named_parameters() if p.dim() == 3]
-    assert experts and all(not torch.equal(actual[2][n], default[2][n]) for n in experts), \
+    assert experts and all(not torch.equal(actual[2][n], default[2][n]) for n in experts), (
         "the switch changed no bit: the experts ran in fp32"
+    )
 
 
 @pytest.mark.slow
@@ -300,8 +341,11 @@ def test_fallback_with_int64_offsets_in_bf16_bitwise() -> None:
         xi = x.detach().clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ref):
             xr = xi.to(torch.bfloat16) if bf16 else xi
-            loss = (torch.nn.functional.grouped_mm(xr, m.w.to(torch.bfloat16), offs=offs).pow(2).mean()
-                    if bf16 else m(xi, offs))
+            loss = (
+                torch.nn.functional.grouped_mm(xr, m.w.to(torch.bfloat16), offs=offs).pow(2).mean()
+                if bf16
+                else m(xi, offs)
+            )
         loss.backward()
         return loss.detach(), xi.grad, m.w.grad
 
@@ -313,8 +357,11 @@ def test_fallback_with_int64_offsets_in_bf16_bitwise() -> None:
     assert gemm.target is GROUPED and gemm.args[2].meta["val"].dtype == torch.int32
 
     expected_fp32 = run(copy.deepcopy(model), ref=True)
-    assert_bitwise(run(_compile(copy.deepcopy(model), strict=True, policy=amp_fx.Policy(autocast_experts=False))),
-                   expected_fp32, f"{how}, fp32")
+    assert_bitwise(
+        run(_compile(copy.deepcopy(model), strict=True, policy=amp_fx.Policy(autocast_experts=False))),
+        expected_fp32,
+        f"{how}, fp32",
+    )
 
 
 def test_policy_field_is_validated_and_kept() -> None:
@@ -350,5 +397,7 @@ def test_advise_measures_a_moe_model_against_float64() -> None:
         advice = amp_fx.advise(copy.deepcopy(model), dtype="bf16", loss_fn=lambda out: out.loss, **inputs)
         loss = _compile(model, strict=False)(**inputs).loss.item()
     expected = abs(loss - loss64) / abs(loss64)
-    assert expected > 0 and math.isclose(dict(advice.baseline_parts)["loss"], expected, rel_tol=1e-6), \
-        (advice.baseline_parts, expected)
+    assert expected > 0 and math.isclose(dict(advice.baseline_parts)["loss"], expected, rel_tol=1e-6), (
+        advice.baseline_parts,
+        expected,
+    )

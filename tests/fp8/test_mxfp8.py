@@ -26,8 +26,10 @@ from amp_fx.kernels.fp8_padding import padding
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import torchao_missing, torchao_mxfp8
 
-pytestmark = [pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing())),
-              pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")]
+pytestmark = [
+    pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing())),
+    pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here"),
+]
 
 
 def _torchao_mm(x: Tensor, w: Tensor) -> Tensor:
@@ -149,16 +151,27 @@ def test_grouped_experts_in_the_pass_bitwise_with_torchao_emulated() -> None:
     class _TorchaoExperts(_GroupedMixture):
         def experts(self, xs: Tensor, offs: Tensor) -> Tensor:
             def grouped(a: Tensor, w: Tensor) -> Tensor:
-                return _to_mxfp8_then_scaled_grouped_mm(a.to(torch.bfloat16), w.to(torch.bfloat16).transpose(-2, -1),
-                                                        offs, kernel_preference=KernelPreference.EMULATED)
+                return _to_mxfp8_then_scaled_grouped_mm(
+                    a.to(torch.bfloat16),
+                    w.to(torch.bfloat16).transpose(-2, -1),
+                    offs,
+                    kernel_preference=KernelPreference.EMULATED,
+                )
+
             return grouped(torch.relu(grouped(xs, self.w_in)), self.w_out)
 
     torch.manual_seed(0)  # hidden 64: torchao's MX GEMMs take multiples of 32 (amp_fx pads the rest)
     model, x = _GroupedMixture(hidden=64), torch.randn(2, 16, 32)
     ref = _TorchaoExperts(hidden=64)
     ref.load_state_dict(model.state_dict())
-    compiled = amp_fx.compile(copy.deepcopy(model), dtype="bf16", fp8="mxfp8", backend="aot_eager",
-                              policy=amp_fx.Policy(keep_out_of_fp8=["router"]), strict=False)
+    compiled = amp_fx.compile(
+        copy.deepcopy(model),
+        dtype="bf16",
+        fp8="mxfp8",
+        backend="aot_eager",
+        policy=amp_fx.Policy(keep_out_of_fp8=["router"]),
+        strict=False,
+    )
     loss = loss_fn(compiled(x))
     loss.backward()
     decisions = [d for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions]
@@ -168,9 +181,9 @@ def test_grouped_experts_in_the_pass_bitwise_with_torchao_emulated() -> None:
         ref_loss = loss_fn(ref(x))
     ref_loss.backward()
     assert_bitwise(loss.detach(), ref_loss.detach(), "loss")
-    assert_bitwise({n: p.grad for n, p in compiled.named_parameters()},
-                   {n: p.grad for n, p in ref.named_parameters()}, "gradients")
-
+    assert_bitwise(
+        {n: p.grad for n, p in compiled.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()}, "gradients"
+    )
 
 
 @pytest.mark.slow  # ~20 s on a loaded 2-core CPU, mostly the first compile
@@ -198,8 +211,11 @@ def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
             loss = loss_fn(compiled(xs))
         loss.backward()
         if step == 0:
-            assert_bitwise({n: p.grad for n, p in ours.named_parameters()},
-                           {n: p.grad for n, p in ref.named_parameters()}, "gradients")
+            assert_bitwise(
+                {n: p.grad for n, p in ours.named_parameters()},
+                {n: p.grad for n, p in ref.named_parameters()},
+                "gradients",
+            )
         for opt_ in (opt_ref, opt):
             opt_.step()
             opt_.zero_grad()
@@ -211,7 +227,8 @@ def test_loss_gradients_and_adamw_bitwise_with_torchao() -> None:
     records = amp_fx.records(compiled)
     decisions = [d for r in records for d in r.fp8.decisions]
     assert [(d.weight, d.converted, d.recipe) for d in decisions] == [
-        (f"{m}.weight", True, Fp8Recipe.MXFP8) for m in ("fc1", "fc2", "head")]
+        (f"{m}.weight", True, Fp8Recipe.MXFP8) for m in ("fc1", "fc2", "head")
+    ]
     assert "e8m0 scale per 32" in decisions[0].reason
     ex = Explanation.from_records(records)
     assert "fp8=mxfp8" in ex.table() and "runs emulated here" in str(ex)
@@ -254,12 +271,12 @@ def test_odd_sizes_are_padded_to_the_block_and_explain_counts_it() -> None:
 # test_a_slow_fp8_kernel_is_one_notice_even_in_strict_mode)
 
 
-
-
-@pytest.mark.parametrize("capability, missing", [((9, 0), "needs a Blackwell GPU"), ((10, 0), None)],
-                         ids=["h100", "b200"])
-def test_hopper_is_told_blackwell_is_needed(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
-                                            missing: str | None) -> None:
+@pytest.mark.parametrize(
+    "capability, missing", [((9, 0), "needs a Blackwell GPU"), ((10, 0), None)], ids=["h100", "b200"]
+)
+def test_hopper_is_told_blackwell_is_needed(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], missing: str | None
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")

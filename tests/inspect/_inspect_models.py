@@ -96,8 +96,9 @@ class KeywordLM(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, labels: Tensor | None = None
+    ) -> dict[str, Tensor]:
         h = self.norm(self.fc(self.embed(input_ids)))
         if attention_mask is not None:
             h = h * attention_mask.unsqueeze(-1).to(h.dtype)
@@ -112,8 +113,7 @@ def keyword_batch(vocab: int = 11) -> dict[str, Tensor]:
     ids = torch.randint(0, vocab, (2, 5), generator=gen)
     mask = torch.ones(2, 5, dtype=torch.long)
     mask[1, 3:] = 0
-    return {"input_ids": ids, "attention_mask": mask,
-            "labels": torch.randint(0, vocab, (2, 5), generator=gen)}
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, vocab, (2, 5), generator=gen)}
 
 
 class AutocastMask(nn.Module):

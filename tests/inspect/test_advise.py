@@ -42,8 +42,11 @@ def _fp64(model, inputs, loss_fn, kwargs):
     out = m(*(_double(x) for x in inputs), **{k: _double(v) for k, v in kwargs.items()})
     loss = loss_fn(out)
     loss.backward()
-    return (output_tensors(out), loss.detach(),
-            {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None})
+    return (
+        output_tensors(out),
+        loss.detach(),
+        {n: p.grad.detach() for n, p in m.named_parameters() if p.grad is not None},
+    )
 
 
 def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, fp8: str | None = None, **kwargs) -> float:
@@ -59,20 +62,24 @@ def _amp_fx_error(model, inputs, loss_fn, dtype: str, policy, fp8: str | None = 
     loss = loss_fn(out)
     if not bool(torch.isfinite(loss)):
         return math.inf
-    scale = 2.0 ** 16 if resolve_dtype(dtype) == torch.float16 else 1.0
+    scale = 2.0**16 if resolve_dtype(dtype) == torch.float16 else 1.0
     names = [n for n, p in m.named_parameters() if n in ref_grads]
     for _ in range(25):
-        grads = [g.double() / scale for g in torch.autograd.grad(loss * scale, [m.get_parameter(n) for n in names],
-                                                                  retain_graph=True)]
+        grads = [
+            g.double() / scale
+            for g in torch.autograd.grad(loss * scale, [m.get_parameter(n) for n in names], retain_graph=True)
+        ]
         if all(bool(torch.isfinite(g).all()) for g in grads):
             break
         scale /= 2
     else:
         return math.inf
     outs = output_tensors(out)
-    return max(abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
-               _normwise(grads, [ref_grads[n] for n in names]),
-               _normwise([outs[k] for k in ref_out], list(ref_out.values())))
+    return max(
+        abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
+        _normwise(grads, [ref_grads[n] for n in names]),
+        _normwise([outs[k] for k in ref_out], list(ref_out.values())),
+    )
 
 
 @pytest.mark.slow_cases
@@ -106,8 +113,7 @@ def test_healthy_twin_gets_an_empty_policy(name: str) -> None:
     assert advice.verified and advice.runs == 1  # one low-precision run, no search
     assert advice.error == advice.baseline_error
     # advise's baseline error is what amp_fx gives: same float64 reference, same kernels
-    assert advice.error == pytest.approx(_amp_fx_error(model, inputs, loss_fn, dtype, amp_fx.Policy()),
-                                         rel=1e-6)
+    assert advice.error == pytest.approx(_amp_fx_error(model, inputs, loss_fn, dtype, amp_fx.Policy()), rel=1e-6)
 
 
 def test_inf_the_model_discards_is_not_a_hazard() -> None:
@@ -156,8 +162,9 @@ def test_a_module_without_low_precision_ops_is_never_kept(max_runs: int) -> None
     assert advice.keep_fp32 == ("up",) and advice.verified and advice.runs == 2, str(advice)
     assert not any("drop" in step for step in advice.steps), advice.steps
     for s in advice.modules:
-        assert s.low_precision_ops == sum(c for m, c in lowered.items()
-                                          if not s.name or m == s.name or m.startswith(s.name + ".")), s.name
+        assert s.low_precision_ops == sum(
+            c for m, c in lowered.items() if not s.name or m == s.name or m.startswith(s.name + ".")
+        ), s.name
 
 
 def test_cancellation_after_a_module_is_attributed_to_it() -> None:
@@ -180,7 +187,7 @@ def test_cancellation_after_a_module_is_attributed_to_it() -> None:
             m.head.register_forward_pre_hook(lambda mod, a, d=dtype: keep("head", a[0], d))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 m(x.to(dtype if dtype == torch.float64 else torch.float32))
-        unit = 2.0 ** -8  # bf16's unit roundoff, advise's floor for an output's error
+        unit = 2.0**-8  # bf16's unit roundoff, advise's floor for an output's error
 
         def err(name):
             ref = seen[name, torch.float64]
@@ -210,8 +217,9 @@ def test_keep_fp32_emulation_is_amp_fx_policy(name: str) -> None:
     low = resolve_dtype(dtype)
     model, inputs, loss_fn = build(name)
     amp_model = copy.deepcopy(model)
-    amp_loss = loss_fn(amp_fx.compile(amp_model, dtype=dtype, policy=amp_fx.Policy(keep_fp32=(culprit,)),
-                                      backend="aot_eager")(*inputs))
+    amp_loss = loss_fn(
+        amp_fx.compile(amp_model, dtype=dtype, policy=amp_fx.Policy(keep_fp32=(culprit,)), backend="aot_eager")(*inputs)
+    )
     amp_loss.backward()
     eager = copy.deepcopy(model)
     _keep_in_fp32(eager, (culprit,), "cpu")
@@ -220,8 +228,9 @@ def test_keep_fp32_emulation_is_amp_fx_policy(name: str) -> None:
     eager_loss.backward()
     assert torch.equal(amp_loss, eager_loss)
     for (n, a), e in zip(amp_model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(a.grad, e.grad, rtol=0, atol=2 * torch.finfo(low).eps * float(e.grad.abs().max()),
-                                   msg=n)
+        torch.testing.assert_close(
+            a.grad, e.grad, rtol=0, atol=2 * torch.finfo(low).eps * float(e.grad.abs().max()), msg=n
+        )
 
 
 def test_cost_counts_fp32_flops_and_matches_explain_cast_bytes() -> None:
@@ -238,9 +247,9 @@ def test_cost_counts_fp32_flops_and_matches_explain_cast_bytes() -> None:
     assert advice.kept == (KeptModule("shift.proj", "Linear", (("aten.addmm", 1),), pytest.approx(share, rel=1e-12)),)
     assert "kept: shift.proj (Linear) moves aten.addmm x1 to fp32" in str(advice)
     assert advice.cost.default_fp32_flop_share == 0.0
-    explained = {p: amp_fx.explain(model, *inputs, dtype="bf16", policy=p)
-                 for p in (amp_fx.Policy(), advice.policy)}
+    explained = {p: amp_fx.explain(model, *inputs, dtype="bf16", policy=p) for p in (amp_fx.Policy(), advice.policy)}
     from amp_fx.inspect.explanation import cast_bytes
+
     expected = {p: sum(cast_bytes(r.rewritten) for r in e.records) for p, e in explained.items()}
     assert advice.cost.default_cast_bytes == expected[amp_fx.Policy()]
     assert advice.cost.cast_bytes == expected[advice.policy]
@@ -264,8 +273,9 @@ def test_outputs_only_without_loss_fn() -> None:
 
 def test_training_curves_from_one_initial_state() -> None:
     model, inputs, loss_fn = build("cancellation")
-    advice = amp_fx.advise(model, *inputs, dtype="bf16", loss_fn=loss_fn,
-                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), steps=4)
+    advice = amp_fx.advise(
+        model, *inputs, dtype="bf16", loss_fn=loss_fn, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), steps=4
+    )
     t = advice.training
     assert t is not None and t.steps == 4
     ref = copy.deepcopy(model)  # the fp32 curve is plain fp32 training of the same model
@@ -278,7 +288,7 @@ def test_training_curves_from_one_initial_state() -> None:
         opt.step()
         losses.append(float(loss.detach()))
     assert list(t.fp32) == losses
-    assert t.advised_divergence < 4 * 2.0 ** -7 < t.default_divergence
+    assert t.advised_divergence < 4 * 2.0**-7 < t.default_divergence
 
 
 def test_bad_arguments_are_named() -> None:
@@ -327,8 +337,11 @@ def _html(tmp_path: Path) -> tuple[Path, amp_fx.Advice]:
 def test_html_is_self_contained(tmp_path: Path) -> None:
     path, advice = _html(tmp_path)
     text = path.read_text()
-    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "").replace(
-        "http://www.w3.org", "") and "https://" not in text and "<script" not in text
+    assert (
+        "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "").replace("http://www.w3.org", "")
+        and "https://" not in text
+        and "<script" not in text
+    )
     shown = [s for s in advice.modules if s.name]
     assert text.count('class="bar"') == 2 * len(shown)  # error and headroom; grads inf: no chart
     assert 'keep_fp32=("attn",)' in text.replace("&quot;", '"')
@@ -346,8 +359,16 @@ def test_html_is_self_contained(tmp_path: Path) -> None:
         assert "<svg" in text.split("graph (amp_fx.explain)")[1]
 
 
-_CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+_CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
@@ -356,14 +377,30 @@ def test_html_renders_in_headless_chromium(tmp_path: Path) -> None:
         pytest.skip("Chromium is not installed (Debian: apt-get install -y chromium)")
     path, advice = _html(tmp_path)
     shot = tmp_path / "advice.png"
-    run = subprocess.run([exe, *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile1'}",
-                          "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", "--window-size=1200,900",
-                          path.as_uri()], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            exe,
+            *_CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile1'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--screenshot={shot}",
+            "--window-size=1200,900",
+            path.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Uncaught" not in run.stderr and "CONSOLE" not in run.stderr, run.stderr[-2000:]
     assert shot.stat().st_size > 10_000  # a blank 1200x900 PNG is about 3 kB
-    dom = subprocess.run([exe, *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom",
-                          path.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    dom = subprocess.run(
+        [exe, *_CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     widths = [float(w) for w in __import__("re").findall(r'class="bar"[^>]*width="([0-9.]+)"', dom)]
     assert len(widths) == 2 * len([s for s in advice.modules if s.name])
     assert sum(w > 0 for w in widths) >= len(widths) // 2  # bars drawn, not empty SVGs
@@ -376,18 +413,39 @@ def _transformers_model(name: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=128,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     elif name == "llama":
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                       max_position_embeddings=64)
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=64,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, vocab_size=128, max_position_embeddings=64,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg = transformers.BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            vocab_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         model = transformers.BertForMaskedLM(cfg)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
@@ -422,11 +480,17 @@ def _plant_overflow(model: torch.nn.Module, inputs: dict, leaf: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.models
-@pytest.mark.parametrize("name,leaf", [
-    ("hf_gpt2", "transformer.h.1.mlp.c_proj"),          # before: transformer.h.1.mlp
-    ("hf_llama", "model.layers.1.mlp.down_proj"),       # before: model.layers.1.mlp
-    ("hf_t5", "encoder.block.1.layer.1.DenseReluDense.wo"),  # before: ...DenseReluDense (and a try with the dropout)
-])
+@pytest.mark.parametrize(
+    "name,leaf",
+    [
+        ("hf_gpt2", "transformer.h.1.mlp.c_proj"),  # before: transformer.h.1.mlp
+        ("hf_llama", "model.layers.1.mlp.down_proj"),  # before: model.layers.1.mlp
+        (
+            "hf_t5",
+            "encoder.block.1.layer.1.DenseReluDense.wo",
+        ),  # before: ...DenseReluDense (and a try with the dropout)
+    ],
+)
 def test_real_model_planted_overflow_keeps_only_the_leaf(name: str, leaf: str) -> None:
     """The real-model tier's GPT-2, Llama and T5 with one Linear (GPT-2: Conv1D) planted to overflow
     fp16 inside its MLP, whose output (and the dropout after it: GPT-2, T5) then holds the same
@@ -463,7 +527,7 @@ def test_real_model_cancellation_after_the_module_keeps_only_it() -> None:
     leaf = "transformer.h.0.attn.c_proj"
     with torch.no_grad():
         model.get_submodule(leaf).bias.add_(4000.0)
-    target = 8 * 2.0 ** -7
+    target = 8 * 2.0**-7
     advice = amp_fx.advise(model, dtype="bf16", loss_fn=loss_fn, target=target, **inputs)
     assert advice.keep_fp32 == (leaf,) and advice.verified and advice.runs == 2, str(advice)
     assert advice.module(leaf).finding == "amplified after"
@@ -481,8 +545,10 @@ def test_resnet_no_false_alarm(dtype: str) -> None:
     try:
         import torchvision
     except Exception as e:  # the CPU-only torch wheel: torchvision's ops do not load
-        pytest.skip(f"torchvision does not import here ({type(e).__name__}: {e}); it runs in the torch 2.11 "
-                    "environment (.ci/venv)")
+        pytest.skip(
+            f"torchvision does not import here ({type(e).__name__}: {e}); it runs in the torch 2.11 "
+            "environment (.ci/venv)"
+        )
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -499,8 +565,7 @@ def test_search_runs_do_not_grow_with_module_count() -> None:
     """24 blocks of Linear+LayerNorm, one Linear planted to overflow fp16: the advice names it with
     the default run plus one policy run, where one ablation per module would take 72."""
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.ReLU())
-              for _ in range(24)]
+    blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.ReLU()) for _ in range(24)]
     with torch.no_grad():  # block 17's Linear: 32 positive weights ~1e4 on ~0.5 inputs: ~1e5 > 65504
         blocks[17][0].weight.abs_().mul_(2e5)
     model = torch.nn.Sequential(*blocks)

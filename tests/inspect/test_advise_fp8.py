@@ -30,8 +30,10 @@ from amp_fx.testing.hazards import FP8_HAZARDS, build
 from tests.inspect.test_advise import _amp_fx_error
 
 _NO_ROWWISE = rowwise_scales_missing("cpu")
-RECIPES = [pytest.param("tensorwise"),
-           pytest.param("rowwise", marks=pytest.mark.skipif(_NO_ROWWISE is not None, reason=str(_NO_ROWWISE)))]
+RECIPES = [
+    pytest.param("tensorwise"),
+    pytest.param("rowwise", marks=pytest.mark.skipif(_NO_ROWWISE is not None, reason=str(_NO_ROWWISE))),
+]
 TARGET = DEFAULT_TARGETS[torch.bfloat16]
 
 
@@ -41,9 +43,9 @@ class Functional(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(64, 32) / 32 ** 0.5)
+        self.w = nn.Parameter(torch.randn(64, 32) / 32**0.5)
         self.lin = nn.Linear(64, 48)
-        self.v = nn.Parameter(torch.randn(48, 16) / 48 ** 0.5)
+        self.v = nn.Parameter(torch.randn(48, 16) / 48**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.lin(x @ self.w.t()))
@@ -52,8 +54,9 @@ class Functional(nn.Module):
 
 def _gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg), (torch.randint(0, 128, (2, 16)),)
 
 
@@ -87,10 +90,14 @@ def test_fp8_eager_run_is_bitwise_with_amp_fx_compile(name: str, recipe: str) ->
     loss_c = _logits(compiled(*inputs))
     loss_c.backward()
     assert_bitwise(loss.detach(), loss_c.detach(), f"{name} {recipe}: loss")
-    assert_bitwise({n: p.grad for n, p in model.named_parameters()},
-                   {n: p.grad for n, p in ours.named_parameters()}, f"{name} {recipe}: gradients")
-    converted = sorted(d.module for r in amp_fx.records(compiled) if r.fp8 is not None
-                       for d in r.fp8.decisions if d.converted)
+    assert_bitwise(
+        {n: p.grad for n, p in model.named_parameters()},
+        {n: p.grad for n, p in ours.named_parameters()},
+        f"{name} {recipe}: gradients",
+    )
+    converted = sorted(
+        d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions if d.converted
+    )
     assert sorted(c.module for c in mode.calls) == converted and converted
 
 
@@ -129,9 +136,9 @@ def test_fp8_healthy_twin_keeps_nothing(name: str, recipe: str) -> None:
 class _Sizes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.small = nn.Linear(32, 64)       # too small for every recipe
-        self.wide = nn.Linear(64, 1040)      # N > 1024: tensorwise gains, rowwise (N <= 2048) not
-        self.big = nn.Linear(1040, 4112)     # gains for both
+        self.small = nn.Linear(32, 64)  # too small for every recipe
+        self.wide = nn.Linear(64, 1040)  # N > 1024: tensorwise gains, rowwise (N <= 2048) not
+        self.big = nn.Linear(1040, 4112)  # gains for both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.big(self.wide(self.small(x)))
@@ -159,7 +166,7 @@ class _LeftWeight(nn.Module):
 
     def __init__(self, n_in: int, n_out: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.weight @ x.t()).t()

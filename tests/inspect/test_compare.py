@@ -42,8 +42,7 @@ def test_zoo_agrees_bitwise(name, dtype):
                 if "fails the same way" not in str(e):
                     raise
                 # aot_eager itself fails on this model (LSTM in bf16): compare on backend="eager"
-                report = amp_fx.compare(model, *inputs, dtype=dtype, loss_fn=loss_fn,
-                                        backend="eager")
+                report = amp_fx.compare(model, *inputs, dtype=dtype, loss_fn=loss_fn, backend="eager")
     except AmpRunError as e:
         if "fails on it too" in str(e):
             pytest.skip(f"eager torch.autocast itself fails here: {e}")
@@ -55,8 +54,7 @@ def test_zoo_agrees_bitwise(name, dtype):
     # the parameters that get a gradient, found here by a plain eager backward
     ref, ref_inputs, _ = entry.build()
     loss_fn(ref(*ref_inputs)).backward()
-    assert [g.name for g in report.grads] == [n for n, p in ref.named_parameters()
-                                              if p.grad is not None]
+    assert [g.name for g in report.grads] == [n for n, p in ref.named_parameters() if p.grad is not None]
     assert "OK" in str(report)
 
 
@@ -81,12 +79,14 @@ def test_policy_divergence_is_named():
     assert not report.ok
     # the expected op, found here from the graph amp_fx captured
     record = None
-    compiled = amp_fx.compile(model, dtype="bf16", backend="eager",
-                              policy=amp_fx.Policy(keep_fp32=("fc2",)))
+    compiled = amp_fx.compile(model, dtype="bf16", backend="eager", policy=amp_fx.Policy(keep_fp32=("fc2",)))
     compiled(x)
     record = amp_fx.records(compiled)[0]
-    expected = next(n.name for n in record.captured.graph.nodes
-                    if n.target is torch.ops.aten.linear.default and module_of(n)[0] == "fc2")
+    expected = next(
+        n.name
+        for n in record.captured.graph.nodes
+        if n.target is torch.ops.aten.linear.default and module_of(n)[0] == "fc2"
+    )
     first = report.first_divergence
     assert (first.node, first.op, first.module) == (expected, "aten.linear", "fc2")
     assert (first.eager_dtype, first.amp_dtype) == ("bf16", "fp32")
@@ -94,13 +94,14 @@ def test_policy_divergence_is_named():
     assert "kept by policy" in first.rule
     assert f"node {expected} (aten.linear, module fc2)" in str(report)
     # the ops before it agree
-    before = report.ops[:report.ops.index(first)]
+    before = report.ops[: report.ops.index(first)]
     assert before and all(o.agree for o in before)
 
 
 def test_value_divergence_from_a_bad_fold(monkeypatch):
     """A fold rule that drops a rounding cast (fp32 -> bf16 -> fp32 is *not* value-preserving):
     dtypes still agree everywhere, values do not, from the first op after the fold."""
+
     def bad_round_trip(node):
         mid = node.args[0]
         if not fold_module.is_pure_cast(mid):
@@ -184,8 +185,7 @@ def test_keyword_call_form(split):
     assert sorted(v.name for v in report.outputs) == ["output['logits']", "output['loss']"]
     # the parameters that get a gradient, found here by a plain eager backward with the same call
     model(*args, **kwargs)["loss"].backward()
-    assert [g.name for g in report.grads] == [n for n, p in model.named_parameters()
-                                              if p.grad is not None]
+    assert [g.name for g in report.grads] == [n for n, p in model.named_parameters() if p.grad is not None]
     # the keyword input is used: without the mask the logits differ (a planted, checked effect)
     unmasked = amp_fx.compare(model, batch["input_ids"], dtype="bf16", grads=False)
     assert unmasked.ops != report.ops
@@ -229,8 +229,9 @@ def test_agreeing_on_nonfinite_values_is_flagged():
 def test_verdict_counts_are_pluralised():
     torch.manual_seed(0)
     report = amp_fx.compare(torch.nn.Linear(4, 4), torch.randn(2, 4), dtype="bf16")
-    assert report.verdict() == ("OK: amp_fx agrees with eager torch.autocast (bf16) on 1 op, "
-                                "1 output and 2 gradients (bitwise)")
+    assert report.verdict() == (
+        "OK: amp_fx agrees with eager torch.autocast (bf16) on 1 op, 1 output and 2 gradients (bitwise)"
+    )
 
 
 def test_grads_asked_but_none_compared_is_said(monkeypatch):

@@ -27,8 +27,17 @@ from tests.inspect._inspect_models import (
     split_weights_reported,
 )
 
-EXPLAIN_ZOO = ["mlp", "cnn_bn", "mha_block", "sdpa_block", "rmsnorm", "graph_break",
-               "graph_break_branch", "classifier_loss", "tied_embedding"]
+EXPLAIN_ZOO = [
+    "mlp",
+    "cnn_bn",
+    "mha_block",
+    "sdpa_block",
+    "rmsnorm",
+    "graph_break",
+    "graph_break_branch",
+    "classifier_loss",
+    "tied_embedding",
+]
 
 
 # torch's fake kernel gives batch norm's saved mean/invstd the input's dtype (bf16/fp16); the CPU
@@ -45,6 +54,7 @@ def _meta_dtype(n: torch.fx.Node) -> torch.dtype | None:
 def _runtime_dtype_backend(seen: dict[int, dict[str, torch.dtype | None]]):
     """A downstream backend written here: runs each graph node by node and records the dtype of
     every value (the reference explain is checked against)."""
+
     def backend(gm: torch.fx.GraphModule, example_inputs):
         index = len(seen)
         seen[index] = {}
@@ -52,14 +62,24 @@ def _runtime_dtype_backend(seen: dict[int, dict[str, torch.dtype | None]]):
         class Recorder(torch.fx.Interpreter):
             def run_node(self, n):
                 out = super().run_node(n)
-                t = out if isinstance(out, torch.Tensor) else next(
-                    (x for x in (out if isinstance(out, (tuple, list)) else ())
-                     if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+                t = (
+                    out
+                    if isinstance(out, torch.Tensor)
+                    else next(
+                        (
+                            x
+                            for x in (out if isinstance(out, (tuple, list)) else ())
+                            if isinstance(x, torch.Tensor) and x.is_floating_point()
+                        ),
+                        None,
+                    )
+                )
                 if n.op != "output":
                     seen[index][n.name] = t.dtype if isinstance(t, torch.Tensor) else None
                 return out
 
         return lambda *args: Recorder(gm).run(*args)
+
     return backend
 
 
@@ -75,10 +95,10 @@ def test_node_dtypes_match_rewritten_graph_and_runtime(name, dtype):
     seen: dict[int, dict[str, torch.dtype | None]] = {}
     model2, inputs2, _ = ZOO[name].build()
     split = ZOO[name].split_params  # reported by amp_fx (an error in strict mode), not under test here
-    compiled = amp_fx.compile(model2, dtype=dtype, backend=_runtime_dtype_backend(seen),
-                              strict=False if split else None)
-    with (pytest.warns(amp_fx.AmpFxWarning, match="both sides of a graph break") if split
-          else contextlib.nullcontext()):
+    compiled = amp_fx.compile(
+        model2, dtype=dtype, backend=_runtime_dtype_backend(seen), strict=False if split else None
+    )
+    with pytest.warns(amp_fx.AmpFxWarning, match="both sides of a graph break") if split else contextlib.nullcontext():
         compiled(*inputs2)
     from_records = amp_fx.Explanation.from_records(amp_fx.records(compiled))
     assert len(seen) == len(ex.records)
@@ -103,8 +123,7 @@ def test_rules_modules_and_inserted_casts():
     ex = amp_fx.explain(model, x, dtype="bf16", policy=amp_fx.Policy(keep_fp32=("fc2",)))
     nodes = {n.name: n for n in ex.nodes(0)}
     linears = [n for n in nodes.values() if n.op == "aten.linear"]
-    assert [(n.module, n.dtype) for n in linears] == [("fc1", torch.bfloat16),
-                                                      ("fc2", torch.float32)]
+    assert [(n.module, n.dtype) for n in linears] == [("fc1", torch.bfloat16), ("fc2", torch.float32)]
     assert linears[0].rule == "lower precision fp: aten.linear (default cpu table)"
     assert linears[1].rule == "fp32: module fc2 kept by policy (fc2)"
     gelu = next(n for n in nodes.values() if n.op == "aten.gelu")
@@ -113,7 +132,12 @@ def test_rules_modules_and_inserted_casts():
     # x, fc1.weight, fc1.bias -> bf16; fc1's output -> fp32 for the kept fc2
     assert len(inserted) == ex.records[0].inserted.casts_inserted == 4
     assert {n.label for n in nodes.values() if n.kind == "input"} == {
-        "x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        "x",
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+    }
     text = ex.table()
     assert "+cast" in text and "kept by policy (fc2)" in text and "fc2 (Linear)" in text
 
@@ -217,14 +241,17 @@ def _root_names(model: torch.nn.Module, *args: torch.Tensor) -> set[str]:
     import inspect
 
     params = list(inspect.signature(model.forward).parameters)
-    return {n for n, _ in model.named_parameters()} | set(params[:len(args)])
+    return {n for n, _ in model.named_parameters()} | set(params[: len(args)])
 
 
-@pytest.mark.parametrize("build", [
-    lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
-    lambda: torch.nn.Linear(4, 2),
-    BreakInside.Inner,  # a user module: Dynamo's frame is its forward
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)),
+        lambda: torch.nn.Linear(4, 2),
+        BreakInside.Inner,  # a user module: Dynamo's frame is its forward
+    ],
+)
 def test_inputs_named_as_the_root_module_names_them(build):
     torch.manual_seed(0)
     model = build()
@@ -246,8 +273,7 @@ def test_inputs_named_under_the_root_across_a_graph_break_in_a_submodule():
     assert labels == _root_names(model, x)  # model.a.weight, not a.weight (the frame's names)
     linears = [n.module for n in ex.nodes(0) if n.op == "aten.linear"]
     assert linears == ["model.a", "model.head"]  # modules too, as model.named_modules() has them
-    assert all(dict(model.named_modules())[m] is model.model.get_submodule(m.split(".", 1)[1])
-               for m in linears)
+    assert all(dict(model.named_modules())[m] is model.model.get_submodule(m.split(".", 1)[1]) for m in linears)
 
 
 def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):
@@ -270,7 +296,6 @@ def test_missing_without_amp_view_is_said_and_strict_raises(monkeypatch):
     strict = amp_fx.explain(model, x, dtype="bf16")
     with pytest.raises(amp_fx.AmpFxError, match="dtypes without amp are not shown"):
         str(strict)
-
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES)
@@ -299,7 +324,7 @@ def test_printed_explanation_is_a_summary_and_a_rollup_and_the_table_is_asked_fo
     text = str(ex)
     assert len(text.splitlines()) < 30 and "dtype decided by" not in text, text
     assert "casts left: the casts in the graph that runs" in text
-    rollup = text[text.index("by module"):].splitlines()
+    rollup = text[text.index("by module") :].splitlines()
     assert [line.split()[0] for line in rollup[3:8]] == ["emb", "<root>", "blocks.0", "blocks.1", "norm"], rollup
     assert "9 of 9 (tensorwise), 1.00 of their FLOPs" in text and "fp8 share of matmul FLOPs" in text
     assert "print(report.table())" in text
@@ -316,6 +341,7 @@ def _passes_self(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
+
     return wrapper
 
 
@@ -338,5 +364,4 @@ def test_weights_are_named_by_identity_under_a_decorated_forward():
     ``0.body.0.weight``: a name read from the source string's shape)."""
     torch.manual_seed(0)
     ex = amp_fx.explain(_DecoratedForward(), torch.randn(16, 16), fp8="tensorwise")
-    assert [(d.weight, d.module) for d in ex.fp8_decisions()] == [("body.0.weight", "body.0"),
-                                                                  ("head.weight", "head")]
+    assert [(d.weight, d.module) for d in ex.fp8_decisions()] == [("body.0.weight", "body.0"), ("head.weight", "head")]

@@ -36,29 +36,31 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_import_cycle_among_the_inspection_modules():
-    modules = {f"amp_fx.inspect.{p.stem}": p for p in (PACKAGE / "inspect").glob("*.py")
-               if p.stem != "__init__"}
+    modules = {f"amp_fx.inspect.{p.stem}": p for p in (PACKAGE / "inspect").glob("*.py") if p.stem != "__init__"}
     graph = {m: {i for i in _imports(p) if i in modules} for m, p in modules.items()}
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:
-        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n}))
-                   for n in graph[start])
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
 
     cycles = [m for m in graph if reaches(m, m, {m})]
     assert not cycles, graph
     assert "amp_fx.inspect.explanation" not in _imports(PACKAGE / "inspect" / "_graphviz.py")
 
 
-@pytest.mark.parametrize("pattern, home, scope", [
-    (r"def _?is_cast\(", "inspect/_probe.py", ""),
-    (r"^_?SEED\s*=", "inspect/_runner.py", "inspect/"),  # the seed the tools run the model from
-    (r"lookup_backend\(", "_common/downstream.py", ""),
-    (r"_SHORT\s*=|replace\(\s*[\"']torch\.[\"']", "_common/dtype_names.py", ""),
-    (r"def run_eager_checked\(|def private_copy\(|def amp_failure\(", "inspect/_runner.py", ""),
-])
+@pytest.mark.parametrize(
+    "pattern, home, scope",
+    [
+        (r"def _?is_cast\(", "inspect/_probe.py", ""),
+        (r"^_?SEED\s*=", "inspect/_runner.py", "inspect/"),  # the seed the tools run the model from
+        (r"lookup_backend\(", "_common/downstream.py", ""),
+        (r"_SHORT\s*=|replace\(\s*[\"']torch\.[\"']", "_common/dtype_names.py", ""),
+        (r"def run_eager_checked\(|def private_copy\(|def amp_failure\(", "inspect/_runner.py", ""),
+    ],
+)
 def test_one_home_for_each_rule(pattern, home, scope):
-    found = sorted(f for f, text in _sources().items() if f.startswith(scope)
-                   and re.search(pattern, text, re.MULTILINE))
+    found = sorted(
+        f for f, text in _sources().items() if f.startswith(scope) and re.search(pattern, text, re.MULTILINE)
+    )
     assert found == [home]
 
 

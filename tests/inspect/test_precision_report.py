@@ -60,6 +60,7 @@ def _quiet(call):
 
 # --- a correct setup -------------------------------------------------------------------------------
 
+
 def test_correct_bf16_setup_numbers_and_silence():
     """fp32 parameters, AdamW (fp32 state), no scaler, bf16 compute: every row against the tensors."""
     inner = _model()
@@ -88,8 +89,7 @@ def test_correct_bf16_setup_numbers_and_silence():
 def test_correct_fp16_setup_with_amp_fx_scaler_says_nothing():
     inner = _model()
     model = amp_fx.compile(inner, dtype="fp16", backend="aot_eager")
-    report, said = _quiet(lambda: amp_fx.precision_report(model, _stepped(inner),
-                                                           scaler=amp_fx.GradScaler("cpu")))
+    report, said = _quiet(lambda: amp_fx.precision_report(model, _stepped(inner), scaler=amp_fx.GradScaler("cpu")))
     assert said == [] and report.downgrades == {}
     assert "scaling the loss" in report.row("loss scaling").note
 
@@ -109,10 +109,10 @@ def test_weight_cache_bytes_are_the_cached_copies():
 
 # --- each planted downgrade: warns once (name + fix), raises when strict; its twin is silent ------
 
+
 def _bf16_parameters():
     inner = _model(torch.bfloat16)
-    return dict(model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False),
-                optimizer=_stepped(inner))
+    return dict(model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False), optimizer=_stepped(inner))
 
 
 def _bf16_state_only():
@@ -126,14 +126,16 @@ def _bf16_state_only():
 
 def _torch_scaler_with_bf16():
     inner = _model()
-    return dict(model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False),
-                scaler=torch.amp.GradScaler("cpu"))
+    return dict(
+        model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False), scaler=torch.amp.GradScaler("cpu")
+    )
 
 
 def _amp_fx_dynamic_scaler_with_bf16():
     inner = _model()
-    return dict(model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False),
-                scaler=amp_fx.GradScaler("cpu"))
+    return dict(
+        model=amp_fx.compile(inner, dtype="bf16", backend="aot_eager", strict=False), scaler=amp_fx.GradScaler("cpu")
+    )
 
 
 def _fp16_no_scaler():
@@ -141,13 +143,17 @@ def _fp16_no_scaler():
 
 
 def _fp16_check_only_scaler():
-    return dict(model=amp_fx.compile(_model(), dtype="fp16", backend="aot_eager", strict=False),
-                scaler=amp_fx.GradScaler("cpu", mode=amp_fx.ScalerMode.CHECK_ONLY))
+    return dict(
+        model=amp_fx.compile(_model(), dtype="fp16", backend="aot_eager", strict=False),
+        scaler=amp_fx.GradScaler("cpu", mode=amp_fx.ScalerMode.CHECK_ONLY),
+    )
 
 
 PLANTED = {
-    "bf16 parameters": (_bf16_parameters, {Downgrade.MASTER_WEIGHTS_16BIT: "model.float()",
-                                           Downgrade.OPTIMIZER_STATE_16BIT: "exp_avg"}),
+    "bf16 parameters": (
+        _bf16_parameters,
+        {Downgrade.MASTER_WEIGHTS_16BIT: "model.float()", Downgrade.OPTIMIZER_STATE_16BIT: "exp_avg"},
+    ),
     "bf16 optimizer state": (_bf16_state_only, {Downgrade.OPTIMIZER_STATE_16BIT: "exp_avg_sq"}),
     "torch scaler with bf16": (_torch_scaler_with_bf16, {Downgrade.SCALER_WITH_BF16: "ScalerMode.CHECK_ONLY"}),
     "amp_fx scaler with bf16": (_amp_fx_dynamic_scaler_with_bf16, {Downgrade.SCALER_WITH_BF16: "Drop the scaler"}),
@@ -211,6 +217,7 @@ def test_dtype_given_for_a_plain_module():
 
 # --- FSDP2's reduce_dtype, on the policy objects (no ranks) ---------------------------------------
 
+
 @needs_fsdp
 @pytest.mark.parametrize("param_dtype", [None, torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16, torch.float32])
@@ -236,8 +243,11 @@ def test_fsdp2_reduce_dtype_set_on_the_blocks_only_is_named():
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    units = [FsdpUnit("layers.0", mp, ((300, torch.float32),)), FsdpUnit("layers.1", mp, ((300, torch.float32),)),
-             FsdpUnit("<root>", root, ((100, torch.float32),))]
+    units = [
+        FsdpUnit("layers.0", mp, ((300, torch.float32),)),
+        FsdpUnit("layers.1", mp, ((300, torch.float32),)),
+        FsdpUnit("<root>", root, ((100, torch.float32),)),
+    ]
     rows, message = fsdp2_rows(units, 700)
     assert "fully_shard(<root>) reduces in bfloat16" in message
     assert "layers.0" not in message and "root's included" in message
@@ -264,13 +274,15 @@ def test_fsdp2_reduce_dtype_without_param_dtype_is_applied():
 
 # --- the compiled step's own report ----------------------------------------------------------------
 
+
 def test_compiled_step_report_and_its_scaler_downgrade():
     """compile_step(dtype="bf16") given a loss-scaling amp_fx.GradScaler: its report names it (once
     per step); the loss of the last call and AdamW's state are read from the step."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = amp_fx.compile_step(model, opt, F.mse_loss, dtype="bf16", backend="aot_eager", strict=False,
-                               scaler=amp_fx.GradScaler("cpu"))
+    step = amp_fx.compile_step(
+        model, opt, F.mse_loss, dtype="bf16", backend="aot_eager", strict=False, scaler=amp_fx.GradScaler("cpu")
+    )
     step(torch.randn(4, 8), torch.randn(4, 4))
     report, said = _quiet(step.precision_report)
     assert set(report.downgrades) == {Downgrade.SCALER_WITH_BF16}

@@ -42,8 +42,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # tensorwise: torchtitan's converter builds it (its Config types only the rowwise recipes, but passes
 # any torchao recipe name on), and amp_fx's rowwise on tp 2 raises on gloo (docs/torchtitan.md).
 # One layer and 2 steps: the CPU's _scaled_mm reference kernel is slow (docs/torchtitan.md).
-FP8_CASES = [("dp", "rowwise", "bfloat16"), ("dp", "rowwise", "float32"), ("dp", "rowwise_with_gw_hp", "bfloat16"),
-             ("tp", "tensorwise", "bfloat16")]
+FP8_CASES = [
+    ("dp", "rowwise", "bfloat16"),
+    ("dp", "rowwise", "float32"),
+    ("dp", "rowwise_with_gw_hp", "bfloat16"),
+    ("tp", "tensorwise", "bfloat16"),
+]
 FP8_STEPS = 2
 
 
@@ -76,12 +80,17 @@ def _train(rank: int, layout: str, dtype: str, form: str) -> dict:
     if dtype == "fp16":
         scaler = amp_fx.GradScaler("cpu") if form == "amp_fx" else ShardedGradScaler("cpu")
     autocast = functools.partial(torch.autocast, "cpu", dtype=_DTYPES[dtype]) if form == "eager" else None
-    return _steps(model, data_rank=rank // LAYOUTS[layout].get("tp", 1), steps=STEPS, autocast=autocast,
-                  scaler=scaler)
+    return _steps(model, data_rank=rank // LAYOUTS[layout].get("tp", 1), steps=STEPS, autocast=autocast, scaler=scaler)
 
 
-def _steps(model: torch.nn.Module, *, data_rank: int, steps: int,
-           autocast: Callable[[], contextlib.AbstractContextManager] | None, scaler: Any = None) -> dict:
+def _steps(
+    model: torch.nn.Module,
+    *,
+    data_rank: int,
+    steps: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None,
+    scaler: Any = None,
+) -> dict:
     """``steps`` AdamW steps of cross-entropy over random tokens seeded by ``data_rank``, the
     forward under ``autocast()`` where given; the losses, loss scales, the last step's
     local gradients, the parameters after it and the amp_fx warnings."""
@@ -113,9 +122,13 @@ def _steps(model: torch.nn.Module, *, data_rank: int, steps: int,
                 scaler.update()
                 scales.append(scaler.get_scale())
             losses.append(loss.detach())
-    return {"losses": torch.stack(losses), "scales": torch.tensor(scales), "grads": grads,
-            "params": {n: _local(p.detach()).clone() for n, p in model.named_parameters()},
-            "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)]}
+    return {
+        "losses": torch.stack(losses),
+        "scales": torch.tensor(scales),
+        "grads": grads,
+        "params": {n: _local(p.detach()).clone() for n, p in model.named_parameters()},
+        "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+    }
 
 
 def _train_fp8(rank: int, layout: str, recipe: str, param_dtype: str, form: str) -> dict:
@@ -134,11 +147,20 @@ def _train_fp8(rank: int, layout: str, recipe: str, param_dtype: str, form: str)
         # on tp: amp_fx reports that sequence parallelism gathers activations before their fp8 cast (the test reads it)
         strict = False if layout == "tp" else None
         config = AmpFxTitanConfig(dtype="bf16", fp8=recipe, backend="aot_eager", strict=strict)
-        model = cpu_debugmodel(n_layers=1, param_dtype=param_dtype,
-                               parallelize_fn=amp_fx_parallelize(parallelize_llama, config), **LAYOUTS[layout])
+        model = cpu_debugmodel(
+            n_layers=1,
+            param_dtype=param_dtype,
+            parallelize_fn=amp_fx_parallelize(parallelize_llama, config),
+            **LAYOUTS[layout],
+        )
     result = _steps(model, data_rank=rank // LAYOUTS[layout].get("tp", 1), steps=FP8_STEPS, autocast=autocast)
-    result["linear_types"] = sorted({type(m).__name__ for m in model.modules()  # the layers that own a weight
-                                     if "Linear" in type(m).__name__ and "weight" in m._parameters})
+    result["linear_types"] = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()  # the layers that own a weight
+            if "Linear" in type(m).__name__ and "weight" in m._parameters
+        }
+    )
     return result
 
 
@@ -152,8 +174,13 @@ def _torchao_under_cpu_autocast() -> Iterator[None]:
 
 def titan_fp8(rank: int, world_size: int) -> dict:
     """Every fp8 case on this rank, keyed (layout, recipe, param_dtype, form); errors held as in titan_all."""
-    return _each({(*case, form): functools.partial(_train_fp8, rank, *case, form)
-                  for case in FP8_CASES for form in ("torchtitan", "amp_fx")})
+    return _each(
+        {
+            (*case, form): functools.partial(_train_fp8, rank, *case, form)
+            for case in FP8_CASES
+            for form in ("torchtitan", "amp_fx")
+        }
+    )
 
 
 def _each(runs: dict) -> dict:
@@ -169,5 +196,6 @@ def _each(runs: dict) -> dict:
 def titan_all(rank: int, world_size: int) -> dict:
     """Every case of this world size on this rank; a case that raised holds its error (so the
     others still run)."""
-    return _each({case: functools.partial(_train, rank, *case)
-                  for case in CASES if world_size_of(case[0]) == world_size})
+    return _each(
+        {case: functools.partial(_train, rank, *case) for case in CASES if world_size_of(case[0]) == world_size}
+    )

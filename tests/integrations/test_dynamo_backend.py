@@ -62,8 +62,10 @@ def _installed_here() -> bool:
 
 def test_installed_distribution_declares_the_entry_points():
     if not _installed_here():
-        pytest.skip("the installed amp_fx distribution is another checkout's (no torch_dynamo_backends entry "
-                    "points); `pip install -e .` of this one declares them")
+        pytest.skip(
+            "the installed amp_fx distribution is another checkout's (no torch_dynamo_backends entry "
+            "points); `pip install -e .` of this one declares them"
+        )
     eps = {e.name: e.value for e in importlib.metadata.entry_points(group=GROUP) if e.name.startswith("amp_fx")}
     assert eps == _declared()
 
@@ -85,18 +87,25 @@ def _steps(build, compiled_by, *, dtype=torch.bfloat16, ambient=False):
     return got, ref
 
 
-CASES = {"mlp": zoo.ZOO["mlp"].build, "tied_embedding": zoo.ZOO["tied_embedding"].build,
-         "rmsnorm": zoo.ZOO["rmsnorm"].build, "cnn_bn": zoo.ZOO["cnn_bn"].build,
-         "transformer_lm": zoo.transformer_lm}
+CASES = {
+    "mlp": zoo.ZOO["mlp"].build,
+    "tied_embedding": zoo.ZOO["tied_embedding"].build,
+    "rmsnorm": zoo.ZOO["rmsnorm"].build,
+    "cnn_bn": zoo.ZOO["cnn_bn"].build,
+    "transformer_lm": zoo.transformer_lm,
+}
 
 
 @pytest.mark.slow_cases
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("name", "options", "dtype"), [
-    ("amp_fx", EAGER, torch.bfloat16),
-    ("amp_fx", {**EAGER, "dtype": "fp16"}, torch.float16),
-    ("amp_fx_fp16", EAGER, torch.float16),
-])
+@pytest.mark.parametrize(
+    ("name", "options", "dtype"),
+    [
+        ("amp_fx", EAGER, torch.bfloat16),
+        ("amp_fx", {**EAGER, "dtype": "fp16"}, torch.float16),
+        ("amp_fx_fp16", EAGER, torch.float16),
+    ],
+)
 def test_bitwise_with_eager_autocast_and_amp_fx_compile(case, name, options, dtype):
     got, ref = _steps(CASES[case], lambda m: torch.compile(m, backend=name, options=dict(options)), dtype=dtype)
     assert_bitwise(got, ref, f"{name} {case}")
@@ -106,8 +115,12 @@ def test_bitwise_with_eager_autocast_and_amp_fx_compile(case, name, options, dty
 
 
 def test_dtype_follows_the_ambient_autocast():
-    got, ref = _steps(CASES["mlp"], lambda m: torch.compile(m, backend="amp_fx", options=dict(EAGER)),
-                      dtype=torch.float16, ambient=True)
+    got, ref = _steps(
+        CASES["mlp"],
+        lambda m: torch.compile(m, backend="amp_fx", options=dict(EAGER)),
+        dtype=torch.float16,
+        ambient=True,
+    )
     assert got.out.dtype is torch.float16
     assert_bitwise(got, ref)
 
@@ -156,8 +169,9 @@ def test_keep_fp32_names_are_under_the_compiled_module(keep):
     (out): kept in fp32 exactly as amp_fx.compile keeps them, and not what the default policy gives."""
     policy = Policy(keep_fp32=(keep,))
     with pytest.warns(AmpFxWarning, match="graph break"):  # outside autocast: said once
-        got, _ = _steps(_outer, lambda m: torch.compile(
-            m, backend="amp_fx", options={**EAGER, "policy": policy, "strict": False}))
+        got, _ = _steps(
+            _outer, lambda m: torch.compile(m, backend="amp_fx", options={**EAGER, "policy": policy, "strict": False})
+        )
     torch._dynamo.reset()
     via_compile, _ = _steps(_outer, lambda m: amp_fx.compile(m, policy=policy, backend="aot_eager"))
     torch._dynamo.reset()
@@ -221,13 +235,16 @@ def test_unused_policy_entry_is_reported_once_and_strict_raises():
     assert isinstance(info.value.inner_exception, AmpFxError)
 
 
-@pytest.mark.parametrize(("options", "match"), [
-    ({"dtyp": "fp16"}, r"unknown option\(s\) \['dtyp'\].*dtype:"),
-    ({"dtype": "fp8"}, "unknown dtype 'fp8'"),
-    ({"backend": "no_such_backend"}, "unknown backend 'no_such_backend'"),
-    ({"policy": Policy(keep_fp32=("fc9",))}, "keep_fp32 names submodule 'fc9'"),
-    ({"backend": "aot_eager", "inductor": {"max_autotune": True}}, "inductor options"),
-])
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"dtyp": "fp16"}, r"unknown option\(s\) \['dtyp'\].*dtype:"),
+        ({"dtype": "fp8"}, "unknown dtype 'fp8'"),
+        ({"backend": "no_such_backend"}, "unknown backend 'no_such_backend'"),
+        ({"policy": Policy(keep_fp32=("fc9",))}, "keep_fp32 names submodule 'fc9'"),
+        ({"backend": "aot_eager", "inductor": {"max_autotune": True}}, "inductor options"),
+    ],
+)
 def test_bad_options_raise_naming_the_problem(options, match):
     model, inputs, _ = zoo.ZOO["mlp"].build()
     with pytest.raises(Exception, match=match):

@@ -17,8 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(script: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AMP_FX_STRICT": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -32,8 +38,10 @@ def _needs(module: str, extra: str) -> None:
 def test_torch_compile_backend_example():
     eps = {e.name: e.value for e in importlib.metadata.entry_points(group="torch_dynamo_backends")}
     if eps.get("amp_fx") != "amp_fx.integrations.dynamo_backend:amp_fx_backend":
-        pytest.skip("the installed amp_fx declares no torch_dynamo_backends entry points (another checkout's "
-                    "install); `pip install -e .` of this one does")
+        pytest.skip(
+            "the installed amp_fx declares no torch_dynamo_backends entry points (another checkout's "
+            "install); `pip install -e .` of this one does"
+        )
     assert "bitwise equal to eager torch.autocast (output and gradients): True" in _run("torch_compile_backend.py")
 
 

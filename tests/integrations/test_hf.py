@@ -36,16 +36,34 @@ def _tokens() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _train(model: torch.nn.Module, *, trainer_cls=transformers.Trainer, evaluate: bool = False,
-           save: bool = False, trainer_kwargs=None, **args) -> dict[str, object]:
+def _train(
+    model: torch.nn.Module,
+    *,
+    trainer_cls=transformers.Trainer,
+    evaluate: bool = False,
+    save: bool = False,
+    trainer_kwargs=None,
+    **args,
+) -> dict[str, object]:
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as out:
         targs = transformers.TrainingArguments(
-            output_dir=out, per_device_train_batch_size=2, max_steps=STEPS, report_to=[], use_cpu=True,
-            logging_steps=1, save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
-            per_device_eval_batch_size=2, **args)
-        trainer = trainer_cls(model=model, args=targs, train_dataset=_tokens(), eval_dataset=_tokens(),
-                              **(trainer_kwargs or {}))
+            output_dir=out,
+            per_device_train_batch_size=2,
+            max_steps=STEPS,
+            report_to=[],
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+            disable_tqdm=True,
+            per_device_eval_batch_size=2,
+            **args,
+        )
+        trainer = trainer_cls(
+            model=model, args=targs, train_dataset=_tokens(), eval_dataset=_tokens(), **(trainer_kwargs or {})
+        )
         trainer.train()
         result: dict[str, object] = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
@@ -108,10 +126,18 @@ def test_accelerate_bf16_autocast_around_amp_fx_keeps_amp_fx_policy():
 def test_amp_fx_trainer_fp16_with_amp_fx_grad_scaler(init_scale):
     """AmpFxTrainer(fp16=True) scales with amp_fx.GradScaler: bitwise with accelerate's recipe around
     the eager model and torch.amp.GradScaler (2**40 overflows fp16: steps skipped, scale backed off)."""
-    ref = _train(_model(), trainer_cls=AmpFxTrainer, fp16=True,
-                 trainer_kwargs={"scaler": torch.amp.GradScaler("cpu", init_scale=init_scale)})
-    got = _train(_amp("fp16"), trainer_cls=AmpFxTrainer, fp16=True,
-                 trainer_kwargs={"scaler": amp_fx.GradScaler("cpu", init_scale=init_scale)})
+    ref = _train(
+        _model(),
+        trainer_cls=AmpFxTrainer,
+        fp16=True,
+        trainer_kwargs={"scaler": torch.amp.GradScaler("cpu", init_scale=init_scale)},
+    )
+    got = _train(
+        _amp("fp16"),
+        trainer_cls=AmpFxTrainer,
+        fp16=True,
+        trainer_kwargs={"scaler": amp_fx.GradScaler("cpu", init_scale=init_scale)},
+    )
     assert_bitwise(got["params"], ref["params"])
     assert_bitwise(got["losses"], ref["losses"])
     theirs = {k: v for k, v in got["scaler"].items() if k != "amp_fx"}

@@ -56,9 +56,16 @@ def _data() -> torch.utils.data.DataLoader:
 
 
 def _fit(model: pl.LightningModule, **trainer_kwargs) -> tuple[dict[str, torch.Tensor], pl.Trainer]:
-    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
-                         **trainer_kwargs)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        **trainer_kwargs,
+    )
     trainer.fit(model, _data())
     return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer
 
@@ -94,8 +101,10 @@ def test_weight_used_twice_needs_cast_cache_off_to_match_lightning():
     """Lightning's autocast has cache_enabled=False (one cast per use): Policy(cast_cache=False) is
     bitwise with it; amp_fx's default (one shared cast, as eager torch.autocast) is not."""
     ref, _ = _fit(_Net(reuse=True), plugins=[MixedPrecision("16-mixed", "cpu")])
-    matched, _ = _fit(_Net(reuse=True), plugins=[
-        AmpFxPrecision(dtype="fp16", backend="aot_eager", policy=amp_fx.Policy(cast_cache=False))])
+    matched, _ = _fit(
+        _Net(reuse=True),
+        plugins=[AmpFxPrecision(dtype="fp16", backend="aot_eager", policy=amp_fx.Policy(cast_cache=False))],
+    )
     assert_bitwise(matched, ref)
     shared, _ = _fit(_Net(reuse=True), plugins=[AmpFxPrecision(dtype="fp16", backend="aot_eager")])
     assert not torch.equal(shared["fc1.weight"], ref["fc1.weight"])

@@ -41,8 +41,10 @@ from amp_fx.testing.torchtitan import trainer_config_fields  # noqa: E402
 from tests.integrations._dist_titan_cases import CASES, titan_all, world_size_of  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.slow,
 ]
 
@@ -130,8 +132,7 @@ def _documented_command() -> tuple[str, list[str]]:
     """docs/torchtitan.md's config module (the block that starts ``# my_configs.py``) and the
     arguments its command gives ``torchtitan.train``."""
     text = _DOCS.read_text()
-    module = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
-                  if b.startswith("# my_configs.py"))
+    module = next(b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if b.startswith("# my_configs.py"))
     command = next(line for line in text.splitlines() if "-m torchtitan.train" in line)
     return module, command.split("-m torchtitan.train", 1)[1].split()
 
@@ -139,8 +140,13 @@ def _documented_command() -> tuple[str, list[str]]:
 def _parse(tmp_path: Path, module: str, *arg_lists: list[str]) -> list[dict]:
     """What ``ConfigManager().parse_args`` makes of each argument list, in one fresh process."""
     (tmp_path / "my_configs.py").write_text(module)
-    done = subprocess.run([sys.executable, "-c", _PARSE, str(tmp_path), json.dumps(arg_lists)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(
+        [sys.executable, "-c", _PARSE, str(tmp_path), json.dumps(arg_lists)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -154,12 +160,20 @@ def test_the_documented_command_parses_into_amp_fxs_config(tmp_path):
     with a typo gets torchtitan's error, which lists the module's config functions."""
     module, args = _documented_command()
     assert args[:2] == ["--module", "my_configs"], args
-    config, overridden, typo = _parse(tmp_path, module, args, [*args, "--training.mixed_precision_param", "bfloat16"],
-                                      [a + "x" if a == args[-1] else a for a in args])
-    assert config == {"parallelize_fn": "amp_fx/integrations/torchtitan.py",  # functools.wraps hides the name
-                      "wraps": "torchtitan.models.llama3.parallelize.parallelize_llama",
-                      "mixed_precision_param": "float32", "compile_components": ["loss"],
-                      "loss": "CrossEntropyLoss.Config"}, config
+    config, overridden, typo = _parse(
+        tmp_path,
+        module,
+        args,
+        [*args, "--training.mixed_precision_param", "bfloat16"],
+        [a + "x" if a == args[-1] else a for a in args],
+    )
+    assert config == {
+        "parallelize_fn": "amp_fx/integrations/torchtitan.py",  # functools.wraps hides the name
+        "wraps": "torchtitan.models.llama3.parallelize.parallelize_llama",
+        "mixed_precision_param": "float32",
+        "compile_components": ["loss"],
+        "loss": "CrossEntropyLoss.Config",
+    }, config
     assert overridden["mixed_precision_param"] == "bfloat16"
     assert "error" in typo and f"'{args[-1]}x' not found" in typo["error"], typo
     assert f"'{args[-1]}'" in typo["error"]  # the available config functions are listed
@@ -216,8 +230,11 @@ def test_with_amp_fx_refuses_pipeline_parallelism_and_torchtitans_float8(monkeyp
 def _parallelize_args(*, pp: bool = False, param: str = "float32") -> dict:
     from torchtitan.config import CompileConfig, TrainingConfig
 
-    return {"parallel_dims": SimpleNamespace(pp_enabled=pp), "compile_config": CompileConfig(),
-            "training": TrainingConfig(mixed_precision_param=param)}
+    return {
+        "parallel_dims": SimpleNamespace(pp_enabled=pp),
+        "compile_config": CompileConfig(),
+        "training": TrainingConfig(mixed_precision_param=param),
+    }
 
 
 def test_amp_fx_parallelize_refuses_what_it_cannot_do():
@@ -246,7 +263,8 @@ def test_lm_head_called_outside_the_model_is_named():
     x = torch.randn(4, 8)
     for strict in (False, True):
         model = amp_fx_parallelize(lambda m, **kw: m, AmpFxTitanConfig(dtype="bf16", backend="eager", strict=strict))(
-            _SkipsLmHead(), **_parallelize_args())
+            _SkipsLmHead(), **_parallelize_args()
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert model(x).dtype == torch.bfloat16  # lm_head inside: nothing said

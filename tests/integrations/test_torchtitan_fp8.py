@@ -20,8 +20,10 @@ from amp_fx.testing.fp8_reference import torchao_missing  # noqa: E402
 from tests.integrations._dist_titan_cases import FP8_CASES, titan_fp8  # noqa: E402
 
 pytestmark = [
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.skipif(torchao_missing() is not None, reason=f"torchtitan's float8 converter: {torchao_missing()}"),
     pytest.mark.slow,
 ]

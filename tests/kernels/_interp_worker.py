@@ -79,8 +79,13 @@ def _run(case: _unscale_cases.Case, variant: str) -> dict[str, Any]:
         unscale.unscale_check_(grads, found_inf, inv_scale, flags=flags)
     elif variant == "small_norm_flags":
         sum_sq = triton_unscale.launch_unscale_check(
-            grads, found_inf, inv_scale, compute_norm=True, flags=flags,
-            block=_unscale_cases.SMALL_BLOCK, chunk=_unscale_cases.SMALL_CHUNK,
+            grads,
+            found_inf,
+            inv_scale,
+            compute_norm=True,
+            flags=flags,
+            block=_unscale_cases.SMALL_BLOCK,
+            chunk=_unscale_cases.SMALL_CHUNK,
         )
     elif variant == "op_check":
         unscale.unscale_check_(grads, found_inf, inv_scale)

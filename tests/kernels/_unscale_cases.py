@@ -30,6 +30,7 @@ def launch_sizes(variant: str) -> tuple[int, int]:
         return SMALL_BLOCK, SMALL_CHUNK
     return triton_unscale.BLOCK, triton_unscale.CHUNK
 
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Sizes: empty, one element, one either side of a 128-element tile, across a 512 chunk and the
@@ -149,6 +150,7 @@ def all_cases() -> list[Case]:
             cases.append(Case(f"{d}-{layout}-none", dtype, layout, "none", 1.0 / 3.0))
         cases.append(Case(f"{d}-strided-inf_first", dtype, "strided", "inf_first", 2.0**-16))
     # A flag already raised stays exactly 1.0 when nothing new is found.
-    cases.append(Case("float32-awkward-none-found_inf_1", torch.float32, "awkward", "none",
-                      2.0**-16, found_inf_start=1.0))
+    cases.append(
+        Case("float32-awkward-none-found_inf_1", torch.float32, "awkward", "none", 2.0**-16, found_inf_start=1.0)
+    )
     return cases

@@ -37,9 +37,7 @@ def assert_same_as_torch(
         exp_bits = exp.contiguous().view(_INT_VIEW[exp.dtype])[keep]
         assert torch.equal(out_bits, exp_bits), f"grads[{i}]: sign of zero differs from torch"
     assert found_inf.item() in (0.0, 1.0), f"found_inf = {found_inf.item()}, not exactly 0 or 1"
-    assert torch.equal(found_inf, expected_found), (
-        f"found_inf {found_inf.item()} != torch's {expected_found.item()}"
-    )
+    assert torch.equal(found_inf, expected_found), f"found_inf {found_inf.item()} != torch's {expected_found.item()}"
     return expected
 
 

@@ -54,9 +54,7 @@ _LADDER = [
 
 
 @pytest.mark.slow_cases
-@pytest.mark.parametrize(
-    "backend, fn", _LADDER, ids=[f"{b}-{f.__name__.strip('_')}" for b, f in _LADDER]
-)
+@pytest.mark.parametrize("backend, fn", _LADDER, ids=[f"{b}-{f.__name__.strip('_')}" for b, f in _LADDER])
 def test_compiles_without_graph_break(
     backend: str, fn: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
 ) -> None:

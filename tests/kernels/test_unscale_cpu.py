@@ -73,8 +73,14 @@ def test_cpu_path_per_tensor_flags(monkeypatch: pytest.MonkeyPatch, case: Case, 
 def test_flags_follow_gradient_order_across_dtype_groups(fn: object) -> None:
     """Mixed dtypes run one kernel per dtype; each flag still lands at its gradient's index, and
     flags already raised stay raised."""
-    grads = [torch.ones(3), torch.ones(5, dtype=torch.float16), torch.ones(4), torch.ones(0),
-             torch.ones(2, dtype=torch.bfloat16), torch.ones(7, dtype=torch.float16)]
+    grads = [
+        torch.ones(3),
+        torch.ones(5, dtype=torch.float16),
+        torch.ones(4),
+        torch.ones(0),
+        torch.ones(2, dtype=torch.bfloat16),
+        torch.ones(7, dtype=torch.float16),
+    ]
     grads[1][2] = float("inf")
     grads[2][0] = float("nan")
     grads[4][1] = float("-inf")
@@ -98,9 +104,7 @@ def test_flags_of_wrong_shape_are_refused() -> None:
     [c for c in _CASES if c.inject == "all" or c.layout != "awkward"],
     ids=lambda c: c.name,
 )
-def test_cpu_path_cache_blocking(
-    monkeypatch: pytest.MonkeyPatch, case: Case, cache_chunk: int
-) -> None:
+def test_cpu_path_cache_blocking(monkeypatch: pytest.MonkeyPatch, case: Case, cache_chunk: int) -> None:
     """Small cache chunks split the 2049-element tensor and group the small ones into batches."""
     monkeypatch.setattr(cpu_unscale, "_CACHE_CHUNK", cache_chunk)
     _run_cpu(case, with_norm=True)
@@ -136,7 +140,9 @@ def test_public_api_mixed_dtypes_one_call() -> None:
     expected = assert_same_as_torch(inputs, grads, found_inf, 0.0, 2.0**-16)
     n = sum(g.numel() for g in grads)
     torch.testing.assert_close(
-        sum_sq.to(torch.float64), reference_sum_of_squares_fp64(expected), atol=0,
+        sum_sq.to(torch.float64),
+        reference_sum_of_squares_fp64(expected),
+        atol=0,
         rtol=_cpu_rtol(n),
     )
 

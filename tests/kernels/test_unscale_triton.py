@@ -56,7 +56,10 @@ def test_triton_matches_torch(interpreted: dict[str, Any], case: Case, variant: 
     # The worker must have unscaled the tensors it was given (same strides), not copies.
     assert result["strides"] == [g.stride() for g in case.grads()]
     expected = assert_same_as_torch(
-        result["inputs"], result["outputs"], result["found_inf"], case.found_inf_start,
+        result["inputs"],
+        result["outputs"],
+        result["found_inf"],
+        case.found_inf_start,
         case.inv_scale,
     )
     if variant.endswith("norm"):
@@ -72,7 +75,8 @@ def test_triton_per_tensor_flags(interpreted: dict[str, Any], case: Case, varian
     recording them changes nothing else: values, found_inf and the norm stay torch's."""
     result = interpreted["cases"][(case.name, variant)]
     expected = assert_same_as_torch(
-        result["inputs"], result["outputs"], result["found_inf"], case.found_inf_start, case.inv_scale)
+        result["inputs"], result["outputs"], result["found_inf"], case.found_inf_start, case.inv_scale
+    )
     torch.testing.assert_close(result["flags"], reference_flags(result["inputs"]), rtol=0, atol=0)
     if variant.endswith("norm_flags"):
         assert_sum_sq_close(result["sum_sq"], expected, rtol=sum_sq_rtol(*launch_sizes(variant)))
@@ -136,8 +140,11 @@ def test_chunk_table_is_built_without_reading_a_tensor() -> None:
     with HostSyncCounter() as syncs:
         table = triton_unscale._chunk_table_host(addresses, numels, owners, element_size, chunk)
     assert (syncs.count, syncs.in_cpu_kernels) == (0, 0), syncs.names + syncs.in_kernel_names
-    expected = [[a + start * element_size, min(chunk, n - start), o]
-                for a, n, o in zip(addresses, numels, owners) for start in range(0, n, chunk)]
+    expected = [
+        [a + start * element_size, min(chunk, n - start), o]
+        for a, n, o in zip(addresses, numels, owners)
+        for start in range(0, n, chunk)
+    ]
     assert table.tolist() == expected
 
 
@@ -151,16 +158,21 @@ class _RecordingKernel:
         def launch(table: torch.Tensor, *args: Any, SPAN: int, **kwargs: Any) -> None:  # noqa: N803
             assert grid == (table.shape[0],)
             self.launches.append((table, SPAN))
+
         return launch
 
 
 def _rows(grads: list[torch.Tensor], chunk: int) -> list[list[int]]:
-    return [[g.data_ptr() + start * g.element_size(), min(chunk, g.numel() - start), i]
-            for i, g in enumerate(grads) for start in range(0, g.numel(), chunk)]
+    return [
+        [g.data_ptr() + start * g.element_size(), min(chunk, g.numel() - start), i]
+        for i, g in enumerate(grads)
+        for start in range(0, g.numel(), chunk)
+    ]
 
 
 def test_launch_plan_is_reused_while_addresses_hold_and_rebuilt_when_one_changes(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The launcher keeps its chunk table between calls (no table built, no copy queued in the
     steady state of a step). The table holds addresses, so it must be rebuilt whenever a gradient
     moves (a new allocation), changes size, or is read at the same address in another dtype (the

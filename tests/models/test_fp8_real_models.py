@@ -40,8 +40,7 @@ from amp_fx.testing.fp8_reference import (
 from amp_fx.testing.real_models import REAL_MODELS
 from tests.inspect.test_advise import _amp_fx_error
 
-pytestmark = [pytest.mark.models,
-              pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))]
+pytestmark = [pytest.mark.models, pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))]
 
 # The state-space models (traced_path set) are the tier's for amp_fx.compile (test_real_models.py);
 # fp8 on them is not compared here.
@@ -56,11 +55,20 @@ _NO_ROWWISE = rowwise_scales_missing("cpu")  # torch 2.11's CPU _scaled_mm: per-
 
 
 def _cases() -> list[object]:
-    return [pytest.param(n, r, id=f"{n}-{r}", marks=[
-        *(() if (n, r) in _DEFAULT else (pytest.mark.models_slow,)),
-        *((pytest.mark.xdist_group(f"fp8_{n}"),) if n in _SHARED and r == "tensorwise" else ()),
-        pytest.mark.skipif(r != "tensorwise" and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE))])
-        for n in TRANSFORMERS for r in RECIPES]
+    return [
+        pytest.param(
+            n,
+            r,
+            id=f"{n}-{r}",
+            marks=[
+                *(() if (n, r) in _DEFAULT else (pytest.mark.models_slow,)),
+                *((pytest.mark.xdist_group(f"fp8_{n}"),) if n in _SHARED and r == "tensorwise" else ()),
+                pytest.mark.skipif(r != "tensorwise" and _NO_ROWWISE is not None, reason=str(_NO_ROWWISE)),
+            ],
+        )
+        for n in TRANSFORMERS
+        for r in RECIPES
+    ]
 
 
 def _without_twin(model: torch.nn.Module) -> tuple[type, ...]:
@@ -68,10 +76,18 @@ def _without_twin(model: torch.nn.Module) -> tuple[type, ...]:
     ``linear_twin`` replaces) nor ``nn.Embedding``: Mixtral's router, an ``F.linear`` on its own
     weight (``N=4``: in fp8, padded, since every size runs in fp8), which torchao cannot convert.
     Kept out of fp8 for the comparison with torchao on the same layers."""
-    return tuple(sorted({type(m) for m in model.modules()
-                         if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
-                         and type(m).__name__ != "Conv1D"
-                         and any(p.dim() == 2 for p in m.parameters(recurse=False))}, key=str))
+    return tuple(
+        sorted(
+            {
+                type(m)
+                for m in model.modules()
+                if not isinstance(m, (torch.nn.Linear, torch.nn.Embedding))
+                and type(m).__name__ != "Conv1D"
+                and any(p.dim() == 2 for p in m.parameters(recurse=False))
+            },
+            key=str,
+        )
+    )
 
 
 def _twin_policy(entry: Any, model: torch.nn.Module) -> amp_fx.Policy:
@@ -102,8 +118,15 @@ def _compiled_once(name: str, recipe: str) -> dict[str, Any]:
         loss_fn(compiled(**inputs)).backward()
     for p in ours.parameters():
         p.grad = None
-    return {"model": model, "inputs": inputs, "loss_fn": loss_fn, "ours": ours, "compiled": compiled,
-            "caught": caught, "start": copy.deepcopy(ours.state_dict())}
+    return {
+        "model": model,
+        "inputs": inputs,
+        "loss_fn": loss_fn,
+        "ours": ours,
+        "compiled": compiled,
+        "caught": caught,
+        "start": copy.deepcopy(ours.state_dict()),
+    }
 
 
 def _compiled(name: str, recipe: str = "tensorwise") -> dict[str, Any]:
@@ -151,8 +174,9 @@ def test_fp8_bitwise_with_torchao_converting_the_same_layers(name: str, recipe: 
 
     assert_bitwise(loss.detach(), loss_ref.detach(), f"{name} fp8={recipe}: loss")
     conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref),
-                   f"{name} fp8={recipe}: grads")
+    assert_bitwise(
+        {n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref), f"{name} fp8={recipe}: grads"
+    )
     assert flops.fp8_share == ref_flops.fp8_share, (flops, ref_flops)
     assert flops.unaligned == 0, flops  # every _scaled_mm as a GPU takes it (padded where needed)
 
@@ -187,8 +211,9 @@ _MX_DEFAULT = {"hf_convnext"}
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here")
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in _MX_DEFAULT else pytest.mark.models_slow)
-                                  for n in TRANSFORMERS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in _MX_DEFAULT else pytest.mark.models_slow) for n in TRANSFORMERS]
+)
 def test_mxfp8_bitwise_with_torchao_emulated_on_the_same_layers(name: str) -> None:
     """``fp8="mxfp8"``: one forward and backward, loss and every gradient bitwise with torchao's
     emulated MXFP8 linear (``torchao_mxfp8``: ``_to_mxfp8_then_scaled_mm(..., EMULATED, RCEIL)`` on
@@ -206,8 +231,9 @@ def test_mxfp8_bitwise_with_torchao_emulated_on_the_same_layers(name: str) -> No
     loss = loss_fn(compiled(**inputs))
     loss.backward()
 
-    converted = {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions
-                 if d.converted}
+    converted = {
+        d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions if d.converted
+    }
     twin = linear_twin(model)
     assert converted == {n for n, m in twin.named_modules() if isinstance(m, torch.nn.Linear)}
     ref = torchao_mxfp8(twin, lambda m, fqn: fqn in converted, pad=True)
@@ -215,8 +241,7 @@ def test_mxfp8_bitwise_with_torchao_emulated_on_the_same_layers(name: str) -> No
         loss_ref = loss_fn(ref(**inputs))
     loss_ref.backward()
     assert_bitwise(loss.detach(), loss_ref.detach(), f"{name} fp8=mxfp8: loss")
-    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref),
-                   f"{name} fp8=mxfp8: grads")
+    assert_bitwise({n: p.grad for n, p in ours.named_parameters()}, _ref_grads(model, ref), f"{name} fp8=mxfp8: grads")
 
 
 @pytest.mark.slow
@@ -235,8 +260,9 @@ def test_fp8_weight_cache_bitwise_on_real_models(name: str) -> None:
     for cached in (False, True):
         if cached:
             ours = copy.deepcopy(model)
-            compiled = amp_fx.compile(ours, dtype="bf16", fp8="tensorwise", backend="aot_eager",
-                                      weight_cache=True, strict=True)
+            compiled = amp_fx.compile(
+                ours, dtype="bf16", fp8="tensorwise", backend="aot_eager", weight_cache=True, strict=True
+            )
         else:
             ours, compiled = uncached["ours"], uncached["compiled"]
         opt = torch.optim.SGD(ours.parameters(), lr=0.1)
@@ -276,8 +302,9 @@ def test_fp8_advise_on_real_models(name: str) -> None:
     advice = amp_fx.advise(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
     assert advice.keep_out_of_fp8 == () and advice.verified and advice.runs == 1, str(advice)
     loss = float(loss_fn(compiled(**inputs)).detach())
-    converted = {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions
-                 if d.converted}
+    converted = {
+        d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions if d.converted
+    }
     assert {m.module for m in advice.fp8_matmuls} == converted and converted
     ref = _float64_loss(model, inputs, loss_fn)
     assert dict(advice.baseline_parts)["loss"] == abs(loss - ref) / abs(ref)
@@ -315,8 +342,9 @@ def test_fp8_compare_on_real_models(name: str) -> None:
     report = amp_fx.compare(model, dtype="bf16", fp8="tensorwise", loss_fn=loss_fn, **inputs)
     assert report.ok and report.grads, str(report)
     # a set: the shared compiled model holds the records of every graph it has compiled so far
-    converted = sorted({d.module for r in amp_fx.records(compiled) if r.fp8 is not None
-                        for d in r.fp8.decisions if d.converted})
+    converted = sorted(
+        {d.module for r in amp_fx.records(compiled) if r.fp8 is not None for d in r.fp8.decisions if d.converted}
+    )
     assert sorted(o.module for o in report.ops if o.rule.startswith("fp8 tensorwise")) == converted and converted
 
 

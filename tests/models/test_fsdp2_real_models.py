@@ -32,8 +32,10 @@ from amp_fx.testing.real_models import REAL_MODELS
 pytestmark = [
     pytest.mark.models,
     pytest.mark.skipif(REAL_MODELS["hf_llama"].missing() is not None, reason=str(REAL_MODELS["hf_llama"].missing())),
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     # one spawn of 2 ranks: about 70 s alone, 190 s beside the rest of the suite on 2 cores, so
     # deselected by default (`python -m pytest -m models_slow tests/models` runs it). What it
     # found keeps a fast test in the default run: the fp8 output that was a view
@@ -60,19 +62,27 @@ def _assert_same(run: dict, reference: dict, what: str) -> None:
         assert_bitwise(p, q, f"{what}: parameter {i}'s shard")
 
 
-@pytest.mark.parametrize(("dtype", "sharding", "reference"), [
-    ("gpt2", "layers", ("gpt2", "any", "eager")),
-    ("gpt2", "own_units", ("gpt2", "any", "eager")),
-    ("fp16", "own_units", ("fp16", "own_units", "eager")),
-])
+@pytest.mark.parametrize(
+    ("dtype", "sharding", "reference"),
+    [
+        ("gpt2", "layers", ("gpt2", "any", "eager")),
+        ("gpt2", "own_units", ("gpt2", "any", "eager")),
+        ("fp16", "own_units", ("fp16", "own_units", "eager")),
+    ],
+)
 def test_llama_under_fsdp2_bitwise_with_eager_fsdp2_autocast(ranks, dtype, sharding, reference):
     for rank, res in enumerate(ranks):
         _assert_same(res[(dtype, sharding, "amp_fx")], res[reference], f"rank {rank}, {dtype}, {sharding}")
 
 
 def test_the_root_modules_outside_every_graph_are_reported_once_and_the_fix_silences_the_report(ranks):
-    named = ["transformer.wte", "transformer.wpe", "transformer.ln_f", "fully_shard those modules too",
-             "fully_shard([model.transformer.wte, model.lm_head])"]
+    named = [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.ln_f",
+        "fully_shard those modules too",
+        "fully_shard([model.transformer.wte, model.lm_head])",
+    ]
     for rank, res in enumerate(ranks):
         said = res[("gpt2", "layers", "amp_fx")]["amp_fx_warnings"]
         assert len(said) == 1, f"rank {rank}: {said}"
@@ -86,8 +96,9 @@ def test_fp8_under_fsdp2_bitwise_with_unsharded_fp8_and_no_view_warning(ranks):
     for rank, res in enumerate(ranks):
         _assert_same(res[("fp8", "own_units", "amp_fx")], res[("fp8", "none", "amp_fx")], f"rank {rank}, fp8")
         # the fp8 matmuls ran: the first loss is not the fp16 run's (nor bf16's: tested in tests/fp8/)
-        fp8_loss, fp16_loss = (res[(what, "own_units", form)]["losses"][0] for what, form in
-                               [("fp8", "amp_fx"), ("fp16", "eager")])
+        fp8_loss, fp16_loss = (
+            res[(what, "own_units", form)]["losses"][0] for what, form in [("fp8", "amp_fx"), ("fp16", "eager")]
+        )
         assert not torch.equal(fp8_loss, fp16_loss)
         for key, run in res.items():
             assert run["view_warnings"] == [], f"rank {rank}, {key}: {run['view_warnings'][:1]}"

@@ -93,13 +93,20 @@ _ALL_SLOW = ("tv_swin_t",)  # 28M parameters: about 4x resnet18's time in every 
 _SSM = tuple(name for name, entry in REAL_MODELS.items() if entry.traced_path is not None)
 _MODEL_DEFAULT: dict[str, dict[str, tuple[str, ...]]] = {name: {"bf16": (), "fp16": ()} for name in _SSM}
 _MODEL_DEFAULT.update(
-    {name: {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")}
-     for name in _ANCHORS})
+    {
+        name: {"bf16": FEATURES, "fp16": ("compile", "weight_cache", "compile_step", "overflow_named")}
+        for name in _ANCHORS
+    }
+)
 _MODEL_DEFAULT.update(
-    {name: {"bf16": ("compile", "weight_cache", "inspect"), "fp16": ("compile_step", "overflow_named")}
-     for name in _SECOND_DEFAULT})
-_MODEL_DEFAULT.update({"hf_mamba": {"bf16": ("compile",), "fp16": ("compile",)},
-                       "hf_jamba": {"bf16": ("compile",), "fp16": ()}})
+    {
+        name: {"bf16": ("compile", "weight_cache", "inspect"), "fp16": ("compile_step", "overflow_named")}
+        for name in _SECOND_DEFAULT
+    }
+)
+_MODEL_DEFAULT.update(
+    {"hf_mamba": {"bf16": ("compile",), "fp16": ("compile",)}, "hf_jamba": {"bf16": ("compile",), "fp16": ()}}
+)
 # GPT-2: a tied head and Conv1D layers; Llama: transformers 5.24 decorates its forward (the root
 # reaches Dynamo as L['args'][0]), and this test checks that every watched module is one of
 # named_modules() (the other models run it under models_slow)
@@ -111,8 +118,8 @@ _OVERFLOW_BACKWARD_DEFAULT = ("hf_llama",)
 # and is being modified inplace").
 _BACKWARD_REFERENCE_FAILS = {
     "tv_efficientnet_b0": "the eager reference's module backward hooks fail on EfficientNet-B0's in-place "
-                          "activations (torch 2.11, torchvision 0.26: a BackwardHookFunction output modified "
-                          "in place); the reference needs hooks that do not wrap outputs",
+    "activations (torch 2.11, torchvision 0.26: a BackwardHookFunction output modified "
+    "in place); the reference needs hooks that do not wrap outputs",
 }
 
 # Known failures, each a strict xfail naming the cause (it must still fail, or the mark goes).
@@ -123,7 +130,8 @@ for _feature in ("overflow_watch", "overflow_named"):
         "no clean fp16 run to plant in: at loss scale 2^10 EfficientNet-B0's scaled gradients overflow in the "
         "backward at random init while its forward is finite (8 conv weights, features.0.0 and depthwise "
         "convolutions; eager autocast + torch.amp.GradScaler skip the clean steps too; finite at scale 1; "
-        "torch 2.11, torchvision 0.26)")
+        "torch 2.11, torchvision 0.26)"
+    )
 
 
 def _cases(feature: str) -> list[Any]:
@@ -131,9 +139,11 @@ def _cases(feature: str) -> list[Any]:
     for name, entry in REAL_MODELS.items():
         for dtype_id in ("fp16",) if feature in OVERFLOW_FEATURES else DTYPES:
             marks: list[Any] = []
-            default = (feature in _MODEL_DEFAULT.get(name, _DEFAULT[entry.library])[dtype_id]
-                       or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT)
-                       or (feature == "overflow_backward" and name in _OVERFLOW_BACKWARD_DEFAULT))
+            default = (
+                feature in _MODEL_DEFAULT.get(name, _DEFAULT[entry.library])[dtype_id]
+                or (feature == "overflow_watch" and name in _OVERFLOW_WATCH_DEFAULT)
+                or (feature == "overflow_backward" and name in _OVERFLOW_BACKWARD_DEFAULT)
+            )
             if name in _ALL_SLOW or not default:
                 marks.append(pytest.mark.models_slow)
             if (name, feature) in _KNOWN:
@@ -243,8 +253,9 @@ def test_ssm_compiled_differs_as_torch_compile_does(model_name: str, dtype_id: s
     loss.backward()
     ours = real_step(amp_fx.compile(model, dtype=dtype, backend="aot_eager"), model, inputs, loss_fn)
     assert_bitwise(ours.loss, loss.detach(), "loss vs torch.compile under autocast")
-    assert_bitwise(ours.grads, {n: p.grad for n, p in plain_model.named_parameters()},
-                   "grads vs torch.compile under autocast")
+    assert_bitwise(
+        ours.grads, {n: p.grad for n, p in plain_model.named_parameters()}, "grads vs torch.compile under autocast"
+    )
     differ = [n for n, g in eager.grads.items() if g is not None and not torch.equal(g, ours.grads[n])]
     assert differ, "eager's loop and the scan gave the same bits: the traced path is no longer another computation"
     for n in differ:
@@ -281,8 +292,9 @@ def test_grouped_query_attention_differs_as_torch_compile_does(dtype_id: str) ->
 
 @pytest.mark.slow_cases
 @pytest.mark.parametrize("dtype_id", DTYPES)
-def test_grouped_query_attention_bitwise_with_eager_on_the_traced_path(dtype_id: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grouped_query_attention_bitwise_with_eager_on_the_traced_path(
+    dtype_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The cause of the difference above, and that it is the only one: with transformers'
     ``is_tracing`` forced true in the eager reference (so eager builds the mask and repeats k/v
     as the trace does), amp_fx is bitwise eager autocast's, gradients included."""
@@ -332,7 +344,6 @@ def test_attention_on_the_same_path_is_bitwise_and_not_reported(case: str) -> No
     assert not [w for w in caught if _GQA_REPORT in str(w.message)]
 
 
-
 class _Wrapper(nn.Module):
     """A model called from the user's own module, as a training script often holds it."""
 
@@ -373,8 +384,9 @@ def test_overflow_backward_in_a_wrapped_models_own_forward_is_placed_in_it() -> 
     report = scaler.overflow_report()
     assert report is not None and report.first_op is not None, report
     first = report.first_op
-    assert (first.backward, first.module, first.op, first.grad_of) == (True, "gpt2", origin.op, "aten._to_copy"), \
-        str(report)
+    assert (first.backward, first.module, first.op, first.grad_of) == (True, "gpt2", origin.op, "aten._to_copy"), str(
+        report
+    )
     assert list(report.gradients) == reference
 
 
@@ -404,11 +416,11 @@ def test_gemma3_with_a_full_attention_layer_is_reported() -> None:
     eager = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
-        ours = real_step(amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False), model, inputs,
-                         loss_fn)
+        ours = real_step(amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False), model, inputs, loss_fn)
     assert len([w for w in caught if _GQA_REPORT in str(w.message)]) == 1, [str(w.message)[:120] for w in caught]
     differ = [n for n, g in eager.grads.items() if not torch.equal(g, ours.grads[n])]
     assert any("layers.1.self_attn.k_proj." in n for n in differ), f"the known difference is gone: {differ}"
+
 
 # --- weight_cache=True ---------------------------------------------------------------------------
 
@@ -427,8 +439,12 @@ class _EagerWeightCasts(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         src = args[0] if args else None
-        if (func is torch.ops.aten._to_copy.default and isinstance(src, Tensor) and id(src) in self.params
-                and out.dtype != src.dtype):
+        if (
+            func is torch.ops.aten._to_copy.default
+            and isinstance(src, Tensor)
+            and id(src) in self.params
+            and out.dtype != src.dtype
+        ):
             self.bytes += src.numel() * (src.element_size() + out.element_size())
             if self.params[id(src)] not in self.cast:
                 self.order.append(self.params[id(src)])
@@ -464,11 +480,14 @@ def test_weight_cache_bitwise_and_one_cast_per_optimizer_step(name: str, dtype_i
     eager_bytes, eager_cast = _weight_cast_bytes(model, inputs, dtype)
     compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", weight_cache=True, policy=entry.policy)
     cache = compiled.amp_fx_weight_cache
-    _assert_step_bitwise(real_step(compiled, model, inputs, loss_fn),
-                         eager_autocast_real_step(ref_model, inputs, loss_fn, dtype))
+    _assert_step_bitwise(
+        real_step(compiled, model, inputs, loss_fn), eager_autocast_real_step(ref_model, inputs, loss_fn, dtype)
+    )
     names = {id(p): n for n, p in model.named_parameters()}
-    cached = {names[id(w)]: w.numel() * (w.element_size() + lowp.element_size())
-              for w, lowp in cache.pairs(list(model.parameters()))}
+    cached = {
+        names[id(w)]: w.numel() * (w.element_size() + lowp.element_size())
+        for w, lowp in cache.pairs(list(model.parameters()))
+    }
     assert set(cached) == eager_cast, "the cache holds other weights than eager autocast casts"
     assert sum(cached.values()) == eager_bytes
 
@@ -503,10 +522,14 @@ def _step_scalers(dtype: torch.dtype) -> tuple[GradScaler, Any]:
     would be compared). bf16: torch's scaler has no check-only mode; amp_fx's in its eager
     host-sync mode is the reference (bitwise torch's otherwise: tests/scaler/test_scaler.py)."""
     if dtype == torch.bfloat16:
-        return (GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
-                GradScaler("cpu", mode=ScalerMode.CHECK_ONLY))
-    return (GradScaler("cpu", init_scale=2.0**10, growth_interval=2, step_mode=StepMode.MASKED),
-            torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+        return (
+            GradScaler("cpu", mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
+            GradScaler("cpu", mode=ScalerMode.CHECK_ONLY),
+        )
+    return (
+        GradScaler("cpu", init_scale=2.0**10, growth_interval=2, step_mode=StepMode.MASKED),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+    )
 
 
 @pytest.mark.slow
@@ -520,8 +543,9 @@ def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str)
     ref_model = copy.deepcopy(model)
     ours_scaler, ref_scaler = _step_scalers(dtype)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, ref_model))
-    step = amp_fx.compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
-                              policy=entry.policy)
+    step = amp_fx.compile_step(
+        model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager", policy=entry.policy
+    )
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
     before = [p.detach().clone() for p in ref_model.parameters()]
     for i in range(3):
@@ -529,8 +553,9 @@ def test_compile_step_fused_adamw_bitwise_eager_recipe(name: str, dtype_id: str)
         assert_bitwise(ours_scaler._scale, ref_scaler._scale, f"scale after step {i}")
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
             assert_bitwise(p, q, f"{n} after step {i}")
-    assert any(not torch.equal(p, b) for p, b in zip(ref_model.parameters(), before)), \
+    assert any(not torch.equal(p, b) for p, b in zip(ref_model.parameters(), before)), (
         "every step was skipped: no update was compared"
+    )
 
 
 # --- explain, compare, find_nonfinite -------------------------------------------------------------
@@ -587,8 +612,11 @@ def _planted_weight(model: nn.Module, inputs: dict[str, Tensor]) -> tuple[str, s
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
-    order = [n for n in _eager_weight_casts(model, inputs, torch.float16).order
-             if model.get_parameter(n).dim() >= 2 and counts[id(model.get_parameter(n))] == 1]
+    order = [
+        n
+        for n in _eager_weight_casts(model, inputs, torch.float16).order
+        if model.get_parameter(n).dim() >= 2 and counts[id(model.get_parameter(n))] == 1
+    ]
     assert order, "eager fp16 autocast casts no weight of this model: nothing to plant in"
     weight = order[len(order) // 2]
     peak = model.get_parameter(weight).detach().abs().max().item()
@@ -622,8 +650,9 @@ class _Plant:
             self.saved = None
 
 
-def _eager_nonfinite_gradients(model: nn.Module, inputs: dict[str, Tensor], loss_fn: Any, weight: str,
-                               module: str) -> list[str]:
+def _eager_nonfinite_gradients(
+    model: nn.Module, inputs: dict[str, Tensor], loss_fn: Any, weight: str, module: str
+) -> list[str]:
     """The reference: eager ``torch.autocast`` (fp16) + ``torch.amp.GradScaler`` + SGD over the run with
     the same plant; the names (``named_parameters`` order) of the parameters whose gradients are
     non-finite after ``unscale_`` at the planted step. Asserts what the test relies on: the clean
@@ -632,7 +661,8 @@ def _eager_nonfinite_gradients(model: nn.Module, inputs: dict[str, Tensor], loss
     scaler = torch.amp.GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE)
     plant, seen = _Plant(model, weight), []
     hook = model.get_submodule(module).register_forward_hook(
-        lambda m, args, out: seen.append(all(torch.isfinite(t).all() for t in output_tensors(out).values())))
+        lambda m, args, out: seen.append(all(torch.isfinite(t).all() for t in output_tensors(out).values()))
+    )
     names: list[str] = []
     for i in range(_OVERFLOW_STEPS):
         with plant(i):
@@ -660,8 +690,9 @@ def _check_planted_report(report: Any, module: str, *, watched: bool) -> None:
     assert report.step == _PLANTED_STEP, report
     if watched:
         first = report.first_op
-        assert first is not None and (first.module == module or first.module.startswith(module + ".")), \
+        assert first is not None and (first.module == module or first.module.startswith(module + ".")), (
             f"first_op {first} is not inside the planted module {module}"
+        )
         assert first.dtype == "fp16"
     else:
         assert report.first_op is None, report
@@ -681,8 +712,9 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
     runs = []
     for watched in (True, False):
         ours = copy.deepcopy(model)
-        compiled = amp_fx.compile(ours, dtype=DTYPES[dtype_id], backend="aot_eager", watch_nonfinite=watched,
-                                  policy=entry.policy)
+        compiled = amp_fx.compile(
+            ours, dtype=DTYPES[dtype_id], backend="aot_eager", watch_nonfinite=watched, policy=entry.policy
+        )
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
         scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
         scaler.watch(compiled)
@@ -695,8 +727,14 @@ def test_overflow_watch_changes_no_value(name: str, dtype_id: str) -> None:
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
-            steps.append((output_tensors(out), loss.detach(), [p.detach().clone() for p in ours.parameters()],
-                          scaler.overflow_report()))
+            steps.append(
+                (
+                    output_tensors(out),
+                    loss.detach(),
+                    [p.detach().clone() for p in ours.parameters()],
+                    scaler.overflow_report(),
+                )
+            )
         assert compiled.amp_fx_records, "Dynamo captured no graph: eager was compared with eager"
         if watched:  # the watch names modules as named_modules() does (amp_fx.passes.capture.module_path)
             paths = {op.module for r in compiled.amp_fx_records for op in r.watched.ops}
@@ -728,8 +766,16 @@ def test_overflow_planted_is_named_as_eager_finds_it(name: str, dtype_id: str) -
     reference = _eager_nonfinite_gradients(copy.deepcopy(model), inputs, loss_fn, weight, module)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=_OVERFLOW_INIT_SCALE, step_mode=StepMode.MASKED)
-    step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
-                               watch_nonfinite=True, policy=entry.policy)
+    step = amp_fx.compile_step(
+        model,
+        opt,
+        loss_fn,
+        dtype=DTYPES[dtype_id],
+        scaler=scaler,
+        backend="aot_eager",
+        watch_nonfinite=True,
+        policy=entry.policy,
+    )
     plant, reports = _Plant(model, weight), []
     for i in range(_OVERFLOW_STEPS):
         with plant(i):
@@ -747,6 +793,7 @@ def _backward_overflow(model: nn.Module, inputs: dict[str, Tensor], loss_fn: Any
     makes a gradient non-finite, found by bisection (a gradient grows with the scale until it
     overflows), with eager autograd's first backward inf there (``first_backward_origin``) and the
     non-finite gradients (``named_parameters`` order). Asserts the premise: the forward is finite."""
+
     def run(k: int) -> tuple[Any, list[str]]:
         ours = copy.deepcopy(model)
 
@@ -788,8 +835,16 @@ def test_overflow_backward_named_as_eager_finds_it(name: str, dtype_id: str) -> 
     assert origin.op is not None and reference, (scale, origin, reference)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = GradScaler("cpu", init_scale=scale, step_mode=StepMode.MASKED)
-    step = amp_fx.compile_step(model, opt, loss_fn, dtype=DTYPES[dtype_id], scaler=scaler, backend="aot_eager",
-                               watch_nonfinite=True, policy=entry.policy)
+    step = amp_fx.compile_step(
+        model,
+        opt,
+        loss_fn,
+        dtype=DTYPES[dtype_id],
+        scaler=scaler,
+        backend="aot_eager",
+        watch_nonfinite=True,
+        policy=entry.policy,
+    )
     step(**inputs)
     report = step.overflow_report()
     assert report is not None and report.step == 0, report

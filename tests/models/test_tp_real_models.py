@@ -41,8 +41,10 @@ def _transformers_tp_missing() -> str | None:
 pytestmark = [
     pytest.mark.models,
     pytest.mark.skipif(_transformers_tp_missing() is not None, reason=str(_transformers_tp_missing())),
-    pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-                       reason="needs torch.distributed with gloo"),
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
     pytest.mark.primary,
 ]
 

@@ -116,8 +116,9 @@ def eager_nonfinite_gradients(planted: int = PLANTED_STEP) -> list[str]:
     raise AssertionError("the planted step was not reached")
 
 
-def run_scaler(model: nn.Module, compiled: Any, scaler: Any, planted: int | None = PLANTED_STEP,
-               steps: int = STEPS) -> list[Any]:
+def run_scaler(
+    model: nn.Module, compiled: Any, scaler: Any, planted: int | None = PLANTED_STEP, steps: int = STEPS
+) -> list[Any]:
     """``steps`` steps of the GradScaler recipe around ``compiled``; the report after each."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     reports = []
@@ -132,8 +133,9 @@ def run_scaler(model: nn.Module, compiled: Any, scaler: Any, planted: int | None
     return reports
 
 
-def run_step(step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, steps: int = STEPS,
-             first: int = 0) -> list[Any]:
+def run_step(
+    step: Any, model: nn.Module, planted: int | None = PLANTED_STEP, steps: int = STEPS, first: int = 0
+) -> list[Any]:
     """``steps`` compiled steps; the report after each."""
     reports = []
     for i, (x, y) in enumerate(batches(first + steps)[first:], start=first):
@@ -211,8 +213,14 @@ def ddp_overflow_run(rank: int, world_size: int) -> dict[str, Any]:
         torch._dynamo.reset()
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        step = amp_fx.compile_step(DDP(model, broadcast_buffers=False), opt, loss_fn, backend="aot_eager",
-                                   watch_nonfinite=watched, scaler=make_scaler())
+        step = amp_fx.compile_step(
+            DDP(model, broadcast_buffers=False),
+            opt,
+            loss_fn,
+            backend="aot_eager",
+            watch_nonfinite=watched,
+            scaler=make_scaler(),
+        )
         reports = run_step(step, model, planted if watched else None, steps=STEPS if watched else 2)
         if watched:
             out["step"] = [overflow_summary(r) for r in reports]
@@ -235,5 +243,9 @@ def overflow_summary(report: Any) -> Any:
     if report is None:
         return None
     first = report.first_op
-    return {"step": report.step, "gradients": list(report.gradients), "str": str(report),
-            "first_op": None if first is None else (first.module, first.op, first.rank)}
+    return {
+        "step": report.step,
+        "gradients": list(report.gradients),
+        "str": str(report),
+        "first_op": None if first is None else (first.module, first.op, first.rank),
+    }

@@ -45,10 +45,12 @@ def test_forward_overflow_names_the_linear():
     assert report.suggested_policy.keep_fp32 == ("up",)
     assert report.verified is True  # the LayerNorm after `up` brings values back to ~1
     assert [name for name, _ in report.inputs] == [
-        "x (cast to fp16 by amp_fx)", "up.weight (cast to fp16 by amp_fx)",
-        "up.bias (cast to fp16 by amp_fx)"]
+        "x (cast to fp16 by amp_fx)",
+        "up.weight (cast to fp16 by amp_fx)",
+        "up.bias (cast to fp16 by amp_fx)",
+    ]
     text = str(report)
-    assert "module `up`" in text and "Policy(keep_fp32=(\"up\",))" in text
+    assert "module `up`" in text and 'Policy(keep_fp32=("up",))' in text
 
 
 def test_forward_overflow_gone_in_bf16_and_with_the_fix():
@@ -120,8 +122,9 @@ def test_keyword_call_form():
     assert report.found and report.phase == "forward"
     assert (report.op, report.module_path) == ("aten.linear", "fc")
     assert report.verified is True
-    assert not amp_fx.find_nonfinite(model, dtype="fp16", policy=report.suggested_policy,
-                                     loss_fn=lambda o: o["loss"], **batch).found
+    assert not amp_fx.find_nonfinite(
+        model, dtype="fp16", policy=report.suggested_policy, loss_fn=lambda o: o["loss"], **batch
+    ).found
 
 
 def test_fix_is_cumulative_with_what_the_user_kept():
@@ -132,15 +135,17 @@ def test_fix_is_cumulative_with_what_the_user_kept():
     assert report.suggestion_code == 'Policy(keep_fp32=("0", "1"))'
     assert report.suggested_policy.keep_fp32 == ("0", "1") and report.verified is True
     # the planted dependency, checked here: `1` alone still overflows at `0`
-    alone = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=amp_fx.Policy(keep_fp32=("1",)),
-                                  verify=False)
+    alone = amp_fx.find_nonfinite(seq, x, dtype="fp16", policy=amp_fx.Policy(keep_fp32=("1",)), verify=False)
     assert alone.found and alone.module_path == "0"
 
 
-@pytest.mark.parametrize("build, expected", [
-    (NestedOverflow, ("block",)),   # `block.0` is not enough; `block` encloses it and `block.1`
-    (chain_overflow, ("0", "1")),   # `0` and `1` share only the root: both are listed
-])
+@pytest.mark.parametrize(
+    "build, expected",
+    [
+        (NestedOverflow, ("block",)),  # `block.0` is not enough; `block` encloses it and `block.1`
+        (chain_overflow, ("0", "1")),  # `0` and `1` share only the root: both are listed
+    ],
+)
 def test_one_module_not_enough_prefers_the_enclosing_module(build, expected):
     model, x = build(), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     report = amp_fx.find_nonfinite(model, x, dtype="fp16")
@@ -197,7 +202,6 @@ def test_graph_break_inside_a_submodule_names_modules_under_the_root():
     assert report.suggested_policy.keep_fp32 == ("model",)
     assert report.verified and "`model.a` alone is not enough" in report.verification
     assert dict(model.named_modules())["model"] is model.model
-
 
 
 @pytest.mark.parametrize("case", SPLIT_CASES)
@@ -296,8 +300,14 @@ def test_output_it_cannot_see_into_hides_nothing(backward):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     for overflow in (False, True):
         torch.manual_seed(0)
-        report = amp_fx.find_nonfinite(_Boxed(overflow=overflow), x, dtype="fp16", backward=backward,
-                                       loss_fn=lambda box: box.t.float().sum(), verify=False)
+        report = amp_fx.find_nonfinite(
+            _Boxed(overflow=overflow),
+            x,
+            dtype="fp16",
+            backward=backward,
+            loss_fn=lambda box: box.t.float().sum(),
+            verify=False,
+        )
         assert report.found is overflow, str(report)
         assert len(report.discarded) == 1 and "(aten.log)" in report.discarded[0]
         if overflow:

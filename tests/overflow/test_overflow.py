@@ -64,8 +64,9 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
         if watched:
             assert re.search(rf"first inf at {re.escape(PLANTED_MODULE)} \(aten\.\w+, fp16\)", line), line
         else:  # what the record knows: nothing was watched (it used to say "forward finite or not watched")
-            assert line.startswith(f"step {PLANTED_STEP} skipped: no op named (not watched: compile with "
-                                   "watch_nonfinite=True); "), line
+            assert line.startswith(
+                f"step {PLANTED_STEP} skipped: no op named (not watched: compile with watch_nonfinite=True); "
+            ), line
 
 
 # Under inductor only the watched case: the unwatched report has nothing of the compiled graph's
@@ -73,8 +74,10 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
 # per-gradient flags, which the watched case reads too), which the aot_eager cases check. An
 # unwatched inductor case cost 50 s a test in CI (its own kernels, no watch in them).
 WATCH_CASES = pytest.mark.parametrize(
-    "backend, watched", [("aot_eager", True), ("aot_eager", False), ("inductor", True)],
-    ids=["aot_eager-watched", "aot_eager-unwatched", "inductor-watched"])
+    "backend, watched",
+    [("aot_eager", True), ("aot_eager", False), ("inductor", True)],
+    ids=["aot_eager-watched", "aot_eager-unwatched", "inductor-watched"],
+)
 
 
 @pytest.mark.slow_cases
@@ -95,8 +98,7 @@ def test_grad_scaler_with_compile_names_step_module_and_gradients(backend, watch
 def test_compile_step_names_step_module_and_gradients(backend, watched, reference_gradients):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(model, opt, loss_fn, backend=backend, watch_nonfinite=watched,
-                                   scaler=make_scaler())
+    step = amp_fx.compile_step(model, opt, loss_fn, backend=backend, watch_nonfinite=watched, scaler=make_scaler())
     _check_reports(run_step(step, model), reference_gradients, watched=watched)
     # A device tensor without a sync; one skip.
     assert int(step.skipped_steps) == 1 and int(step.last_skipped_step) == PLANTED_STEP
@@ -105,8 +107,7 @@ def test_compile_step_names_step_module_and_gradients(backend, watched, referenc
 def test_clean_run_reports_none():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True,
-                               scaler=make_scaler())
+    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True, scaler=make_scaler())
     assert run_step(step, model, planted=None) == [None] * STEPS
     assert int(step.last_skipped_step) == -1
 
@@ -130,8 +131,7 @@ def test_watch_changes_no_value(backend):
         torch._dynamo.reset()
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        step = amp_fx.compile_step(model, opt, loss_fn, backend=backend, watch_nonfinite=watched,
-                                   scaler=make_scaler())
+        step = amp_fx.compile_step(model, opt, loss_fn, backend=backend, watch_nonfinite=watched, scaler=make_scaler())
         run_step(step, model)
         results.append([p.detach().clone() for p in model.parameters()])
     assert_bitwise(results[1], results[0], f"{backend}: parameters with vs without the watch")
@@ -156,8 +156,9 @@ def test_no_host_read_added_by_the_watch():
     for watched in (False, True):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=watched,
-                                   scaler=make_scaler())
+        step = amp_fx.compile_step(
+            model, opt, loss_fn, backend="aot_eager", watch_nonfinite=watched, scaler=make_scaler()
+        )
         run_step(step, model, planted=None, steps=2)  # warm-up and compile
         per_step[watched] = _host_reads_per_step(step, model, first=2, n=3)
         assert_steps_are_sync_free(step, batches(2, seed=7))
@@ -277,10 +278,10 @@ def test_a_record_of_a_graph_this_rank_did_not_compile_is_named_unknown():
 def test_weight_cache_with_the_watch(reference_gradients):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True, weight_cache=True,
-                               scaler=make_scaler())
+    step = amp_fx.compile_step(
+        model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True, weight_cache=True, scaler=make_scaler()
+    )
     _check_reports(run_step(step, model), reference_gradients, watched=True)
-
 
 
 # ------------------------------------------------------------------ a scaler told nothing (issue 30)
@@ -413,16 +414,21 @@ def test_skip_aware_scheduler_stands_still_on_skipped_steps(name):
         ours.step()
         got = opt.param_groups[0]["lr"]
         assert isinstance(got, torch.Tensor) and got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), torch.tensor(ref_opt.param_groups[0]["lr"], dtype=torch.float64),
-                                   rtol=2.0**-23, atol=0)
+        torch.testing.assert_close(
+            got.double(), torch.tensor(ref_opt.param_groups[0]["lr"], dtype=torch.float64), rtol=2.0**-23, atol=0
+        )
         seen.append(float(got))
     assert len(set(seen)) > 2  # the schedule moved
 
 
-@pytest.mark.parametrize("make", [
-    lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),
-    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=10),  # cycles momentum too
-], ids=["ReduceLROnPlateau", "OneCycleLR-cycle_momentum"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1.0, total_steps=10),  # cycles momentum too
+    ],
+    ids=["ReduceLROnPlateau", "OneCycleLR-cycle_momentum"],
+)
 def test_skip_aware_refuses_schedulers_it_cannot_hold(make):
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(TypeError, match="amp_fx.skip_aware"):

@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _planted_line() -> str:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True,
-                               scaler=make_scaler())
+    step = amp_fx.compile_step(model, opt, loss_fn, backend="aot_eager", watch_nonfinite=True, scaler=make_scaler())
     report = run_step(step, model)[PLANTED_STEP]
     assert report is not None
     return str(report)
@@ -27,7 +26,10 @@ def _planted_line() -> str:
 def test_documented_report_line_is_the_planted_runs() -> None:
     line = _planted_line()
     for page in ("docs/overflow.md", "README.md"):
-        shown = [s.strip().lstrip("#").strip() for s in (ROOT / page).read_text().splitlines()
-                 if s.strip().lstrip("#").strip().startswith(f"step {PLANTED_STEP} skipped:")]
+        shown = [
+            s.strip().lstrip("#").strip()
+            for s in (ROOT / page).read_text().splitlines()
+            if s.strip().lstrip("#").strip().startswith(f"step {PLANTED_STEP} skipped:")
+        ]
         assert shown, f"{page} shows no report line"
         assert all(s == line for s in shown), (page, shown, line)

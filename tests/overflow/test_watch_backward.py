@@ -75,8 +75,13 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), y)
 
 
-def _eager_reference(model: nn.Module, plant: Callable[[int], None], loss_fn: Callable[..., torch.Tensor],
-                     batches: list[Any], init_scale: float) -> dict[str, Any]:
+def _eager_reference(
+    model: nn.Module,
+    plant: Callable[[int], None],
+    loss_fn: Callable[..., torch.Tensor],
+    batches: list[Any],
+    init_scale: float,
+) -> dict[str, Any]:
     """Eager ``torch.autocast`` + ``torch.amp.GradScaler``: skipped steps, forward finite per step,
     per step the backward's first inf (``first_backward_origin``) and the non-finite gradients."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -88,13 +93,15 @@ def _eager_reference(model: nn.Module, plant: Callable[[int], None], loss_fn: Ca
         def scaled_loss(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.float16):
                 result = model(x)
-            out["finite"].append(all(bool(torch.isfinite(t).all()) for t in
-                                     (result if isinstance(result, tuple) else (result,))))
+            out["finite"].append(
+                all(bool(torch.isfinite(t).all()) for t in (result if isinstance(result, tuple) else (result,)))
+            )
             return scaler.scale(loss_fn(result, y))
 
         out["origins"].append(first_backward_origin(model, scaled_loss, torch.float16))
-        out["gradients"].append([n for n, p in model.named_parameters()
-                                 if p.grad is not None and not torch.isfinite(p.grad).all()])
+        out["gradients"].append(
+            [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        )
         before = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
@@ -104,8 +111,15 @@ def _eager_reference(model: nn.Module, plant: Callable[[int], None], loss_fn: Ca
     return out
 
 
-def _amp_fx_reports(runner: str, model: nn.Module, plant: Callable[[int], None], loss_fn: Callable[..., Any],
-                    batches: list[Any], init_scale: float, **options: Any) -> list[Any]:
+def _amp_fx_reports(
+    runner: str,
+    model: nn.Module,
+    plant: Callable[[int], None],
+    loss_fn: Callable[..., Any],
+    batches: list[Any],
+    init_scale: float,
+    **options: Any,
+) -> list[Any]:
     """The report after each step: ``amp_fx.compile`` + ``amp_fx.GradScaler``, or ``compile_step``."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = amp_fx.GradScaler("cpu", init_scale=init_scale, step_mode=amp_fx.StepMode.MASKED)
@@ -146,8 +160,16 @@ def grow_reference() -> dict[str, Any]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend, runner, grow_reference):
     model = _make()
-    reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
-                              INIT_SCALE, backend=backend, watch_nonfinite=True)
+    reports = _amp_fx_reports(
+        runner,
+        model,
+        lambda i: _plant(model, i, PLANTED_STEP),
+        _loss,
+        _batches(),
+        INIT_SCALE,
+        backend=backend,
+        watch_nonfinite=True,
+    )
     assert [i for i, r in enumerate(reports) if r is not None] == grow_reference["skipped"], reports
     report = reports[PLANTED_STEP]
     origin = grow_reference["origins"][PLANTED_STEP]
@@ -156,11 +178,15 @@ def test_a_layer_whose_gradient_alone_overflows_is_named_in_the_backward(backend
     assert (first.module, first.op, first.grad_of) == (origin.module, origin.op, "aten.linear"), (str(report), origin)
     assert list(report.gradients) == grow_reference["gradients"][PLANTED_STEP]
     assert str(report).startswith(
-        f"step {PLANTED_STEP} skipped: first inf in the backward at mid ({origin.op}, fp16, backward of aten.linear); ")
+        f"step {PLANTED_STEP} skipped: first inf in the backward at mid ({origin.op}, fp16, backward of aten.linear); "
+    )
     assert report.watched == ("forward", "backward")
     # docs/overflow.md shows this run's line
-    shown = [line.strip() for line in DOCS.read_text().splitlines()
-             if line.startswith(f"step {PLANTED_STEP} skipped: first inf in the backward")]
+    shown = [
+        line.strip()
+        for line in DOCS.read_text().splitlines()
+        if line.startswith(f"step {PLANTED_STEP} skipped: first inf in the backward")
+    ]
     assert shown == [str(report)], (shown, str(report))
 
 
@@ -176,8 +202,9 @@ def test_a_too_high_initial_scale_is_named_in_the_backward(backend, runner):
     assert ref["skipped"] == [0] and all(ref["finite"]), ref
     origin = ref["origins"][0]
     assert origin.op is not None and origin.module, origin  # an op inside the model
-    reports = _amp_fx_reports(runner, make_model(), lambda i: None, loss_fn, batches(3), init_scale,
-                              backend=backend, watch_nonfinite=True)
+    reports = _amp_fx_reports(
+        runner, make_model(), lambda i: None, loss_fn, batches(3), init_scale, backend=backend, watch_nonfinite=True
+    )
     assert [i for i, r in enumerate(reports) if r is not None] == [0], reports
     first = reports[0].first_op
     assert first is not None and first.backward, str(reports[0])
@@ -191,12 +218,21 @@ def test_a_too_high_initial_scale_is_named_in_the_backward(backend, runner):
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_unwatched_line_says_the_watch_is_off(runner, grow_reference):
     model = _make()
-    reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
-                              INIT_SCALE, backend="aot_eager", watch_nonfinite=False)
+    reports = _amp_fx_reports(
+        runner,
+        model,
+        lambda i: _plant(model, i, PLANTED_STEP),
+        _loss,
+        _batches(),
+        INIT_SCALE,
+        backend="aot_eager",
+        watch_nonfinite=False,
+    )
     report = reports[PLANTED_STEP]
     assert report is not None and report.first_op is None and report.watched == ()
-    assert str(report).startswith(f"step {PLANTED_STEP} skipped: no op named (not watched: compile with "
-                                  "watch_nonfinite=True); "), str(report)
+    assert str(report).startswith(
+        f"step {PLANTED_STEP} skipped: no op named (not watched: compile with watch_nonfinite=True); "
+    ), str(report)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -206,8 +242,17 @@ def test_eager_backend_watches_the_forward_only_and_says_so(runner, grow_referen
     forward was finite, as the reference shows)."""
     model = _make()
     with pytest.warns(AmpFxWarning, match="watches the forward only") as caught:
-        reports = _amp_fx_reports(runner, model, lambda i: _plant(model, i, PLANTED_STEP), _loss, _batches(),
-                                  INIT_SCALE, backend="eager", watch_nonfinite=True, strict=False)
+        reports = _amp_fx_reports(
+            runner,
+            model,
+            lambda i: _plant(model, i, PLANTED_STEP),
+            _loss,
+            _batches(),
+            INIT_SCALE,
+            backend="eager",
+            watch_nonfinite=True,
+            strict=False,
+        )
     assert sum("watches the forward only" in str(w.message) for w in caught) == 1
     assert [i for i, r in enumerate(reports) if r is not None] == grow_reference["skipped"], reports
     report = reports[PLANTED_STEP]
@@ -215,7 +260,8 @@ def test_eager_backend_watches_the_forward_only_and_says_so(runner, grow_referen
     assert str(report).startswith(
         f"step {PLANTED_STEP} skipped: no op named: no forward op created an inf/NaN (a -inf mask or an in-place "
         "op is not named); the backward is not watched (backend 'eager' runs the graphs' ops through eager "
-        "autograd: there is no backward graph); "), str(report)
+        "autograd: there is no backward graph); "
+    ), str(report)
 
 
 def test_eager_backend_with_the_watch_raises_in_strict_mode():
@@ -260,6 +306,7 @@ def test_an_overflow_outside_the_compiled_graphs_is_not_named_and_the_line_says_
     """The first inf of the backward is made by ``pre``'s backward, which eager autograd runs
     (the eager reference names it): the compiled graphs' forward and backward saw no inf made, and
     the line says exactly that, where it used to say "forward finite or not watched"."""
+
     def make() -> _EagerFirst:
         torch.manual_seed(0)
         return _EagerFirst()
@@ -272,15 +319,17 @@ def test_an_overflow_outside_the_compiled_graphs_is_not_named_and_the_line_says_
     assert ref["skipped"] == [PLANTED_STEP] and all(ref["finite"]), ref
     assert ref["origins"][PLANTED_STEP].module == "pre", ref["origins"][PLANTED_STEP]
     model = make()
-    reports = _amp_fx_reports(runner, model, lambda i: plant(model, i), _loss, _batches(), INIT_SCALE,
-                              backend=backend, watch_nonfinite=True)
+    reports = _amp_fx_reports(
+        runner, model, lambda i: plant(model, i), _loss, _batches(), INIT_SCALE, backend=backend, watch_nonfinite=True
+    )
     assert [i for i, r in enumerate(reports) if r is not None] == [PLANTED_STEP], reports
     report = reports[PLANTED_STEP]
     assert report.first_op is None and report.watched == ("forward", "backward"), str(report)
     assert list(report.gradients) == ref["gradients"][PLANTED_STEP]
     assert str(report).startswith(
         f"step {PLANTED_STEP} skipped: no op named: no forward or backward op created an inf/NaN (a -inf mask, "
-        "an in-place op or code outside the compiled graphs is not named); "), str(report)
+        "an in-place op or code outside the compiled graphs is not named); "
+    ), str(report)
 
 
 # --- placement: the module whose forward ran the op -----------------------------------------------
@@ -329,15 +378,17 @@ class _Nested(nn.Module):
         return F.mse_loss(logits.float(), y)
 
 
-def _first_op_after_one_step(runner: str, model: nn.Module, batch: tuple[Any, ...], init_scale: float,
-                             **model_kwargs: Any) -> Any:
+def _first_op_after_one_step(
+    runner: str, model: nn.Module, batch: tuple[Any, ...], init_scale: float, **model_kwargs: Any
+) -> Any:
     """The overflow report after one step of ``model`` (its forward returns the loss), fp16,
     aot_eager, watched: ``amp_fx.compile`` + ``amp_fx.GradScaler`` or ``compile_step``."""
     scaler = amp_fx.GradScaler("cpu", init_scale=init_scale, step_mode=amp_fx.StepMode.MASKED)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if runner == "compile_step":
-        step = amp_fx.compile_step(model, opt, lambda loss: loss, scaler=scaler, n_inputs=len(batch),
-                                   backend="aot_eager", watch_nonfinite=True)
+        step = amp_fx.compile_step(
+            model, opt, lambda loss: loss, scaler=scaler, n_inputs=len(batch), backend="aot_eager", watch_nonfinite=True
+        )
         step(*batch, **model_kwargs)
         return step.overflow_report()
     compiled = amp_fx.compile(model, dtype="fp16", backend="aot_eager", watch_nonfinite=True)
@@ -376,8 +427,9 @@ def test_a_backward_op_is_placed_in_the_module_whose_own_forward_ran_its_forward
     assert report is not None and report.first_op is not None, report
     first = report.first_op
     assert (first.backward, first.op, first.grad_of) == (True, "aten._to_copy", "aten._to_copy"), str(report)
-    assert str(report).startswith(f"step 0 skipped: first inf in the backward at {where} (aten._to_copy, fp16, "
-                                  "backward of aten._to_copy); "), str(report)
+    assert str(report).startswith(
+        f"step 0 skipped: first inf in the backward at {where} (aten._to_copy, fp16, backward of aten._to_copy); "
+    ), str(report)
 
 
 class _HfWrapper(nn.Module):
@@ -389,8 +441,19 @@ class _HfWrapper(nn.Module):
         super().__init__()
         import transformers as tf
 
-        config = tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=32, resid_pdrop=0.0,
-                               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        config = tf.GPT2Config(
+            vocab_size=128,
+            n_embd=64,
+            n_layer=1,
+            n_head=4,
+            n_positions=32,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         self.inner = tf.GPT2LMHeadModel(config)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -457,7 +520,9 @@ def test_a_resumed_graph_that_serves_every_layer_is_placed_at_their_common_paren
 
     compiled = amp_fx.compile(_Stack(layers), dtype="fp16", backend="aot_eager")
     compiled(torch.randn(2, WIDTH))
-    placed = [{module_stack(n)[-1][0] for n in r.rewritten.graph.nodes if n.op == "call_function" and module_stack(n)}
-              for r in compiled.amp_fx_records]
+    placed = [
+        {module_stack(n)[-1][0] for n in r.rewritten.graph.nodes if n.op == "call_function" and module_stack(n)}
+        for r in compiled.amp_fx_records
+    ]
     body = [p for p in placed if not any(name.endswith(".lin") for name in p)]
     assert body == [{"layers" if layers > 1 else "layers.0"}], placed

@@ -37,7 +37,8 @@ EVERY = "every"
 # within 3 s of each other).
 INDUCTOR_GROUP = pytest.mark.xdist_group("test_watch_masks.py-inductor")
 CASES = [pytest.param("aot_eager", m, id=f"aot_eager-{m}") for m in MASKS] + [
-    pytest.param("inductor", EVERY, id=f"inductor-{EVERY}", marks=INDUCTOR_GROUP)]
+    pytest.param("inductor", EVERY, id=f"inductor-{EVERY}", marks=INDUCTOR_GROUP)
+]
 PLANTED_MODULE = "mlp.down"
 PLANTED_STEP = 2
 STEPS = 4
@@ -132,8 +133,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), y)
 
 
-def _eager_reference(mask: str, init_scale: float, planted: int | None,
-                     origins: list[BackwardOrigin] | None = None) -> tuple[list[int], list[bool]]:
+def _eager_reference(
+    mask: str, init_scale: float, planted: int | None, origins: list[BackwardOrigin] | None = None
+) -> tuple[list[int], list[bool]]:
     """Eager ``torch.autocast`` + ``torch.amp.GradScaler``: the skipped steps (the scale went down)
     and, per step, whether the forward output was finite; ``origins`` gets, per step, where the
     eager backward first made an inf/NaN."""
@@ -206,7 +208,8 @@ def test_gradient_only_overflow_names_no_forward_op(backend, mask):
         assert first.module == origins[i].entered, (str(reports[i]), origins[i])
         assert str(reports[i]).startswith(
             f"step {i} skipped: first inf in the backward at head (the gradient of its aten.linear output, fp16, "
-            "entered the compiled backward non-finite)"), str(reports[i])
+            "entered the compiled backward non-finite)"
+        ), str(reports[i])
 
 
 @pytest.mark.slow_cases
@@ -230,9 +233,15 @@ def _first_low_precision_nonfinite_module(model: nn.Module, x: torch.Tensor) -> 
     call order) whose fp16 output holds an inf/NaN (``DebugUnderflowOverflow``'s question, asked
     of the low-precision outputs only: ``ln_1`` passes the NaN on in fp32)."""
     found: list[str] = []
-    handles = [m.register_forward_hook(lambda _m, _i, out, name=name: found.append(name)
-                                       if out.dtype == torch.float16 and not torch.isfinite(out).all() else None)
-               for name, m in model.named_modules() if not list(m.children())]
+    handles = [
+        m.register_forward_hook(
+            lambda _m, _i, out, name=name: (
+                found.append(name) if out.dtype == torch.float16 and not torch.isfinite(out).all() else None
+            )
+        )
+        for name, m in model.named_modules()
+        if not list(m.children())
+    ]
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
             model(x)

@@ -14,8 +14,9 @@ import amp_fx
 from amp_fx.passes.capture import module_path
 
 
-def _train_step_against_eager(model: nn.Module, x: torch.Tensor, dtype: torch.dtype,
-                              backend: str = "aot_eager", tol: float = 0.0):
+def _train_step_against_eager(
+    model: nn.Module, x: torch.Tensor, dtype: torch.dtype, backend: str = "aot_eager", tol: float = 0.0
+):
     """One forward+backward of eager autocast and of amp_fx on copies of ``model``, from the same
     RNG state; asserts outputs and every gradient equal (bitwise unless ``tol``, a relative and
     absolute tolerance, is given); returns the compiled module."""
@@ -69,16 +70,19 @@ def test_checkpointed_region_is_cast_and_bitwise(dtype):
     assert all(n.args[1].meta["val"].dtype == dtype for n in linears)
 
 
-@pytest.mark.parametrize("source,path", [
-    ("L['self'].fc", "fc"),
-    ("L['self'].layers[0].attn", "layers.0.attn"),
-    ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
-    ("getattr(L['self'].layers, '2')", "layers.2"),
-    ("L['model'].head", "head"),
-    # diffusers' UNet2DModel under torch 2.13 (the real-model tier): through the instance dict
-    ("L['self'].__dict__['_modules']['down_blocks'].0.resnets.0.conv1", "down_blocks.0.resnets.0.conv1"),
-    ("L['self'].__dict__['_modules']['time_embedding']", "time_embedding"),
-])
+@pytest.mark.parametrize(
+    "source,path",
+    [
+        ("L['self'].fc", "fc"),
+        ("L['self'].layers[0].attn", "layers.0.attn"),
+        ("L['self']._modules['blocks']._modules['1']", "blocks.1"),
+        ("getattr(L['self'].layers, '2')", "layers.2"),
+        ("L['model'].head", "head"),
+        # diffusers' UNet2DModel under torch 2.13 (the real-model tier): through the instance dict
+        ("L['self'].__dict__['_modules']['down_blocks'].0.resnets.0.conv1", "down_blocks.0.resnets.0.conv1"),
+        ("L['self'].__dict__['_modules']['time_embedding']", "time_embedding"),
+    ],
+)
 def test_module_path_normalises_dynamo_sources(source, path):
     assert module_path(source) == path
 
@@ -165,8 +169,11 @@ class _Fp32MatmulAutocastOff(torch.autograd.Function):
         return gx, torch.mm(x.float().t(), grad.float()).to(w.dtype)
 
 
-_FUNCTIONS = {"custom_fwd_cast_inputs": _Fp32MatmulCastInputs, "custom_fwd": _MatmulCustomFwd,
-              "autocast_off_in_forward": _Fp32MatmulAutocastOff}
+_FUNCTIONS = {
+    "custom_fwd_cast_inputs": _Fp32MatmulCastInputs,
+    "custom_fwd": _MatmulCustomFwd,
+    "autocast_off_in_forward": _Fp32MatmulAutocastOff,
+}
 
 
 class WithAutocastFunction(nn.Module):
@@ -189,8 +196,12 @@ class WithAutocastFunction(nn.Module):
 def test_function_changing_autocast_state_is_bitwise(fn, dtype):
     torch.manual_seed(0)
     compiled = _train_step_against_eager(WithAutocastFunction(_FUNCTIONS[fn]), torch.randn(4, 8), dtype)
-    hop = next(n for r in compiled.amp_fx_records for n in r.captured.graph.nodes
-               if n.op == "call_function" and n.target.__name__ == "autocast_hop")
+    hop = next(
+        n
+        for r in compiled.amp_fx_records
+        for n in r.captured.graph.nodes
+        if n.op == "call_function" and n.target.__name__ == "autocast_hop"
+    )
     returned = hop.meta["val"][0].dtype
     assert returned == (dtype if fn == "custom_fwd" else torch.float32)
 
@@ -205,8 +216,13 @@ _INDUCTOR_TOL = {torch.bfloat16: 4 * 2.0**-7, torch.float16: 4 * 2.0**-10}
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_function_with_cast_inputs_under_inductor(dtype):
     torch.manual_seed(0)
-    _train_step_against_eager(WithAutocastFunction(_Fp32MatmulCastInputs), torch.randn(4, 8), dtype,
-                              backend="inductor", tol=_INDUCTOR_TOL[dtype])
+    _train_step_against_eager(
+        WithAutocastFunction(_Fp32MatmulCastInputs),
+        torch.randn(4, 8),
+        dtype,
+        backend="inductor",
+        tol=_INDUCTOR_TOL[dtype],
+    )
 
 
 class WithCond(nn.Module):
@@ -258,9 +274,16 @@ class WithTransform(nn.Module):
 
 
 @pytest.mark.slow_cases
-@pytest.mark.parametrize("kind,dtype", [("associative_scan", torch.bfloat16), ("associative_scan", torch.float16),
-                                        ("vmap", torch.bfloat16), ("grad", torch.bfloat16)],
-                         ids=["associative_scan-bf16", "associative_scan-fp16", "vmap-bf16", "grad-bf16"])
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [
+        ("associative_scan", torch.bfloat16),
+        ("associative_scan", torch.float16),
+        ("vmap", torch.bfloat16),
+        ("grad", torch.bfloat16),
+    ],
+    ids=["associative_scan-bf16", "associative_scan-fp16", "vmap-bf16", "grad-bf16"],
+)
 def test_functorch_transform_regions_run_under_eager_autocast(kind, dtype):
     # Pre-dispatch tracing records ops above functorch's batching layer: traced as is, the vmap'd
     # ops were recorded on batched tensors held as constants, cut off from the inputs, and

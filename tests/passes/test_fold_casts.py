@@ -22,8 +22,9 @@ def _all_values(dtype: torch.dtype) -> torch.Tensor:
     return vals[torch.isfinite(vals)]
 
 
-@pytest.mark.parametrize("narrow,wide", [(BF16, FP32), (FP16, FP32), (BF16, FP16), (FP16, BF16),
-                                         (BF16, torch.float64), (FP32, BF16)])
+@pytest.mark.parametrize(
+    "narrow,wide", [(BF16, FP32), (FP16, FP32), (BF16, FP16), (FP16, BF16), (BF16, torch.float64), (FP32, BF16)]
+)
 def test_covers_matches_exhaustive_round_trip(narrow, wide):
     # The predicate must agree with brute force: covers(wide, narrow) iff every value survives
     # narrow -> wide -> narrow. FP32 has too many values to enumerate; it is never covered by a
@@ -75,14 +76,12 @@ def test_noop_cast_keeps_copy_of_graph_input():
 
 
 def test_exact_round_trip_fires_for_bf16_through_fp32():
-    _fold_and_check(lambda x: cast(cast(x * 2, dtype=FP32), dtype=BF16) + 1, xb,
-                    rule="exact_round_trip", fires=True)
+    _fold_and_check(lambda x: cast(cast(x * 2, dtype=FP32), dtype=BF16) + 1, xb, rule="exact_round_trip", fires=True)
 
 
 def test_exact_round_trip_never_folds_fp32_through_bf16():
     # fp32 -> bf16 -> fp32 rounds: 1 + 2^-20 becomes 1.
-    _fold_and_check(lambda x: cast(cast(x * 2, dtype=BF16), dtype=FP32) + 1, x32,
-                    rule="exact_round_trip", fires=False)
+    _fold_and_check(lambda x: cast(cast(x * 2, dtype=BF16), dtype=FP32) + 1, x32, rule="exact_round_trip", fires=False)
 
 
 def test_exact_round_trip_keeps_middle_cast_with_other_users():
@@ -96,14 +95,12 @@ def test_exact_round_trip_keeps_middle_cast_with_other_users():
 
 
 def test_widen_then_cast_fires_for_bf16_fp32_fp16():
-    _fold_and_check(lambda x: cast(cast(x * 2, dtype=FP32), dtype=FP16) + 1, xb,
-                    rule="widen_then_cast", fires=True)
+    _fold_and_check(lambda x: cast(cast(x * 2, dtype=FP32), dtype=FP16) + 1, xb, rule="widen_then_cast", fires=True)
 
 
 def test_widen_then_cast_never_skips_a_rounding_step():
     # fp32 -> bf16 rounds, then bf16 -> fp16 rounds again: not the same as fp32 -> fp16.
-    _fold_and_check(lambda x: cast(cast(x * 2, dtype=BF16), dtype=FP16) + 1, x32,
-                    rule="widen_then_cast", fires=False)
+    _fold_and_check(lambda x: cast(cast(x * 2, dtype=BF16), dtype=FP16) + 1, x32, rule="widen_then_cast", fires=False)
 
 
 def test_every_rule_has_a_test_pair():

@@ -111,8 +111,7 @@ def test_policy_moves_an_op_and_it_is_no_longer_decomposed():
     # On CPU, layer_norm is not in autocast's table: it decomposes and runs in its input dtype.
     _, default = _record(Kept(), torch.randn(2, 8))
     torch._dynamo.reset()
-    _, moved = _record(Kept(), torch.randn(2, 8),
-                       policy=Policy(op_classes={"aten.layer_norm": CastClass.FP32}))
+    _, moved = _record(Kept(), torch.randn(2, 8), policy=Policy(op_classes={"aten.layer_norm": CastClass.FP32}))
     targets = lambda r: {n.target for n in r.rewritten.graph.nodes}  # noqa: E731
     assert torch.ops.aten.layer_norm.default not in targets(default)
     assert torch.ops.aten.layer_norm.default in targets(moved)
@@ -143,8 +142,7 @@ def test_user_casts_stay_where_they_are():
 
 def test_banned_op_raises_a_clear_error():
     policy = Policy(op_classes={"aten.binary_cross_entropy": CastClass.BANNED})
-    fn = amp_fx.compile(lambda p, t: torch.nn.functional.binary_cross_entropy(p, t),
-                        backend="aot_eager", policy=policy)
+    fn = amp_fx.compile(lambda p, t: torch.nn.functional.binary_cross_entropy(p, t), backend="aot_eager", policy=policy)
     with pytest.raises(amp_fx.AmpFxError, match="binary_cross_entropy_with_logits"):
         fn(torch.rand(4), torch.rand(4))
 
@@ -159,8 +157,14 @@ def test_set_opt_dtype_sets_float32_on_cuda_softmax_only_when_unset():
     for given, expected in [(None, torch.float32), (torch.float16, torch.float16)]:
         with FakeTensorMode() as mode:
             x = torch.empty(4, 4, device="cuda", dtype=torch.float16)
-            gm = capture(lambda t: torch.softmax(t, -1, dtype=given), [x], policy=Policy(),
-                         device_type="cuda", dtype=torch.float16, leaf_flags=[False])
+            gm = capture(
+                lambda t: torch.softmax(t, -1, dtype=given),
+                [x],
+                policy=Policy(),
+                device_type="cuda",
+                dtype=torch.float16,
+                leaf_flags=[False],
+            )
             insert_casts(gm, policy=Policy(), device_type="cuda", dtype=torch.float16, fake_mode=mode)
             out = gm(x)
         assert out.dtype == expected

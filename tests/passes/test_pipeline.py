@@ -22,8 +22,15 @@ def test_the_readme_table_lists_the_stages_in_order():
     assert all(Path(pipeline.__file__).with_name(f"{file}.py").exists() for _, file in rows)
 
 
-@pytest.mark.parametrize("option, stage", [("fold", "fold_casts"), ("watch_nonfinite", "watch_nonfinite"),
-                                           ("weight_cache", "lift_weight_casts"), ("fp8", "fp8_matmuls")])
+@pytest.mark.parametrize(
+    "option, stage",
+    [
+        ("fold", "fold_casts"),
+        ("watch_nonfinite", "watch_nonfinite"),
+        ("weight_cache", "lift_weight_casts"),
+        ("fp8", "fp8_matmuls"),
+    ],
+)
 def test_each_optional_stage_follows_its_option(option, stage):
     by_name = {s.name: s for s in PIPELINE}
     default = Options()
@@ -51,8 +58,11 @@ def test_a_stage_whose_preconditions_fail_is_named_in_strict_mode():
     strict mode names the stage and what is missing instead."""
     gm, inputs = _dynamo_graph()
     # a StageFailure: in amp_fx.compile, the backend falls back to torch.compile for that graph
-    with pytest.raises(StageFailure, match=r"insert_casts failed on graph 0 \(passes run before it: none\): "
-                                           r"AssertionError: precondition aten_graph does not hold"):
+    with pytest.raises(
+        StageFailure,
+        match=r"insert_casts failed on graph 0 \(passes run before it: none\): "
+        r"AssertionError: precondition aten_graph does not hold",
+    ):
         run_pipeline(Options(strict=True, backend="eager"), gm, inputs, stages=PIPELINE[1:])
     work = run_pipeline(Options(strict=False, backend="eager"), gm, inputs, stages=PIPELINE[1:])
     assert work.inserted.casts_inserted == 0  # what the check is there for: a silent no-op

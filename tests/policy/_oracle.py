@@ -50,6 +50,7 @@ def load_autocast_test_lists() -> types.ModuleType:
     """
     try:
         from torch.testing._internal import autocast_test_lists
+
         return autocast_test_lists
     except ModuleNotFoundError as e:
         if e.name != "expecttest":
@@ -124,8 +125,7 @@ class Outcome:
     graph: torch.fx.GraphModule | None = None
 
 
-def run_eager(call: Call, device_type: str, dtype: torch.dtype,
-              fake_mode: FakeTensorMode | None = None) -> Outcome:
+def run_eager(call: Call, device_type: str, dtype: torch.dtype, fake_mode: FakeTensorMode | None = None) -> Outcome:
     """The reference: ``call`` under eager autocast (inside ``fake_mode`` for fake CUDA tensors)."""
     with fake_mode or contextlib.nullcontext(), eager_autocast(device_type, dtype):
         try:
@@ -134,8 +134,7 @@ def run_eager(call: Call, device_type: str, dtype: torch.dtype,
             return Outcome(error=e)
 
 
-def run_amp_fx(call: Call, device_type: str, dtype: torch.dtype,
-               fake_mode: FakeTensorMode | None = None) -> Outcome:
+def run_amp_fx(call: Call, device_type: str, dtype: torch.dtype, fake_mode: FakeTensorMode | None = None) -> Outcome:
     """``call`` through capture + insert_casts, with autocast off.
 
     Without ``fake_mode`` (CPU, real tensors) the capture runs on fake copies in a fresh mode and
@@ -149,10 +148,10 @@ def run_amp_fx(call: Call, device_type: str, dtype: torch.dtype,
     try:
         fake_args = [mode.from_tensor(t) for t in tensors] if real else tensors
         with mode:
-            gm = capture(fn, fake_args, policy=Policy(), device_type=device_type, dtype=dtype,
-                         leaf_flags=[False] * len(tensors))
-        gm, _ = insert_casts(gm, policy=Policy(), device_type=device_type, dtype=dtype,
-                             fake_mode=mode)
+            gm = capture(
+                fn, fake_args, policy=Policy(), device_type=device_type, dtype=dtype, leaf_flags=[False] * len(tensors)
+            )
+        gm, _ = insert_casts(gm, policy=Policy(), device_type=device_type, dtype=dtype, fake_mode=mode)
         if real:
             return Outcome(value=gm(*tensors), graph=gm)
         with mode:
@@ -188,36 +187,36 @@ def assert_parity(eager: Outcome, amp: Outcome, *, compare_values: bool) -> None
     graph = amp.graph.print_readable(print_output=False) if amp.graph is not None else "<none>"
     if eager.error is not None:
         assert amp.error is not None, (
-            f"eager autocast raised {eager.error!r}, but amp_fx ran and gave "
-            f"{_describe(amp.value)}\n{graph}")
+            f"eager autocast raised {eager.error!r}, but amp_fx ran and gave {_describe(amp.value)}\n{graph}"
+        )
         if BANNED_MESSAGE in str(eager.error):
             assert isinstance(amp.error, AmpFxError), (
-                f"eager autocast bans the op ({eager.error}); amp_fx must raise AmpFxError, "
-                f"got {amp.error!r}")
+                f"eager autocast bans the op ({eager.error}); amp_fx must raise AmpFxError, got {amp.error!r}"
+            )
         else:
             assert isinstance(amp.error, type(eager.error)), (
-                f"eager raised {eager.error!r}, amp_fx raised {amp.error!r}")
+                f"eager raised {eager.error!r}, amp_fx raised {amp.error!r}"
+            )
         return
     if amp.error is not None:
-        raise AssertionError(f"eager autocast gave {_describe(eager.value)}, amp_fx raised "
-                             f"{amp.error!r}\n{graph}") from amp.error
+        raise AssertionError(
+            f"eager autocast gave {_describe(eager.value)}, amp_fx raised {amp.error!r}\n{graph}"
+        ) from amp.error
     assert _describe(amp.value) == _describe(eager.value), (
-        f"dtypes/shapes differ: eager autocast {_describe(eager.value)}, amp_fx "
-        f"{_describe(amp.value)}\n{graph}")
+        f"dtypes/shapes differ: eager autocast {_describe(eager.value)}, amp_fx {_describe(amp.value)}\n{graph}"
+    )
     if compare_values:
         eager_leaves, _ = tree_flatten(eager.value)
         amp_leaves, _ = tree_flatten(amp.value)
         for i, (e, a) in enumerate(zip(eager_leaves, amp_leaves, strict=True)):
             if isinstance(e, torch.Tensor):
                 assert _bitwise_equal(a, e), (
-                    f"output {i}: amp_fx's values differ from eager autocast's bitwise\n"
-                    f"eager {e}\namp_fx {a}\n{graph}")
+                    f"output {i}: amp_fx's values differ from eager autocast's bitwise\neager {e}\namp_fx {a}\n{graph}"
+                )
 
 
-def check(call: Call, device_type: str, dtype: torch.dtype,
-          fake_mode: FakeTensorMode | None = None) -> None:
+def check(call: Call, device_type: str, dtype: torch.dtype, fake_mode: FakeTensorMode | None = None) -> None:
     """Run both sides and assert parity (values bitwise where the tensors are real)."""
     eager = run_eager(call, device_type, dtype, fake_mode)
     amp = run_amp_fx(call, device_type, dtype, fake_mode)
     assert_parity(eager, amp, compare_values=fake_mode is None)
-

@@ -31,15 +31,22 @@ _lists = load_autocast_test_lists()
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # Lists whose CPU entries carry one argument tuple for bf16 and another for fp16.
-_CPU_PER_DTYPE_ARGS = {"torch_expect_builtin_promote", "methods_expect_builtin_promote",
-                       "torch_need_autocast_promote"}
+_CPU_PER_DTYPE_ARGS = {"torch_expect_builtin_promote", "methods_expect_builtin_promote", "torch_need_autocast_promote"}
 
 _LIST_MODULES = {
-    "torch_expect_builtin_promote": torch, "methods_expect_builtin_promote": None,
-    "torch_16": torch, "torch_fp16": torch, "torch_fp32": torch,
-    "torch_need_autocast_promote": torch, "nn_16": torch._C._nn, "nn_fp16": torch._C._nn,
-    "nn_fp32": torch._C._nn, "linalg_fp16": torch._C._linalg, "methods_fp16": None,
-    "methods_fp32": None, "banned": None,  # banned entries name their module
+    "torch_expect_builtin_promote": torch,
+    "methods_expect_builtin_promote": None,
+    "torch_16": torch,
+    "torch_fp16": torch,
+    "torch_fp32": torch,
+    "torch_need_autocast_promote": torch,
+    "nn_16": torch._C._nn,
+    "nn_fp16": torch._C._nn,
+    "nn_fp32": torch._C._nn,
+    "linalg_fp16": torch._C._linalg,
+    "methods_fp16": None,
+    "methods_fp32": None,
+    "banned": None,  # banned entries name their module
 }
 
 # Entries that may not run without real CUDA even under FakeTensorMode: their fake-CUDA kernels
@@ -48,33 +55,51 @@ _LIST_MODULES = {
 # that runs on fake tensors with the installed torch is checked like any other (gru_cell and
 # grid_sampler on 2.15), one that fails for lack of CUDA is skipped with torch's own message.
 _NEEDS_REAL_CUDA = {
-    ("torch_fp16", "cudnn_convolution", None):
-        "aten::cudnn_convolution has no meta kernel: under FakeTensorMode it asserts 'Torch not "
-        "compiled with CUDA enabled' (2.11, 2.13) or finds no NVIDIA driver (2.15)",
-    ("torch_fp16", "cudnn_convolution_transpose", None):
-        "aten::cudnn_convolution_transpose has no meta kernel: under FakeTensorMode it asserts "
-        "'Torch not compiled with CUDA enabled' (2.11, 2.13) or finds no NVIDIA driver (2.15)",
-    ("torch_fp16", "gru_cell", None):
-        "aten::gru_cell on CUDA dispatches to _thnn_fused_gru_cell, which under FakeTensorMode "
-        "asserts 'Torch not compiled with CUDA enabled' (2.11, 2.13; it runs on 2.15)",
-    ("torch_need_autocast_promote", "grid_sampler", torch.float16):
-        "aten::grid_sampler on fp32 CUDA inputs picks cudnn_grid_sampler after checking for "
-        "cuDNN, which raises 'PyTorch is not linked with support for cuda devices' without CUDA "
-        "(2.11, 2.13; it runs on 2.15. Under bf16 autocast eager refuses the fp16+fp32 mix first, "
-        "and that case runs)",
+    (
+        "torch_fp16",
+        "cudnn_convolution",
+        None,
+    ): "aten::cudnn_convolution has no meta kernel: under FakeTensorMode it asserts 'Torch not "
+    "compiled with CUDA enabled' (2.11, 2.13) or finds no NVIDIA driver (2.15)",
+    (
+        "torch_fp16",
+        "cudnn_convolution_transpose",
+        None,
+    ): "aten::cudnn_convolution_transpose has no meta kernel: under FakeTensorMode it asserts "
+    "'Torch not compiled with CUDA enabled' (2.11, 2.13) or finds no NVIDIA driver (2.15)",
+    (
+        "torch_fp16",
+        "gru_cell",
+        None,
+    ): "aten::gru_cell on CUDA dispatches to _thnn_fused_gru_cell, which under FakeTensorMode "
+    "asserts 'Torch not compiled with CUDA enabled' (2.11, 2.13; it runs on 2.15)",
+    (
+        "torch_need_autocast_promote",
+        "grid_sampler",
+        torch.float16,
+    ): "aten::grid_sampler on fp32 CUDA inputs picks cudnn_grid_sampler after checking for "
+    "cuDNN, which raises 'PyTorch is not linked with support for cuda devices' without CUDA "
+    "(2.11, 2.13; it runs on 2.15. Under bf16 autocast eager refuses the fp16+fp32 mix first, "
+    "and that case runs)",
 }
 # What torch says when an op needs the real CUDA runtime.
 _NO_CUDA_MESSAGES = ("CUDA", "cuda", "NVIDIA driver")
 
 # Entries of torch's lists that torch's own harness never runs, or that fake tensors cannot run.
 _NOT_RUNNABLE = {
-    ("cuda", "torch_fp16", "einsum"):
-        "the entry ('einsum', 'bkhd,bqhd->bqkh', (mat0, mat1)) is malformed (2-d operands for a "
-        "4-d equation, equation in the args slot) and torch's test_cuda never runs it (the third "
-        "element lands in the skip-on-ROCm slot); einsum is covered in test_decomposed_op",
-    ("cuda", "torch_expect_builtin_promote", "equal"):
-        "torch.equal returns a Python bool computed from the data, which fake CUDA tensors do "
-        "not have (DataDependentOutputException)",
+    (
+        "cuda",
+        "torch_fp16",
+        "einsum",
+    ): "the entry ('einsum', 'bkhd,bqhd->bqkh', (mat0, mat1)) is malformed (2-d operands for a "
+    "4-d equation, equation in the args slot) and torch's test_cuda never runs it (the third "
+    "element lands in the skip-on-ROCm slot); einsum is covered in test_decomposed_op",
+    (
+        "cuda",
+        "torch_expect_builtin_promote",
+        "equal",
+    ): "torch.equal returns a Python bool computed from the data, which fake CUDA tensors do "
+    "not have (DataDependentOutputException)",
 }
 
 
@@ -82,7 +107,8 @@ _NOT_RUNNABLE = {
 _NESTED_AUTOCAST = (
     "amp_fx divergence: aten::_trilinear (what F.bilinear becomes on CPU, where bilinear is not "
     "autocast) calls at::bmm from inside its CPU kernel, and eager autocast casts that nested bmm "
-    "to the lower dtype; amp_fx sees only _trilinear and keeps it fp32 (dtypes agree, values not)")
+    "to the lower dtype; amp_fx sees only _trilinear and keeps it fp32 (dtypes agree, values not)"
+)
 _XFAIL = {
     ("cpu", "decomposed", "F.bilinear"): _NESTED_AUTOCAST,
 }
@@ -113,8 +139,7 @@ class Entry:
             args, rest = rest[0], rest[1:]
         kwargs = next((r for r in rest if isinstance(r, dict)), {})
         if self.via == "Tensor":
-            return Call(lambda first, *more, **kw: getattr(first, self.op)(*more, **kw),
-                        tuple(args), dict(kwargs))
+            return Call(lambda first, *more, **kw: getattr(first, self.op)(*more, **kw), tuple(args), dict(kwargs))
         return Call(getattr(self.module, self.op), tuple(args), dict(kwargs))
 
 
@@ -133,11 +158,28 @@ def _make_cuda_lists() -> tuple[Any, FakeTensorMode]:
 _CPU_LISTS = _make_cpu_lists()
 _CUDA_LISTS, _CUDA_MODE = _make_cuda_lists()
 
-_CPU_LIST_NAMES = ("torch_16", "torch_fp32", "nn_16", "nn_fp32", "torch_need_autocast_promote",
-                   "torch_expect_builtin_promote", "methods_expect_builtin_promote")
-_CUDA_LIST_NAMES = ("torch_fp16", "torch_fp32", "nn_fp16", "nn_fp32", "linalg_fp16",
-                    "methods_fp16", "methods_fp32", "torch_need_autocast_promote",
-                    "torch_expect_builtin_promote", "methods_expect_builtin_promote", "banned")
+_CPU_LIST_NAMES = (
+    "torch_16",
+    "torch_fp32",
+    "nn_16",
+    "nn_fp32",
+    "torch_need_autocast_promote",
+    "torch_expect_builtin_promote",
+    "methods_expect_builtin_promote",
+)
+_CUDA_LIST_NAMES = (
+    "torch_fp16",
+    "torch_fp32",
+    "nn_fp16",
+    "nn_fp32",
+    "linalg_fp16",
+    "methods_fp16",
+    "methods_fp32",
+    "torch_need_autocast_promote",
+    "torch_expect_builtin_promote",
+    "methods_expect_builtin_promote",
+    "banned",
+)
 
 
 def _entries(table: str, lists: Any, names: tuple[str, ...]) -> Iterator[Entry]:
@@ -166,14 +208,19 @@ def _params(table: str, lists: Any, names: tuple[str, ...]) -> list[Any]:
         op_id = e.op + (f"#{e.occurrence}" if counts[e.list_name, e.op, e.via] > 1 else "")
         op_id += ".Tensor" if e.via == "Tensor" else ""
         for dtype in DTYPES:
-            params.append(pytest.param(e, dtype, id=f"{e.table}-{e.list_name}-{op_id}-{_SHORT[dtype]}",
-                                       marks=_marks(e.table, e.list_name, e.op)))
+            params.append(
+                pytest.param(
+                    e,
+                    dtype,
+                    id=f"{e.table}-{e.list_name}-{op_id}-{_SHORT[dtype]}",
+                    marks=_marks(e.table, e.list_name, e.op),
+                )
+            )
     return params
 
 
 def _needs_real_cuda(e: Entry, dtype: torch.dtype) -> str | None:
-    return (_NEEDS_REAL_CUDA.get((e.list_name, e.op, None))
-            or _NEEDS_REAL_CUDA.get((e.list_name, e.op, dtype)))
+    return _NEEDS_REAL_CUDA.get((e.list_name, e.op, None)) or _NEEDS_REAL_CUDA.get((e.list_name, e.op, dtype))
 
 
 def _lacks_real_cuda(e: Entry, dtype: torch.dtype) -> str | None:
@@ -186,7 +233,8 @@ def _lacks_real_cuda(e: Entry, dtype: torch.dtype) -> str | None:
     if eager.error is None:
         return None
     assert any(m in str(eager.error) for m in _NO_CUDA_MESSAGES), (
-        f"{e.list_name} {e.op} ({dtype}) fails on fake CUDA tensors for another reason: {eager.error!r}")
+        f"{e.list_name} {e.op} ({dtype}) fails on fake CUDA tensors for another reason: {eager.error!r}"
+    )
     return f"{reason}; here: {eager.error}"
 
 
@@ -224,61 +272,71 @@ def _randn(*shape: int, device: str, dtype: torch.dtype = torch.float32) -> torc
 
 
 _DECOMPOSED = {
-    "einsum": lambda d, low: Call(torch.einsum, ("bij,bjk->bik", _randn(2, 3, 4, device=d),
-                                                 _randn(2, 4, 5, device=d))),
-    "einsum_4d": lambda d, low: Call(torch.einsum, ("bkhd,bqhd->bqkh", _randn(2, 3, 4, 5, device=d),
-                                                    _randn(2, 6, 4, 5, device=d))),
-    "tensordot": lambda d, low: Call(torch.tensordot, (_randn(3, 4, 5, device=d),
-                                                       _randn(4, 5, 6, device=d)), {"dims": 2}),
+    "einsum": lambda d, low: Call(torch.einsum, ("bij,bjk->bik", _randn(2, 3, 4, device=d), _randn(2, 4, 5, device=d))),
+    "einsum_4d": lambda d, low: Call(
+        torch.einsum, ("bkhd,bqhd->bqkh", _randn(2, 3, 4, 5, device=d), _randn(2, 6, 4, 5, device=d))
+    ),
+    "tensordot": lambda d, low: Call(
+        torch.tensordot, (_randn(3, 4, 5, device=d), _randn(4, 5, 6, device=d)), {"dims": 2}
+    ),
     "inner": lambda d, low: Call(torch.inner, (_randn(3, 4, device=d), _randn(5, 4, device=d))),
-    "matmul_3d_2d": lambda d, low: Call(torch.matmul, (_randn(2, 3, 4, device=d),
-                                                       _randn(4, 5, device=d))),
-    "F.linear": lambda d, low: Call(F.linear, (_randn(3, 4, device=d), _randn(5, 4, device=d),
-                                               _randn(5, device=d))),
-    "F.bilinear": lambda d, low: Call(F.bilinear, (_randn(3, 4, device=d), _randn(3, 5, device=d),
-                                                   _randn(2, 4, 5, device=d), _randn(2, device=d))),
-    "F.layer_norm_low_input": lambda d, low: Call(F.layer_norm, (
-        _randn(3, 8, device=d, dtype=low), (8,), _randn(8, device=d), _randn(8, device=d))),
+    "matmul_3d_2d": lambda d, low: Call(torch.matmul, (_randn(2, 3, 4, device=d), _randn(4, 5, device=d))),
+    "F.linear": lambda d, low: Call(F.linear, (_randn(3, 4, device=d), _randn(5, 4, device=d), _randn(5, device=d))),
+    "F.bilinear": lambda d, low: Call(
+        F.bilinear, (_randn(3, 4, device=d), _randn(3, 5, device=d), _randn(2, 4, 5, device=d), _randn(2, device=d))
+    ),
+    "F.layer_norm_low_input": lambda d, low: Call(
+        F.layer_norm, (_randn(3, 8, device=d, dtype=low), (8,), _randn(8, device=d), _randn(8, device=d))
+    ),
     "F.layer_norm_fp32": lambda d, low: Call(F.layer_norm, (_randn(3, 8, device=d), (8,))),
-    "F.softmax_low_input": lambda d, low: Call(F.softmax, (_randn(3, 8, device=d, dtype=low),),
-                                                {"dim": -1}),
-    "F.softmax_explicit_dtype": lambda d, low: Call(F.softmax, (_randn(3, 8, device=d, dtype=low),),
-                                                     {"dim": -1, "dtype": low}),
-    "F.log_softmax_low_input": lambda d, low: Call(F.log_softmax, (
-        _randn(3, 8, device=d, dtype=low),), {"dim": 1}),
-    "F.group_norm": lambda d, low: Call(F.group_norm, (_randn(2, 4, 3, device=d, dtype=low), 2,
-                                                       _randn(4, device=d), _randn(4, device=d))),
-    "F.cosine_similarity": lambda d, low: Call(F.cosine_similarity, (
-        _randn(3, 8, device=d, dtype=low), _randn(3, 8, device=d, dtype=low))),
-    "cdist_low_input": lambda d, low: Call(torch.cdist, (_randn(3, 4, device=d, dtype=low),
-                                                         _randn(5, 4, device=d, dtype=low))),
+    "F.softmax_low_input": lambda d, low: Call(F.softmax, (_randn(3, 8, device=d, dtype=low),), {"dim": -1}),
+    "F.softmax_explicit_dtype": lambda d, low: Call(
+        F.softmax, (_randn(3, 8, device=d, dtype=low),), {"dim": -1, "dtype": low}
+    ),
+    "F.log_softmax_low_input": lambda d, low: Call(F.log_softmax, (_randn(3, 8, device=d, dtype=low),), {"dim": 1}),
+    "F.group_norm": lambda d, low: Call(
+        F.group_norm, (_randn(2, 4, 3, device=d, dtype=low), 2, _randn(4, device=d), _randn(4, device=d))
+    ),
+    "F.cosine_similarity": lambda d, low: Call(
+        F.cosine_similarity, (_randn(3, 8, device=d, dtype=low), _randn(3, 8, device=d, dtype=low))
+    ),
+    "cdist_low_input": lambda d, low: Call(
+        torch.cdist, (_randn(3, 4, device=d, dtype=low), _randn(5, 4, device=d, dtype=low))
+    ),
     "cdist_fp32": lambda d, low: Call(torch.cdist, (_randn(3, 4, device=d), _randn(5, 4, device=d))),
-    "cat_low_fp32": lambda d, low: Call(torch.cat, ([_randn(2, device=d, dtype=low),
-                                                     _randn(3, device=d)],)),
-    "cat_fp32_low": lambda d, low: Call(torch.cat, ([_randn(3, device=d),
-                                                     _randn(2, device=d, dtype=low)],)),
-    "cat_bf16_fp16": lambda d, low: Call(torch.cat, ([_randn(2, device=d, dtype=torch.bfloat16),
-                                                      _randn(2, device=d, dtype=torch.float16)],)),
-    "cat_fp64_low": lambda d, low: Call(torch.cat, ([_randn(2, device=d, dtype=torch.float64),
-                                                     _randn(2, device=d, dtype=low)],)),
-    "stack_low_fp32": lambda d, low: Call(torch.stack, ([_randn(2, device=d, dtype=low),
-                                                         _randn(2, device=d)],)),
-    "mm_fp64": lambda d, low: Call(torch.mm, (_randn(3, 4, device=d, dtype=torch.float64),
-                                              _randn(4, 5, device=d, dtype=torch.float64))),
-    "index_copy_fp32_low": lambda d, low: Call(torch.index_copy, (
-        _randn(4, 3, device=d), 0, torch.tensor([0, 2], device=d), _randn(2, 3, device=d, dtype=low))),
+    "cat_low_fp32": lambda d, low: Call(torch.cat, ([_randn(2, device=d, dtype=low), _randn(3, device=d)],)),
+    "cat_fp32_low": lambda d, low: Call(torch.cat, ([_randn(3, device=d), _randn(2, device=d, dtype=low)],)),
+    "cat_bf16_fp16": lambda d, low: Call(
+        torch.cat, ([_randn(2, device=d, dtype=torch.bfloat16), _randn(2, device=d, dtype=torch.float16)],)
+    ),
+    "cat_fp64_low": lambda d, low: Call(
+        torch.cat, ([_randn(2, device=d, dtype=torch.float64), _randn(2, device=d, dtype=low)],)
+    ),
+    "stack_low_fp32": lambda d, low: Call(torch.stack, ([_randn(2, device=d, dtype=low), _randn(2, device=d)],)),
+    "mm_fp64": lambda d, low: Call(
+        torch.mm, (_randn(3, 4, device=d, dtype=torch.float64), _randn(4, 5, device=d, dtype=torch.float64))
+    ),
+    "index_copy_fp32_low": lambda d, low: Call(
+        torch.index_copy, (_randn(4, 3, device=d), 0, torch.tensor([0, 2], device=d), _randn(2, 3, device=d, dtype=low))
+    ),
     "sum_low_input": lambda d, low: Call(torch.sum, (_randn(3, 4, device=d, dtype=low),), {"dim": 1}),
-    "norm_low_input": lambda d, low: Call(torch.norm, (_randn(3, 4, device=d, dtype=low),),
-                                          {"p": 2, "dim": 1}),
-    "F.scaled_dot_product_attention": lambda d, low: Call(F.scaled_dot_product_attention, (
-        _randn(1, 2, 4, 8, device=d), _randn(1, 2, 4, 8, device=d), _randn(1, 2, 4, 8, device=d))),
+    "norm_low_input": lambda d, low: Call(torch.norm, (_randn(3, 4, device=d, dtype=low),), {"p": 2, "dim": 1}),
+    "F.scaled_dot_product_attention": lambda d, low: Call(
+        F.scaled_dot_product_attention,
+        (_randn(1, 2, 4, 8, device=d), _randn(1, 2, 4, 8, device=d), _randn(1, 2, 4, 8, device=d)),
+    ),
 }
 
 
-@pytest.mark.parametrize(("table", "name", "dtype"), [
-    pytest.param(table, name, dtype, id=f"{table}-{name}-{_SHORT[dtype]}",
-                 marks=_marks(table, "decomposed", name))
-    for table in ("cpu", "cuda") for name in sorted(_DECOMPOSED) for dtype in DTYPES])
+@pytest.mark.parametrize(
+    ("table", "name", "dtype"),
+    [
+        pytest.param(table, name, dtype, id=f"{table}-{name}-{_SHORT[dtype]}", marks=_marks(table, "decomposed", name))
+        for table in ("cpu", "cuda")
+        for name in sorted(_DECOMPOSED)
+        for dtype in DTYPES
+    ],
+)
 def test_decomposed_op(table: str, name: str, dtype: torch.dtype) -> None:
     build = _DECOMPOSED[name]
     if table == "cpu":
@@ -292,17 +350,19 @@ def test_decomposed_op(table: str, name: str, dtype: torch.dtype) -> None:
         check(call, "cuda", dtype, _CUDA_MODE)
 
 
-@pytest.mark.parametrize(("fn", "args", "expected"), [
-    pytest.param(torch.einsum, ("bij,bjk->bik", (2, 3, 4), (2, 4, 5)), "aten::bmm", id="einsum-bmm"),
-    pytest.param(torch.tensordot, ((3, 4, 5), (4, 5, 6)), "aten::mm", id="tensordot-mm"),
-])
+@pytest.mark.parametrize(
+    ("fn", "args", "expected"),
+    [
+        pytest.param(torch.einsum, ("bij,bjk->bik", (2, 3, 4), (2, 4, 5)), "aten::bmm", id="einsum-bmm"),
+        pytest.param(torch.tensordot, ((3, 4, 5), (4, 5, 6)), "aten::mm", id="tensordot-mm"),
+    ],
+)
 def test_cpu_cast_lands_on_the_decomposed_op(fn: Any, args: tuple[Any, ...], expected: str) -> None:
     """On CPU einsum/tensordot have no autocast kernel: the cast is decided at the bmm/mm."""
     call_args = tuple(torch.randn(a) if isinstance(a, tuple) else a for a in args)
     amp = run_amp_fx(Call(fn, call_args), "cpu", torch.bfloat16)
     assert amp.error is None, amp.error
-    decided = {n.target.name(): n.meta[meta.DECISION].reason
-               for n in amp.graph.graph.nodes if meta.DECISION in n.meta}
+    decided = {n.target.name(): n.meta[meta.DECISION].reason for n in amp.graph.graph.nodes if meta.DECISION in n.meta}
     assert expected in decided, decided
     assert "default cpu table" in decided[expected], decided[expected]
     assert "aten::einsum" not in decided and "aten::tensordot" not in decided, decided
@@ -320,10 +380,10 @@ def test_policy_can_move_a_banned_op(dtype: torch.dtype) -> None:
         x = torch.rand(8, 8, device="cuda", dtype=dtype)
         y = torch.rand(8, 8, device="cuda")
         reference = F.binary_cross_entropy(x.float(), y.float())
-        gm = capture(F.binary_cross_entropy, [x, y], policy=policy, device_type="cuda",
-                     dtype=dtype, leaf_flags=[False, False])
-        gm, _ = insert_casts(gm, policy=policy, device_type="cuda", dtype=dtype,
-                             fake_mode=_CUDA_MODE)
+        gm = capture(
+            F.binary_cross_entropy, [x, y], policy=policy, device_type="cuda", dtype=dtype, leaf_flags=[False, False]
+        )
+        gm, _ = insert_casts(gm, policy=policy, device_type="cuda", dtype=dtype, fake_mode=_CUDA_MODE)
         out = gm(x, y)
     assert (out.dtype, out.shape) == (reference.dtype, reference.shape)
 
@@ -342,7 +402,8 @@ def test_entries_the_installed_torch_lacks_are_declared_version_dependent(device
     undeclared = sorted(op for op in dropped if (device_type, op) not in VERSION_DEPENDENT)
     assert not undeclared, (
         f"torch {torch.__version__} does not register {undeclared} at Autocast{device_type.upper()}; "
-        "if that is a new torch's change, add them to amp_fx.policy.VERSION_DEPENDENT")
+        "if that is a new torch's change, add them to amp_fx.policy.VERSION_DEPENDENT"
+    )
     for name, cls in DEFAULT_TABLES[device_type].items():
         assert LISTED_TABLES[device_type][name] is cls, name
 

@@ -50,19 +50,25 @@ def _torchvision() -> Any:
 
 
 def _own_kernel_ops(dispatch_key: str, namespace: str) -> set[str]:
-    return {n for n in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
-            if n.startswith(f"{namespace}::")}
+    return {
+        n for n in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key) if n.startswith(f"{namespace}::")
+    }
 
 
 def _own_kernel_nodes(compiled: Any, op_name: str) -> list[torch.fx.Node]:
     """The nodes calling ``op_name`` in the compiled model's rewritten graphs; each must sit in a
     one-op autocast region (enter before it, exit after it) and record its OWN_KERNEL decision."""
-    nodes = [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
-             if isinstance(n.target, torch._ops.OpOverload) and n.target.name() == op_name]
+    nodes = [
+        n
+        for r in compiled.amp_fx_records
+        for n in r.rewritten.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.name() == op_name
+    ]
     for n in nodes:
         assert n.meta[meta.DECISION].cast_class is CastClass.OWN_KERNEL, n.meta[meta.DECISION]
         assert n.prev.target is _ENTER and n.next.target is _EXIT and n.next.args == (n.prev,), (
-            f"{n.format_node()} is not enclosed in its own autocast region")
+            f"{n.format_node()} is not enclosed in its own autocast region"
+        )
     return nodes
 
 
@@ -124,7 +130,7 @@ def _roi_inputs(gen: torch.Generator) -> tuple[Tensor, ...]:
     x = torch.randn(2, 3, 12, 12, generator=gen)
     xy = torch.rand(5, 2, generator=gen) * 12
     wh = torch.rand(5, 2, generator=gen) * 10 + 1
-    rois = torch.cat([torch.tensor([[0.], [0.], [1.], [1.], [1.]]), xy, xy + wh], dim=1)
+    rois = torch.cat([torch.tensor([[0.0], [0.0], [1.0], [1.0], [1.0]]), xy, xy + wh], dim=1)
     return x, rois
 
 
@@ -174,8 +180,21 @@ def _cuda_calls() -> dict[str, Callable[[Tensor, Tensor], Any]]:
         "torchvision::ps_roi_pool": lambda x, rois: tv.ps_roi_pool(x, rois, 1.0, 2, 2),
         "torchvision::nms": lambda x, rois: tv.nms(rois[:, 1:], x[0, 0, 0, :3], 0.5),
         "torchvision::deform_conv2d": lambda x, rois: tv.deform_conv2d(
-            x, rois.new_ones(4, 8, 3, 3), rois.new_zeros(1, 18, 8, 8), rois.new_ones(1, 9, 8, 8),
-            rois.new_zeros(4), 1, 1, 1, 1, 1, 1, 1, 1, True),
+            x,
+            rois.new_ones(4, 8, 3, 3),
+            rois.new_zeros(1, 18, 8, 8),
+            rois.new_ones(1, 9, 8, 8),
+            rois.new_zeros(4),
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            True,
+        ),
     }
 
 
@@ -192,14 +211,14 @@ def test_every_cuda_autocast_op_of_torchvision_keeps_eager_dtypes(dtype_id: str)
     assert registered, "torchvision registers no AutocastCUDA kernel"
     assert registered <= set(calls), f"no case for {sorted(registered - set(calls))}"
     for op_name in sorted(registered):
+
         def fn(a: Tensor, b: Tensor, rois: Tensor, call: Callable[..., Any] = calls[op_name]) -> Any:
             return call((a @ b).view(1, 8, 8, 8), rois)  # mm: the low dtype under autocast
 
         with FakeTensorMode(shape_env=ShapeEnv()) as mode:  # a shape env: nms's size is data-dependent
             a, b = torch.empty(64, 16, device="cuda"), torch.empty(16, 8, device="cuda")
-            rois = torch.tensor([[0, 1, 1, 5, 5], [0, 2, 0, 7, 6], [0, 0, 0, 3, 3.]], device="cuda")
-            gm = capture(fn, [a, b, rois], policy=Policy(), device_type="cuda", dtype=dtype,
-                         leaf_flags=[False] * 3)
+            rois = torch.tensor([[0, 1, 1, 5, 5], [0, 2, 0, 7, 6], [0, 0, 0, 3, 3.0]], device="cuda")
+            gm = capture(fn, [a, b, rois], policy=Policy(), device_type="cuda", dtype=dtype, leaf_flags=[False] * 3)
             gm, record = insert_casts(gm, policy=Policy(), device_type="cuda", dtype=dtype, fake_mode=mode)
             with eager_autocast("cuda", dtype):
                 eager = calls[op_name](torch.empty(1, 8, 8, 8, device="cuda", dtype=dtype), rois)
@@ -269,15 +288,19 @@ def test_library_op_with_autocast_kernel_bitwise_eager(dtype_id: str) -> None:
     (node,) = _own_kernel_nodes(compiled, "amp_fx_test::affine")
     assert node.meta["val"].dtype is torch.float32
     assert node.meta[meta.DECISION].reason == (
-        "own kernel: amp_fx_test.affine runs its own AutocastCPU kernel, as in eager autocast")
+        "own kernel: amp_fx_test.affine runs its own AutocastCPU kernel, as in eager autocast"
+    )
 
 
-@pytest.mark.parametrize("options", [
-    pytest.param({"backend": "eager"}, id="eager-backend"),
-    pytest.param({"weight_cache": True}, id="weight_cache"),
-    pytest.param({"watch_nonfinite": True}, id="watch_nonfinite"),
-    pytest.param({"fold": False}, id="no-fold"),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"backend": "eager"}, id="eager-backend"),
+        pytest.param({"weight_cache": True}, id="weight_cache"),
+        pytest.param({"watch_nonfinite": True}, id="watch_nonfinite"),
+        pytest.param({"fold": False}, id="no-fold"),
+    ],
+)
 def test_library_op_with_autocast_kernel_under_each_option(options: dict[str, Any]) -> None:
     """The one-op region survives the other passes and the eager backend (which runs the graph
     as written, regions included)."""
@@ -315,18 +338,24 @@ def test_library_op_without_autocast_kernel_gets_no_region() -> None:
     assert not [n for n in nodes if n.target in (_ENTER, _EXIT)]
 
 
-@pytest.mark.parametrize("region", [
-    pytest.param({"enabled": False}, id="model-disables-autocast"),
-    pytest.param({"dtype": torch.float16}, id="model-region-fp16"),
-])
+@pytest.mark.parametrize(
+    "region",
+    [
+        pytest.param({"enabled": False}, id="model-disables-autocast"),
+        pytest.param({"dtype": torch.float16}, id="model-region-fp16"),
+    ],
+)
 def test_model_autocast_region_around_the_op_is_followed(region: dict[str, Any]) -> None:
     """Inside the model's own torch.autocast(enabled=False) the op runs without its Autocast
     kernel; inside a nested fp16 region under bf16 it runs with it (same values as eager)."""
     torch.manual_seed(0)
-    compiled = _assert_like_eager(_Lib(torch.ops.amp_fx_test.affine, region), (torch.randn(4, 8),),
-                                  torch.bfloat16)
-    nodes = [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
-             if n.target is torch.ops.amp_fx_test.affine.default]
+    compiled = _assert_like_eager(_Lib(torch.ops.amp_fx_test.affine, region), (torch.randn(4, 8),), torch.bfloat16)
+    nodes = [
+        n
+        for r in compiled.amp_fx_records
+        for n in r.rewritten.graph.nodes
+        if n.target is torch.ops.amp_fx_test.affine.default
+    ]
     assert len(nodes) == 1
     expected = CastClass.NONE if region.get("enabled") is False else CastClass.OWN_KERNEL
     assert nodes[0].meta[meta.DECISION].cast_class is expected
@@ -346,8 +375,12 @@ def test_policy_can_move_an_own_kernel_op() -> None:
     actual = _step(compiled, x, None)
     assert_bitwise(actual, expected, "(outputs, grads)")
     assert actual[0].dtype is torch.bfloat16
-    (node,) = [n for r in compiled.amp_fx_records for n in r.rewritten.graph.nodes
-               if n.target is torch.ops.amp_fx_test.affine.default]
+    (node,) = [
+        n
+        for r in compiled.amp_fx_records
+        for n in r.rewritten.graph.nodes
+        if n.target is torch.ops.amp_fx_test.affine.default
+    ]
     assert node.meta[meta.DECISION].reason == "none: amp_fx_test.affine (moved by policy)"
     assert node.meta["val"].dtype is torch.bfloat16, "the recorded value is the one the op gives"
 
@@ -378,13 +411,21 @@ def test_fasterrcnn_bitwise_eager_autocast(mode: str) -> None:
     tv = _torchvision()
     torch.manual_seed(0)
     model = tv.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(
-        weights=None, weights_backbone=None, num_classes=3, min_size=64, max_size=64,
-        rpn_pre_nms_top_n_train=50, rpn_post_nms_top_n_train=20, rpn_pre_nms_top_n_test=50,
-        rpn_post_nms_top_n_test=20, box_detections_per_img=10)
+        weights=None,
+        weights_backbone=None,
+        num_classes=3,
+        min_size=64,
+        max_size=64,
+        rpn_pre_nms_top_n_train=50,
+        rpn_post_nms_top_n_train=20,
+        rpn_pre_nms_top_n_test=50,
+        rpn_post_nms_top_n_test=20,
+        box_detections_per_img=10,
+    )
     getattr(model, mode)()
     gen = torch.Generator().manual_seed(1)
     images = [torch.rand(3, 64, 64, generator=gen) for _ in range(2)]
-    targets = [{"boxes": torch.tensor([[4., 6, 30, 40], [20, 10, 60, 50]]), "labels": torch.tensor([1, 2])}] * 2
+    targets = [{"boxes": torch.tensor([[4.0, 6, 30, 40], [20, 10, 60, 50]]), "labels": torch.tensor([1, 2])}] * 2
 
     def run(m: nn.Module, dtype: torch.dtype | None) -> Any:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):

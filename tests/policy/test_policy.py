@@ -19,14 +19,18 @@ _DISPATCH_KEYS = {d.type: d.dispatch_key for d in DEVICES.values()}
 
 # --- (a) the default tables are torch's autocast registrations, overload for overload -----------
 
+
 @pytest.mark.parametrize("device_type", sorted(_DISPATCH_KEYS))
 def test_default_table_is_exactly_torchs_registrations(device_type: str) -> None:
     """A torch upgrade that adds, drops or renames an autocast op fails here, naming it.
 
     torch's own ops (``aten::``) only: a library's ops (torchvision's ``nms``, ``roi_align``, ...)
     are not in the tables; they run their own kernel (the next test)."""
-    registered = {name for name in torch._C._dispatch_get_registrations_for_dispatch_key(
-        _DISPATCH_KEYS[device_type]) if name.startswith("aten::")}
+    registered = {
+        name
+        for name in torch._C._dispatch_get_registrations_for_dispatch_key(_DISPATCH_KEYS[device_type])
+        if name.startswith("aten::")
+    }
     ours = set(DEFAULT_TABLES[device_type])
     assert registered, f"torch reports no {_DISPATCH_KEYS[device_type]} registrations"
     assert not registered - ours, f"registered by torch, missing from amp_fx: {sorted(registered - ours)}"
@@ -49,8 +53,9 @@ def test_every_autocast_registration_outside_aten_runs_its_own_kernel(device_typ
     runs that kernel (tests/policy/test_own_autocast_kernels.py checks the values)."""
     library_missing("torchvision")  # imports it where it loads (its kernels are then checked too)
     key = _DISPATCH_KEYS[device_type]
-    others = {name for name in torch._C._dispatch_get_registrations_for_dispatch_key(key)
-              if not name.startswith("aten::")}
+    others = {
+        name for name in torch._C._dispatch_get_registrations_for_dispatch_key(key) if not name.startswith("aten::")
+    }
     assert "amp_fx_policy_test::probe" in others, f"the probe's {key} kernel is not registered"
     for name in sorted(others):
         assert default_class(name, device_type) is CastClass.OWN_KERNEL, name
@@ -78,8 +83,10 @@ def test_default_tables_are_read_only() -> None:
 
 # --- (b) Policy validation -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ["aten.not_an_op", "aten::not_an_op", "not_an_op",
-                                "torch.ops.aten.not_an_op", "nonexistent_ns::mm"])
+
+@pytest.mark.parametrize(
+    "op", ["aten.not_an_op", "aten::not_an_op", "not_an_op", "torch.ops.aten.not_an_op", "nonexistent_ns::mm"]
+)
 def test_unknown_op_raises_value_error_naming_it(op: str) -> None:
     with pytest.raises(ValueError, match="not_an_op|nonexistent_ns"):
         Policy(op_classes={op: CastClass.FP32})
@@ -91,15 +98,21 @@ def test_unknown_overload_raises_value_error_naming_it() -> None:
     assert "padding" in str(info.value), "the error should list the overloads that do exist"
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    pytest.param({"op_classes": [("aten::mm", CastClass.FP32)]}, "op_classes must be a mapping",
-                 id="op_classes-not-a-mapping"),
-    pytest.param({"op_classes": {"aten::mm": "fp32"}}, "must be a CastClass", id="class-is-a-string"),
-    pytest.param({"op_classes": {42: CastClass.FP32}}, "string or a torch op", id="op-is-an-int"),
-    pytest.param({"keep_fp32": (42,)}, "keep_fp32", id="keep-int"),
-    pytest.param({"keep_fp32": ("",)}, "keep_fp32", id="keep-empty-name"),
-    pytest.param({"keep_fp32": (int,)}, "keep_fp32", id="keep-non-module-type"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param(
+            {"op_classes": [("aten::mm", CastClass.FP32)]},
+            "op_classes must be a mapping",
+            id="op_classes-not-a-mapping",
+        ),
+        pytest.param({"op_classes": {"aten::mm": "fp32"}}, "must be a CastClass", id="class-is-a-string"),
+        pytest.param({"op_classes": {42: CastClass.FP32}}, "string or a torch op", id="op-is-an-int"),
+        pytest.param({"keep_fp32": (42,)}, "keep_fp32", id="keep-int"),
+        pytest.param({"keep_fp32": ("",)}, "keep_fp32", id="keep-empty-name"),
+        pytest.param({"keep_fp32": (int,)}, "keep_fp32", id="keep-non-module-type"),
+    ],
+)
 def test_wrong_types_raise_type_error(kwargs: dict, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         Policy(**kwargs)
@@ -137,12 +150,9 @@ def test_policy_is_frozen() -> None:
 def test_equal_policies_hash_equal() -> None:
     """Spellings of the same policy compare and hash equal (the policy is a compile-cache key)."""
     spellings = [
-        Policy(op_classes={"aten.layer_norm": CastClass.FP32, "aten::mm": CastClass.NONE},
-               keep_fp32=["head"]),
-        Policy(op_classes={aten.mm: CastClass.NONE, aten.layer_norm: CastClass.FP32},
-               keep_fp32=("head",)),
-        Policy(op_classes={"torch.ops.aten.mm": CastClass.NONE, "layer_norm": CastClass.FP32},
-               keep_fp32="head"),
+        Policy(op_classes={"aten.layer_norm": CastClass.FP32, "aten::mm": CastClass.NONE}, keep_fp32=["head"]),
+        Policy(op_classes={aten.mm: CastClass.NONE, aten.layer_norm: CastClass.FP32}, keep_fp32=("head",)),
+        Policy(op_classes={"torch.ops.aten.mm": CastClass.NONE, "layer_norm": CastClass.FP32}, keep_fp32="head"),
     ]
     for other in spellings[1:]:
         assert other == spellings[0]
@@ -153,8 +163,7 @@ def test_equal_policies_hash_equal() -> None:
     assert Policy() != Policy(keep_fp32=("head",))
     assert Policy(op_classes={"aten::mm": CastClass.FP32}) != Policy(op_classes={"aten::mm": CastClass.NONE})
     # A string without an overload names the packet, so it is not the default overload alone.
-    assert Policy(op_classes={"aten::mm": CastClass.NONE}) != Policy(
-        op_classes={aten.mm.default: CastClass.NONE})
+    assert Policy(op_classes={"aten::mm": CastClass.NONE}) != Policy(op_classes={aten.mm.default: CastClass.NONE})
 
 
 def test_packet_expands_to_every_overload() -> None:
@@ -168,27 +177,35 @@ def test_packet_expands_to_every_overload() -> None:
 
 def test_overload_and_dotted_string_name_one_overload() -> None:
     assert dict(Policy(op_classes={aten.conv2d.padding: CastClass.FP32}).op_classes) == {
-        "aten::conv2d.padding": CastClass.FP32}
+        "aten::conv2d.padding": CastClass.FP32
+    }
     assert dict(Policy(op_classes={"aten::conv2d.padding": CastClass.FP32}).op_classes) == {
-        "aten::conv2d.padding": CastClass.FP32}
-    assert dict(Policy(op_classes={aten.conv2d.default: CastClass.FP32}).op_classes) == {
-        "aten::conv2d": CastClass.FP32}
+        "aten::conv2d.padding": CastClass.FP32
+    }
+    assert dict(Policy(op_classes={aten.conv2d.default: CastClass.FP32}).op_classes) == {"aten::conv2d": CastClass.FP32}
 
 
 class _Head(torch.nn.Linear):
     pass
 
 
-@pytest.mark.parametrize(("selector", "stack", "kept"), [
-    pytest.param("lm_head", (("lm_head", torch.nn.Linear),), True, id="name"),
-    pytest.param("blocks.0", (("blocks", torch.nn.ModuleList), ("blocks.0.attn", torch.nn.Module)),
-                 True, id="name-covers-descendants"),
-    pytest.param("lm_head", (("lm_head2", torch.nn.Linear),), False, id="name-is-not-a-prefix"),
-    pytest.param("lm_head", (), False, id="name-outside-any-module"),
-    pytest.param(torch.nn.Linear, (("out", torch.nn.Linear),), True, id="type"),
-    pytest.param(torch.nn.Linear, (("out", _Head),), True, id="type-covers-subclasses"),
-    pytest.param(torch.nn.LayerNorm, (("out", torch.nn.Linear),), False, id="other-type"),
-])
+@pytest.mark.parametrize(
+    ("selector", "stack", "kept"),
+    [
+        pytest.param("lm_head", (("lm_head", torch.nn.Linear),), True, id="name"),
+        pytest.param(
+            "blocks.0",
+            (("blocks", torch.nn.ModuleList), ("blocks.0.attn", torch.nn.Module)),
+            True,
+            id="name-covers-descendants",
+        ),
+        pytest.param("lm_head", (("lm_head2", torch.nn.Linear),), False, id="name-is-not-a-prefix"),
+        pytest.param("lm_head", (), False, id="name-outside-any-module"),
+        pytest.param(torch.nn.Linear, (("out", torch.nn.Linear),), True, id="type"),
+        pytest.param(torch.nn.Linear, (("out", _Head),), True, id="type-covers-subclasses"),
+        pytest.param(torch.nn.LayerNorm, (("out", torch.nn.Linear),), False, id="other-type"),
+    ],
+)
 def test_keep_fp32_by_name_and_by_type(selector: object, stack: tuple, kept: bool) -> None:
     decision = Policy(keep_fp32=(selector,)).classify(aten.mm.default, "cpu", stack)
     if kept:
@@ -198,45 +215,66 @@ def test_keep_fp32_by_name_and_by_type(selector: object, stack: tuple, kept: boo
         assert decision == Policy().classify(aten.mm.default, "cpu", stack)
 
 
-@pytest.mark.parametrize(("alias", "expected"), [
-    ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-    ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),
-    (torch.float16, torch.float16),
-])
+@pytest.mark.parametrize(
+    ("alias", "expected"),
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        ("half", torch.float16),
+        (torch.float16, torch.float16),
+    ],
+)
 def test_resolve_dtype_accepts_the_aliases(alias: object, expected: torch.dtype) -> None:
     assert resolve_dtype(alias) is expected
 
 
-@pytest.mark.parametrize("bad", ["fp32", "BF16", "float", torch.float32, torch.float64, None, 16,
-                                 ["bf16"]], ids=repr)
+@pytest.mark.parametrize("bad", ["fp32", "BF16", "float", torch.float32, torch.float64, None, 16, ["bf16"]], ids=repr)
 def test_resolve_dtype_rejects_others_listing_accepted_values(bad: object) -> None:
     with pytest.raises(ValueError) as info:
         resolve_dtype(bad)
     message = str(info.value)
     assert repr(bad) in message
-    for accepted in ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', '"half"', "torch.bfloat16",
-                     "torch.float16"):
+    for accepted in ('"bf16"', '"bfloat16"', '"fp16"', '"float16"', '"half"', "torch.bfloat16", "torch.float16"):
         assert accepted in message, (accepted, message)
 
 
 # --- (c) classify() records why ------------------------------------------------------------------
 
-@pytest.mark.parametrize(("op", "device_type", "expected", "reason"), [
-    (aten.mm.default, "cpu", CastClass.LOWER_PRECISION_FP, "lower precision fp: aten.mm (default cpu table)"),
-    (aten.cat.default, "cpu", CastClass.PROMOTE, "promote: aten.cat (default cpu table)"),
-    (aten.exp.default, "cuda", CastClass.FP32, "fp32: aten.exp (default cuda table)"),
-    (aten.sum.dim_IntList, "cuda", CastClass.FP32_SET_OPT_DTYPE,
-     "fp32 set opt dtype: aten.sum.dim_IntList (default cuda table)"),
-    (aten.norm.Scalar, "cuda", CastClass.FP32_APPEND_DTYPE,
-     "fp32 append dtype: aten.norm.Scalar (default cuda table)"),
-    (aten.binary_cross_entropy.default, "cuda", CastClass.BANNED,
-     "banned: aten.binary_cross_entropy (default cuda table)"),
-    (aten.exp.default, "cpu", CastClass.NONE, "not autocast: aten.exp runs in its inputs' dtypes"),
-    (aten.add.Tensor, "cuda", CastClass.NONE,
-     "not autocast: aten.add.Tensor runs in its inputs' dtypes"),
-])
-def test_classify_default_reasons(op: torch._ops.OpOverload, device_type: str,
-                                  expected: CastClass, reason: str) -> None:
+
+@pytest.mark.parametrize(
+    ("op", "device_type", "expected", "reason"),
+    [
+        (aten.mm.default, "cpu", CastClass.LOWER_PRECISION_FP, "lower precision fp: aten.mm (default cpu table)"),
+        (aten.cat.default, "cpu", CastClass.PROMOTE, "promote: aten.cat (default cpu table)"),
+        (aten.exp.default, "cuda", CastClass.FP32, "fp32: aten.exp (default cuda table)"),
+        (
+            aten.sum.dim_IntList,
+            "cuda",
+            CastClass.FP32_SET_OPT_DTYPE,
+            "fp32 set opt dtype: aten.sum.dim_IntList (default cuda table)",
+        ),
+        (
+            aten.norm.Scalar,
+            "cuda",
+            CastClass.FP32_APPEND_DTYPE,
+            "fp32 append dtype: aten.norm.Scalar (default cuda table)",
+        ),
+        (
+            aten.binary_cross_entropy.default,
+            "cuda",
+            CastClass.BANNED,
+            "banned: aten.binary_cross_entropy (default cuda table)",
+        ),
+        (aten.exp.default, "cpu", CastClass.NONE, "not autocast: aten.exp runs in its inputs' dtypes"),
+        (aten.add.Tensor, "cuda", CastClass.NONE, "not autocast: aten.add.Tensor runs in its inputs' dtypes"),
+    ],
+)
+def test_classify_default_reasons(
+    op: torch._ops.OpOverload, device_type: str, expected: CastClass, reason: str
+) -> None:
     decision = Policy().classify(op, device_type, ())
     assert decision.cast_class is expected
     assert decision.cast_class is DEFAULT_TABLES[device_type].get(op.name(), CastClass.NONE)
@@ -244,11 +282,11 @@ def test_classify_default_reasons(op: torch._ops.OpOverload, device_type: str,
 
 
 def test_classify_moved_by_policy() -> None:
-    policy = Policy(op_classes={"aten::mm": CastClass.FP32, "aten::exp": CastClass.LOWER_PRECISION_FP,
-                                "aten::cat": CastClass.NONE})
+    policy = Policy(
+        op_classes={"aten::mm": CastClass.FP32, "aten::exp": CastClass.LOWER_PRECISION_FP, "aten::cat": CastClass.NONE}
+    )
     assert policy.classify(aten.mm.default, "cpu", ()).reason == "fp32: aten.mm (moved by policy)"
-    assert policy.classify(aten.exp.default, "cuda", ()).reason == (
-        "lower precision fp: aten.exp (moved by policy)")
+    assert policy.classify(aten.exp.default, "cuda", ()).reason == ("lower precision fp: aten.exp (moved by policy)")
     cat = policy.classify(aten.cat.default, "cpu", ())
     assert cat.cast_class is CastClass.NONE and "moved by policy" in cat.reason
 
@@ -258,8 +296,7 @@ def test_classify_kept_module_wins_over_tables_and_moves() -> None:
     decision = policy.classify(aten.mm.default, "cpu", (("", torch.nn.Module), ("head", torch.nn.Linear)))
     assert decision.cast_class is CastClass.FP32
     assert decision.reason == "fp32: module head kept by policy (head)"
-    by_type = Policy(keep_fp32=(torch.nn.Linear,)).classify(
-        aten.mm.default, "cuda", (("head", torch.nn.Linear),))
+    by_type = Policy(keep_fp32=(torch.nn.Linear,)).classify(aten.mm.default, "cuda", (("head", torch.nn.Linear),))
     assert by_type.reason == "fp32: module head kept by policy (Linear)"
 
 
@@ -269,6 +306,7 @@ def test_table_applies_the_policy_on_top_of_the_defaults() -> None:
     assert "aten::mm" not in table
     assert table["aten::exp"] is CastClass.FP32
     assert {k: v for k, v in table.items() if k != "aten::exp"} == {
-        k: v for k, v in DEFAULT_TABLES["cpu"].items() if k != "aten::mm"}
+        k: v for k, v in DEFAULT_TABLES["cpu"].items() if k != "aten::mm"
+    }
     assert dict(Policy().table("cuda")) == dict(DEFAULT_TABLES["cuda"])
     assert DEFAULT_TABLES["cpu"]["aten::mm"] is CastClass.LOWER_PRECISION_FP, "defaults untouched"

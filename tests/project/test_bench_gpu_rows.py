@@ -22,7 +22,7 @@ from gap_kernels import diff, generated_code, parse  # noqa: E402
 
 def _row(table: str, variant: str) -> list[str]:
     line = next(line for line in table.splitlines() if line.startswith(variant))
-    return re.split(r"\s{2,}", line[len(variant):].strip())
+    return re.split(r"\s{2,}", line[len(variant) :].strip())
 
 
 @pytest.mark.slow
@@ -31,11 +31,31 @@ def test_bench_coverage_tiny_moe_runs_and_amp_fx_covers_the_experts() -> None:
     MoE row says why it does not run on a CPU, and amp_fx's shares are at least autocast's (the
     experts, fp32 under autocast, are bf16 or fp8 in amp_fx)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_coverage.py"), "--device", "cpu",
-                           "--preset", "tiny", "--backend", "aot_eager", "--workloads", "moe", "--steps", "3",
-                           "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_coverage.py"),
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--backend",
+            "aot_eager",
+            "--workloads",
+            "moe",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    table = done.stdout[done.stdout.index("\nmoe "):]
+    table = done.stdout[done.stdout.index("\nmoe ") :]
     assert "failed" not in table, table
     autocast = float(_row(table, "torch.compile + autocast bf16")[0])
     bf16 = _row(table, "amp_fx bf16")

@@ -24,8 +24,14 @@ _LIMIT = re.compile(r"^#\s+(\w+)\s+(\d+)\s", re.M)
 def _gpu(out: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     env = dict(os.environ, PYTHON=sys.executable)
     began = time.perf_counter()
-    done = subprocess.run(["bash", str(ROOT / ".ci" / "gpu"), str(out), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", str(ROOT / ".ci" / "gpu"), str(out), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done, time.perf_counter() - began
 
 

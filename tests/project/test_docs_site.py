@@ -32,12 +32,21 @@ _ROOT = Path(__file__).resolve().parents[2]
 _WINDOW = (1280, 900)
 # Flags that run Chromium here: as root (no sandbox), without a GPU, and without reaching any
 # network beyond the local server (no QUIC, background updates, sync or component downloads).
-_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-          "--hide-scrollbars", f"--window-size={_WINDOW[0]},{_WINDOW[1]}",
-          # lets the page's scripts run (Material builds the copy buttons and the search) before
-          # the DOM is dumped or the screenshot taken
-          "--virtual-time-budget=5000")
+_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    f"--window-size={_WINDOW[0]},{_WINDOW[1]}",
+    # lets the page's scripts run (Material builds the copy buttons and the search) before
+    # the DOM is dumped or the screenshot taken
+    "--virtual-time-budget=5000",
+)
 
 
 def _nav_titles(nav: list) -> list[str]:
@@ -57,9 +66,14 @@ def _nav_titles(nav: list) -> list[str]:
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
     out = tmp_path_factory.mktemp("site")
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                           cwd=_ROOT, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stderr}"
     return out
 
@@ -74,7 +88,7 @@ def nav() -> list:
 def _pages(nav: list) -> list[str]:
     pages = []
     for entry in nav:
-        for value in (entry.values() if isinstance(entry, dict) else [entry]):
+        for value in entry.values() if isinstance(entry, dict) else [entry]:
             pages += _pages(value) if isinstance(value, list) else [value]
     return pages
 
@@ -108,8 +122,9 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         pytest.skip("Chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
     profile.mkdir()
-    return subprocess.run([chromium, *_FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [chromium, *_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=180
+    )
 
 
 def _png_first_row(png: bytes) -> tuple[int, int, list[tuple[int, ...]], int]:
@@ -118,8 +133,8 @@ def _png_first_row(png: bytes) -> tuple[int, int, list[tuple[int, ...]], int]:
     assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, data, header = 8, b"", b""
     while pos < len(png):
-        length, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        body = png[pos + 8:pos + 8 + length]
+        length, kind = struct.unpack(">I4s", png[pos : pos + 8])
+        body = png[pos + 8 : pos + 8 + length]
         header = body if kind == b"IHDR" else header
         data += body if kind == b"IDAT" else b""
         pos += 12 + length
@@ -127,14 +142,14 @@ def _png_first_row(png: bytes) -> tuple[int, int, list[tuple[int, ...]], int]:
     assert depth == 8 and color in (2, 6), (depth, color)
     channels = 3 if color == 2 else 4
     raw = zlib.decompress(data)
-    kind, row = raw[0], bytearray(raw[1:1 + width * channels])
+    kind, row = raw[0], bytearray(raw[1 : 1 + width * channels])
     # the first row's filters: None, Sub, Up (of a zero row), Average and Paeth reduce to these
     for i in range(channels, len(row)):
         if kind in (1, 4):
             row[i] = (row[i] + row[i - channels]) & 0xFF
         elif kind == 3:
             row[i] = (row[i] + row[i - channels] // 2) & 0xFF
-    pixels = [tuple(row[i:i + channels][:3]) for i in range(0, len(row), channels)]
+    pixels = [tuple(row[i : i + channels][:3]) for i in range(0, len(row), channels)]
     return width, height, pixels, len(set(raw))
 
 
@@ -166,7 +181,7 @@ def test_page_renders_navigation_and_highlighted_code(name: str, server: str, na
     if name == "api-compile":
         # mkdocstrings rendered the docstring: the heading, the signature and the arguments
         start = dom.index('<h2 id="amp_fx.compile"')
-        section = dom[start:dom.index('id="amp_fx.AmpCompiledModule"')]
+        section = dom[start : dom.index('id="amp_fx.AmpCompiledModule"')]
         assert re.search(r">\s*amp_fx\.compile\s*<", section), "heading"
         assert _HIGHLIGHTED.search(section), "no highlighted signature"
         for argument in ("model_or_fn", "dtype", "policy", "backend", "weight_cache"):
@@ -174,7 +189,7 @@ def test_page_renders_navigation_and_highlighted_code(name: str, server: str, na
     else:
         assert re.search(r"<h1[^>]*>\s*amp_fx\s*<", dom), "heading"
         block = _HIGHLIGHTED.search(dom)
-        assert block and '<span class="kn">import</span>' in dom[block.start():], "no highlighted code block"
+        assert block and '<span class="kn">import</span>' in dom[block.start() :], "no highlighted code block"
 
     shots = Path(os.environ.get("AMP_FX_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)

@@ -47,8 +47,12 @@ def _imports(path: Path) -> list[tuple[str, str | None, int]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "amp_fx"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] == "amp_fx":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "amp_fx"
+        ):
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
                 out.append((sub, None, node.lineno) if sub in MODULES else (node.module, a.name, node.lineno))
@@ -124,7 +128,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[str]:
         state[module] = 1
         for target in sorted(graph[module]):
             if state.get(target) == 1:
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = 2
@@ -143,11 +147,14 @@ def test_no_import_cycle():
     assert not (cycles := _cycles(_graph())), "\n".join(cycles)
 
 
-@pytest.mark.parametrize("module, target", [
-    ("amp_fx.policy", "amp_fx.step"),             # a table importing the training step
-    ("amp_fx.passes.insert_casts", "amp_fx.api"),  # a pass importing the public face
-    ("amp_fx.backend.compiler", "amp_fx.testing.zoo"),  # the library importing test helpers
-])
+@pytest.mark.parametrize(
+    "module, target",
+    [
+        ("amp_fx.policy", "amp_fx.step"),  # a table importing the training step
+        ("amp_fx.passes.insert_casts", "amp_fx.api"),  # a pass importing the public face
+        ("amp_fx.backend.compiler", "amp_fx.testing.zoo"),  # the library importing test helpers
+    ],
+)
 def test_the_checks_catch_an_upward_import_and_the_cycle_it_makes(module, target):
     graph = {m: set(t) for m, t in _graph().items()}
     graph[module].add(target)
@@ -165,12 +172,18 @@ def test_no_private_name_imported_across_modules():
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("attribute, owner", [
-    ("_amp_fx_backend", "amp_fx/backend/wrapper.py"),  # a compiled module's backend: backend_of
-    ("_amp_fx_inplace", "amp_fx/backend/inplace.py"),  # the call of compile(inplace=True)
-    ("_skip_record", "amp_fx/scaler/grad_scaler.py"),  # the scaler's overflow record
-])
+@pytest.mark.parametrize(
+    "attribute, owner",
+    [
+        ("_amp_fx_backend", "amp_fx/backend/wrapper.py"),  # a compiled module's backend: backend_of
+        ("_amp_fx_inplace", "amp_fx/backend/inplace.py"),  # the call of compile(inplace=True)
+        ("_skip_record", "amp_fx/scaler/grad_scaler.py"),  # the scaler's overflow record
+    ],
+)
 def test_private_state_is_read_by_its_owner_only(attribute, owner):
-    readers = sorted(str(p.relative_to(ROOT)) for p in MODULES.values()
-                     if re.search(rf"\.{attribute}\b|[\"']{attribute}[\"']", p.read_text()))
+    readers = sorted(
+        str(p.relative_to(ROOT))
+        for p in MODULES.values()
+        if re.search(rf"\.{attribute}\b|[\"']{attribute}[\"']", p.read_text())
+    )
     assert readers in ([], [owner]), readers

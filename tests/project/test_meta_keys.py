@@ -49,18 +49,27 @@ def _raw_keys(path: Path) -> list[str]:
         key = None
         if isinstance(node, ast.Subscript) and _is_meta(node.value):
             key = _raw(node.slice)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in ("get", "pop", "setdefault") and _is_meta(node.func.value) and node.args):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("get", "pop", "setdefault")
+            and _is_meta(node.func.value)
+            and node.args
+        ):
             key = _raw(node.args[0])
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
-                and any(_is_meta(c) for c in node.comparators):
+        elif (
+            isinstance(node, ast.Compare)
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+            and any(_is_meta(c) for c in node.comparators)
+        ):
             key = _raw(node.left)
         if key is not None:
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {key!r}")
     rel = str(path.relative_to(ROOT))
     for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         value = getattr(node, "value", None)
         for t in targets:
             if isinstance(t, ast.Name) and _raw(value) and (rel, t.id) not in NOT_KEYS:
@@ -74,16 +83,26 @@ def test_no_raw_node_metadata_key_outside_the_register():
 
 
 def test_every_key_of_the_register_is_in_its_table():
-    keys = [name for name in meta.__all__ if isinstance(getattr(meta, name), str)
-            and getattr(meta, name).startswith("amp_fx_")]
+    keys = [
+        name
+        for name in meta.__all__
+        if isinstance(getattr(meta, name), str) and getattr(meta, name).startswith("amp_fx_")
+    ]
     assert len(set(getattr(meta, k) for k in keys)) == len(keys), "two names for one key"
     missing = [k for k in keys if f"``{k}``" not in (meta.__doc__ or "")]
     assert not missing, f"keys without a row (writer, readers) in amp_fx/passes/meta.py's table: {missing}"
 
 
-@pytest.mark.parametrize("source", [
-    'n.meta["amp_fx_decision"]', 'n.meta.get("amp_fx_cast")', '"amp_fx_fp8" in node.meta',
-    'n.meta["custom"]["amp_fx_node"]', 'KEY = "amp_fx_weight_use"'])
+@pytest.mark.parametrize(
+    "source",
+    [
+        'n.meta["amp_fx_decision"]',
+        'n.meta.get("amp_fx_cast")',
+        '"amp_fx_fp8" in node.meta',
+        'n.meta["custom"]["amp_fx_node"]',
+        'KEY = "amp_fx_weight_use"',
+    ],
+)
 def test_the_check_finds_each_form(tmp_path, source):
     path = ROOT / "tests" / "_meta_key_probe.py"
     try:

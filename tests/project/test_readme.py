@@ -114,19 +114,23 @@ _NO_DOT = () if shutil.which("dot") else (('report.to_svg("graph.svg")', 'report
 BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     "README.md": {
         "import amp_fx": Run(),
-        'policy = amp_fx.Policy(keep_fp32=("lm_head",))      # this submodule stays in fp32':
-            Run(after="compiled(x).float().sum().backward()\n"),
+        'policy = amp_fx.Policy(keep_fp32=("lm_head",))      # this submodule stays in fp32': Run(
+            after="compiled(x).float().sum().backward()\n"
+        ),
         'report = amp_fx.explain(model, x, dtype="bf16")': Run(),
         'result = amp_fx.compare(model, x, dtype="fp16")': Run(),
         # a CUDA scaler where there is none: the same options on the CPU
-        'scaler = amp_fx.GradScaler("cuda", step_mode=amp_fx.StepMode.MASKED)  # no host sync in step()':
-            Run(replace=_NO_CUDA),
+        'scaler = amp_fx.GradScaler("cuda", step_mode=amp_fx.StepMode.MASKED)  # no host sync in step()': Run(
+            replace=_NO_CUDA
+        ),
         # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
-        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", max_grad_norm=1.0)':
-            Run(replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
+        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", max_grad_norm=1.0)': Run(
+            replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)
+        ),
         'advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().sum())': Run(),
-        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", watch_nonfinite=True)':
-            Run(replace=(("watch_nonfinite=True)", 'watch_nonfinite=True, backend="aot_eager")'),)),
+        'step = amp_fx.compile_step(model, optimizer, loss_fn, dtype="fp16", watch_nonfinite=True)': Run(
+            replace=(("watch_nonfinite=True)", 'watch_nonfinite=True, backend="aot_eager")'),)
+        ),
     },
     "docs/advise.md": {
         "import amp_fx": Run(),
@@ -140,9 +144,11 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "import amp_fx": Run(),
         # fp16 on the CPU through inductor compiles for about a minute: the same loop on aot_eager
         "# fp16: scale the loss so that small gradients do not underflow": Run(
-            replace=(*_NO_CUDA, ('dtype="fp16")', 'dtype="fp16", backend="aot_eager")'))),
+            replace=(*_NO_CUDA, ('dtype="fp16")', 'dtype="fp16", backend="aot_eager")'))
+        ),
         "# fp16, the whole step in one call": Run(
-            replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)),
+            replace=(("max_grad_norm=1.0)", 'max_grad_norm=1.0, backend="aot_eager")'),)
+        ),
     },
     "docs/concepts.md": {
         "from amp_fx import Policy, CastClass": Run(after=_CALL),
@@ -151,8 +157,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         'model = amp_fx.compile(model, dtype="bf16", backend="eager")': Run(after=_CALL),
     },
     "docs/debugging.md": {
-        'report = amp_fx.explain(model, x, dtype="bf16")     # or amp_fx.explain(compiled) after it ran':
-            Run(replace=_NO_DOT),
+        'report = amp_fx.explain(model, x, dtype="bf16")     # or amp_fx.explain(compiled) after it ran': Run(
+            replace=_NO_DOT
+        ),
     },
     "docs/loss-scaling.md": {
         # a CUDA scaler where there is none: the same options on the CPU
@@ -160,36 +167,46 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     },
     "docs/compiled-step.md": {
         # fp16 on the CPU through inductor compiles for about a minute: the same step on aot_eager
-        "step = amp_fx.compile_step(model, optimizer, torch.nn.functional.cross_entropy,":
-            Run(replace=(("accumulate=4)", 'accumulate=4, backend="aot_eager")'),)),
+        "step = amp_fx.compile_step(model, optimizer, torch.nn.functional.cross_entropy,": Run(
+            replace=(("accumulate=4)", 'accumulate=4, backend="aot_eager")'),)
+        ),
         "model = transformers.GPT2LMHeadModel(config)": NotRun(
             "needs transformers (not a dependency); compile_step(**batch) with an HF-style model is "
-            "tests/step/test_step.py's"),
+            "tests/step/test_step.py's"
+        ),
         "step = amp_fx.compile_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn,": NotRun(
-            "tests/step/test_lowprec.py runs compile_step(train_state=...) against torchao"),
+            "tests/step/test_lowprec.py runs compile_step(train_state=...) against torchao"
+        ),
     },
     "docs/distributed.md": {
         'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(
-            "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"),
+            "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"
+        ),
         "class Model(nn.Module):": NotRun(
-            "a fragment (no blocks or embed): tests/distributed/_dist_cases.py's MethodRoot runs it under FSDP2"),
+            "a fragment (no blocks or embed): tests/distributed/_dist_cases.py's MethodRoot runs it under FSDP2"
+        ),
         "# Llama, Qwen2, Mistral, ...: the embedding is the root's own module": NotRun(
             "needs a process group: tests/distributed/_dist_real_model_cases.py's _shard runs both shardings "
-            "under FSDP2"),
+            "under FSDP2"
+        ),
         'parallelize_module(block, tp_mesh, {"attn.q": ColwiseParallel(), "attn.wo": RowwiseParallel(), ...})': NotRun(
             "needs a process group and a mesh: tests/distributed/_dist_tp_cases.py's tensor_parallel runs it on "
-            "2 gloo ranks"),
+            "2 gloo ranks"
+        ),
         "model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))": NotRun(
             "needs a process group: tests/distributed/_dist_tp_real_cases.py's tp_real loads the model so on "
-            "2 gloo ranks"),
+            "2 gloo ranks"
+        ),
         'stage_module = amp_fx.compile(stage_module, dtype="fp16")': NotRun(
-            "needs a process group: tests/distributed/_dist_tp_cases.py's pipeline_run runs it on 2 gloo ranks"),
+            "needs a process group: tests/distributed/_dist_tp_cases.py's pipeline_run runs it on 2 gloo ranks"
+        ),
     },
     "docs/torchtitan.md": {
         "# my_configs.py": NotRun(
             "a torchtitan config module: torchtitan's Trainer needs an accelerator (and tensorboard); "
             "tests/integrations/test_torchtitan.py runs the parallelize_fn with_amp_fx puts in the spec on 2 gloo "
-            "ranks"),
+            "ranks"
+        ),
     },
     "docs/everyday.md": {
         "# compile in place: model(...) and its methods run amp_fx's graphs": Run(),
@@ -197,8 +214,9 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
         "# a hook registered after the first call runs": Run(),
         "# an unknown option is refused when compile is called": Run(),
         "# silence amp_fx's progress lines (warnings are unaffected)": Run(
-            after='import amp_fx\nassert not amp_fx._common.progress.progress_log.isEnabledFor(logging.INFO)\n'
-                  'logging.getLogger("amp_fx.progress").setLevel(logging.INFO)\n'),
+            after="import amp_fx\nassert not amp_fx._common.progress.progress_log.isEnabledFor(logging.INFO)\n"
+            'logging.getLogger("amp_fx.progress").setLevel(logging.INFO)\n'
+        ),
     },
     "docs/call-overhead.md": {
         "import torch": Run(),
@@ -219,36 +237,46 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     # inductor compiling, as in docs/compiled-step.md.
     "docs/fp8.md": {
         'model = amp_fx.compile(model, dtype="bf16", fp8="tensorwise")   # or "rowwise", "rowwise_with_gw_hp"': Run(
-            replace=(('amp_fx.compile(model, dtype="bf16", fp8="tensorwise")',
-                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", backend="aot_eager")'),),
-            after="model(x16).float().sum().backward()\n"),
+            replace=(
+                (
+                    'amp_fx.compile(model, dtype="bf16", fp8="tensorwise")',
+                    'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", backend="aot_eager")',
+                ),
+            ),
+            after="model(x16).float().sum().backward()\n",
+        ),
         'policy = amp_fx.Policy(keep_out_of_fp8=("lm_head",))': Run(
-            replace=(('amp_fx.compile(model, dtype="bf16", fp8="tensorwise", policy=policy)',
-                      'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", policy=policy, '
-                      'backend="aot_eager")'),),
-            after="model(x16).float().sum().backward()\n"),
+            replace=(
+                (
+                    'amp_fx.compile(model, dtype="bf16", fp8="tensorwise", policy=policy)',
+                    'amp_fx.compile(Fp8Model(), dtype="bf16", fp8="tensorwise", policy=policy, backend="aot_eager")',
+                ),
+            ),
+            after="model(x16).float().sum().backward()\n",
+        ),
         'report = amp_fx.explain(model, x, dtype="bf16", fp8="tensorwise")': Run(
-            replace=(("amp_fx.explain(model, x,", "amp_fx.explain(Fp8Model(), x16,"),)),
+            replace=(("amp_fx.explain(model, x,", "amp_fx.explain(Fp8Model(), x16,"),)
+        ),
     },
     "docs/memory.md": {
         # inductor compiles for tens of seconds here: the same model on aot_eager
         'model = amp_fx.compile(model, dtype="bf16")': Run(
-            replace=(('dtype="bf16")', 'dtype="bf16", backend="aot_eager")'),)),
+            replace=(('dtype="bf16")', 'dtype="bf16", backend="aot_eager")'),)
+        ),
     },
     "docs/weight-cache.md": {
         'model = amp_fx.compile(model, dtype="bf16", weight_cache=True)': Run(
             after="for xb, yb in loader:\n    step(xb, yb)\n",
             # as in docs/compiled-step.md: aot_eager instead of a minute of inductor compiling
-            replace=(("accumulate=4, weight_cache=True)",
-                      'accumulate=4, weight_cache=True, backend="aot_eager")'),)),
+            replace=(("accumulate=4, weight_cache=True)", 'accumulate=4, weight_cache=True, backend="aot_eager")'),),
+        ),
     },
 }
 """Every python block of every page, by page and first line."""
 
 
 def _listed_blocks() -> list[tuple[str, str]]:
-    return [(page, first) for page, blocks in BLOCKS.items() for first, how in blocks.items()
-            if isinstance(how, Run)]
+    return [(page, first) for page, blocks in BLOCKS.items() for first, how in blocks.items() if isinstance(how, Run)]
 
 
 @pytest.mark.parametrize("page", pages())
@@ -273,8 +301,7 @@ def _shown(w: warnings.WarningMessage) -> bool:
     return not hidden or w.filename.startswith(_AMP_FX) or w.filename.endswith(".md")
 
 
-def _run_quietly(source: str, monkeypatch, tmp_path, capfd, *, filename: str = "README.md",
-                 foreign: str = "") -> None:
+def _run_quietly(source: str, monkeypatch, tmp_path, capfd, *, filename: str = "README.md", foreign: str = "") -> None:
     """Run ``source`` as a user would (not strict) in ``tmp_path``; fail on any warning or any
     output to stderr."""
     monkeypatch.delenv("AMP_FX_STRICT", raising=False)
@@ -285,13 +312,21 @@ def _run_quietly(source: str, monkeypatch, tmp_path, capfd, *, filename: str = "
         module = types.ModuleType("readme_block")
         monkeypatch.setitem(sys.modules, module.__name__, module)
         exec(compile(source, filename, "exec"), module.__dict__)
-    said = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
-            if _shown(w) and not (foreign and f"/{foreign.split('.')[0]}/" in w.filename)
-            and not _SLOW_FP8_NOTE.match(str(w.message))]
+    said = [
+        f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
+        for w in caught
+        if _shown(w)
+        and not (foreign and f"/{foreign.split('.')[0]}/" in w.filename)
+        and not _SLOW_FP8_NOTE.match(str(w.message))
+    ]
     assert said == [], "\n".join(said)
-    err = [line for line in capfd.readouterr().err.splitlines()
-           if not _MACHINE_NOTE.search(line) and not _FOREIGN_IMPORT_NOTE.search(line)
-           and not (foreign and line.startswith("INFO: "))]
+    err = [
+        line
+        for line in capfd.readouterr().err.splitlines()
+        if not _MACHINE_NOTE.search(line)
+        and not _FOREIGN_IMPORT_NOTE.search(line)
+        and not (foreign and line.startswith("INFO: "))
+    ]
     assert err == []
 
 
@@ -321,8 +356,9 @@ def test_block_runs_without_a_warning(page, first_line, monkeypatch, tmp_path, c
     for old, new in run.replace:
         assert old in block, f"{page}: block changed: {old!r} not in it"
         block = block.replace(old, new)
-    _run_quietly(_CONTEXT + textwrap.dedent(block) + run.after, monkeypatch, tmp_path, capfd, filename=page,
-                 foreign=run.needs)
+    _run_quietly(
+        _CONTEXT + textwrap.dedent(block) + run.after, monkeypatch, tmp_path, capfd, filename=page, foreign=run.needs
+    )
 
 
 _TINY = _ROOT / "examples" / "tiny_mlp.py"
@@ -330,15 +366,16 @@ _TINY = _ROOT / "examples" / "tiny_mlp.py"
 
 def _docstring_commands() -> list[list[str]]:
     """The ``amp-fx ...`` lines of examples/tiny_mlp.py's docstring, as argument lists."""
-    doc = (_TINY.read_text().split('"""')[1])
+    doc = _TINY.read_text().split('"""')[1]
     return [line.split()[1:] for line in doc.splitlines() if line.strip().startswith("amp-fx ")]
 
 
 @pytest.mark.parametrize("argv", _docstring_commands(), ids=lambda a: a[0])
 def test_tiny_mlp_commands_run_without_a_warning(argv, monkeypatch, tmp_path, capfd):
-    argv = [str(_TINY) + a.removeprefix("examples/tiny_mlp.py") if a.startswith("examples/")
-            else a for a in argv]
-    source = (f"from amp_fx.cli import main\ncode = main({argv!r})\n"
-              # find-nonfinite exits 1 when it finds an inf/NaN, as on build_overflowing
-              f"assert code == {1 if argv[0] == 'find-nonfinite' else 0}, code\n")
+    argv = [str(_TINY) + a.removeprefix("examples/tiny_mlp.py") if a.startswith("examples/") else a for a in argv]
+    source = (
+        f"from amp_fx.cli import main\ncode = main({argv!r})\n"
+        # find-nonfinite exits 1 when it finds an inf/NaN, as on build_overflowing
+        f"assert code == {1 if argv[0] == 'find-nonfinite' else 0}, code\n"
+    )
     _run_quietly(source, monkeypatch, tmp_path, capfd)

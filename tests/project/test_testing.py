@@ -29,17 +29,23 @@ def test_assert_bitwise_passes_on_the_same_bits() -> None:
     assert_bitwise([1, (2.0, "a")], [1, (2.0, "a")], "nested")
 
 
-@pytest.mark.parametrize("actual, expected, where", [
-    # torch.equal and assert_close(atol=0, rtol=0) both pass this one: only the bits tell.
-    (torch.tensor([-0.0]), torch.tensor([0.0]), "r.grads['w']: 1 of 1 elements differ"),
-    # Same value, another NaN payload (0x7FC00001 vs the default 0x7FC00000).
-    (torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32), torch.tensor([float("nan")]),
-     "r.grads['w']: 1 of 1 elements differ"),
-    (torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0]), "r.grads['w']: (dtype, shape, device)"),
-    (torch.tensor([[1.0]]), torch.tensor([1.0]), "r.grads['w']: (dtype, shape, device)"),
-    (None, torch.tensor([1.0]), "r.grads['w']: NoneType is not a Tensor"),
-    (torch.tensor([1.0]), None, "r.grads['w']: tensor([1.]) != None"),
-])
+@pytest.mark.parametrize(
+    "actual, expected, where",
+    [
+        # torch.equal and assert_close(atol=0, rtol=0) both pass this one: only the bits tell.
+        (torch.tensor([-0.0]), torch.tensor([0.0]), "r.grads['w']: 1 of 1 elements differ"),
+        # Same value, another NaN payload (0x7FC00001 vs the default 0x7FC00000).
+        (
+            torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32),
+            torch.tensor([float("nan")]),
+            "r.grads['w']: 1 of 1 elements differ",
+        ),
+        (torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.0]), "r.grads['w']: (dtype, shape, device)"),
+        (torch.tensor([[1.0]]), torch.tensor([1.0]), "r.grads['w']: (dtype, shape, device)"),
+        (None, torch.tensor([1.0]), "r.grads['w']: NoneType is not a Tensor"),
+        (torch.tensor([1.0]), None, "r.grads['w']: tensor([1.]) != None"),
+    ],
+)
 def test_assert_bitwise_names_the_first_difference(actual, expected, where) -> None:
     with pytest.raises(AssertionError) as info:
         assert_bitwise(_result(actual), _result(expected), "r")

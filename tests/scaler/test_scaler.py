@@ -40,9 +40,7 @@ def make_data(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
 OptFactory = Callable[[Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, OptFactory] = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "sgd_momentum_for_loop": lambda p: torch.optim.SGD(
-        p, lr=0.05, momentum=0.9, dampening=0.1, foreach=False
-    ),
+    "sgd_momentum_for_loop": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, foreach=False),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
     "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, amsgrad=True),
@@ -112,14 +110,10 @@ SCRIPT_POISON: Poison = {
 SCRIPT_STEPS = 20
 
 
-def _assert_script_exercises_rule(
-    history: list[tuple[torch.Tensor, torch.Tensor]], init: float
-) -> None:
+def _assert_script_exercises_rule(history: list[tuple[torch.Tensor, torch.Tensor]], init: float) -> None:
     scales = [init] + [s.item() for s, _ in history]
     grew = any(b > a for a, b in itertools.pairwise(scales))
-    backed_off_in_a_row = any(
-        scales[i + 2] < scales[i + 1] < scales[i] for i in range(len(scales) - 2)
-    )
+    backed_off_in_a_row = any(scales[i + 2] < scales[i + 1] < scales[i] for i in range(len(scales) - 2))
     assert grew and backed_off_in_a_row, scales
 
 
@@ -127,9 +121,7 @@ def _assert_script_exercises_rule(
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("step_mode", list(StepMode))
 def test_scripted_run_bitwise(opt_name: str, step_mode: StepMode) -> None:
-    ref = run_script(
-        torch.amp.GradScaler("cpu", growth_interval=3), opt_name, SCRIPT_STEPS, SCRIPT_POISON
-    )
+    ref = run_script(torch.amp.GradScaler("cpu", growth_interval=3), opt_name, SCRIPT_STEPS, SCRIPT_POISON)
     ours = run_script(
         GradScaler("cpu", growth_interval=3, step_mode=step_mode),
         opt_name,
@@ -147,9 +139,7 @@ def test_first_step_overflow_bitwise(opt_name: str, step_mode: StepMode) -> None
     # trace. (torch's fused SGD does leave one: see test_fused_sgd_first_step_overflow.)
     poison = {0: float("inf"), 1: float("nan"), 4: float("inf")}
     ref = run_script(torch.amp.GradScaler("cpu", growth_interval=3), opt_name, 8, poison)
-    ours = run_script(
-        GradScaler("cpu", growth_interval=3, step_mode=step_mode), opt_name, 8, poison
-    )
+    ours = run_script(GradScaler("cpu", growth_interval=3, step_mode=step_mode), opt_name, 8, poison)
     assert_bitwise(ours, ref)
 
 
@@ -173,9 +163,7 @@ def test_fused_sgd_first_step_overflow(step_mode: StepMode) -> None:
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
     for batch in data[1:]:
         train_step(ref, ref_model, ref_opt, batch)
-    assert_bitwise(
-        [p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()]
-    )
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in ref_model.parameters()])
     assert_bitwise(ours._scale, ref._scale)
 
     # The torch bug itself, where the buffer's memory is not zero: it ends up in the state.
@@ -277,9 +265,7 @@ def _outcome(fn: Callable[[], Any]) -> tuple[type, str] | None:
     return None
 
 
-def _prepared(
-    cls: type, **kw: Any
-) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer, torch.nn.Module]:
+def _prepared(cls: type, **kw: Any) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer, torch.nn.Module]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = cls("cpu", **kw)

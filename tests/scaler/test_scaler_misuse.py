@@ -17,12 +17,16 @@ from amp_fx.scaler import GradScaler
 ScalerFactory = Callable[..., torch.amp.GradScaler]
 
 
-def _setup(make: ScalerFactory, *, fused: bool = False, dtype: torch.dtype = torch.float32,
-           backward: bool = True) -> tuple[torch.amp.GradScaler, torch.nn.Module, torch.optim.Optimizer]:
+def _setup(
+    make: ScalerFactory, *, fused: bool = False, dtype: torch.dtype = torch.float32, backward: bool = True
+) -> tuple[torch.amp.GradScaler, torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2).to(dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if fused else \
-        torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     scaler = make("cpu")
     if backward:
         scaler.scale(model(torch.ones(3, 4, dtype=dtype)).float().sum()).backward()
@@ -160,14 +164,32 @@ def backoff_factor_one(make: ScalerFactory) -> None:
     make("cpu", backoff_factor=1.0)
 
 
-MISUSES = [unscale_twice, unscale_after_step, step_twice, step_twice_fused, step_with_closure,
-           step_before_scale, unscale_before_scale, update_before_scale, update_without_step,
-           update_twice, step_without_grads, fused_step_without_grads_then_update,
-           fused_unscale_without_grads_then_step_update, unscale_fp16_grads, scale_a_float,
-           scale_a_list_holding_a_float, update_new_scale_two_elements,
-           update_new_scale_requiring_grad, update_new_scale_an_int, load_empty_state_dict,
-           load_state_dict_without_scale, pickle_mid_iteration, growth_factor_one,
-           backoff_factor_one]
+MISUSES = [
+    unscale_twice,
+    unscale_after_step,
+    step_twice,
+    step_twice_fused,
+    step_with_closure,
+    step_before_scale,
+    unscale_before_scale,
+    update_before_scale,
+    update_without_step,
+    update_twice,
+    step_without_grads,
+    fused_step_without_grads_then_update,
+    fused_unscale_without_grads_then_step_update,
+    unscale_fp16_grads,
+    scale_a_float,
+    scale_a_list_holding_a_float,
+    update_new_scale_two_elements,
+    update_new_scale_requiring_grad,
+    update_new_scale_an_int,
+    load_empty_state_dict,
+    load_state_dict_without_scale,
+    pickle_mid_iteration,
+    growth_factor_one,
+    backoff_factor_one,
+]
 
 
 def _raised(misuse: Callable[[ScalerFactory], None], make: ScalerFactory) -> tuple[type, str]:

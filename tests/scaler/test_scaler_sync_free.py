@@ -34,9 +34,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_reads_in_step_and_update(
-    scaler: torch.amp.GradScaler, opt_name: str, poison: float | None
-) -> tuple[int, int]:
+def host_reads_in_step_and_update(scaler: torch.amp.GradScaler, opt_name: str, poison: float | None) -> tuple[int, int]:
     """Host reads during scaler.step()+update() on a warmed-up optimizer, and during a bare
     optimizer.step() of an identical optimizer (reads the optimizer does by itself, such as
     non-capturable Adam reading its CPU step counter)."""
@@ -63,13 +61,9 @@ NON_FUSED = ["sgd_momentum", "sgd_momentum_for_loop", "adam", "rmsprop"]
 @pytest.mark.parametrize("opt_name", NON_FUSED)
 @pytest.mark.parametrize("poison", [None, math.inf])
 def test_masked_step_reads_nothing_on_the_host(opt_name: str, poison: float | None) -> None:
-    torch_reads, baseline = host_reads_in_step_and_update(
-        torch.amp.GradScaler("cpu"), opt_name, poison
-    )
+    torch_reads, baseline = host_reads_in_step_and_update(torch.amp.GradScaler("cpu"), opt_name, poison)
     ours_sync, _ = host_reads_in_step_and_update(GradScaler("cpu"), opt_name, poison)
-    ours_masked, _ = host_reads_in_step_and_update(
-        GradScaler("cpu", step_mode=StepMode.MASKED), opt_name, poison
-    )
+    ours_masked, _ = host_reads_in_step_and_update(GradScaler("cpu", step_mode=StepMode.MASKED), opt_name, poison)
     # torch's scaler reads found_inf (that is what makes this test able to fail) and so does
     # ours in the default mode; in MASKED mode the only reads left are the optimizer's own
     # (none for SGD/RMSprop), which a skipped step in torch does not do.
@@ -81,9 +75,7 @@ def test_masked_step_reads_nothing_on_the_host(opt_name: str, poison: float | No
 @pytest.mark.parametrize("step_mode", list(StepMode))
 def test_fused_optimizers_step_without_host_reads(opt_name: str, step_mode: StepMode) -> None:
     torch_reads, _ = host_reads_in_step_and_update(torch.amp.GradScaler("cpu"), opt_name, math.inf)
-    ours, _ = host_reads_in_step_and_update(
-        GradScaler("cpu", step_mode=step_mode), opt_name, math.inf
-    )
+    ours, _ = host_reads_in_step_and_update(GradScaler("cpu", step_mode=step_mode), opt_name, math.inf)
     opt = OPTIMIZERS[opt_name](make_model().parameters())
     if not getattr(opt, "_step_supports_amp_scaling", False):
         # torch 2.11's fused Adagrad takes no grad_scale/found_inf (2.13 and 2.15's does): torch's
@@ -147,8 +139,9 @@ def test_masked_step_with_python_state_falls_back_to_a_host_read(monkeypatch) ->
             warnings.simplefilter("always")
             for i, batch in enumerate(make_data(8)):
                 train_step(scaler, model, opt, batch, poison.get(i))
-        said = [w for w in caught if issubclass(w.category, AmpFxWarning)
-                and "non-tensor state 'step'" in str(w.message)]
+        said = [
+            w for w in caught if issubclass(w.category, AmpFxWarning) and "non-tensor state 'step'" in str(w.message)
+        ]
         results.append(
             (
                 [p.detach().clone() for p in model.parameters()],
@@ -223,9 +216,7 @@ def test_collapsed_scale_never_makes_nan(opt_name: str, step_mode: StepMode, sca
     if scale == 0.0 or not opt_name.endswith("fused"):
         # (fused Adam divides by the scale instead: at 1e-45 it overflows only for scaled
         # gradients above 3.4e-7, which this tiny loss does not have.)
-        assert any(p.isnan().any() for p in torch_params), (
-            "torch's scaler no longer corrupts: revisit"
-        )
+        assert any(p.isnan().any() for p in torch_params), "torch's scaler no longer corrupts: revisit"
     ours = GradScaler("cpu", init_scale=scale, step_mode=step_mode)
     params = _train_at_scale(ours, opt_name)
     assert_bitwise(params, [p.detach() for p in make_model().parameters()])  # never stepped
@@ -297,9 +288,7 @@ def test_skip_statistics_match_torch_scale_history() -> None:
 
 
 # ----------------------------------------------------------------------------- check-only mode
-def _plain_loop_skipping_non_finite(
-    opt_name: str, poison: dict[int, float], n: int
-) -> list[torch.Tensor]:
+def _plain_loop_skipping_non_finite(opt_name: str, poison: dict[int, float], n: int) -> list[torch.Tensor]:
     """The reference for CHECK_ONLY: no scaling, step only when all gradients are finite."""
     model = make_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
@@ -322,9 +311,7 @@ def test_check_only_skips_without_scaling(opt_name: str, step_mode: StepMode) ->
     assert_bitwise(ours["params"], _plain_loop_skipping_non_finite(opt_name, poison, 7))
     assert scaler.get_scale() == 1.0 and int(scaler.skipped_steps) == len(poison)
     # Where nothing overflows, torch's scaler at scale 1 that never grows is the same run.
-    torch_run = run_script(
-        torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9), opt_name, 7, {}
-    )
+    torch_run = run_script(torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9), opt_name, 7, {})
     assert_bitwise(
         run_script(GradScaler("cpu", mode=ScalerMode.CHECK_ONLY), opt_name, 7, {})["params"],
         torch_run["params"],

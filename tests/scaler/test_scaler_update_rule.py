@@ -138,9 +138,7 @@ def test_default_rule_is_bitwise_aten_on_edge_and_random_inputs() -> None:
     for scale, found, tracker, growth, backoff, interval in cases:
         ref_scale = torch.tensor(scale, dtype=torch.float32)
         ref_tracker = torch.tensor(tracker, dtype=torch.int32)
-        torch._amp_update_scale_(
-            ref_scale, ref_tracker, torch.tensor(found), growth, backoff, interval
-        )
+        torch._amp_update_scale_(ref_scale, ref_tracker, torch.tensor(found), growth, backoff, interval)
         got = run_op(State(scale, tracker, 1), found, Rule(growth, backoff, interval))
         if not same_state(got, State(ref_scale.item(), int(ref_tracker), got.hyst)):
             mismatches.append((scale, found, tracker, growth, backoff, interval))
@@ -175,9 +173,7 @@ def test_rejects_what_aten_rejects() -> None:
 RULES = {
     "torch": Rule(growth_interval=3),
     "bounds": Rule(growth_interval=2, min_scale=0.75, max_scale=48.0),
-    "odd_factors": Rule(
-        growth_factor=1.7, backoff_factor=0.3, growth_interval=2, min_scale=0.3, max_scale=100.0
-    ),
+    "odd_factors": Rule(growth_factor=1.7, backoff_factor=0.3, growth_interval=2, min_scale=0.3, max_scale=100.0),
     "hysteresis": Rule(growth_interval=4, hysteresis=3),
     "hysteresis_consecutive": Rule(growth_interval=4, hysteresis=2, consecutive_hysteresis=True),
     "all": Rule(growth_interval=2, min_scale=1.0, max_scale=2.0**20, hysteresis=2),
@@ -259,9 +255,7 @@ def test_grad_scaler_follows_reference(name: str, step_mode: StepMode) -> None:
         scaler.step(opt)
         scaler.update()
         ref = reference_update(ref, found, rule)
-        got = State(
-            scaler.get_scale(), scaler._get_growth_tracker(), int(scaler._hysteresis_tracker)
-        )
+        got = State(scaler.get_scale(), scaler._get_growth_tracker(), int(scaler._hysteresis_tracker))
         assert same_state(got, ref), (got, ref)
     assert int(scaler.skipped_steps) == sum(flags)
 
@@ -282,9 +276,7 @@ def test_opcheck() -> None:
 def test_compiles_without_graph_break(backend: str) -> None:
     rule = RULES["all"]
 
-    def step(
-        scale: torch.Tensor, tracker: torch.Tensor, hyst: torch.Tensor, found: torch.Tensor
-    ) -> torch.Tensor:
+    def step(scale: torch.Tensor, tracker: torch.Tensor, hyst: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
         torch.ops.amp_fx.update_scale_(scale, tracker, hyst, found, *rule.op_args())
         return scale * 2
 

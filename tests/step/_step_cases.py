@@ -32,8 +32,9 @@ ADAM_TRACED_RTOL = 2**-10
 
 def make_model(seed: int = 0, *, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
-                               torch.nn.Linear(16, 4)).to(device)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 4)
+    ).to(device)
 
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -55,8 +56,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-def make_batches(n: int, poison: dict[int, float], seed: int = 1, *, device: str = "cpu"
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(
+    n: int, poison: dict[int, float], seed: int = 1, *, device: str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` (x, y) batches drawn on the CPU (the same values on every device), ``poison[i]``
     planted in batch i, then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
@@ -74,14 +76,23 @@ def scalers(dtype: torch.dtype, *, device: str = "cpu") -> tuple[GradScaler, tor
     if dtype == torch.bfloat16:
         # torch's scaler has no check-only mode; amp_fx's (bitwise torch's in every other
         # respect, tests/scaler/test_scaler.py) is the reference here, in its eager host-sync mode.
-        return (GradScaler(device, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
-                GradScaler(device, mode=ScalerMode.CHECK_ONLY))
-    return (GradScaler(device, growth_interval=3, step_mode=StepMode.MASKED),
-            torch.amp.GradScaler(device, growth_interval=3))
+        return (
+            GradScaler(device, mode=ScalerMode.CHECK_ONLY, step_mode=StepMode.MASKED),
+            GradScaler(device, mode=ScalerMode.CHECK_ONLY),
+        )
+    return (
+        GradScaler(device, growth_interval=3, step_mode=StepMode.MASKED),
+        torch.amp.GradScaler(device, growth_interval=3),
+    )
 
 
-def run(step: Callable[..., torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]],
-        scaler: torch.amp.GradScaler, model: torch.nn.Module, accumulate: int) -> dict[str, list[torch.Tensor]]:
+def run(
+    step: Callable[..., torch.Tensor],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    scaler: torch.amp.GradScaler,
+    model: torch.nn.Module,
+    accumulate: int,
+) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {"loss": [], "scale": [], "params": [], "init": [flat_params(model)]}
     for i, (x, y) in enumerate(batches):
         out["loss"].append(step(x, y).clone())
@@ -95,10 +106,18 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
 
-def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None,
-             grad_norm: GradNorm | None, backend: str, poison: dict[int, float], n: int,
-             device: str = "cpu"
-             ) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
+def run_pair(
+    *,
+    dtype: torch.dtype,
+    opt_name: str,
+    accumulate: int,
+    clip: float | None,
+    grad_norm: GradNorm | None,
+    backend: str,
+    poison: dict[int, float],
+    n: int,
+    device: str = "cpu",
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
     """compile_step and the eager recipe on identical models and batches on ``device``;
     ``grad_norm`` None: compile_step's default."""
     ours_scaler, ref_scaler = scalers(dtype, device=device)
@@ -106,10 +125,20 @@ def run_pair(*, dtype: torch.dtype, opt_name: str, accumulate: int, clip: float 
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     loss_fn = torch.nn.functional.mse_loss
     options = {} if grad_norm is None else {"grad_norm": grad_norm}
-    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, max_grad_norm=clip,
-                        accumulate=accumulate, backend=backend, **options)
-    ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate,
-                              max_grad_norm=clip)
+    step = compile_step(
+        model,
+        opt,
+        loss_fn,
+        dtype=dtype,
+        scaler=ours_scaler,
+        max_grad_norm=clip,
+        accumulate=accumulate,
+        backend=backend,
+        **options,
+    )
+    ref_step = eager_amp_step(
+        ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype, accumulate=accumulate, max_grad_norm=clip
+    )
     batches = make_batches(n, poison, device=device)
     ours = run(step, batches, ours_scaler, model, accumulate)
     ref = run(ref_step, batches, ref_scaler, ref_model, accumulate)
@@ -136,6 +165,7 @@ def assert_steps_are_sync_free(step: Callable[..., torch.Tensor], batches: list[
     allowed = n_params * len(batches) if step._fused else 0
     assert syncs.in_cpu_kernels <= allowed, (
         f"{syncs.in_cpu_kernels} host reads inside ATen ops (at most {allowed} allowed): "
-        f"{sorted(set(syncs.in_kernel_names))}")
+        f"{sorted(set(syncs.in_kernel_names))}"
+    )
     assert sum(counters["graph_break"].values()) == breaks == 0
     assert step.graphs_compiled == graphs

@@ -86,8 +86,9 @@ def test_bf16_sr_step_is_bitwise_torchao() -> None:
     grad_bytes: list[int] = []
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: grad_bytes.append(p.grad.nbytes))
-    step = amp_fx.compile_step(model, opt, _dot_loss, dtype="bf16", backend="aot_eager", train_state="bf16_sr",
-                               strict=False)  # the scheduled beta below is reported, not an error
+    step = amp_fx.compile_step(
+        model, opt, _dot_loss, dtype="bf16", backend="aot_eager", train_state="bf16_sr", strict=False
+    )  # the scheduled beta below is reported, not an error
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     batches = [(torch.randn(3, 40), torch.randn(3, 40)) for _ in range(5)]
     step(*batches[0])  # compiles; then both start from the same weights and state
@@ -121,8 +122,9 @@ def test_bf16_sr_step_is_bitwise_torchao() -> None:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], ref_opt.state[r][key]), (name, key)
     numel = sum(p.numel() for p in model.parameters())
-    held = sum(p.nbytes + opt.state[p]["exp_avg"].nbytes + opt.state[p]["exp_avg_sq"].nbytes
-               for p in model.parameters())
+    held = sum(
+        p.nbytes + opt.state[p]["exp_avg"].nbytes + opt.state[p]["exp_avg_sq"].nbytes for p in model.parameters()
+    )
     assert grad_bytes and (held + sum(grad_bytes[:2])) / numel == 8.0
 
 
@@ -149,8 +151,21 @@ def test_updates_below_half_an_ulp_survive(train_state: str) -> None:
     m, v, k = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(())
     for _ in range(steps):
         k += 1
-        single_param_adam(w32, torch.full((n,), g, dtype=torch.bfloat16), k, m, v, None, torch.tensor(1e-3),
-                          0.9, 0.999, 0.0, 1e-8, True, False)
+        single_param_adam(
+            w32,
+            torch.full((n,), g, dtype=torch.bfloat16),
+            k,
+            m,
+            v,
+            None,
+            torch.tensor(1e-3),
+            0.9,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+        )
     nearest = torch.ones(n, dtype=torch.bfloat16)
     rtn_opt = torch.optim.AdamW([nn.Parameter(nearest)], lr=1e-3, weight_decay=0.0)
     for _ in range(steps):
@@ -182,8 +197,11 @@ def test_updates_below_half_an_ulp_survive(train_state: str) -> None:
     assert report.downgrades == {}, report.downgrades
     assert report.row("master weights").dtypes == (torch.bfloat16,)
     state_bytes = sum(t.nbytes for t in opt.state[model.w].values() if t.dim() > 0)
-    assert report.row("optimizer state").bytes_per_param == state_bytes / n == (6.0 if train_state == "bf16_kahan"
-                                                                                 else 4.0)
+    assert (
+        report.row("optimizer state").bytes_per_param
+        == state_bytes / n
+        == (6.0 if train_state == "bf16_kahan" else 4.0)
+    )
 
 
 def test_train_state_is_checked() -> None:
@@ -196,13 +214,13 @@ def test_train_state_is_checked() -> None:
     assert model.weight.dtype == torch.float32  # refused before anything was converted
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(AmpFxWarning, match=r"train_state=.bf16_sr.*optim.sgd.SGD"):
-        amp_fx.compile_step(model, sgd, nn.functional.mse_loss, dtype="bf16", backend="aot_eager",
-                            train_state="bf16_sr", strict=False)
+        amp_fx.compile_step(
+            model, sgd, nn.functional.mse_loss, dtype="bf16", backend="aot_eager", train_state="bf16_sr", strict=False
+        )
     assert model.weight.dtype == torch.float32  # not honoured: the model is left as it was
     amsgrad = torch.optim.AdamW(model.parameters(), amsgrad=True)
     with pytest.raises(AmpFxError, match="amsgrad"):
-        amp_fx.compile_step(model, amsgrad, nn.functional.mse_loss, dtype="bf16", train_state="bf16_kahan",
-                            strict=True)
+        amp_fx.compile_step(model, amsgrad, nn.functional.mse_loss, dtype="bf16", train_state="bf16_kahan", strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", AmpFxWarning)
         amp_fx.compile_step(model, opt, nn.functional.mse_loss, dtype="bf16", train_state="bf16_kahan")

@@ -71,14 +71,26 @@ PARITY_CASES = [
 
 
 @pytest.mark.slow_cases
-@pytest.mark.parametrize("dtype,opt_name,accumulate,clip,grad_norm", PARITY_CASES,
-                         ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""))
-def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name: str, accumulate: int,
-                                                   clip: float | None, grad_norm: GradNorm) -> None:
+@pytest.mark.parametrize(
+    "dtype,opt_name,accumulate,clip,grad_norm",
+    PARITY_CASES,
+    ids=lambda v: getattr(v, "name", str(v)).replace("torch.", ""),
+)
+def test_aot_eager_trajectory_is_bitwise_eager_amp(
+    dtype: torch.dtype, opt_name: str, accumulate: int, clip: float | None, grad_norm: GradNorm
+) -> None:
     poison = FP16_POISON if dtype == torch.float16 else BF16_POISON
     n = 10
-    ours, ref, step = run_pair(dtype=dtype, opt_name=opt_name, accumulate=accumulate, clip=clip,
-                               grad_norm=grad_norm, backend="aot_eager", poison=poison, n=n)
+    ours, ref, step = run_pair(
+        dtype=dtype,
+        opt_name=opt_name,
+        accumulate=accumulate,
+        clip=clip,
+        grad_norm=grad_norm,
+        backend="aot_eager",
+        poison=poison,
+        n=n,
+    )
     for key in ("loss", "scale", "params"):
         for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
             assert_bitwise(a, e, f"{key}[{i}]")
@@ -93,8 +105,16 @@ def test_aot_eager_trajectory_is_bitwise_eager_amp(dtype: torch.dtype, opt_name:
 def test_default_clipping_is_bitwise_eager_amp(opt_name: str) -> None:
     """The example of docs/compiled-step.md (max_grad_norm, no grad_norm given) reproduces unscale_ +
     clip_grad_norm_ bit for bit: the default is GradNorm.TORCH."""
-    ours, ref, _ = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=0.05,
-                            grad_norm=None, backend="aot_eager", poison=FP16_POISON, n=8)
+    ours, ref, _ = run_pair(
+        dtype=torch.float16,
+        opt_name=opt_name,
+        accumulate=1,
+        clip=0.05,
+        grad_norm=None,
+        backend="aot_eager",
+        poison=FP16_POISON,
+        n=8,
+    )
     for key in ("loss", "scale", "params"):
         for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
             assert_bitwise(a, e, f"{key}[{i}]")
@@ -105,8 +125,16 @@ def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> No
     clip_grad_norm_'s norm of per-tensor norms: the norm differs by a few fp32 ulps, so the
     clipped update does too. Bound: 10 steps, each update off by <= 8 ulps relative (2^-20),
     measured against the total movement of each parameter in the reference run."""
-    ours, ref, _ = run_pair(dtype=torch.float16, opt_name="sgd_momentum", accumulate=1, clip=0.05,
-                            grad_norm=GradNorm.FUSED, backend="aot_eager", poison=FP16_POISON, n=10)
+    ours, ref, _ = run_pair(
+        dtype=torch.float16,
+        opt_name="sgd_momentum",
+        accumulate=1,
+        clip=0.05,
+        grad_norm=GradNorm.FUSED,
+        backend="aot_eager",
+        poison=FP16_POISON,
+        n=10,
+    )
     for a, e in zip(ours["scale"], ref["scale"], strict=True):
         assert_bitwise(a, e, "scale")
     for i, (a, e, moved) in enumerate(zip(ours["params"], ref["params"], cumulative_movement(ref), strict=True)):
@@ -120,8 +148,16 @@ def test_fused_norm_clipping_matches_torch_clipping_within_fp32_rounding() -> No
 # compiled step on (torch 2.11, 2.13, 2.15). SGD, the other one there, is in PARITY_CASES.
 @pytest.mark.parametrize("opt_name", ["rmsprop", "rmsprop_momentum", "adadelta"])
 def test_traced_rmsprop_and_adadelta_are_bitwise_eager_amp(opt_name: str) -> None:
-    ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=None, grad_norm=None,
-                               backend="aot_eager", poison=FP16_POISON, n=8)
+    ours, ref, step = run_pair(
+        dtype=torch.float16,
+        opt_name=opt_name,
+        accumulate=1,
+        clip=None,
+        grad_norm=None,
+        backend="aot_eager",
+        poison=FP16_POISON,
+        n=8,
+    )
     for key in ("loss", "scale", "params"):
         for i, (a, e) in enumerate(zip(ours[key], ref[key], strict=True)):
             assert_bitwise(a, e, f"{key}[{i}]")
@@ -139,8 +175,16 @@ def test_traced_rmsprop_and_adadelta_are_bitwise_eager_amp(opt_name: str) -> Non
 @pytest.mark.slow_cases
 @pytest.mark.parametrize("opt_name", ["adam", "adamw", "adamax", "nadam", "radam", "asgd", "adagrad"])
 def test_traced_step_counter_optimizers_differ_from_eager_within_the_stated_bound(opt_name: str) -> None:
-    ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=None, grad_norm=None,
-                               backend="aot_eager", poison=FP16_POISON, n=10)
+    ours, ref, step = run_pair(
+        dtype=torch.float16,
+        opt_name=opt_name,
+        accumulate=1,
+        clip=None,
+        grad_norm=None,
+        backend="aot_eager",
+        poison=FP16_POISON,
+        n=10,
+    )
     for i, (a, e) in enumerate(zip(ours["scale"], ref["scale"], strict=True)):
         assert_bitwise(a, e, f"scale[{i}]")
     if opt_name != "adagrad":  # the eager warm-up step (Adagrad has state from the start: no warm-up)
@@ -166,8 +210,16 @@ INDUCTOR_UPDATE_RTOL = 2**-7
 @pytest.mark.parametrize("opt_name,clip", [("sgd_momentum", 0.5), ("adam_fused", None)])
 def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: str, clip: float | None) -> None:
     n = 8
-    ours, ref, step = run_pair(dtype=torch.float16, opt_name=opt_name, accumulate=1, clip=clip,
-                               grad_norm=GradNorm.FUSED, backend="inductor", poison=FP16_POISON, n=n)
+    ours, ref, step = run_pair(
+        dtype=torch.float16,
+        opt_name=opt_name,
+        accumulate=1,
+        clip=clip,
+        grad_norm=GradNorm.FUSED,
+        backend="inductor",
+        poison=FP16_POISON,
+        n=n,
+    )
     for i, (a, e) in enumerate(zip(ours["scale"], ref["scale"], strict=True)):
         assert_bitwise(a, e, f"scale[{i}]")  # the same steps overflow, so the same scale history
     # The first loss depends on the forward only; later ones also on the parameters' drift.
@@ -188,8 +240,7 @@ def test_inductor_trajectory_within_derived_tolerance_and_sync_free(opt_name: st
 def test_no_graph_break_no_host_sync_after_warm_up(opt_name: str, clip: float | None) -> None:
     model = make_model()
     opt = OPTIMIZERS[opt_name](model.parameters())
-    step = compile_step(model, opt, torch.nn.functional.mse_loss, max_grad_norm=clip, accumulate=2,
-                        backend="aot_eager")
+    step = compile_step(model, opt, torch.nn.functional.mse_loss, max_grad_norm=clip, accumulate=2, backend="aot_eager")
     for x, y in make_batches(4, {}):
         step(x, y)
     # Windows: skipped, clean, skipped (a non-finite step must not sync either).
@@ -202,8 +253,9 @@ def test_sync_detector_sees_torch_scalers_host_sync() -> None:
     found_inf read in scaler.step, or the sync-free tests above prove nothing."""
     model = make_model()
     opt = OPTIMIZERS["sgd_momentum"](model.parameters())
-    ref_step = eager_amp_step(model, opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
-                              dtype=torch.float16)
+    ref_step = eager_amp_step(
+        model, opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"), dtype=torch.float16
+    )
     batches = make_batches(3, {})
     ref_step(*batches[0])
     with HostSyncCounter() as syncs:
@@ -240,8 +292,9 @@ def _no_amp_fx_warnings() -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,weight_cache", [(torch.float16, False), (torch.bfloat16, True)],
-                         ids=["fp16", "bf16-weight_cache"])
+@pytest.mark.parametrize(
+    "dtype,weight_cache", [(torch.float16, False), (torch.bfloat16, True)], ids=["fp16", "bf16-weight_cache"]
+)
 def test_new_batch_and_length_bitwise_eager_amp(dtype: torch.dtype, weight_cache: bool) -> None:
     """A small LM whose head is a bias-free linear on a 3-d input, stepped at a new batch size, then
     a new length (Dynamo recompiles with symbolic sizes), then the first shape: losses, scale and
@@ -254,12 +307,15 @@ def test_new_batch_and_length_bitwise_eager_amp(dtype: torch.dtype, weight_cache
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
-    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
-                        weight_cache=weight_cache)
+    step = compile_step(
+        model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager", weight_cache=weight_cache
+    )
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, shape, generator=gen), torch.randint(0, 64, shape, generator=gen))
-               for shape in ((2, 8), (3, 8), (3, 12), (2, 8))]
+    batches = [
+        (torch.randint(0, 64, shape, generator=gen), torch.randint(0, 64, shape, generator=gen))
+        for shape in ((2, 8), (3, 8), (3, 12), (2, 8))
+    ]
     ours = run(step, batches, ours_scaler, model, 1)
     ref = run(ref_step, batches, ref_scaler, ref_model, 1)
     for key in ("loss", "scale", "params"):
@@ -275,8 +331,9 @@ def test_lr_scheduler_keeps_working_without_recompiles() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.8)
     step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager")
-    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
-                              dtype=torch.float16)
+    ref_step = eager_amp_step(
+        ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"), dtype=torch.float16
+    )
     batches = make_batches(8, {4: 1e6})
     graphs_after = []
     with _no_amp_fx_warnings():
@@ -310,10 +367,12 @@ def test_one_cycle_lr_default_neither_recompiles_nor_fails(opt_name: str) -> Non
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=n)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=0.01, total_steps=n)
-    step = compile_step(model, opt, torch.nn.functional.mse_loss, backend="aot_eager",
-                        strict=False)  # the warning is under test (the suite runs strict)
-    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"),
-                              dtype=torch.float16)
+    step = compile_step(
+        model, opt, torch.nn.functional.mse_loss, backend="aot_eager", strict=False
+    )  # the warning is under test (the suite runs strict)
+    ref_step = eager_amp_step(
+        ref_model, ref_opt, torch.nn.functional.mse_loss, torch.amp.GradScaler("cpu"), dtype=torch.float16
+    )
     with pytest.warns(amp_fx.AmpFxWarning, match=r"param_groups\[0\]\['(betas|momentum)'\] changed") as said:
         for i, (x, y) in enumerate(make_batches(n, {4: 1e6})):
             assert_bitwise(step(x, y), ref_step(x, y), f"loss[{i}]")
@@ -368,8 +427,7 @@ def test_checkpoint_resume_is_bitwise_and_scaler_state_is_torchs(opt_name: str) 
     def build(scaler: GradScaler) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         model = make_model()
         opt = OPTIMIZERS[opt_name](model.parameters())
-        return model, opt, compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler,
-                                        backend="aot_eager")
+        return model, opt, compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend="aot_eager")
 
     model, opt, step = build(GradScaler("cpu", growth_interval=2, step_mode=StepMode.MASKED))
     losses = [step(x, y) for x, y in batches]
@@ -413,8 +471,9 @@ def test_batch_shape_changes_recompile_a_bounded_number_of_times() -> None:
 # ------------------------------------------------------------------------------- bad input
 def test_non_scalar_loss_is_a_clear_error() -> None:
     model = make_model()
-    step = compile_step(model, OPTIMIZERS["sgd_momentum"](model.parameters()),
-                        lambda out, y: (out - y).square(), backend="aot_eager")
+    step = compile_step(
+        model, OPTIMIZERS["sgd_momentum"](model.parameters()), lambda out, y: (out - y).square(), backend="aot_eager"
+    )
     with pytest.raises(ValueError, match=r"scalar \(0-dim\).*shape \(6, 4\)"):
         step(*make_batches(1, {})[0])
 
@@ -427,16 +486,19 @@ def test_foreign_parameters_are_refused() -> None:
         compile_step(model, opt, torch.nn.functional.mse_loss)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"accumulate": 0}, ValueError, "accumulate must be an int >= 1"),
-    ({"accumulate": 2.0}, ValueError, "accumulate must be an int >= 1"),
-    ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be positive"),
-    ({"grad_norm": "fused"}, TypeError, "grad_norm must be a GradNorm"),
-    ({"dtype": "fp8"}, ValueError, "unknown dtype"),
-    ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "load its state"),
-    ({"scaler": GradScaler("cpu", enabled=False)}, ValueError, "scaler is disabled"),
-    ({"n_inputs": 0}, ValueError, "n_inputs must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"accumulate": 0}, ValueError, "accumulate must be an int >= 1"),
+        ({"accumulate": 2.0}, ValueError, "accumulate must be an int >= 1"),
+        ({"max_grad_norm": -1.0}, ValueError, "max_grad_norm must be positive"),
+        ({"grad_norm": "fused"}, TypeError, "grad_norm must be a GradNorm"),
+        ({"dtype": "fp8"}, ValueError, "unknown dtype"),
+        ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "load its state"),
+        ({"scaler": GradScaler("cpu", enabled=False)}, ValueError, "scaler is disabled"),
+        ({"n_inputs": 0}, ValueError, "n_inputs must be an int >= 1"),
+    ],
+)
 def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     model = make_model()
     with pytest.raises(error, match=match):
@@ -468,15 +530,23 @@ def test_sgd_update_is_traced_as_eager_computes_it(momentum: float) -> None:
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in (model, ref_model))
     scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
     step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend=record)
-    ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
-                              torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+    ref_step = eager_amp_step(
+        ref_model,
+        ref_opt,
+        torch.nn.functional.mse_loss,
+        torch.amp.GradScaler("cpu", init_scale=2.0**8),
+        dtype=torch.float16,
+    )
     for i in range(3):  # a warm-up step, then compiled ones
         assert_bitwise(step(x, y), ref_step(x, y), f"loss[{i}]")
         assert_bitwise(flat_params(model), flat_params(ref_model), f"params[{i}]")
     assert step._finish_backend.graphs == 1
     finish = graphs[-1]
-    alphas = [n.kwargs["alpha"] for n in finish.graph.nodes
-              if n.op == "call_method" and n.target == "add_" and "alpha" in n.kwargs]
+    alphas = [
+        n.kwargs["alpha"]
+        for n in finish.graph.nodes
+        if n.op == "call_method" and n.target == "add_" and "alpha" in n.kwargs
+    ]
     # per parameter: the momentum buffer's add_(grad, alpha=1 - dampening), then the update
     assert alphas == ([1.0, -0.1] if momentum else [-0.1]) * 2, finish.code
     assert not [n for n in finish.graph.nodes if n.target in (torch.mul, "mul")], finish.code
@@ -494,8 +564,13 @@ def test_ten_compile_steps_in_one_process_each_own_their_cache_entries() -> None
         # A scale at which the fp16 gradients do not overflow, so that the second step is compiled.
         scaler = GradScaler("cpu", init_scale=2.0**8, step_mode=StepMode.MASKED)
         step = compile_step(model, opt, torch.nn.functional.mse_loss, scaler=scaler, backend="eager")
-        ref_step = eager_amp_step(ref_model, ref_opt, torch.nn.functional.mse_loss,
-                                  torch.amp.GradScaler("cpu", init_scale=2.0**8), dtype=torch.float16)
+        ref_step = eager_amp_step(
+            ref_model,
+            ref_opt,
+            torch.nn.functional.mse_loss,
+            torch.amp.GradScaler("cpu", init_scale=2.0**8),
+            dtype=torch.float16,
+        )
         for _ in range(2):  # a warm-up step, then a compiled one
             assert_bitwise(step(x, y), ref_step(x, y), f"step {i}: loss")
         assert len(step._forward.amp_fx_records) >= 1 and step._finish_backend.graphs == 1, f"step {i}"
@@ -524,8 +599,10 @@ class _HFStyleLM(torch.nn.Module):
 
 def _hf_batches(n: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [{"input_ids": torch.randint(0, 16, (2, 5), generator=g),
-             "labels": torch.randint(0, 16, (2, 5), generator=g)} for _ in range(n)]
+    return [
+        {"input_ids": torch.randint(0, 16, (2, 5), generator=g), "labels": torch.randint(0, 16, (2, 5), generator=g)}
+        for _ in range(n)
+    ]
 
 
 def test_keyword_inputs_and_graph_breaks_in_the_forward_hf_style() -> None:
@@ -548,8 +625,7 @@ def test_keyword_inputs_and_graph_breaks_in_the_forward_hf_style() -> None:
 
 def test_loss_fn_returning_none_is_amp_fx_error() -> None:
     model = _HFStyleLM()
-    step = compile_step(model, OPTIMIZERS["adamw_fused"](model.parameters()), lambda out: out.loss,
-                        backend="aot_eager")
+    step = compile_step(model, OPTIMIZERS["adamw_fused"](model.parameters()), lambda out: out.loss, backend="aot_eager")
     batch = _hf_batches(1)[0]
     with pytest.raises(ValueError, match=r"loss_fn must return a floating-point scalar.*got a NoneType.*no labels"):
         step(input_ids=batch["input_ids"])
@@ -562,8 +638,14 @@ def test_strict_argument_reaches_the_forward(strict: bool, monkeypatch: pytest.M
     monkeypatch.setenv("AMP_FX_STRICT", "0" if strict else "1")
     model = make_model()
     policy = amp_fx.Policy(op_classes={"aten.conv2d": amp_fx.CastClass.FP32})
-    step = compile_step(model, OPTIMIZERS["sgd_plain"](model.parameters()), torch.nn.functional.mse_loss,
-                        backend="eager", policy=policy, strict=strict)
+    step = compile_step(
+        model,
+        OPTIMIZERS["sgd_plain"](model.parameters()),
+        torch.nn.functional.mse_loss,
+        backend="eager",
+        policy=policy,
+        strict=strict,
+    )
     x, y = make_batches(1, {})[0]
     if strict:
         with pytest.raises(amp_fx.AmpFxError, match="'aten.conv2d' -> CastClass.FP32 matched no op"):
@@ -583,8 +665,7 @@ def test_trainable_parameters_outside_the_optimizer_are_a_user_warning() -> None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compile_step(model, opt, torch.nn.functional.mse_loss, backend="eager")
-        compile_step(model, OPTIMIZERS["sgd_plain"](model.parameters()), torch.nn.functional.mse_loss,
-                     backend="eager")
+        compile_step(model, OPTIMIZERS["sgd_plain"](model.parameters()), torch.nn.functional.mse_loss, backend="eager")
     assert [(w.category, w.filename) for w in caught] == [(UserWarning, __file__)]
     assert "not in the optimizer" in str(caught[0].message)
     assert "['1.weight', '1.bias', '3.weight', '3.bias']" in str(caught[0].message)
@@ -607,8 +688,9 @@ def test_param_group_added_between_steps_is_followed_bitwise(dtype, opt_name, we
     ref_body = [p for p in ref_model.parameters() if p.requires_grad]
     opt, ref_opt = OPTIMIZERS[opt_name](body), OPTIMIZERS[opt_name](ref_body)
     loss_fn = torch.nn.functional.mse_loss
-    step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
-                        weight_cache=weight_cache)
+    step = compile_step(
+        model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager", weight_cache=weight_cache
+    )
     ref_step = eager_amp_step(ref_model, ref_opt, loss_fn, ref_scaler, dtype=dtype)
     for i, (x, y) in enumerate(make_batches(10, poison)):
         if i == 5:  # after an overflowed window and a clean one
@@ -621,8 +703,9 @@ def test_param_group_added_between_steps_is_followed_bitwise(dtype, opt_name, we
                 with pytest.raises(amp_fx.AmpFxError, match=r"requires_grad changed for \['3.weight', '3.bias'\]"):
                     step(x, y)
                 torch._dynamo.reset()
-                step = compile_step(model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager",
-                                    weight_cache=weight_cache)
+                step = compile_step(
+                    model, opt, loss_fn, dtype=dtype, scaler=ours_scaler, backend="aot_eager", weight_cache=weight_cache
+                )
         assert_bitwise(step(x, y), ref_step(x, y), f"loss {i}")
         assert_bitwise(flat_params(model), flat_params(ref_model), f"parameters after micro-batch {i}")
         if dtype == torch.float16:

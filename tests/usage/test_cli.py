@@ -42,21 +42,31 @@ def test_find_nonfinite(capsys):
     assert main(["find-nonfinite", f"{EXAMPLE}:build"]) == 0
 
 
-@pytest.mark.parametrize("source, func, expected", [
-    ("def build(:\n    pass\n", "build", r"bad.py:1: SyntaxError"),
-    ("import torch\n\ndef build():\n    raise RuntimeError('no data')\n", "build",
-     r"bad.py:4: build\(\) raised RuntimeError: no data"),
-    ("def other():\n    pass\n", "build", r"has no function 'build' \(it defines: other\)"),
-    ("def build():\n    return 3\n", "build", r"must return \(model, inputs\)"),
-    (textwrap.dedent("""
+@pytest.mark.parametrize(
+    "source, func, expected",
+    [
+        ("def build(:\n    pass\n", "build", r"bad.py:1: SyntaxError"),
+        (
+            "import torch\n\ndef build():\n    raise RuntimeError('no data')\n",
+            "build",
+            r"bad.py:4: build\(\) raised RuntimeError: no data",
+        ),
+        ("def other():\n    pass\n", "build", r"has no function 'build' \(it defines: other\)"),
+        ("def build():\n    return 3\n", "build", r"must return \(model, inputs\)"),
+        (
+            textwrap.dedent("""
         import torch
         class M(torch.nn.Module):
             def forward(self, x):
                 return x @ torch.ones(5, 5)
         def build():
             return M(), (torch.ones(2, 3),)
-        """), "build", r"error in your model at .*bad.py:5: .*inputs do not match the model"),
-])
+        """),
+            "build",
+            r"error in your model at .*bad.py:5: .*inputs do not match the model",
+        ),
+    ],
+)
 def test_errors_in_user_file(tmp_path, capsys, source, func, expected):
     import re
 
@@ -77,8 +87,7 @@ def test_python_dash_m_and_console_script(tmp_path):
     exe = shutil.which("amp-fx")
     if exe is None:
         pytest.skip("the amp-fx console script is not installed (pip install -e .)")
-    done = subprocess.run([exe, "explain", "missing.py:build"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([exe, "explain", "missing.py:build"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "missing.py: no such file" in done.stderr
 
 

@@ -24,8 +24,13 @@ _DEMO = Path(__file__).resolve().parents[2] / "examples" / "train_demo.py"
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_demo_explains_itself_and_warns_nothing(dtype: str) -> None:
     env = dict(os.environ, PYTHONWARNINGS="default")  # show every warning, once
-    done = subprocess.run([sys.executable, str(_DEMO), "--dtype", dtype, "--backend", "aot_eager",
-                           "--steps", "10"], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, str(_DEMO), "--dtype", dtype, "--backend", "aot_eager", "--steps", "10"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     # stderr holds amp_fx's progress lines (one per compiled graph: the first hour's "what is it
     # doing", amp_fx._common.progress) and nothing else: no warning

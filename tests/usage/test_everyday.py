@@ -68,9 +68,11 @@ def test_generate_matches_eager_autocast(arch: str, cache: str, dtype: str, mode
     autocast, with no more graphs than torch's own in-place compile captures on the same calls
     (torch.compile(model).generate compiles nothing: it runs the original forward)."""
     if arch == "llama" and cache == "static":
-        pytest.skip("eager autocast itself fails here (no reference): transformers' StaticCache keeps "
-                    "fp32 buffers and Llama's k/v projections write autocast's low-precision values "
-                    "into them (index_copy_ dtype mismatch)")
+        pytest.skip(
+            "eager autocast itself fails here (no reference): transformers' StaticCache keeps "
+            "fp32 buffers and Llama's k/v projections write autocast's low-precision values "
+            "into them (index_copy_ dtype mismatch)"
+        )
     pytest.importorskip("transformers", reason="the generate() cases need transformers")
     model = tiny_causal_lm(arch)
     ids = prompt()
@@ -300,8 +302,14 @@ _NO_TRITON = textwrap.dedent("""
 def test_cpu_path_without_triton() -> None:
     """With ``import triton`` failing, amp_fx imports, warns nothing, and its unscale kernel and
     GradScaler step are bitwise torch's."""
-    result = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True,
-                            cwd=ROOT, env={**_env(), "PYTHONPATH": str(ROOT)}, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TRITON],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -312,12 +320,20 @@ def _env() -> dict[str, str]:
 
 
 def _environments(*versions: str) -> list[dict[str, str]]:
-    return [{"platform_system": system, "sys_platform": plat, "platform_machine": machine,
-             "python_version": version, "python_full_version": version + ".0",
-             "implementation_name": "cpython", "os_name": "nt" if system == "Windows" else "posix"}
-            for system, plat in (("Linux", "linux"), ("Darwin", "darwin"), ("Windows", "win32"))
-            for machine in ("x86_64", "aarch64", "arm64", "AMD64")
-            for version in versions or ("3.10", "3.12", "3.14", "3.16")]
+    return [
+        {
+            "platform_system": system,
+            "sys_platform": plat,
+            "platform_machine": machine,
+            "python_version": version,
+            "python_full_version": version + ".0",
+            "implementation_name": "cpython",
+            "os_name": "nt" if system == "Windows" else "posix",
+        }
+        for system, plat in (("Linux", "linux"), ("Darwin", "darwin"), ("Windows", "win32"))
+        for machine in ("x86_64", "aarch64", "arm64", "AMD64")
+        for version in versions or ("3.10", "3.12", "3.14", "3.16")
+    ]
 
 
 def _can_build_wheels() -> bool:
@@ -337,8 +353,23 @@ def _wheel_requirements(tmp_path: Path) -> list[str]:
     shutil.copy(ROOT / "pyproject.toml", src)
     shutil.copy(ROOT / "README.md", src)
     shutil.copytree(ROOT / "amp_fx", src / "amp_fx", ignore=shutil.ignore_patterns("__pycache__"))
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            str(src), "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("amp_fx-*.whl")
     with zipfile.ZipFile(wheel) as z:

@@ -27,8 +27,7 @@ def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
 
 
-def test_each_compiled_graph_is_one_progress_line_and_a_level_silences_them(
-        progress: pytest.LogCaptureFixture) -> None:
+def test_each_compiled_graph_is_one_progress_line_and_a_level_silences_them(progress: pytest.LogCaptureFixture) -> None:
     """One line per graph (two graphs: a graph break), none for a call that compiles nothing;
     the logger's level is the switch."""
     model = amp_fx.compile(GraphBreakMLP(), dtype="bf16", backend="eager", strict=False)
@@ -47,22 +46,30 @@ def test_each_compiled_graph_is_one_progress_line_and_a_level_silences_them(
     assert _lines(progress) == []
 
 
-def test_compile_step_says_when_its_forward_and_its_optimizer_step_compile(
-        progress: pytest.LogCaptureFixture) -> None:
+def test_compile_step_says_when_its_forward_and_its_optimizer_step_compile(progress: pytest.LogCaptureFixture) -> None:
     model = MLP()
-    step = amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               lambda out: out.float().square().mean(), dtype="bf16", backend="eager")
+    step = amp_fx.compile_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda out: out.float().square().mean(),
+        dtype="bf16",
+        backend="eager",
+    )
     for _ in range(2):
         step(torch.randn(4, 16))
     lines = _lines(progress)
     assert re.fullmatch(LINE.format(model=r"compile_step\(MLP\)", k=0, dtype="bf16"), lines[0]), lines
-    assert re.fullmatch(r"amp_fx: compile_step: compiled the optimizer step \(SGD, graph 0, backend eager\) "
-                        r"in \d+\.\d s", lines[1]), lines
+    assert re.fullmatch(
+        r"amp_fx: compile_step: compiled the optimizer step \(SGD, graph 0, backend eager\) "
+        r"in \d+\.\d s",
+        lines[1],
+    ), lines
     assert len(lines) == 2, lines
 
 
 def test_progress_prints_to_stderr_until_the_application_configures_logging(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Shown by default (no handler anywhere: amp_fx's own prints it), and printed once when the
     application has a root handler (that one prints it, amp_fx's stays quiet)."""
     root = logging.getLogger()
@@ -121,8 +128,9 @@ def test_a_skip_from_the_scale_says_so_with_the_scale_and_its_back_off() -> None
     report = scaler.overflow_report()
     assert report is not None and report.from_scale and report.every_gradient
     assert (report.step, report.scale, report.scale_after, report.in_a_row) == (10, 2.0**30, 2.0**29, 11)
-    assert str(report).startswith("step 10 skipped: every gradient non-finite and no forward op overflowed: "
-                                  "the loss scale is too large"), str(report)
+    assert str(report).startswith(
+        "step 10 skipped: every gradient non-finite and no forward op overflowed: the loss scale is too large"
+    ), str(report)
     assert str(report).endswith("; scale 2**30, backed off to 2**29; 11 steps skipped in a row"), str(report)
     assert [(w.category, w.filename) for w in said] == [(UserWarning, __file__)]
     assert "10 optimizer steps in a row were skipped" in str(said[0].message)
@@ -133,11 +141,20 @@ def test_a_clean_run_reports_nothing_and_a_skip_from_a_layer_is_not_the_scales()
     """A report of one overflowing forward op is the layer's: no scale wording."""
     from amp_fx.overflow import FirstOp, OverflowReport
 
-    layer = OverflowReport(step=3, gradients=("a.weight",), first_op=FirstOp("a", "aten.mm", "fp16", 0, "mm"),
-                           skipped=1, scale=2.0**16, scale_after=2.0**15, every_gradient=True)
+    layer = OverflowReport(
+        step=3,
+        gradients=("a.weight",),
+        first_op=FirstOp("a", "aten.mm", "fp16", 0, "mm"),
+        skipped=1,
+        scale=2.0**16,
+        scale_after=2.0**15,
+        every_gradient=True,
+    )
     assert not layer.from_scale
-    assert str(layer) == ("step 3 skipped: first inf at a (aten.mm, fp16); 1 gradients non-finite (a.weight); "
-                          "scale 2**16, backed off to 2**15")
+    assert str(layer) == (
+        "step 3 skipped: first inf at a (aten.mm, fp16); 1 gradients non-finite (a.weight); "
+        "scale 2**16, backed off to 2**15"
+    )
     scaler, said = _scaler_run(3, init_scale=2.0**8)
     assert scaler.overflow_report() is None and said == []
 
@@ -148,8 +165,14 @@ def test_compile_step_warns_after_skipped_steps_in_a_row_during_its_warm_up() ->
     torch.manual_seed(0)
     model = MLP()
     scaler = amp_fx.GradScaler("cpu", init_scale=2.0**40, step_mode=amp_fx.StepMode.MASKED)
-    step = amp_fx.compile_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               lambda out: out.float().square().mean(), dtype="fp16", backend="eager", scaler=scaler)
+    step = amp_fx.compile_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda out: out.float().square().mean(),
+        dtype="fp16",
+        backend="eager",
+        scaler=scaler,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(10):

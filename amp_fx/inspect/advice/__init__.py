@@ -60,5 +60,14 @@ from amp_fx.inspect.advice._measure import keep_in_fp32 as _keep_in_fp32  # noqa
 from amp_fx.inspect.advice._report import Advice
 from amp_fx.inspect.advice._training import TrainingComparison
 
-__all__ = ["advise", "Advice", "ModuleStats", "KeptModule", "Cost", "TrainingComparison", "Fp8Matmul",
-           "DEFAULT_TARGETS", "FP8_ERROR_HAZARD"]
+__all__ = [
+    "advise",
+    "Advice",
+    "ModuleStats",
+    "KeptModule",
+    "Cost",
+    "TrainingComparison",
+    "Fp8Matmul",
+    "DEFAULT_TARGETS",
+    "FP8_ERROR_HAZARD",
+]

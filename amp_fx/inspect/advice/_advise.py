@@ -28,7 +28,7 @@ from amp_fx.policy import Policy, resolve_dtype
 
 __all__: list[str] = []
 
-DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0 ** -7, torch.float16: 32 * 2.0 ** -10}
+DEFAULT_TARGETS = {torch.bfloat16: 32 * 2.0**-7, torch.float16: 32 * 2.0**-10}
 """The largest end-to-end error (loss, gradients, outputs; normwise relative to float64) a policy
 may leave: 32 units of rounding (eps) of the dtype, 0.25 for bf16 and 0.031 for fp16. Eager
 autocast's own error on GPT-2, Llama and BERT (random init, 2 layers x 64) is about 0.75 eps
@@ -89,8 +89,7 @@ def advise(
     ref = reference(model, call, loss_fn)
 
     def run(keep: tuple[str, ...]) -> RunResult:
-        return policy_run(model, call, ref, dtype=low, device_type=device_type, keep=keep,
-                          loss_fn=loss_fn, fp8=config)
+        return policy_run(model, call, ref, dtype=low, device_type=device_type, keep=keep, loss_fn=loss_fn, fp8=config)
 
     base = run(())
     if config is not None and not base.fp8_calls:
@@ -104,27 +103,48 @@ def advise(
     training = None
     if steps:
         assert loss_fn is not None
-        training = compare_training(model, call, loss_fn, optimizer, steps, dtype=low, device_type=device_type,
-                                    keep=best.keep, fp8=config)
+        training = compare_training(
+            model, call, loss_fn, optimizer, steps, dtype=low, device_type=device_type, keep=best.keep, fp8=config
+        )
     costs = cost(model, call, dtype=low, device_type=device_type, keep=best.keep, fp8=config)
     ordered = tuple(base.modules[n] for n in base.order if n in base.modules)
-    return Advice(dtype=low, policy=policy, target=target, error=best.error,
-                  baseline_error=base.error, verified=verified, modules=ordered, cost=costs,
-                  loss_scale=best.scale, runs=runs, steps=tuple(words), training=training,
-                  grads_measured=loss_fn is not None, parts=_parts(best), baseline_parts=_parts(base),
-                  kept=kept_modules(best.keep, base, costs.matmul_flops,
-                                    "fp32" if config is None else dtype_name(low)),
-                  fp8=config, fp8_matmuls=() if config is None else fp8_matmuls(base.fp8_calls, config.recipe),
-                  _explain=lambda policy: _explain_model(model, call, low, policy, config))
+    return Advice(
+        dtype=low,
+        policy=policy,
+        target=target,
+        error=best.error,
+        baseline_error=base.error,
+        verified=verified,
+        modules=ordered,
+        cost=costs,
+        loss_scale=best.scale,
+        runs=runs,
+        steps=tuple(words),
+        training=training,
+        grads_measured=loss_fn is not None,
+        parts=_parts(best),
+        baseline_parts=_parts(base),
+        kept=kept_modules(best.keep, base, costs.matmul_flops, "fp32" if config is None else dtype_name(low)),
+        fp8=config,
+        fp8_matmuls=() if config is None else fp8_matmuls(base.fp8_calls, config.recipe),
+        _explain=lambda policy: _explain_model(model, call, low, policy, config),
+    )
 
 
-def _checked(model: Any, dtype: str | torch.dtype, target: float | None, steps: int, optimizer: Any,
-             loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[torch.dtype, float]:
+def _checked(
+    model: Any,
+    dtype: str | torch.dtype,
+    target: float | None,
+    steps: int,
+    optimizer: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+) -> tuple[torch.dtype, float]:
     """The low dtype and the target, after checking the arguments."""
     check_target(model, "amp_fx.advise", module_only=True)
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"amp_fx.advise: model must be an nn.Module (policies name its submodules), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"amp_fx.advise: model must be an nn.Module (policies name its submodules), got {type(model).__name__}"
+        )
     low = resolve_dtype(dtype)
     target = DEFAULT_TARGETS[low] if target is None else float(target)
     if not target > 0:
@@ -142,15 +162,19 @@ def _check_rowwise(config: Fp8Config | None, device_type: str) -> None:
 
 def _no_fp8_matmul(model: Any, config: Fp8Config, low: torch.dtype, strict: bool | None) -> None:
     """Warn (or raise, strict) that ``fp8`` was asked for but no matmul ran in fp8."""
-    did_less(("advise fp8", type(model)), (
-        f"amp_fx.advise: fp8={config.recipe.value!r} but no matmul of {type(model).__name__} ran in "
-        f"fp8 (none has a parameter as its right operand, outside a module kept out of fp8, "
-        f"under autocast); the advice is for {dtype_name(low)} alone. amp_fx.explain(model, ..., "
-        f"fp8=...) says why for each matmul."), strict=strict)
+    did_less(
+        ("advise fp8", type(model)),
+        (
+            f"amp_fx.advise: fp8={config.recipe.value!r} but no matmul of {type(model).__name__} ran in "
+            f"fp8 (none has a parameter as its right operand, outside a module kept out of fp8, "
+            f"under autocast); the advice is for {dtype_name(low)} alone. amp_fx.explain(model, ..., "
+            f"fp8=...) says why for each matmul."
+        ),
+        strict=strict,
+    )
 
 
-def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy, fp8: Fp8Config | None = None
-                   ) -> Any:
+def _explain_model(model: Any, call: Call, dtype: torch.dtype, policy: Policy, fp8: Fp8Config | None = None) -> Any:
     from amp_fx.inspect.explanation import explain
 
     return explain(model, *call.args, dtype=dtype, policy=policy, fp8=fp8, **call.kwargs)

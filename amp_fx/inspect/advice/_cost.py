@@ -59,8 +59,7 @@ class KeptModule:
         return f"{self.name} ({self.type}) moves {ops} to {self.to}: {self.flop_share:.1%} of the FLOPs"
 
 
-def kept_modules(keep: Sequence[str], base: RunResult, total_flops: float, to: str = "fp32"
-                 ) -> tuple[KeptModule, ...]:
+def kept_modules(keep: Sequence[str], base: RunResult, total_flops: float, to: str = "fp32") -> tuple[KeptModule, ...]:
     out = []
     for name in keep:
         ops: dict[str, int] = {}
@@ -71,8 +70,11 @@ def kept_modules(keep: Sequence[str], base: RunResult, total_flops: float, to: s
                     ops[op] = ops.get(op, 0) + 1
                     flops += f
         stats = base.modules.get(name)
-        out.append(KeptModule(name, stats.type if stats else "?", tuple(ops.items()),
-                              flops / total_flops if total_flops else 0.0, to))
+        out.append(
+            KeptModule(
+                name, stats.type if stats else "?", tuple(ops.items()), flops / total_flops if total_flops else 0.0, to
+            )
+        )
     return tuple(out)
 
 
@@ -105,8 +107,9 @@ class _CostCounter(TorchDispatchMode):
         return out
 
 
-def _count(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...],
-           fp8: Fp8Config | None = None) -> _CostCounter:
+def _count(
+    model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...], fp8: Fp8Config | None = None
+) -> _CostCounter:
     """One forward under the policy, no grad, counting FLOPs by dtype and cast bytes (with
     ``fp8``, ``keep`` is kept out of fp8 instead of in fp32)."""
     m = private_copy(model)
@@ -116,19 +119,27 @@ def _count(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep
     counter = _CostCounter()
     with torch.random.fork_rng(devices=[]), torch.no_grad(), module_stack(m, stack):
         torch.manual_seed(SEED)
-        with torch.autocast(device_type, dtype=dtype), counter, fp8_mode(fp8, dtype, device_type, stack, keep,
-                                                                        measure=False):
+        with (
+            torch.autocast(device_type, dtype=dtype),
+            counter,
+            fp8_mode(fp8, dtype, device_type, stack, keep, measure=False),
+        ):
             call.copy()(m)
     return counter
 
 
-def cost(model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...],
-         fp8: Fp8Config | None) -> Cost:
+def cost(
+    model: Any, call: Call, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...], fp8: Fp8Config | None
+) -> Cost:
     """The advised policy's cost (``keep``) against the default policy's."""
     c0 = _count(model, call, dtype=dtype, device_type=device_type, keep=(), fp8=fp8)
     c1 = _count(model, call, dtype=dtype, device_type=device_type, keep=keep, fp8=fp8) if keep else c0
-    return Cost(fp32_flop_share=c1.fp32 / c1.total if c1.total else 0.0,
-                default_fp32_flop_share=c0.fp32 / c0.total if c0.total else 0.0,
-                cast_bytes=c1.cast_bytes, default_cast_bytes=c0.cast_bytes, matmul_flops=c0.total,
-                fp8_flop_share=None if fp8 is None else c1.fp8 / c1.total if c1.total else 0.0,
-                default_fp8_flop_share=None if fp8 is None else c0.fp8 / c0.total if c0.total else 0.0)
+    return Cost(
+        fp32_flop_share=c1.fp32 / c1.total if c1.total else 0.0,
+        default_fp32_flop_share=c0.fp32 / c0.total if c0.total else 0.0,
+        cast_bytes=c1.cast_bytes,
+        default_cast_bytes=c0.cast_bytes,
+        matmul_flops=c0.total,
+        fp8_flop_share=None if fp8 is None else c1.fp8 / c1.total if c1.total else 0.0,
+        default_fp8_flop_share=None if fp8 is None else c0.fp8 / c0.total if c0.total else 0.0,
+    )

@@ -15,7 +15,7 @@ from amp_fx.kernels.fp8_recipes import E4M3
 
 __all__: list[str] = []
 
-FP8_ERROR_HAZARD = 4 * 2.0 ** -4
+FP8_ERROR_HAZARD = 4 * 2.0**-4
 """With ``fp8=``: a matmul whose fp8 forward GEMM is off its high-precision result by more than this
 (normwise relative, 4 units of e4m3's rounding, 2**-4) is a hazard (finding ``fp8 error``). A healthy
 fp8 GEMM, both operands in e4m3, is off by about 0.6 of a unit: 0.035-0.045 on GPT-2 and on an MLP
@@ -126,8 +126,11 @@ def with_findings(modules: dict[str, ModuleStats], dtype: torch.dtype, finite: b
             finding = "overflow"
         elif s.fp8_error is not None and s.fp8_error > FP8_ERROR_HAZARD:
             finding = FP8_ERROR
-        elif s.grad_headroom is not None and s.grad_headroom >= 1 and not any(
-                c != n and inside(c, n) and (modules[c].grad_headroom or 0) >= 1 for c in modules):
+        elif (
+            s.grad_headroom is not None
+            and s.grad_headroom >= 1
+            and not any(c != n and inside(c, n) and (modules[c].grad_headroom or 0) >= 1 for c in modules)
+        ):
             finding = "gradient overflow"
         elif n and amplifies(s, dtype):
             finding = "amplifies"

@@ -54,5 +54,7 @@ def fp8_matmuls(calls: Sequence[Fp8Call], recipe: Fp8Recipe) -> tuple[Fp8Matmul,
     seen: dict[tuple[str, str, tuple[int, int, int]], list[float]] = {}
     for c in calls:
         seen.setdefault((c.module, c.op, c.shape), []).append(c.error)
-    return tuple(Fp8Matmul(mod, op, shape, len(errs), max(errs), fp8_too_small(recipe, shape[1], shape[2]))
-                 for (mod, op, shape), errs in seen.items())
+    return tuple(
+        Fp8Matmul(mod, op, shape, len(errs), max(errs), fp8_too_small(recipe, shape[1], shape[2]))
+        for (mod, op, shape), errs in seen.items()
+    )

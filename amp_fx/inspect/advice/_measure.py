@@ -86,6 +86,7 @@ class RunResult:
 def keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str) -> None:
     """Make each kept module run every op in fp32, as ``Policy(keep_fp32=keep)`` does in amp_fx:
     its floating inputs are cast to fp32 and autocast is off inside it."""
+
     def upcast(v: Any) -> Any:
         return v.float() if isinstance(v, torch.Tensor) and v.dtype in LOW else v
 
@@ -101,11 +102,17 @@ def keep_in_fp32(model: torch.nn.Module, keep: Sequence[str], device_type: str) 
         module.forward = forward  # an instance attribute on a copy
 
 
-def fp8_mode(fp8: Fp8Config | None, dtype: torch.dtype, device_type: str, stack: list[str],
-             keep: Sequence[str], *, measure: bool = True) -> Any:
+def fp8_mode(
+    fp8: Fp8Config | None,
+    dtype: torch.dtype,
+    device_type: str,
+    stack: list[str],
+    keep: Sequence[str],
+    *,
+    measure: bool = True,
+) -> Any:
     """The eager fp8 mode for a run with ``fp8`` (``keep``: out of fp8), or a no-op without."""
-    return nullcontext(None) if fp8 is None else Fp8Eager(fp8, dtype, device_type, stack, keep,
-                                                            measure=measure)
+    return nullcontext(None) if fp8 is None else Fp8Eager(fp8, dtype, device_type, stack, keep, measure=measure)
 
 
 class _Recorder:
@@ -113,8 +120,7 @@ class _Recorder:
     (worst over a module's calls in :attr:`per_call`), and, where a module, the output or the loss
     reads a value, the growth of its error past what its producers' outputs carried."""
 
-    def __init__(self, ref: Reference, flow: Flow, stack: list[str], dtype: torch.dtype,
-                 grain: torch.dtype) -> None:
+    def __init__(self, ref: Reference, flow: Flow, stack: list[str], dtype: torch.dtype, grain: torch.dtype) -> None:
         self.ref, self.flow, self.stack, self.dtype, self.grain = ref, flow, stack, dtype, grain
         self.tiny = torch.finfo(dtype).tiny
         self.unit = torch.finfo(grain).eps / 2
@@ -145,8 +151,7 @@ class _Recorder:
                 if len(producers) > MAX_PRODUCERS:
                     continue
             error = combine([part], self.tiny)
-            growth = error / max(max(c[0] for p, c in carried.items() if p in producers and c is not None),
-                                 self.unit)
+            growth = error / max(max(c[0] for p, c in carried.items() if p in producers and c is not None), self.unit)
             if grows(growth, error, self.grain):
                 group = tuple(sorted(producers))
                 self.amplified[group] = max(self.amplified.get(group, 0.0), growth)
@@ -160,8 +165,7 @@ class _Recorder:
             self.starts[name] = i + 1
             parts = error_parts(low_in, self.ref.inputs.get((name, i), []))
             s.in_finite = all_finite(low_in)
-            s.in_error = (0.0 if not low_in else math.nan if parts is None
-                          else combine(parts, self.tiny))
+            s.in_error = 0.0 if not low_in else math.nan if parts is None else combine(parts, self.tiny)
             self.pending.setdefault(name, []).append(s)
             self.fed_by.setdefault(name, set()).update(self.flow.producers(raw))
             self.read(raw, parts)
@@ -191,9 +195,17 @@ class _Recorder:
                 self.order.append(name)
 
 
-def policy_run(model: Any, call: Call, ref: Reference, *, dtype: torch.dtype, device_type: str,
-               keep: tuple[str, ...], loss_fn: Callable[[Any], torch.Tensor] | None,
-               fp8: Fp8Config | None = None) -> RunResult:
+def policy_run(
+    model: Any,
+    call: Call,
+    ref: Reference,
+    *,
+    dtype: torch.dtype,
+    device_type: str,
+    keep: tuple[str, ...],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    fp8: Fp8Config | None = None,
+) -> RunResult:
     """One forward (and backward with ``loss_fn``) under autocast with ``keep`` in fp32, measured
     against ``ref`` module by module and end to end; the forward's low-precision ops and the
     growth of their rounding after the module that ran them are recorded (:class:`Flow`).
@@ -222,9 +234,21 @@ def policy_run(model: Any, call: Call, ref: Reference, *, dtype: torch.dtype, de
         rec.read([loss], error_parts([loss.detach()], [ref.loss]))
     e2e = end_to_end(m, outs, out_parts, loss, ref, dtype)
     modules = _module_stats(m, rec, e2e, ref, low_ops, fp8_calls)
-    return RunResult(keep, e2e.finite, e2e.error, e2e.loss_error, e2e.grad_error, e2e.output_error, e2e.scale,
-                     with_findings(modules, rec.grain, e2e.finite), tuple(rec.order), low_ops, rec.amplified,
-                     {k: frozenset(v) for k, v in rec.fed_by.items()}, fp8_calls)
+    return RunResult(
+        keep,
+        e2e.finite,
+        e2e.error,
+        e2e.loss_error,
+        e2e.grad_error,
+        e2e.output_error,
+        e2e.scale,
+        with_findings(modules, rec.grain, e2e.finite),
+        tuple(rec.order),
+        low_ops,
+        rec.amplified,
+        {k: frozenset(v) for k, v in rec.fed_by.items()},
+        fp8_calls,
+    )
 
 
 def _low_ops(flow: Flow, fp8_calls: Sequence[Fp8Call], fp8: bool) -> dict[str, tuple[tuple[str, float], ...]]:
@@ -238,9 +262,14 @@ def _low_ops(flow: Flow, fp8_calls: Sequence[Fp8Call], fp8: bool) -> dict[str, t
     return low_ops
 
 
-def _module_stats(m: torch.nn.Module, rec: _Recorder, e2e: EndToEnd, ref: Reference,
-                  low_ops: dict[str, tuple[tuple[str, float], ...]], fp8_calls: Sequence[Fp8Call]
-                  ) -> dict[str, ModuleStats]:
+def _module_stats(
+    m: torch.nn.Module,
+    rec: _Recorder,
+    e2e: EndToEnd,
+    ref: Reference,
+    low_ops: dict[str, tuple[tuple[str, float], ...]],
+    fp8_calls: Sequence[Fp8Call],
+) -> dict[str, ModuleStats]:
     """Each called module's measurements, the worst over its calls (findings not yet judged)."""
     finfo = torch.finfo(rec.dtype)
     init_scale = initial_scale(rec.dtype)
@@ -260,17 +289,23 @@ def _module_stats(m: torch.nn.Module, rec: _Recorder, e2e: EndToEnd, ref: Refere
         finite_in = all(s.in_finite for s in stats)
         amp = out_error / max(in_error, rec.unit) if math.isfinite(in_error) else math.nan
         modules[name] = ModuleStats(
-            name=name, type=type(module).__name__, calls=len(stats), output_error=out_error,
-            input_error=in_error, amplification=amp,
+            name=name,
+            type=type(module).__name__,
+            calls=len(stats),
+            output_error=out_error,
+            input_error=in_error,
+            amplification=amp,
             headroom=max(s.out_max for s in stats) / finfo.max,
             underflow=max(s.underflow for s in stats),
             weight_headroom=max_abs(own) / finfo.max,
             low_precision=any(s.out_low for s in stats),
-            finite=all(s.out_finite for s in stats), inputs_finite=finite_in,
+            finite=all(s.out_finite for s in stats),
+            inputs_finite=finite_in,
             grad_error=rel_error(g_low, g_ref, finfo.tiny) if g_low else None,
             grad_headroom=max_abs(g_ref) * init_scale / finfo.max if g_ref else None,
             grad_underflow=underflow(g_ref, rec.dtype, init_scale) if g_ref else None,
             low_precision_ops=sum(len(ops) for o, ops in low_ops.items() if inside(o, name)),
             fp8_error=max((c.error for c in fp8_calls if c.module == name), default=None),
-            amplified_after=max((g for group, g in rec.amplified.items() if name in group), default=None))
+            amplified_after=max((g for group, g in rec.amplified.items() if name in group), default=None),
+        )
     return modules

@@ -31,8 +31,10 @@ def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Te
         return None
     loss = loss_fn(out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"amp_fx.advise: loss_fn must return a scalar tensor, got "
-                         f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}")
+        raise ValueError(
+            f"amp_fx.advise: loss_fn must return a scalar tensor, got "
+            f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else list(loss.shape)}"
+        )
     return loss
 
 

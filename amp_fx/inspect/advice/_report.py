@@ -35,7 +35,6 @@ def _fmt(x: float | None, spec: str = ".2g") -> str:
     return format(x, spec)
 
 
-
 @dataclass(frozen=True)
 class Advice:
     """What :func:`advise` found. ``print(advice)`` ends with the policy as code."""
@@ -115,8 +114,15 @@ class Advice:
         ranked = sorted(self.modules, key=lambda s: (not s.finding, -_sort_key(s.output_error)))
         shown = [s for s in ranked if s.name][:limit]
         for s in shown:
-            row = [s.name, s.type, _fmt(s.output_error), _fmt(s.amplification, ".3g"), _fmt(s.headroom, ".2g"),
-                   _fmt(s.weight_headroom, ".2g"), _fmt(s.underflow, ".2g")]
+            row = [
+                s.name,
+                s.type,
+                _fmt(s.output_error),
+                _fmt(s.amplification, ".3g"),
+                _fmt(s.headroom, ".2g"),
+                _fmt(s.weight_headroom, ".2g"),
+                _fmt(s.underflow, ".2g"),
+            ]
             if self.grads_measured:
                 row += [_fmt(s.grad_error), _fmt(s.grad_headroom), _fmt(s.grad_underflow)]
             if self.fp8 is not None:
@@ -136,37 +142,54 @@ class Advice:
         low = dtype_name(self.dtype)
         if self.fp8 is not None:
             low += f", fp8 {self.fp8.recipe.value}"
-            verdict = ("every matmul in fp8 meets the target: nothing to keep out of fp8"
-                       if not self.keep_out_of_fp8 and self.verified else
-                       f"keep {', '.join(self.keep_out_of_fp8)} out of fp8" if self.keep_out_of_fp8 else
-                       "no policy found that meets the target")
+            verdict = (
+                "every matmul in fp8 meets the target: nothing to keep out of fp8"
+                if not self.keep_out_of_fp8 and self.verified
+                else f"keep {', '.join(self.keep_out_of_fp8)} out of fp8"
+                if self.keep_out_of_fp8
+                else "no policy found that meets the target"
+            )
             if not self.fp8_matmuls:
                 verdict = "no matmul ran in fp8 (none the fp8 pass converts: see amp_fx.explain(..., fp8=...))"
         else:
-            verdict = ("default policy meets the target: nothing to keep in fp32" if not self.keep_fp32
-                       and self.verified else
-                       f"keep {', '.join(self.keep_fp32)} in fp32" if self.keep_fp32 else
-                       "no policy found that meets the target")
-        cost = (f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
-                f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
-                f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)")
+            verdict = (
+                "default policy meets the target: nothing to keep in fp32"
+                if not self.keep_fp32 and self.verified
+                else f"keep {', '.join(self.keep_fp32)} in fp32"
+                if self.keep_fp32
+                else "no policy found that meets the target"
+            )
+        cost = (
+            f"cost: {self.cost.fp32_flop_share:.1%} of matmul/conv/attention FLOPs in fp32 "
+            f"(default {self.cost.default_fp32_flop_share:.1%}); casts move "
+            f"{self.cost.cast_bytes} B per forward (default {self.cost.default_cast_bytes} B)"
+        )
         if self.fp8 is not None:
-            cost = (f"cost: {_fmt(self.cost.fp8_flop_share, '.1%')} of matmul/conv/attention FLOPs in fp8 "
-                    f"(every eligible matmul: {_fmt(self.cost.default_fp8_flop_share, '.1%')})")
-        lines = [f"amp_fx.advise ({low}): {verdict}",
-                 f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
-                 f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
-                 f"({'verified' if self.verified else 'NOT verified'}; {self.runs} policy run(s))",
-                 "  by part, default / advised: " + "; ".join(
-                     f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
-                     for (k, a), (_, b) in zip(self.baseline_parts, self.parts) if a is not None or b is not None),
-                 cost]
+            cost = (
+                f"cost: {_fmt(self.cost.fp8_flop_share, '.1%')} of matmul/conv/attention FLOPs in fp8 "
+                f"(every eligible matmul: {_fmt(self.cost.default_fp8_flop_share, '.1%')})"
+            )
+        lines = [
+            f"amp_fx.advise ({low}): {verdict}",
+            f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
+            f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
+            f"({'verified' if self.verified else 'NOT verified'}; {self.runs} policy run(s))",
+            "  by part, default / advised: "
+            + "; ".join(
+                f"{k} {_fmt(a, '.3g')} / {_fmt(b, '.3g')}"
+                for (k, a), (_, b) in zip(self.baseline_parts, self.parts)
+                if a is not None or b is not None
+            ),
+            cost,
+        ]
         lines += [f"{'kept:' if i == 0 else '     '} {k}" for i, k in enumerate(self.kept)]
         if self.training is not None:
             t = self.training
-            lines.append(f"training {t.steps} steps: loss strays from fp32's by at most "
-                         f"{_fmt(t.default_divergence, '.3g')} (default) and "
-                         f"{_fmt(t.advised_divergence, '.3g')} (advised), relative")
+            lines.append(
+                f"training {t.steps} steps: loss strays from fp32's by at most "
+                f"{_fmt(t.default_divergence, '.3g')} (default) and "
+                f"{_fmt(t.advised_divergence, '.3g')} (advised), relative"
+            )
         lines += ["", "modules (measured with the default policy; hazards first):", self.table()]
         if self.fp8 is not None and self.fp8_matmuls:
             lines += ["", "fp8 matmuls (every eligible matmul in fp8):", self.fp8_table()]
@@ -179,49 +202,80 @@ class Advice:
         """With ``fp8``: each matmul that ran in fp8, its shape, FLOPs per call, error and whether
         it is too small to gain (:func:`fp8_too_small`, whose thresholds the table's note states)."""
         assert self.fp8 is not None
-        rows = [[m.module or "<root>", m.op, "x".join(map(str, m.shape)), m.calls, f"{m.flops:.3g}",
-                 _fmt(m.error), ("KEPT " if any(inside(m.module, k) for k in self.keep_out_of_fp8) else "")
-                 + ("too small" if m.too_small else "")]
-                for m in self.fp8_matmuls[:limit]]
+        rows = [
+            [
+                m.module or "<root>",
+                m.op,
+                "x".join(map(str, m.shape)),
+                m.calls,
+                f"{m.flops:.3g}",
+                _fmt(m.error),
+                ("KEPT " if any(inside(m.module, k) for k in self.keep_out_of_fp8) else "")
+                + ("too small" if m.too_small else ""),
+            ]
+            for m in self.fp8_matmuls[:limit]
+        ]
         text = tabulate(rows, headers=["module", "op", "MxKxN", "calls", "FLOPs/call", "fp8 err", ""])
         hidden = len(self.fp8_matmuls) - len(rows)
-        rule = ("K <= 4096 and N <= 1024" if self.fp8.recipe is Fp8Recipe.TENSORWISE else
-                "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048")
+        rule = (
+            "K <= 4096 and N <= 1024"
+            if self.fp8.recipe is Fp8Recipe.TENSORWISE
+            else "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048"
+        )
         small = sum(m.too_small for m in self.fp8_matmuls)
-        return (text + (f"\n... {hidden} more (advice.fp8_matmuls has them all)" if hidden > 0 else "")
-                + f"\n{small} of {len(self.fp8_matmuls)} too small to gain on an H100 by torchao 0.18's "
-                  f"rule for {self.fp8.recipe.value} ({rule}; K in, N out features; from its H100 "
-                  f"benchmarks, _auto_filter_for_recipe)"
-                + ("; mxfp8 has no such rule: rowwise's stands in, and without a Blackwell GPU "
-                   "every mxfp8 matmul runs emulated, slower than bf16"
-                   if self.fp8.recipe is Fp8Recipe.MXFP8 else ""))
+        return (
+            text
+            + (f"\n... {hidden} more (advice.fp8_matmuls has them all)" if hidden > 0 else "")
+            + f"\n{small} of {len(self.fp8_matmuls)} too small to gain on an H100 by torchao 0.18's "
+            f"rule for {self.fp8.recipe.value} ({rule}; K in, N out features; from its H100 "
+            f"benchmarks, _auto_filter_for_recipe)"
+            + (
+                "; mxfp8 has no such rule: rowwise's stands in, and without a Blackwell GPU "
+                "every mxfp8 matmul runs emulated, slower than bf16"
+                if self.fp8.recipe is Fp8Recipe.MXFP8
+                else ""
+            )
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The advice as JSON-ready data (what ``amp-fx advise --json`` prints)."""
+
         def clean(x: Any) -> Any:
             if isinstance(x, float) and not math.isfinite(x):
                 return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
             return x
+
         return {
-            "dtype": dtype_name(self.dtype), "keep_fp32": list(self.keep_fp32),
+            "dtype": dtype_name(self.dtype),
+            "keep_fp32": list(self.keep_fp32),
             "fp8": None if self.fp8 is None else self.fp8.recipe.value,
             "keep_out_of_fp8": list(self.keep_out_of_fp8),
             "fp8_matmuls": [{**asdict(m), "flops": m.flops} for m in self.fp8_matmuls],
-            "policy": policy_code(self.policy), "target": self.target, "error": clean(self.error),
-            "baseline_error": clean(self.baseline_error), "verified": self.verified,
-            "loss_scale": self.loss_scale, "runs": self.runs, "steps": list(self.steps),
+            "policy": policy_code(self.policy),
+            "target": self.target,
+            "error": clean(self.error),
+            "baseline_error": clean(self.baseline_error),
+            "verified": self.verified,
+            "loss_scale": self.loss_scale,
+            "runs": self.runs,
+            "steps": list(self.steps),
             "parts": {k: clean(v) for k, v in self.parts},
             "baseline_parts": {k: clean(v) for k, v in self.baseline_parts},
             "cost": {k: clean(v) for k, v in asdict(self.cost).items()},
-            "kept": [{"name": k.name, "type": k.type, "ops": dict(k.ops), "flop_share": k.flop_share}
-                     for k in self.kept],
+            "kept": [
+                {"name": k.name, "type": k.type, "ops": dict(k.ops), "flop_share": k.flop_share} for k in self.kept
+            ],
             "modules": [{k: clean(v) for k, v in asdict(s).items()} for s in self.modules],
-            "training": None if self.training is None else {
-                "steps": self.training.steps, "fp32": list(self.training.fp32),
+            "training": None
+            if self.training is None
+            else {
+                "steps": self.training.steps,
+                "fp32": list(self.training.fp32),
                 "default": [clean(x) for x in self.training.default],
                 "advised": [clean(x) for x in self.training.advised],
                 "default_divergence": clean(self.training.default_divergence),
-                "advised_divergence": clean(self.training.advised_divergence)},
+                "advised_divergence": clean(self.training.advised_divergence),
+            },
         }
 
     def to_json(self) -> str:

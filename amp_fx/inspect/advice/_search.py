@@ -30,14 +30,14 @@ MAX_RUNS = 8
 backward): the planted hazards need at most 3."""
 
 
-def search(base: RunResult, run: Callable[[tuple[str, ...]], RunResult], target: float,
-           dtype: torch.dtype, max_runs: int) -> tuple[RunResult, int, list[str]]:
+def search(
+    base: RunResult, run: Callable[[tuple[str, ...]], RunResult], target: float, dtype: torch.dtype, max_runs: int
+) -> tuple[RunResult, int, list[str]]:
     """Grow a keep-list from the hazards, the next inf/NaN onset, then the ranked candidates; then
     narrow each kept module to what was found inside it, and drop what is not needed. Only modules
     that run a low-precision op are ever kept. Returns the best run, the runs made (the baseline
     included) and the steps in words."""
-    words = [f"default policy: {'inf/NaN' if not base.finite else f'error {base.error:.3g}'} "
-             f"(target {target:.3g})"]
+    words = [f"default policy: {'inf/NaN' if not base.finite else f'error {base.error:.3g}'} (target {target:.3g})"]
     s = _Search(run, target, dtype, max_runs, keepable(base), words, [base])
     best, last, tried = s.grow(base)
     if best is None:
@@ -88,32 +88,41 @@ class _Search:
             keep = add(keep, new)
         return None, last, tried
 
-    def _next(self, keep: tuple[str, ...], last: RunResult, candidates: list[tuple[str, ...]], batch: int
-              ) -> tuple[list[str], int]:
+    def _next(
+        self, keep: tuple[str, ...], last: RunResult, candidates: list[tuple[str, ...]], batch: int
+    ) -> tuple[list[str], int]:
         """What to keep next after ``last`` missed the target (with the next batch size): the next
         inf/NaN onset outside ``keep``, else the next ``batch`` candidate groups by rank."""
         new = hazards(last, self.keepable) if not last.finite else []
         new = [n for n in new if not any(inside(n, k) for k in keep)]
         if not new:
-            groups = [g for g in dict.fromkeys(ranked(last, self.dtype, self.keepable) + candidates)
-                      if not all(any(inside(n, k) for k in keep) for n in g)]
+            groups = [
+                g
+                for g in dict.fromkeys(ranked(last, self.dtype, self.keepable) + candidates)
+                if not all(any(inside(n, k) for k in keep) for n in g)
+            ]
             new, batch = [n for g in groups[:batch] for n in g], batch * 2
         return new, batch
 
-    def give_up(self, base: RunResult, last: RunResult, tried: set[tuple[str, ...]]
-                ) -> tuple[RunResult, int, list[str]]:
+    def give_up(
+        self, base: RunResult, last: RunResult, tried: set[tuple[str, ...]]
+    ) -> tuple[RunResult, int, list[str]]:
         """No policy met the target: advise the last one tried if it removed the default's inf/NaN,
         else the default policy, and say why."""
         words, runs = self.words, self.runs
         if not base.finite and last.finite:
-            words.append("no policy met the target within max_runs; advised: the last one tried, the "
-                         "first without inf/NaN")
+            words.append(
+                "no policy met the target within max_runs; advised: the last one tried, the first without inf/NaN"
+            )
             return last, runs, words
-        words.append("no policy met the target: no module stands out (no value out of range, no "
-                     "low-precision op whose error grows in its module or after it), so the error "
-                     "is spread over the model; advised: the default policy (raise target= to accept "
-                     "it)" if not tried else
-                     "no policy met the target within max_runs; advised: the default policy")
+        words.append(
+            "no policy met the target: no module stands out (no value out of range, no "
+            "low-precision op whose error grows in its module or after it), so the error "
+            "is spread over the model; advised: the default policy (raise target= to accept "
+            "it)"
+            if not tried
+            else "no policy met the target within max_runs; advised: the default policy"
+        )
         return base, runs, words
 
     def narrow(self, best: RunResult, base: RunResult) -> RunResult:
@@ -170,8 +179,11 @@ def hazards(run: RunResult, keepable: frozenset[str]) -> list[str]:
     block whose output is its Linear's overflowing output) is left out, since keeping the inner one
     may be enough; when it is not, the next run finds the outer one on its own (see
     :func:`as_keepable` for the modules that run no low-precision op)."""
-    found = [n for n, s in run.modules.items()
-             if n and s.finding in ("non-finite", "weight overflows", "overflow", FP8_ERROR)]
+    found = [
+        n
+        for n, s in run.modules.items()
+        if n and s.finding in ("non-finite", "weight overflows", "overflow", FP8_ERROR)
+    ]
     inner = [n for n in found if not any(o != n and inside(o, n) for o in found)]
     return as_keepable(inner, run, keepable)
 
@@ -180,11 +192,13 @@ def ranked(run: RunResult, dtype: torch.dtype, keepable: frozenset[str]) -> list
     """Candidate groups by how much error they let grow: first the producers whose rounding the
     code after them amplified (``amplified after``), largest growth first, then the modules that
     amplify the error they are handed, largest amplification first."""
-    after = sorted(((g, x) for g, x in run.amplified.items() if all(n in keepable for n in g)),
-                   key=lambda gx: (-gx[1], gx[0]))
+    after = sorted(
+        ((g, x) for g, x in run.amplified.items() if all(n in keepable for n in g)), key=lambda gx: (-gx[1], gx[0])
+    )
     groups = [g for g, _ in after]
-    amplifying = sorted((s for n, s in run.modules.items() if n and amplifies(s, dtype)),
-                        key=lambda s: (-s.amplification, s.name))
+    amplifying = sorted(
+        (s for n, s in run.modules.items() if n and amplifies(s, dtype)), key=lambda s: (-s.amplification, s.name)
+    )
     groups += [g for g in (tuple(as_keepable([s.name], run, keepable)) for s in amplifying) if g]
     return list(dict.fromkeys(groups))
 
@@ -194,8 +208,9 @@ def moved(keep: Sequence[str], base: RunResult) -> int:
     return sum(len(ops) for o, ops in base.low_ops.items() if any(inside(o, k) for k in keep))
 
 
-def inner_evidence(name: str, runs: Sequence[RunResult], dtype: torch.dtype,
-                   keepable: frozenset[str]) -> tuple[str, ...]:
+def inner_evidence(
+    name: str, runs: Sequence[RunResult], dtype: torch.dtype, keepable: frozenset[str]
+) -> tuple[str, ...]:
     """What the runs found strictly inside module ``name``: its hazards and candidate groups."""
     found: list[str] = []
     for r in runs:

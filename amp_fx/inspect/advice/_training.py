@@ -47,13 +47,33 @@ class TrainingComparison:
         return self._divergence(self.advised, self.fp32)
 
 
-def compare_training(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optimizer: Any,
-                     steps: int, *, dtype: torch.dtype, device_type: str, keep: tuple[str, ...],
-                     fp8: Fp8Config | None) -> TrainingComparison:
+def compare_training(
+    model: Any,
+    call: Call,
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: Any,
+    steps: int,
+    *,
+    dtype: torch.dtype,
+    device_type: str,
+    keep: tuple[str, ...],
+    fp8: Fp8Config | None,
+) -> TrainingComparison:
     """The three loss curves: fp32, the default policy (``keep=()``) and the advised one."""
-    curves = [_train(model, call, loss_fn, optimizer, steps, dtype=d, device_type=device_type, keep=k,
-                     fp8=fp8 if d is not None else None)
-              for d, k in ((None, ()), (dtype, ()), (dtype, keep))]
+    curves = [
+        _train(
+            model,
+            call,
+            loss_fn,
+            optimizer,
+            steps,
+            dtype=d,
+            device_type=device_type,
+            keep=k,
+            fp8=fp8 if d is not None else None,
+        )
+        for d, k in ((None, ()), (dtype, ()), (dtype, keep))
+    ]
     return TrainingComparison(steps, *curves)
 
 
@@ -63,16 +83,28 @@ def _make_optimizer(optimizer: Any, params: Any) -> torch.optim.Optimizer:
     if callable(optimizer):
         opt = optimizer(params)
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"amp_fx.advise: optimizer(params) must return a torch.optim.Optimizer, "
-                            f"got {type(opt).__name__}")
+            raise TypeError(
+                f"amp_fx.advise: optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}"
+            )
         return opt
-    raise TypeError("amp_fx.advise: optimizer must be a torch.optim.Optimizer (rebuilt from its "
-                    f"class and defaults on each copy) or a callable params -> Optimizer, got {optimizer!r}")
+    raise TypeError(
+        "amp_fx.advise: optimizer must be a torch.optim.Optimizer (rebuilt from its "
+        f"class and defaults on each copy) or a callable params -> Optimizer, got {optimizer!r}"
+    )
 
 
-def _train(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optimizer: Any, steps: int,
-           *, dtype: torch.dtype | None, device_type: str, keep: tuple[str, ...],
-           fp8: Fp8Config | None = None) -> tuple[float, ...]:
+def _train(
+    model: Any,
+    call: Call,
+    loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: Any,
+    steps: int,
+    *,
+    dtype: torch.dtype | None,
+    device_type: str,
+    keep: tuple[str, ...],
+    fp8: Fp8Config | None = None,
+) -> tuple[float, ...]:
     m = private_copy(model)
     stack: list[str] = []
     if dtype is not None and fp8 is None:
@@ -84,8 +116,10 @@ def _train(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor], optim
         torch.manual_seed(SEED)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None), \
-                    fp8_mode(fp8, dtype or torch.bfloat16, device_type, stack, keep, measure=False):
+            with (
+                torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+                fp8_mode(fp8, dtype or torch.bfloat16, device_type, stack, keep, measure=False),
+            ):
                 loss = loss_fn(call.copy()(m))
             scaler.scale(loss).backward()
             scaler.step(opt)

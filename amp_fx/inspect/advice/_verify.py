@@ -24,7 +24,7 @@ same way, one halving per skipped step): from 2**16 down to 2**-8."""
 
 def initial_scale(dtype: torch.dtype) -> float:
     # GradScaler's init_scale; bf16 has fp32's exponent range and is trained without scaling
-    return 2.0 ** 16 if dtype == torch.float16 else 1.0
+    return 2.0**16 if dtype == torch.float16 else 1.0
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,14 @@ def meets(finite: bool, error: float, target: float) -> bool:
     return finite and error <= target
 
 
-def end_to_end(model: torch.nn.Module, outs: Sequence[torch.Tensor], out_parts: Sequence[Part] | None,
-               loss: torch.Tensor | None, ref: Reference, dtype: torch.dtype) -> EndToEnd:
+def end_to_end(
+    model: torch.nn.Module,
+    outs: Sequence[torch.Tensor],
+    out_parts: Sequence[Part] | None,
+    loss: torch.Tensor | None,
+    ref: Reference,
+    dtype: torch.dtype,
+) -> EndToEnd:
     """The run's outputs ``outs`` (their error parts against ``ref.out``: ``out_parts``) and its
     ``loss``, whose backward gives the gradients of ``model``'s parameters."""
     tiny = torch.finfo(dtype).tiny
@@ -66,8 +72,7 @@ def end_to_end(model: torch.nn.Module, outs: Sequence[torch.Tensor], out_parts: 
             wanted = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             grads, scale = _scaled_grads(loss, wanted, scale)
             common = [n for n in grads if n in ref.grads]
-            grad_error = rel_error([grads[n] for n in common], [ref.grads[n] for n in common],
-                                   tiny) if common else None
+            grad_error = rel_error([grads[n] for n in common], [ref.grads[n] for n in common], tiny) if common else None
             finite = finite and all_finite(list(grads.values()))
     errors = [e for e in (output_error, loss_error, grad_error) if e is not None and not math.isnan(e)]
     error = max(errors) if errors else 0.0
@@ -76,13 +81,13 @@ def end_to_end(model: torch.nn.Module, outs: Sequence[torch.Tensor], out_parts: 
     return EndToEnd(finite, error, output_error, loss_error, grad_error, scale, grads)
 
 
-def _scaled_grads(loss: torch.Tensor, wanted: Sequence[tuple[str, torch.nn.Parameter]], scale: float
-                  ) -> tuple[dict[str, torch.Tensor], float]:
+def _scaled_grads(
+    loss: torch.Tensor, wanted: Sequence[tuple[str, torch.nn.Parameter]], scale: float
+) -> tuple[dict[str, torch.Tensor], float]:
     """The gradients of ``loss * scale``, unscaled; the scale halved while they overflow."""
     grads: dict[str, torch.Tensor] = {}
     for _ in range(MAX_BACKOFFS + 1):
-        gs = torch.autograd.grad(loss * scale, [p for _, p in wanted], retain_graph=True,
-                                 allow_unused=True)
+        gs = torch.autograd.grad(loss * scale, [p for _, p in wanted], retain_graph=True, allow_unused=True)
         grads = {n: g.detach() / scale for (n, _), g in zip(wanted, gs) if g is not None}
         if all_finite(list(grads.values())):
             break
