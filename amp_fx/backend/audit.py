@@ -188,6 +188,18 @@ def _report_fp8(
         slow = slow_fp8_text(records)
         if slow is not None:
             reporter.notice(("fp8", "slow kernel"), slow)
+        sharded = [s for r in records if r.fp8 is not None for s in r.fp8.sharded_contractions]
+        if sharded:
+            reporter.did_less(
+                ("fp8", "sharded contraction"),
+                (
+                    f"amp_fx: {len(sharded)} matmul(s) stay in {dtype_name(records[0].dtype)} under "
+                    f"fp8={fp8.recipe.value!r}: their contraction dimension is sharded across ranks "
+                    f"({'; '.join(sharded[:4])}), where DTensor has no sharding rule for a rowwise-scaled "
+                    f"_scaled_mm (tensor parallelism's RowwiseParallel). fp8='tensorwise' converts them; "
+                    f"strict=True makes this an error."
+                ),
+            )
         gathered = [g for r in records if r.fp8 is not None for g in r.fp8.gathered_activations]
         if gathered:
             reporter.did_less(

@@ -171,6 +171,12 @@ class Fp8Record:
     input, ``amp_fx/_dist/fp8_gather.py``) other than as an fp8 matmul's weight: ``"<weight> by
     <op> in <module>"``. Such a use reads the fp8 weight's ``data / scale``."""
 
+    sharded_contractions: list[str] = field(default_factory=list)
+    """The matmuls kept out of a rowwise recipe because their contraction dimension is sharded
+    across ranks (a ``RowwiseParallel`` linear's input is ``Shard(-1)``): ``"<module> (<placements>)"``.
+    DTensor has no sharding rule for a ``_scaled_mm`` with rowwise scales there; it would gather
+    the fp8 operands (over gloo, which has no float8, it fails: "Invalid scalar type")."""
+
     gathered_activations: list[str] = field(default_factory=list)
     """The converted matmuls whose input DTensor all-gathers before the cast (sequence
     parallelism's ``Shard`` to ``Replicate`` redistribute): ``"<module> (<from> to <to>)"``. The
@@ -278,6 +284,16 @@ class _Fp8Rewriter:
         if excluded is not None:
             node.meta[meta.FP8] = decide(
                 False, f"not fp8: module {excluded[0] or '<root>'} kept out of fp8 by policy ({excluded[1]})"
+            )
+            return
+        sharded = _sharded_contraction(match.x) if RECIPES[self.recipe].rowwise else None
+        if sharded is not None:
+            self.record.sharded_contractions.append(f"{module or 'the root'} ({sharded})")
+            node.meta[meta.FP8] = decide(
+                False,
+                f"not fp8: {self.recipe.value} scales on a contraction dimension sharded across ranks "
+                f"({sharded}): DTensor has no sharding rule for a rowwise-scaled _scaled_mm there; "
+                f"fp8='tensorwise' converts it",
             )
             return
         pad = self.padding(shape) if match.offs is None else None
@@ -488,6 +504,18 @@ _PASS_THROUGH = {
     aten.reshape.default,
     aten.alias.default,
 }
+
+
+def _sharded_contraction(x: torch.fx.Node) -> str | None:
+    """The placements of ``x`` where ``x`` is a DTensor sharded on its last dimension (the
+    matmul's contraction dimension, as a ``RowwiseParallel`` linear's input is); None otherwise."""
+    placements = getattr(_val(x), "placements", None)
+    ndim = _val(x).dim()
+    if placements is None:
+        return None
+    if any(p.is_shard() and p.dim % ndim == ndim - 1 for p in placements):
+        return f"input placements {tuple(placements)}"
+    return None
 
 
 def _gathered_activation(x: torch.fx.Node) -> str | None:

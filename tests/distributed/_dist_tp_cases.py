@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
 
 STEPS = 3
@@ -273,13 +274,15 @@ def train(
     }
 
 
-def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None) -> dict[str, Any]:
-    """One amp_fx fp8 (tensorwise) forward and backward: the output, the local gradients, and how many
+def fp8_outputs(
+    model: nn.Module, x: torch.Tensor, *, strict: bool | None = None, recipe: str = "tensorwise"
+) -> dict[str, Any]:
+    """One amp_fx fp8 (``recipe``) forward and backward: the output, the local gradients, and how many
     of the captured matmuls with a parameter operand were converted. ``strict=False``: what amp_fx
     reports is recorded as warnings (the suite runs strict)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = amp_fx.compile(model, dtype="bf16", fp8="tensorwise", backend="aot_eager", strict=strict)
+        compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=strict)
         out = compiled(x)
         out.float().pow(2).mean().backward()
     decisions = [
@@ -289,6 +292,7 @@ def fp8_outputs(model: nn.Module, x: torch.Tensor, *, strict: bool | None = None
         "out": _local(out),
         "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
         "converted": sum(d.converted for d in decisions),
+        "kept": sorted(d.module for d in decisions if not d.converted),
         "considered": len(decisions),
         "amp_fx_warnings": _fallbacks(caught),
     }
@@ -500,6 +504,14 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_tp"] = fp8_outputs(tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x)
     torch._dynamo.reset()
     results["fp8_whole"] = fp8_outputs(make_model(), x)
+    torch._dynamo.reset()
+    results["fp8_tp_rowwise"] = (
+        None
+        if rowwise_scales_missing("cpu") is not None
+        else fp8_outputs(
+            tensor_parallel(make_model(), init_device_mesh("cpu", (world_size,))), x, strict=False, recipe="rowwise"
+        )
+    )
     torch._dynamo.reset()
     results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
     torch._dynamo.reset()

@@ -199,3 +199,21 @@ def test_tp_inductor_within_torch_compile_autocasts_error(ranks):
         ours, theirs = run["amp_fx"], run["torch.compile"]
         assert ours["loss"] <= theirs["loss"] * (1 + 2**-24), f"rank {rank}: {run}"
         assert ours["grads"] <= theirs["grads"] * (1 + 2**-24), f"rank {rank}: {run}"
+
+
+def test_tp_rowwise_fp8_keeps_row_parallel_matmuls_in_bf16_and_says_so(ranks):
+    """A rowwise recipe on a row-parallel linear (its input ``Shard(-1)``: the contraction dimension
+    sharded) has no DTensor sharding rule for its rowwise-scaled ``_scaled_mm``: DTensor gathered
+    the fp8 operands, which over gloo (no float8) raised "Invalid scalar type" at the first call.
+    amp_fx keeps those matmuls in bf16 (wo and w2 of each block) and says so once, naming them;
+    the column-parallel ones run in fp8."""
+    if ranks[0]["fp8_tp_rowwise"] is None:
+        pytest.skip("this torch's CPU _scaled_mm takes no rowwise scales")
+    for rank, res in enumerate(ranks):
+        got = res["fp8_tp_rowwise"]
+        row_parallel = sorted(f"blocks.{b}.{m}" for b in range(2) for m in ("attn.wo", "mlp.w2"))
+        assert got["kept"] == row_parallel, f"rank {rank}: {got['kept']}"
+        assert got["converted"] == got["considered"] - len(row_parallel) > 0, f"rank {rank}: {got}"
+        said = [w for w in got["amp_fx_warnings"] if "contraction dimension is sharded" in w]
+        assert len(said) == 1 and all(m in said[0] for m in row_parallel[:2]), f"rank {rank}: {got['amp_fx_warnings']}"
+        assert torch.isfinite(got["out"]).all()
