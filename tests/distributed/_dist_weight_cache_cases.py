@@ -297,7 +297,8 @@ def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
 
     ("tp", form): ``amp_fx.compile`` bf16, 2 micro-batches per SGD step, against eager autocast:
     "cache" (``weight_cache=True``), "fp8" and "fp8_cache" (``fp8="tensorwise"`` without and with
-    the cache), with the cache's casts and reuses per window. ("tp_step", weight_cache):
+    the cache, on TP without sequence parallelism), with the cache's casts and reuses per window.
+    ("tp_step", weight_cache):
     ``compile_step`` fp16 (AdamW, ``amp_fx.GradScaler``), whose finish updates each parameter's
     local tensor and writes the copies there, with the casts per step after the warm-up and
     whether each copy then holds its weight's cast."""
@@ -312,7 +313,9 @@ def tp_run(rank: int, world_size: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for form in ("eager", "cache", "fp8", "fp8_cache"):
         torch._dynamo.reset()
-        model = build()
+        # fp8 on plain TP: under sequence parallelism amp_fx reports (strict: raises) that the
+        # activations are all-gathered before their fp8 cast, which is not what this test is about
+        model = tensor_parallel(tp_model(), mesh) if form.startswith("fp8") else build()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         forward: Any = (
             model
