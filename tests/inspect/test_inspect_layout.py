@@ -50,7 +50,7 @@ def test_no_import_cycle_among_the_inspection_modules():
 @pytest.mark.parametrize(
     "pattern, home, scope",
     [
-        (r"def _?is_cast\(", "inspect/_probe.py", ""),
+        (r"def _?is_cast\(", "passes/fx_edit.py", ""),  # the graph-editing toolbox (issue 53)
         (r"^_?SEED\s*=", "inspect/_runner.py", "inspect/"),  # the seed the tools run the model from
         (r"lookup_backend\(", "_common/downstream.py", ""),
         (r"_SHORT\s*=|replace\(\s*[\"']torch\.[\"']", "_common/dtype_names.py", ""),
