@@ -35,7 +35,6 @@ fails is a row (``failed: ...``), printed to stderr as ``[bench_coverage] ...`` 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx.testing.bench import machine_lines, percentile
+from amp_fx.testing.bench import machine_lines, percentile, release, sync, token_batches
 from amp_fx.testing.fp8_reference import count_gemm_flops, cpu_autocast_torchao, torchao_float8, torchao_missing
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -230,17 +229,6 @@ def variants(work: Workload, device: str, backend: str) -> list[Variant]:
     return out
 
 
-def _batches(n: int, dims: dict[str, int], device: str) -> list[tuple[Tensor, Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, dims["vocab"], (dims["batch"], dims["seq"] + 1), generator=gen) for _ in range(n)]
-    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in ids]
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run(
     work: Workload,
     dims: dict[str, int],
@@ -272,10 +260,10 @@ def run(
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i, (ids, targets) in enumerate(batches):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = step(ids, targets)
-        _sync(device)
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     row: dict[str, Any] = {
@@ -291,14 +279,6 @@ def run(
         row["tokens/s p10-p90"] = f"{tokens / percentile(times, 0.9):,.0f}-{tokens / percentile(times, 0.1):,.0f}"
         row["peak GiB"] = f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"
     return row
-
-
-def _release(device: str) -> None:
-    """The previous variant's graphs and model freed, so that the next one's peak is its own."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -347,7 +327,7 @@ def main() -> None:
         dims = dict(work.presets[preset])
         if args.layers is not None:
             dims["layers"] = args.layers
-        batches = _batches(args.steps, dims, args.device)
+        batches = token_batches(args.steps, dims["vocab"], dims["batch"], dims["seq"], args.device)
         rows: list[dict[str, Any]] = []
         for variant in variants(work, args.device, args.backend):
             if args.variants and not any(s in variant.name for s in args.variants.split(",")):
@@ -355,7 +335,7 @@ def main() -> None:
             if variant.missing:
                 rows.append({"variant": variant.name, "low share": f"not run: {variant.missing}"})
                 continue
-            _release(args.device)
+            release(args.device)
             began = time.perf_counter()
             try:
                 rows.append(run(work, dims, variant, batches, args.device, args.warmup))

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import statistics
 import sys
 import time
@@ -65,7 +64,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 import amp_fx
-from amp_fx.testing.bench import machine_lines
+from amp_fx.testing.bench import machine_lines, release, sync, token_batches
 from amp_fx.testing.fp8_reference import count_gemm_flops, cpu_autocast_torchao, torchao_float8, torchao_missing
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -122,17 +121,6 @@ def variants(device: str, backend: str, recipes: list[str], with_torchao: bool) 
     return out
 
 
-def _batches(n: int, vocab: int, batch: int, seq: int, device: str) -> list[tuple[Tensor, Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(n)]
-    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in ids]
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _grads(model: nn.Module) -> Tensor:
     return torch.cat([p.grad.double().flatten() for p in model.parameters() if p.grad is not None])
 
@@ -175,12 +163,12 @@ def run(
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i, (ids, targets) in enumerate(batches):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         loss = step(ids, targets)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         if i >= 3:
             times.append(time.perf_counter() - t0)
     row: dict[str, object] = {
@@ -208,15 +196,6 @@ def exact_reference(kind: str, dims: dict[str, int], batch: tuple[Tensor, Tensor
     loss = lm_loss(model(batch[0]), batch[1])
     loss.backward()
     return loss.item(), _grads(model).cpu()
-
-
-def _release(device: str) -> None:
-    """What the previous variant left (its compiled graphs, cycles holding its model) freed, so
-    that the next variant's peak memory is its own."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _moe_models() -> dict[str, object]:
@@ -369,11 +348,11 @@ def main() -> None:
         )
     warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
     for kind in args.models.split(","):
-        batches = _batches(args.steps, dims["vocab"], dims["batch"], dims["seq"], args.device)
+        batches = token_batches(args.steps, dims["vocab"], dims["batch"], dims["seq"], args.device)
         exact = exact_reference(kind, dims, batches[0], args.device)
         rows = []
         for variant in variants(args.device, args.backend, recipes, missing is None):
-            _release(args.device)
+            release(args.device)
             began = time.perf_counter()
             try:
                 rows.append(run(kind, dims, variant, batches, exact, args.device))

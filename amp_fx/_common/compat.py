@@ -236,3 +236,10 @@ def dtensor_type() -> type[DTensor] | None:
     except ImportError:
         return None
     return DTensor
+
+
+def local_tensor(t: Any) -> Any:
+    """A DTensor's local tensor (the same tensor object DTensor holds, sharing its storage: an
+    in-place op on it bumps its own version counter, not the DTensor's); anything else as it is."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local

@@ -52,7 +52,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from amp_fx._common.compat import dtensor_type
+from amp_fx._common.compat import dtensor_type, local_tensor
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
 __all__ = [
@@ -241,7 +241,7 @@ def clip_sharded_(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tens
         present = [p for p in params if p.grad is not None]
         for p in present:
             p.grad = _placed_as_param(p.grad, p)
-        local = [_local(p.grad) for p in present]
+        local = [local_tensor(p.grad) for p in present]
         total = combine_norms(list(torch._foreach_norm(local, 2.0)), norm_groups(present))
         clip_coef = max_norm / (total + 1e-6)
         torch._foreach_mul_(local, torch.clamp(clip_coef, max=1.0))
@@ -273,11 +273,6 @@ def _placed_as_param(grad: Any, param: Any) -> Any:
     return grad.redistribute(param.device_mesh, placements)
 
 
-def _local(t: Any) -> Any:
-    """A DTensor's local tensor (same storage), anything else as it is."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 class LocalShards:
     """compile_step's finish on an FSDP2 model: local tensors, and the two cross-rank reductions.
 
@@ -294,7 +289,7 @@ class LocalShards:
         self._dparams = list(params)
         self.group = _flag_group(self._dparams, fsdp2)
         self._norm_groups = norm_groups(self._dparams)
-        self.params = [_local(p) for p in self._dparams]
+        self.params = [local_tensor(p) for p in self._dparams]
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)
         by_id = {id(p): lp for p, lp in zip(self._dparams, self.params)}
@@ -310,13 +305,13 @@ class LocalShards:
                     vg[k] = v
         state = self.optimizer.state
         for p, lp in zip(self._dparams, self.params):
-            lp.grad = None if p.grad is None else _local(_placed_as_param(p.grad, p))
+            lp.grad = None if p.grad is None else local_tensor(_placed_as_param(p.grad, p))
             user = self._user.state.get(p)
             if not user:
                 continue
             entry = state[lp]
             for k, v in user.items():
-                lv = _local(v)
+                lv = local_tensor(v)
                 if entry.get(k) is not lv:
                     entry[k] = lv
 
@@ -331,7 +326,7 @@ class LocalShards:
                 continue
             for k, lv in entry.items():
                 old = user.get(k)
-                if _local(old) is lv:
+                if local_tensor(old) is lv:
                     continue
                 user[k] = (
                     DTensor.from_local(

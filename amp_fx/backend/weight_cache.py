@@ -63,6 +63,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
+from amp_fx._common.compat import local_tensor
 from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import distributed_units
 from amp_fx.kernels.fp8_matmul import weight_casts
@@ -112,14 +113,8 @@ def _version(t: torch.Tensor) -> Any:
     DTensor's dispatch bumps the DTensor's counter only, and ``compile_step``'s finish updates the
     local tensor of a sharded parameter directly (amp_fx/_dist/step.py), which bumps the local
     tensor's only."""
-    local = getattr(t, "_local_tensor", None)
-    return t._version if local is None else (t._version, local._version)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (the same storage), anything else as it is."""
-    local = getattr(t, "_local_tensor", None)
-    return t if local is None else local
+    local = local_tensor(t)
+    return t._version if local is t else (t._version, local._version)
 
 
 def _layout(t: torch.Tensor) -> tuple[Any, ...]:
@@ -297,7 +292,7 @@ class WeightCache:
         """Cast each updated weight into its copy, in place (traceable: runs inside the finish
         graph, right after the update, where the compiler can fuse it with the update)."""
         for w, lowp in pairs:
-            _local(lowp).copy_(_local(w))  # a sharded weight and its copy: the same placements
+            local_tensor(lowp).copy_(local_tensor(w))  # a sharded weight and its copy: the same placements
 
     def versions(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
         return [_version(w) for w, _ in pairs]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 
 import torch
 
-__all__ = ["machine_lines", "percentile"]
+__all__ = ["machine_lines", "percentile", "release", "sync", "token_batches"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -42,3 +43,26 @@ def machine_lines() -> list[str]:
             f"load average {os.getloadavg()[0]:.1f} (other processes skew every variant alike)"
         ),
     ]
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA), so that a host timer brackets it; nothing elsewhere."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device: str) -> None:
+    """What the previous variant left (its compiled graphs, cycles holding its model) freed, so
+    that the next variant's peak memory is its own."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def token_batches(n: int, vocab: int, batch: int, seq: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` language-model batches (token ids, next-token targets) of ``batch`` x ``seq`` tokens,
+    the same for every variant of a run (a fixed seed)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, vocab, (batch, seq + 1), generator=gen) for _ in range(n)]
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in ids]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import re
 import tempfile
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,8 @@ import amp_fx
 from amp_fx.passes import meta
 from amp_fx.testing import eager_amp_step
 from amp_fx.testing.real_models import REAL_MODELS
-from tests.distributed._dist_cases import _local
-from tests.distributed._dist_real_model_cases import LR, STEPS, _sgd_step
+from tests.distributed._dist_real_model_cases import _run as _fsdp2_run
+from tests.distributed._dist_real_model_cases import _sgd_step
 
 Step = Callable[..., torch.Tensor]
 
@@ -41,19 +40,20 @@ Step = Callable[..., torch.Tensor]
 def _run(
     build: Callable[[nn.Module, torch.optim.Optimizer], Step], model: nn.Module, inputs: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
-    """``STEPS`` calls of the step ``build`` makes of ``model`` and its SGD."""
-    torch._dynamo.reset()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    step = build(model, opt)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses = [step(**inputs).float() for _ in range(STEPS)]
-    return {
-        "losses": torch.stack(losses),
-        "params": [_local(p) for p in model.parameters()],
-        "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
-        "dtensor_params": sum(hasattr(p, "device_mesh") for p in model.parameters()),
-    }
+    """The real-model tier's FSDP2 run (``_dist_real_model_cases._run``: ``STEPS`` SGD steps), and
+    how many of the model's parameters are DTensors."""
+    out = _fsdp2_run(build, model, inputs)
+    out["dtensor_params"] = sum(hasattr(p, "device_mesh") for p in model.parameters())
+    return out
+
+
+def _bf16(form: str, loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[nn.Module, torch.optim.Optimizer], Step]:
+    """The bf16 SGD step of ``form``: eager autocast, or ``amp_fx.compile`` (strict)."""
+    if form == "eager":
+        return lambda m, opt: _sgd_step(m, loss_fn, opt, torch.bfloat16)
+    return lambda m, opt: _sgd_step(
+        amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True), loss_fn, opt, None
+    )
 
 
 def torch_plan(model: nn.Module) -> dict[str, Any]:
@@ -100,28 +100,10 @@ def tp_real(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
                 .from_pretrained(path[0], distributed_config=transformers.DistributedConfig(tp_size=world_size))
                 .train()
             )
-            out[("hf", form)] = _run(
-                lambda m, opt: _sgd_step(
-                    m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
-                    loss_fn,
-                    opt,
-                    torch.bfloat16 if form == "eager" else None,
-                ),
-                hf,
-                inputs,
-            )
+            out[("hf", form)] = _run(_bf16(form, loss_fn), hf, inputs)
         dist.barrier()  # rank 0 removes its folder once every rank has loaded from it
     for form in ("eager", "amp_fx"):
-        out[("torch", form)] = _run(
-            lambda m, opt: _sgd_step(
-                m if form == "eager" else amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True),
-                loss_fn,
-                opt,
-                torch.bfloat16 if form == "eager" else None,
-            ),
-            torch_tp(),
-            inputs,
-        )
+        out[("torch", form)] = _run(_bf16(form, loss_fn), torch_tp(), inputs)
     out[("fp16", "eager")] = _run(
         lambda m, opt: eager_amp_step(
             m, opt, loss_fn, amp_fx.GradScaler("cpu", growth_interval=2), dtype=torch.float16
