@@ -32,11 +32,11 @@ import torch
 from tabulate import tabulate
 
 import amp_fx
-from amp_fx.testing.bench import machine_lines
+from amp_fx.testing.bench import machine_lines, release, token_batches
 from amp_fx.testing.fp8_reference import torchao_missing
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_fp8 import PRESETS, _batches, _release, variants  # noqa: E402 (the variants the gap was measured on)
+from bench_fp8 import PRESETS, variants  # noqa: E402 (the variants the gap was measured on)
 from bench_weight_casts import MODELS, lm_loss  # noqa: E402
 
 PAIRS = (
@@ -129,12 +129,12 @@ def main() -> None:
     if missing:
         print(f"torchao rows left out: {missing}")
     warnings.filterwarnings("ignore", category=amp_fx.AmpFxWarning)
-    batches = _batches(4, dims["vocab"], dims["batch"], dims["seq"], args.device)
+    batches = token_batches(4, dims["vocab"], dims["batch"], dims["seq"], args.device)
     graphs: dict[str, list[GraphCode]] = {}
     times: dict[str, Counter[str]] = {}
     rows = []
     for variant in variants(args.device, "inductor", ["tensorwise"], missing is None):
-        _release(args.device)
+        release(args.device)
         torch.manual_seed(0)
         model = variant.build(
             MODELS["llama-like"](dims["vocab"], dims["d"], dims["layers"], dims["heads"], dims["seq"]).to(args.device)
