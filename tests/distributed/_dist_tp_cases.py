@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx._common.compat import local_tensor
 from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
 
@@ -420,17 +421,15 @@ def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
     return results
 
 
-def inspection(layout: str, world_size: int) -> dict[str, Any]:
-    """The non-finite watch and compare on the sharded model. Watch: fp16, ``blocks.1.mlp.w1``'s
-    weight scaled by 1e6 (its fp16 output overflows), the overflow report's first op against the
-    first module whose output holds an inf in eager autocast (forward hooks, this rank's values);
-    compare: amp_fx against eager autocast op by op, bf16, or the TypeError it raises (FSDP2
-    refuses the deep copy the inspection tools run on)."""
-    model = sharded_model(layout, world_size)
+def first_overflows(
+    model: nn.Module, weight: torch.Tensor, loss: Callable[[Callable[..., Any]], torch.Tensor]
+) -> dict[str, str | None]:
+    """The non-finite watch against eager autocast, fp16: ``weight`` (this rank's shard) scaled by
+    1e6, so that its module's fp16 output overflows; the first module whose output holds an inf
+    under eager autocast (forward hooks, this rank's values) and the first op's module in the watch's
+    overflow report after one amp_fx step. ``loss(forward)``: the loss of one forward."""
     with torch.no_grad():
-        weight = model.blocks[1].mlp.w1.weight
-        (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).mul_(1e6)
-    x, _ = _batch(0)
+        local_tensor(weight).mul_(1e6)
     first: list[str] = []
     handles = [
         m.register_forward_hook(
@@ -443,8 +442,8 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
         for name, m in model.named_modules()
         if name
     ]
-    with torch.autocast("cpu", dtype=torch.float16):
-        model(x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        loss(model)
     for h in handles:
         h.remove()
     torch._dynamo.reset()
@@ -452,15 +451,24 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
     scaler = amp_fx.GradScaler("cpu")
     scaler.watch(compiled)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler.scale(compiled(x).float().pow(2).mean()).backward()
+    scaler.scale(loss(compiled)).backward()
     scaler.step(opt)
     scaler.update()
     report = scaler.overflow_report()
     torch._dynamo.reset()
-    watched = {
+    return {
         "eager_first": first[0] if first else None,
         "watch_first": None if report is None or report.first_op is None else report.first_op.module,
     }
+
+
+def inspection(layout: str, world_size: int) -> dict[str, Any]:
+    """The non-finite watch and compare on the sharded model. Watch (:func:`first_overflows`):
+    ``blocks.1.mlp.w1``'s weight scaled; compare: amp_fx against eager autocast op by op, bf16, or
+    the TypeError it raises (FSDP2 refuses the deep copy the inspection tools run on)."""
+    model = sharded_model(layout, world_size)
+    x, _ = _batch(0)
+    watched = first_overflows(model, model.blocks[1].mlp.w1.weight, lambda forward: forward(x).float().pow(2).mean())
     try:
         result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
     except TypeError as e:  # FSDP2: the inspection tools run on a deep copy, which FSDP2 refuses
