@@ -356,14 +356,15 @@ class LocalShards:
         over (:func:`norm_groups`), in first-seen order. None on FSDP2's default layout: one sum."""
         if self._one_sum:
             return None
-        index: dict[tuple[Any, ...], int] = {}
-        return [index.setdefault(self._norm_groups[i], len(index)) for i in present]
+        index = self._segment_index(present)
+        return [index[self._norm_groups[i]] for i in present]
 
-    def _segment_keys(self, present: Sequence[int]) -> list[tuple[Any, ...]]:
-        keys: dict[tuple[Any, ...], None] = {}
+    def _segment_index(self, present: Sequence[int]) -> dict[tuple[Any, ...], int]:
+        """Per set of groups the present gradients are sharded over, its sum's index."""
+        index: dict[tuple[Any, ...], int] = {}
         for i in present:
-            keys.setdefault(self._norm_groups[i], None)
-        return list(keys)
+            index.setdefault(self._norm_groups[i], len(index))
+        return index
 
     def global_sum(self, local_sum: torch.Tensor, present: Sequence[int]) -> torch.Tensor:
         """GradNorm.FUSED's sum of squares over every rank's shards (traceable). FSDP2's default
@@ -375,7 +376,7 @@ class LocalShards:
 
         if self._one_sum:
             return funcol.all_reduce(local_sum, "sum", self.group)
-        return _combine_sums(local_sum, self._segment_keys(present))
+        return _combine_sums(local_sum, list(self._segment_index(present)))
 
 
 def _combine_sums(sums: torch.Tensor, keys: Sequence[tuple[Any, ...]]) -> torch.Tensor:

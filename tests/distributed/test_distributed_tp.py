@@ -101,7 +101,7 @@ def test_tp_compile_step_fused_norm_matches_eager_recipe(ranks, layout):
     refused these layouts; counted as FSDP2's one sum over every rank, the replicated gradients
     (sp, fsdp_tp: the norms and row-parallel biases) were counted twice and HSDP's whole norm
     over the replicate dimension: the parameters then differed from the eager recipe's by
-    2.0e-4 (sp, fsdp_tp) and 1.7e-3 (hsdp), against bounds of 2.2e-5 (and 2.5e-6 from
+    2.0e-4 (sp, fsdp_tp) and 1.7e-3 (hsdp), against bounds of 2.2e-5 (hsdp: 2.4e-5; 2.5e-6 from
     ``GradNorm.TORCH``)."""
     for rank, res in enumerate(ranks):
         got, want = res[(layout, "fp16", "step_fused_clip")], res[(layout, "fp16", "eager_clip")]
