@@ -51,6 +51,7 @@ from amp_fx.inspect._probe import (
 )
 from amp_fx.inspect._runner import (
     Call,
+    lent,
     run_amp,
     run_eager_checked,
     split_weight_note,
@@ -773,8 +774,11 @@ def explain(
         )
     lower = resolve_dtype(dtype)
     call = Call(args, kwargs)
-    run_eager_checked(model_or_fn, call, tool="explain")
-    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8)
+    with lent(model_or_fn, tool="explain"):  # an FSDP2 model: runs on it, put back after
+        run_eager_checked(model_or_fn, call, tool="explain")
+        run = run_amp(
+            model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8
+        )
     split = weights_split_by_graph_breaks(run)
     return Explanation(
         run.records,
