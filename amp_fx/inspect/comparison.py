@@ -634,7 +634,9 @@ def compare(
     across graph breaks and folded casts, and what "agree" means per backend: see the module doc.
 
     Args:
-        model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies).
+        model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies; an
+            FSDP2 model, which refuses them, runs itself and is put back as it was, without the
+            float64 end-to-end reference and without ``fp8``).
         *args: example inputs, positional.
         dtype: "bf16" or "fp16" (and their aliases).
         policy: amp_fx's policy (differences it makes on purpose are reported as differences).
@@ -649,6 +651,7 @@ def compare(
 
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
+        TypeError: ``fp8`` on an FSDP2 model, or one accumulating without gradient sync.
     """
     lower = resolve_dtype(dtype)
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS

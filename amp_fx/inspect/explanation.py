@@ -738,7 +738,9 @@ def explain(
 
     Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
     no backward, on a deep copy of the model (your model's parameters and buffers, BatchNorm
-    running stats included, are untouched). ``**kwargs`` are passed to the model with ``args``.
+    running stats included, are untouched); an FSDP2 model, which refuses deep copies, runs itself
+    and is put back as it was (its buffers, gradients and sharding; see docs/distributed.md).
+    ``**kwargs`` are passed to the model with ``args``.
 
     With a model or function returned by :func:`amp_fx.compile` and no inputs, explains the
     graphs it has already captured (its dtype and policy); with inputs, explains its original
