@@ -5,4 +5,6 @@
   forwards they wrap are compiled).
 * :mod:`amp_fx._dist.found_inf`: the gradient scaler's inf/NaN flag, combined across ranks when
   gradients are sharded (DTensor), in one collective on the device.
+* :mod:`amp_fx._dist.lend`: an FSDP2 model lent to the inspection tools (it refuses deep copies),
+  and put back as it was: buffers, gradients, FSDP2's sharding.
 """

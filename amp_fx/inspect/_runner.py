@@ -7,6 +7,9 @@ Each tool does the same four things, here once:
   and not as an amp_fx failure deep inside torch.compile;
 * run on private copies of the model and the inputs (:func:`private_copy`, :meth:`Call.copy`), so
   the user's parameters, buffers (BatchNorm running stats), gradients and RNG state never change;
+  a model sharded with FSDP2, which refuses deep copies, is lent instead (:func:`lent`): each
+  "copy" is the model itself with its buffers put back and no gradients, and the end of the tool
+  puts back its gradients and FSDP2's sharding (:class:`~amp_fx._dist.lend.Loan`);
 * compile the copy with amp_fx and a downstream backend wrapped in :class:`InputRecorder`, which
   keeps the real inputs each captured graph is called with and names them (``fc1.weight``, ``x``);
 * re-raise amp_fx's own errors, and turn any other failure into
@@ -19,6 +22,7 @@ Each tool does the same four things, here once:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,6 +36,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.targets import check_target
+from amp_fx._dist.lend import Loan, is_fsdp2
 from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
 from amp_fx.fp8 import Fp8Like
@@ -132,18 +137,74 @@ def tensor_names(model_or_fn: Any, call: Call) -> dict[int, str]:
     return out
 
 
-def private_copy(model_or_fn: Any) -> Any:
-    """A deep copy of a module (so its buffers and parameters stay the user's), or the function."""
+_LOANS: contextvars.ContextVar[dict[int, Loan]] = contextvars.ContextVar("amp_fx_inspect_loans", default={})
+"""id -> the loan of each model lent to the tool running now (:func:`lent`)."""
+
+
+@contextlib.contextmanager
+def lent(model_or_fn: Any, *, tool: str) -> Iterator[None]:
+    """Inside: :func:`private_copy` of an FSDP2 model gives the model itself, with its buffers as
+    they were and no gradients; on the way out its buffers, gradients and FSDP2 sharding are put
+    back (:class:`~amp_fx._dist.lend.Loan`). Any other model or function: nothing changes."""
+    if not isinstance(model_or_fn, torch.nn.Module) or not is_fsdp2(model_or_fn):
+        yield
+        return
+    loan = Loan(model_or_fn, tool=tool)
+    token = _LOANS.set({**_LOANS.get(), id(model_or_fn): loan})
+    try:
+        yield
+    finally:
+        _LOANS.reset(token)
+        loan.close()
+
+
+NO_FLOAT64_LOAN = (
+    "an FSDP2 model cannot be deep-copied, and converting it to float64 in place would replace its "
+    "sharded parameters (your optimizer's); for a float64 reference, run on the model before fully_shard"
+)
+
+
+def is_lent(model_or_fn: Any) -> bool:
+    """Whether ``model_or_fn`` is lent to the tool running now (runs use the model itself)."""
+    return id(model_or_fn) in _LOANS.get()
+
+
+def refuse_fsdp2(model_or_fn: Any, *, tool: str, why: str) -> None:
+    """``TypeError`` before any run where ``model_or_fn`` is sharded with FSDP2 and the tool needs
+    private copies of it (``why``: for what)."""
+    if isinstance(model_or_fn, torch.nn.Module) and is_fsdp2(model_or_fn):
+        raise TypeError(
+            f"amp_fx.{tool}: {type(model_or_fn).__name__} is sharded with FSDP2, which refuses deep "
+            f"copies, and {tool} needs copies of it ({why}). Run amp_fx.{tool} on the model before "
+            "fully_shard, with the same weights (FSDP2 computes with the gathered weights); "
+            "amp_fx.explain and amp_fx.compare run on the sharded model"
+        )
+
+
+def private_copy(model_or_fn: Any, *, float64: bool = False) -> Any:
+    """A deep copy of a module (so its buffers and parameters stay the user's), or the function;
+    with ``float64``, the copy converted to float64.
+
+    A lent model (:func:`lent`) is not copied: it comes back itself, reset to the user's buffers
+    with no gradients; converting it to float64 would replace FSDP2's sharded parameters (your
+    optimizer's), so ``float64`` raises ``TypeError`` there."""
     if not isinstance(model_or_fn, torch.nn.Module):
         return model_or_fn
+    loan = _LOANS.get().get(id(model_or_fn))
+    if loan is not None:
+        if float64:
+            raise TypeError(NO_FLOAT64_LOAN)
+        loan.reset()
+        return model_or_fn
     try:
-        return copy.deepcopy(model_or_fn)
+        target = copy.deepcopy(model_or_fn)
     except Exception as e:  # e.g. a module holding a lock or an open file
         raise TypeError(
             f"amp_fx: cannot deep-copy {type(model_or_fn).__name__} ({type(e).__name__}: {e}); the "
             "inspection tools run on a copy so that your model's buffers (BatchNorm running stats) "
             "are not updated"
         ) from e
+    return target.double() if float64 else target
 
 
 def _model_name(model_or_fn: Any) -> str:
@@ -307,6 +368,12 @@ def run_amp(
     from amp_fx.api import compile as amp_compile
     from amp_fx.api import records
 
+    if fp8 is not None and is_lent(model_or_fn):
+        raise TypeError(
+            f"amp_fx.{tool}(fp8=...) on an FSDP2 model: amp_fx.compile(fp8=...) attaches its fp8 "
+            "all-gather to the sharded parameters, which would stay on your model after the tool; "
+            f"run amp_fx.{tool} with fp8 on the model before fully_shard"
+        )
     target = private_copy(model_or_fn)
     inputs = call.copy()
     recorder = InputRecorder(downstream, names=tensor_names(target, inputs), keep_inputs=keep_inputs)

@@ -68,10 +68,13 @@ from amp_fx.inspect._probe import (
     tensors_of,
 )
 from amp_fx.inspect._runner import (
+    NO_FLOAT64_LOAN,
     SEED,
     AmpRun,
     Call,
     float64_grouped_mm,
+    is_lent,
+    lent,
     private_copy,
     run_amp,
     run_eager_checked,
@@ -631,7 +634,9 @@ def compare(
     across graph breaks and folded casts, and what "agree" means per backend: see the module doc.
 
     Args:
-        model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies).
+        model_or_fn: an ``nn.Module`` or a function; never modified (runs use deep copies; an
+            FSDP2 model, which refuses them, runs itself and is put back as it was, without the
+            float64 end-to-end reference and without ``fp8``).
         *args: example inputs, positional.
         dtype: "bf16" or "fp16" (and their aliases).
         policy: amp_fx's policy (differences it makes on purpose are reported as differences).
@@ -646,44 +651,46 @@ def compare(
 
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
+        TypeError: ``fp8`` on an FSDP2 model, or one accumulating without gradient sync.
     """
     lower = resolve_dtype(dtype)
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
     report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
     call = Call(args, kwargs)
-    run_eager_checked(model_or_fn, call, tool="compare")
-    device_type = call.device_type(model_or_fn)
+    with lent(model_or_fn, tool="compare"):  # an FSDP2 model: runs on it, put back after
+        run_eager_checked(model_or_fn, call, tool="compare")
+        device_type = call.device_type(model_or_fn)
 
-    config = Fp8Config.of(fp8)
-    report.fp8 = None if config is None else config.recipe.value
-    run = run_amp(
-        model_or_fn,
-        call,
-        tool="compare",
-        dtype=lower,
-        policy=policy,
-        downstream=backend,
-        then=lambda out: _loss_and_backward(out, loss_fn, grads),
-        fp8=config,
-    )
-    amp_out, amp_grads = run.result, _grads_of(run.compiled)
-    _compare_graphs(report, run, exact, config)
-    eager_out, eager_grads = _run_end_to_end(
-        private_copy(model_or_fn),
-        call,
-        autocast=(device_type, lower),
-        grads=grads,
-        loss_fn=loss_fn,
-        fp8=config,
-        keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
-        grouped=_fp8_grouped_modules(run.records),
-    )
-    ref_out, ref_grads = _float64_reference(model_or_fn, call, report, grads=grads, loss_fn=loss_fn)
-    _compare_outputs(report, eager_out, amp_out, ref_out, exact, lower)
-    if grads:
-        _compare_grads(report, eager_grads, amp_grads, ref_grads, exact, lower, model_or_fn)
-    _explain_cross_graph_grads(report, run)
-    return report
+        config = Fp8Config.of(fp8)
+        report.fp8 = None if config is None else config.recipe.value
+        run = run_amp(
+            model_or_fn,
+            call,
+            tool="compare",
+            dtype=lower,
+            policy=policy,
+            downstream=backend,
+            then=lambda out: _loss_and_backward(out, loss_fn, grads),
+            fp8=config,
+        )
+        amp_out, amp_grads = run.result, _grads_of(run.compiled)
+        _compare_graphs(report, run, exact, config)
+        eager_out, eager_grads = _run_end_to_end(
+            private_copy(model_or_fn),
+            call,
+            autocast=(device_type, lower),
+            grads=grads,
+            loss_fn=loss_fn,
+            fp8=config,
+            keep_out_of_fp8=(policy or Policy()).keep_out_of_fp8,
+            grouped=_fp8_grouped_modules(run.records),
+        )
+        ref_out, ref_grads = _float64_reference(model_or_fn, call, report, grads=grads, loss_fn=loss_fn)
+        _compare_outputs(report, eager_out, amp_out, ref_out, exact, lower)
+        if grads:
+            _compare_grads(report, eager_grads, amp_grads, ref_grads, exact, lower, model_or_fn)
+        _explain_cross_graph_grads(report, run)
+        return report
 
 
 def _compare_graphs(report: CompareReport, run: AmpRun, exact: bool, config: Fp8Config | None) -> None:
@@ -713,11 +720,12 @@ def _float64_reference(
     model_or_fn: Any, call: Call, report: CompareReport, *, grads: bool, loss_fn: Callable[[Any], torch.Tensor] | None
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """The outputs and gradients of a float64 copy, without autocast; (None, {}) and a note where
-    the model fails in float64."""
+    the model fails in float64, or is an FSDP2 model lent to compare (no float64 copy of it)."""
+    if is_lent(model_or_fn):
+        report.notes.append(f"no float64 end-to-end reference: {NO_FLOAT64_LOAN}")
+        return None, {}
     try:
-        ref_model = private_copy(model_or_fn)
-        if isinstance(ref_model, torch.nn.Module):
-            ref_model = ref_model.double()
+        ref_model = private_copy(model_or_fn, float64=True)
         with float64_grouped_mm():  # grouped expert GEMMs have no float64 kernel
             return _run_end_to_end(ref_model, call, autocast=None, grads=grads, loss_fn=loss_fn, to=torch.float64)
     except Exception as e:

@@ -51,6 +51,7 @@ from amp_fx.inspect._probe import (
 )
 from amp_fx.inspect._runner import (
     Call,
+    lent,
     run_amp,
     run_eager_checked,
     split_weight_note,
@@ -737,7 +738,9 @@ def explain(
 
     Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
     no backward, on a deep copy of the model (your model's parameters and buffers, BatchNorm
-    running stats included, are untouched). ``**kwargs`` are passed to the model with ``args``.
+    running stats included, are untouched); an FSDP2 model, which refuses deep copies, runs itself
+    and is put back as it was (its buffers, gradients and sharding; see docs/distributed.md).
+    ``**kwargs`` are passed to the model with ``args``.
 
     With a model or function returned by :func:`amp_fx.compile` and no inputs, explains the
     graphs it has already captured (its dtype and policy); with inputs, explains its original
@@ -773,8 +776,11 @@ def explain(
         )
     lower = resolve_dtype(dtype)
     call = Call(args, kwargs)
-    run_eager_checked(model_or_fn, call, tool="explain")
-    run = run_amp(model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8)
+    with lent(model_or_fn, tool="explain"):  # an FSDP2 model: runs on it, put back after
+        run_eager_checked(model_or_fn, call, tool="explain")
+        run = run_amp(
+            model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8
+        )
     split = weights_split_by_graph_breaks(run)
     return Explanation(
         run.records,

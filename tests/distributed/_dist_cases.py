@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from tests.distributed._dist_asserts import model_state
 from tests.overflow._overflow_cases import overflow_summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -593,6 +594,77 @@ def ddp_all(rank: int, world_size: int) -> dict[Any, Any]:
     return results
 
 
+class _BatchNormNet(nn.Module):
+    """Linear, BatchNorm (running stats: buffers a forward in training mode updates), ReLU, Linear;
+    a user-defined root, so the root's own ops (relu, ``b``) run in a captured frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+def _explain_rows(explained: Any) -> list[tuple[Any, ...]]:
+    """(kind, op, module, dtype, the rule that decided it, cast) of each row."""
+    return [(n.kind, n.op, n.module, n.dtype_name, n.rule, n.cast) for n in explained.nodes()]
+
+
+def fsdp_inspection(rank: int) -> dict[str, Any]:
+    """explain and compare (bf16) on an FSDP2 model (``a`` and ``bn`` sharded, then the root, which
+    holds ``b``), lent to them, and explain on the unsharded model with the same weights; the sharded model's
+    :func:`model_state` before and after each tool. explain runs after a training forward and
+    backward (gradients present, every group sharded; its forward leaves the root unsharded),
+    compare after a forward under no_grad (the root unsharded; its backward reshards it). advise
+    and ``compare(fp8=...)`` refuse the model. The negative twin: the state after one more eager
+    forward and backward, what the tools' runs do without the loan."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _BatchNormNet()
+    fully_shard(model.a)
+    fully_shard(model.bn)
+    fully_shard(model)  # holds b: the root's group, left unsharded by a forward without backward
+    x, y = _batch(rank, 0)
+    F.mse_loss(model(x), y).backward()
+    before = model_state(model)
+    torch._dynamo.reset()
+    explained = amp_fx.explain(model, x, dtype="bf16")
+    after_explain = model_state(model)
+    with torch.no_grad():
+        model(x)
+    before_compare = model_state(model)
+    compared = amp_fx.compare(model, x, dtype="bf16")
+    out: dict[str, Any] = {
+        "explain_rows": _explain_rows(explained),
+        "whole_explain_rows": _explain_rows(amp_fx.explain(_BatchNormNet(), x, dtype="bf16")),
+        "compare_ok": compared.ok,
+        "compare_exact": compared.exact,
+        "compare_ops": [(o.op, o.module, o.eager_dtype, o.amp_dtype, o.agree) for o in compared.ops],
+        "compare_values": [(v.name, v.agree) for v in (*compared.outputs, *compared.grads)],
+        "compare_notes": compared.notes,
+        "states": {"explain": (before, after_explain), "compare": (before_compare, model_state(model))},
+    }
+    before = model_state(model)
+    errors = {}
+    for tool, run in (
+        ("advise", lambda: amp_fx.advise(model, x, loss_fn=lambda o: o.float().pow(2).mean())),
+        ("compare_fp8", lambda: amp_fx.compare(model, x, dtype="bf16", fp8="tensorwise")),
+    ):
+        try:
+            run()
+        except TypeError as e:
+            errors[tool] = str(e)
+    out["refused"] = errors
+    out["states"]["refused"] = (before, model_state(model))
+    F.mse_loss(model(x), y).backward()
+    out["states"]["eager step"] = (before, model_state(model))
+    return out
+
+
 def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     results: dict[Any, Any] = {}
     for dtype in DTYPES:
@@ -637,6 +709,7 @@ def fsdp_all(rank: int, world_size: int, checkpoint_dir: str) -> dict[Any, Any]:
     results["keep_fp32_names"] = keep_fp32_names_report(_shard, "2")
     results["precision_report"] = fsdp_precision_reports()
     results["root_frame"] = root_frame_reports()
+    results["inspection"] = fsdp_inspection(rank)
     torch._dynamo.reset()
     results["resume"] = fsdp_resume(rank, world_size, checkpoint_dir)
     # The negative twin: without combining the flag across ranks, the inf planted in rank 0's

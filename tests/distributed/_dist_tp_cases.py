@@ -31,6 +31,7 @@ import amp_fx
 from amp_fx._common.compat import local_tensor
 from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
+from tests.distributed._dist_asserts import model_state
 
 STEPS = 3
 LR = 1e-2  # AdamW's
@@ -495,16 +496,29 @@ def first_overflows(
 
 def inspection(layout: str, world_size: int) -> dict[str, Any]:
     """The non-finite watch and compare on the sharded model. Watch (:func:`first_overflows`):
-    ``blocks.1.mlp.w1``'s weight scaled; compare: amp_fx against eager autocast op by op, bf16, or
-    the TypeError it raises (FSDP2 refuses the deep copy the inspection tools run on)."""
+    ``blocks.1.mlp.w1``'s weight scaled; compare: :func:`compare_sharded`."""
     model = sharded_model(layout, world_size)
     x, _ = _batch(0)
     watched = first_overflows(model, model.blocks[1].mlp.w1.weight, lambda forward: forward(x).float().pow(2).mean())
-    try:
-        result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
-    except TypeError as e:  # FSDP2: the inspection tools run on a deep copy, which FSDP2 refuses
-        return watched | {"compare_refused": str(e)}
-    return watched | {"compare_ok": result.ok, "compared_ops": len(result.ops)}
+    return watched | compare_sharded(layout, world_size)
+
+
+def compare_sharded(layout: str, world_size: int) -> dict[str, Any]:
+    """compare, amp_fx against eager autocast op by op, bf16, on a fresh sharded model after one
+    forward and backward (gradients present), with its :func:`model_state` before and after (FSDP2
+    x TP, HSDP: the model is lent to compare)."""
+    model = sharded_model(layout, world_size)
+    x, _ = _batch(0)
+    model(x).float().pow(2).mean().backward()
+    before = model_state(model)
+    result = amp_fx.compare(model, x, dtype="bf16")
+    return {
+        "compare_ok": result.ok,
+        "compare_exact": result.exact,
+        "compared_ops": len(result.ops),
+        "compared_grads": len(result.grads),
+        "states": (before, model_state(model)),
+    }
 
 
 def _advise_loss(out: torch.Tensor) -> torch.Tensor:
@@ -602,6 +616,8 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["explain_advise_sp"] = explain_and_advise(world_size)
     torch._dynamo.reset()
     results["inspect_fsdp_tp"] = inspection("fsdp_tp", world_size)
+    torch._dynamo.reset()
+    results["compare_hsdp"] = compare_sharded("hsdp", world_size)
     results["inductor"] = inductor_errors(world_size)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)

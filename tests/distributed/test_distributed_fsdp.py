@@ -8,7 +8,8 @@ skip that step, as with ShardedGradScaler. The negative twin runs amp_fx with th
 combination switched off and shows the ranks diverge. Also: FSDP2's MixedPrecisionPolicy,
 accumulation without gradient sync plus global-norm clipping, resume from a distributed
 checkpoint, and ``amp_fx.compile_step`` on the sharded model (bitwise with the same eager
-recipe, sync-free, one collective for the flag). All cases run in one spawn.
+recipe, sync-free, one collective for the flag); explain and compare on the sharded model, which
+they leave as it was. All cases run in one spawn.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
-from tests.distributed._dist_asserts import assert_same_run, skipped_steps
+from tests.distributed._dist_asserts import assert_same_run, assert_same_state, skipped_steps
 from tests.distributed._dist_cases import DTYPES, INF_BATCH, INF_GRAD, RECIPES, STEPS, fsdp_all
 from tests.step._step_cases import ADAM_TRACED_RTOL
 
@@ -315,3 +316,65 @@ def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
         assert "FSDP1" in report["strict"] and "fully_shard" in report["strict"]
         assert any("FSDP1" in w and "fully_shard" in w for w in report["inner_at_call"])
         assert "FSDP1" in report["step"] and "fully_shard" in report["step"]
+
+
+@pytest.mark.parametrize("tool", ["explain", "compare", "refused"])
+def test_inspection_tools_leave_the_fsdp2_model_as_it_was(ranks, tool):
+    """explain, compare, and advise and compare(fp8=...) refusing (after compare's eager check ran a
+    forward), each on the FSDP2 model lent to it: every registered parameter the same object (FSDP2's
+    sharded DTensor, or its unsharded tensor where the root was unsharded) with the same local
+    values, each gradient the same object with the same values, the BatchNorm's buffers, and each
+    group's sharding state (explain: all SHARDED before, its forward leaves the root UNSHARDED;
+    compare: the root UNSHARDED before, its backward reshards it), all bitwise."""
+    for rank, res in enumerate(ranks):
+        before, after = res["inspection"]["states"][tool]
+        assert_same_state(after, before, f"rank {rank}, {tool}")
+
+
+def test_the_state_check_sees_what_one_eager_step_changes(ranks):
+    """The negative twin: one more eager forward and backward, what the tools' runs do to the model
+    without the loan, changes its state (gradients accumulated, running stats updated)."""
+    for res in ranks:
+        before, after = res["inspection"]["states"]["eager step"]
+        with pytest.raises(AssertionError):
+            assert_same_state(after, before, "eager step")
+
+
+def test_compare_on_fsdp2_agrees_op_by_op_with_eager_autocast(ranks):
+    """compare (bf16, aot_eager: bitwise) on the FSDP2 model: every op of amp_fx's graphs has eager
+    autocast's dtype and value bit for bit, as do the output and every parameter's gradient (the
+    rank's shard, reduce-scattered by FSDP2 on both sides); the float64 end-to-end columns are
+    missing, with a note saying why (no float64 copy of an FSDP2 model)."""
+    for rank, res in enumerate(ranks):
+        got = res["inspection"]
+        assert got["compare_ok"] and got["compare_exact"], f"rank {rank}: {got['compare_ops']}"
+        assert sum(row[0] == "aten.linear" for row in got["compare_ops"]) == 2, f"rank {rank}"
+        assert all(row[-1] for row in got["compare_ops"]), f"rank {rank}"
+        names = [name for name, _ in got["compare_values"]]
+        assert names == ["output", "a.weight", "a.bias", "bn.weight", "bn.bias", "b.weight", "b.bias"]
+        assert all(agree for _, agree in got["compare_values"]), f"rank {rank}"
+        assert any("fully_shard" in n for n in got["compare_notes"]), got["compare_notes"]
+
+
+def test_explain_on_fsdp2_decides_as_on_the_unsharded_model(ranks):
+    """explain (bf16) on the FSDP2 model against the unsharded model with the same weights: the rows
+    (kind, op, module, dtype, the rule that decided it, cast) of every op and cast are the same, in
+    order (FSDP2's units are graphs of their own: the graph inputs differ, the decisions do not)."""
+    for rank, res in enumerate(ranks):
+        got = res["inspection"]
+
+        def decisions(rows):
+            return [row for row in rows if row[0] in ("op", "cast")]
+
+        assert decisions(got["explain_rows"]) == decisions(got["whole_explain_rows"]), f"rank {rank}"
+        assert len(decisions(got["explain_rows"])) > 4
+
+
+def test_advise_and_fp8_compare_refuse_fsdp2_naming_what_to_do(ranks):
+    """advise needs copies of the model (a float64 reference, patched forwards, optimizer steps);
+    compare(fp8=...) would leave amp_fx's fp8 all-gather on the sharded parameters: both refuse with
+    a TypeError that says to run on the model before fully_shard."""
+    for res in ranks:
+        refused = res["inspection"]["refused"]
+        assert refused.keys() == {"advise", "compare_fp8"}, refused
+        assert all("before fully_shard" in message for message in refused.values()), refused

@@ -16,6 +16,7 @@ import torch
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
+from tests.distributed._dist_asserts import assert_same_state
 from tests.distributed._dist_tp_cases import CASES, PLANTED_STEP, assert_within_traced_adam, fused_norm_bound, tp_all
 
 pytestmark = [
@@ -236,14 +237,27 @@ def test_watch_and_compare_on_a_sequence_parallel_model(ranks):
 def test_watch_on_fsdp2_x_tp_names_eager_autocasts_first_overflow(ranks):
     """FSDP2 x TP (dp 1 x tp 2: FSDP2's units gather 2-D DTensor parameters each forward): the
     non-finite watch names the module eager autocast's forward hooks see overflow first
-    (blocks.1.mlp.w1, its fp16 output past 65504) on every rank, as on sequence parallelism.
-    compare refuses the model with a TypeError that names the cause: the inspection tools run on
-    a deep copy, which FSDP2 refuses."""
+    (blocks.1.mlp.w1, its fp16 output past 65504) on every rank, as on sequence parallelism."""
     for rank, res in enumerate(ranks):
         run = res["inspect_fsdp_tp"]
         assert run["eager_first"] == "blocks.1.mlp.w1", f"rank {rank}: {run}"
         assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
-        assert "cannot deep-copy" in run["compare_refused"], f"rank {rank}: {run}"
+
+
+@pytest.mark.parametrize("case", ["inspect_fsdp_tp", "compare_hsdp"])
+def test_compare_on_fsdp2_x_tp_and_hsdp_agrees_with_eager_and_leaves_the_model_as_it_was(ranks, case):
+    """compare (bf16, aot_eager: bitwise) on FSDP2 x TP (dp 1 x tp 2) and HSDP (replicate 2 x shard
+    1), lent to compare (FSDP2 refuses deep copies; before, compare raised TypeError): every op, the
+    output and all 32 gradients (the rank's local shards) bitwise with eager autocast on the sharded
+    model. The model's parameters (objects, local values), gradients (objects, values), buffers and
+    each FSDP2 group's sharding state are bitwise what they were before
+    (tests/distributed/test_distributed_fsdp.py has the negative twin of this check)."""
+    for rank, res in enumerate(ranks):
+        run = res[case]
+        assert run["compare_ok"] and run["compare_exact"], f"rank {rank}: {run}"
+        assert run["compared_ops"] > 0 and run["compared_grads"] == 32, f"rank {rank}: {run}"
+        before, after = run["states"]
+        assert_same_state(after, before, f"rank {rank}, {case}")
 
 
 def test_explain_on_a_sequence_parallel_model_decides_as_on_the_unsharded_one(ranks):

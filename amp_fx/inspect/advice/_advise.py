@@ -13,7 +13,7 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.report import did_less
 from amp_fx._common.targets import check_target
 from amp_fx.fp8 import Fp8Config, Fp8Like
-from amp_fx.inspect._runner import Call, run_eager_checked
+from amp_fx.inspect._runner import Call, refuse_fsdp2, run_eager_checked
 from amp_fx.inspect.advice._cost import cost, kept_modules
 from amp_fx.inspect.advice._findings import grain
 from amp_fx.inspect.advice._fp8_sizing import fp8_matmuls
@@ -79,8 +79,15 @@ def advise(
     Raises:
         EagerError: the model fails in plain fp32 eager mode on these inputs.
         ValueError: bad ``target``/``steps``, or ``loss_fn`` does not return a scalar.
+        TypeError: the model is sharded with FSDP2 (advise runs on copies, which FSDP2 refuses;
+            run it on the model before ``fully_shard``).
     """
     low, target = _checked(model, dtype, target, steps, optimizer, loss_fn)
+    refuse_fsdp2(
+        model,
+        tool="advise",
+        why="a float64 reference, runs with modules patched to fp32, training runs that step an optimizer",
+    )
     config = Fp8Config.of(fp8)
     call = Call(args, kwargs)
     run_eager_checked(model, call, tool="advise")

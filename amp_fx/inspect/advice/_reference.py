@@ -39,7 +39,7 @@ def loss_of(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Te
 
 
 def reference(model: Any, call: Call, loss_fn: Callable[[Any], torch.Tensor] | None) -> Reference:
-    m = private_copy(model).double()
+    m = private_copy(model, float64=True)
     inputs: dict[tuple[str, int], list[torch.Tensor]] = {}
     outputs: dict[tuple[str, int], list[torch.Tensor]] = {}
     starts: dict[str, int] = {}  # inputs are keyed by the call's start, outputs by its end
