@@ -55,9 +55,11 @@ class _Fp8GatherInput(torch.autograd.Function):
         ctx: Any, x: Any, placements: tuple[Any, ...], dtype: torch.dtype, recipe: Fp8Recipe
     ) -> tuple[Any, Any, Any]:
         ctx.mesh, ctx.placements = x.device_mesh, tuple(x.placements)
+        data: Any
         data, scale = input_cast(x.to(dtype), recipe)
         local = data.to_local()
-        gathered = _placed(local.view(torch.uint8), data, ctx.placements).redistribute(data.device_mesh, placements)
+        shards = tuple(data.placements)
+        gathered = _placed(local.view(torch.uint8), data, shards).redistribute(data.device_mesh, placements)
         data = _placed(gathered.to_local().view(local.dtype), data, placements)
         zero = torch.zeros((), dtype=x.dtype, device=local.device)
         carrier = _placed(zero.expand(data.to_local().shape), x, placements)

@@ -210,7 +210,7 @@ class _Fp8Matmul(torch.autograd.Function):
         c = RECIPES[recipe]
         pow2 = c.round_scales_to_power_of_2
         x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
-        ctx.save_for_backward(*((x_fp8.data, x_fp8.scale) if ctx.cast else (x,)), w)
+        ctx.save_for_backward(*((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), w)
         ctx.operand_dtype = x_dtype
         w_fp8 = _to_fp8(w, c.weight, 0, pow2)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
@@ -331,7 +331,9 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         ctx.recipe, ctx.x_dtype, ctx.cast, ctx.operand_dtype = recipe, x.dtype, x_data is not None, x_dtype
         c = RECIPES[recipe]
         x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
-        ctx.save_for_backward(*((x_fp8.data, x_fp8.scale) if ctx.cast else (x,)), wg_data, wg_scale)
+        ctx.save_for_backward(
+            *((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), wg_data, wg_scale
+        )
         w_fp8 = _cached(w_data, w_scale, c.weight, 0)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))

@@ -77,8 +77,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
-from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
+from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.fp8_padding import Fp8Padding, padding
 from amp_fx.kernels.fp8_recipes import ALIGNMENT, RECIPES
@@ -323,25 +323,21 @@ class _Fp8Rewriter:
             self.gathered.append((f"{module or 'the root'} ({gathered})", match.x))
 
     def gather_in_fp8(self) -> set[torch.fx.Node]:
-        """Each gathering ``redistribute`` read only by tensorwise fp8 matmuls, each through its own
-        cast to the autocast dtype, becomes :func:`fp8_gather_input` on its source: the shards cast
-        to e4m3, the bytes gathered (module docstring of :mod:`amp_fx.kernels.fp8_activation_gather`),
-        and each matmul ``fp8_matmul(carrier, w, recipe, x_fp8=(data, scale, dtype))``. Returns
-        the casts it replaced."""
+        """Each gathering ``redistribute`` read only by tensorwise fp8 matmuls (directly where it
+        is in the autocast dtype already, or each through its own cast to it) becomes
+        :func:`fp8_gather_input` on its source: the shards cast to e4m3, the bytes gathered (module
+        docstring of :mod:`amp_fx.kernels.fp8_activation_gather`), and each matmul
+        ``fp8_matmul(carrier, w, recipe, x_fp8=(data, scale, dtype))``. Returns the matmuls' former
+        inputs (the casts, or the redistribute) it replaced."""
         if self.recipe is not Fp8Recipe.TENSORWISE:
             return set()
         moved: set[torch.fx.Node] = set()
-        for redistribute in dict.fromkeys(x.args[0] for _, x in self.gathered if is_inserted_cast(x)):
+        for redistribute in dict.fromkeys(x.args[0] if is_inserted_cast(x) else x for _, x in self.gathered):
             assert isinstance(redistribute, torch.fx.Node)
-            casts = [u for u in redistribute.users if not (u.target is aten.detach.default and not u.users)]
-            dtypes = {c.kwargs.get("dtype") for c in casts}
-            if not (
-                _gathers(redistribute)
-                and len(dtypes) == 1
-                and all(is_inserted_cast(c) and c.users and all(_reads_as_input(u, c) for u in c.users) for c in casts)
-            ):
+            found = _fp8_readers(redistribute) if _gathers(redistribute) else None
+            if found is None:
                 continue
-            dtype = dtypes.pop()
+            readers, dtype = found
             source = redistribute.args[1]
             stack = redistribute.meta.get("nn_module_stack", {})
             note = Decision(
@@ -355,12 +351,13 @@ class _Fp8Rewriter:
                     fp8_gather_input, (source, tuple(_val(redistribute).placements), dtype, self.recipe), stack, note
                 )
                 carrier, data, scale = (self.call(operator.getitem, (gather, i), stack, note) for i in range(3))
-            for cast in casts:
-                for mm in list(cast.users):
+            for x, matmuls in readers.items():
+                for mm in matmuls:
                     mm.args = (carrier, *mm.args[1:])
                     mm.kwargs = {**mm.kwargs, "x_fp8": (data, scale, dtype)}
-                moved.add(cast)
-                self.graph.erase_node(cast)
+                moved.add(x)
+                if x is not redistribute:
+                    self.graph.erase_node(x)
             for dead in list(redistribute.users):
                 self.graph.erase_node(dead)
             self.graph.erase_node(redistribute)
@@ -581,13 +578,33 @@ def _gathers(node: torch.fx.Node) -> bool:
     return any(b.is_shard() and a.is_replicate() for b, a in zip(before, after))
 
 
+def _fp8_readers(
+    redistribute: torch.fx.Node,
+) -> tuple[dict[torch.fx.Node, list[torch.fx.Node]], torch.dtype] | None:
+    """``({input: fp8 matmuls reading it}, their input dtype)`` where every reader of
+    ``redistribute`` is an fp8 matmul taking it as its input, directly or through a cast of its
+    own, all in one dtype (a dead ``detach`` aside); None otherwise (another op needs the
+    gathered values)."""
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    dtypes = set()
+    for user in redistribute.users:
+        if user.target is aten.detach.default and not user.users:
+            continue
+        if _reads_as_input(user, redistribute):
+            readers.setdefault(redistribute, []).append(user)
+            dtypes.add(_val(redistribute).dtype)
+        elif is_inserted_cast(user) and user.users and all(_reads_as_input(m, user) for m in user.users):
+            readers[user] = list(user.users)
+            dtypes.add(user.kwargs.get("dtype"))
+        else:
+            return None
+    return (readers, dtypes.pop()) if readers and len(dtypes) == 1 else None
+
+
 def _reads_as_input(node: torch.fx.Node, x: torch.fx.Node) -> bool:
     """``node`` is an fp8 matmul taking ``x`` as its input only."""
     return (
-        node.target is fp8_matmul
-        and node.args[0] is x
-        and x not in node.args[1:]
-        and node.kwargs.get("x_fp8") is None
+        node.target is fp8_matmul and node.args[0] is x and x not in node.args[1:] and node.kwargs.get("x_fp8") is None
     )
 
 

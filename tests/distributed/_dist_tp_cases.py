@@ -515,9 +515,13 @@ def fp8_sequence_parallel(world_size: int) -> dict[str, Any]:
         torch._dynamo.reset()
         model = tensor_parallel(make_model(), mesh, sequence_parallel=True)
         policy = amp_fx.Policy(keep_out_of_fp8=["blocks.0.attn.v"]) if form == "fp8_keep_v" else None
-        hp = mock.patch.object(fp8_matmuls._Fp8Rewriter, "gather_in_fp8", lambda self: set())
+        hp = (
+            mock.patch.object(fp8_matmuls._Fp8Rewriter, "gather_in_fp8", lambda self: set())
+            if form == "fp8_gather_hp"
+            else contextlib.nullcontext()
+        )
         sent: Counter[str] = Counter()
-        with warnings.catch_warnings(record=True) as caught, hp if form == "fp8_gather_hp" else contextlib.nullcontext():
+        with warnings.catch_warnings(record=True) as caught, hp:
             warnings.simplefilter("always")
             compiled = amp_fx.compile(
                 model,

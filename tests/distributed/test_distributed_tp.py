@@ -230,7 +230,7 @@ def test_sequence_parallel_fp8_gathers_e4m3_bitwise_with_the_high_precision_gath
     (4 gathers of a (BATCH, SEQ / 2, D) shard), the rest (the last block's output, gathered whole
     in fp32) unchanged, and the high-precision run gathers what the bf16 run gathers. No report
     (before: "all-gathered before its fp8 cast"), strict."""
-    from tests.distributed._dist_tp_cases import BATCH, D, SEQ
+    from tests.distributed._dist_tp_cases import BATCH, SEQ, D
 
     for rank, res in enumerate(ranks):
         runs = res["fp8_sp"]
