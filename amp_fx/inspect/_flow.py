@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
+from amp_fx._common.compat import local_tensor
 from amp_fx._common.op_names import op_label
 from amp_fx.policy import CastClass, default_class
 
@@ -38,14 +40,17 @@ decomposition, where the table's own name is no longer seen."""
 
 def compute_flops(func: Any, args: Any, kwargs: Any, out: Any) -> float | None:
     """FLOPs of a matmul, convolution or attention kernel (``torch.utils.flop_counter``'s formulas;
-    CPU's fused attention, which it lacks, as its two matmuls); None for any other op."""
+    CPU's fused attention, which it lacks, as its two matmuls); None for any other op. A DTensor
+    operand counts as its local shard: the FLOPs this rank runs."""
     packet = func._overloadpacket
+    attention = packet.__name__.startswith("_scaled_dot_product") and not packet.__name__.endswith("backward")
+    if packet not in flop_registry and not attention:
+        return None
+    args, kwargs, out = tree_map(local_tensor, (args, kwargs, out))
     if packet in flop_registry:
         return float(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet.__name__.startswith("_scaled_dot_product") and not packet.__name__.endswith("backward"):
-        q, k, v = args[:3]  # (..., L, E), (..., S, E), (..., S, Ev): q k^T then p v
-        return 2.0 * q.shape[:-1].numel() * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-    return None
+    q, k, v = args[:3]  # attention: (..., L, E), (..., S, E), (..., S, Ev): q k^T then p v
+    return 2.0 * q.shape[:-1].numel() * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
 class Flow(TorchDispatchMode):

@@ -30,6 +30,7 @@ import torch.fx
 from tabulate import tabulate
 from torch._guards import detect_fake_mode
 
+from amp_fx._common.compat import local_tensor
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
@@ -238,7 +239,8 @@ def _fp32_values(record: GraphRecord) -> tuple[dict[str, Any] | None, str]:
 
 
 def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
-    """Bytes the casts of ``gm`` read and write per call: numel * (src + dst itemsize) each.
+    """Bytes the casts of ``gm`` read and write per call: numel * (src + dst itemsize) each; of a
+    DTensor (tensor parallelism), its local shard's, which is what this rank casts.
 
     None when a size is symbolic (dynamic shapes) and so has no number.
     """
@@ -246,7 +248,7 @@ def cast_bytes(gm: torch.fx.GraphModule) -> int | None:
     for n in gm.graph.nodes:
         if not is_cast(n):
             continue
-        src, dst = n.args[0].meta.get("val"), n.meta.get("val")
+        src, dst = local_tensor(n.args[0].meta.get("val")), local_tensor(n.meta.get("val"))
         if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor):
             continue
         numel = numel_or_none(dst)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+from amp_fx._common.compat import local_tensor
 from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
 
@@ -318,6 +319,8 @@ CASES = [
     ("fsdp_tp", "fp16", "eager"),
     ("fsdp_tp", "fp16", "amp_fx"),
     ("fsdp_tp", "fp16", "step"),
+    ("hsdp", "bf16", "eager"),
+    ("hsdp", "bf16", "amp_fx"),
     ("hsdp", "fp16", "eager"),
     ("hsdp", "fp16", "amp_fx"),
     ("hsdp", "fp16", "step"),
@@ -419,16 +422,15 @@ def fp8_against_torchao(mesh: Any, rank: int) -> dict[str, Any] | None:
     return results
 
 
-def inspection(layout: str, world_size: int) -> dict[str, Any]:
-    """The non-finite watch and compare on the sharded model. Watch: fp16, ``blocks.1.mlp.w1``'s
-    weight scaled by 1e6 (its fp16 output overflows), the overflow report's first op against the
-    first module whose output holds an inf in eager autocast (forward hooks, this rank's values);
-    compare: amp_fx against eager autocast op by op, bf16."""
-    model = sharded_model(layout, world_size)
+def first_overflows(
+    model: nn.Module, weight: torch.Tensor, loss: Callable[[Callable[..., Any]], torch.Tensor]
+) -> dict[str, str | None]:
+    """The non-finite watch against eager autocast, fp16: ``weight`` (this rank's shard) scaled by
+    1e6, so that its module's fp16 output overflows; the first module whose output holds an inf
+    under eager autocast (forward hooks, this rank's values) and the first op's module in the watch's
+    overflow report after one amp_fx step. ``loss(forward)``: the loss of one forward."""
     with torch.no_grad():
-        weight = model.blocks[1].mlp.w1.weight
-        (weight._local_tensor if hasattr(weight, "_local_tensor") else weight).mul_(1e6)
-    x, _ = _batch(0)
+        local_tensor(weight).mul_(1e6)
     first: list[str] = []
     handles = [
         m.register_forward_hook(
@@ -441,8 +443,8 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
         for name, m in model.named_modules()
         if name
     ]
-    with torch.autocast("cpu", dtype=torch.float16):
-        model(x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        loss(model)
     for h in handles:
         h.remove()
     torch._dynamo.reset()
@@ -450,18 +452,68 @@ def inspection(layout: str, world_size: int) -> dict[str, Any]:
     scaler = amp_fx.GradScaler("cpu")
     scaler.watch(compiled)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler.scale(compiled(x).float().pow(2).mean()).backward()
+    scaler.scale(loss(compiled)).backward()
     scaler.step(opt)
     scaler.update()
     report = scaler.overflow_report()
     torch._dynamo.reset()
-    result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
     return {
         "eager_first": first[0] if first else None,
         "watch_first": None if report is None or report.first_op is None else report.first_op.module,
-        "compare_ok": result.ok,
-        "compared_ops": len(result.ops),
     }
+
+
+def inspection(layout: str, world_size: int) -> dict[str, Any]:
+    """The non-finite watch and compare on the sharded model. Watch (:func:`first_overflows`):
+    ``blocks.1.mlp.w1``'s weight scaled; compare: amp_fx against eager autocast op by op, bf16, or
+    the TypeError it raises (FSDP2 refuses the deep copy the inspection tools run on)."""
+    model = sharded_model(layout, world_size)
+    x, _ = _batch(0)
+    watched = first_overflows(model, model.blocks[1].mlp.w1.weight, lambda forward: forward(x).float().pow(2).mean())
+    try:
+        result = amp_fx.compare(sharded_model(layout, world_size), x, dtype="bf16")
+    except TypeError as e:  # FSDP2: the inspection tools run on a deep copy, which FSDP2 refuses
+        return watched | {"compare_refused": str(e)}
+    return watched | {"compare_ok": result.ok, "compared_ops": len(result.ops)}
+
+
+def _advise_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _expected_cast_bytes(model: nn.Module) -> int:
+    """The bytes one fp16 forward of ``model`` casts on this rank, counted from the model: each
+    Linear's weight and bias (this rank's shard) cast once fp32 -> fp16, 6 bytes per element, and the
+    norms' fp32 output cast before q, k, v and w1 of each block, whole ([BATCH, SEQ, D]: under
+    sequence parallelism the attention and MLP gather their input first)."""
+    params = sum(_local(p).numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters())
+    return 6 * (params + 4 * len(model.blocks) * BATCH * SEQ * D)
+
+
+def explain_and_advise(world_size: int) -> dict[str, Any]:
+    """``amp_fx.explain`` and ``amp_fx.advise`` (fp16) on the sequence-parallel model and on the
+    unsharded one with the same weights: explain's rows (kind, op, module, dtype, rule, cast) of
+    the ops both graphs run, each one's cast bytes and the count from the model
+    (:func:`_expected_cast_bytes`); advise's policy, error, cost and findings."""
+    x, _ = _batch(0)
+    out: dict[str, Any] = {}
+    for name in ("sp", "whole"):
+        model = sharded_model("sp", world_size) if name == "sp" else make_model()
+        torch._dynamo.reset()
+        explained = amp_fx.explain(model, x, dtype="fp16")
+        advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=_advise_loss)
+        out[name] = {
+            "rows": [(n.kind, n.op, n.module, n.dtype_name, n.rule, n.cast) for n in explained.nodes()],
+            "graphs": len(explained.records),
+            "cast_bytes": explained.cast_bytes(0),
+            "expected_cast_bytes": _expected_cast_bytes(model),
+            "keep_fp32": advice.keep_fp32,
+            "verified": advice.verified,
+            "error": advice.error,
+            "cost": advice.cost,
+            "findings": {m.name: m.finding for m in advice.modules},
+        }
+    return out
 
 
 def inductor_errors(world_size: int) -> dict[str, Any]:
@@ -570,13 +622,16 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["fp8_fsdp_tp"] = fp8_outputs(sharded_model("fsdp_tp", world_size), x, strict=False)
     torch._dynamo.reset()
     results["inspect_sp"] = inspection("sp", world_size)
+    results["explain_advise_sp"] = explain_and_advise(world_size)
+    torch._dynamo.reset()
+    results["inspect_fsdp_tp"] = inspection("fsdp_tp", world_size)
     results["inductor"] = inductor_errors(world_size)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     results["fp8_sp"] = fp8_sequence_parallel(world_size)
-    for schedule, form in PP_CASES:
+    for schedule, dtype, form in PP_CASES:
         torch._dynamo.reset()
-        results[("pp", schedule, form)] = pipeline_run(rank, world_size, schedule, form)
+        results[("pp", schedule, dtype, form)] = pipeline_run(rank, world_size, schedule, dtype, form)
     return results
 
 
@@ -596,59 +651,86 @@ class _Stage(nn.Module):
         return self.block(x)
 
 
-def pipeline_run(rank: int, world_size: int, schedule: str, form: str) -> dict[str, Any]:
+def pipeline_run(rank: int, world_size: int, schedule: str, dtype: str, form: str) -> dict[str, Any]:
     """Stage ``rank`` of a ``world_size``-stage pipeline (``torch.distributed.pipelining``, GPipe or
-    1F1B, 2 micro-batches), fp16, 3 AdamW steps, an inf planted in stage 0's gradient at step 1.
+    1F1B, 2 micro-batches), 3 AdamW steps. fp16: an inf planted in stage 0's gradient at step 1;
     ``form``: "eager" (torch.autocast around the schedule's step, torch.amp.GradScaler driven by hand:
     unscale_, its found-inf all-reduced (MAX) over every stage, step, update) or "amp_fx"
-    (``amp_fx.compile`` of the stage, ``amp_fx.GradScaler(process_group=WORLD)``)."""
+    (``amp_fx.compile`` of the stage, ``amp_fx.GradScaler(process_group=WORLD)``). bf16: no scaler,
+    nothing planted."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage_module = _Stage(make_model().blocks[rank])
     opt = _adamw(stage_module)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    scaler: Any = None
     if form == "eager":
-        scaler: Any = torch.amp.GradScaler("cpu", growth_interval=2)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2) if dtype == "fp16" else None
         run_module: nn.Module = stage_module
     else:
-        scaler = amp_fx.GradScaler("cpu", growth_interval=2, process_group=dist.group.WORLD)
-        run_module = amp_fx.compile(stage_module, dtype="fp16", backend="aot_eager")
+        if dtype == "fp16":
+            scaler = amp_fx.GradScaler("cpu", growth_interval=2, process_group=dist.group.WORLD)
+        run_module = amp_fx.compile(stage_module, dtype=dtype, backend="aot_eager")
     stage = PipelineStage(run_module, rank, world_size, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    pipe = kind(stage, PP_MICROBATCHES, loss_fn=lambda out, y: scaler.scale(F.mse_loss(out.float(), y)))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(out.float(), y)
+        return loss if scaler is None else scaler.scale(loss)
+
+    pipe = kind(stage, PP_MICROBATCHES, loss_fn=loss_fn)
     losses, scales = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(STEPS):
             x, y = _batch(i)
             step_losses: list[torch.Tensor] = []
-            ctx = torch.autocast("cpu", dtype=torch.float16) if form == "eager" else contextlib.nullcontext()
+            ctx = torch.autocast("cpu", dtype=low) if form == "eager" else contextlib.nullcontext()
             with ctx:
                 if rank == 0:
                     pipe.step(x)
                 else:
                     pipe.step(target=y, losses=step_losses)
-            if rank == 0 and i == PLANTED_STEP:
-                with torch.no_grad():
-                    stage_module.block.attn.q.weight.grad.view(-1)[0] = math.inf
-            if form == "eager":  # the flag combined over every stage by hand
-                if rank == 0:  # torch's scaler makes its scale in scale(), which only the loss's stage calls
-                    scaler.scale(torch.zeros(()))
-                scaler.unscale_(opt)
-                for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
-                    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            scales.append(torch.tensor(scaler.get_scale()))
+            if scaler is None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                _pipeline_scaled_step(scaler, opt, stage_module, rank, i, eager=form == "eager")
+                scales.append(torch.tensor(scaler.get_scale()))
             if step_losses:
                 losses.append(torch.stack([loss.detach() for loss in step_losses]))
     return {
         "losses": torch.stack(losses) if losses else torch.zeros(0),
-        "scales": torch.stack(scales),
+        "scales": torch.stack(scales) if scales else torch.zeros(0),
         "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
         "amp_fx_warnings": _fallbacks(caught),
     }
 
 
-PP_CASES = [(schedule, form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")]
+def _pipeline_scaled_step(
+    scaler: Any, opt: torch.optim.Optimizer, stage_module: nn.Module, rank: int, step: int, *, eager: bool
+) -> None:
+    """The fp16 step of one stage: the inf planted in stage 0's gradient at ``PLANTED_STEP``; the
+    eager reference combines torch's found-inf flag over every stage by hand."""
+    import torch.distributed as dist
+
+    if rank == 0 and step == PLANTED_STEP:
+        with torch.no_grad():
+            stage_module.block.attn.q.weight.grad.view(-1)[0] = math.inf
+    if eager:  # the flag combined over every stage by hand
+        if rank == 0:  # torch's scaler makes its scale in scale(), which only the loss's stage calls
+            scaler.scale(torch.zeros(()))
+        scaler.unscale_(opt)
+        for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+# (schedule, dtype, form); bf16 on GPipe alone: 1F1B differs in the order of the micro-batches'
+# backward, not in what autocast casts
+PP_CASES = [(schedule, "fp16", form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")] + [
+    ("gpipe", "bf16", form) for form in ("eager", "amp_fx")
+]

@@ -33,6 +33,7 @@ from amp_fx.testing import eager_amp_step
 from amp_fx.testing.real_models import REAL_MODELS
 from tests.distributed._dist_real_model_cases import _run as _fsdp2_run
 from tests.distributed._dist_real_model_cases import _sgd_step
+from tests.distributed._dist_tp_cases import first_overflows
 
 Step = Callable[..., torch.Tensor]
 
@@ -74,7 +75,9 @@ def tp_real(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
     ``compile_step`` against eager autocast with ``amp_fx.GradScaler``: torch's scalers refuse this
     layout, whose norm weights are plain tensors beside DTensor gradients, "got mixed torch.Tensor
     and DTensor"), "fp8" (torch's plan, tensorwise);
-    form "eager" or "amp_fx"."""
+    form "eager" or "amp_fx". ("torch", "amp_fx_cache"): amp_fx with ``weight_cache=True``;
+    ("torch", "watch"): the non-finite watch against eager autocast's hooks, ``layers.0.mlp.up_proj``
+    scaled (``first_overflows``)."""
     import torch.distributed as dist
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
@@ -104,6 +107,17 @@ def tp_real(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
         dist.barrier()  # rank 0 removes its folder once every rank has loaded from it
     for form in ("eager", "amp_fx"):
         out[("torch", form)] = _run(_bf16(form, loss_fn), torch_tp(), inputs)
+    out[("torch", "amp_fx_cache")] = _run(
+        lambda m, opt: _sgd_step(
+            amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True, weight_cache=True), loss_fn, opt, None
+        ),
+        torch_tp(),
+        inputs,
+    )
+    watched = torch_tp()
+    out[("torch", "watch")] = first_overflows(
+        watched, watched.model.layers[0].mlp.up_proj.weight, lambda forward: loss_fn(forward(**inputs))
+    )
     out[("fp16", "eager")] = _run(
         lambda m, opt: eager_amp_step(
             m, opt, loss_fn, amp_fx.GradScaler("cpu", growth_interval=2), dtype=torch.float16

@@ -123,12 +123,25 @@ def test_pipeline_stages_fp16_skip_together_bitwise_with_eager_by_hand(ranks, sc
     both stages (without the combined flag stage 1 would step and keep its scale); the loss on
     the last stage, the scales and every stage's parameters bitwise."""
     for rank, res in enumerate(ranks):
-        got, want = res[("pp", schedule, "amp_fx")], res[("pp", schedule, "eager")]
+        got, want = res[("pp", schedule, "fp16", "amp_fx")], res[("pp", schedule, "fp16", "eager")]
         what = f"stage {rank}, {schedule}"
         assert got["amp_fx_warnings"] == [], what
         scales = got["scales"].tolist()
         assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"{what}: {scales}"
         assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
+def test_pipeline_stages_bf16_bitwise_with_eager_autocast(ranks):
+    """Two stages (torch.distributed.pipelining, GPipe, 2 micro-batches), bf16, 3 AdamW steps:
+    amp_fx.compile per stage against eager autocast around the schedule's step. The loss on the
+    last stage and every stage's parameters bit for bit, no warning."""
+    for rank, res in enumerate(ranks):
+        got, want = res[("pp", "gpipe", "bf16", "amp_fx")], res[("pp", "gpipe", "bf16", "eager")]
+        what = f"stage {rank}"
+        assert got["amp_fx_warnings"] == [], what
         assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
         for name in want["params"]:
             assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
@@ -187,6 +200,61 @@ def test_watch_and_compare_on_a_sequence_parallel_model(ranks):
         assert run["eager_first"] == "blocks.1.mlp.w1", f"rank {rank}: {run}"
         assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
         assert run["compare_ok"] and run["compared_ops"] > 0, f"rank {rank}: {run}"
+
+
+def test_watch_on_fsdp2_x_tp_names_eager_autocasts_first_overflow(ranks):
+    """FSDP2 x TP (dp 1 x tp 2: FSDP2's units gather 2-D DTensor parameters each forward): the
+    non-finite watch names the module eager autocast's forward hooks see overflow first
+    (blocks.1.mlp.w1, its fp16 output past 65504) on every rank, as on sequence parallelism.
+    compare refuses the model with a TypeError that names the cause: the inspection tools run on
+    a deep copy, which FSDP2 refuses."""
+    for rank, res in enumerate(ranks):
+        run = res["inspect_fsdp_tp"]
+        assert run["eager_first"] == "blocks.1.mlp.w1", f"rank {rank}: {run}"
+        assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
+        assert "cannot deep-copy" in run["compare_refused"], f"rank {rank}: {run}"
+
+
+def test_explain_on_a_sequence_parallel_model_decides_as_on_the_unsharded_one(ranks):
+    """explain (fp16) on the sequence-parallel model against the unsharded model with the same
+    weights: one graph each, and the rows (kind, op, module, dtype, the rule that decided it, cast)
+    of the ops and casts are the same, in order, on every rank, where the op is one the unsharded
+    graph runs (the sharded graph adds DTensor's own: from_local, to_local, detach; its inputs
+    differ by the hooks' state). Its cast bytes are this rank's, counted
+    from the rank's own shards (each Linear's parameters, the gathered activations whole); on the
+    unsharded model the same count is the whole model's. Before, a DTensor cast counted its global
+    size: 175,488 B on each rank where a rank casts 100,416."""
+    for rank, res in enumerate(ranks):
+        sp, whole = res["explain_advise_sp"]["sp"], res["explain_advise_sp"]["whole"]
+        assert sp["graphs"] == whole["graphs"] == 1, f"rank {rank}"
+        ops = {row[1] for row in whole["rows"] if row[0] in ("op", "cast")}
+        want = [row for row in whole["rows"] if row[0] in ("op", "cast")]
+        assert [row for row in sp["rows"] if row[0] in ("op", "cast") and row[1] in ops] == want, f"rank {rank}"
+        counts = {k: (sp[k], whole[k]) for k in ("cast_bytes", "expected_cast_bytes")}
+        assert sp["cast_bytes"] == sp["expected_cast_bytes"] < whole["cast_bytes"], f"rank {rank}: {counts}"
+        assert whole["cast_bytes"] == whole["expected_cast_bytes"], f"rank {rank}: {counts}"
+
+
+def test_advise_on_a_sequence_parallel_model_gives_the_unsharded_models_advice(ranks):
+    """advise (fp16, gradients measured) on the sequence-parallel model against the unsharded model
+    with the same weights: the same policy (nothing kept in fp32), verified, no module flagged on
+    either; the end-to-end error each rank measures on its shards within 25% of the unsharded
+    model's (measured 2%: the row-parallel linears round two partial sums where the unsharded one
+    rounds once; a shard compared with the whole, or a misread DTensor, is an error of order 1).
+    Its cost is this rank's: the cast bytes as explain counts them on this rank, and exactly half
+    the unsharded model's matmul and attention FLOPs (every matmul is split over the 2 ranks; the
+    heads of the attention too). Before, a DTensor counted its global size: 175,488 B, and 802,816
+    FLOPs where the rank runs 409,600."""
+    for rank, res in enumerate(ranks):
+        sp, whole = res["explain_advise_sp"]["sp"], res["explain_advise_sp"]["whole"]
+        assert sp["keep_fp32"] == whole["keep_fp32"] == (), f"rank {rank}"
+        assert sp["verified"] and whole["verified"], f"rank {rank}"
+        assert sp["findings"].keys() == whole["findings"].keys(), f"rank {rank}"
+        assert not any(sp["findings"].values()) and not any(whole["findings"].values()), f"rank {rank}"
+        assert abs(sp["error"] - whole["error"]) <= 0.25 * whole["error"], f"rank {rank}: {sp['error']}"
+        assert sp["cost"].cast_bytes == sp["cost"].default_cast_bytes == sp["cast_bytes"], f"rank {rank}"
+        assert whole["cost"].cast_bytes == whole["cast_bytes"], f"rank {rank}"
+        assert sp["cost"].matmul_flops * 2 == whole["cost"].matmul_flops, f"rank {rank}: {sp['cost']}"
 
 
 def test_tp_inductor_within_torch_compile_autocasts_error(ranks):

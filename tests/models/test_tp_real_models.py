@@ -68,6 +68,27 @@ def test_tensor_parallel_llama_bitwise_with_eager_autocast(ranks, how):
             assert_bitwise(p, q, f"rank {rank}, {how}: parameter {i}'s shard")
 
 
+def test_tensor_parallel_llama_weight_cache_bitwise_with_eager_autocast(ranks):
+    """``weight_cache=True`` on torch's plan (bf16, strict, 3 SGD steps, one forward per step: each
+    step's cast is of the updated weight): losses and each rank's parameter shards bit for bit with
+    eager autocast, as without the cache."""
+    for rank, res in enumerate(ranks):
+        run, reference = res[("torch", "amp_fx_cache")], res[("torch", "eager")]
+        assert run["amp_fx_warnings"] == [], f"rank {rank}: {run['amp_fx_warnings']}"
+        assert_bitwise(run["losses"], reference["losses"], f"rank {rank}: losses")
+        for i, (p, q) in enumerate(zip(run["params"], reference["params"], strict=True)):
+            assert_bitwise(p, q, f"rank {rank}: parameter {i}'s shard")
+
+
+def test_tensor_parallel_llama_watch_names_eager_autocasts_first_overflow(ranks):
+    """fp16, ``layers.0.mlp.up_proj``'s weight shard scaled by 1e6 on torch's plan: the non-finite
+    watch names the module eager autocast's forward hooks see overflow first, on every rank."""
+    for rank, res in enumerate(ranks):
+        run = res[("torch", "watch")]
+        assert run["eager_first"] == "model.layers.0.mlp.up_proj", f"rank {rank}: {run}"
+        assert run["watch_first"] == run["eager_first"], f"rank {rank}: {run}"
+
+
 def test_tensor_parallel_llama_fp8_converts_every_matmul_with_a_parameter(ranks):
     for rank, res in enumerate(ranks):
         run = res[("fp8", "amp_fx")]

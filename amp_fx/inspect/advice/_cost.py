@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from amp_fx._common.compat import local_tensor
 from amp_fx.fp8 import Fp8Config
 from amp_fx.inspect._flow import compute_flops
 from amp_fx.inspect._fp8_eager import module_stack
@@ -31,9 +32,11 @@ class Cost:
     """Share of the matmul/conv/attention FLOPs that run in fp32 (0 with the default policy, up to 1)."""
     default_fp32_flop_share: float
     cast_bytes: int
-    """Bytes the dtype casts read and write per call with the advised policy."""
+    """Bytes the dtype casts read and write per call with the advised policy (of a DTensor, its
+    local shard's: what this rank moves)."""
     default_cast_bytes: int
     matmul_flops: float
+    """The matmul/conv/attention FLOPs of one forward (under tensor parallelism, this rank's)."""
     fp8_flop_share: float | None = None
     """With ``fp8=``: share of the FLOPs that run in fp8 with the advised policy."""
     default_fp8_flop_share: float | None = None
@@ -101,7 +104,7 @@ class _CostCounter(TorchDispatchMode):
             elif first is not None and first.dtype not in LOW:
                 self.fp32 += flops
         elif func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
-            src, dst = args[0], out
+            src, dst = local_tensor(args[0]), local_tensor(out)  # a DTensor: what this rank casts
             if src.is_floating_point() and dst.is_floating_point() and src.dtype != dst.dtype:
                 self.cast_bytes += dst.numel() * (src.element_size() + dst.element_size())
         return out
