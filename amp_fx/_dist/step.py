@@ -32,15 +32,18 @@ Two quantities need every rank:
   norms with a ``_NormPartial(2)`` placement, which DTensor turns into the replicated value by
   ``x**2``, an all-reduce (SUM) of the stacked norms, ``x**0.5``, before the norm of the norms.
   :meth:`LocalShards.global_norm` does exactly that, in one functional all-reduce, so the clip
-  is bit for bit ``clip_grad_norm_``'s.
+  is bit for bit ``clip_grad_norm_``'s. With ``GradNorm.FUSED`` the unscale kernel's sum of
+  squares is all-reduced (SUM) instead (:meth:`LocalShards.global_sum`; on other layouts one sum
+  per set of mesh dimensions the gradients are sharded on).
 
 The optimizer step runs on a *local view* of the user's optimizer (its class, hyperparameters
 and state, with every DTensor replaced by its local tensor), so only optimizers whose update is
 elementwise per parameter are accepted (:data:`SHARD_LOCAL_OPTIMIZERS`; ``fused=True`` ones
-run their fused kernel on the local shards, with the combined flag), and other layouts (HSDP's
-2-D mesh, ``Shard(1)``, parameters left unsharded) are refused with an error naming what
-works. The warm-up step runs eagerly on the DTensors through ``amp_fx.GradScaler``, as on one
-device.
+run their fused kernel on the local shards, with the combined flag), and parameters FSDP2 left
+unsharded are refused with an error naming what works. Other layouts of DTensors (tensor
+parallelism, FSDP2 x TP, HSDP) combine the flag over every rank and each gradient's norm over
+the mesh dimensions it is sharded on (:func:`_layout`). The warm-up step runs eagerly on the
+DTensors through ``amp_fx.GradScaler``, as on one device.
 """
 
 from __future__ import annotations
@@ -109,20 +112,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return is_fsdp2(model) or (not _is_ddp(model) and has_dtensor_params(model))
 
 
-def check_distributed_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    max_grad_norm: float | None = None,
-    fused_norm: bool = False,
-) -> None:
+def check_distributed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Refuse what ``compile_step`` cannot run on a distributed model, with the working form.
 
     FSDP1 (``FullyShardedDataParallel``): refused (flat parameters, no DTensor gradients).
     FSDP2 and DTensor parameters (tensor parallelism, FSDP2 x TP, HSDP): the optimizer must be one
-    of :data:`SHARD_LOCAL_OPTIMIZERS`; under FSDP2 every parameter is a DTensor; ``max_grad_norm``
-    with the fused norm (``fused_norm``) only where every parameter is sharded on dim 0 over one
-    1-D mesh (see :func:`_layout`).
+    of :data:`SHARD_LOCAL_OPTIMIZERS`, and under FSDP2 every parameter a DTensor (see :func:`_layout`).
     """
     if is_fsdp1(model):
         raise NotImplementedError(
@@ -140,15 +135,7 @@ def check_distributed_step(
             f"{kind.__module__}.{kind.__qualname__}. Use amp_fx.compile(model) with amp_fx.GradScaler("
             "step_mode=amp_fx.StepMode.MASKED), whose optimizer step runs on the DTensors"
         )
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    mesh = _layout(params, fsdp2=is_fsdp2(model))
-    if mesh is None and max_grad_norm is not None and fused_norm:
-        raise NotImplementedError(
-            f"amp_fx.compile_step(max_grad_norm={max_grad_norm}, grad_norm=GradNorm.FUSED): the fused sum of "
-            "squares covers every local gradient at once, which counts a replicated gradient once per rank "
-            "outside FSDP2's default layout (Shard(0) on a 1-D mesh); use grad_norm=GradNorm.TORCH (the "
-            "default), which combines each gradient's norm over the mesh dimensions it is sharded on"
-        )
+    _layout([p for g in optimizer.param_groups for p in g["params"]], fsdp2=is_fsdp2(model))
 
 
 def _layout(params: Sequence[torch.Tensor], *, fsdp2: bool) -> Any:
@@ -186,12 +173,6 @@ def torch_clips(params: Sequence[torch.Tensor], *, fsdp2: bool) -> bool:
     """Whether ``torch.nn.utils.clip_grad_norm_`` combines these parameters' gradient norms: plain
     tensors alone, or FSDP2's default layout (:func:`_layout`); else :func:`clip_sharded_`."""
     return not _any_dtensor(params) or _layout(params, fsdp2=fsdp2) is not None
-
-
-def _flag_group(params: Sequence[torch.Tensor], fsdp2: bool) -> Any:
-    """The process group the found-inf flag (and the norm) is combined over (see :func:`_layout`)."""
-    mesh = _layout(params, fsdp2=fsdp2)
-    return torch.distributed.group.WORLD if mesh is None else mesh.get_group()
 
 
 def norm_groups(params: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -287,7 +268,11 @@ class LocalShards:
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], *, fsdp2: bool = True) -> None:
         self._user = optimizer
         self._dparams = list(params)
-        self.group = _flag_group(self._dparams, fsdp2)
+        # the group the found-inf flag is combined over: FSDP2's default layout's (where the fused
+        # norm's one sum is too), else every rank (see _layout)
+        mesh = _layout(self._dparams, fsdp2=fsdp2)
+        self.group: Any = torch.distributed.group.WORLD if mesh is None else mesh.get_group()
+        self._one_sum = mesh is not None
         self._norm_groups = norm_groups(self._dparams)
         self.params = [local_tensor(p) for p in self._dparams]
         view = object.__new__(type(optimizer))
@@ -365,11 +350,53 @@ class LocalShards:
         """
         return combine_norms(local_norms, [self._norm_groups[i] for i in present])
 
-    def global_sum(self, local_sum: torch.Tensor) -> torch.Tensor:
-        """A sum over every rank's shards (GradNorm.FUSED's sum of squares)."""
+    def norm_segments(self, present: Sequence[int]) -> list[int] | None:
+        """GradNorm.FUSED: which sum of squares each present gradient (parameter ``present[j]``) adds
+        to (``unscale_check_norm_``'s ``segments``): one per set of groups the gradients are sharded
+        over (:func:`norm_groups`), in first-seen order. None on FSDP2's default layout: one sum."""
+        if self._one_sum:
+            return None
+        index = self._segment_index(present)
+        return [index[self._norm_groups[i]] for i in present]
+
+    def _segment_index(self, present: Sequence[int]) -> dict[tuple[Any, ...], int]:
+        """Per set of groups the present gradients are sharded over, its sum's index."""
+        index: dict[tuple[Any, ...], int] = {}
+        for i in present:
+            index.setdefault(self._norm_groups[i], len(index))
+        return index
+
+    def global_sum(self, local_sum: torch.Tensor, present: Sequence[int]) -> torch.Tensor:
+        """GradNorm.FUSED's sum of squares over every rank's shards (traceable). FSDP2's default
+        layout: ``local_sum`` is one sum, all-reduced (SUM) over the mesh's group. Elsewhere it holds
+        one sum per segment (:meth:`norm_segments`), each all-reduced over the groups its gradients
+        are sharded on (:func:`_combine_sums`): a replicated or plain gradient, whole on every rank,
+        is counted once, as ``clip_grad_norm_`` counts it."""
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.all_reduce(local_sum, "sum", self.group)
+        if self._one_sum:
+            return funcol.all_reduce(local_sum, "sum", self.group)
+        return _combine_sums(local_sum, list(self._segment_index(present)))
+
+
+def _combine_sums(sums: torch.Tensor, keys: Sequence[tuple[Any, ...]]) -> torch.Tensor:
+    """The total of ``sums`` (fp32 ``[len(keys)]``), ``sums[j]`` first summed over every rank of
+    the groups ``keys[j]`` (the mesh dimensions its gradients are sharded on; () for none).
+    One all-reduce per group, over the sums that are sharded on it: FSDP2 x TP's 2-D gradients
+    and its norms' 1-D ones share the dp all-reduce. The same groups in the same order on every
+    rank (:func:`norm_groups` follows the parameters' order), as collectives need."""
+    from torch.distributed import _functional_collectives as funcol
+
+    by_group: dict[Any, list[int]] = {}
+    for j, key in enumerate(keys):
+        for group in key:
+            by_group.setdefault(group, []).append(j)
+    parts = list(sums.unbind(0))
+    for group, members in by_group.items():
+        reduced = funcol.all_reduce(torch.stack([parts[j] for j in members]), "sum", group)
+        for j, value in zip(members, reduced.unbind(0), strict=True):
+            parts[j] = value
+    return torch.stack(parts).sum() if parts else sums.new_zeros(())
 
 
 def distributed_forward(

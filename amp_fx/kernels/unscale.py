@@ -209,28 +209,32 @@ def _grouped_calls(
     found_inf: torch.Tensor,
     inv_scale: torch.Tensor,
     flags: torch.Tensor | None,
-) -> list[Any]:
-    """``op`` once per (device, dtype) group; ``flags`` (one per gradient, in ``grads`` order)
-    handed over whole for one group, else per group and scattered back into place."""
-    groups = _groups(grads, found_inf)
+    segments: Sequence[int] | None = None,
+) -> list[tuple[int, Any]]:
+    """``op`` once per (device, dtype, segment) group, each result with its segment (0 without
+    ``segments``); ``flags`` (one per gradient, in ``grads`` order) handed over whole for one
+    group, else per group and scattered back into place."""
+    groups = _groups(grads, found_inf, segments)
     _check_flags(flags, len(grads), found_inf.device)
     if flags is None or len(groups) <= 1:
-        return [op(group, found_inf, inv_scale, flags) for group, _ in groups.values()]
+        return [(key[2], op(group, found_inf, inv_scale, flags)) for key, (group, _) in groups.items()]
     results = []
-    for group, indices in groups.values():
+    for key, (group, indices) in groups.items():
         own = torch.zeros(len(group), dtype=torch.float32, device=found_inf.device)
-        results.append(op(group, found_inf, inv_scale, own))
+        results.append((key[2], op(group, found_inf, inv_scale, own)))
         where = torch.tensor(indices, dtype=torch.int64, device=flags.device)
         flags.index_copy_(0, where, torch.maximum(flags.index_select(0, where), own))
     return results
 
 
 def _groups(
-    grads: Sequence[torch.Tensor], found_inf: torch.Tensor
-) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
-    """Grads grouped by (device, dtype), in first-seen order, with their indices in ``grads``;
-    sparse and foreign devices fail."""
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, segments: Sequence[int] | None = None
+) -> dict[tuple[torch.device, torch.dtype, int], tuple[list[torch.Tensor], list[int]]]:
+    """Grads grouped by (device, dtype, segment), in first-seen order, with their indices in
+    ``grads``; sparse and foreign devices fail."""
+    if segments is not None and (len(segments) != len(grads) or any(s < 0 for s in segments)):
+        raise ValueError(f"segments must be one non-negative int per gradient ({len(grads)}), got {list(segments)}")
+    groups: dict[tuple[torch.device, torch.dtype, int], tuple[list[torch.Tensor], list[int]]] = {}
     for i, g in enumerate(grads):
         if not isinstance(g, torch.Tensor):
             raise TypeError(f"grads[{i}] is a {type(g).__name__}, expected a torch.Tensor")
@@ -240,7 +244,7 @@ def _groups(
                 f"grads[{i}] is on {g.device} but found_inf is on {found_inf.device}; "
                 "mixed devices are not supported: call once per device"
             )
-        group, indices = groups.setdefault((g.device, g.dtype), ([], []))
+        group, indices = groups.setdefault((g.device, g.dtype, 0 if segments is None else segments[i]), ([], []))
         group.append(g)
         indices.append(i)
     return groups
@@ -278,6 +282,7 @@ def unscale_check_norm_(
     inv_scale: torch.Tensor,
     *,
     flags: torch.Tensor | None = None,
+    segments: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``unscale_check_`` that also returns the sum of squares of the unscaled gradients.
 
@@ -288,11 +293,23 @@ def unscale_check_norm_(
         ``clip_grad_norm_`` would compute after ``unscale_``. 0.0 for an empty list; inf/NaN when
         a gradient is non-finite, or when squares overflow fp32 (|g| > 1.8e19). ``flags``: as in
         ``unscale_check_``.
+
+        With ``segments`` (one non-negative int per gradient), one such sum per segment, in the
+        same single pass over the gradients (one launch per dtype and segment): an fp32 tensor of
+        shape ``[max(segments) + 1]`` whose entry ``s`` sums the gradients ``i`` with
+        ``segments[i] == s`` (0.0 where none does). Gradients sharded over different sets of ranks
+        need separate sums before their all-reduces (``amp_fx._dist.step.LocalShards.global_sum``).
     """
-    total: torch.Tensor | None = None
     op = _unscale_check_norm_impl if _eager_cpu(found_inf) else torch.ops.amp_fx.unscale_check_norm_
-    for sum_sq in _grouped_calls(op, grads, found_inf, inv_scale, flags):
-        total = sum_sq if total is None else total + sum_sq
-    if total is None:
+    totals: dict[int, torch.Tensor] = {}
+    for segment, sum_sq in _grouped_calls(op, grads, found_inf, inv_scale, flags, segments):
+        totals[segment] = sum_sq if segment not in totals else totals[segment] + sum_sq
+    if segments is not None:
+        zero = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+        count = max(segments, default=-1) + 1
+        if count == 0:
+            return zero.new_zeros(0)
+        return torch.stack([totals.get(s, zero) for s in range(count)])
+    if not totals:
         return torch.zeros((), dtype=torch.float32, device=found_inf.device)
-    return total
+    return totals[0]

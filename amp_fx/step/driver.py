@@ -404,8 +404,8 @@ def compile_step(
         raise TypeError(
             f"amp_fx.compile_step: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    # FSDP1, sharded layouts/optimizers, a norm that cannot be combined: a clear error
-    check_distributed_step(model, optimizer, max_grad_norm=max_grad_norm, fused_norm=grad_norm is GradNorm.FUSED)
+    # FSDP1, sharded layouts/optimizers that cannot step on local shards: a clear error
+    check_distributed_step(model, optimizer)
     if not callable(loss_fn):
         raise TypeError(f"amp_fx.compile_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     config = _Config(

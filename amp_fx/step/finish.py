@@ -59,6 +59,9 @@ class GradNorm(enum.Enum):
       in fp32 with partial sums in fp64, in another order than ``clip_grad_norm_``, so the norm,
       and with it every clipped step, can differ from the eager recipe in the last bits (a few
       fp32 ulps per step; ``tests/step/test_step.py`` pins 2^-20 relative to the parameters' movement).
+      On sharded models the local sums are combined across ranks: one sum on FSDP2's default
+      layout, else one per set of mesh dimensions the gradients are sharded on, so a replicated
+      gradient counts once (``amp_fx._dist.step.LocalShards.global_sum``).
     """
 
     FUSED = "fused"
@@ -244,15 +247,16 @@ class Finish:
             # As torch.amp.GradScaler.step: check only, the fused kernel divides by grad_scale.
             unscale_check_(grads, found_inf, torch.ones_like(inv_scale), flags=flags)
             grad_scale = state.scale.clone()
-        elif fused_norm:
-            sum_sq = unscale_check_norm_(grads, found_inf, inv_scale, flags=flags)
+        elif fused_norm:  # sharded: one sum per set of groups the gradients are sharded over
+            segments = None if sharded is None else sharded.norm_segments(present)
+            sum_sq = unscale_check_norm_(grads, found_inf, inv_scale, flags=flags, segments=segments)
         else:
             unscale_check_(grads, found_inf, inv_scale, flags=flags)
         if sharded is not None:  # one all-reduce: the flag, the gradients' flags, the forward record
             found_inf, flags, combined = sharded.combine_found_inf(found_inf, flags, first_op)
         if max_norm is not None:
             if fused_norm:
-                total_norm = (sum_sq if sharded is None else sharded.global_sum(sum_sq)).sqrt()
+                total_norm = (sum_sq if sharded is None else sharded.global_sum(sum_sq, present)).sqrt()
             else:
                 norms = torch._foreach_norm(grads, 2.0)
                 total_norm = (

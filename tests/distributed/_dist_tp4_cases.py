@@ -44,6 +44,7 @@ CASES = [
     ("fsdp_tp", "fp16", "amp_fx"),
     ("fsdp_tp", "fp16", "eager_clip"),
     ("fsdp_tp", "fp16", "step_clip"),
+    ("fsdp_tp", "fp16", "step_fused_clip"),
     ("hsdp_tp", "fp16", "eager"),
     ("hsdp_tp", "fp16", "amp_fx"),
 ]

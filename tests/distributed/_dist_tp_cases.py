@@ -34,6 +34,7 @@ from amp_fx.kernels.fp8_support import rowwise_scales_missing
 from amp_fx.passes import meta
 
 STEPS = 3
+LR = 1e-2  # AdamW's
 CLIP = 0.05  # small enough to clip (the test checks the clipped run's parameters differ from the unclipped)
 PLANTED_STEP = 1
 D, HEADS, SEQ, BATCH = 32, 4, 8, 2
@@ -161,7 +162,7 @@ def _plant(model: nn.Module, rank: int, step: int) -> None:
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     # foreach=False: without sequence parallelism the norms' parameters are plain tensors beside
     # DTensors, which torch's foreach kernels refuse to mix in one list
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, foreach=False)
 
 
 def _clip(model: nn.Module) -> None:
@@ -183,16 +184,40 @@ def _clip(model: nn.Module) -> None:
             g.mul_(coef)
 
 
-def assert_within_traced_adam(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+def assert_within_traced_adam(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, *, extra: float = 0.0
+) -> None:
     """compile_step's parameters against the eager recipe's: within the traced Adam step's rounding,
     ADAM_TRACED_RTOL of each element's movement (STEPS AdamW steps at lr 1e-2, one skipped: at
-    most 2 * lr), plus one fp32 ulp of the value."""
+    most 2 * lr), plus one fp32 ulp of the value, plus ``extra`` (:func:`fused_norm_bound`)."""
     from tests.step._step_cases import ADAM_TRACED_RTOL
 
     for name, e in want.items():
         a = got[name]
-        bound = ADAM_TRACED_RTOL * 2 * 1e-2 + 2**-24 * e.abs()
+        bound = ADAM_TRACED_RTOL * 2 * LR + extra + 2**-24 * e.abs()
         assert ((a - e).abs() <= bound).all(), f"{what}, {name}: max diff {(a - e).abs().max()}"
+
+
+def fused_norm_bound(params: dict[str, torch.Tensor]) -> float:
+    """How far ``GradNorm.FUSED`` may move a parameter from ``GradNorm.TORCH`` (or the eager recipe),
+    ``params`` one rank's local tensors.
+
+    Both norms start from the same unscaled gradients. With u = 2^-24 and the sum of squares S,
+    torch's norm of norms errs on S by at most (m + P + 7) u: each local norm sums at most m
+    squares (m the largest local gradient's size: (m - 1) u for any order of non-negative terms,
+    u per square, 2 u for its sqrt squared back), then the squaring, the all-reduces over at most
+    two groups and the norm of the P norms (P u). The fused sum errs by at most (m + 5) u (the same
+    per-tensor sums, their fp64 total rounded to fp32, two all-reduces, the sum of at most three
+    segments). So the norms, and clip_grad_norm_'s coefficient (2 u more), differ by at most
+    delta = (m + P / 2 + 10) u relative; written (m + P + 16) u. Only the last of the STEPS steps
+    clips in the compiled finish (the first is the eager warm-up, the second skipped), AdamW's
+    second update, lr * m^ / (sqrt(v^) + eps) with betas (0.9, 0.999): scaling its gradient by
+    1 + delta moves m^ / sqrt(v^) by at most (0.1 / 0.19) * sqrt(0.001999 / 0.001) = 0.744 times
+    delta, and sqrt(v^) by at most delta relative while |m^ / sqrt(v^)| <= 1.0 (Cauchy-Schwarz):
+    1.75 * lr * delta, written 2 * lr * delta. For the sequence-parallel model (m = 2048, P = 32),
+    2.5e-6."""
+    m, count = max(p.numel() for p in params.values()), len(params)
+    return 2 * LR * (m + count + 16) * 2**-24
 
 
 def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -209,7 +234,8 @@ def train(
     """``form``: "eager" (torch.autocast; fp16 with ShardedGradScaler), "amp_fx" (amp_fx.compile and
     amp_fx.GradScaler), "step" (amp_fx.compile_step, fp16); "eager_clip" and "step_clip" the same
     with the gradients clipped to a global norm of ``CLIP`` (eager: ``unscale_`` then
-    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``). ``batch(step)``: this
+    ``clip_grad_norm_`` on the DTensors; compile_step: ``max_grad_norm``), "step_fused_clip" that
+    with ``grad_norm=GradNorm.FUSED``. ``batch(step)``: this
     rank's batch (the same on every rank by default, as tensor parallelism wants)."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -218,7 +244,7 @@ def train(
     losses, scales = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if form in ("step", "step_clip"):
+        if form in ("step", "step_clip", "step_fused_clip"):
             at = {"step": 0}
             opt.register_step_pre_hook(lambda *_: _plant(model, rank, at["step"]))
             scaler = amp_fx.GradScaler("cpu", growth_interval=2, step_mode=amp_fx.StepMode.MASKED)
@@ -229,7 +255,8 @@ def train(
                 dtype=dtype,
                 scaler=scaler,
                 backend="aot_eager",
-                max_grad_norm=CLIP if form == "step_clip" else None,
+                max_grad_norm=None if form == "step" else CLIP,
+                grad_norm=amp_fx.GradNorm.FUSED if form == "step_fused_clip" else amp_fx.GradNorm.TORCH,
             )
             for i in range(STEPS):
                 losses.append(step(*batch(i)).detach().clone())
@@ -328,6 +355,10 @@ CASES = [
     ("sp", "fp16", "step_clip"),
     ("fsdp_tp", "fp16", "eager_clip"),
     ("fsdp_tp", "fp16", "step_clip"),
+    ("hsdp", "fp16", "eager_clip"),
+    ("sp", "fp16", "step_fused_clip"),
+    ("fsdp_tp", "fp16", "step_fused_clip"),
+    ("hsdp", "fp16", "step_fused_clip"),
 ]
 
 

@@ -16,7 +16,7 @@ import torch
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
-from tests.distributed._dist_tp_cases import CASES, PLANTED_STEP, assert_within_traced_adam, tp_all
+from tests.distributed._dist_tp_cases import CASES, PLANTED_STEP, assert_within_traced_adam, fused_norm_bound, tp_all
 
 pytestmark = [
     pytest.mark.skipif(
@@ -88,6 +88,37 @@ def test_tp_compile_step_matches_eager_recipe(ranks, layout, clip):
         assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
         assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
         assert_within_traced_adam(got["params"], want["params"], f"rank {rank}")
+
+
+@pytest.mark.parametrize("layout", ["sp", "fsdp_tp", "hsdp"])
+def test_tp_compile_step_fused_norm_matches_eager_recipe(ranks, layout):
+    """compile_step fp16 with ``max_grad_norm`` and ``GradNorm.FUSED`` (one sum of squares per set of
+    mesh dimensions the gradients are sharded on, taken in the unscale pass): losses and scales
+    bitwise with the eager recipe (``unscale_`` + ``clip_grad_norm_`` on the DTensors), the
+    parameters within the traced Adam bound plus the fused norm's (:func:`fused_norm_bound`), and
+    within the fused norm's bound alone of the same step with ``GradNorm.TORCH`` where the spawn
+    has it (sp, fsdp_tp: the same traced AdamW, only the norm differs). Before, compile_step
+    refused these layouts; counted as FSDP2's one sum over every rank, the replicated gradients
+    (sp, fsdp_tp: the norms and row-parallel biases) were counted twice and HSDP's whole norm
+    over the replicate dimension: the parameters then differed from the eager recipe's by
+    2.0e-4 (sp, fsdp_tp) and 1.7e-3 (hsdp), against bounds of 2.2e-5 (hsdp: 2.4e-5; 2.5e-6 from
+    ``GradNorm.TORCH``)."""
+    for rank, res in enumerate(ranks):
+        got, want = res[(layout, "fp16", "step_fused_clip")], res[(layout, "fp16", "eager_clip")]
+        what = f"rank {rank}, {layout}"
+        unclipped = res[(layout, "fp16", "step")]["params"]
+        assert any(not torch.equal(unclipped[n], got["params"][n]) for n in unclipped), what
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert_bitwise(got["scales"], want["scales"], f"{what}: scales")
+        norm_bound = fused_norm_bound(want["params"])
+        assert_within_traced_adam(got["params"], want["params"], what, extra=norm_bound)
+        torch_norm = res.get((layout, "fp16", "step_clip"))
+        if torch_norm is None:
+            continue
+        for name, e in torch_norm["params"].items():
+            a = got["params"][name]
+            bound = norm_bound + 2**-23 * e.abs()  # the update's own rounding: one ulp of the value
+            assert ((a - e).abs() <= bound).all(), f"{what}, {name}: max diff {(a - e).abs().max()} from GradNorm.TORCH"
 
 
 def test_tp_fp8_converts_every_sharded_linear_and_matches_the_unsharded_run(ranks):

@@ -15,7 +15,7 @@ import torch
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
 from tests.distributed._dist_tp4_cases import CASES, FP8_STEPS, WORLD, dp_rank, tp4_all
-from tests.distributed._dist_tp_cases import PLANTED_STEP, assert_within_traced_adam
+from tests.distributed._dist_tp_cases import PLANTED_STEP, assert_within_traced_adam, fused_norm_bound
 
 pytestmark = [
     pytest.mark.skipif(
@@ -55,26 +55,38 @@ def test_2x2_compile_bitwise_with_eager_autocast(ranks, case):
 @pytest.mark.parametrize("layout", ["fsdp_tp", "hsdp_tp"])
 def test_2x2_fp16_every_rank_skips_the_planted_step(ranks, layout):
     """The inf is in rank 0's local shard only; all 4 ranks back off at that step."""
-    forms = ("eager", "amp_fx", "step_clip") if layout == "fsdp_tp" else ("eager", "amp_fx")
+    forms = ("eager", "amp_fx", "step_clip", "step_fused_clip") if layout == "fsdp_tp" else ("eager", "amp_fx")
     for form in forms:
         for rank, res in enumerate(ranks):
             scales = res[(layout, "fp16", form)]["scales"].tolist()
             assert scales[PLANTED_STEP] == scales[PLANTED_STEP - 1] / 2, f"rank {rank}, {form}: {scales}"
 
 
-def test_2x2_compile_step_with_max_grad_norm_matches_eager_recipe(ranks):
+@pytest.mark.parametrize("form", ["step_clip", "step_fused_clip"])
+def test_2x2_compile_step_with_max_grad_norm_matches_eager_recipe(ranks, form):
     """compile_step fp16 with ``max_grad_norm`` against ``unscale_`` + the global norm over both
     dimensions clipped by hand (_dist_tp_cases._clip): losses and scales bitwise, the parameters
     within the traced Adam step's rounding (the 2-rank tests' bound, ``assert_within_traced_adam``).
     Before the fix in amp_fx/_dist/step.py (FSDP2's ``_StridedShard`` dp placement counted as
     replicated) each dp rank clipped with a partial norm of its own: the second loss differed and
-    ``blocks.0.attn.k.bias`` by 0.01, a whole AdamW step."""
+    ``blocks.0.attn.k.bias`` by 0.01, a whole AdamW step. ``GradNorm.FUSED`` ("step_fused_clip":
+    its sums of the 2-D gradients all-reduced over dp and tp, of the norms' 1-D ones over dp)
+    within that bound plus the fused norm's (``fused_norm_bound``), and within the latter alone of
+    ``GradNorm.TORCH``'s parameters."""
     for rank, res in enumerate(ranks):
-        got, want = res[("fsdp_tp", "fp16", "step_clip")], res[("fsdp_tp", "fp16", "eager_clip")]
+        got, want = res[("fsdp_tp", "fp16", form)], res[("fsdp_tp", "fp16", "eager_clip")]
         assert got["amp_fx_warnings"] == [], f"rank {rank}"
         assert_bitwise(got["losses"], want["losses"], f"rank {rank}: losses")
         assert_bitwise(got["scales"], want["scales"], f"rank {rank}: scales")
-        assert_within_traced_adam(got["params"], want["params"], f"rank {rank}")
+        if form == "step_clip":
+            assert_within_traced_adam(got["params"], want["params"], f"rank {rank}")
+            continue
+        norm_bound = fused_norm_bound(want["params"])
+        assert_within_traced_adam(got["params"], want["params"], f"rank {rank}", extra=norm_bound)
+        for name, e in res[("fsdp_tp", "fp16", "step_clip")]["params"].items():
+            a = got["params"][name]
+            bound = norm_bound + 2**-23 * e.abs()  # the update's own rounding: one ulp of the value
+            assert ((a - e).abs() <= bound).all(), f"rank {rank}, {name}: {(a - e).abs().max()} from GradNorm.TORCH"
 
 
 def _fp8_gather_bytes(run: dict, gathers: int) -> int:

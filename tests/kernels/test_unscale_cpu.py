@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from amp_fx.kernels import cpu_unscale, triton_unscale, unscale, unscale_check_, unscale_check_norm_
+from amp_fx.testing import assert_bitwise
 from amp_fx.testing.unscale_reference import reference_sum_of_squares_fp64
 from tests.kernels._unscale_cases import Case, all_cases
 from tests.kernels._unscale_checks import U32, assert_same_as_torch, assert_sum_sq_close, reference_flags
@@ -91,6 +92,28 @@ def test_flags_follow_gradient_order_across_dtype_groups(fn: object) -> None:
     expected = torch.maximum(reference_flags(inputs), torch.tensor([0.0, 0, 0, 0, 0, 1]))
     torch.testing.assert_close(flags, expected, rtol=0, atol=0)
     assert found_inf.item() == 1.0
+
+
+def test_segments_sum_each_subset_and_keep_flags_in_place() -> None:
+    """``segments``: one sum of squares per segment (mixed dtypes within one), each the sum the
+    call without segments gives on that subset alone, bit for bit (same groups, same kernels);
+    flags at their gradients' indices; a segment no gradient names is 0.0."""
+    grads = [torch.full((3,), 2.0), torch.full((5,), 4.0, dtype=torch.float16), torch.full((4,), 6.0)]
+    grads += [torch.full((2,), 8.0, dtype=torch.bfloat16), torch.full((7,), 10.0)]
+    grads[3][1] = float("inf")
+    segments = [0, 2, 0, 2, 0]
+    subsets = [[g.clone() for g, s in zip(grads, segments) if s == k] for k in (0, 2)]
+    found_inf, flags = torch.zeros(()), torch.zeros(len(grads))
+    sums = unscale_check_norm_(grads, found_inf, torch.tensor(0.5), flags=flags, segments=segments)
+    want = [unscale_check_norm_(sub, torch.zeros(()), torch.tensor(0.5)) for sub in subsets]
+    assert sums.shape == (3,) and sums[1].item() == 0.0
+    assert_bitwise(sums[0], want[0], "segment 0")
+    assert_bitwise(sums[2], want[1], "segment 2")
+    torch.testing.assert_close(flags, torch.tensor([0.0, 0, 0, 1, 0]), rtol=0, atol=0)
+    assert found_inf.item() == 1.0
+    assert unscale_check_norm_([], torch.zeros(()), torch.tensor(1.0), segments=[]).shape == (0,)
+    with pytest.raises(ValueError, match="one non-negative int per gradient"):
+        unscale_check_norm_(grads, torch.zeros(()), torch.tensor(1.0), segments=[0, 1])
 
 
 def test_flags_of_wrong_shape_are_refused() -> None:
