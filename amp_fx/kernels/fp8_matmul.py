@@ -239,9 +239,11 @@ def _input_operand(
     if x_data is None:
         return _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
     assert x_scale is not None and x_dtype is not None
-    assert c.input == c.input_for_grad_weight and not c.input.rowwise and c.input.dtype is not None, (
-        "an input cast before the matmul serves both GEMMs that read it: a tensorwise recipe only"
-    )
+    if not (c.input == c.input_for_grad_weight and not c.input.rowwise and c.input.dtype is not None):
+        raise ValueError(
+            "amp_fx: fp8_matmul(x_fp8=...): an input cast before the matmul serves both GEMMs that read "
+            "it (the output's and the weight gradient's): a tensorwise recipe only"
+        )
     return Fp8Operand(x_data, x_scale, x_dtype, None)
 
 
