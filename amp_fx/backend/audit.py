@@ -202,13 +202,23 @@ def _report_fp8(
             )
         gathered = [g for r in records if r.fp8 is not None for g in r.fp8.gathered_activations]
         if gathered:
+            if fp8.recipe is Fp8Recipe.TENSORWISE:
+                why = (
+                    "another op reads the gathered input too (a matmul kept out of fp8, or not a matmul), "
+                    "and needs it in high precision"
+                )
+            else:
+                why = (
+                    f"fp8={fp8.recipe.value!r} scales the input per row and, for the weight gradient, per "
+                    f"column, which needs the gathered input; fp8='tensorwise' gathers e4m3"
+                )
             reporter.did_less(
                 ("fp8", "activation all-gather"),
                 (
                     f"amp_fx: the input of {len(gathered)} fp8 matmul(s) is all-gathered before its fp8 cast "
                     f"({'; '.join(gathered[:4])}): sequence parallelism's all-gather moves the activation in its "
-                    f"own dtype, as eager autocast does, not in fp8 as torchao's Float8ColwiseParallel does (the "
-                    f"values are the same, the bytes 2-4x). Not supported yet; strict=True makes this an error."
+                    f"own dtype, as eager autocast does, not in fp8 (1 byte per element) as amp_fx does where "
+                    f"it can: {why}. The values are the same, the bytes 2-4x; strict=True makes this an error."
                 ),
             )
         return

@@ -59,7 +59,7 @@ from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
 from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
 from amp_fx.kernels.fp8_weight import fp8_parts
 
-__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax"]
+__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax", "input_cast", "Fp8Input"]
 
 
 class Fp8Operand(NamedTuple):
@@ -193,32 +193,79 @@ def scaled_matmul(a: Fp8Operand | torch.Tensor, b: Fp8Operand | torch.Tensor, fa
 
 class _Fp8Matmul(torch.autograd.Function):
     """torchao ``matmul_with_hp_or_float8_args``: the hp inputs are saved, every cast is done
-    where its GEMM needs it (the weight's forward cast is recomputed in the backward)."""
+    where its GEMM needs it (the weight's forward cast is recomputed in the backward). With
+    ``x_data`` given, ``x`` only receives the input's gradient (see :func:`fp8_matmul`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.recipe = recipe
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        recipe: Fp8Recipe,
+        x_data: torch.Tensor | None = None,
+        x_scale: torch.Tensor | None = None,
+        x_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        ctx.recipe, ctx.x_dtype, ctx.cast = recipe, x.dtype, x_data is not None
         c = RECIPES[recipe]
         pow2 = c.round_scales_to_power_of_2
-        x_fp8 = _to_fp8(x, c.input, -1, pow2)
+        x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
+        ctx.save_for_backward(*((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), w)
+        ctx.operand_dtype = x_dtype
         w_fp8 = _to_fp8(w, c.weight, 0, pow2)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w = ctx.saved_tensors
+        *xs, w = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
+        x = Fp8Operand(xs[0], xs[1], ctx.operand_dtype, None) if ctx.cast else xs[0]
         w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, c.round_scales_to_power_of_2)
-        return (*_backward_gemms(c, grad, x, w_dim0), None)
+        grad_x, grad_w = _backward_gemms(c, grad, x, w_dim0)
+        return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None
+
+
+def _input_operand(
+    x: torch.Tensor,
+    x_data: torch.Tensor | None,
+    x_scale: torch.Tensor | None,
+    x_dtype: torch.dtype | None,
+    c: RecipeCasts,
+) -> Fp8Operand | torch.Tensor:
+    """The forward GEMM's input operand: ``x`` cast by the recipe, or the cast made before
+    (``x_data``, ``x_scale``: :func:`input_cast` of ``x_dtype`` values, for a recipe whose
+    weight-gradient GEMM takes the same cast of the input, as the tensorwise one)."""
+    if x_data is None:
+        return _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+    assert x_scale is not None and x_dtype is not None
+    if not (c.input == c.input_for_grad_weight and not c.input.rowwise and c.input.dtype is not None):
+        raise ValueError(
+            "amp_fx: fp8_matmul(x_fp8=...): an input cast before the matmul serves both GEMMs that read "
+            "it (the output's and the weight gradient's): a tensorwise recipe only"
+        )
+    return Fp8Operand(x_data, x_scale, x_dtype, None)
+
+
+def input_cast(x: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)``: the fp8 cast of ``x`` that :func:`fp8_matmul` makes of its input (and,
+    tensorwise, of the input of the weight-gradient GEMM). On a sharded DTensor the amax, and so
+    the scale, is the whole tensor's (DTensor reduces it across ranks): each rank's part of the
+    data is then the part of the whole tensor's cast (what gathering fp8 bytes relies on,
+    :mod:`amp_fx.kernels.fp8_activation_gather`)."""
+    c = RECIPES[recipe]
+    a = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+    assert isinstance(a, Fp8Operand), f"{recipe.value} keeps its input in high precision"
+    return a.data, a.scale
 
 
 def _backward_gemms(
-    c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor, w_dim0: Fp8Operand | torch.Tensor
+    c: RecipeCasts, grad: torch.Tensor, x: torch.Tensor | Fp8Operand, w_dim0: Fp8Operand | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The two backward GEMMs (torchao ``matmul_with_hp_or_float8_args.backward``), given the
-    weight's input-gradient cast ``w_dim0``: ``(grad_x, grad_w as [K, N])``."""
+    weight's input-gradient cast ``w_dim0``: ``(grad_x, grad_w as [K, N])``. ``x`` the input, or
+    its tensorwise cast (which a tensorwise recipe's weight-gradient GEMM takes as it is, the
+    same cast of the same values)."""
     pow2 = c.round_scales_to_power_of_2
     grad_2d = grad.reshape(-1, grad.shape[-1])
 
@@ -226,9 +273,11 @@ def _backward_gemms(
     grad_x = scaled_matmul(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
     grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
 
-    x_2d = x.reshape(-1, x.shape[-1])
     grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
-    x_dim1 = _to_fp8(x_2d, c.input_for_grad_weight, 0, pow2)
+    if isinstance(x, Fp8Operand):
+        x_dim1: Fp8Operand | torch.Tensor = _rows(x)
+    else:
+        x_dim1 = _to_fp8(x.reshape(-1, x.shape[-1]), c.input_for_grad_weight, 0, pow2)
     grad_w = scaled_matmul(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
     return grad_x, grad_w.t()
 
@@ -277,21 +326,34 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         wg_data: torch.Tensor,
         wg_scale: torch.Tensor,
         recipe: Fp8Recipe,
+        x_data: torch.Tensor | None = None,
+        x_scale: torch.Tensor | None = None,
+        x_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, wg_data, wg_scale)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.x_dtype, ctx.cast, ctx.operand_dtype = recipe, x.dtype, x_data is not None, x_dtype
         c = RECIPES[recipe]
-        x_fp8 = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+        x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
+        ctx.save_for_backward(
+            *((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), wg_data, wg_scale
+        )
         w_fp8 = _cached(w_data, w_scale, c.weight, 0)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, wg_data, wg_scale = ctx.saved_tensors
+        *xs, wg_data, wg_scale = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
+        x = Fp8Operand(xs[0], xs[1], ctx.operand_dtype, None) if ctx.cast else xs[0]
         w_dim0 = _cached(wg_data, wg_scale, c.weight_for_grad_input, -1)
-        return (*_backward_gemms(c, grad, x, w_dim0), None, None, None, None, None)
+        grad_x, grad_w = _backward_gemms(c, grad, x, w_dim0)
+        return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None, None, None, None, None
+
+
+Fp8Input = tuple[torch.Tensor, torch.Tensor, torch.dtype]
+"""An fp8 matmul's input cast before it: ``(data, scale, dtype)``, :func:`input_cast` of the
+input in ``dtype`` (the autocast dtype), for the tensorwise recipe. What sequence parallelism
+all-gathers in fp8 (:func:`amp_fx.kernels.fp8_activation_gather.fp8_gather_input`)."""
 
 
 def fp8_matmul_cached_weight(
@@ -302,18 +364,21 @@ def fp8_matmul_cached_weight(
     wg_data: torch.Tensor,
     wg_scale: torch.Tensor,
     recipe: Fp8Recipe,
+    x_fp8: Fp8Input | None = None,
 ) -> torch.Tensor:
     """:func:`fp8_matmul` with the weight's casts computed beforehand by :func:`weight_casts`
     (``weight_cache=True``: once per optimizer step); bitwise with ``fp8_matmul(x, w, recipe)``.
-    ``w`` (the weight as ``[K, N]``) receives the gradient; its values are not read."""
+    ``w`` (the weight as ``[K, N]``) receives the gradient; its values are not read. ``x_fp8``:
+    as :func:`fp8_matmul`'s."""
     if recipe is Fp8Recipe.MXFP8:
+        assert x_fp8 is None, "mxfp8 casts its input in the matmul"
         return _mx.mxfp8_matmul_cached_weight(
             x, w, w_data, w_scale, wg_data, wg_scale, emulate=_mx.mx_kernels_missing(x.device.type) is not None
         )
-    return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe)
+    return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe, *(x_fp8 or (None,) * 3))
 
 
-def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, x_fp8: Fp8Input | None = None) -> torch.Tensor:
     """``x @ w`` in fp8 with ``recipe``'s numerics; the result has ``x``'s dtype.
 
     ``x``: ``[..., K]``, bf16/fp16 (fp32 runs too); ``w``: ``[K, N]`` in any float dtype (fp32
@@ -321,7 +386,12 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe) -> torch.Ten
     gradients have the dtype of ``grad`` (the result's); autograd casts ``w``'s to ``w``'s dtype.
     ``Fp8Recipe.MXFP8`` runs :func:`amp_fx.kernels.mxfp8_matmul.mxfp8_matmul` (``w`` cast to
     ``x``'s dtype first; emulated where the device has no MX kernel).
+
+    ``x_fp8``: the input's tensorwise cast, made before (:data:`Fp8Input`; the result then has
+    its ``dtype``). ``x``'s values are not read: ``x`` (``x_fp8``'s shape, any float dtype)
+    receives the input's gradient, in its own dtype.
     """
     if recipe is Fp8Recipe.MXFP8:
+        assert x_fp8 is None, "mxfp8 casts its input in the matmul"
         return _mx.mxfp8_matmul(x, w, emulate=_mx.mx_kernels_missing(x.device.type) is not None)
-    return _Fp8Matmul.apply(x, w, recipe)
+    return _Fp8Matmul.apply(x, w, recipe, *(x_fp8 or (None,) * 3))

@@ -64,6 +64,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.fp8_padding import Fp8Padding, padding
@@ -239,11 +241,16 @@ class _Fp8Rewriter:
         self.policy = policy
         self.fake_mode = fake_mode
         self.record = Fp8Record(config.recipe)
+        self.gathered: list[tuple[str, torch.fx.Node]] = []
+        """(``"<module> (<from> to <to>)"``, the input node) of each converted matmul whose input
+        is all-gathered: reported unless :meth:`gather_in_fp8` moves the gather after the cast."""
 
     def run(self) -> Fp8Record:
         for node in list(self.graph.nodes):
             if node.op == "call_function" and (node.target in MATMULS or _grouped(node.target)):
                 self.visit(node)
+        moved = self.gather_in_fp8()
+        self.record.gathered_activations = [text for text, x in self.gathered if x not in moved]
         self.record.fp8_weight_reads = _fp8_weight_reads(self.graph)
         self.graph.lint()
         self.gm.recompile()
@@ -313,7 +320,48 @@ class _Fp8Rewriter:
         self.convert(node, match, decide(True, reason, pad))
         gathered = _gathered_activation(match.x)
         if gathered is not None:
-            self.record.gathered_activations.append(f"{module or 'the root'} ({gathered})")
+            self.gathered.append((f"{module or 'the root'} ({gathered})", match.x))
+
+    def gather_in_fp8(self) -> set[torch.fx.Node]:
+        """Each gathering ``redistribute`` read only by tensorwise fp8 matmuls (directly where it
+        is in the autocast dtype already, or each through its own cast to it) becomes
+        :func:`fp8_gather_input` on its source: the shards cast to e4m3, the bytes gathered (module
+        docstring of :mod:`amp_fx.kernels.fp8_activation_gather`), and each matmul
+        ``fp8_matmul(carrier, w, recipe, x_fp8=(data, scale, dtype))``. Returns the matmuls' former
+        inputs (the casts, or the redistribute) it replaced."""
+        if self.recipe is not Fp8Recipe.TENSORWISE:
+            return set()
+        moved: set[torch.fx.Node] = set()
+        for redistribute in dict.fromkeys(x.args[0] if is_inserted_cast(x) else x for _, x in self.gathered):
+            assert isinstance(redistribute, torch.fx.Node)
+            found = _fp8_readers(redistribute) if _gathers(redistribute) else None
+            if found is None:
+                continue
+            readers, dtype = found
+            source = redistribute.args[1]
+            stack = redistribute.meta.get("nn_module_stack", {})
+            note = Decision(
+                CastClass.NONE,
+                f"fp8: the input cast to e4m3 on each rank's shard (one scale: the whole tensor's amax) "
+                f"and all-gathered in fp8, 1 byte per element, where eager autocast gathers "
+                f"{dtype_name(_val(source).dtype)} and casts after (bitwise: the same cast of the same values)",
+            )
+            with self.graph.inserting_before(redistribute):
+                gather = self.call(
+                    fp8_gather_input, (source, tuple(_val(redistribute).placements), dtype, self.recipe), stack, note
+                )
+                carrier, data, scale = (self.call(operator.getitem, (gather, i), stack, note) for i in range(3))
+            for x, matmuls in readers.items():
+                for mm in matmuls:
+                    mm.args = (carrier, *mm.args[1:])
+                    mm.kwargs = {**mm.kwargs, "x_fp8": (data, scale, dtype)}
+                moved.add(x)
+                if x is not redistribute:
+                    self.graph.erase_node(x)
+            for dead in list(redistribute.users):
+                self.graph.erase_node(dead)
+            self.graph.erase_node(redistribute)
+        return moved
 
     def match(self, node: torch.fx.Node) -> tuple[_Match | None, str]:
         """The operands of a matmul whose right operand is a 2-D parameter, or why not."""
@@ -516,6 +564,48 @@ def _sharded_contraction(x: torch.fx.Node) -> str | None:
     if any(p.is_shard() and p.dim % ndim == ndim - 1 for p in placements):
         return f"input placements {tuple(placements)}"
     return None
+
+
+def _gathers(node: torch.fx.Node) -> bool:
+    """``node`` is DTensor's ``redistribute`` of a DTensor, gathering some ``Shard`` to ``Replicate``."""
+    if not (node.op == "call_function" and node.target is dtensor_method and node.args[0] == "redistribute"):
+        return False
+    source = node.args[1]
+    before = getattr(source.meta.get("val"), "placements", None) if isinstance(source, torch.fx.Node) else None
+    after = getattr(node.meta.get("val"), "placements", None)
+    if before is None or after is None:
+        return False
+    return any(b.is_shard() and a.is_replicate() for b, a in zip(before, after))
+
+
+def _fp8_readers(
+    redistribute: torch.fx.Node,
+) -> tuple[dict[torch.fx.Node, list[torch.fx.Node]], torch.dtype] | None:
+    """``({input: fp8 matmuls reading it}, their input dtype)`` where every reader of
+    ``redistribute`` is an fp8 matmul taking it as its input, directly or through a cast of its
+    own, all in one dtype (a dead ``detach`` aside); None otherwise (another op needs the
+    gathered values)."""
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    dtypes = set()
+    for user in redistribute.users:
+        if user.target is aten.detach.default and not user.users:
+            continue
+        if _reads_as_input(user, redistribute):
+            readers.setdefault(redistribute, []).append(user)
+            dtypes.add(_val(redistribute).dtype)
+        elif is_inserted_cast(user) and user.users and all(_reads_as_input(m, user) for m in user.users):
+            readers[user] = list(user.users)
+            dtypes.add(user.kwargs.get("dtype"))
+        else:
+            return None
+    return (readers, dtypes.pop()) if readers and len(dtypes) == 1 else None
+
+
+def _reads_as_input(node: torch.fx.Node, x: torch.fx.Node) -> bool:
+    """``node`` is an fp8 matmul taking ``x`` as its input only."""
+    return (
+        node.target is fp8_matmul and node.args[0] is x and x not in node.args[1:] and node.kwargs.get("x_fp8") is None
+    )
 
 
 def _gathered_activation(x: torch.fx.Node) -> str | None:

@@ -18,7 +18,10 @@ Every count is taken from the tensors and the collectives themselves, not from a
   caches (amp_fx's weight cache: :func:`weight_cache_tensors`).
 * :func:`sent_bytes` and the ``amp_fx_counting`` process-group backend (gloo underneath): the
   bytes each rank hands to every collective, by kind, whoever calls it (DDP's C++ reducer,
-  FSDP2's hooks, functional collectives inside compiled graphs).
+  FSDP2's hooks). The process group is a Python subclass, which functional collectives (what
+  DTensor and compiled graphs call) cannot resolve a backend from: for those,
+* :func:`collective_counting_backend`: ``aot_eager`` counting the bytes this rank hands to each
+  functional collective of the graphs it compiles (``torch.ops._c10d_functional``), on any group.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "GradBytes",
     "PeakBytes",
     "SavedBytes",
+    "collective_counting_backend",
     "held_bytes",
     "sent_bytes",
     "storages",
@@ -289,3 +293,51 @@ def sent_bytes() -> Iterator[Counter[str]]:
         yield out
     finally:
         out.update({k: v - before[k] for k, v in _SENT.items() if v - before[k]})
+
+
+_FUNCTIONAL_KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def _graph_collectives(gm: torch.fx.GraphModule) -> Counter[str]:
+    """The bytes of each functional collective's input in ``gm`` (from ``meta["val"]``), by kind."""
+    out: Counter[str] = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+            kind = _FUNCTIONAL_KINDS.get(node.target._opname)
+            if kind is not None:
+                out[kind] += _nbytes(node.args[0].meta["val"])
+    return out
+
+
+def collective_counting_backend(sent: Counter[str]) -> Any:
+    """A backend for ``amp_fx.compile(backend=...)``: ``aot_eager`` (the same partitioner and
+    runtime, so the same values), with the bytes of this rank's input to each functional collective
+    (DTensor's, in the compiled forward and backward graphs) added to ``sent[kind]`` on every run of
+    a graph (``all_gather`` this rank's shard, ``reduce_scatter`` the whole unsharded input,
+    ``all_reduce`` the tensor). Functional collectives resolve their process group's backend in C++,
+    which the ``amp_fx_counting`` group cannot serve (:func:`sent_bytes`), hence counting the graphs."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        run, counts = boxed_nop(gm, example_inputs), _graph_collectives(gm)
+
+        def counted(args: Any) -> Any:
+            sent.update(counts)
+            return run(args)
+
+        counted._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's calling convention
+        return counted
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        return aot_eager(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler, **kwargs)
+
+    return backend

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -587,6 +588,59 @@ def inductor_errors(world_size: int) -> dict[str, Any]:
     } | {"amp_fx_warnings": _fallbacks(caught)}
 
 
+def fp8_sequence_parallel(world_size: int) -> dict[str, Any]:
+    """fp8 tensorwise on the sequence-parallel model, one forward and backward per form, with the
+    bytes each rank hands to functional collectives (DTensor's, inside the compiled graphs): "bf16"
+    (no fp8), "fp8" (amp_fx as it is: the norms' outputs cast to e4m3 on each rank's shard, then
+    gathered), "fp8_gather_hp" (the same with the pass's fp8 gather switched off: the activation
+    gathered in its own dtype and cast after, as before), "fp8_keep_v" (``blocks.0.attn.v`` kept
+    out of fp8: its bf16 matmul reads block 0's gathered input too, so that gather stays in fp32,
+    strict=False to record the report, as for "fp8_gather_hp"). The backend is ``aot_eager`` counting the bytes the
+    compiled graphs hand to functional collectives (``collective_counting_backend``)."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
+    from amp_fx.passes import fp8_matmuls
+    from amp_fx.testing.memory import collective_counting_backend
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x, _ = _batch(0)
+    out: dict[str, Any] = {}
+    for form in ("bf16", "fp8", "fp8_gather_hp", "fp8_keep_v"):
+        torch._dynamo.reset()
+        model = tensor_parallel(make_model(), mesh, sequence_parallel=True)
+        policy = amp_fx.Policy(keep_out_of_fp8=["blocks.0.attn.v"]) if form == "fp8_keep_v" else None
+        hp = (
+            mock.patch.object(fp8_matmuls._Fp8Rewriter, "gather_in_fp8", lambda self: set())
+            if form == "fp8_gather_hp"
+            else contextlib.nullcontext()
+        )
+        sent: Counter[str] = Counter()
+        with warnings.catch_warnings(record=True) as caught, hp:
+            warnings.simplefilter("always")
+            compiled = amp_fx.compile(
+                model,
+                dtype="bf16",
+                fp8=None if form == "bf16" else "tensorwise",
+                policy=policy,
+                backend=collective_counting_backend(sent),
+                strict=form in ("bf16", "fp8"),
+            )
+            y = compiled(x)
+            y.float().pow(2).mean().backward()
+        graphs = [r.rewritten.graph for r in amp_fx.records(compiled)]
+        out[form] = {
+            "out": _local(y),
+            "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+            "all_gather": sent["all_gather"],
+            "fp8_gathers": sum(n.target is fp8_gather_input for g in graphs for n in g.nodes),
+            "amp_fx_warnings": _fallbacks(caught),
+        }
+    return out
+
+
 def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     """Every case of tests/distributed/test_distributed_tp.py in one spawn (torch._dynamo.reset() between them)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -621,6 +675,7 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     results["inductor"] = inductor_errors(world_size)
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
+    results["fp8_sp"] = fp8_sequence_parallel(world_size)
     for schedule, dtype, form in PP_CASES:
         torch._dynamo.reset()
         results[("pp", schedule, dtype, form)] = pipeline_run(rank, world_size, schedule, dtype, form)

@@ -330,3 +330,42 @@ def test_tp_rowwise_fp8_keeps_row_parallel_matmuls_in_bf16_and_says_so(ranks):
         said = [w for w in got["amp_fx_warnings"] if "contraction dimension is sharded" in w]
         assert len(said) == 1 and all(m in said[0] for m in row_parallel[:2]), f"rank {rank}: {got['amp_fx_warnings']}"
         assert torch.isfinite(got["out"]).all()
+
+
+def test_sequence_parallel_fp8_gathers_e4m3_bitwise_with_the_high_precision_gather(ranks):
+    """fp8 tensorwise under sequence parallelism: each norm output feeding column-parallel fp8
+    matmuls (q, k, v and w1 of each block: 4 gathers) is cast to e4m3 on each rank's shard, with
+    the whole tensor's scale, and gathered as bytes, where eager autocast (and amp_fx before)
+    gathers the fp32 norm output and casts after. The values must not change: the output and every
+    local gradient bitwise with the same pass gathering in high precision (the norm weights'
+    gradients read the input gradient, which the fp8 gather's backward reduce-scatters in fp32 as
+    the redistribute's did). Bytes each rank hands to all-gathers: 3 fewer per gathered element
+    (4 gathers of a (BATCH, SEQ / 2, D) shard), the rest (the last block's output, gathered whole
+    in fp32) unchanged, and the high-precision run gathers what the bf16 run gathers. No report
+    (before: "all-gathered before its fp8 cast"), strict."""
+    from tests.distributed._dist_tp_cases import BATCH, SEQ, D
+
+    for rank, res in enumerate(ranks):
+        runs = res["fp8_sp"]
+        fp8, hp, bf16 = runs["fp8"], runs["fp8_gather_hp"], runs["bf16"]
+        what = f"rank {rank}"
+        assert fp8["amp_fx_warnings"] == [] and fp8["fp8_gathers"] == 4, f"{what}: {fp8['amp_fx_warnings']}"
+        assert hp["fp8_gathers"] == 0, what
+        assert_bitwise(fp8["out"], hp["out"], f"{what}: output")
+        for name, g in hp["grads"].items():
+            assert_bitwise(fp8["grads"][name], g, f"{what}: {name}")
+        shard = BATCH * (SEQ // 2) * D
+        assert hp["all_gather"] == bf16["all_gather"], f"{what}: {hp['all_gather']} != {bf16['all_gather']}"
+        assert fp8["all_gather"] == hp["all_gather"] - 4 * 3 * shard, f"{what}: {fp8['all_gather']}, {hp['all_gather']}"
+
+
+def test_sequence_parallel_fp8_keeps_a_gather_other_ops_read_and_says_so(ranks):
+    """With ``blocks.0.attn.v`` kept out of fp8, its bf16 matmul reads block 0's gathered norm
+    output beside q and k: that gather stays in fp32 (v needs the high-precision values) and
+    amp_fx says so once, naming q and k and why; the other 3 gathers move to fp8."""
+    for rank, res in enumerate(ranks):
+        run = res["fp8_sp"]["fp8_keep_v"]
+        said = [w for w in run["amp_fx_warnings"] if "all-gathered before its fp8 cast" in w]
+        assert len(said) == 1 and run["fp8_gathers"] == 3, f"rank {rank}: {run['amp_fx_warnings']}"
+        assert "the input of 2 fp8 matmul(s)" in said[0] and "blocks.0.attn.k ((Shard(dim=1),)" in said[0], said[0]
+        assert "another op reads the gathered input" in said[0], said[0]

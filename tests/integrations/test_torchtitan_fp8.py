@@ -48,11 +48,10 @@ def test_fp8_bitwise_with_torchtitans_float8_converter(fp8_ranks, case):
         assert "error" not in got, f"{what}: {got.get('error')}"
         assert want["linear_types"] == ["FSDPFloat8Linear", "Float8Linear"], want["linear_types"]  # converted
         assert got["linear_types"] == ["FSDPLinear", "Linear"], got["linear_types"]
-        # no fallback, no matmul left out of fp8; on tp the one report that sequence parallelism's
-        # activations are all-gathered before their fp8 cast (torchtitan's norms are SequenceParallel)
-        said = got["amp_fx_warnings"]
-        expected = [] if layout == "dp" else ["all-gathered before its fp8 cast"]
-        assert len(said) == len(expected) and all(e in w for e, w in zip(expected, said)), said
+        # no fallback, no matmul left out of fp8, no report: on tp, the outputs of torchtitan's
+        # SequenceParallel norms are cast to e4m3 per shard and all-gathered in fp8 (before, amp_fx
+        # reported "all-gathered before its fp8 cast" there)
+        assert got["amp_fx_warnings"] == [], got["amp_fx_warnings"]
         assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
         assert set(got["grads"]) == set(want["grads"]), what
         for name in want["grads"]:
