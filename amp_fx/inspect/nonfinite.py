@@ -46,6 +46,7 @@ from amp_fx.inspect._probe import (
 from amp_fx.inspect._runner import (
     AmpRun,
     Call,
+    lent,
     run_amp,
     run_eager_checked,
     split_weight_note,
@@ -492,7 +493,8 @@ def find_nonfinite(
     and the op whose output it is the gradient of.
 
     Args:
-        model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy).
+        model_or_fn: an ``nn.Module`` or a function; never modified (runs on a deep copy; an FSDP2
+            model, which refuses deep copies, is lent: its buffers, gradients and sharding put back).
         *args: example inputs, positional.
         dtype: "fp16" (the usual culprit: max 65504) or "bf16".
         backward: also check the gradients.
@@ -508,9 +510,22 @@ def find_nonfinite(
     Raises:
         ValueError: the model fails in plain eager mode on these inputs (error chained).
     """
+    with lent(model_or_fn, tool="find_nonfinite"):  # an FSDP2 model: runs on it, put back after
+        return _find_nonfinite(model_or_fn, Call(args, kwargs), dtype, backward, policy, loss_fn, loss_scale, verify)
+
+
+def _find_nonfinite(
+    model_or_fn: Any,
+    call: Call,
+    dtype: str | torch.dtype,
+    backward: bool,
+    policy: Policy | None,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    loss_scale: float,
+    verify: bool,
+) -> NonfiniteReport:
     lower = resolve_dtype(dtype)
     policy = Policy() if policy is None else policy
-    call = Call(args, kwargs)
     run_eager_checked(model_or_fn, call, tool="find_nonfinite")
     probe, notes, run = _probe_run(model_or_fn, call, lower, policy, backward, loss_fn, loss_scale)
     notes += [

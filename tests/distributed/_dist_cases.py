@@ -620,7 +620,8 @@ def fsdp_inspection(rank: int) -> dict[str, Any]:
     :func:`model_state` before and after each tool. explain runs after a training forward and
     backward (gradients present, every group sharded; its forward leaves the root unsharded),
     compare after a forward under no_grad (the root unsharded; its backward reshards it). advise
-    and ``compare(fp8=...)`` refuse the model. The negative twin: the state after one more eager
+    and ``compare(fp8=...)`` refuse the model. find_nonfinite (fp16, an input that overflows
+    ``a``) on it and on the unsharded model. The negative twin: the state after one more eager
     forward and backward, what the tools' runs do without the loan."""
     from torch.distributed.fsdp import fully_shard
 
@@ -660,6 +661,12 @@ def fsdp_inspection(rank: int) -> dict[str, Any]:
             errors[tool] = str(e)
     out["refused"] = errors
     out["states"]["refused"] = (before, model_state(model))
+    big = x * 1e5  # a's fp16 output passes 65504
+    before = model_state(model)
+    found = amp_fx.find_nonfinite(model, big, dtype="fp16", verify=False)
+    out["states"]["find_nonfinite"] = (before, model_state(model))
+    whole = amp_fx.find_nonfinite(_BatchNormNet(), big, dtype="fp16", verify=False)
+    out["nonfinite"] = [(r.found, r.module_path, r.suggestion_code) for r in (found, whole)]
     F.mse_loss(model(x), y).backward()
     out["states"]["eager step"] = (before, model_state(model))
     return out

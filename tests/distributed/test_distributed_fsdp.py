@@ -318,7 +318,7 @@ def test_fsdp1_is_reported_with_fsdp2_named_as_the_alternative(ranks):
         assert "FSDP1" in report["step"] and "fully_shard" in report["step"]
 
 
-@pytest.mark.parametrize("tool", ["explain", "compare", "refused"])
+@pytest.mark.parametrize("tool", ["explain", "compare", "refused", "find_nonfinite"])
 def test_inspection_tools_leave_the_fsdp2_model_as_it_was(ranks, tool):
     """explain, compare, and advise and compare(fp8=...) refusing (after compare's eager check ran a
     forward), each on the FSDP2 model lent to it: every registered parameter the same object (FSDP2's
@@ -329,6 +329,16 @@ def test_inspection_tools_leave_the_fsdp2_model_as_it_was(ranks, tool):
     for rank, res in enumerate(ranks):
         before, after = res["inspection"]["states"][tool]
         assert_same_state(after, before, f"rank {rank}, {tool}")
+
+
+def test_find_nonfinite_on_fsdp2_finds_what_it_finds_on_the_unsharded_model(ranks):
+    """find_nonfinite (fp16, an input that overflows ``a``'s output) on the FSDP2 model lent to it:
+    the same first op, module and suggested policy as on the unsharded model with the same weights
+    (before: a TypeError, FSDP2 refusing the deep copy); the model left as it was (above)."""
+    for rank, res in enumerate(ranks):
+        sharded, whole = res["inspection"]["nonfinite"]
+        assert whole[0] and whole[1] == "a", f"rank {rank}: {whole}"
+        assert sharded == whole, f"rank {rank}: {sharded} != {whole}"
 
 
 def test_the_state_check_sees_what_one_eager_step_changes(ranks):
