@@ -5,13 +5,15 @@ FSDP2 x TP on a dp 1 x tp 2 mesh, where FSDP2 shards nothing); here both dimensi
 in ``tensor_parallel`` on ``mesh["tp"]``, ``fully_shard`` per block and on the root over
 ``mesh["dp"]``, and each data-parallel rank trains on its own batch (the two TP ranks of one dp
 rank share it), so FSDP2's reduce-scatter averages two different gradients. HSDP x TP
-(replicate 2 x shard 1 x tp 2) runs the same recipe once in fp16.
+(replicate 2 x shard 1 x tp 2) runs the same recipe once in fp16; HSDP without TP (replicate 2 x
+shard 2) runs fp8 tensorwise once (``fp8_hsdp_2x2``).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,23 +65,52 @@ def _mesh(world_size: int) -> Any:
     )
 
 
-def _fp8_run(model: nn.Module, x: torch.Tensor, form: str) -> dict[str, Any]:
+def _fp8_run(model: nn.Module, x: torch.Tensor, form: str, strict: bool | None = None) -> dict[str, Any]:
     """One forward and backward (``sum(out ** 2)``: the same loss on a shard and on the whole) of
-    ``model`` as ``form`` runs it: its output, local gradients and all-gathered bytes."""
-    with sent_bytes() as sent:
+    ``model`` as ``form`` runs it: its output, local gradients, all-gathered bytes and AmpFxWarnings."""
+    with warnings.catch_warnings(record=True) as caught, sent_bytes() as sent:
+        warnings.simplefilter("always")
         if form == "torchao":
             with cpu_autocast_torchao(), torch.autocast("cpu", torch.bfloat16):
                 out = model(x)
         else:
             dtype, fp8 = ("bf16", None) if form == "bf16" else ("bf16", "tensorwise")
-            out = amp_fx.compile(model, dtype=dtype, fp8=fp8, backend="aot_eager")(x)
+            out = amp_fx.compile(model, dtype=dtype, fp8=fp8, backend="aot_eager", strict=strict)(x)
         out.float().pow(2).sum().backward()
     return {
         "out": _local(out),
         "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
         "all_gather": sent["all_gather"],
+        "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
         **_numels(model),
     }
+
+
+def _fp8_forms(
+    bias: bool, forms: tuple[str, ...], shard: Callable[[nn.Module, str], nn.Module], strict: bool | None = None
+) -> dict[str, Any]:
+    """``_fp8_run`` of each form of one ``_MLP(bias)`` (seeded) fed a bf16-exact input, the same on
+    every rank, laid out by ``shard(model, form)``; "torchao" (skipped without torchao) on its
+    ``Float8Linear``s with ``enable_fsdp_float8_all_gather``, then
+    ``precompute_float8_dynamic_scale_for_fsdp``."""
+    torch.manual_seed(0)
+    base = _MLP(bias=bias)
+    x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(5)).bfloat16().float()
+    results: dict[str, Any] = {}
+    for form in forms:
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if form == "torchao":
+            if torchao_missing() is not None:
+                continue
+            model = torchao_float8(model, "tensorwise", fsdp_float8_all_gather=True)
+        model = shard(model, form)
+        if form == "torchao":
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        results[form] = _fp8_run(model, x, form, strict=strict)
+    return results
 
 
 def _numels(model: nn.Module) -> dict[str, int]:
@@ -103,31 +134,50 @@ def fp8_gather_2x2(world_size: int) -> dict[str, Any]:
 
     mesh = _mesh(world_size)
     torch.manual_seed(0)
-    base = _MLP(bias=True)
-    x = torch.randn(BATCH, SEQ, D, generator=torch.Generator().manual_seed(5)).bfloat16().float()
     plain = {"w1": ColwiseParallel(), "w2": RowwiseParallel()}
-    results: dict[str, Any] = {}
-    for form in ("amp_fx", "tp", "bf16", "torchao"):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
+
+    def shard(model: nn.Module, form: str) -> nn.Module:
+        styles: dict[str, Any] = plain
         if form == "torchao":
-            if torchao_missing() is not None:
-                continue
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
             from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-            model = torchao_float8(model, "tensorwise", fsdp_float8_all_gather=True)
-            parallelize_module(
-                model, mesh["tp"], {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()}, src_data_rank=None
-            )
+            styles = {"w1": Float8ColwiseParallel(), "w2": Float8RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], styles, src_data_rank=None)
+        if form != "tp":
             fully_shard(model, mesh=mesh["dp"])
-            precompute_float8_dynamic_scale_for_fsdp(model)
-        else:
-            parallelize_module(model, mesh["tp"], plain, src_data_rank=None)
-            if form != "tp":
-                fully_shard(model, mesh=mesh["dp"])
-        results[form] = _fp8_run(model, x, form)
-    return results
+        return model
+
+    return _fp8_forms(True, ("amp_fx", "tp", "bf16", "torchao"), shard)
+
+
+def hsdp_shard_rank(rank: int) -> int:
+    """The rank's index on the shard dimension of the replicate 2 x shard 2 mesh (row-major)."""
+    return rank % (WORLD // DP)
+
+
+def fp8_hsdp_2x2(world_size: int) -> dict[str, Any]:
+    """fp8 tensorwise on the bias-free ``_MLP`` (no TP) under HSDP, replicate 2 x shard 2
+    (``fully_shard`` on the 2-D mesh; its shard groups on the byte-counting backend, where FSDP2
+    all-gathers), fed a bf16-exact input, the same on every rank (FSDP2's average of equal
+    gradients over both dimensions is exact). Forms: "amp_fx" (FSDP2 gathers each weight's shard
+    in fp8), "plain" (the same model without FSDP2: amp_fx's fp8 cast of the whole weight),
+    "torchao" (``Float8Linear`` with ``enable_fsdp_float8_all_gather`` and
+    ``precompute_float8_dynamic_scale_for_fsdp`` on the same mesh), "bf16" (amp_fx bf16 under
+    HSDP: the fp32 gather). amp_fx's forms run with ``strict=True``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(
+        "cpu",
+        (DP, world_size // DP),
+        mesh_dim_names=("replicate", "shard"),
+        backend_override={"shard": COUNTING_BACKEND},
+    )
+
+    def shard(model: nn.Module, form: str) -> nn.Module:
+        return model if form == "plain" else fully_shard(model, mesh=mesh)
+
+    return _fp8_forms(False, ("amp_fx", "plain", "bf16", "torchao"), shard, strict=True)
 
 
 FP8_STEPS = 2  # the second step's all-gathers write into the first one's storage (FSDP2's ``out=``)
@@ -185,4 +235,5 @@ def tp4_all(rank: int, world_size: int) -> dict[Any, Any]:
         results[case] = train(sharded_model(layout, world_size, dp=DP), rank, dtype, form, batch)
     results["fp8_gather"] = fp8_gather_2x2(world_size)
     results["fp8_transformer"] = fp8_transformer_2x2(world_size)
+    results["fp8_hsdp"] = fp8_hsdp_2x2(world_size)
     return results

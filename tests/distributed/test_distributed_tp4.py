@@ -14,7 +14,7 @@ import torch
 
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import run_ranks
-from tests.distributed._dist_tp4_cases import CASES, FP8_STEPS, WORLD, dp_rank, tp4_all
+from tests.distributed._dist_tp4_cases import CASES, FP8_STEPS, WORLD, dp_rank, hsdp_shard_rank, tp4_all
 from tests.distributed._dist_tp_cases import PLANTED_STEP, assert_within_traced_adam, fused_norm_bound
 
 pytestmark = [
@@ -95,6 +95,23 @@ def _fp8_gather_bytes(run: dict, gathers: int) -> int:
     return gathers * (run["weight_numel"] + 4 * (run["numel"] - run["weight_numel"]))
 
 
+def _assert_gathered_as_torchao(runs: dict, what: str) -> None:
+    """The "amp_fx" run's all-gathered bytes: each Linear weight element as 1 byte, over as many
+    gathers as the "bf16" run made at 4 bytes per element; where torchao ran, its output, weight
+    gradients and bytes the same."""
+    ours, bf16 = runs["amp_fx"], runs["bf16"]
+    gathers, left = divmod(bf16["all_gather"], 4 * bf16["numel"])
+    assert gathers >= 1 and left == 0, f"{what}: {bf16['all_gather']} bytes of {bf16['numel']} fp32 elements"
+    assert ours["all_gather"] == _fp8_gather_bytes(ours, gathers), f"{what}: {ours['all_gather']}"
+    if "torchao" not in runs:
+        return
+    theirs = runs["torchao"]
+    assert_bitwise(ours["out"], theirs["out"], f"{what}: output against torchao")
+    for name in ("w1.weight", "w2.weight"):
+        assert_bitwise(ours["grads"][name], theirs["grads"][name], f"{what}: {name} against torchao")
+    assert ours["all_gather"] == theirs["all_gather"], f"{what}: {ours['all_gather']} != {theirs['all_gather']}"
+
+
 def test_2x2_fp8_all_gather_bitwise_with_torchao_and_with_no_gather(ranks):
     """FSDP2 x TP (dp 2 x tp 2), fp8 tensorwise, a Colwise/Rowwise MLP with biases fed a bf16-exact
     input: each rank casts its dp shard of the TP shard with the whole weight's scale (amax over dp
@@ -106,23 +123,14 @@ def test_2x2_fp8_all_gather_bitwise_with_torchao_and_with_no_gather(ranks):
     weights at 1 per element, the biases at 4, as torchao's; the bf16 run gathers all at 4."""
     for rank, res in enumerate(ranks):
         runs = res["fp8_gather"]
-        ours, alone, bf16 = runs["amp_fx"], runs["tp"], runs["bf16"]
+        ours, alone = runs["amp_fx"], runs["tp"]
         what = f"rank {rank}"
         assert_bitwise(ours["out"], alone["out"], f"{what}: output")
         for name, g in ours["grads"].items():
             ref = alone["grads"][name]
             assert_bitwise(g, ref.narrow(0, dp_rank(rank) * g.shape[0], g.shape[0]), f"{what}: {name}")
-        gathers, left = divmod(bf16["all_gather"], 4 * bf16["numel"])
-        assert gathers >= 1 and left == 0, f"{what}: {bf16['all_gather']} bytes of {bf16['numel']} fp32 elements"
-        assert ours["all_gather"] == _fp8_gather_bytes(ours, gathers), f"{what}: {ours['all_gather']}"
         assert ours["weight_numel"] > 0
-        if "torchao" not in runs:
-            continue
-        theirs = runs["torchao"]
-        assert_bitwise(ours["out"], theirs["out"], f"{what}: output against torchao")
-        for name in ("w1.weight", "w2.weight"):
-            assert_bitwise(ours["grads"][name], theirs["grads"][name], f"{what}: {name} against torchao")
-        assert ours["all_gather"] == theirs["all_gather"], f"{what}: {ours['all_gather']} != {theirs['all_gather']}"
+        _assert_gathered_as_torchao(runs, what)
     if "torchao" not in ranks[0]["fp8_gather"]:
         pytest.skip("torchao is not installed (the test extra pins it): compared with the no-gather run only")
 
@@ -147,3 +155,28 @@ def test_2x2_fp8_transformer_gathers_in_fp8_bitwise_with_no_gather(ranks):
                 ref = ref.narrow(0, dp_rank(rank) * p.shape[0], p.shape[0])
             assert_bitwise(p, ref, f"{what}: {name}")
         assert ours["all_gather"] == _fp8_gather_bytes(ours, 2 * FP8_STEPS), f"{what}: {ours['all_gather']}"
+
+
+def test_hsdp_2x2_fp8_all_gather_bitwise_with_torchao_and_without_fsdp(ranks):
+    """HSDP (replicate 2 x shard 2, ``fully_shard`` on the 2-D mesh), fp8 tensorwise, the bias-free
+    ``_MLP`` (no TP) fed the same bf16-exact input on every rank: no AmpFxWarning (``strict=True``);
+    the output and this rank's gradient shards bitwise with amp_fx's fp8 on the model without FSDP2
+    (narrowed to this rank's shard: FSDP2's average of equal gradients over both dimensions is
+    exact), and with torchao's ``enable_fsdp_float8_all_gather`` on the same mesh. Bytes
+    all-gathered over the shard dimension: 1 per Linear weight element, as torchao's; the bf16 run 4.
+    (torchao's all-fp8 gather buffer runs on gloo through the counting backend, which gathers fp8
+    as bytes: gloo has no fp8 type.)"""
+    for rank, res in enumerate(ranks):
+        runs = res["fp8_hsdp"]
+        ours, alone, bf16 = runs["amp_fx"], runs["plain"], runs["bf16"]
+        what = f"rank {rank}"
+        assert ours["amp_fx_warnings"] == bf16["amp_fx_warnings"] == alone["amp_fx_warnings"] == [], what
+        assert_bitwise(ours["out"], alone["out"], f"{what}: output")
+        assert set(ours["grads"]) == {"w1.weight", "w2.weight"}, what
+        for name, g in ours["grads"].items():
+            ref = alone["grads"][name]
+            assert_bitwise(g, ref.narrow(0, hsdp_shard_rank(rank) * g.shape[0], g.shape[0]), f"{what}: {name}")
+        assert ours["weight_numel"] == ours["numel"] > 0, what
+        _assert_gathered_as_torchao(runs, what)
+    if "torchao" not in ranks[0]["fp8_hsdp"]:
+        pytest.skip("torchao is not installed (the test extra pins it): compared with the no-FSDP2 run only")
