@@ -48,6 +48,7 @@ Example (a [32, 16] x [16, 48] matmul in fp8, tensorwise):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -206,12 +207,11 @@ class _Fp8Matmul(torch.autograd.Function):
         x_scale: torch.Tensor | None = None,
         x_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        ctx.recipe, ctx.x_dtype, ctx.cast = recipe, x.dtype, x_data is not None
+        ctx.recipe = recipe
         c = RECIPES[recipe]
         pow2 = c.round_scales_to_power_of_2
         x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
-        ctx.save_for_backward(*((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), w)
-        ctx.operand_dtype = x_dtype
+        ctx.save_for_backward(*_input_to_save(ctx, x, x_data, x_scale, x_dtype), w)
         w_fp8 = _to_fp8(w, c.weight, 0, pow2)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
@@ -220,7 +220,7 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         *xs, w = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
-        x = Fp8Operand(xs[0], xs[1], ctx.operand_dtype, None) if ctx.cast else xs[0]
+        x = _saved_input(ctx, xs)
         w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, c.round_scales_to_power_of_2)
         grad_x, grad_w = _backward_gemms(c, grad, x, w_dim0)
         return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None
@@ -245,6 +245,26 @@ def _input_operand(
             "it (the output's and the weight gradient's): a tensorwise recipe only"
         )
     return Fp8Operand(x_data, x_scale, x_dtype, None)
+
+
+def _input_to_save(
+    ctx: Any, x: torch.Tensor, x_data: torch.Tensor | None, x_scale: torch.Tensor | None, x_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, ...]:
+    """What the weight-gradient GEMM needs of the input: ``x`` (cast there, as torchao saves its hp
+    input), or the cast given before (``x_data``, ``x_scale``). ``ctx`` keeps the dtypes that
+    :func:`_saved_input` and the input gradient need."""
+    ctx.x_dtype, ctx.operand_dtype = x.dtype, x_dtype
+    if x_data is None:
+        return (x,)
+    assert x_scale is not None
+    return (x_data, x_scale)
+
+
+def _saved_input(ctx: Any, saved: Sequence[torch.Tensor]) -> torch.Tensor | Fp8Operand:
+    """The input as :func:`_input_to_save` saved it: ``x``, or its cast as an :class:`Fp8Operand`."""
+    if ctx.operand_dtype is None:
+        return saved[0]
+    return Fp8Operand(saved[0], saved[1], ctx.operand_dtype, None)
 
 
 def input_cast(x: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,12 +350,10 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
         x_scale: torch.Tensor | None = None,
         x_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        ctx.recipe, ctx.x_dtype, ctx.cast, ctx.operand_dtype = recipe, x.dtype, x_data is not None, x_dtype
+        ctx.recipe = recipe
         c = RECIPES[recipe]
         x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
-        ctx.save_for_backward(
-            *((x_fp8.data, x_fp8.scale) if isinstance(x_fp8, Fp8Operand) and ctx.cast else (x,)), wg_data, wg_scale
-        )
+        ctx.save_for_backward(*_input_to_save(ctx, x, x_data, x_scale, x_dtype), wg_data, wg_scale)
         w_fp8 = _cached(w_data, w_scale, c.weight, 0)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
@@ -344,7 +362,7 @@ class _Fp8MatmulCachedWeight(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         *xs, wg_data, wg_scale = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
-        x = Fp8Operand(xs[0], xs[1], ctx.operand_dtype, None) if ctx.cast else xs[0]
+        x = _saved_input(ctx, xs)
         w_dim0 = _cached(wg_data, wg_scale, c.weight_for_grad_input, -1)
         grad_x, grad_w = _backward_gemms(c, grad, x, w_dim0)
         return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None, None, None, None, None

@@ -566,16 +566,21 @@ def _sharded_contraction(x: torch.fx.Node) -> str | None:
     return None
 
 
-def _gathers(node: torch.fx.Node) -> bool:
-    """``node`` is DTensor's ``redistribute`` of a DTensor, gathering some ``Shard`` to ``Replicate``."""
+def _moved_placements(node: torch.fx.Node) -> tuple[Any, Any] | None:
+    """``(before, after)``: the placements a DTensor ``redistribute`` node moves its source from and
+    to; None for any other node (or where either is unknown)."""
     if not (node.op == "call_function" and node.target is dtensor_method and node.args[0] == "redistribute"):
-        return False
+        return None
     source = node.args[1]
     before = getattr(source.meta.get("val"), "placements", None) if isinstance(source, torch.fx.Node) else None
     after = getattr(node.meta.get("val"), "placements", None)
-    if before is None or after is None:
-        return False
-    return any(b.is_shard() and a.is_replicate() for b, a in zip(before, after))
+    return None if before is None or after is None else (before, after)
+
+
+def _gathers(node: torch.fx.Node) -> bool:
+    """``node`` is DTensor's ``redistribute`` of a DTensor, gathering some ``Shard`` to ``Replicate``."""
+    moved = _moved_placements(node)
+    return moved is not None and any(b.is_shard() and a.is_replicate() for b, a in zip(*moved))
 
 
 def _fp8_readers(
@@ -616,16 +621,12 @@ def _gathered_activation(x: torch.fx.Node) -> str | None:
         if node.target in _PASS_THROUGH:
             node = node.args[0]
             continue
-        if not (node.target is dtensor_method and node.args[0] == "redistribute"):
+        moved = _moved_placements(node)
+        if moved is None:
             return None
-        source = node.args[1]
-        before = getattr(source.meta.get("val"), "placements", None) if isinstance(source, torch.fx.Node) else None
-        after = getattr(node.meta.get("val"), "placements", None)
-        if before is None or after is None:
-            return None
-        if any(b.is_shard() and a.is_replicate() for b, a in zip(before, after)):
-            return f"{before} to {after}"
-        node = source  # a redistribute that gathers nothing (a ColwiseParallel input already Replicate)
+        if _gathers(node):
+            return f"{moved[0]} to {moved[1]}"
+        node = node.args[1]  # a redistribute that gathers nothing (a ColwiseParallel input already Replicate)
     return None
 
 
