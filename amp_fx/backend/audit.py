@@ -209,8 +209,8 @@ def _report_fp8(
                 )
             else:
                 why = (
-                    f"fp8={fp8.recipe.value!r} scales the input per row and, for the weight gradient, per "
-                    f"column, which needs the gathered input; fp8='tensorwise' gathers e4m3"
+                    f"fp8={fp8.recipe.value!r} scales the input in rows or blocks, and the weight gradient's "
+                    f"GEMM along the other dimension, which needs the gathered input; fp8='tensorwise' gathers e4m3"
                 )
             reporter.did_less(
                 ("fp8", "activation all-gather"),
