@@ -188,6 +188,20 @@ def _report_fp8(
         slow = slow_fp8_text(records)
         if slow is not None:
             reporter.notice(("fp8", "slow kernel"), slow)
+        left = [d for d in decisions if d.left_out]
+        if left:
+            shown = "; ".join(
+                f"{d.module or '<root>'} ({d.op}, {d.weight}): {d.reason.removeprefix('not fp8: ')}" for d in left[:4]
+            )
+            reporter.did_less(
+                ("fp8", "left out"),
+                (
+                    f"amp_fx: {len(left)} matmul(s) with a parameter operand stay in {dtype_name(records[0].dtype)} "
+                    f"under fp8={fp8.recipe.value!r}: {shown}{'; ...' if len(left) > 4 else ''}. "
+                    f"amp_fx.explain(model, x, fp8=...) lists each; Policy(keep_out_of_fp8=[module]) keeps them "
+                    f"out on purpose and silences this; strict=True makes this an error."
+                ),
+            )
         sharded = [s for r in records if r.fp8 is not None for s in r.fp8.sharded_contractions]
         if sharded:
             reporter.did_less(

@@ -94,6 +94,7 @@ from amp_fx.passes.fx_edit import (
     add_node,
     arg_node,
     innermost_module,
+    is_cast,
     is_inserted_cast,
     mark_cast,
     placeholders,
@@ -149,6 +150,11 @@ class Fp8Decision:
     """Where converted with a size that is not a multiple of 16: what its fp8 GEMMs pad and what
     that costs (None where nothing is padded, or a size is symbolic: then it pads at run time
     where needed)."""
+    left_out: bool = False
+    """True where the matmul stays in ``dtype`` for a reason the user did not ask for (its
+    operands' form: a batched or left-hand weight, a weight computed from a parameter): reported
+    once (``strict=True`` raises), where a matmul kept by the policy, the model's own
+    ``torch.autocast``, or a sharding rule reported on its own is not."""
 
     @property
     def flops(self) -> int:
@@ -211,11 +217,66 @@ class _Match:
     """A grouped GEMM's group ends (its weight is ``[E, K, N]``)."""
 
 
+def _model_cast(node: torch.fx.Node) -> bool:
+    """A cast the model wrote itself between two floating dtypes on one device (``w.bfloat16()``,
+    ``w.to(dtype)``, as torchtitan's ``GroupedExperts`` casts its expert weights): a value the
+    model computes from the parameter with no other change, so the matmul still multiplies by
+    that parameter."""
+    if not is_cast(node) or is_inserted_cast(node) or set(node.kwargs) - {"dtype"}:
+        return False
+    source = node.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return False
+    before, after = _val(source), _val(node)
+    return (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype.is_floating_point
+        and after.dtype.is_floating_point
+    )
+
+
+def _weight_source(node: object) -> object:
+    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts and the
+    model's own float casts (:func:`_model_cast`): the value they start from."""
+    while True:
+        node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
+        if not (isinstance(node, torch.fx.Node) and _model_cast(node)):
+            return node
+        node = node.args[0]
+
+
 def _parameter(node: object) -> torch.fx.Node | None:
-    """The parameter placeholder ``node`` is (a view of), through insert_casts' casts."""
-    node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
+    """The parameter placeholder ``node`` is (a view of), through insert_casts' casts and the
+    model's own float casts (the model's cast stays where the model put it: the fp8 GEMM scales
+    the value the model multiplies by, as eager does)."""
+    node = _weight_source(node)
     if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
         return node
+    return None
+
+
+def _computed_from_parameter(node: object) -> tuple[torch.fx.Node, str] | None:
+    """``(parameter, op)`` where a matmul's operand is computed from one parameter by ops that read
+    no other tensor (``w * mask_scalar``, ``w.abs()``, a weight norm of one input), through views
+    and casts; ``op`` the first such op up from the operand. None where the operand is no such
+    value (an activation reads other graph inputs). Such a matmul is a layer's matmul that fp8
+    leaves out: it is recorded and reported, never skipped in silence."""
+    first = None
+    node = _weight_source(node)
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        first = first or node
+        node = _weight_source(inputs[0])
+    if (
+        first is not None
+        and isinstance(node, torch.fx.Node)
+        and node.op == "placeholder"
+        and node.meta.get(meta.PARAMETER)
+    ):
+        return node, op_label(first.target)
     return None
 
 
@@ -262,35 +323,54 @@ class _Fp8Rewriter:
         module = innermost_module(node)
         weight = next((p for p in map(_parameter, node.args) if p is not None), None)
         if weight is None:
-            return  # no parameter operand: not a matmul of a layer, never fp8
-        match, why = self.match(node)
+            computed = next((c for c in map(_computed_from_parameter, node.args) if c is not None), None)
+            if computed is None:
+                return  # no operand is a parameter's value: not a matmul of a layer, never fp8
+            weight, by = computed
+            match, why = (
+                None,
+                (
+                    f"its operand is computed from the parameter by {by} (only views and casts of a "
+                    f"parameter are fp8 weights); compute the weight outside the model, or keep the "
+                    f"module out of fp8 with Policy(keep_out_of_fp8=...)"
+                ),
+            )
+        else:
+            match, why = self.match(node)
         shape = self.shape(match) if match is not None else None
 
-        def decide(converted: bool, reason: str, pad: Fp8Padding | None = None) -> Fp8Decision:
+        def decide(
+            converted: bool, reason: str, pad: Fp8Padding | None = None, *, left_out: bool = False
+        ) -> Fp8Decision:
             name = weight.meta.get(meta.PARAMETER) or weight.name
-            d = Fp8Decision(converted, reason, op, name, module, shape, self.recipe if converted else None, pad)
+            d = Fp8Decision(
+                converted, reason, op, name, module, shape, self.recipe if converted else None, pad, left_out=left_out
+            )
             self.record.decisions.append(d)
             return d
 
-        if match is None:
-            node.meta[meta.FP8] = decide(False, f"not fp8: {why}")
-            return
         decision: Decision | None = node.meta.get(meta.DECISION)
-        x_dtype = _val(match.x).dtype
         if decision is not None and decision.kept_module is not None:
             node.meta[meta.FP8] = decide(False, f"not fp8: {decision.reason}")
-            return
-        low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
-        if not low or x_dtype not in _LOW:
-            why = f" ({decision.reason})" if decision is not None else ""
-            node.meta[meta.FP8] = decide(
-                False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
-            )
             return
         excluded = self.excluded(stack)
         if excluded is not None:
             node.meta[meta.FP8] = decide(
                 False, f"not fp8: module {excluded[0] or '<root>'} kept out of fp8 by policy ({excluded[1]})"
+            )
+            return
+        if match is None:
+            # a grouped GEMM insert_casts left unlowered was left so by the policy
+            # (autocast_experts=False) or the dtype, each reported by the experts' own note
+            unlowered = _grouped(node.target) and node.target is not _GROUPED_MM
+            node.meta[meta.FP8] = decide(False, f"not fp8: {why}", left_out=not unlowered)
+            return
+        x_dtype = _val(match.x).dtype
+        low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
+        if not low or x_dtype not in _LOW:
+            why = f" ({decision.reason})" if decision is not None else ""
+            node.meta[meta.FP8] = decide(
+                False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
             )
             return
         sharded = _sharded_contraction(match.x) if RECIPES[self.recipe].rowwise else None
