@@ -607,7 +607,7 @@ class Explanation:
                     ),
                     None,
                 )
-                if decision is not None and decision.recipe is not None:
+                if converted is not None and decision is not None and decision.recipe is not None:
                     out = dtype_name(value_dtype(converted.meta.get("val")))
                     shown = f"fp8 {decision.recipe.value} -> {out}"
                 else:
