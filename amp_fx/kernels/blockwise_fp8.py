@@ -34,8 +34,8 @@ a block's amax, so the real blocks keep their scales; a block of padding only ge
 Where the GEMM runs:
 
 * CPU, and any device without Hopper's blockwise GEMM: emulated. Each operand is dequantized to
-  fp32 (``data * inverse scale``, one rounding per element) and multiplied with ``torch.mm`` (or
-  ``torch._grouped_mm``) in fp32; the result is rounded once to the output dtype (bf16, as
+  fp32 (``data * inverse scale``, one rounding per element) and multiplied with ``torch.mm`` (one
+  per group for the grouped expert GEMMs) in fp32; the result is rounded once to the output dtype (bf16, as
   torchao's ``out_dtype``). The recipe's quantization exactly, its GEMM to fp32 rounding (the
   hardware sums each 128-block's products before scaling them), the speed of neither: the
   compile says so once (:func:`blockwise_kernels_missing`, ``amp_fx.backend.audit``).
@@ -378,10 +378,16 @@ def _dequantize_3d(b: Blocks, rows: int, cols: int) -> torch.Tensor:
     return (b.data.to(torch.float32) * inv)[:, :rows, :cols]
 
 
-def _valid_rows(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``out`` with the rows past ``offs[-1]`` zeroed (``torch._grouped_mm`` leaves them unwritten)."""
-    rows = torch.arange(out.shape[0], device=out.device)
-    return torch.where((rows < offs[-1])[:, None], out, out.new_zeros(()))
+def _grouped_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The fp32 grouped GEMM of the emulation, in both of ``torch._grouped_mm``'s forms (``[M, K] x
+    [E, K, N]``, or ``[N, M] x [M, K]`` grouped along M), rows past ``offs[-1]`` zero: amp_fx's
+    ``amp_fx::scaled_grouped_mm`` on high-precision operands, one ``torch.mm`` per group
+    (``aten._grouped_mm``'s meta kernel takes bf16 only, so it cannot trace fp32 operands)."""
+    # imported here: amp_fx.kernels.fp8_grouped_mm imports this module (its recipe dispatch)
+    from amp_fx.kernels.fp8_grouped_mm import _scaled_grouped_mm
+
+    none = a.new_empty(0, dtype=torch.float32)
+    return _scaled_grouped_mm(a, b, none, none, offs, False, False, torch.float32, False)
 
 
 class _BlockwiseGroupedMm(torch.autograd.Function):
@@ -395,21 +401,19 @@ class _BlockwiseGroupedMm(torch.autograd.Function):
         (m, k), n = x.shape, w.shape[-1]
         a = dequantize(quantize_1x128(x), m, k)
         b = _dequantize_3d(tiles, n, k)
-        out = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs.to(torch.int32))
-        return _valid_rows(out, offs).to(x.dtype)
+        return _grouped_fp32(a, b.transpose(-2, -1), offs).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, data, inv_scale, offs = ctx.saved_tensors
         (m, k), n = x.shape, grad.shape[1]
-        offs32 = offs.to(torch.int32)
         g = dequantize(quantize_1x128(grad), m, n)  # [M, N], 1x128 along N
         wt = _dequantize_3d(Blocks(data, inv_scale), n, k)  # [E, N, K], tiles blocked along N
-        grad_x = _valid_rows(torch._grouped_mm(g, wt, offs=offs32), offs).to(grad.dtype)
+        grad_x = _grouped_fp32(g, wt, offs).to(grad.dtype)
         block, count = token_blocks(offs, m)
         gt = _dequantize_token_blocks(grad, block, count)  # [M, N], 128x1 along M per group
         xt = _dequantize_token_blocks(x, block, count)  # [M, K]
-        grad_w = torch._grouped_mm(gt.t(), xt, offs=offs32).to(grad.dtype)  # [E, N, K]
+        grad_w = _grouped_fp32(gt.t(), xt, offs).to(grad.dtype)  # [E, N, K]
         return grad_x, grad_w.transpose(-2, -1), None
 
 

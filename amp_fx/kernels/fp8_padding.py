@@ -104,12 +104,13 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     :func:`pad_for_scaled_mm`: each GEMM's inner dimension and columns), None where every fp8
     GEMM's sizes are already multiples of 16. MXFP8 pads each GEMM's inner dimension to a
     multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here.
-    Blockwise pads each GEMM's inner dimension to a multiple of 128 (its blocks; the weight's
-    tiles pad its other dimension to 128 as well, which only its quantization reads)."""
+    Blockwise pads each GEMM's inner dimension and the weight's other one to multiples of 128
+    (its blocks and tiles); counted here for every GEMM's columns, an overestimate for the weight
+    gradient's (a Hopper GPU pads those to 16)."""
     c = RECIPES[recipe]
     inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
     if recipe is Fp8Recipe.BLOCKWISE:
-        inner = _block_aligned
+        inner = cols = _block_aligned
     gemms = [
         (name, names, shape)
         for name, names, shape, cast in (
