@@ -66,7 +66,6 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
-from amp_fx.kernels.mxfp8_matmul import _pad_to
 
 __all__ = [
     "BLOCK",
@@ -103,6 +102,14 @@ class Blocks(NamedTuple):
     ``[R' / 128, C' / 128]`` for tiles."""
 
 
+def _pad(x: torch.Tensor, *, rows: bool = False, cols: bool = False, multiple: int = BLOCK) -> torch.Tensor:
+    """``x`` zero-padded at the end of its last two dimensions (those asked for) to multiples of
+    ``multiple``; ``x`` itself where they already are (no op added)."""
+    pad_rows = -x.shape[-2] % multiple if rows else 0
+    pad_cols = -x.shape[-1] % multiple if cols else 0
+    return F.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
+
+
 def _scale(amax: torch.Tensor) -> torch.Tensor:
     """torchao's Triton kernels: ``amax`` (fp32) floored at EPS, ``448 / amax`` in float64, stored as fp32."""
     return (_E4M3_MAX / torch.clamp(amax.to(torch.float32), min=_EPS).to(torch.float64)).to(torch.float32)
@@ -119,7 +126,7 @@ def quantize_1x128(x: torch.Tensor) -> Blocks:
     dimension, zero-padded to a multiple of 128 first: torchao ``triton_fp8_blockwise_act_quant_lhs``
     (bitwise with ``torch_blockwise_scale_act_quant_lhs``; the transposed copies are this function
     of the transposed tensor)."""
-    x = _pad_to(x.contiguous(), 1, BLOCK)
+    x = _pad(x.contiguous(), cols=True)
     rows, cols = x.shape
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(blocks), -1, keepdim=True))
@@ -132,7 +139,7 @@ def quantize_128x128(w: torch.Tensor) -> Blocks:
     """``w`` (2-D, any float dtype; amp_fx passes the fp32 master weight) in e4m3 with one fp32
     scale per 128 x 128 tile, both dimensions zero-padded to multiples of 128 first: torchao
     ``triton_fp8_blockwise_weight_quant_rhs`` (bitwise with ``torch_blockwise_scale_weight_quant``)."""
-    w = _pad_to(_pad_to(w.contiguous(), 0, BLOCK), 1, BLOCK)
+    w = _pad(w.contiguous(), rows=True, cols=True)
     rows, cols = w.shape
     tiles = w.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(tiles), dim=(1, 3), keepdim=True))
@@ -161,9 +168,10 @@ def weight_tiles(w: torch.Tensor) -> Blocks:
 
 
 def _scaled_mm_blockwise() -> Any:
-    """torch's ``F.ScalingType`` where ``F.scaled_mm`` takes blockwise scales (torch 2.10+), else None."""
-    kinds = getattr(F, "ScalingType", None)
-    return kinds if kinds is not None and hasattr(kinds, "BlockWise128x128") else None
+    """torch's ``ScalingType`` where ``F.scaled_mm`` takes blockwise scales, else None (looked up as
+    torchao's ``kernels.py`` does: ``F.ScalingType``, else ``torch._C._ScalingType``)."""
+    kinds = getattr(F, "ScalingType", None) or getattr(torch._C, "_ScalingType", None)
+    return kinds if hasattr(F, "scaled_mm") and hasattr(kinds, "BlockWise128x128") else None
 
 
 def _torchao_gemms() -> tuple[Any, Any] | None:
@@ -205,19 +213,24 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _k_major_tile_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A ``[K/128, N/128]`` tile scale in cuBLAS's K-major layout, its K blocks padded with ones
+    to a multiple of 4 (16-byte columns): torchao's ``_pad_blockwise_128x128_scale_k_major``."""
+    pad = -scale.shape[0] % 4
+    return F.pad(scale.t(), (0, pad), value=1.0).t() if pad else scale
+
+
 def _on_gpu(a: Blocks, b: Blocks, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T`` on Hopper (untested here), laid out as torchao's ``fp8_blockwise_mm`` lays out
     its operands: ``a`` row major with column-major scales, ``b.T`` column major; ``b``'s scales
     per 128 x 128 tile (``[I/128, C/128]``) or per 1 x 128 block (``[C, I/128]``)."""
     tiles = b.inv_scale.shape[0] != b.data.shape[0]
     if not tiles:  # _scaled_mm wants mat2's columns in multiples of 16 (a tile's are 128 already)
-        b = Blocks(_pad_to(b.data.view(torch.uint8), 0, 16).view(_E4M3), _pad_to(b.inv_scale, 0, 16))
-    a_data, a_scale, b_data = a.data, _col_major(a.inv_scale), b.data.t()
+        data = _pad(b.data.view(torch.uint8), rows=True, multiple=16).view(_E4M3)
+        b = Blocks(data, _pad(b.inv_scale, rows=True, multiple=16))
+    a_data, a_scale, b_data = a.data, _col_major(a.inv_scale), _col_major(b.data.t())
     kinds = _scaled_mm_blockwise()
     if kinds is not None:
-        # torchao linear.py: _prepare_blockwise_scaled_mm_rhs_scale pads a tile scale's K blocks to 4.
-        from torchao.prototype.blockwise_fp8_training.kernels import _prepare_blockwise_scaled_mm_rhs_scale
-
         b_kind = kinds.BlockWise128x128 if tiles else kinds.BlockWise1x128
         b_scale = _col_major(b.inv_scale.t()) if tiles else _col_major(b.inv_scale)
         return F.scaled_mm(
@@ -225,7 +238,7 @@ def _on_gpu(a: Blocks, b: Blocks, out_dtype: torch.dtype) -> torch.Tensor:
             b_data,
             scale_a=a_scale,
             scale_recipe_a=kinds.BlockWise1x128,
-            scale_b=_prepare_blockwise_scaled_mm_rhs_scale(b_scale, b_kind) if tiles else b_scale,
+            scale_b=_k_major_tile_scale(b_scale) if tiles else b_scale,
             scale_recipe_b=b_kind,
             output_dtype=out_dtype,
         )
@@ -364,7 +377,7 @@ def _tiles_3d(w: torch.Tensor) -> Blocks:
     """:func:`quantize_128x128` of each expert of ``w`` (``[E, R, C]``): ``data`` ``[E, R', C']``,
     ``inv_scale`` ``[E, R'/128, C'/128]``."""
     e = w.shape[0]
-    w = F.pad(w, (0, -w.shape[2] % BLOCK, 0, -w.shape[1] % BLOCK))
+    w = _pad(w, rows=True, cols=True)
     _, rows, cols = w.shape
     with torch.no_grad():
         tiles = w.reshape(e, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
@@ -378,16 +391,33 @@ def _dequantize_3d(b: Blocks, rows: int, cols: int) -> torch.Tensor:
     return (b.data.to(torch.float32) * inv)[:, :rows, :cols]
 
 
+@torch.library.custom_op("amp_fx::grouped_mm_fp32", mutates_args=())
 def _grouped_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """The fp32 grouped GEMM of the emulation, in both of ``torch._grouped_mm``'s forms (``[M, K] x
-    [E, K, N]``, or ``[N, M] x [M, K]`` grouped along M), rows past ``offs[-1]`` zero: amp_fx's
-    ``amp_fx::scaled_grouped_mm`` on high-precision operands, one ``torch.mm`` per group
-    (``aten._grouped_mm``'s meta kernel takes bf16 only, so it cannot trace fp32 operands)."""
-    # imported here: amp_fx.kernels.fp8_grouped_mm imports this module (its recipe dispatch)
-    from amp_fx.kernels.fp8_grouped_mm import _scaled_grouped_mm
+    """The emulation's fp32 grouped GEMM, in ``torch._grouped_mm``'s two forms: ``a`` ``[M, K]``
+    times ``b`` ``[E, K, N]`` (rows of group ``e`` times ``b[e]``; rows past ``offs[-1]`` zero), or
+    ``a`` ``[N, M]`` times ``b`` ``[M, K]`` grouped along M (``[E, N, K]``; an empty group zero).
+    One ``torch.mm`` per group after reading ``offs`` on the host (free on the CPU):
+    ``aten._grouped_mm``'s meta kernel takes bf16 operands only, so fp32 ones cannot be traced."""
+    ends = offs.tolist()
+    rows_grouped = b.dim() == 3
+    shape = (a.shape[0], b.shape[-1]) if rows_grouped else (len(ends), a.shape[0], b.shape[1])
+    out = a.new_zeros(shape)
+    start = 0
+    for e, end in enumerate(ends):
+        end = max(start, min(end, a.shape[0] if rows_grouped else b.shape[0]))
+        if rows_grouped:
+            out[start:end] = a[start:end] @ b[e]
+        else:
+            out[e] = a[:, start:end] @ b[start:end]
+        start = end
+    return out
 
-    none = a.new_empty(0, dtype=torch.float32)
-    return _scaled_grouped_mm(a, b, none, none, offs, False, False, torch.float32, False)
+
+@_grouped_fp32.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
 
 
 class _BlockwiseGroupedMm(torch.autograd.Function):
