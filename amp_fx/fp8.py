@@ -47,6 +47,12 @@ class Fp8Recipe(enum.Enum):
     cast, not the fp32 master weight). Needs ``dtype=bf16``. Real kernels on a Blackwell GPU
     (compute capability 10.0+); elsewhere emulated, with a warning
     (:mod:`amp_fx.kernels.mxfp8_matmul`)."""
+    BLOCKWISE = "blockwise"
+    """Blockwise fp8 (DeepSeek-V3's recipe, torchao's ``prototype.blockwise_fp8_training``): every
+    operand of all three GEMMs in e4m3 with one fp32 scale per block along the GEMM's inner
+    dimension, 1 x 128 for activations and output gradients, 128 x 128 tiles for the (fp32 master)
+    weight. A Hopper GPU's blockwise GEMM where one is installed; elsewhere emulated in fp32, with
+    a notice (:mod:`amp_fx.kernels.blockwise_fp8`)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Fp8Config:
 
     Args:
         recipe: an :class:`Fp8Recipe` or its name (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise_with_gw_hp"``, ``"mxfp8"``).
+            ``"rowwise_with_gw_hp"``, ``"mxfp8"``, ``"blockwise"``).
 
     Which matmuls stay out of fp8 is the policy's business (``Policy(keep_out_of_fp8=...)``);
     sizes that are not multiples of 16 run in fp8 padded, and ``amp_fx.explain`` shows the

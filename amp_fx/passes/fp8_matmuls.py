@@ -77,6 +77,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.blockwise_fp8 import BLOCK as BW_BLOCK
 from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
@@ -373,7 +374,8 @@ class _Fp8Rewriter:
                 False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
             )
             return
-        sharded = _sharded_contraction(match.x) if RECIPES[self.recipe].rowwise else None
+        blocked = RECIPES[self.recipe].rowwise or self.recipe is Fp8Recipe.BLOCKWISE  # scales along K
+        sharded = _sharded_contraction(match.x) if blocked else None
         if sharded is not None:
             self.record.sharded_contractions.append(f"{module or 'the root'} ({sharded})")
             node.meta[meta.FP8] = decide(
@@ -385,7 +387,12 @@ class _Fp8Rewriter:
             return
         pad = self.padding(shape) if match.offs is None else None
         reason = self.converted_reason()
-        if match.offs is not None:
+        if match.offs is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+            reason += (
+                f"; grouped: each expert's weight in its own {BW_BLOCK}x{BW_BLOCK} tiles, the weight "
+                f"gradient's operands per {BW_BLOCK} rows of each group (as torchao pads each group)"
+            )
+        elif match.offs is not None:
             reason += (
                 f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
                 f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
@@ -393,6 +400,8 @@ class _Fp8Rewriter:
             )
         elif pad is not None and self.recipe is Fp8Recipe.MXFP8:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
+        elif pad is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+            reason += f"; padded to multiples of {BW_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
         elif shape is not None and not all(isinstance(d, int) for d in shape):
@@ -523,6 +532,12 @@ class _Fp8Rewriter:
 
     def converted_reason(self) -> str:
         c = self.casts
+        if self.recipe is Fp8Recipe.BLOCKWISE:
+            return (
+                f"fp8 blockwise: out = x (e4m3, fp32 scale per 1x{BW_BLOCK} along K) @ w (e4m3, fp32 scale "
+                f"per {BW_BLOCK}x{BW_BLOCK} tile of the fp32 weight); grad_x: grad (1x{BW_BLOCK} along N) @ "
+                f"w (the same tiles); grad_w: x ({BW_BLOCK}x1 along M) @ grad ({BW_BLOCK}x1 along M)"
+            )
         if self.recipe is Fp8Recipe.MXFP8:
             return (
                 f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
