@@ -100,6 +100,8 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here."""
     c = RECIPES[recipe]
     inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
+    if recipe is Fp8Recipe.NVFP4:  # emulated: each GEMM's inner dimension to NVFP4's blocks of 16
+        inner, cols = _aligned, _same
     gemms = [
         (name, names, shape)
         for name, names, shape, cast in (
