@@ -155,13 +155,17 @@ def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return F.pad(x, (0, pad_c, 0, pad_r)) if pad_r or pad_c else x
 
 
-@functools.cache
-def _hadamard(device: torch.device) -> torch.Tensor:
-    """``diag(RHT_SIGNS) @ H16 / 4`` in fp32 (entries +-1/4: exact)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < BLOCK:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (torch.tensor(RHT_SIGNS, dtype=torch.float32)[:, None] * h * 0.25).to(device)
+def _sylvester(size: int) -> list[list[float]]:
+    """Sylvester's Hadamard matrix of ``size`` (a power of two), entries +-1."""
+    h = [[1.0]]
+    while len(h) < size:
+        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
+    return h
+
+
+_RHT = tuple(tuple(s * v * 0.25 for v in row) for s, row in zip(RHT_SIGNS, _sylvester(BLOCK)))
+"""``diag(RHT_SIGNS) @ H16 / 4`` as numbers (entries +-1/4: exact in any float dtype). Made a tensor
+per call: a tensor cached across calls would keep the first trace's fake or functional tensor."""
 
 
 def rht(x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +173,7 @@ def rht(x: torch.Tensor) -> torch.Tensor:
     padded to a multiple of 16): products exact, summed in fp32, rounded once to ``x``'s dtype."""
     x = _pad(x, 1, BLOCK)
     rows, cols = x.shape
-    out = x.float().reshape(-1, BLOCK) @ _hadamard(x.device)
+    out = x.float().reshape(-1, BLOCK) @ torch.tensor(_RHT, dtype=torch.float32, device=x.device)
     return out.reshape(rows, cols).to(x.dtype)
 
 
@@ -202,6 +206,13 @@ def quantize(
         raise ValueError(f"amp_fx: NVFP4 quantizes 2-D tensors, got shape {tuple(x.shape)}")
     if tile_rows not in (1, BLOCK):
         raise ValueError(f"amp_fx: NVFP4 tiles are 1x16 or 16x16, got tile_rows={tile_rows}")
+    with torch.autocast(x.device.type, enabled=False):  # its fp32 steps stay fp32 under autocast
+        return _quantize(x, tile_rows, hadamard, stochastic, generator)
+
+
+def _quantize(
+    x: torch.Tensor, tile_rows: int, hadamard: bool, stochastic: bool, generator: torch.Generator | None
+) -> Nvfp4Tensor:
     rows = x.shape[0]
     if hadamard:
         x = rht(x)
@@ -251,6 +262,11 @@ def _to_blocked(scale: torch.Tensor) -> torch.Tensor:
 def _gemm(a: Nvfp4Tensor, b: Nvfp4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T``: ``a`` ``[R, I]`` and ``b`` ``[C, I]``, both blocked along ``I``; fp32 products
     of the block-scaled values times ``alpha = amax_a * amax_b / 2688**2``, in ``out_dtype``."""
+    with torch.autocast(a.data.device.type, enabled=False):  # the fp32 GEMM stays fp32 under autocast
+        return _gemm_fp32(a, b, out_dtype)
+
+
+def _gemm_fp32(a: Nvfp4Tensor, b: Nvfp4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     alpha = a.amax * b.amax / (2688.0 * 2688.0)
     if fp4_kernels_missing(a.data.device.type) is None:  # Blackwell: untested here (no such GPU)
         fp4 = torch.float4_e2m1fn_x2
@@ -344,5 +360,6 @@ def nvfp4_grouped_mm(
     out = x.new_zeros(x.shape[0], w.shape[-1])
     for e in range(w.shape[0]):
         mask = (group == e).unsqueeze(-1).to(x.dtype)
-        out = out + nvfp4_matmul(x * mask, w[e], options=options)
+        # masked on both sides: the expert's output gradient is its rows' only (its own scales)
+        out = out + nvfp4_matmul(x * mask, w[e], options=options) * mask
     return out
