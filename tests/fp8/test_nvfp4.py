@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -301,6 +302,7 @@ class _EagerNvfp4(nn.Module):
         return self._linear(self.m.fc2, F.gelu(self._linear(self.m.fc1, x)))
 
 
+@pytest.mark.slow  # 25 to 35 s on a loaded 2-core CPU: two compiles
 @pytest.mark.filterwarnings(EMULATED)
 def test_pass_is_bitwise_with_eager_kernel_calls_and_carries_the_switches() -> None:
     """Under aot_eager, with stochastic rounding off (the compiled backward may draw in another
@@ -389,3 +391,88 @@ def test_bad_configurations_are_refused() -> None:
     assert Fp8Config("nvfp4").nvfp4 == Nvfp4Options() and Fp8Config("rowwise").nvfp4 is None
     with pytest.raises(ValueError, match="NVFP4 tiles are 1x16 or 16x16"):
         nv.quantize(torch.zeros(16, 16), tile_rows=4)
+
+
+# --- models train with every GEMM in NVFP4 -------------------------------------------------------
+
+U_E2M1 = 2.0**-2  # e2m1's unit roundoff (2 significant bits)
+STEPS = 4
+
+
+def _llama() -> tuple[nn.Module, dict[str, Tensor], object]:
+    from amp_fx.testing.real_models import REAL_MODELS, library_missing
+
+    if library_missing("transformers") is not None:
+        pytest.skip(str(library_missing("transformers")))
+    return REAL_MODELS["hf_llama"].build()
+
+
+def _qwen3_moe() -> tuple[nn.Module, dict[str, Tensor], object]:
+    pytest.importorskip("transformers", reason="the MoE model comes from transformers")
+    from tests.fp8.test_moe_experts import _build
+    from tests.fp8.test_moe_experts import _qwen3_moe as factory
+
+    model, inputs = _build(factory)
+    return model, inputs, lambda out: out.loss
+
+
+def _train(
+    model: nn.Module, inputs: dict[str, Tensor], loss_fn: object, **kwargs: object
+) -> tuple[list[float], list[Any]]:
+    """The losses of STEPS AdamW steps, and the compiled model's records."""
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    torch.manual_seed(0)  # the stochastic rounding's draws
+    for _ in range(STEPS):
+        loss = loss_fn(compiled(**inputs))  # type: ignore[operator]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, amp_fx.records(compiled)
+
+
+@pytest.mark.slow  # 60 to 150 s each on a loaded 2-core CPU: a bf16 and an emulated NVFP4 run
+@pytest.mark.filterwarnings(EMULATED)
+@pytest.mark.parametrize("build", [_llama, _qwen3_moe], ids=["llama", "qwen3_moe"])
+def test_models_train_with_every_gemm_in_nvfp4(build: object) -> None:
+    """A 2-layer Llama and a 1-layer Qwen3-MoE (4 experts, grouped GEMMs) with ``fp8="nvfp4"``:
+    every matmul with a parameter converted, the grouped expert GEMMs included (explain's fp8
+    share of the matmul FLOPs >= 0.95: 1.00 here), and 4 AdamW steps that track the bf16 run.
+
+    Bound. First step (one forward from the same weights): the logits of a random-init model are
+    near zero, so the losses agree to ``2^-6`` relative (measured: 2e-4 Llama, 2e-3 MoE). After T
+    steps: each step's progress comes from gradients whose elements are e2m1 values at their
+    blocks' scales, a relative error of at most e2m1's unit roundoff ``u = 2^-2`` where they sit
+    in e2m1's normal range; to first order the NVFP4 run's progress ``loss(0) - loss(T)`` is the
+    bf16 run's within ``u`` of it: ``|loss_nv(T) - loss_bf16(T)| <= |loss_nv(0) - loss_bf16(0)| +
+    u (loss_bf16(0) - loss_bf16(T))``. A run that does not learn (a wrong or lost gradient) misses
+    it by ``(1 - u)`` of the progress."""
+    model, inputs, loss_fn = build()  # type: ignore[operator]
+    policy = amp_fx.Policy(autocast_experts=True) if build is _qwen3_moe else None
+    bf16, _ = _train(copy.deepcopy(model), inputs, loss_fn, policy=policy)
+    nvfp4, records = _train(model, inputs, loss_fn, policy=policy, fp8="nvfp4")
+    decisions = [d for r in records for d in r.fp8.decisions]
+    kept = [d for d in decisions if not d.converted]
+    assert not kept and all(d.recipe is Fp8Recipe.NVFP4 for d in decisions), kept
+    share = sum(d.flops for d in decisions if d.converted) / sum(d.flops for d in decisions)
+    assert share >= 0.95, share
+    if build is _qwen3_moe:
+        assert sum(d.op == "aten._grouped_mm" for d in decisions) == 2, decisions
+    assert abs(nvfp4[0] - bf16[0]) <= 2**-6 * abs(bf16[0]), (nvfp4, bf16)
+    progress = bf16[0] - bf16[-1]
+    assert progress > 0.5, bf16  # the bf16 run learns (the bound needs progress to mean anything)
+    assert abs(nvfp4[-1] - bf16[-1]) <= abs(nvfp4[0] - bf16[0]) + U_E2M1 * progress, (nvfp4, bf16)
+
+
+@pytest.mark.slow  # 30 to 100 s on a loaded 2-core CPU: a compile and three eager runs
+@pytest.mark.filterwarnings(EMULATED)
+def test_compare_runs_the_eager_side_in_nvfp4_with_the_switches() -> None:
+    """``compare(fp8=...)``: its eager side (``Fp8Eager``) runs the converted matmuls through the
+    same kernel with the config's switches, so with stochastic rounding off both sides agree bit
+    for bit; the report names TE's numerics."""
+    torch.manual_seed(0)
+    config = Fp8Config("nvfp4", nvfp4=Nvfp4Options(stochastic_rounding=False))
+    report = amp_fx.compare(MLP(), torch.randn(4, 8, 32), dtype="bf16", fp8=config, backend="aot_eager")
+    assert report.ok and "fp8 nvfp4 with TransformerEngine's numerics" in str(report), str(report)
