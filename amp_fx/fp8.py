@@ -18,8 +18,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
-from amp_fx.kernels.nvfp4 import Nvfp4Options
-
 __all__ = ["Fp8Recipe", "Fp8Config", "Fp8Like", "Nvfp4Options"]
 
 
@@ -59,13 +57,39 @@ class Fp8Recipe(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Nvfp4Options:
+    """The switches of TransformerEngine's ``NVFP4BlockScaling``, each on by default as in TE.
+
+    Args:
+        rht: the random Hadamard transform on the weight-gradient GEMM's operands (TE's
+            ``disable_rht=False``).
+        stochastic_rounding: stochastic rounding of the output gradient in both backward GEMMs
+            (TE's ``disable_stochastic_rounding=False``); forward operands always round to
+            nearest even.
+        weight_2d: the weight scaled per 16x16 tile, so that its forward and input-gradient copies
+            are the same values (TE's ``disable_2d_quantization=False``); off: 1x16 along each
+            GEMM's inner dimension.
+    """
+
+    rht: bool = True
+    stochastic_rounding: bool = True
+    weight_2d: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("rht", "stochastic_rounding", "weight_2d"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"amp_fx: Nvfp4Options.{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
 class Fp8Config:
     """fp8 training, as given to ``amp_fx.compile(..., fp8=...)``.
 
     Args:
         recipe: an :class:`Fp8Recipe` or its name (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise_with_gw_hp"``, ``"mxfp8"``, ``"nvfp4"``).
-        nvfp4: the NVFP4 recipe's switches (:class:`~amp_fx.kernels.nvfp4.Nvfp4Options`: random
+        nvfp4: the NVFP4 recipe's switches (:class:`Nvfp4Options`: random
             Hadamard transform, stochastic rounding, 16x16 weight tiles; all on by default, as
             TransformerEngine's); only with ``recipe="nvfp4"``.
 

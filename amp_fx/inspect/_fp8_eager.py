@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect._probe import module_hooks
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
-from amp_fx.kernels.nvfp4 import Nvfp4Options, nvfp4_grouped_mm, nvfp4_matmul
+from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_matmul
 from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 
 __all__: list[str] = []

@@ -21,7 +21,7 @@ fp32 result, as TE's GEMM does. The three GEMMs of ``out = x @ w`` (``w`` as ``[
 
 which is TE's ``NVFP4BlockScaling`` (``fp4_quant_fwd_inp``, ``fp4_quant_fwd_weight``,
 ``fp4_quant_bwd_grad``): the Hadamard transform on the column-wise (wgrad) copies only, stochastic
-rounding on the gradient only. Each switch is a field of :class:`Nvfp4Options`, as TE's
+rounding on the gradient only. Each switch is a field of :class:`~amp_fx.fp8.Nvfp4Options`, as TE's
 ``disable_rht``, ``disable_stochastic_rounding`` and ``disable_2d_quantization`` are.
 
 The random Hadamard transform (TE's ``_apply_rht``): each block of 16 along the transformed
@@ -59,18 +59,18 @@ Example (a [32, 64] x [64, 48] matmul in NVFP4, emulated):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx.fp8 import Nvfp4Options
+from amp_fx.kernels.mxfp8_matmul import to_blocked
 
 __all__ = [
     "BLOCK",
     "RHT_SIGNS",
-    "Nvfp4Options",
     "Nvfp4Tensor",
     "quantize",
     "dequantize",
@@ -91,32 +91,6 @@ _E4M3_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIN_CAPABILITY = (10, 0)
-
-
-@dataclass(frozen=True)
-class Nvfp4Options:
-    """The switches of TransformerEngine's ``NVFP4BlockScaling``, each on by default as in TE.
-
-    Args:
-        rht: the random Hadamard transform on the weight-gradient GEMM's operands (TE's
-            ``disable_rht=False``).
-        stochastic_rounding: stochastic rounding of the output gradient in both backward GEMMs
-            (TE's ``disable_stochastic_rounding=False``); forward operands always round to
-            nearest even.
-        weight_2d: the weight scaled per 16x16 tile, so that its forward and input-gradient copies
-            are the same values (TE's ``disable_2d_quantization=False``); off: 1x16 along each
-            GEMM's inner dimension.
-    """
-
-    rht: bool = True
-    stochastic_rounding: bool = True
-    weight_2d: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("rht", "stochastic_rounding", "weight_2d"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"amp_fx: Nvfp4Options.{name} must be True or False, got {value!r}")
 
 
 class Nvfp4Tensor(NamedTuple):
@@ -252,13 +226,6 @@ def dequantize(q: Nvfp4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return (_unpack(q) * (q.amax / 2688.0)).to(dtype)
 
 
-def _to_blocked(scale: torch.Tensor) -> torch.Tensor:
-    """cuBLAS's block-scaling layout of ``[rows, cols]`` scales (as :mod:`amp_fx.kernels.mxfp8_matmul`'s)."""
-    from amp_fx.kernels.mxfp8_matmul import _to_blocked as blocked
-
-    return blocked(scale.view(torch.uint8)).view(torch.float8_e4m3fn)
-
-
 def _gemm(a: Nvfp4Tensor, b: Nvfp4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b.T``: ``a`` ``[R, I]`` and ``b`` ``[C, I]``, both blocked along ``I``; fp32 products
     of the block-scaled values times ``alpha = amax_a * amax_b / 2688**2``, in ``out_dtype``."""
@@ -273,8 +240,8 @@ def _gemm_fp32(a: Nvfp4Tensor, b: Nvfp4Tensor, out_dtype: torch.dtype) -> torch.
         out = torch._scaled_mm(
             a.data.view(fp4),
             b.data.view(fp4).t(),
-            _to_blocked(a.scale),
-            _to_blocked(b.scale),
+            to_blocked(a.scale.view(torch.uint8)).view(torch.float8_e4m3fn),
+            to_blocked(b.scale.view(torch.uint8)).view(torch.float8_e4m3fn),
             out_dtype=torch.float32,
         )
     else:
