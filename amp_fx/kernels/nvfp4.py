@@ -144,7 +144,9 @@ per call: a tensor cached across calls would keep the first trace's fake or func
 
 def rht(x: torch.Tensor) -> torch.Tensor:
     """The random Hadamard transform of ``x`` (2-D) along its last dimension, in blocks of 16 (zero-
-    padded to a multiple of 16): products exact, summed in fp32, rounded once to ``x``'s dtype."""
+    padded to a multiple of 16): products exact (entries +-1/4), summed in fp32, rounded to ``x``'s
+    dtype (TE's reference multiplies in ``x``'s dtype: on this CPU a bf16 matmul flushes subnormal
+    results to zero, this does not; ``tests/fp8/test_nvfp4.py``)."""
     x = _pad(x, 1, BLOCK)
     rows, cols = x.shape
     out = x.float().reshape(-1, BLOCK) @ torch.tensor(_RHT, dtype=torch.float32, device=x.device)
