@@ -19,6 +19,7 @@ from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.blockwise_fp8 import blockwise_kernels_missing
 from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
+from amp_fx.kernels.nvfp4 import fp4_kernels_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
@@ -282,6 +283,15 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
                     f"amp_fx: fp8='blockwise' runs emulated here: {missing}. Each blockwise GEMM's operands "
                     f"are quantized as the recipe says, dequantized to fp32 and multiplied in fp32: the "
                     f"recipe's quantization, slower than bf16. Train on an H100/H200 for its fp8 GEMMs."
+                )
+        elif recipe is Fp8Recipe.NVFP4:
+            missing = fp4_kernels_missing(device_type)
+            if missing is not None:
+                return (
+                    f"amp_fx: fp8='nvfp4' runs emulated here: {missing}. Each NVFP4 GEMM is dequantized "
+                    f"to fp32 (e2m1 times its e4m3 block scale, exact) and multiplied in fp32, then "
+                    f"scaled by the tensor scales (as TransformerEngine's reference GEMM): NVFP4's "
+                    f"numerics, slower than bf16. Train on a B200/GB200 for fp4 tensor cores."
                 )
         elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
             return (

@@ -111,6 +111,8 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
     if recipe is Fp8Recipe.BLOCKWISE:
         inner = cols = _block_aligned
+    elif recipe is Fp8Recipe.NVFP4:  # emulated: each GEMM's inner dimension to NVFP4's blocks of 16
+        inner, cols = _aligned, _same
     gemms = [
         (name, names, shape)
         for name, names, shape, cast in (

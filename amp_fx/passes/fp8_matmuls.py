@@ -87,6 +87,8 @@ from amp_fx.kernels.fp8_support import check_rowwise_support
 from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
+from amp_fx.kernels.nvfp4 import BLOCK as NV_BLOCK
+from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_linear_flags
 from amp_fx.passes import meta
 from amp_fx.passes.capture import dtensor_method, module_stack
 from amp_fx.passes.fx_edit import (
@@ -303,6 +305,12 @@ class _Fp8Rewriter:
         self.policy = policy
         self.fake_mode = fake_mode
         self.record = Fp8Record(config.recipe)
+        nv = config.nvfp4
+        self.nvfp4_flags: tuple[bool, bool, bool] = (
+            (nv.rht, nv.stochastic_rounding, nv.weight_2d) if nv is not None else (False, False, False)
+        )
+        """NVFP4's switches as :func:`~amp_fx.kernels.nvfp4.nvfp4_linear_flags` takes them (constants
+        FX writes back as code, as it cannot write a dataclass)."""
         self.gathered: list[tuple[str, torch.fx.Node]] = []
         """(``"<module> (<from> to <to>)"``, the input node) of each converted matmul whose input
         is all-gathered: reported unless :meth:`gather_in_fp8` moves the gather after the cast."""
@@ -392,6 +400,11 @@ class _Fp8Rewriter:
                 f"; grouped: each expert's weight in its own {BW_BLOCK}x{BW_BLOCK} tiles, the weight "
                 f"gradient's operands per {BW_BLOCK} rows of each group (as torchao pads each group)"
             )
+        elif match.offs is not None and self.recipe is Fp8Recipe.NVFP4:
+            reason += (
+                "; grouped: each expert's GEMMs on its group's rows, with its own tensor scales (as "
+                "TransformerEngine's GroupedLinear), emulated as one masked GEMM per expert"
+            )
         elif match.offs is not None:
             reason += (
                 f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
@@ -402,6 +415,8 @@ class _Fp8Rewriter:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None and self.recipe is Fp8Recipe.BLOCKWISE:
             reason += f"; padded to multiples of {BW_BLOCK} (its scale blocks): {pad.text}"
+        elif pad is not None and self.recipe is Fp8Recipe.NVFP4:
+            reason += f"; padded to multiples of {NV_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
         elif shape is not None and not all(isinstance(d, int) for d in shape):
@@ -538,6 +553,15 @@ class _Fp8Rewriter:
                 f"per {BW_BLOCK}x{BW_BLOCK} tile of the fp32 weight); grad_x: grad (1x{BW_BLOCK} along N) @ "
                 f"w (the same tiles); grad_w: x ({BW_BLOCK}x1 along M) @ grad ({BW_BLOCK}x1 along M)"
             )
+        if self.recipe is Fp8Recipe.NVFP4:
+            rht, sr, w2d = self.nvfp4_flags
+            return (
+                f"nvfp4: x, w and grad in e2m1 with an e4m3 scale per {NV_BLOCK} elements along each "
+                f"GEMM's inner dimension and an fp32 scale per tensor, from their bf16 values; w per "
+                f"{'16x16 tile' if w2d else '1x16 block'}; grad rounded "
+                f"{'stochastically' if sr else 'to nearest even'}; grad_w's operands "
+                f"{'through' if rht else 'without'} the random Hadamard transform"
+            )
         if self.recipe is Fp8Recipe.MXFP8:
             return (
                 f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
@@ -557,6 +581,9 @@ class _Fp8Rewriter:
             if match.offs is not None:
                 if self.recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
                     out = self.call(mxfp8_grouped_mm, (match.x, match.weight, match.offs), stack, note)
+                elif self.recipe is Fp8Recipe.NVFP4:  # scales the bf16 operands, as TE's NVFP4 recipe
+                    args = (match.x, match.weight, match.offs, *self.nvfp4_flags)
+                    out = self.call(nvfp4_grouped_mm, args, stack, note)
                 else:
                     out = self.call(
                         fp8_grouped_mm,
@@ -574,7 +601,10 @@ class _Fp8Rewriter:
             w = match.weight_kn
             if w is None:
                 w = self.call(aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note()))
-            out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
+            if self.recipe is Fp8Recipe.NVFP4:
+                out = self.call(nvfp4_linear_flags, (match.x, w, *self.nvfp4_flags), stack, note)
+            else:
+                out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
             out.meta[meta.FP8] = decision
             if match.bias is not None:
                 # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
@@ -600,6 +630,8 @@ class _Fp8Rewriter:
         _erase_unused_casts(self.graph, inputs)
 
     def weight_note(self) -> str:
+        if self.recipe is Fp8Recipe.NVFP4:
+            return "fp8: the weight as [K, N]; nvfp4 scales its bf16 cast (as TransformerEngine's bf16 weights)"
         if self.recipe is Fp8Recipe.MXFP8:
             return (
                 "fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes bf16 operands)"
