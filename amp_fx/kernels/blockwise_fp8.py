@@ -282,25 +282,9 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, w_tiles: Blocks, emulate: boo
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
-    """``x @ w``; saves ``x`` and the weight's tiles (one byte per element, quantized once: the
-    backward's transposed copy is bitwise the one torchao quantizes again)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, emulate: bool) -> torch.Tensor:
-        tiles = weight_tiles(w)
-        ctx.save_for_backward(x, tiles.data, tiles.inv_scale)
-        ctx.emulate = emulate
-        return _forward(x, tiles, w.shape[1], emulate)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, data, inv_scale = ctx.saved_tensors
-        return (*_backward(grad, x, Blocks(data, inv_scale), ctx.emulate), None)
-
-
-class _BlockwiseMatmulCachedWeight(torch.autograd.Function):
-    """:class:`_BlockwiseMatmul` with the weight's tiles given (:func:`weight_tiles`); ``w``
-    carries the gradient and is not read."""
+    """``x @ w`` given the weight's tiles (:func:`weight_tiles`, quantized once: the backward's
+    transposed copy is bitwise the one torchao quantizes again); ``w`` carries the gradient and is
+    not read. Saves ``x`` and the tiles (one byte per weight element)."""
 
     @staticmethod
     def forward(
@@ -322,7 +306,7 @@ def blockwise_fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, emulate: bool) -> 
     ``Float8BlockwiseLinear`` scales its weight). The result and ``x``'s gradient have ``x``'s
     dtype; ``w``'s gradient is rounded to it too (torchao's ``out_dtype``), then cast to ``w``'s
     by autograd. ``emulate``: dequantize and ``torch.mm`` in fp32 (any device)."""
-    return _BlockwiseMatmul.apply(x, w, emulate)
+    return _BlockwiseMatmul.apply(x, w, *weight_tiles(w), emulate)
 
 
 def blockwise_fp8_matmul_cached_weight(
@@ -330,7 +314,7 @@ def blockwise_fp8_matmul_cached_weight(
 ) -> torch.Tensor:
     """:func:`blockwise_fp8_matmul` with the weight's tiles from :func:`weight_tiles`; bitwise with it.
     ``w`` (``[K, N]``) receives the gradient."""
-    return _BlockwiseMatmulCachedWeight.apply(x, w, data, inv_scale, emulate)
+    return _BlockwiseMatmul.apply(x, w, data, inv_scale, emulate)
 
 
 # --- grouped expert GEMMs ---------------------------------------------------------------------------
