@@ -74,6 +74,7 @@ __all__ = [
     "quantize_128x128",
     "dequantize",
     "token_blocks",
+    "quantize_token_blocks",
     "weight_tiles",
     "blockwise_kernels_missing",
     "blockwise_fp8_matmul",
@@ -341,7 +342,7 @@ def token_blocks(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def _quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (``[M, C]``) in e4m3 with one fp32 scale per column and block of rows (:func:`token_blocks`):
     ``(data [M, C], inv_scale [count, C])``. torchao ``triton_fp8_blockwise_act_quant_rhs`` of each
     group padded to 128 rows (and, of ``g``, its ``..._transposed_lhs``, the same values transposed)."""
@@ -353,7 +354,7 @@ def _quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> 
 
 
 def _dequantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> torch.Tensor:
-    data, inv_scale = _quantize_token_blocks(t, block, count)
+    data, inv_scale = quantize_token_blocks(t, block, count)
     return data.to(torch.float32) * inv_scale[block]
 
 
