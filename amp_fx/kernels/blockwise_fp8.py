@@ -74,6 +74,7 @@ __all__ = [
     "quantize_128x128",
     "dequantize",
     "token_blocks",
+    "quantize_token_blocks",
     "weight_tiles",
     "blockwise_kernels_missing",
     "blockwise_fp8_matmul",
@@ -282,25 +283,9 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, w_tiles: Blocks, emulate: boo
 
 
 class _BlockwiseMatmul(torch.autograd.Function):
-    """``x @ w``; saves ``x`` and the weight's tiles (one byte per element, quantized once: the
-    backward's transposed copy is bitwise the one torchao quantizes again)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, emulate: bool) -> torch.Tensor:
-        tiles = weight_tiles(w)
-        ctx.save_for_backward(x, tiles.data, tiles.inv_scale)
-        ctx.emulate = emulate
-        return _forward(x, tiles, w.shape[1], emulate)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, data, inv_scale = ctx.saved_tensors
-        return (*_backward(grad, x, Blocks(data, inv_scale), ctx.emulate), None)
-
-
-class _BlockwiseMatmulCachedWeight(torch.autograd.Function):
-    """:class:`_BlockwiseMatmul` with the weight's tiles given (:func:`weight_tiles`); ``w``
-    carries the gradient and is not read."""
+    """``x @ w`` given the weight's tiles (:func:`weight_tiles`, quantized once: the backward's
+    transposed copy is bitwise the one torchao quantizes again); ``w`` carries the gradient and is
+    not read. Saves ``x`` and the tiles (one byte per weight element)."""
 
     @staticmethod
     def forward(
@@ -322,7 +307,7 @@ def blockwise_fp8_matmul(x: torch.Tensor, w: torch.Tensor, *, emulate: bool) -> 
     ``Float8BlockwiseLinear`` scales its weight). The result and ``x``'s gradient have ``x``'s
     dtype; ``w``'s gradient is rounded to it too (torchao's ``out_dtype``), then cast to ``w``'s
     by autograd. ``emulate``: dequantize and ``torch.mm`` in fp32 (any device)."""
-    return _BlockwiseMatmul.apply(x, w, emulate)
+    return _BlockwiseMatmul.apply(x, w, *weight_tiles(w), emulate)
 
 
 def blockwise_fp8_matmul_cached_weight(
@@ -330,7 +315,7 @@ def blockwise_fp8_matmul_cached_weight(
 ) -> torch.Tensor:
     """:func:`blockwise_fp8_matmul` with the weight's tiles from :func:`weight_tiles`; bitwise with it.
     ``w`` (``[K, N]``) receives the gradient."""
-    return _BlockwiseMatmulCachedWeight.apply(x, w, data, inv_scale, emulate)
+    return _BlockwiseMatmul.apply(x, w, data, inv_scale, emulate)
 
 
 # --- grouped expert GEMMs ---------------------------------------------------------------------------
@@ -357,7 +342,7 @@ def token_blocks(offs: torch.Tensor, m: int) -> tuple[torch.Tensor, int]:
 
 
 @torch.no_grad()
-def _quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (``[M, C]``) in e4m3 with one fp32 scale per column and block of rows (:func:`token_blocks`):
     ``(data [M, C], inv_scale [count, C])``. torchao ``triton_fp8_blockwise_act_quant_rhs`` of each
     group padded to 128 rows (and, of ``g``, its ``..._transposed_lhs``, the same values transposed)."""
@@ -369,7 +354,7 @@ def _quantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> 
 
 
 def _dequantize_token_blocks(t: torch.Tensor, block: torch.Tensor, count: int) -> torch.Tensor:
-    data, inv_scale = _quantize_token_blocks(t, block, count)
+    data, inv_scale = quantize_token_blocks(t, block, count)
     return data.to(torch.float32) * inv_scale[block]
 
 

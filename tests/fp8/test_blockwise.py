@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 import amp_fx
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.inspect.explanation import Explanation
 from amp_fx.kernels import blockwise_fp8 as bw
 from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
 from amp_fx.kernels.fp8_padding import padding
@@ -127,7 +128,7 @@ def test_grouped_weight_gradient_operands_are_blocked_per_group() -> None:
     x = _operand("limits", 300, 128, torch.float32, 4)
     offs = torch.tensor([200, 200, 290], dtype=torch.int32)
     block, count = bw.token_blocks(offs, x.shape[0])
-    data, inv_scale = bw._quantize_token_blocks(x, block, count)
+    data, inv_scale = bw.quantize_token_blocks(x, block, count)
     start = 0
     for end in offs.tolist():
         if end == start:
@@ -202,8 +203,8 @@ def test_grouped_gemms_against_float64_per_group() -> None:
     xq = bw.dequantize(bw.quantize_1x128(x.detach()), mm, k).double()
     gq = bw.dequantize(bw.quantize_1x128(g), mm, n).double()
     block, count = bw.token_blocks(offs, mm)
-    xt, xs = bw._quantize_token_blocks(x.detach(), block, count)
-    gt, gs = bw._quantize_token_blocks(g, block, count)
+    xt, xs = bw.quantize_token_blocks(x.detach(), block, count)
+    gt, gs = bw.quantize_token_blocks(g, block, count)
     xt, gt = xt.double() * xs[block].double(), gt.double() * gs[block].double()
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -353,6 +354,8 @@ def test_real_models_train_in_blockwise_within_the_quantization_bound(name: str)
     if name == "hf_mixtral":
         assert any(d.op == "aten._grouped_mm" for d in decisions), decisions
     assert _fp8_share(compiled) >= 0.95
+    shown = str(Explanation.from_records(amp_fx.records(compiled)))
+    assert "(blockwise)" in shown and "of their FLOPs" in shown and "runs emulated here" in shown, shown
     assert abs(loss.item() - loss_ref.item()) <= 4 * (U_E4M3 + U_BF16) * abs(loss_ref.item()), (loss, loss_ref)
     assert grads.keys() == grads_ref.keys()
     for n, g in grads.items():
