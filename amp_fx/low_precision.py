@@ -36,7 +36,19 @@ from amp_fx.fp8 import Fp8Config, Fp8Recipe
 if TYPE_CHECKING:
     from amp_fx._common.report import Reporter
 
-__all__ = ["Blocks", "LowPrecision", "LowPrecisionLike", "one_option", "of", "recipes", "recipe_for", "bind"]
+__all__ = [
+    "Blocks",
+    "LowPrecision",
+    "LowPrecisionLike",
+    "one_option",
+    "of",
+    "recipes",
+    "recipe_for",
+    "recipe_text",
+    "label",
+    "bind",
+    "with_blocks",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,5 +342,13 @@ def bind(config: Fp8Config | None, root: object, reporter: Reporter) -> Fp8Confi
                     f"named_modules()."
                 ),
             )
+    return with_blocks(config, root)
+
+
+def with_blocks(config: Fp8Config | None, root: object) -> Fp8Config | None:
+    """``config`` with its :class:`Blocks` selectors resolved to ``root``'s block names (as it is,
+    where there are none or ``root`` is not a module)."""
+    if not isinstance(config, LowPrecision) or not isinstance(root, torch.nn.Module):
+        return config
     paths = {sel: sel.paths(root) for sel in config.modules if isinstance(sel, Blocks)}
-    return LowPrecision(recipe=config.recipe, modules=config.modules, block_paths=paths)
+    return LowPrecision(recipe=config.recipe, modules=config.modules, block_paths=paths) if paths else config

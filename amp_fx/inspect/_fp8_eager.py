@@ -38,6 +38,7 @@ from amp_fx.inspect._probe import module_hooks
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
+from amp_fx.low_precision import recipe_for
 from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 
 __all__: list[str] = []
@@ -187,7 +188,7 @@ class Fp8Eager(TorchFunctionMode):
         grouped: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
-        self.recipe = config.recipe
+        self.config = config
         self.dtype = dtype
         self.device_type = device_type
         self.stack = stack
@@ -202,12 +203,14 @@ class Fp8Eager(TorchFunctionMode):
         op = _OPS.get(func)
         if op is not None:
             match = self._match(op, args, kwargs)
-            if match is not None:
-                return self._run(op, *match)
+            recipe = self._recipe() if match is not None else None
+            if match is not None and recipe is not None:
+                return self._run(op, *match, recipe)
         elif self.grouped and _grouped_name(func) is not None:
             operands = self._match_grouped(args, kwargs)
-            if operands is not None:
-                return grouped_gemm(*operands, self.recipe, self.dtype, self.device_type)
+            recipe = self._recipe() if operands is not None else None
+            if operands is not None and recipe is not None:
+                return grouped_gemm(*operands, recipe, self.dtype, self.device_type)
         return func(*args, **kwargs)
 
     def _match_grouped(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
@@ -255,8 +258,17 @@ class Fp8Eager(TorchFunctionMode):
             module_matches(k, path, type(self.root.get_submodule(path))) for path in self.stack for k in self.keep
         )
 
-    def _run(self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out, x_low = _gemm(x, w, self.recipe, self.dtype, self.device_type)
+    def _recipe(self) -> Fp8Recipe | None:
+        """The recipe of a matmul in the running module (:func:`amp_fx.low_precision.recipe_for`,
+        as the pass chooses it), None for ``dtype``."""
+        root = self.root
+        stack = [(p, type(root.get_submodule(p)) if root is not None else object) for p in self.stack]
+        return recipe_for(self.config, stack)[0]
+
+    def _run(
+        self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe
+    ) -> torch.Tensor:
+        out, x_low = _gemm(x, w, recipe, self.dtype, self.device_type)
         num = den = 0.0
         if self.measure:
             with torch.no_grad():

@@ -325,7 +325,7 @@ class Explanation:
         fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
         if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
             self.notes.append(
-                f"low_precision={fp8[0].recipes_text!r}, but no matmul runs in fp8: "
+                f"fp8={fp8[0].recipes_text!r}, but no matmul runs in fp8: "
                 + (
                     "none has a parameter operand"
                     if not any(f.decisions for f in fp8)
@@ -534,7 +534,7 @@ class Explanation:
             for d in r.fp8.decisions
         ]
         return (
-            f"graph {graph}: matmuls with a parameter operand (low_precision={r.fp8.recipes_text}; shape M x K x N)\n"
+            f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipes_text}; shape M x K x N)\n"
             + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "chosen by", "why"])
             + "".join(f"\n[{k}] {why}" for why, k in reasons.items())
         )

@@ -271,7 +271,9 @@ def test_the_bf16_path_is_unchanged_where_nothing_converts() -> None:
 
 
 def test_strict_mode_refuses_fp8_honoured_nowhere() -> None:
-    with pytest.raises(amp_fx.AmpFxError, match=r"low_precision='tensorwise' was asked, but none of its 2 matmuls.*left operand"):
+    with pytest.raises(
+        amp_fx.AmpFxError, match=r"low_precision='tensorwise' was asked, but none of its 2 matmuls.*left operand"
+    ):
         compile_fp8(LeftWeights(), "tensorwise")(torch.randn(4, 24))
 
 
