@@ -331,8 +331,8 @@ class _Fp8Rewriter:
         if recipe is None:
             node.meta[meta.FP8] = decide(
                 False,
-                f"not fp8: module {module or '<root>'} kept in {dtype_name(x_dtype)} by the low-precision "
-                f"map ({selector or 'its default: no recipe'})",
+                f"not fp8: kept in {dtype_name(x_dtype)} by the low-precision map "
+                f"({selector or 'its default: no recipe'})",
                 by_map=True,
             )
             return
