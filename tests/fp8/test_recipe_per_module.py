@@ -41,6 +41,10 @@ class _Block(nn.Module):
         self.attn = nn.Linear(16, 16)
         self.experts = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])  # a smaller repeated list
 
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + torch.relu(self.attn(x))
+        return x + sum(torch.relu(e(x)) for e in self.experts)
+
 
 class _Net(nn.Module):
     def __init__(self, n: int = 4, as_dict: bool = False) -> None:
@@ -50,6 +54,11 @@ class _Net(nn.Module):
             nn.ModuleDict({str(i): b for i, b in enumerate(blocks)}) if as_dict else nn.ModuleList(blocks)
         )
         self.head = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
+            x = block(x)
+        return self.head(x)
 
 
 def _stack(root: nn.Module, path: str) -> list[tuple[str, type]]:
@@ -245,12 +254,29 @@ def test_compare_runs_the_map_on_both_sides() -> None:
     assert report.fp8 == "tensorwise + rowwise"
 
 
+def test_preset_on_a_small_block_model_is_the_policy_naming_the_same_modules() -> None:
+    """The preset's fast twin of the Llama test below (a ModuleDict of blocks, as torchtitan's):
+    bitwise with ``Policy(keep_out_of_fp8=[first block, last block, head])``, and the kept
+    blocks' gradients differ from the run converting every matmul."""
+    torch.manual_seed(0)
+    model, x = _Net(3, as_dict=True), torch.randn(2, 8, 16)
+    preset = LowPrecision.keep_ends(recipe="tensorwise", head="head")
+    _, grads = _step(copy.deepcopy(model), x, low_precision=preset)
+    policy = amp_fx.Policy(keep_out_of_fp8=["layers.0", "layers.2", "head"])
+    _, ref = _step(copy.deepcopy(model), x, fp8="tensorwise", policy=policy)
+    assert_bitwise(grads, ref, "gradients")
+    _, every = _step(copy.deepcopy(model), x, fp8="tensorwise")
+    for name in ("layers.0.attn.weight", "layers.2.experts.1.weight", "head.weight"):
+        assert not torch.equal(grads[name], every[name]), name
+
+
 def _llama_step(model: nn.Module, inputs: dict[str, Tensor], loss: Any, **kw: Any) -> dict[str, Tensor]:
     compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", **kw)
     loss(compiled(**inputs)).backward()
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow  # about 100 s here: explain and three compiles of a 4-block Llama
 @pytest.mark.skipif(LLAMA_4_LAYERS.missing() is not None, reason=str(LLAMA_4_LAYERS.missing()))
 def test_preset_keeps_first_last_blocks_and_head_in_bf16_on_a_llama() -> None:
     """``LowPrecision.keep_ends`` on a transformers Llama with 4 blocks: ``explain`` shows blocks 0
