@@ -270,6 +270,25 @@ def test_preset_on_a_small_block_model_is_the_policy_naming_the_same_modules() -
         assert not torch.equal(grads[name], every[name]), name
 
 
+def test_compile_step_takes_the_map() -> None:
+    """``compile_step(low_precision=...)`` with ``Blocks`` (found on the step's model): one step's
+    loss and parameters bitwise with ``Policy(keep_out_of_fp8=...)`` naming the same modules."""
+    torch.manual_seed(0)
+    model, x = _Net(3), torch.randn(2, 8, 16)
+    results = []
+    for kw in (
+        {"low_precision": LowPrecision(recipe="tensorwise", modules={Blocks(first=1): None, "head": None})},
+        {"fp8": "tensorwise", "policy": amp_fx.Policy(keep_out_of_fp8=["layers.0", "head"])},
+    ):
+        m = copy.deepcopy(model)
+        step = amp_fx.compile_step(
+            m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn, dtype="bf16", backend="aot_eager", **kw
+        )
+        results.append((step(x), [p.detach().clone() for p in m.parameters()]))
+    assert_bitwise(results[0][0], results[1][0], "loss")
+    assert_bitwise(results[0][1], results[1][1], "parameters")
+
+
 def _llama_step(model: nn.Module, inputs: dict[str, Tensor], loss: Any, **kw: Any) -> dict[str, Tensor]:
     compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", **kw)
     loss(compiled(**inputs)).backward()
