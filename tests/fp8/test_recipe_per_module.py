@@ -212,6 +212,18 @@ def test_an_entry_that_decides_no_matmul_is_reported() -> None:
     amp_fx.compile(model, dtype="bf16", backend="aot_eager", low_precision=twin, strict=True)(x)
 
 
+def test_the_policy_keeps_a_module_out_whatever_the_map_says() -> None:
+    """``Policy(keep_out_of_fp8=["fc2"])`` wins over the map's ``fc2`` entry; its twin without the
+    policy runs fc2 in the map's recipe."""
+    model, x = mlp()
+    lp = LowPrecision(recipe="tensorwise", modules={"fc2": "rowwise_with_gw_hp"})
+    for policy, fc2 in ((amp_fx.Policy(keep_out_of_fp8=["fc2"]), None), (None, Fp8Recipe.ROWWISE_WITH_GW_HP)):
+        decisions = {d.module: d for d in amp_fx.explain(model, x, low_precision=lp, policy=policy).fp8_decisions()}
+        assert decisions["fc2"].recipe is fc2, decisions["fc2"]
+        assert ("kept out of fp8 by policy (fc2)" in decisions["fc2"].reason) is (policy is not None)
+        assert decisions["fc1"].recipe is Fp8Recipe.TENSORWISE and decisions["fc1"].selector is None
+
+
 # --- numerics ---------------------------------------------------------------------------------------
 
 
