@@ -433,7 +433,7 @@ def _train(
     return losses, amp_fx.records(compiled)
 
 
-@pytest.mark.slow  # 200 to 350 s each on the loaded 2-core CPU (two cold compiles, 8 steps, 4 emulated)
+@pytest.mark.slow  # 50 to 65 s each on a quiet 2-core CPU, up to 350 s loaded (two cold compiles, 8 steps)
 @pytest.mark.filterwarnings(EMULATED)
 @pytest.mark.parametrize("build", [_llama, _qwen3_moe], ids=["llama", "qwen3_moe"])
 def test_models_train_with_every_gemm_in_nvfp4(build: object) -> None:
