@@ -39,6 +39,7 @@ from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
+from amp_fx.overflow.watch import register_compiled
 from amp_fx.passes.pipeline import GraphRecord, GraphWork, StageFailure, run_pipeline, stage
 from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
 from amp_fx.passes.watch_nonfinite import WatchRecord
@@ -70,6 +71,8 @@ class AmpBackend:
         self.reporter = reporter if reporter is not None else Reporter(options.strict)
         self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
         """amp_fx/backend/weight_cache.py: fills the graphs' lifted weight casts."""
+        if root is not None:
+            register_compiled(root)  # amp_fx/overflow/record.py names gradients after it
         self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""

@@ -26,7 +26,7 @@ from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect.precision import PrecisionReport, step_report
 from amp_fx.options import Options
-from amp_fx.overflow.report import OverflowReport
+from amp_fx.overflow.report import STEP_WATCH_HINT, OverflowReport
 from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
 from amp_fx.scaler.snapshot import unique_params
@@ -128,7 +128,12 @@ class CompiledStep:
         # DDP/FSDP2 with the watch: every rank's forward record is combined at each update (FSDP2:
         # in the found-inf all-reduce of the finish; DDP: one small all-reduce of its own).
         record = scaler.skip_record
-        record.attach(model, watch=getattr(self._forward, "amp_fx_watch", None), prefixes=module_prefixes(model))
+        record.attach(
+            model,
+            watch=getattr(self._forward, "amp_fx_watch", None),
+            prefixes=module_prefixes(model),
+            how_to_watch=STEP_WATCH_HINT,
+        )
         # amp_fx/backend/weight_cache.py: the low-precision copies are written with the update (under
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
