@@ -143,7 +143,14 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
             # a cuda model called with cpu inputs autocasts on cuda
             device_type = module_device() if module_device is not None else "cpu"
         compiled = compiled_by_leaves.get(leaves)
+        clock = None
         if compiled is None:
+            clock = backend.clock
+            clock.start(
+                f"amp_fx: {backend.label}: compiling (backend {backend.options.backend_name}): the forward now, "
+                "its backward at the first backward; a first step takes seconds to minutes "
+                "(docs/compiled-step.md#the-first-step)"
+            )
             sibling = backend if not compiled_by_leaves else backend.sibling()
             backends.append(sibling)
             compiled = compiled_by_leaves[leaves] = torch.compile(
@@ -162,6 +169,9 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from inner.__cause__  # its own cause kept (a fallen-back stage's), Dynamo's wrapper dropped
             raise
+        finally:
+            if clock is not None:
+                clock.stop()
         if not check or (policy_checked and backend.runs.count != runs) or torch.compiler.is_compiling():
             return out  # checked by the caller; ran graphs, policy checked; traced by an enclosing torch.compile
         policy_checked = _check_call(backend, target, runs, out, tensors, policy_checked)

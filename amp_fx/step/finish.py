@@ -128,10 +128,8 @@ class _CountingBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.graphs += 1
-        with timed(
-            f"amp_fx: compile_step: compiled the optimizer step ({self.label}, graph {self.graphs - 1}, "
-            f"backend {backend_name(self._backend)})"
-        ):
+        what = f"the optimizer step ({self.label}, graph {self.graphs - 1}, backend {backend_name(self._backend)})"
+        with timed(f"amp_fx: compile_step: compiled {what}", starting=f"amp_fx: compile_step: compiling {what} ..."):
             return self._inner(gm, example_inputs)
 
 

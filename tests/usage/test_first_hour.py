@@ -14,7 +14,11 @@ import amp_fx
 from amp_fx._common.progress import PROGRESS_LOGGER, progress_log
 from amp_fx.testing.zoo import MLP, GraphBreakMLP
 
-LINE = r"amp_fx: {model}: compiled graph {k} \(\d+ ops, {dtype}, backend eager\) in \d+\.\d s"
+LINE = r"amp_fx: {model}: compiled graph {k} \(\d+ ops, {dtype}, backend eager\) in \d+\.\d s, \d+\.\d s since the call"
+START = (
+    r"amp_fx: {model}: compiling \(backend {backend}\): the forward now, its backward at the first backward; "
+    r"a first step takes seconds to minutes \(docs/compiled-step\.md#the-first-step\)"
+)
 
 
 @pytest.fixture
@@ -37,8 +41,9 @@ def test_each_compiled_graph_is_one_progress_line_and_a_level_silences_them(prog
         model(x)
     model(x)
     lines = _lines(progress)
-    assert len(lines) == 2, lines
-    for k, line in enumerate(lines):
+    assert len(lines) == 3, lines
+    assert re.fullmatch(START.format(model="GraphBreakMLP", backend="eager"), lines[0]), lines
+    for k, line in enumerate(lines[1:]):
         assert re.fullmatch(LINE.format(model="GraphBreakMLP", k=k, dtype="bf16"), line), line
     progress.clear()
     progress.set_level(logging.WARNING, logger=PROGRESS_LOGGER)
@@ -58,13 +63,16 @@ def test_compile_step_says_when_its_forward_and_its_optimizer_step_compile(progr
     for _ in range(2):
         step(torch.randn(4, 16))
     lines = _lines(progress)
-    assert re.fullmatch(LINE.format(model=r"compile_step\(MLP\)", k=0, dtype="bf16"), lines[0]), lines
+    assert re.fullmatch(START.format(model=r"compile_step\(MLP\)", backend="eager"), lines[0]), lines
+    assert re.fullmatch(LINE.format(model=r"compile_step\(MLP\)", k=0, dtype="bf16"), lines[1]), lines
+    # the optimizer step's compile (step 1, after the eager warm-up) is announced as it starts
+    assert lines[2] == "amp_fx: compile_step: compiling the optimizer step (SGD, graph 0, backend eager) ...", lines
     assert re.fullmatch(
         r"amp_fx: compile_step: compiled the optimizer step \(SGD, graph 0, backend eager\) "
         r"in \d+\.\d s",
-        lines[1],
+        lines[3],
     ), lines
-    assert len(lines) == 2, lines
+    assert len(lines) == 4, lines
 
 
 def test_progress_prints_to_stderr_until_the_application_configures_logging(
@@ -261,3 +269,44 @@ def test_an_unwatched_report_names_the_unknown_and_the_call_that_finds_the_layer
     assert watched is not None and watched.first_op is not None, watched
     assert watched.first_op.module == "fc2" and not watched.from_scale, str(watched)
     assert str(watched).startswith(f"step {PLANT_STEP} skipped: first inf at fc2 ("), str(watched)
+
+
+# --- issue 61: time announced from the user's call -------------------------------------------------
+
+
+def _seconds(line: str, what: str) -> float:
+    found = re.search(rf"(\d+\.\d) s{what}", line)
+    assert found is not None, (what, line)
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_the_first_line_comes_before_compile_work_and_the_backward_compile_is_announced(
+    progress: pytest.LogCaptureFixture, backend: str
+) -> None:
+    """The user's first call logs its start line before Dynamo traces: its timestamp is at or
+    before the forward graph's compile start (the graph line's time minus its own duration, to the
+    line's 0.1 s rounding), and the forward line's "since the call" covers its compile time. The
+    backward graph, compiled by AOTAutograd at the first backward, is announced as it starts and
+    timed from the same call: this test fails if the backward compile is silent. A second step
+    compiles nothing and says nothing."""
+    model = amp_fx.compile(MLP(), dtype="fp16", backend=backend)
+    for _ in range(2):
+        model(torch.randn(4, 16)).float().square().mean().backward()
+    records = [r for r in progress.records if r.name == PROGRESS_LOGGER]
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 4, lines
+    start, forward, backward_start, backward = records
+    assert re.fullmatch(START.format(model="MLP", backend=backend), lines[0]), lines
+    assert lines[1].startswith("amp_fx: MLP: compiled graph 0 (") and lines[1].endswith(" s since the call"), lines
+    compile_s, since_s = _seconds(lines[1], ","), _seconds(lines[1], " since")
+    assert since_s >= compile_s, lines[1]
+    assert start.created <= forward.created - compile_s + 0.05, (start.created, forward.created, lines[1])
+    assert lines[2] == "amp_fx: MLP: compiling the backward of graph 0 (its first backward) ...", lines
+    assert re.fullmatch(
+        rf"amp_fx: MLP: compiled the backward of graph 0 \(\d+ ops, backend {backend}\) in \d+\.\d s, "
+        r"\d+\.\d s since the call",
+        lines[3],
+    ), lines
+    assert forward.created <= backward_start.created <= backward.created
+    assert _seconds(lines[3], " since") >= since_s - 0.05, lines
