@@ -8,9 +8,11 @@ paid on every call (docs/call-overhead.md has the measurements).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx.backend.audit import report_no_graph, report_root_outside_graphs, report_unused_policy
 from amp_fx.backend.compiler import AmpBackend
@@ -28,7 +31,7 @@ from amp_fx.passes.capture import is_cacheable_leaf
 if TYPE_CHECKING:
     from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["amp_call", "checked_units"]
+__all__ = ["amp_call", "checked_units", "own_autocast"]
 
 
 def _module_device_type(module: torch.nn.Module) -> str:
@@ -151,6 +154,8 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
                 "its backward at the first backward; a first step takes seconds to minutes "
                 "(docs/compiled-step.md#the-first-step)"
             )
+            if check and not torch.compiler.is_compiling():
+                _check_outer_autocast(backend, device_type)
             sibling = backend if not compiled_by_leaves else backend.sibling()
             backends.append(sibling)
             compiled = compiled_by_leaves[leaves] = torch.compile(
@@ -180,6 +185,52 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
     return call
+
+
+_OWN_AUTOCAST = threading.local()
+"""``.on``: amp_fx's own code opened the autocast a compiled model is called in (compile_step's
+forward under DDP/FSDP2, :func:`own_autocast`): not the user's leftover."""
+
+
+@contextlib.contextmanager
+def own_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype)`` opened by amp_fx around a compiled model's call."""
+    before = getattr(_OWN_AUTOCAST, "on", False)
+    _OWN_AUTOCAST.on = True
+    try:
+        with torch.autocast(device_type, dtype=dtype):
+            yield
+    finally:
+        _OWN_AUTOCAST.on = before
+
+
+def _check_outer_autocast(backend: AmpBackend, device_type: str) -> None:
+    """A compiling call made inside the user's own ``torch.autocast`` on the same device: amp_fx
+    casts to its own dtype whatever the outer autocast says, so a different dtype is ignored
+    (said once; strict mode: an error) and the same dtype is redundant (a note). Checked when a
+    call compiles, not on every call (docs/call-overhead.md)."""
+    if getattr(_OWN_AUTOCAST, "on", False) or not torch.is_autocast_enabled(device_type):
+        return
+    outer = torch.get_autocast_dtype(device_type)
+    ours = dtype_name(backend.dtype)
+    if outer != backend.dtype:
+        backend.reporter.did_less(
+            ("outer autocast", outer),
+            (
+                f"amp_fx: {backend.label} was compiled with dtype={ours!r} and is called inside "
+                f"torch.autocast({device_type!r}, dtype={outer}): the outer autocast is ignored, the model "
+                f"runs in {ours}. Drop the torch.autocast around the call (amp_fx casts itself), or "
+                f"compile with dtype={dtype_name(outer)!r} if that is the dtype you want."
+            ),
+        )
+    else:
+        backend.reporter.notice(
+            ("outer autocast", outer),
+            (
+                f"amp_fx: {backend.label} is called inside torch.autocast({device_type!r}, dtype={outer}), "
+                f"which amp_fx opens itself: the outer autocast is redundant and can be dropped."
+            ),
+        )
 
 
 def _check_call(
