@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 __all__ = ["PROGRESS_LOGGER", "CompileClock", "progress_log", "timed"]
@@ -46,10 +46,11 @@ if not any(isinstance(h, _UnlessConfigured) for h in progress_log.handlers):
 
 
 @contextmanager
-def timed(what: str, *, since: float | None = None, starting: str | None = None) -> Iterator[None]:
+def timed(what: str | Callable[[], str], *, since: float | None = None, starting: str | None = None) -> Iterator[None]:
     """Log ``"{what} in {seconds} s"`` at INFO when the block finishes (not when it raises: the
     error says what happened), with ``", {seconds} s since the call"`` where ``since`` (a
-    ``time.perf_counter()`` of the user's call) is given; ``starting``: a line logged as it starts."""
+    ``time.perf_counter()`` of the user's call) is given; ``starting``: a line logged as it starts.
+    ``what`` may be a callable, called when the block is done (a count known only then)."""
     if not progress_log.isEnabledFor(logging.INFO):
         yield
         return
@@ -58,6 +59,8 @@ def timed(what: str, *, since: float | None = None, starting: str | None = None)
     start = time.perf_counter()
     yield
     end = time.perf_counter()
+    if callable(what):
+        what = what()
     if since is None:
         progress_log.info("%s in %.1f s", what, end - start)
     else:

@@ -40,6 +40,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.overflow.watch import register_compiled
+from amp_fx.passes.fx_edit import counted_ops
 from amp_fx.passes.pipeline import GraphRecord, GraphWork, StageFailure, run_pipeline, stage
 from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
 from amp_fx.passes.watch_nonfinite import WatchRecord
@@ -119,14 +120,23 @@ class AmpBackend:
         guard_module_hooks()
         index = len(self.records)
         with timed(
-            f"amp_fx: {self.label}: compiled graph {index} ({_ops(gm)} ops, {dtype_name(self.dtype)}, "
-            f"backend {self.options.backend_name})",
+            lambda: (
+                f"amp_fx: {self.label}: compiled graph {index} ({self._counted_ops(index, gm)} ops, "
+                f"{dtype_name(self.dtype)}, backend {self.options.backend_name})"
+            ),
             since=self.clock.compiling(index),
         ):
             try:
                 return self._compile(gm, example_inputs, index)
             except StageFailure as failure:
                 return self._fall_back(gm, example_inputs, failure)
+
+    def _counted_ops(self, index: int, gm: torch.fx.GraphModule) -> int:
+        """The ops of graph ``index`` as ``explain`` and ``amp_fx_summary()`` count them (its record's
+        rewritten graph: ATen ops, casts not counted); Dynamo's graph's calls for a graph that fell back."""
+        if index < len(self.records) and self.records[index].fallback is None:
+            return counted_ops(self.records[index].rewritten)
+        return _ops(gm)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], index: int) -> Callable[..., Any]:
         # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
@@ -289,7 +299,8 @@ class AmpBackend:
 
         def around(gm: torch.fx.GraphModule, example_inputs: Any, compile_graph: Backend) -> Callable[..., Any]:
             with timed(
-                f"amp_fx: {label}: compiled the backward of graph {index} ({_ops(gm)} ops, backend {backend_label})",
+                f"amp_fx: {label}: compiled the backward of graph {index} ({counted_ops(gm)} ops, "
+                f"backend {backend_label})",
                 since=clock.since(index),
                 starting=f"amp_fx: {label}: compiling the backward of graph {index} (its first backward) ...",
             ):

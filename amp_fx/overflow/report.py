@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FirstOp", "OverflowReport", "WATCH_HINT", "STEP_WATCH_HINT"]
+__all__ = ["FirstOp", "OverflowReport", "WATCH_HINT", "STEP_WATCH_HINT", "scale_text"]
 
 WATCH_HINT = "amp_fx.compile(model, ..., watch_nonfinite=True), and scaler.watch(model) if the scaler does not find it"
 """The call that watches a forward trained with ``amp_fx.GradScaler``: the scaler finds a watched
@@ -115,9 +115,9 @@ class OverflowReport:
             where = note if self.first_op is None else f"{where}; {note}"
         scale = ""
         if self.scale is not None:
-            scale = f"; scale {_power(self.scale)}"
+            scale = f"; scale {scale_text(self.scale)}"
             if self.scale_after is not None and self.scale_after != self.scale:
-                scale += f", backed off to {_power(self.scale_after)}"
+                scale += f", backed off to {scale_text(self.scale_after)}"
         row = f"; {self.in_a_row} steps skipped in a row" if self.in_a_row > 1 else ""
         return f"step {self.step} skipped: {where}; {grads}{scale}{row}"
 
@@ -149,8 +149,9 @@ class OverflowReport:
         )
 
 
-def _power(scale: float) -> str:
-    """A scale as its power of two where it is one (``2**40``), else as a number."""
+def scale_text(scale: float) -> str:
+    """A loss scale as its power of two where it is one (``2**40``), else as a number; the form of
+    every scale amp_fx prints (the overflow report, ``advise``)."""
     if scale > 0 and math.isfinite(scale) and math.frexp(scale)[0] == 0.5:
         return f"2**{math.frexp(scale)[1] - 1}"
     return f"{scale:g}"

@@ -310,3 +310,38 @@ def test_the_first_line_comes_before_compile_work_and_the_backward_compile_is_an
     ), lines
     assert forward.created <= backward_start.created <= backward.created
     assert _seconds(lines[3], " since") >= since_s - 0.05, lines
+
+
+# --- issue 61: one meaning per word ----------------------------------------------------------------
+
+
+def test_the_op_count_means_one_thing_in_the_compile_line_explain_and_the_summary(
+    progress: pytest.LogCaptureFixture,
+) -> None:
+    """The compile line's "N ops", ``explain``'s "ops" column and ``amp_fx_summary()``'s (what the
+    demo prints) are one count: the ATen ops of the rewritten graph, casts not counted, checked
+    against the count made here from the graph itself (before, three counts: Dynamo's
+    calls, ATen ops without casts, every call node). explain names the backend the user asked for,
+    not amp_fx's internal wrapper (it printed ``recorder(eager)``)."""
+    from amp_fx.passes.fx_edit import CAST_OP
+
+    x = torch.randn(4, 16)
+    compiled = amp_fx.compile(MLP(), dtype="fp16", backend="eager")
+    compiled(x)
+    rewritten = compiled.amp_fx_records[0].rewritten
+    reference = sum(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target is not CAST_OP
+        for n in rewritten.graph.nodes
+    )
+    casts = sum(n.target is CAST_OP for n in rewritten.graph.nodes)
+    assert casts > 0  # the test can fail: counting casts would give another number
+    line = next(m for m in _lines(progress) if "compiled graph 0" in m)
+    assert f"compiled graph 0 ({reference} ops, fp16, backend eager)" in line, line
+    summary = compiled.amp_fx_summary().splitlines()
+    ops_column = summary[0].split().index("ops")
+    assert summary[2].split()[ops_column] == str(reference), "\n".join(summary)
+    progress.clear()
+    explained = amp_fx.explain(MLP(), x, dtype="fp16")
+    assert explained.summary_rows()[0]["ops"] == reference
+    said = "\n".join([str(explained), *_lines(progress)])
+    assert "recorder" not in said and "probe" not in said, said
