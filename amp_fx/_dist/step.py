@@ -55,9 +55,9 @@ from typing import Any, TypeGuard
 
 import torch
 
+from amp_fx._common.autocast import own_autocast
 from amp_fx._common.compat import dtensor_type, local_tensor
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
-from amp_fx.backend.call import own_autocast
 
 __all__ = [
     "LocalShards",

@@ -8,17 +8,16 @@ paid on every call (docs/call-overhead.md has the measurements).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._dynamo
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._common.autocast import in_own_autocast
 from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
 from amp_fx._common.dtype_names import dtype_name
@@ -31,7 +30,7 @@ from amp_fx.passes.capture import is_cacheable_leaf
 if TYPE_CHECKING:
     from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
-__all__ = ["amp_call", "checked_units", "own_autocast"]
+__all__ = ["amp_call", "checked_units"]
 
 
 def _module_device_type(module: torch.nn.Module) -> str:
@@ -187,29 +186,12 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     return call
 
 
-_OWN_AUTOCAST = threading.local()
-"""``.on``: amp_fx's own code opened the autocast a compiled model is called in (compile_step's
-forward under DDP/FSDP2, :func:`own_autocast`): not the user's leftover."""
-
-
-@contextlib.contextmanager
-def own_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
-    """``torch.autocast(device_type, dtype)`` opened by amp_fx around a compiled model's call."""
-    before = getattr(_OWN_AUTOCAST, "on", False)
-    _OWN_AUTOCAST.on = True
-    try:
-        with torch.autocast(device_type, dtype=dtype):
-            yield
-    finally:
-        _OWN_AUTOCAST.on = before
-
-
 def _check_outer_autocast(backend: AmpBackend, device_type: str) -> None:
     """A compiling call made inside the user's own ``torch.autocast`` on the same device: amp_fx
     casts to its own dtype whatever the outer autocast says, so a different dtype is ignored
     (said once; strict mode: an error) and the same dtype is redundant (a note). Checked when a
     call compiles, not on every call (docs/call-overhead.md)."""
-    if getattr(_OWN_AUTOCAST, "on", False) or not torch.is_autocast_enabled(device_type):
+    if in_own_autocast() or not torch.is_autocast_enabled(device_type):
         return
     outer = torch.get_autocast_dtype(device_type)
     ours = dtype_name(backend.dtype)
