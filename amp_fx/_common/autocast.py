@@ -17,12 +17,13 @@ forward under DDP/FSDP2, :func:`own_autocast`): not the user's leftover."""
 
 
 @contextlib.contextmanager
-def own_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
-    """``torch.autocast(device_type, dtype)`` opened by amp_fx around a compiled model's call."""
+def own_autocast(device_type: str, dtype: torch.dtype, *, cache_enabled: bool | None = None) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype, cache_enabled)`` opened by amp_fx (or its Lightning
+    plugin) around a compiled model's call."""
     before = getattr(_OWN_AUTOCAST, "on", False)
     _OWN_AUTOCAST.on = True
     try:
-        with torch.autocast(device_type, dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled):
             yield
     finally:
         _OWN_AUTOCAST.on = before
