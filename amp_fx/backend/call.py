@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from amp_fx._common.autocast import in_own_autocast
 from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
+from amp_fx._common.downstream import BACKWARD_BACKENDS
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx.backend.audit import report_no_graph, report_root_outside_graphs, report_unused_policy
@@ -148,10 +149,11 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
         clock = None
         if compiled is None:
             clock = backend.clock
+            backward = torch.is_grad_enabled() and backend.options.backend_name in BACKWARD_BACKENDS
             clock.start(
-                f"amp_fx: {backend.label}: compiling (backend {backend.options.backend_name}): the forward now, "
-                "its backward at the first backward; a first step takes seconds to minutes "
-                "(docs/compiled-step.md#the-first-step)"
+                f"amp_fx: {backend.label}: compiling (backend {backend.options.backend_name}): the forward now"
+                + (", its backward at the first backward" if backward else "")
+                + "; a first step takes seconds to minutes (docs/compiled-step.md#the-first-step)"
             )
             if check and not torch.compiler.is_compiling():
                 _check_outer_autocast(backend, device_type)
