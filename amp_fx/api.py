@@ -7,7 +7,6 @@ The public entry points (``amp_fx.compile``, ``records``, ``uncompile``, ``optio
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from amp_fx._common.downstream import Backend
+from amp_fx._common.suggest import did_you_mean
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
 from amp_fx.low_precision import LowPrecisionLike, one_option
@@ -151,8 +151,7 @@ def check_compile_kwargs(kwargs: dict[str, Any]) -> None:
     unknown = [k for k in kwargs if k not in theirs]
     if not unknown:
         return
-    close = difflib.get_close_matches(unknown[0], ours + theirs, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = did_you_mean(unknown[0], ours + theirs, n=1)
     raise TypeError(
         f"amp_fx.compile got an unexpected keyword argument {unknown[0]!r}{hint}. amp_fx's options: "
         f"{', '.join(ours)}; passed on to torch.compile: {', '.join(theirs)}"

@@ -26,11 +26,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from amp_fx._common.suggest import did_you_mean
+
 __all__ = ["main"]
 
 
 class UserCodeError(Exception):
     """A problem in the user's file or function (exit code 2)."""
+
+
+class CommandLineError(UserCodeError):
+    """A mistake on the command line itself (the target's form, a file or function that is not
+    there), not in the user's code (exit code 2)."""
+
+
+def _functions_in(path: Path) -> list[str]:
+    """The top-level functions a file defines, read without running it ([] if it does not parse)."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text())
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return []
+    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
 
 
 def _user_frame(tb: types.TracebackType | None, path: Path) -> str:
@@ -46,10 +64,17 @@ def load_target(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """Import ``FILE:FUNCTION``, call the function, return ``(model, args, kwargs)``."""
     file, sep, func = spec.rpartition(":")
     if not sep or not file or not func:
-        raise UserCodeError(f"expected FILE.py:FUNCTION, got {spec!r}")
+        given = Path(file or spec)
+        defined = _functions_in(given) if given.is_file() else []
+        example = f"{given}:{defined[0]}" if defined else "FILE.py:FUNCTION"
+        listed = f" ({given} defines: {', '.join(defined)})" if defined else ""
+        raise CommandLineError(
+            f"the target must be FILE.py:FUNCTION, a file and the function in it that returns (model, "
+            f"inputs), got {spec!r}; e.g. {example}{listed}"
+        )
     path = Path(file).resolve()
     if not path.is_file():
-        raise UserCodeError(f"{file}: no such file")
+        raise CommandLineError(f"{file}: no such file{did_you_mean(Path(file).name, _python_files(path.parent), n=1)}")
     name = f"_amp_fx_user_{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
@@ -71,8 +96,9 @@ def load_target(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
             for k, v in vars(module).items()
             if callable(v) and getattr(v, "__module__", None) == name and not k.startswith("_")
         )
-        raise UserCodeError(
-            f"{file}: has no function {func!r} (it defines: {', '.join(defined) or 'nothing callable'})"
+        raise CommandLineError(
+            f"{file}: has no function {func!r}{did_you_mean(func, defined)} (it defines: "
+            f"{', '.join(defined) or 'nothing callable'})"
         )
     try:
         result = fn()
@@ -95,6 +121,10 @@ def load_target(spec: str) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     if not callable(model):
         raise UserCodeError(f"{file}: {func}() returned a model that is not callable: {type(model).__name__}")
     return model, args, kwargs
+
+
+def _python_files(folder: Path) -> list[str]:
+    return [p.name for p in folder.glob("*.py")] if folder.is_dir() else []
 
 
 def _split_inputs(inputs: Any) -> tuple[Any, dict[str, Any]]:
@@ -293,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, inputs, kwargs = load_target(args.target)
         _check_keywords(tool, kwargs, args.target)
+    except CommandLineError as e:
+        print(f"amp-fx {args.command}: command-line mistake: {e}", file=sys.stderr)
+        return 2
     except UserCodeError as e:
         print(f"amp-fx: error in your code: {e}", file=sys.stderr)
         return 2

@@ -55,6 +55,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from amp_fx._common.autocast import own_autocast
 from amp_fx._common.compat import dtensor_type, local_tensor
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, distributed_units, is_fsdp1, module_device_type
 
@@ -429,7 +430,7 @@ def distributed_forward(
         if fsdp2 and accumulate > 1:  # FSDP2 reads the flag in the backward, after this call returns
             model.set_requires_gradient_sync(last_of_window)  # type: ignore[operator]  # FSDPModule's, mixed in
         sync = ddp_model.no_sync() if ddp_model is not None and not last_of_window else contextlib.nullcontext()
-        with sync, torch.autocast(device_type, dtype=dtype):
+        with sync, own_autocast(device_type, dtype):
             return forward_loss(compiled, scale, *batch, **model_kwargs)
 
     forward.amp_fx_records = compiled.amp_fx_records  # type: ignore[attr-defined]  # set on the function

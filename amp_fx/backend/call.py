@@ -17,8 +17,11 @@ import torch
 import torch._dynamo
 from torch.utils._pytree import tree_flatten
 
+from amp_fx._common.autocast import in_own_autocast
 from amp_fx._common.compat import dynamo_folds_is_exporting, is_exporting_as_eager
 from amp_fx._common.devices import DEVICES, autocast_device_type
+from amp_fx._common.downstream import BACKWARD_BACKENDS
+from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.fresh_code import calls_forward_only, fresh_callable, fresh_forward
 from amp_fx.backend.audit import report_no_graph, report_root_outside_graphs, report_unused_policy
 from amp_fx.backend.compiler import AmpBackend
@@ -143,7 +146,17 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
             # a cuda model called with cpu inputs autocasts on cuda
             device_type = module_device() if module_device is not None else "cpu"
         compiled = compiled_by_leaves.get(leaves)
+        clock = None
         if compiled is None:
+            clock = backend.clock
+            backward = torch.is_grad_enabled() and backend.options.backend_name in BACKWARD_BACKENDS
+            clock.start(
+                f"amp_fx: {backend.label}: compiling (backend {backend.options.backend_name}): the forward now"
+                + (", its backward at the first backward" if backward else "")
+                + "; a first step takes seconds to minutes (docs/compiled-step.md#the-first-step)"
+            )
+            if check and not torch.compiler.is_compiling():
+                _check_outer_autocast(backend, device_type)
             sibling = backend if not compiled_by_leaves else backend.sibling()
             backends.append(sibling)
             compiled = compiled_by_leaves[leaves] = torch.compile(
@@ -162,6 +175,9 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
             if isinstance(inner, (AmpFxError, ValueError)):
                 raise inner from inner.__cause__  # its own cause kept (a fallen-back stage's), Dynamo's wrapper dropped
             raise
+        finally:
+            if clock is not None:
+                clock.stop()
         if not check or (policy_checked and backend.runs.count != runs) or torch.compiler.is_compiling():
             return out  # checked by the caller; ran graphs, policy checked; traced by an enclosing torch.compile
         policy_checked = _check_call(backend, target, runs, out, tensors, policy_checked)
@@ -170,6 +186,35 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
     if not isinstance(target, torch.nn.Module):
         call = functools.wraps(target)(call)
     return call
+
+
+def _check_outer_autocast(backend: AmpBackend, device_type: str) -> None:
+    """A compiling call made inside the user's own ``torch.autocast`` on the same device: amp_fx
+    casts to its own dtype whatever the outer autocast says, so a different dtype is ignored
+    (said once; strict mode: an error) and the same dtype is redundant (a note). Checked when a
+    call compiles, not on every call (docs/call-overhead.md)."""
+    if in_own_autocast() or not torch.is_autocast_enabled(device_type):
+        return
+    outer = torch.get_autocast_dtype(device_type)
+    ours = dtype_name(backend.dtype)
+    if outer != backend.dtype:
+        backend.reporter.did_less(
+            ("outer autocast", outer),
+            (
+                f"amp_fx: {backend.label} was compiled with dtype={ours!r} and is called inside "
+                f"torch.autocast({device_type!r}, dtype={outer}): the outer autocast is ignored, the model "
+                f"runs in {ours}. Drop the torch.autocast around the call (amp_fx casts itself), or "
+                f"compile with dtype={dtype_name(outer)!r} if that is the dtype you want."
+            ),
+        )
+    else:
+        backend.reporter.notice(
+            ("outer autocast", outer),
+            (
+                f"amp_fx: {backend.label} is called inside torch.autocast({device_type!r}, dtype={outer}), "
+                f"which amp_fx opens itself: the outer autocast is redundant and can be dropped."
+            ),
+        )
 
 
 def _check_call(

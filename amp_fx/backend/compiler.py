@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx._common.downstream import resolve_backend
+from amp_fx._common.downstream import BACKWARD_BACKENDS, Backend, resolve_backend, with_backward_compile
 from amp_fx._common.dtype_names import dtype_name
-from amp_fx._common.progress import timed
+from amp_fx._common.progress import CompileClock, timed
 from amp_fx._common.report import Reporter
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
@@ -39,6 +39,8 @@ from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
+from amp_fx.overflow.watch import register_compiled
+from amp_fx.passes.fx_edit import counted_ops
 from amp_fx.passes.pipeline import GraphRecord, GraphWork, StageFailure, run_pipeline, stage
 from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream
 from amp_fx.passes.watch_nonfinite import WatchRecord
@@ -70,6 +72,8 @@ class AmpBackend:
         self.reporter = reporter if reporter is not None else Reporter(options.strict)
         self.weight_cache: WeightCache | None = WeightCache() if options.weight_cache else None
         """amp_fx/backend/weight_cache.py: fills the graphs' lifted weight casts."""
+        if root is not None:
+            register_compiled(root)  # amp_fx/overflow/record.py names gradients after it
         self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
@@ -79,6 +83,8 @@ class AmpBackend:
         self.records: list[GraphRecord] = []
         self.runs = RunCount()
         """How many times a graph of this backend (or a sibling) has run."""
+        self.clock = CompileClock()
+        """The user's call that compiles (shared with siblings): progress lines time from it."""
         self._splits = SplitTracker(options.dtype, self.reporter)
 
     @property
@@ -114,13 +120,23 @@ class AmpBackend:
         guard_module_hooks()
         index = len(self.records)
         with timed(
-            f"amp_fx: {self.label}: compiled graph {index} ({_ops(gm)} ops, {dtype_name(self.dtype)}, "
-            f"backend {self.options.backend_name})"
+            lambda: (
+                f"amp_fx: {self.label}: compiled graph {index} ({self._counted_ops(index, gm)} ops, "
+                f"{dtype_name(self.dtype)}, backend {self.options.backend_name})"
+            ),
+            since=self.clock.compiling(index),
         ):
             try:
                 return self._compile(gm, example_inputs, index)
             except StageFailure as failure:
                 return self._fall_back(gm, example_inputs, failure)
+
+    def _counted_ops(self, index: int, gm: torch.fx.GraphModule) -> int:
+        """The ops of graph ``index`` as ``explain`` and ``amp_fx_summary()`` count them (its record's
+        rewritten graph: ATen ops, casts not counted); Dynamo's graph's calls for a graph that fell back."""
+        if index < len(self.records) and self.records[index].fallback is None:
+            return counted_ops(self.records[index].rewritten)
+        return _ops(gm)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any], index: int) -> Callable[..., Any]:
         # amp_fx calls compiled code inside torch.autocast (see amp_fx.compile), so that code
@@ -248,11 +264,16 @@ class AmpBackend:
     # --- the backward watch (amp_fx/passes/watch_backward.py) ---------------------------------
 
     def _downstream_for(self, record: GraphRecord) -> Callable[..., Any]:
-        """The downstream compile for ``record``'s graph: with the watch, one that also watches
-        its backward graph where the backend has one amp_fx can reach."""
+        """The downstream compile for ``record``'s graph: where the backend has a backward graph
+        amp_fx can reach, one that announces its backward's compile (progress lines) and, with the
+        watch, watches it."""
         watch, backend = self.watch, self.options.backend
-        if watch is None or watch.backward_unwatched or not isinstance(backend, str):
+        if not isinstance(backend, str) or backend not in BACKWARD_BACKENDS:
             return self._downstream
+        around = self._announce_backward(record.index)
+        if watch is None or watch.backward_unwatched:
+            compile_backward = with_backward_compile(backend, inductor_config=self.options.inductor, around=around)
+            return compile_backward if compile_backward is not None else self._downstream
         key = watch.backward_key(record.index)
 
         def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:
@@ -266,8 +287,26 @@ class AmpBackend:
             dtype=self.options.dtype,
             forward=record.rewritten,
             on_backward=on_backward,
+            around=around,
         )
         return downstream if downstream is not None else self._downstream
+
+    def _announce_backward(self, index: int) -> Callable[[torch.fx.GraphModule, Any, Backend], Callable[..., Any]]:
+        """What compiles graph ``index``'s backward (at its first backward, seconds to a minute
+        with inductor): announced as it starts, and timed, from the user's call too where that
+        call compiled the forward graph (:class:`~amp_fx._common.progress.CompileClock`)."""
+        label, clock, backend_label = self.label, self.clock, self.options.backend_name
+
+        def around(gm: torch.fx.GraphModule, example_inputs: Any, compile_graph: Backend) -> Callable[..., Any]:
+            with timed(
+                f"amp_fx: {label}: compiled the backward of graph {index} ({counted_ops(gm)} ops, "
+                f"backend {backend_label})",
+                since=clock.since(index),
+                starting=f"amp_fx: {label}: compiling the backward of graph {index} (its first backward) ...",
+            ):
+                return compile_graph(gm, example_inputs)
+
+        return around
 
     def _report_unwatched_backward(self, watch: ForwardWatch) -> None:
         """``watch_nonfinite=True`` with a backend whose backward graph amp_fx cannot reach: the

@@ -16,6 +16,7 @@ from amp_fx import low_precision
 from amp_fx._common.devices import check_supported
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
+from amp_fx._common.suggest import did_you_mean
 from amp_fx._common.targets import check_target
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.capture import (
@@ -235,10 +236,10 @@ def check_keep_fp32(policy: Policy, model: object) -> None:
         known = {n for n, _ in model.named_modules() if n}
         for name in names:
             if name not in known:
-                close = sorted(k for k in known if k.split(".")[-1] == name.split(".")[-1])[:5]
-                hint = f" (did you mean {close}?)" if close else ""
                 raise ValueError(
-                    f"amp_fx: Policy.{field} names submodule {name!r}, which {type(model).__name__} does not have{hint}"
+                    f"amp_fx: Policy.{field} names submodule {name!r}, which {type(model).__name__} does not "
+                    f"have{did_you_mean(name, known)}; names are paths under the compiled module, as in its "
+                    f"named_modules()"
                 )
 
 

@@ -264,7 +264,8 @@ class InputRecorder:
         self._inputs: dict[int, list[Any]] = {}
         self._labels: dict[int, dict[str, str]] = {}
         self._graphs: list[torch.fx.GraphModule] = []  # keeps ids stable
-        self.__name__ = f"recorder({self.name})"
+        # what the user asked for, in progress lines and reports (the recorder is amp_fx's own wrapper)
+        self.__name__ = self.name
 
     def inputs_for(self, record: GraphRecord) -> list[Any] | None:
         return self._inputs.get(id(record.rewritten))

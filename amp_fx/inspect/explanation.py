@@ -59,7 +59,7 @@ from amp_fx.inspect._runner import (
 from amp_fx.low_precision import LowPrecisionLike, one_option
 from amp_fx.passes import meta
 from amp_fx.passes.fp8_matmuls import Fp8Decision
-from amp_fx.passes.fx_edit import is_cast, is_inserted_cast, placeholders
+from amp_fx.passes.fx_edit import counted_ops, is_cast, is_inserted_cast, placeholders
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import CastClass, Policy, resolve_dtype
 
@@ -447,7 +447,7 @@ class Explanation:
                     "graph": r.index,
                     "device": r.device_type,
                     "dtype": dtype_name(r.dtype),
-                    "ops": len(ops),
+                    "ops": counted_ops(r.rewritten),  # == len(ops): the count the compile line gives
                     "ops per dtype": ", ".join(f"{k} {v}" for k, v in sorted(per_dtype.items())) or "-",
                     "casts inserted": r.inserted.casts_inserted,
                     "leaf casts shared": r.inserted.casts_shared,
@@ -700,7 +700,8 @@ class Explanation:
 
 
 _SUMMARY_LEGEND = textwrap.fill(
-    "(casts inserted: the casts amp_fx added; leaf casts shared: weight casts one cast serves for every "
+    "(ops: the graph's ATen ops, casts not counted, as the compile line and amp_fx_summary() count them; "
+    "casts inserted: the casts amp_fx added; leaf casts shared: weight casts one cast serves for every "
     "use, as eager autocast's cast cache; casts folded: removed because they changed no value, by rule; "
     "casts left: the casts in the graph that runs, amp_fx's that were not folded plus your own)",
     100,

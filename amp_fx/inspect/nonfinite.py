@@ -255,7 +255,9 @@ class _Probe:
         self._graph_outputs: dict[int, tuple[torch.Tensor, frozenset[int]]] = {}
         """id -> (non-finite tensor a graph returned, its origins); the tensor is held so that
         its id is not reused."""
-        self.__name__ = "find_nonfinite_probe"
+        # the graphs run op by op in eager (an interpreter that checks each op's output): what the
+        # progress lines and reports name, not this class's name
+        self.__name__ = "eager"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         def run(*args: Any) -> Any:

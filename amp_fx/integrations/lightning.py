@@ -21,6 +21,7 @@ choice bit for bit on models that use a weight twice (tests/integrations/test_li
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 import torch
@@ -31,6 +32,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where lightning is missing
     raise ImportError("amp_fx.lightning needs PyTorch Lightning: pip install amp_fx[lightning]") from e
 
+from amp_fx._common.autocast import own_autocast
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
 from amp_fx.api import check_compile_kwargs, compile_with, options_of, records
@@ -93,9 +95,10 @@ class AmpFxPrecision(MixedPrecision):
         self._module = module
         return module
 
-    def autocast_context_manager(self) -> torch.autocast:
-        # amp_fx's dtype; a shared cast per weight only where the policy shares it in the graphs
-        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=self.policy.cast_cache)
+    def autocast_context_manager(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        # amp_fx's dtype; a shared cast per weight only where the policy shares it in the graphs;
+        # amp_fx's own (the compiled module does not note it as the user's redundant autocast)
+        return own_autocast(self.device, self.dtype, cache_enabled=self.policy.cast_cache)
 
     def optimizer_step(  # type: ignore[override]  # Lightning's trainer plugin signature, not fabric's
         self, optimizer: Any, model: pl.LightningModule, closure: Any, **kwargs: Any

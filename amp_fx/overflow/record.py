@@ -29,8 +29,8 @@ import torch
 from amp_fx._common.report import warn
 from amp_fx._common.unwrap import unwrap_compiled
 from amp_fx._dist.found_inf import combine_first_op, ranks_of
-from amp_fx.overflow.report import OverflowReport
-from amp_fx.overflow.watch import ForwardWatch, watched_models
+from amp_fx.overflow.report import WATCH_HINT, OverflowReport
+from amp_fx.overflow.watch import ForwardWatch, compiled_models, watched_models
 from amp_fx.passes.watch_nonfinite import NONE
 
 __all__ = ["SkipRecord", "root_names", "strip_wrappers", "SKIPS_IN_A_ROW_WARNING"]
@@ -85,6 +85,8 @@ class SkipRecord:
         self.names: dict[int, str] = {}
         self.prefixes: tuple[str, ...] = _WRAPPER_PREFIXES
         self.watch: ForwardWatch | None = None
+        self.how_to_watch = WATCH_HINT
+        """The call that would watch the forward, for a report that names no op for want of a watch."""
         # DDP/FSDP2 (amp_fx._dist.found_inf.ranks_of): the ranks whose forward records are combined
         # at each update (every rank then names the op), or None on one process.
         self.group: Any = None
@@ -96,15 +98,22 @@ class SkipRecord:
 
     # ------------------------------------------------------------------ wiring
     def attach(
-        self, model: torch.nn.Module, *, watch: ForwardWatch | None, prefixes: tuple[str, ...] = _WRAPPER_PREFIXES
+        self,
+        model: torch.nn.Module,
+        *,
+        watch: ForwardWatch | None,
+        prefixes: tuple[str, ...] = _WRAPPER_PREFIXES,
+        how_to_watch: str = WATCH_HINT,
     ) -> None:
         """Report on ``model``: gradients named as its root module names its parameters (through
         DDP, ``torch.compile`` and ``amp_fx.compile`` wrappers), the first forward op from ``watch``
         (None: not watched), its module path stripped of ``prefixes`` (the wrappers the forward was
         recorded under). With a watch, the forward records of the ranks that train ``model``
         together (``ranks_of``: DDP's group, or FSDP2's mesh) are combined at each step: every such
-        rank must attach, or the others wait for it."""
+        rank must attach, or the others wait for it. ``how_to_watch``: the call a report without a
+        watch points at."""
         self.names = root_names(model)[1]
+        self.how_to_watch = how_to_watch
         self.watch = watch
         self.prefixes = prefixes
         self.group = ranks_of(model) if watch is not None else None
@@ -122,15 +131,18 @@ class SkipRecord:
             return
         self.attached = True
         models = watched_models()
-        if not models:
-            return  # nothing was asked to be watched: gradients named by position, as ever
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not models:  # nothing was asked to be watched: the gradients named after the compiled model
+            self._name_after_compiled(ids)
+            return
         holding = [(m, w) for m, w in models if any(id(p) in ids for p in m.parameters())]
         if len({id(w) for _, w in holding}) == 1:
             model, watch = holding[0]
             ddp = watch.ddp
             self.attach(ddp if ddp is not None else model, watch=watch)
             return
+        if not holding:
+            self._name_after_compiled(ids)
         kinds = ", ".join(type(m).__name__ for m, _ in (holding or models))
         self.unattached = (
             f"the optimizer's parameters belong to {len(holding)} models compiled with watch_nonfinite=True "
@@ -139,6 +151,14 @@ class SkipRecord:
             else f"{len(models)} model(s) compiled with watch_nonfinite=True ({kinds}) hold none of the "
             "optimizer's parameters"
         )
+
+    def _name_after_compiled(self, ids: set[int]) -> None:
+        """Name the gradients after the one module compiled by ``amp_fx.compile`` that holds
+        parameters of ``ids`` (no watch, so nothing is combined across ranks); by position where
+        none or several do (``<parameter N>``: the scaler cannot know the names)."""
+        holding = [m for m in compiled_models() if any(id(p) in ids for p in m.parameters())]
+        if len(holding) == 1:
+            self.names = root_names(holding[0])[1]
 
     # ------------------------------------------------------------------ device state
     def init(self, device: torch.device) -> None:
@@ -305,4 +325,6 @@ class SkipRecord:
             scale_after=scale_after,
             in_a_row=in_a_row,
             every_gradient=bool(flags) and all(flags),
+            checked=len(flags),
+            how_to_watch=self.how_to_watch,
         )

@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["FirstOp", "OverflowReport"]
+__all__ = ["FirstOp", "OverflowReport", "WATCH_HINT", "STEP_WATCH_HINT", "scale_text"]
+
+WATCH_HINT = "amp_fx.compile(model, ..., watch_nonfinite=True), and scaler.watch(model) if the scaler does not find it"
+"""The call that watches a forward trained with ``amp_fx.GradScaler``: the scaler finds a watched
+model that holds its optimizer's parameters by itself, ``scaler.watch`` names it where it cannot."""
+STEP_WATCH_HINT = "amp_fx.compile_step(..., watch_nonfinite=True)"
+"""The same for ``compile_step``, which watches its own forward."""
 
 
 @dataclass(frozen=True)
@@ -73,15 +79,28 @@ class OverflowReport:
     """Skipped steps in a row that the skipped step ended (1: the step before it was taken)."""
     every_gradient: bool = False
     """Whether every gradient the scaler checked was non-finite."""
+    checked: int = 0
+    """How many gradients the scaler checked (0: not recorded)."""
+    how_to_watch: str = WATCH_HINT
+    """The call that watches the forward of the model this report is about (said when
+    :attr:`watched` is empty): ``compile_step(..., watch_nonfinite=True)`` for a compiled step."""
 
     @property
     def from_scale(self) -> bool:
-        """Whether the skip comes from the loss scale rather than a layer: every gradient is
-        non-finite, no forward op overflowed, and the scale is above 1. The scaled loss's gradient
-        exceeds the low dtype's range at the first backward op, whichever layer that is; a smaller
-        scale fixes it (the scale backs off at each skip, so early steps skip until it fits)."""
+        """Whether the skip comes from the loss scale rather than a layer: the forward was watched
+        and no forward op overflowed, every gradient is non-finite, and the scale is above 1. The
+        scaled loss's gradient exceeds the low dtype's range at the first backward op, whichever
+        layer that is; a smaller scale fixes it (the scale backs off at each skip, so early steps
+        skip until it fits). An unwatched forward is never blamed on the scale: a layer that
+        overflows in the forward makes every gradient non-finite too (issue 61)."""
         forward_op = self.first_op is not None and not self.first_op.backward
-        return self.every_gradient and not forward_op and self.scale is not None and self.scale > 1.0
+        return (
+            "forward" in self.watched
+            and self.every_gradient
+            and not forward_op
+            and self.scale is not None
+            and self.scale > 1.0
+        )
 
     def __str__(self) -> str:
         names = ", ".join(self.gradients[:3]) + (", ..." if len(self.gradients) > 3 else "")
@@ -96,9 +115,9 @@ class OverflowReport:
             where = note if self.first_op is None else f"{where}; {note}"
         scale = ""
         if self.scale is not None:
-            scale = f"; scale {_power(self.scale)}"
+            scale = f"; scale {scale_text(self.scale)}"
             if self.scale_after is not None and self.scale_after != self.scale:
-                scale += f", backed off to {_power(self.scale_after)}"
+                scale += f", backed off to {scale_text(self.scale_after)}"
         row = f"; {self.in_a_row} steps skipped in a row" if self.in_a_row > 1 else ""
         return f"step {self.step} skipped: {where}; {grads}{scale}{row}"
 
@@ -107,7 +126,18 @@ class OverflowReport:
         if self.first_op is not None:
             return f"first inf {'in the backward ' if self.first_op.backward else ''}at {self.first_op}"
         if not self.watched:
-            return "no op named (not watched: compile with watch_nonfinite=True)"
+            shows = (
+                " (every gradient non-finite: a layer that overflows in the forward gives that as well as a "
+                "loss scale too large for the backward)"
+                if self.every_gradient
+                else f" (the other {self.checked - len(self.gradients)} gradients finite)"
+                if self.checked
+                else ""
+            )
+            return (
+                f"the forward was not watched, so whether a layer overflowed is not known{shows}; "
+                f"to name the layer: {self.how_to_watch}"
+            )
         if "backward" not in self.watched:
             return (
                 f"no op named: no forward op created an inf/NaN (a -inf mask or an in-place op is not "
@@ -119,8 +149,9 @@ class OverflowReport:
         )
 
 
-def _power(scale: float) -> str:
-    """A scale as its power of two where it is one (``2**40``), else as a number."""
+def scale_text(scale: float) -> str:
+    """A loss scale as its power of two where it is one (``2**40``), else as a number; the form of
+    every scale amp_fx prints (the overflow report, ``advise``)."""
     if scale > 0 and math.isfinite(scale) and math.frexp(scale)[0] == 0.5:
         return f"2**{math.frexp(scale)[1] - 1}"
     return f"{scale:g}"

@@ -20,7 +20,7 @@ from amp_fx._dist.found_inf import running_ddp
 from amp_fx.overflow.report import FirstOp
 from amp_fx.passes.watch_nonfinite import NONE, WatchedOp
 
-__all__ = ["ForwardWatch", "GRAPH_STRIDE", "forward_watch", "watched_models"]
+__all__ = ["ForwardWatch", "GRAPH_STRIDE", "compiled_models", "forward_watch", "register_compiled", "watched_models"]
 
 GRAPH_STRIDE = 1 << 24
 """A record is graph key * GRAPH_STRIDE + position in that graph's watched ops. A forward graph's
@@ -31,6 +31,9 @@ BACKWARD = 1 << 16
 
 # The watches of compiled modules alive, oldest first (weak: a watch lives as long as its model).
 _WATCHED: list[weakref.ref[ForwardWatch]] = []
+# Every module amp_fx.compile compiled, watched or not (weak): a GradScaler told nothing names the
+# gradients after the one that holds its optimizer's parameters.
+_COMPILED: list[weakref.ref[torch.nn.Module]] = []
 
 
 class ForwardWatch:
@@ -157,4 +160,22 @@ def watched_models() -> list[tuple[torch.nn.Module, ForwardWatch]]:
             _WATCHED.remove(ref)
         else:
             live.append((root, watch))
+    return live
+
+
+def register_compiled(root: torch.nn.Module) -> None:
+    """Note (weakly) that ``amp_fx.compile`` compiled ``root``, for :func:`compiled_models`."""
+    if not any(ref() is root for ref in _COMPILED):
+        _COMPILED.append(weakref.ref(root))
+
+
+def compiled_models() -> list[torch.nn.Module]:
+    """The modules compiled by ``amp_fx.compile`` that are alive, in the order they were compiled."""
+    live = []
+    for ref in list(_COMPILED):
+        root = ref()
+        if root is None:
+            _COMPILED.remove(ref)
+        else:
+            live.append(root)
     return live

@@ -227,3 +227,13 @@ def is_inserted_cast(node: torch.fx.Node) -> bool:
 def is_cast(node: torch.fx.Node) -> bool:
     """A dtype cast (``aten._to_copy``), inserted by amp_fx or written by the user."""
     return node.op == "call_function" and node.target is CAST_OP
+
+
+def counted_ops(gm: torch.fx.GraphModule) -> int:
+    """What "ops" means wherever amp_fx prints a count (the compile progress line, ``explain``'s
+    table, ``amp_fx_summary()``): the ATen ops of a graph, casts not counted (they have columns of
+    their own), nor ``getitem`` and other Python-level nodes."""
+    return sum(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and not is_cast(n)
+        for n in gm.graph.nodes
+    )

@@ -37,7 +37,7 @@ from amp_fx.passes import meta
 from amp_fx.passes.capture import capture, data_inputs, is_cacheable_leaf, source_name, source_text
 from amp_fx.passes.fold_casts import FoldRecord, fold_casts
 from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
-from amp_fx.passes.fx_edit import CAST_OP, copy_graph_module, is_cast, placeholders
+from amp_fx.passes.fx_edit import CAST_OP, copy_graph_module, counted_ops, is_cast, placeholders
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
@@ -164,7 +164,7 @@ class GraphRecord:
         return sum(1 for n in self.rewritten.graph.nodes if is_cast(n))
 
     def summary_rows(self) -> list[list[object]]:
-        ops = sum(1 for n in self.rewritten.graph.nodes if n.op == "call_function")
+        ops = counted_ops(self.rewritten)
         return [
             [
                 self.index,

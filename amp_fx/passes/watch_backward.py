@@ -34,14 +34,14 @@ node, the graph lints); the backward's outputs as AOTAutograd sees them are unch
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
+from amp_fx._common.downstream import BACKWARD_BACKENDS, BackwardCompile, with_backward_compile
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx.passes import meta
@@ -54,7 +54,7 @@ __all__ = ["watch_backward", "stamp_forward_nodes", "watching_downstream", "FORW
 FORWARD_NODE = meta.FORWARD_NODE
 """The key in a node's ``meta["custom"]`` that names the rewritten forward node it comes from."""
 
-WATCHABLE = ("aot_eager", "inductor")
+WATCHABLE = BACKWARD_BACKENDS
 """The downstream backends whose backward graph the pass can reach (named as torch.compile names
 them). ``eager`` runs the graph's ops through eager autograd: there is no backward graph."""
 
@@ -142,44 +142,24 @@ def watching_downstream(
     dtype: torch.dtype,
     forward: torch.fx.GraphModule,
     on_backward: OnBackward,
+    around: BackwardCompile | None = None,
 ) -> Downstream | None:
     """The downstream compile of ``backend`` with the pass on its backward graph, or None where
-    the backend has no backward graph amp_fx can reach (``eager``, another name, a callable).
-
-    ``aot_eager``: torch's ``aot_eager`` with a backward compiler that runs the pass, then its nop
-    compiler. ``inductor``: ``compile_fx`` with an ``inner_compile`` that runs the pass on the
-    backward graph (``is_backward=True``) before ``compile_fx_inner``; AOTAutograd's cache is off for
-    this compile, since its entries hold the compiled backward without the wrapper that strips the
-    record (inductor's own FX graph cache, keyed on the watched graph, still serves)."""
+    the backend has no backward graph amp_fx can reach (``eager``, another name, a callable):
+    :func:`amp_fx._common.downstream.with_backward_compile`, with AOTAutograd's cache off for this
+    compile, since its entries hold the compiled backward without the wrapper that strips the
+    record (inductor's own FX graph cache, keyed on the watched graph, still serves). ``around``:
+    what compiles the watched backward graph in turn (the progress lines' timing), if anything."""
     stamp_forward_nodes(forward)
 
     def watched(gm: torch.fx.GraphModule, example_inputs: Any, compile_graph: Downstream) -> Callable[..., Any]:
         gm, record = watch_backward(gm, dtype=dtype, forward=forward)
         ran = on_backward(record)
+        if around is not None:
+            return _strip_record(around(gm, example_inputs, compile_graph), ran)
         return _strip_record(compile_graph(gm, example_inputs), ran)
 
-    if backend == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
-        return functools.partial(aot_eager, bw_compiler=lambda gm, ex: watched(gm, ex, boxed_nop))
-    if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-        def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-            if not kwargs.get("is_backward"):
-                return compile_fx_inner(gm, example_inputs, **kwargs)
-            return watched(gm, example_inputs, lambda g, ex: compile_fx_inner(g, ex, **kwargs))
-
-        def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                # compile_fx's declared return is a union; given a graph module it returns the callable
-                return cast(
-                    Callable[..., Any],
-                    compile_fx(gm, example_inputs, inner_compile=inner, config_patches=dict(inductor_config or {})),
-                )
-
-        return compile_inductor
-    return None
+    return with_backward_compile(backend, inductor_config=inductor_config, around=watched, autograd_cache=False)
 
 
 def _strip_record(compiled: Callable[..., Any], ran: Callable[[torch.Tensor], None]) -> Callable[..., Any]:

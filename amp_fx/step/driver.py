@@ -12,6 +12,9 @@ value.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +22,7 @@ import torch
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
+from amp_fx._common.suggest import did_you_mean
 from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
@@ -26,7 +30,7 @@ from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.inspect.precision import PrecisionReport, step_report
 from amp_fx.low_precision import LowPrecisionLike, one_option
 from amp_fx.options import Options
-from amp_fx.overflow.report import OverflowReport
+from amp_fx.overflow.report import STEP_WATCH_HINT, OverflowReport
 from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
 from amp_fx.scaler.snapshot import unique_params
@@ -128,7 +132,12 @@ class CompiledStep:
         # DDP/FSDP2 with the watch: every rank's forward record is combined at each update (FSDP2:
         # in the found-inf all-reduce of the finish; DDP: one small all-reduce of its own).
         record = scaler.skip_record
-        record.attach(model, watch=getattr(self._forward, "amp_fx_watch", None), prefixes=module_prefixes(model))
+        record.attach(
+            model,
+            watch=getattr(self._forward, "amp_fx_watch", None),
+            prefixes=module_prefixes(model),
+            how_to_watch=STEP_WATCH_HINT,
+        )
         # amp_fx/backend/weight_cache.py: the low-precision copies are written with the update (under
         # DDP too: every rank updates its whole replica of each weight)
         cache = getattr(self._forward, "amp_fx_weight_cache", None)
@@ -308,6 +317,44 @@ def _default_scaler(dtype: torch.dtype, device: torch.device, strict: bool | Non
     return GradScaler(device.type, step_mode=StepMode.MASKED, strict=strict)
 
 
+def _named_mistakes(fn: Callable[..., CompiledStep]) -> Callable[..., CompiledStep]:
+    """``compile_step`` with its unexpected keyword arguments named: a scaler option (``init_scale``,
+    ``growth_interval``, ...) is pointed at ``scaler=GradScaler(...)``; anything else gets a
+    did-you-mean among ``compile_step``'s own options. The signature is unchanged (``wraps``)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> CompiledStep:
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        if unknown:
+            model = args[0] if args else kwargs.get("model")
+            raise TypeError(_unexpected_keyword(unknown[0], kwargs[unknown[0]], list(signature.parameters), model))
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _unexpected_keyword(name: str, value: Any, ours: list[str], model: object) -> str:
+    scaler_options = [
+        n for n, p in inspect.signature(GradScaler.__init__).parameters.items() if n not in ("self", "device")
+    ]
+    said = f"amp_fx.compile_step got an unexpected keyword argument {name!r}"
+    if name in scaler_options:
+        device = "cuda"
+        if isinstance(model, torch.nn.Module):
+            first = next(model.parameters(), None)
+            device = first.device.type if first is not None else "cpu"
+        return (
+            f"{said}: it is an option of the loss scaler. Pass a scaler: "
+            f"compile_step(..., scaler=amp_fx.GradScaler({device!r}, {name}={value!r}))"
+        )
+    return (
+        f"{said}{did_you_mean(name, ours + scaler_options)}. Its options: {', '.join(ours)}; the loss "
+        f"scaler's, passed as scaler=amp_fx.GradScaler(device, ...): {', '.join(scaler_options)}"
+    )
+
+
+@_named_mistakes
 def compile_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

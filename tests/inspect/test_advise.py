@@ -574,3 +574,33 @@ def test_search_runs_do_not_grow_with_module_count() -> None:
     assert advice.keep_fp32 == ("17.0",), str(advice)
     assert advice.verified and advice.runs == 2
     assert len([s for s in advice.modules if s.name]) == 24 * 4
+
+
+def test_the_headline_agrees_with_the_table_and_names_the_loss_scale() -> None:
+    """Issue 61: the README's example (a sum loss on an fp16 MLP) advised "nothing to keep in fp32"
+    above a table that marks every Linear 'gradient overflow', with no loss scale given. The
+    headline now names the scale the verdict was measured at (``advice.loss_scale``, backed off from
+    GradScaler's 2**16 while the gradients overflow) and a line beside it says why the marked
+    modules are not kept, with the skips the back-off costs. The reference for the scale: torch's
+    GradScaler rule, halving from 2**16 until the float64 gradients times the scale fit fp16."""
+    from amp_fx.testing.zoo import MLP
+
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(64, 16) * 30
+    advice = amp_fx.advise(model, x, dtype="fp16", loss_fn=lambda out: out.float().sum())
+    marked = [m.name for m in advice.modules if m.finding == "gradient overflow"]
+    assert marked and not advice.keep_fp32 and advice.verified  # the case of the issue
+    wide = copy.deepcopy(model).double()
+    wide(x.double()).sum().backward()
+    biggest = max(p.grad.abs().max().item() for p in wide.parameters())
+    scale = 2.0**16
+    while biggest * scale > torch.finfo(torch.float16).max:
+        scale /= 2
+    assert advice.loss_scale <= scale  # fp16's own rounding may need one more halving, never fewer
+    first, second = str(advice).splitlines()[:2]
+    power = int(math.log2(advice.loss_scale))
+    assert first == (
+        f"amp_fx.advise (fp16, loss scale 2**{power}): default policy meets the target: nothing to keep in fp32"
+    )
+    assert second.startswith(f"  the table marks {len(marked)} of 3 modules 'gradient overflow'"), second
+    assert f"the verdict is at 2**{power}, where they fit: about {16 - power} skipped steps" in second, second

@@ -63,10 +63,11 @@ def _check_reports(reports: list[Any], reference: list[str], *, watched: bool) -
         assert f"{len(reference)} gradients non-finite ({reference[0]}, " in line
         if watched:
             assert re.search(rf"first inf at {re.escape(PLANTED_MODULE)} \(aten\.\w+, fp16\)", line), line
-        else:  # what the record knows: nothing was watched (it used to say "forward finite or not watched")
+        else:  # what the record knows: nothing was watched, and the call that watches (issue 61)
             assert line.startswith(
-                f"step {PLANTED_STEP} skipped: no op named (not watched: compile with watch_nonfinite=True); "
+                f"step {PLANTED_STEP} skipped: the forward was not watched, so whether a layer overflowed is not known"
             ), line
+            assert "; to name the layer: amp_fx.compile" in line, line
 
 
 # Under inductor only the watched case: the unwatched report has nothing of the compiled graph's

@@ -231,8 +231,9 @@ def test_unwatched_line_says_the_watch_is_off(runner, grow_reference):
     report = reports[PLANTED_STEP]
     assert report is not None and report.first_op is None and report.watched == ()
     assert str(report).startswith(
-        f"step {PLANTED_STEP} skipped: no op named (not watched: compile with watch_nonfinite=True); "
+        f"step {PLANTED_STEP} skipped: the forward was not watched, so whether a layer overflowed is not known"
     ), str(report)
+    assert "; to name the layer: amp_fx.compile" in str(report), str(report)
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

@@ -22,6 +22,7 @@ from amp_fx.inspect.advice._fp8_sizing import Fp8Matmul
 from amp_fx.inspect.advice._training import TrainingComparison
 from amp_fx.inspect.advice._verify import initial_scale
 from amp_fx.inspect.nonfinite import policy_code
+from amp_fx.overflow.report import scale_text
 from amp_fx.policy import Policy
 
 __all__: list[str] = []
@@ -169,8 +170,11 @@ class Advice:
                 f"cost: {_fmt(self.cost.fp8_flop_share, '.1%')} of matmul/conv/attention FLOPs in fp8 "
                 f"(every eligible matmul: {_fmt(self.cost.default_fp8_flop_share, '.1%')})"
             )
+        # fp16: the scale the verdict was measured at (bf16 trains unscaled)
+        scaled = f", loss scale {scale_text(self.loss_scale)}" if self.dtype == torch.float16 else ""
         lines = [
-            f"amp_fx.advise ({low}): {verdict}",
+            f"amp_fx.advise ({low}{scaled}): {verdict}",
+            *self._hazards_beside_the_verdict(),
             f"end-to-end error vs float64: default {_fmt(self.baseline_error, '.3g')}, advised "
             f"{_fmt(self.error, '.3g')}, target {self.target:.3g} "
             f"({'verified' if self.verified else 'NOT verified'}; {self.runs} policy run(s))",
@@ -197,6 +201,38 @@ class Advice:
             lines += ["", "search:"] + [f"  {s}" for s in self.steps]
         lines += ["", "policy:", "  from amp_fx import Policy", f"  policy = {policy_code(self.policy)}"]
         return "\n".join(lines)
+
+    def _hazards_beside_the_verdict(self) -> list[str]:
+        """Where the table marks hazards that the verdict keeps nothing for, why both hold: the
+        table is measured at GradScaler's initial scale, the verdict at the scale the gradients
+        settled at (a backed-off scale fits them: steps skipped at the start, not a layer to keep),
+        or the default policy met the target end to end despite them. Nothing where the verdict
+        keeps something or the table marks nothing."""
+        kept = self.keep_out_of_fp8 if self.fp8 is not None else self.keep_fp32
+        marked = [s for s in self.hazards if s.name and s.name not in kept]
+        if not marked or not self.verified:
+            return []
+        lines = []
+        grads = [s for s in marked if s.finding == "gradient overflow"]
+        initial = initial_scale(self.dtype)
+        if grads and self.loss_scale < initial:
+            skips = round(math.log2(initial / self.loss_scale))  # torch's backoff_factor halves it per skip
+            named = sum(1 for m in self.modules if m.name)
+            lines.append(
+                f"  the table marks {len(grads)} of {named} modules 'gradient overflow': at GradScaler's "
+                f"initial scale {scale_text(initial)} their scaled gradients overflow {dtype_name(self.dtype)}; "
+                f"the scale backs off while they do (as GradScaler does) and the verdict is at "
+                f"{scale_text(self.loss_scale)}, where they fit: about {skips} skipped steps at the start of "
+                f"training (a smaller init_scale skips fewer), nothing to keep"
+            )
+            marked = [s for s in marked if s not in grads]
+        if marked:
+            findings = ", ".join(sorted({s.finding for s in marked}))
+            lines.append(
+                f"  the table marks {len(marked)} module(s) not kept ({findings}): the advised policy still "
+                f"met the target end to end at loss scale {scale_text(self.loss_scale)}"
+            )
+        return lines
 
     def fp8_table(self, *, limit: int | None = 40) -> str:
         """With ``fp8``: each matmul that ran in fp8, its shape, FLOPs per call, error and whether
