@@ -40,6 +40,7 @@ def compile(
     inplace: bool = False,
     watch_nonfinite: bool = False,
     fp8: Fp8Like = None,
+    regions: bool | None = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -75,6 +76,17 @@ def compile(
             ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
             fp8, forward and backward; everything else stays in ``dtype``
             (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).
+        regions: compile each repeated block once (:mod:`amp_fx.backend.regions`): the blocks of
+            one class in a ``ModuleList``/``Sequential`` (a transformer's layers) share one
+            compiled region, so the first step's compile time does not grow with depth; the
+            root's stateful modules outside the blocks are compiled as units of their own, and
+            the root's forward around them as far as Dynamo captures it (code it skips runs as
+            eager autocast). ``False``: the whole model as one graph (fusion across blocks).
+            ``None`` (default): on, unless ``fp8`` or ``Policy.op_classes`` is given (their reach
+            into code of the root's forward that Dynamo skips is not checked). Not used for
+            functions, models under DDP/FSDP2 (whose units are compiled alike) or models without
+            a repeated block. The progress lines say which classes were compiled once
+            (docs/regions.md).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -104,9 +116,19 @@ def compile(
         watch_nonfinite=watch_nonfinite,
         inductor=inductor_config(backend, mode, inductor),
         torch_compile=torch_compile_kwargs,
+        regions=_regions_default(regions, fp8, policy),
         fp8=fp8,
     )
     return compile_with(model_or_fn, options, inplace=inplace)
+
+
+def _regions_default(regions: bool | None, fp8: Fp8Like, policy: Policy | None) -> bool:
+    """``compile(regions=None)``: on where proved (docs/regions.md), off with fp8 or op_classes."""
+    if regions is not None:
+        if not isinstance(regions, bool):
+            raise TypeError(f"amp_fx: regions must be True, False or None, got {regions!r}")
+        return regions
+    return fp8 is None and not (policy is not None and policy.op_classes)
 
 
 def compile_with(

@@ -54,6 +54,9 @@ class Options:
     watch_nonfinite: bool = False
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
+    regions: bool = False
+    """Compile each repeated block once (``amp_fx/backend/regions.py``); ``amp_fx.compile``'s
+    default is True, the record's False (compile_step and the adapters compile whole graphs)."""
     fp8: Fp8Config | None = None
     """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
     stored as an ``Fp8Config`` (None: off)."""
@@ -71,6 +74,7 @@ class Options:
             watch_nonfinite: bool = False,
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
+            regions: bool = False,
             fp8: Fp8Like = None,
         ) -> None: ...
 
@@ -89,7 +93,7 @@ class Options:
         if not isinstance(self.policy, Policy):
             raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(self.policy).__name__}")
         check_backend(self.backend)
-        for name in ("fold", "weight_cache", "watch_nonfinite"):
+        for name in ("fold", "weight_cache", "watch_nonfinite", "regions"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"amp_fx: {name} must be True or False, got {value!r}")
@@ -120,6 +124,7 @@ class Options:
                 self.strict,
                 self.weight_cache,
                 self.watch_nonfinite,
+                self.regions,
                 tuple(sorted(self.inductor.items(), key=repr)),
                 self.fp8,
             )
