@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeGuard
 
@@ -251,7 +251,7 @@ def unit_call(
     dtype: torch.dtype,
     *,
     gathered: GatheredFp8Weights | None = None,
-    group_of: Callable[[torch.nn.Module], tuple[Hashable, str]] | None = None,
+    group_of: Callable[[torch.nn.Module], tuple[object, str]] | None = None,
 ) -> Callable[..., Any]:
     """The forward of a compiled DDP/FSDP2 model, or of a model compiled in regions
     (``amp_fx/backend/regions.py``): ``module.__call__`` eagerly, units compiled.
@@ -273,7 +273,7 @@ def unit_call(
     _check_fsdp_mixed_precision(units, dtype)
     if group_of is None:
         group_of = _class_group
-    by_group: dict[Hashable, Callable[..., Any]] = {}
+    by_group: dict[object, Callable[..., Any]] = {}
     names: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):  # a shared module: its first name
         names.setdefault(id(m), name)
@@ -318,7 +318,7 @@ def unit_call(
     return call
 
 
-def _class_group(unit: torch.nn.Module) -> tuple[Hashable, str]:
+def _class_group(unit: torch.nn.Module) -> tuple[object, str]:
     return type(unit), type(unit).__name__
 
 

@@ -29,8 +29,8 @@ import torch.fx
 from amp_fx._common.downstream import resolve_backend
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.progress import timed
-from amp_fx._common.running_unit import running_unit
 from amp_fx._common.report import Reporter
+from amp_fx._common.running_unit import running_unit
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames

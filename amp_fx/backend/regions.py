@@ -31,7 +31,7 @@ already are the blocks), functions, and models without a repeated block.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,12 +151,12 @@ class _Group:
     signature: tuple[tuple[str, str], ...]
 
 
-def block_groups(blocks: Sequence[tuple[str, torch.nn.Module]], policy: Policy) -> dict[int, tuple[Hashable, str]]:
+def block_groups(blocks: Sequence[tuple[str, torch.nn.Module]], policy: Policy) -> dict[int, tuple[object, str]]:
     """Each block's group (by ``id``) and its name for Dynamo's code object: blocks of one class
     that the policy treats alike share a group; a block the policy singles out (``keep_fp32`` on
     ``layers.3``) gets a group of its own, named ``<Class>_<n>``."""
     groups: dict[_Group, str] = {}
-    out: dict[int, tuple[Hashable, str]] = {}
+    out: dict[int, tuple[object, str]] = {}
     for name, block in blocks:
         group = _Group(type(block), _policy_signature(name, policy))
         if group not in groups:
@@ -172,13 +172,13 @@ class Regions:
     compiled around them (the root first, then the outside modules)."""
 
     blocks: tuple[tuple[str, torch.nn.Module], ...]
-    groups: dict[int, tuple[Hashable, str]]
+    groups: dict[int, tuple[object, str]]
     outside: tuple[torch.nn.Module, ...]
 
     def units(self, root: torch.nn.Module) -> list[torch.nn.Module]:
         return [root, *(b for _, b in self.blocks), *self.outside]
 
-    def group_of(self, unit: torch.nn.Module) -> tuple[Hashable, str]:
+    def group_of(self, unit: torch.nn.Module) -> tuple[object, str]:
         """The group of a unit: a block's from :func:`block_groups`; any other unit its own
         (by identity: two outside modules of one class are not assumed alike)."""
         found = self.groups.get(id(unit))

@@ -381,9 +381,7 @@ def run_amp(
         torch.manual_seed(SEED)
         # Whole graph (regions=False): the tools read every op of every block, by its own name,
         # from the records; a region's graph is recorded once, under the block that compiled it.
-        compiled = amp_compile(
-            target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8, regions=False
-        )
+        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8, regions=False)
         try:
             out = inputs(compiled)
             result = then(out) if then is not None else out

@@ -10,10 +10,10 @@ optimizer holds (:func:`watched_models`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -127,8 +127,8 @@ class ForwardWatch:
             return key
         alias = self._aliases.get((key, unit))
         if alias is None:
-            backward = key >= BACKWARD
-            alias = (BACKWARD if backward else 0) + _ALIAS + sum(1 for k in self._aliased if (k >= BACKWARD) == backward)
+            same_side = sum(1 for k in self._aliased if (k >= BACKWARD) == (key >= BACKWARD))
+            alias = (BACKWARD if key >= BACKWARD else 0) + _ALIAS + same_side
             self._aliases[(key, unit)] = alias
             self._aliased[alias] = (key, compiled_in, unit)
         return alias
@@ -167,7 +167,7 @@ class ForwardWatch:
         aliased = self._aliased.get(key)
         if aliased is not None:  # a shared graph run by another unit: its names for that unit
             key, compiled_in, unit = aliased
-            ops = [dataclasses.replace(op, module=renamed(op.module, compiled_in, unit)) for op in self.ops.get(key, [])]
+            ops = [replace(op, module=renamed(op.module, compiled_in, unit)) for op in self.ops.get(key, [])]
         backward = key >= BACKWARD
         graph = key - BACKWARD if backward else key
         if position >= len(ops):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+
 import pytest
 import torch
 import torch._dynamo.testing
