@@ -54,9 +54,10 @@ class Options:
     watch_nonfinite: bool = False
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
-    regions: bool = False
-    """Compile each repeated block once (``amp_fx/backend/regions.py``); ``amp_fx.compile``'s
-    default is True, the record's False (compile_step and the adapters compile whole graphs)."""
+    regions: bool | None = False
+    """Compile each repeated block once (``amp_fx/backend/regions.py``): True always, None where
+    proven (``amp_fx.compile``'s default: not for convolutional blocks), False never (the
+    record's default: compile_step and the adapters compile whole graphs)."""
     fp8: Fp8Config | None = None
     """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
     stored as an ``Fp8Config`` (None: off)."""
@@ -74,7 +75,7 @@ class Options:
             watch_nonfinite: bool = False,
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
-            regions: bool = False,
+            regions: bool | None = False,
             fp8: Fp8Like = None,
         ) -> None: ...
 
@@ -93,10 +94,12 @@ class Options:
         if not isinstance(self.policy, Policy):
             raise TypeError(f"amp_fx: policy must be an amp_fx.Policy, got {type(self.policy).__name__}")
         check_backend(self.backend)
-        for name in ("fold", "weight_cache", "watch_nonfinite", "regions"):
+        for name in ("fold", "weight_cache", "watch_nonfinite"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"amp_fx: {name} must be True or False, got {value!r}")
+        if self.regions not in (True, False, None):
+            raise TypeError(f"amp_fx: regions must be True, False or None, got {self.regions!r}")
         set_(self, "inductor", dict(self.inductor))
         set_(self, "torch_compile", dict(self.torch_compile))
         if self.inductor and self.backend != "inductor":

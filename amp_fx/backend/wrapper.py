@@ -58,7 +58,13 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         if units is not None and backend.options.fp8 is not None:  # the root's own Linears in fp8 too
             units = [*units, *root_linears(module, units)]
-        regions = find_regions(module, backend.options.policy) if units is None and backend.options.regions else None
+        regions = (
+            find_regions(
+                module, backend.options.policy, proven_only=backend.options.regions is None, label=backend.label
+            )
+            if units is None and backend.options.regions is not False
+            else None
+        )
         if regions is not None:  # the repeated blocks compiled once per class, as FSDP2's units
             units = regions.units(module)
             log_regions(backend.label, regions)

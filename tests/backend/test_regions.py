@@ -189,3 +189,50 @@ def test_real_transformers_in_regions_bitwise(name: str, caplog: pytest.LogCaptu
     assert_bitwise(actual, expected)
     lines = _regions_lines(caplog)
     assert len(lines) == 1 and "compiled once, reused by 1 block" in lines[0], lines
+
+
+def test_new_batch_and_length_bitwise_in_regions() -> None:
+    """Regions under Dynamo's automatic dynamic shapes: a second batch and length recompile the
+    shared block graph (symbolic sizes), still bitwise with eager autocast at each call."""
+    model, _, loss_fn = _lm(3)
+    reference = copy.deepcopy(model)
+    compiled = amp_fx.compile(model, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    for batch, length in ((2, 8), (3, 12)):
+        ids = torch.randint(0, 32, (batch, length), generator=gen)
+        for p in (*model.parameters(), *reference.parameters()):
+            p.grad = None
+        expected = zoo.eager_autocast_step(reference, (ids,), loss_fn, torch.bfloat16)
+        assert_bitwise(zoo.step(compiled, model, (ids,), loss_fn), expected, f"batch {batch}, length {length}")
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv(self.norm(x))
+
+
+@pytest.mark.parametrize("regions", [None, True], ids=["default", "forced"])
+def test_convolutional_blocks_compile_as_one_graph_by_default(
+    regions: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Blocks that hold convolutions are not shown bitwise in regions (transformers' ConvNext,
+    diffusers' UNets: tests/models), so the default compiles them as one graph and says so;
+    regions=True compiles them in regions all the same."""
+    torch.manual_seed(zoo.SEED)
+    model = nn.Sequential(*(_ConvBlock() for _ in range(3)))
+    with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
+        compiled = amp_fx.compile(model, backend="aot_eager", regions=regions)
+        compiled(torch.randn(1, 4, 6, 6)).float().sum().backward()
+    said = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    if regions is None:
+        assert len(amp_fx.records(compiled)) == 1
+        assert any("compiled as one graph: its repeated blocks hold convolutions (0.conv)" in m for m in said), said
+    else:
+        # one block graph per input dtype (fp32 into the first block, bf16 after it), 3 blocks
+        assert len(amp_fx.records(compiled)) == 2
+        assert any("_ConvBlock (0): compiled once, reused by 2 blocks" in m for m in said), said
