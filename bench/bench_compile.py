@@ -416,8 +416,8 @@ def _depth_sweep(args: argparse.Namespace, backend: str, dtype_name: str) -> Non
             first[layers, which] = _cold_then_warm(args, which, backend, dtype_name)
             cold, warm = first[layers, which]
             print(
-                f"{layers} layers, {which}: cold {cold['seconds']:.2f} s, warm {warm['seconds']:.2f} s, "
-                f"load average {os.getloadavg()[0]:.1f}",
+                f"{layers} layers, {which}: cold {cold['seconds']:.2f} s (CPU {cold['cpu_seconds']:.2f} s), "
+                f"warm {warm['seconds']:.2f} s, load average {os.getloadavg()[0]:.1f}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -438,6 +438,7 @@ def _depth_sweep(args: argparse.Namespace, backend: str, dtype_name: str) -> Non
                     layers,
                     _SWEEP_LABELS[which],
                     f"{cold['seconds']:.2f}",
+                    f"{cold['cpu_seconds']:.2f}",
                     f"{warm['seconds']:.2f}",
                     cold.get("graphs", ""),
                     f"{cold['seconds'] / smallest:.2f}",
@@ -446,7 +447,9 @@ def _depth_sweep(args: argparse.Namespace, backend: str, dtype_name: str) -> Non
             )
     print(
         f"first forward+backward, {backend} {dtype_name}, seconds: cold (fresh process, empty inductor "
-        f"cache), warm (fresh process, the cache the cold one filled); ratios of the cold ones"
+        f"cache; CPU: of that process and the C++ builds it waited for, which load from other processes "
+        f"skews far less than wall time), warm (fresh process, the cache the cold one filled); ratios of "
+        f"the cold wall times"
     )
     print(
         tabulate(
@@ -455,6 +458,7 @@ def _depth_sweep(args: argparse.Namespace, backend: str, dtype_name: str) -> Non
                 "layers",
                 "compile",
                 "cold s",
+                "cold CPU s",
                 "warm s",
                 "graphs",
                 f"/ same at {depths[0]} layers",
