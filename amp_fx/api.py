@@ -41,6 +41,7 @@ def compile(
     watch_nonfinite: bool = False,
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
+    regions: bool | None = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -83,6 +84,19 @@ def compile(
             ``LowPrecision.keep_ends(recipe=...)`` keeps the first and last blocks and the head
             in ``dtype``) or a dict ``{module: recipe or None}`` (:mod:`amp_fx.low_precision`).
         fp8: the older spelling of ``low_precision`` (the same values); passing both is a TypeError.
+        regions: compile each repeated block once (:mod:`amp_fx.backend.regions`): the blocks of
+            one class in a ``ModuleList``/``Sequential`` (a transformer's layers) share one
+            compiled region, so the first step's compile time does not grow with depth; the
+            root's stateful modules outside the blocks are compiled as units of their own, and
+            the root's forward around them as far as Dynamo captures it (code it skips runs as
+            eager autocast). ``False``: the whole model as one graph (fusion across blocks).
+            ``True``: regions wherever there are repeated blocks. ``None`` (default): as True,
+            except for blocks that hold convolutions (measured not bitwise with eager autocast
+            in regions: ConvNext, UNets) and with ``fp8`` or ``Policy.op_classes`` (their reach
+            into code of the root's forward that Dynamo skips is not checked). Not used for
+            functions, models under DDP/FSDP2 (whose units are compiled alike) or models without
+            a repeated block. The progress lines say which classes were compiled once
+            (docs/regions.md).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -112,9 +126,17 @@ def compile(
         watch_nonfinite=watch_nonfinite,
         inductor=inductor_config(backend, mode, inductor),
         torch_compile=torch_compile_kwargs,
+        regions=_regions_default(regions, one_option(fp8, low_precision, "amp_fx.compile"), policy),
         fp8=one_option(fp8, low_precision, "amp_fx.compile"),
     )
     return compile_with(model_or_fn, options, inplace=inplace)
+
+
+def _regions_default(regions: bool | None, fp8: object, policy: Policy | None) -> bool | None:
+    """``compile(regions=None)``: where proven (docs/regions.md), and off with fp8 or op_classes."""
+    if regions is None and (fp8 is not None or (policy is not None and policy.op_classes)):
+        return False
+    return regions
 
 
 def compile_with(

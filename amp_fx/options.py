@@ -55,6 +55,10 @@ class Options:
     watch_nonfinite: bool = False
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
+    regions: bool | None = False
+    """Compile each repeated block once (``amp_fx/backend/regions.py``): True always, None where
+    proven (``amp_fx.compile``'s default: not for convolutional blocks), False never (the
+    record's default: compile_step and the adapters compile whole graphs)."""
     fp8: Fp8Config | None = None
     """The low-precision recipe(s) (``low_precision=`` of ``amp_fx.compile``; ``fp8=`` is its older
     spelling): given as a recipe name, an ``Fp8Recipe``, an ``Fp8Config``, an
@@ -74,6 +78,7 @@ class Options:
             watch_nonfinite: bool = False,
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
+            regions: bool | None = False,
             fp8: low_precision.LowPrecisionLike = None,
         ) -> None: ...
 
@@ -103,6 +108,8 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"amp_fx: {name} must be True or False, got {value!r}")
+        if self.regions not in (True, False, None):
+            raise TypeError(f"amp_fx: regions must be True, False or None, got {self.regions!r}")
         set_(self, "inductor", dict(self.inductor))
         set_(self, "torch_compile", dict(self.torch_compile))
         if self.inductor and self.backend != "inductor":
@@ -130,6 +137,7 @@ class Options:
                 self.strict,
                 self.weight_cache,
                 self.watch_nonfinite,
+                self.regions,
                 tuple(sorted(self.inductor.items(), key=repr)),
                 self.fp8,
             )

@@ -7,6 +7,8 @@
     python bench/bench_compile.py --model hf-gpt2 --layers 6 --d-model 128 --backends inductor \
         --compile-only --compile-repeats 6 --concurrent # on a machine other processes load
     python bench/bench_compile.py --model hf-gpt2 --layers 6 --d-model 128 --profile   # where it goes
+    python bench/bench_compile.py --model hf-llama --d-model 128 --depth-sweep 2 8 32 --backends inductor
+        # compiled regions (docs/regions.md): cold and warm first step per depth, step time
 
 The model is the tests' small causal transformer LM (``amp_fx.testing.zoo.transformer_lm``: SDPA blocks,
 LayerNorm, GELU MLP, tied embedding head; 2 layers, d_model 64, seq 32, batch 4 by default), or with
@@ -40,6 +42,15 @@ of those sizes (random init, no download; the loss is the mean square of the fp3
 * step: forward+backward, amp_fx and the baseline alternating step by step in one run so machine
   noise hits both alike; median and p10/p90 over ``--steps`` steps after ``--warmup``; the ratio is
   amp_fx's median over the baseline's.
+* ``--depth-sweep 2 8 32``: compiled regions (``amp_fx.compile``'s default, docs/regions.md)
+  against the whole graph. For each depth, the first forward+backward in a fresh process with an
+  empty inductor cache (cold), then again in a second fresh process on the cache the first one
+  filled (warm: a restart), for amp_fx in regions, amp_fx as one graph (``regions=False``),
+  ``torch.compile`` + autocast of the whole model, and of each repeated block alone
+  (``block.compile()``, eager elsewhere); then the steady step time of the three whole-model
+  ones in one process, alternating step by step. Ratios: each cold first step over amp_fx's at
+  the smallest depth and over ``torch.compile`` + autocast's at the same depth; each step time
+  over amp_fx's whole-graph step.
 * casts: ``aten._to_copy`` calls in one eager-autocast forward (counted with a TorchDispatchMode;
   autocast's weight casts are cached per region) against the ``_to_copy`` nodes left in amp_fx's
   rewritten graphs (``GraphRecord.casts``), user casts included in both.
@@ -74,6 +85,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amp_fx
+from amp_fx.backend.regions import repeated_blocks
 from amp_fx.testing import zoo
 from amp_fx.testing.bench import machine_lines, percentile
 
@@ -208,6 +220,14 @@ def _compile_pair(args: argparse.Namespace, backend: str, dtype: torch.dtype) ->
     return Compiled(amp_step, base_step, compiled)
 
 
+def _blocks_compiled(model: nn.Module, backend: str) -> nn.Module:
+    """``model`` with each repeated block ``.compile()``d (torchtitan's per-block compile; what
+    transformers' and diffusers' ``compile_repeated_blocks`` do), eager elsewhere."""
+    for _, block in repeated_blocks(model):
+        block.compile(backend=backend)
+    return model
+
+
 def _cpu_seconds() -> float:
     """CPU time of this process and of the children it has waited for (the C++ compiler runs
     that inductor starts itself; not its compile workers' with more than one compile thread)."""
@@ -221,9 +241,11 @@ def _compile_once(args: argparse.Namespace) -> None:
     _warm_up_imports([backend])
     model, inputs, loss_fn = _build(args)
     torch._dynamo.reset()
-    if args.child == "amp_fx":
-        compiled = amp_fx.compile(model, dtype=dtype, backend=backend)
+    if args.child in ("amp_fx", "amp_fx_whole"):
+        compiled = amp_fx.compile(model, dtype=dtype, backend=backend, regions=args.child == "amp_fx")
         run = _amp_fx_step(compiled, model, inputs, loss_fn)
+    elif args.child == "baseline_blocks":
+        run = _autocast_step(_blocks_compiled(model, backend), model, inputs, loss_fn, dtype)
     else:
         run = _autocast_step(torch.compile(model, backend=backend), model, inputs, loss_fn, dtype)
     # CPU time of this process: the C++ builds (other processes) and waiting on them are left
@@ -245,7 +267,7 @@ def _compile_once(args: argparse.Namespace) -> None:
     }
     if profiler is not None:
         profiler.dump_stats(args.child_profile)
-    if args.child == "amp_fx":
+    if args.child in ("amp_fx", "amp_fx_whole"):
         records = compiled.amp_fx_records
         out.update(
             graphs=len(records),
@@ -328,6 +350,129 @@ def _child_result(which: str, proc: subprocess.Popen, backend: str, dtype_name: 
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"compile-timing child failed ({which}, {backend}, {dtype_name}):\n{stderr[-3000:]}")
     return json.loads(lines[-1][len(_CHILD_MARK) :])
+
+
+SWEEP_KINDS = ("amp_fx", "amp_fx_whole", "baseline", "baseline_blocks")
+_SWEEP_LABELS = {
+    "amp_fx": "amp_fx (regions)",
+    "amp_fx_whole": "amp_fx (whole graph)",
+    "baseline": "torch.compile+autocast (whole)",
+    "baseline_blocks": "torch.compile+autocast (per block)",
+}
+
+
+def _cold_then_warm(args: argparse.Namespace, which: str, backend: str, dtype_name: str) -> tuple[dict, dict]:
+    """:func:`_compile_once` in a fresh process with an empty inductor cache (cold), then in a
+    second fresh process on that cache (warm: the first step after a restart)."""
+    cache = tempfile.mkdtemp(prefix=_CACHE_PREFIX)
+    keep = args.keep_cache
+    try:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        args.keep_cache = True  # the children use the environment's cache directory: this one
+        cold = _cold_compiles(args, [which], backend, dtype_name)[0]
+        warm = _cold_compiles(args, [which], backend, dtype_name)[0]
+    finally:
+        args.keep_cache = keep
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        shutil.rmtree(cache, ignore_errors=True)
+    return cold, warm
+
+
+def _sweep_steps(args: argparse.Namespace, backend: str, dtype: torch.dtype) -> dict[str, list[float]]:
+    """Steady step times of amp_fx in regions, amp_fx whole-graph and torch.compile+autocast (whole),
+    in this process, alternating step by step."""
+    model, inputs, loss_fn = _build(args)
+    models = {k: copy.deepcopy(model) for k in ("amp_fx", "amp_fx_whole", "baseline")}
+    torch._dynamo.reset()
+    steps: dict[str, Step] = {
+        k: _amp_fx_step(amp_fx.compile(m, dtype=dtype, backend=backend, regions=k == "amp_fx"), m, inputs, loss_fn)
+        for k, m in models.items()
+        if k != "baseline"
+    }
+    base = models["baseline"]
+    steps["baseline"] = _autocast_step(torch.compile(base, backend=backend), base, inputs, loss_fn, dtype)
+    for run in steps.values():
+        for _ in range(args.warmup):
+            run()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    order = list(steps)
+    for i in range(args.steps):
+        for k in order[i % len(order) :] + order[: i % len(order)]:
+            t0 = time.perf_counter()
+            steps[k]()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _depth_sweep(args: argparse.Namespace, backend: str, dtype_name: str) -> None:
+    """The depth sweep (see the module doc): cold and warm first steps per depth and kind, the
+    steady step times, and their ratios."""
+    first: dict[tuple[int, str], tuple[dict, dict]] = {}
+    step_rows = []
+    depths = sorted(args.depth_sweep)
+    for layers in depths:
+        args.layers = layers
+        for which in args.sweep_kinds:
+            first[layers, which] = _cold_then_warm(args, which, backend, dtype_name)
+            cold, warm = first[layers, which]
+            print(
+                f"{layers} layers, {which}: cold {cold['seconds']:.2f} s (CPU {cold['cpu_seconds']:.2f} s), "
+                f"warm {warm['seconds']:.2f} s, load average {os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if not args.compile_only:
+            times = _sweep_steps(args, backend, DTYPES[dtype_name])
+            whole = statistics.median(times["amp_fx_whole"])
+            step_rows += [
+                [layers, _SWEEP_LABELS[k], _ms(v), f"{statistics.median(v) / whole:.3f}"] for k, v in times.items()
+            ]
+    rows = []
+    for layers in depths:
+        for which in args.sweep_kinds:
+            cold, warm = first[layers, which]
+            smallest = first[depths[0], which][0]["seconds"]
+            baseline = first[layers, "baseline"][0]["seconds"] if (layers, "baseline") in first else float("nan")
+            rows.append(
+                [
+                    layers,
+                    _SWEEP_LABELS[which],
+                    f"{cold['seconds']:.2f}",
+                    f"{cold['cpu_seconds']:.2f}",
+                    f"{warm['seconds']:.2f}",
+                    cold.get("graphs", ""),
+                    f"{cold['seconds'] / smallest:.2f}",
+                    f"{cold['seconds'] / baseline:.2f}",
+                ]
+            )
+    print(
+        f"first forward+backward, {backend} {dtype_name}, seconds: cold (fresh process, empty inductor "
+        f"cache; CPU: of that process and the C++ builds it waited for, which load from other processes "
+        f"skews far less than wall time), warm (fresh process, the cache the cold one filled); ratios of "
+        f"the cold wall times"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "layers",
+                "compile",
+                "cold s",
+                "cold CPU s",
+                "warm s",
+                "graphs",
+                f"/ same at {depths[0]} layers",
+                "/ torch.compile+autocast (whole)",
+            ],
+        )
+    )
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if step_rows:
+        print(
+            f"\nstep: forward+backward, ms, median (p10-p90) over {args.steps} steps after {args.warmup} "
+            f"warm-up each, alternating; ratio: median over amp_fx (whole graph)'s"
+        )
+        print(tabulate(step_rows, headers=["layers", "compile", "step ms", "/ amp_fx (whole graph)"]))
 
 
 def _wait_for_parties(folder: str, which: str, parties: int) -> None:
@@ -513,7 +658,21 @@ def main() -> None:
     parser.add_argument("--child-profile", help=argparse.SUPPRESS)
     parser.add_argument("--child-barrier", help=argparse.SUPPRESS)
     parser.add_argument("--child-parties", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=["amp_fx", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--depth-sweep",
+        type=int,
+        nargs="+",
+        metavar="LAYERS",
+        help="compiled regions against the whole graph at these depths (see the module doc); first backend",
+    )
+    parser.add_argument(
+        "--sweep-kinds",
+        nargs="+",
+        choices=SWEEP_KINDS,
+        default=list(SWEEP_KINDS),
+        help="the compiles the depth sweep times (default: all; 'baseline' is each ratio's denominator)",
+    )
+    parser.add_argument("--child", choices=SWEEP_KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--child-backend", help=argparse.SUPPRESS)
     parser.add_argument("--child-dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -531,6 +690,9 @@ def main() -> None:
     print("no bf16/fp16 units on this CPU: compare amp_fx with torch.compile+autocast, not with fp32\n")
     if args.profile:
         _profile(args, args.backends[0], args.dtypes[0], args.profile_top)
+        return
+    if args.depth_sweep:
+        _depth_sweep(args, args.backends[0], args.dtypes[0])
         return
 
     compile_rows, step_rows, cast_rows = [], [], []

@@ -25,7 +25,6 @@ splits the graph at DDP's bucket boundaries, exactly as for ``DDP(torch.compile(
 
 from __future__ import annotations
 
-import functools
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from amp_fx._common.running_unit import unit_running
 from amp_fx._dist.fp8_gather import GatheredFp8Weights
 
 __all__ = [
@@ -185,8 +185,10 @@ def _unit_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(module).forward(module, *args, **kwargs)
 
 
-def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
-    """A copy of ``_unit_forward`` with its own code object, named after ``unit_class``.
+def _fresh_unit_forward(group: str) -> Callable[..., Any]:
+    """A copy of ``_unit_forward`` with its own code object, named after the unit class (``group``:
+    the class name, with a suffix for a second group of one class, a block the policy treats
+    differently from its siblings).
 
     Dynamo keeps its cache entries (at most ``recompile_limit``) on the code object; a copy per
     compiled model and unit class keeps one model's units from using up another's entries. The
@@ -197,7 +199,7 @@ def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
     DTensors with symbolic sizes, which amp_fx cannot fakify (DTensor's sharding propagation
     hashes the sizes: "unhashable type: non-nested SymInt"), and the fallback hit a RecursionError.
     """
-    name = f"{_unit_forward.__name__}_{unit_class.__name__}"
+    name = f"{_unit_forward.__name__}_{group}"
     code = _unit_forward.__code__
     if sys.version_info >= (3, 11):  # co_qualname is new in 3.11
         code = code.replace(co_name=name, co_qualname=name)
@@ -210,13 +212,13 @@ def _fresh_unit_forward(unit_class: type) -> Callable[..., Any]:
 
 @contextmanager
 def _forwards_replaced(
-    units: list[torch.nn.Module], compiled_for: Callable[[torch.nn.Module], Callable[..., Any]]
+    units: list[torch.nn.Module], forward_of: Callable[[torch.nn.Module], Callable[..., Any]]
 ) -> Iterator[None]:
     saved = [u.__dict__.get("forward") for u in units]
     for u, old in zip(units, saved):
         if old is not None:
             u.__dict__[_OWN_FORWARD] = old
-        u.__dict__["forward"] = functools.partial(compiled_for(u), u)
+        u.__dict__["forward"] = forward_of(u)
     try:
         yield
     finally:
@@ -249,8 +251,10 @@ def unit_call(
     dtype: torch.dtype,
     *,
     gathered: GatheredFp8Weights | None = None,
+    group_of: Callable[[torch.nn.Module], tuple[object, str]] | None = None,
 ) -> Callable[..., Any]:
-    """The forward of a compiled DDP/FSDP2 model: ``module.__call__`` eagerly, units compiled.
+    """The forward of a compiled DDP/FSDP2 model, or of a model compiled in regions
+    (``amp_fx/backend/regions.py``): ``module.__call__`` eagerly, units compiled.
 
     ``compile_fn`` turns a function into amp_fx's compiled callable of it (``amp_fx.compile``'s
     call wrapper: autocast around it, one Dynamo cache per leaf pattern, amp_fx errors
@@ -258,36 +262,64 @@ def unit_call(
     transformer blocks) share one compiled function, and one record list through the backend.
     Units of different classes get code objects and names of their own (:func:`_fresh_unit_forward`):
     each class has Dynamo's ``recompile_limit`` cache entries and its record of the sizes seen
-    (automatic dynamic shapes) to itself. ``gathered``: the FSDP2
+    (automatic dynamic shapes) to itself. ``group_of``: a unit's group (the units that share one
+    compiled function) and its name in the code objects; default: its class. While a unit runs,
+    its name under ``module`` is the running unit (``amp_fx._common.running_unit``): the graphs
+    its group shares are named after the unit that compiled them, and the overflow watch renames
+    their modules for the unit that runs them. ``gathered``: the FSDP2
     weights all-gathered in fp8 (``amp_fx._dist.fp8_gather``), whose scales are computed before
     each call, before FSDP2's first all-gather.
     """
     _check_fsdp_mixed_precision(units, dtype)
-    by_class: dict[type, Callable[..., Any]] = {}
+    if group_of is None:
+        group_of = _class_group
+    by_group: dict[object, Callable[..., Any]] = {}
+    names: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):  # a shared module: its first name
+        names.setdefault(id(m), name)
+    forwards: dict[int, Callable[..., Any]] = {}
 
     def compiled_for(unit: torch.nn.Module) -> Callable[..., Any]:
-        compiled = by_class.get(type(unit))
+        group, group_name = group_of(unit)
+        compiled = by_group.get(group)
         if compiled is None:
             # Dynamo would otherwise compile the wrapper's own frame as part of the enclosing unit's
             # (after the graph break at FSDP2's hooks), where the unit is only ``args[0]``, and the
             # helpers it calls as frames of their own; skipping them lets each unit's forward be
             # compiled as a frame of its own, so its ops are attributed to the unit's name under the
             # root (Policy.keep_fp32 by name). The torch.compile inside still compiles.
-            compiled = by_class[type(unit)] = torch._dynamo.disable(compile_fn(_fresh_unit_forward(type(unit))))
+            compiled = by_group[group] = compile_fn(_fresh_unit_forward(group_name))
         return compiled
+
+    def forward_of(unit: torch.nn.Module) -> Callable[..., Any]:
+        found = forwards.get(id(unit))
+        if found is None:
+            compiled, name = compiled_for(unit), names.get(id(unit), "")
+
+            @torch._dynamo.disable
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with unit_running(name):
+                    return compiled(unit, *args, **kwargs)
+
+            found = forwards[id(unit)] = forward
+        return found
 
     device_type = module_device_type(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if gathered is not None:
             gathered.precompute_scales()  # the weights changed since the last call (optimizer step)
-        with _forwards_replaced(units, compiled_for), _eager_call(module):
+        with _forwards_replaced(units, forward_of), _eager_call(module):
             # The ambient autocast covers what runs between the units (DDP's and FSDP2's
             # hooks, and code Dynamo leaves to eager) exactly as eager autocast would.
             with torch.autocast(device_type, dtype=dtype):
                 return module(*args, **kwargs)
 
     return call
+
+
+def _class_group(unit: torch.nn.Module) -> tuple[object, str]:
+    return type(unit), type(unit).__name__
 
 
 def _check_fsdp_mixed_precision(units: list[torch.nn.Module], dtype: torch.dtype) -> None:

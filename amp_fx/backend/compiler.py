@@ -30,6 +30,7 @@ from amp_fx._common.downstream import BACKWARD_BACKENDS, Backend, resolve_backen
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.progress import CompileClock, timed
 from amp_fx._common.report import Reporter
+from amp_fx._common.running_unit import running_unit
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
@@ -203,21 +204,24 @@ class AmpBackend:
 
     def _run_wrapper(self, compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
         """The compiled graph as Dynamo calls it: autocast off, the run counted, the watch's extra
-        output taken off, a double backward refused with amp_fx's error."""
+        output taken off, a double backward refused with amp_fx's error.
+
+        A graph compiled inside a unit (a repeated block's region, a DDP/FSDP2 unit) serves every
+        unit of its group: the watch is told which unit runs it (its ops renamed for that unit's
+        modules: ``amp_fx._common.running_unit``)."""
         runs = self.runs
         guarded: set[type] = set()
         watch, index = self.watch, record.index
         if watch is not None:
             assert record.watched is not None
-            watch.add_graph(index, record.watched.ops)
+            watch.add_graph(index, record.watched.ops, unit=running_unit())
 
         def run_without_autocast(*args: Any) -> Any:
             runs.count += 1
             with torch._C._DisableAutocast():
                 out = compiled(*args)
             if watch is not None:  # the watch's output (amp_fx/passes/watch_nonfinite.py) is the last
-                watch.ran(index, out[-1])
-                out = type(out)(out[:-1])
+                out = watch.ran_forward(index, out, running_unit())
             if not guarded and torch.is_grad_enabled():  # this graph's backward class, once guarded, stays guarded
                 refuse_double_backward(out, guarded)
             return out
@@ -279,7 +283,7 @@ class AmpBackend:
         def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:
             watch.add_graph(key, watched.ops)
             record.watched_backward = watched
-            return functools.partial(watch.ran, key)
+            return functools.partial(watch.ran_backward, key)
 
         downstream = watching_downstream(
             backend,

@@ -30,6 +30,7 @@ from amp_fx._dist.capture import (
 from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.compiler import AmpBackend
+from amp_fx.backend.regions import find_regions, log_regions
 from amp_fx.backend.weight_cache import WeightCache, weight_cache_applies
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.options import Options
@@ -60,6 +61,16 @@ class AmpCompiledModule(torch.nn.Module):
         units = distributed_units(module)  # DDP / FSDP2: hooks eager, wrapped forwards compiled
         if units is not None and backend.options.fp8 is not None:  # the root's own Linears in fp8 too
             units = [*units, *root_linears(module, units)]
+        regions = (
+            find_regions(
+                module, backend.options.policy, proven_only=backend.options.regions is None, label=backend.label
+            )
+            if units is None and backend.options.regions is not False
+            else None
+        )
+        if regions is not None:  # the repeated blocks compiled once per class, as FSDP2's units
+            units = regions.units(module)
+            log_regions(backend.label, regions)
         gathered = (
             None
             if units is None
@@ -71,12 +82,17 @@ class AmpCompiledModule(torch.nn.Module):
             if units is None
             else checked_units(
                 unit_call(
-                    module, units, lambda fn: amp_call(fn, backend, check=False), backend.dtype, gathered=gathered
+                    module,
+                    units,
+                    lambda fn: amp_call(fn, backend, check=False),
+                    backend.dtype,
+                    gathered=gathered,
+                    group_of=None if regions is None else regions.group_of,
                 ),
                 module,
                 backend,
                 gathered=gathered,
-                root_own=root_state_modules(module, units),
+                root_own=root_state_modules(module, units) if regions is None else (),
             )
         )
         self.training = module.training

@@ -380,7 +380,9 @@ def run_amp(
     recorder = InputRecorder(downstream, names=tensor_names(target, inputs), keep_inputs=keep_inputs)
     with many_recompiles(), torch.random.fork_rng(devices=[]), splits_noted_by_caller():
         torch.manual_seed(SEED)
-        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8)
+        # Whole graph (regions=False): the tools read every op of every block, by its own name,
+        # from the records; a region's graph is recorded once, under the block that compiled it.
+        compiled = amp_compile(target, dtype=dtype, policy=policy, backend=recorder, fold=fold, fp8=fp8, regions=False)
         try:
             out = inputs(compiled)
             result = then(out) if then is not None else out

@@ -10,11 +10,15 @@ optimizer holds (:func:`watched_models`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 
+from amp_fx._common.running_unit import renamed
 from amp_fx._common.unwrap import layers
 from amp_fx._dist.found_inf import running_ddp
 from amp_fx.overflow.report import FirstOp
@@ -28,6 +32,10 @@ key is its index; its backward graph's (amp_fx/passes/watch_backward.py) is BACK
 record combined across ranks (MIN) prefers a forward op to a backward one, and records stay below
 2^41 (amp_fx/_dist/found_inf.py packs them with the rank)."""
 BACKWARD = 1 << 16
+_ALIAS = 1 << 15
+"""Keys from here (forward) and from BACKWARD + here (backward) are aliases: a graph shared by the
+units of one group (a repeated block's region) as run by a unit other than the one it was compiled
+in, its ops renamed for that unit (``amp_fx._common.running_unit``)."""
 
 # The watches of compiled modules alive, oldest first (weak: a watch lives as long as its model).
 _WATCHED: list[weakref.ref[ForwardWatch]] = []
@@ -53,6 +61,10 @@ class ForwardWatch:
         self._ddp: weakref.ref[torch.nn.Module] | None = None
         self.backward_unwatched = ""
         """Why the backward graphs are not watched ("" where they are: aot_eager, inductor)."""
+        self._units: dict[int, str] = {}  # forward graph index -> the unit it was compiled in
+        self._aliases: dict[tuple[int, str], int] = {}  # (key, running unit) -> alias key
+        self._aliased: dict[int, tuple[int, str, str]] = {}  # alias key -> (key, compiled in, running)
+        self._backward_unit: dict[int, str] = {}  # forward graph index -> the unit whose backward runs
         if root is not None:
             _WATCHED.append(weakref.ref(self))
 
@@ -76,10 +88,53 @@ class ForwardWatch:
         module whose ranks train it together (``DDP(amp_fx.compile(model))``)."""
         return None if self._ddp is None else self._ddp()
 
-    def add_graph(self, index: int, ops: Sequence[WatchedOp]) -> None:
+    def add_graph(self, index: int, ops: Sequence[WatchedOp], *, unit: str | None = None) -> None:
+        """Graph ``index``'s watched ops; ``unit``: the compiled unit (a region's block) whose call
+        compiled it, and whose module names its ops carry."""
         if len(ops) >= GRAPH_STRIDE:
             raise ValueError(f"amp_fx: graph {index} has {len(ops)} watched ops, more than {GRAPH_STRIDE}")
         self.ops[index] = list(ops)
+        if unit is not None:
+            self._units[index] = unit
+
+    def ran_forward(self, index: int, out: Any, unit: str | None) -> Any:
+        """Forward graph ``index`` ran in ``unit``: its record (the last output) is kept, under an
+        alias key where ``unit`` is not the unit it was compiled in, and the other outputs are
+        returned. The backward of that run is then recorded for ``unit`` too (a pre-hook on its
+        autograd node says which unit's backward runs)."""
+        key = self._key(index, index, unit)
+        self.ran(key, out[-1])
+        out = type(out)(out[:-1])
+        if key != index and unit is not None:
+            node = _compiled_node(out)
+            if node is not None:
+                node.register_prehook(functools.partial(self._backward_of, index, unit))
+        elif index in self._units:
+            self._backward_unit.pop(index, None)
+        return out
+
+    def _backward_of(self, index: int, unit: str, grad_outputs: Any) -> None:
+        self._backward_unit[index] = unit
+
+    def ran_backward(self, key: int, position: torch.Tensor) -> None:
+        """The backward of forward graph ``key - BACKWARD`` ran; named for the unit whose forward
+        run it differentiates."""
+        index = key - BACKWARD
+        self.ran(self._key(key, index, self._backward_unit.pop(index, None)), position)
+
+    def _key(self, key: int, index: int, unit: str | None) -> int:
+        """``key`` (graph ``index``'s forward or backward key) as run by ``unit``: itself where the
+        graph was not compiled in a unit or ``unit`` compiled it, else an alias."""
+        compiled_in = self._units.get(index)
+        if compiled_in is None or unit is None or unit == compiled_in:
+            return key
+        alias = self._aliases.get((key, unit))
+        if alias is None:
+            same_side = sum(1 for k in self._aliased if (k >= BACKWARD) == (key >= BACKWARD))
+            alias = (BACKWARD if key >= BACKWARD else 0) + _ALIAS + same_side
+            self._aliases[(key, unit)] = alias
+            self._aliased[alias] = (key, compiled_in, unit)
+        return alias
 
     def ran(self, index: int, position: torch.Tensor) -> None:
         """A graph ran; ``position`` is its in-graph record (-1 when its outputs were finite)."""
@@ -112,6 +167,10 @@ class ForwardWatch:
             return None
         key, position = divmod(code, GRAPH_STRIDE)
         ops = self.ops.get(key, [])
+        aliased = self._aliased.get(key)
+        if aliased is not None:  # a shared graph run by another unit: its names for that unit
+            key, compiled_in, unit = aliased
+            ops = [replace(op, module=renamed(op.module, compiled_in, unit)) for op in self.ops.get(key, [])]
         backward = key >= BACKWARD
         graph = key - BACKWARD if backward else key
         if position >= len(ops):
@@ -179,3 +238,15 @@ def compiled_models() -> list[torch.nn.Module]:
         else:
             live.append(root)
     return live
+
+
+def _compiled_node(out: Any) -> Any:
+    """The autograd node of a compiled graph's run (AOTAutograd's ``CompiledFunctionBackward``)
+    among its outputs' ``grad_fn`` and their inputs (an output that is a view of another is
+    regenerated outside the node); None where no output requires grad."""
+    for t in out:
+        fn = getattr(t, "grad_fn", None)
+        for node in (fn, *(n for n, _ in getattr(fn, "next_functions", ()))):
+            if node is not None and type(node).__name__.startswith("CompiledFunction"):
+                return node
+    return None
