@@ -250,8 +250,8 @@ def fsdp_param_groups(module: Any) -> list[Any]:
     """The FSDP2 parameter groups of ``module`` (one ``fully_shard`` was applied to; [] for any
     other): one per mesh. A ``shard_placement_fn`` may put a module's parameters on several meshes
     (torchtitan's MoE blocks under expert parallelism: the experts on ``(efsdp, ep)``, the rest on
-    ``fsdp``), and then FSDP2's ``_fsdp_param_group`` (singular) raises; torch 2.13 and 2.15 keep
-    the list ``_fsdp_param_groups``, a torch without it the singular alone."""
+    ``fsdp``), and then FSDP2's ``_fsdp_param_group`` (singular) raises; torch 2.13 keeps the list
+    ``_fsdp_param_groups`` (2.11 and 2.15 not checked), a torch without the list the singular alone."""
     get_state = getattr(module, "_get_fsdp_state", None)
     if get_state is None:
         return []

@@ -132,7 +132,10 @@ def cpu_qwen3_moe(
     cast their weights themselves (``w.bfloat16()``) before ``torch._grouped_mm``.
 
     ``unsharded``: no ``ParallelDims`` and no parallelize function, the whole model on this rank
-    (a reference beside the parallel one on a rank of a larger world)."""
+    (a reference beside the parallel one on a rank of a larger world). Parallel: each rank's shards
+    initialized from ``seed + rank``: DTensor's random init on a CPU mesh draws every rank's shard
+    from the same generator state, which made rank 1's 32 experts (and the router's rows for them)
+    copies of rank 0's, with equal gradients."""
     from torchtitan.models.common import ScaledDotProductAttention
     from torchtitan.models.qwen3 import parallelize_qwen3, qwen3_configs
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
@@ -146,7 +149,8 @@ def cpu_qwen3_moe(
     parallelism, dims = parallel_dims(dp_shard=dp_shard, ep=ep)
     set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=ep > 1)
     parallelize_fn = parallelize_qwen3 if parallelize_fn is None else parallelize_fn
-    return _built(config, parallelize_fn, parallelism, dims, param_dtype=param_dtype, seed=seed)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return _built(config, parallelize_fn, parallelism, dims, param_dtype=param_dtype, seed=seed + rank)
 
 
 def _built(

@@ -5,10 +5,10 @@ torchtitan's Qwen3 MoE debugmodel (2 layers, 64 experts of hidden 768, top 8, SD
 ep=2)``): each rank holds 32 experts, sharded on the ``(efsdp=1, ep=2)`` mesh, and every other
 parameter on the ``fsdp`` mesh; tokens reach their experts by torchtitan's all-to-all dispatch
 and combine. Each rank trains on its own tokens, fp32 parameters, ``STEPS`` AdamW steps on
-cross-entropy. fp16 is torchtitan's recipe with a loss scaler: ``unscale_``, then the gradients
-clipped to ``CLIP`` by torchtitan's own ``clip_grad_norm_(..., ep_enabled=True)`` (the expert
-gradients' norm over the ep mesh, the others' over fsdp, then the two combined); an inf is
-planted in rank 0's local shard of one expert gradient at ``PLANTED_STEP``.
+cross-entropy. fp16 with a loss scaler: ``unscale_``, then the gradients clipped to ``CLIP`` with
+the global norm over both meshes (``_clip``: the expert gradients' norms over ``(efsdp, ep)``, the
+others' over ``fsdp``); an inf is planted in rank 0's local shard of one expert gradient at
+``PLANTED_STEP``.
 
 * eager: ``torch.autocast("cpu", dtype)``; fp16 with FSDP's ``ShardedGradScaler`` (its found-inf
   flag all-reduced over every rank);
@@ -115,7 +115,7 @@ def train(rank: int, dtype: str, form: str) -> dict[str, Any]:
                     scaler.unscale_(opt)
                 grads = {n: local_tensor(p.grad).clone() for n, p in net.named_parameters()}
                 if scaler is not None:
-                    norms.append(_torchtitan_clip(net))
+                    norms.append(_clip(net))
                 if scaler is None:
                     opt.step()
                 else:
@@ -146,29 +146,46 @@ def _scaler(dtype: str, form: str) -> Any:
     return ShardedGradScaler("cpu")
 
 
-def _torchtitan_clip(net: torch.nn.Module) -> torch.Tensor:
-    """torchtitan's ``clip_grad_norm_`` with EP, as its Trainer calls it: the total norm."""
+def _clip(net: torch.nn.Module) -> torch.Tensor:
+    """``clip_grad_norm_(CLIP)``'s rule on the DTensor gradients, eagerly: each gradient's 2-norm as
+    DTensor reduces it over its mesh (``vector_norm`` of the local shard, ``_NormPartial``, then
+    ``full_tensor``), the 2-norm of those norms in the parameters' order, the clamped coefficient
+    multiplied in. torch's ``clip_grad_norm_`` cannot stack norms of two meshes, and torchtitan's EP
+    clip (recorded beside it, unclipped: ``max_norm=inf`` multiplies by exactly 1.0) sums the expert
+    and the dense norms apart, which rounds otherwise: an ulp of the clipped gradients moves the
+    parameters, and then the router's top-8 choices, so the steps after it are not comparable.
+    Returns (this norm, torchtitan's, the float64 norm of the whole gradients)."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    return clip_grad_norm_(list(net.parameters()), CLIP, ep_enabled=True).detach().clone()
+    params = [p for p in net.parameters() if p.grad is not None]
+    whole = sum(float(p.grad.full_tensor().double().pow(2).sum()) for p in params) ** 0.5
+    titan = clip_grad_norm_(params, math.inf, ep_enabled=True).detach().clone()
+    with torch.no_grad():
+        norms = [torch.linalg.vector_norm(p.grad, 2.0).full_tensor() for p in params]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(CLIP / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef)
+    return torch.stack([total, titan, torch.tensor(whole, dtype=torch.float32)])
 
 
-def watch(rank: int) -> dict[str, Any]:
-    """The non-finite watch (``first_overflows``): ``layers.1.attention.wo``'s weight scaled by 1e6
-    on this rank's shard, fp16."""
+def watch(rank: int, layer: int) -> dict[str, Any]:
+    """The non-finite watch (``first_overflows``): ``layers.{layer}.attention.wo``'s weight scaled
+    by 1e6 on this rank's shard, fp16."""
     from tests.distributed._dist_tp_cases import first_overflows
 
     x, y = tokens(rank, 0)
     torch._dynamo.reset()
     net = model("eager")
-    wo = net.get_parameter("layers.1.attention.wo.weight")
+    wo = net.get_parameter(f"layers.{layer}.attention.wo.weight")
     return first_overflows(net, wo, lambda forward: _loss(forward(x), y))
 
 
 def compare(rank: int) -> dict[str, Any]:
-    """compare (bf16) after a forward and backward, with the model's state before and after."""
+    """compare (bf16) after a forward and backward; ``state_kept``: None, or how the model's state
+    after it differs from before (``assert_same_state``, run here: the state is 1.2 GB)."""
     import amp_fx
-    from tests.distributed._dist_asserts import model_state
+    from tests.distributed._dist_asserts import assert_same_state, model_state
 
     x, y = tokens(rank, 0)
     torch._dynamo.reset()
@@ -176,12 +193,17 @@ def compare(rank: int) -> dict[str, Any]:
     _loss(net(x), y).backward()
     before = model_state(net)
     compared = amp_fx.compare(net, x, dtype="bf16")
+    try:
+        assert_same_state(model_state(net), before, f"rank {rank}")
+        kept = None
+    except AssertionError as e:
+        kept = str(e)
     return {
         "ok": compared.ok,
         "exact": compared.exact,
         "ops": len(compared.ops),
         "grads": len(compared.grads),
-        "states": (before, model_state(net)),
+        "state_kept": kept,
     }
 
 
@@ -225,7 +247,8 @@ def moe_all(rank: int, world_size: int) -> dict[Any, Any]:
 
     assert world_size == 2, world_size
     runs: dict[Any, Any] = {case: functools.partial(train, rank, *case) for case in CASES}
-    runs |= {tool.__name__: functools.partial(tool, rank) for tool in (watch, compare, explain)}
+    runs |= {tool.__name__: functools.partial(tool, rank) for tool in (compare, explain)}
+    runs |= {("watch", layer): functools.partial(watch, rank, layer) for layer in (0, 1)}
     results = _each(runs)
     got, want = results[("fp16", "step")], results[("fp16", "eager")]
     if "error" not in got and "error" not in want:
