@@ -10,6 +10,8 @@ one would double the ranks on the same 2 cores (the CI budget, docs/contributing
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -131,14 +133,21 @@ def test_expert_parallel_compare_agrees_with_eager_and_leaves_the_model_as_it_wa
         assert run["state_kept"] is None, run["state_kept"]  # assert_same_state, in the rank
 
 
+def _any_block(rows: list[tuple]) -> set[tuple]:
+    """The rows with the block index of their module replaced by ``*``."""
+    return {(kind, op, re.sub(r"^layers\.\d+\.", "layers.*.", module), *rest) for kind, op, module, *rest in rows}
+
+
 def test_expert_parallel_explain_decides_as_on_the_unsharded_model(ranks):
     """explain (bf16) on each rank: every matmul, grouped expert GEMM and attention op, and each cast
-    before them, decided (dtype, rule) as on the same model unsharded. Under FSDP2 the two blocks are
-    units of one class that share one compiled graph, which explain lists once, under the first
-    block's names; the unsharded model's one graph holds both blocks, so its rows of the second
-    block are left out of the comparison."""
+    before them, decided (dtype, rule) as on the same model unsharded: each row of the EP model is
+    a row of the unsharded one, and every row of the unsharded one is there up to the block index.
+    Under FSDP2 the two blocks are units of one class that share compiled graphs, which explain
+    lists once, under the name of the block that compiled them (here the attention part of
+    ``layers.1`` ran ``layers.0``'s graph; its experts, behind the dispatcher's graph break, got
+    their own); the unsharded model's one graph holds both blocks."""
     for rank, res in enumerate(ranks):
         run = _ok(res, "explain", rank)
-        assert sum("_grouped_mm" in row[1] for row in run["ep"]) == 3, f"rank {rank}: {run['ep']}"
-        whole = [row for row in run["whole"] if not row[2].startswith("layers.1.")]
-        assert run["ep"] == whole, f"rank {rank}"
+        assert sum("_grouped_mm" in row[1] for row in run["ep"]) >= 3, f"rank {rank}: {run['ep']}"
+        assert all(row in run["whole"] for row in run["ep"]), f"rank {rank}"
+        assert _any_block(run["ep"]) == _any_block(run["whole"]), f"rank {rank}"
