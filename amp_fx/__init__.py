@@ -8,7 +8,7 @@ import logging
 from amp_fx.api import compile, options_of, records, uncompile
 from amp_fx.backend.wrapper import AmpCompiledModule
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
-from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
 from amp_fx.options import Options
@@ -21,6 +21,7 @@ __all__ = [
     "compile",
     "Fp8Recipe",
     "Fp8Config",
+    "Nvfp4Options",
     "AmpCompiledModule",
     "records",
     "uncompile",

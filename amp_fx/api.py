@@ -70,7 +70,10 @@ def compile(
             model when several are watched). Values computed are unchanged.
         fp8: train in fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's
             float8 training recipes and numerics), ``"mxfp8"`` (torchao's MXFP8 numerics; MX
-            kernels on Blackwell GPUs, emulated elsewhere, with a warning), an
+            kernels on Blackwell GPUs, emulated elsewhere, with a warning), ``"blockwise"``
+            (DeepSeek-V3's 1x128/128x128 blockwise fp8, torchao's numerics; emulated off Hopper,
+            with a notice), ``"nvfp4"``
+            (TransformerEngine's NVFP4 recipe, emulated without fp4 tensor cores, with a notice), an
             ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
             ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
             fp8, forward and backward; everything else stays in ``dtype``

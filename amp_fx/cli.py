@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_FP8 = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"]
+_FP8 = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", "nvfp4"]
 """amp_fx.Fp8Recipe's values, written out: the parser is built before amp_fx (and torch) is imported."""
 
 

@@ -84,6 +84,11 @@ class Options:
                 f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
                 f"as torchao's MXFP8 training does), got dtype={self.dtype}"
             )
+        if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.NVFP4 and self.dtype != torch.bfloat16:
+            raise ValueError(
+                f"amp_fx: fp8='nvfp4' needs dtype=torch.bfloat16 (NVFP4 quantizes bf16 operands, "
+                f"as TransformerEngine's NVFP4 recipe does), got dtype={self.dtype}"
+            )
         if self.policy is None:
             set_(self, "policy", Policy())
         if not isinstance(self.policy, Policy):

@@ -16,8 +16,10 @@ from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import FSDP1_ALTERNATIVE, is_fsdp1, unsharded_class_name
 from amp_fx.backend.splits import noted_by_caller
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.blockwise_fp8 import blockwise_kernels_missing
 from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
+from amp_fx.kernels.nvfp4 import fp4_kernels_missing
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
 from amp_fx.passes.pipeline import GraphRecord
@@ -188,6 +190,20 @@ def _report_fp8(
         slow = slow_fp8_text(records)
         if slow is not None:
             reporter.notice(("fp8", "slow kernel"), slow)
+        left = [d for d in decisions if d.left_out]
+        if left:
+            shown = "; ".join(
+                f"{d.module or '<root>'} ({d.op}, {d.weight}): {d.reason.removeprefix('not fp8: ')}" for d in left[:4]
+            )
+            reporter.did_less(
+                ("fp8", "left out"),
+                (
+                    f"amp_fx: {len(left)} matmul(s) with a parameter operand stay in {dtype_name(records[0].dtype)} "
+                    f"under fp8={fp8.recipe.value!r}: {shown}{'; ...' if len(left) > 4 else ''}. "
+                    f"amp_fx.explain(model, x, fp8=...) lists each; Policy(keep_out_of_fp8=[module]) keeps them "
+                    f"out on purpose and silences this; strict=True makes this an error."
+                ),
+            )
         sharded = [s for r in records if r.fp8 is not None for s in r.fp8.sharded_contractions]
         if sharded:
             reporter.did_less(
@@ -245,7 +261,8 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
     """The note that the converted matmuls have no fast kernel on the graphs' device, or None.
 
     One rule for every recipe: where the kernel computes the recipe's numerics but slower than
-    bf16 (MXFP8 emulated in bf16 without Blackwell's MX kernels; tensorwise and rowwise through
+    bf16 (MXFP8 emulated in bf16 without Blackwell's MX kernels, blockwise in fp32 without
+    Hopper's blockwise GEMM; tensorwise and rowwise through
     the CPU's reference ``torch._scaled_mm``), amp_fx says so once, as a notice: nothing asked is
     left undone, so strict mode does not refuse it (and CPU runs of fp8 stay possible there)."""
     converted = {(r.fp8.recipe, r.device_type) for r in records if r.fp8 is not None and r.fp8.converted}
@@ -258,6 +275,23 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
                     f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
                     f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
                     f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed."
+                )
+        elif recipe is Fp8Recipe.BLOCKWISE:
+            missing = blockwise_kernels_missing(device_type)
+            if missing is not None:
+                return (
+                    f"amp_fx: fp8='blockwise' runs emulated here: {missing}. Each blockwise GEMM's operands "
+                    f"are quantized as the recipe says, dequantized to fp32 and multiplied in fp32: the "
+                    f"recipe's quantization, slower than bf16. Train on an H100/H200 for its fp8 GEMMs."
+                )
+        elif recipe is Fp8Recipe.NVFP4:
+            missing = fp4_kernels_missing(device_type)
+            if missing is not None:
+                return (
+                    f"amp_fx: fp8='nvfp4' runs emulated here: {missing}. Each NVFP4 GEMM is dequantized "
+                    f"to fp32 (e2m1 times its e4m3 block scale, exact) and multiplied in fp32, then "
+                    f"scaled by the tensor scales (as TransformerEngine's reference GEMM): NVFP4's "
+                    f"numerics, slower than bf16. Train on a B200/GB200 for fp4 tensor cores."
                 )
         elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
             return (

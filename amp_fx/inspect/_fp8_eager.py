@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect._probe import module_hooks
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
+from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_matmul
 from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 
 __all__: list[str] = []
@@ -88,7 +89,14 @@ def _gemm(
     ``[K, N]`` as it is, autocast off. Returns (result, the input in the autocast dtype)."""
     with torch.autocast(device_type, enabled=False):
         x_low = x.to(dtype)
+        if isinstance(recipe, Nvfp4Options):
+            return nvfp4_matmul(x_low, w, options=recipe), x_low
         return fp8_matmul(x_low, w, recipe), x_low
+
+
+def _kernel_recipe(config: Fp8Config) -> Fp8Recipe | Nvfp4Options:
+    """What the kernels take: the recipe, or NVFP4's switches (which say it is NVFP4)."""
+    return config.nvfp4 if config.recipe is Fp8Recipe.NVFP4 and config.nvfp4 is not None else config.recipe
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, device_type: str) -> torch.Tensor:
@@ -129,13 +137,20 @@ def _grouped_name(func: Any) -> str | None:
 
 
 def grouped_gemm(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, device_type: str
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    recipe: Fp8Recipe | Nvfp4Options,
+    dtype: torch.dtype,
+    device_type: str,
 ) -> torch.Tensor:
     """A grouped expert GEMM as the pass rewrites it: ``x`` in the autocast dtype, autocast off,
     then :func:`~amp_fx.kernels.mxfp8_matmul.mxfp8_grouped_mm` (which scales the bf16 casts of
     both operands) or :func:`~amp_fx.kernels.fp8_grouped_mm.fp8_grouped_mm` on the fp32 weight."""
     with torch.autocast(device_type, enabled=False):
         x_low = x.to(dtype)
+        if isinstance(recipe, Nvfp4Options):
+            return nvfp4_grouped_mm(x_low, w, offs, recipe.rht, recipe.stochastic_rounding, recipe.weight_2d)
         if recipe is Fp8Recipe.MXFP8:
             return mxfp8_grouped_mm(x_low, w, offs)
         return fp8_grouped_mm(x_low, w, offs, recipe)
@@ -150,10 +165,10 @@ def fp8_aten(
     if _grouped_name(target) is not None:
         operands = grouped_mm_operands(args, kwargs)
         assert operands is not None, f"the pass converted {target} with operands it does not take"
-        return grouped_gemm(*operands, config.recipe, dtype, device_type)
+        return grouped_gemm(*operands, _kernel_recipe(config), dtype, device_type)
     op = f"aten.{target._overloadpacket.__name__}"
     x, w, bias = _operands(op, args, kwargs)
-    out, _ = _gemm(x, _as_kn(op, w), config.recipe, dtype, device_type)
+    out, _ = _gemm(x, _as_kn(op, w), _kernel_recipe(config), dtype, device_type)
     return _add_bias(out, bias, device_type)
 
 
@@ -187,7 +202,7 @@ class Fp8Eager(TorchFunctionMode):
         grouped: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
-        self.recipe = config.recipe
+        self.recipe = _kernel_recipe(config)
         self.dtype = dtype
         self.device_type = device_type
         self.stack = stack

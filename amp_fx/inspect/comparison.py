@@ -233,7 +233,8 @@ class CompareReport:
     """The fp8 recipe both sides ran (``compare(..., fp8=...)``), or None."""
 
     def _what(self) -> str:
-        fp8 = f", matmuls in fp8 {self.fp8} with torchao's numerics" if self.fp8 else ""
+        source = "TransformerEngine's" if self.fp8 == "nvfp4" else "torchao's"
+        fp8 = f", matmuls in fp8 {self.fp8} with {source} numerics" if self.fp8 else ""
         return dtype_name(self.dtype) + fp8
 
     @property

@@ -587,6 +587,8 @@ class Explanation:
         after = {n.name: n for n in r.rewritten.graph.nodes}
         labels = self._labels[graph]
         fp32 = self._fp32(r) or {}
+        # a matmul the fp8 pass converted is a new node that names the one it replaces
+        fp8_of = {m.meta[meta.FP8_OF]: m for m in r.rewritten.graph.nodes if meta.FP8_OF in m.meta}
         rows = []
         for n in r.captured.graph.nodes:
             if n.op != "call_function" or n.target is operator.getitem:
@@ -595,7 +597,22 @@ class Explanation:
             before_dt = dtype_name(value_dtype(fp32.get(n.name))) if fp32 else "?"
             eager = dtype_name(_autocast_dtype(n))
             if new is None:
-                rows.append([n.name, op_label(n.target), self._module(r, n)[0], before_dt, eager, "(folded away)", ""])
+                converted = fp8_of.get(n.name)
+                # the decision is on the fp8 call (under the bias's add, where the matmul had one)
+                decision = next(
+                    (
+                        c.meta[meta.FP8]
+                        for c in ([converted, *converted.all_input_nodes] if converted else [])
+                        if meta.FP8 in c.meta
+                    ),
+                    None,
+                )
+                if converted is not None and decision is not None and decision.recipe is not None:
+                    out = dtype_name(value_dtype(converted.meta.get("val")))
+                    shown = f"fp8 {decision.recipe.value} -> {out}"
+                else:
+                    shown = "(folded away)"
+                rows.append([n.name, op_label(n.target), self._module(r, n)[0], before_dt, eager, shown, ""])
                 continue
             casts = []
             for a in new.all_input_nodes:

@@ -64,7 +64,7 @@ OPTIONS: Mapping[str, str] = {
     "fold": "run the value-preserving cast-folding pass (default True)",
     "strict": "raise instead of warning where amp_fx does less than asked (default: AMP_FX_STRICT)",
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
-    "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", an amp_fx.Fp8Recipe or '
+    "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", an amp_fx.Fp8Recipe or '
     "an amp_fx.Fp8Config (default None: off)",
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""

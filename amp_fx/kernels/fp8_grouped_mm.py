@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels.blockwise_fp8 import blockwise_fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import Fp8Operand, scaled_matmul
 from amp_fx.kernels.fp8_recipes import ALIGNMENT, EPS, RECIPES, Cast
 
@@ -350,5 +351,8 @@ class _Fp8GroupedMm(torch.autograd.Function):
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
     """``aten._grouped_mm(x, w, offs)`` in fp8 with ``recipe``'s numerics per group (module doc);
     the result has ``x``'s dtype. ``x``: ``[M, K]`` bf16/fp16; ``w``: ``[E, K, N]`` (the fp32
-    master weight, usually a transposed view of the parameter); ``offs``: ``[E]`` int32 or int64."""
+    master weight, usually a transposed view of the parameter); ``offs``: ``[E]`` int32 or int64.
+    ``Fp8Recipe.BLOCKWISE`` runs :func:`amp_fx.kernels.blockwise_fp8.blockwise_fp8_grouped_mm`."""
+    if recipe is Fp8Recipe.BLOCKWISE:
+        return blockwise_fp8_grouped_mm(x, w, offs)
     return _Fp8GroupedMm.apply(x, w, offs, recipe)

@@ -55,6 +55,7 @@ import torch
 
 from amp_fx._common.matmul_output import matmul_output
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
 from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
@@ -310,6 +311,9 @@ def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torc
     A cast that keeps the weight in high precision gives ``(w, empty scale)``."""
     if recipe is Fp8Recipe.MXFP8:
         return _mx.mx_weight_casts(w)
+    if recipe is Fp8Recipe.BLOCKWISE:  # one set of tiles serves both GEMMs (transposed for grad_x)
+        tiles = _bw.weight_tiles(w)
+        return tiles.data, tiles.inv_scale, tiles.data, tiles.inv_scale
     c = RECIPES[recipe]
     pow2 = c.round_scales_to_power_of_2
     out: list[torch.Tensor] = []
@@ -393,6 +397,11 @@ def fp8_matmul_cached_weight(
         return _mx.mxfp8_matmul_cached_weight(
             x, w, w_data, w_scale, wg_data, wg_scale, emulate=_mx.mx_kernels_missing(x.device.type) is not None
         )
+    if recipe is Fp8Recipe.BLOCKWISE:
+        assert x_fp8 is None, "blockwise casts its input in the matmul"
+        return _bw.blockwise_fp8_matmul_cached_weight(
+            x, w, w_data, w_scale, emulate=_bw.blockwise_kernels_missing(x.device.type) is not None
+        )
     return _Fp8MatmulCachedWeight.apply(x, w, w_data, w_scale, wg_data, wg_scale, recipe, *(x_fp8 or (None,) * 3))
 
 
@@ -403,7 +412,8 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, x_fp8: Fp8In
     for a master weight; torchao scales it from fp32, without a bf16 round trip). The
     gradients have the dtype of ``grad`` (the result's); autograd casts ``w``'s to ``w``'s dtype.
     ``Fp8Recipe.MXFP8`` runs :func:`amp_fx.kernels.mxfp8_matmul.mxfp8_matmul` (``w`` cast to
-    ``x``'s dtype first; emulated where the device has no MX kernel).
+    ``x``'s dtype first; emulated where the device has no MX kernel); ``Fp8Recipe.BLOCKWISE``
+    :func:`amp_fx.kernels.blockwise_fp8.blockwise_fp8_matmul` (emulated off Hopper).
 
     ``x_fp8``: the input's tensorwise cast, made before (:data:`Fp8Input`; the result then has
     its ``dtype``). ``x``'s values are not read: ``x`` (``x_fp8``'s shape, any float dtype)
@@ -412,4 +422,7 @@ def fp8_matmul(x: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, x_fp8: Fp8In
     if recipe is Fp8Recipe.MXFP8:
         assert x_fp8 is None, "mxfp8 casts its input in the matmul"
         return _mx.mxfp8_matmul(x, w, emulate=_mx.mx_kernels_missing(x.device.type) is not None)
+    if recipe is Fp8Recipe.BLOCKWISE:
+        assert x_fp8 is None, "blockwise casts its input in the matmul"
+        return _bw.blockwise_fp8_matmul(x, w, emulate=_bw.blockwise_kernels_missing(x.device.type) is not None)
     return _Fp8Matmul.apply(x, w, recipe, *(x_fp8 or (None,) * 3))

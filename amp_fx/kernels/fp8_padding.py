@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels.fp8_recipes import ALIGNMENT, RECIPES
 
@@ -89,6 +90,11 @@ def _mx_aligned(size: int) -> int:
     return -(-size // _mx.BLOCK) * _mx.BLOCK
 
 
+def _block_aligned(size: int) -> int:
+    """``size`` rounded up to a multiple of the blockwise recipe's block (128)."""
+    return -(-size // _bw.BLOCK) * _bw.BLOCK
+
+
 def _same(size: int) -> int:
     return size
 
@@ -97,9 +103,16 @@ def padding(m: int, k: int, n: int, recipe: Fp8Recipe) -> Fp8Padding | None:
     """What :func:`fp8_matmul` pads for an ``[M, K] @ [K, N]`` with ``recipe`` (the rule of
     :func:`pad_for_scaled_mm`: each GEMM's inner dimension and columns), None where every fp8
     GEMM's sizes are already multiples of 16. MXFP8 pads each GEMM's inner dimension to a
-    multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here."""
+    multiple of 32 (its blocks); its columns only on a Blackwell GPU (to 16), not counted here.
+    Blockwise pads each GEMM's inner dimension and the weight's other one to multiples of 128
+    (its blocks and tiles); counted here for every GEMM's columns, an overestimate for the weight
+    gradient's (a Hopper GPU pads those to 16)."""
     c = RECIPES[recipe]
     inner, cols = (_mx_aligned, _same) if recipe is Fp8Recipe.MXFP8 else (_aligned, _aligned)
+    if recipe is Fp8Recipe.BLOCKWISE:
+        inner = cols = _block_aligned
+    elif recipe is Fp8Recipe.NVFP4:  # emulated: each GEMM's inner dimension to NVFP4's blocks of 16
+        inner, cols = _aligned, _same
     gemms = [
         (name, names, shape)
         for name, names, shape, cast in (

@@ -21,7 +21,9 @@ from types import MappingProxyType
 import torch
 
 from amp_fx.fp8 import Fp8Recipe
+from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
+from amp_fx.kernels import nvfp4 as _nv
 
 __all__ = ["RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "ALIGNMENT"]
 
@@ -32,6 +34,8 @@ pads to this rule on every device, so the CPU runs the GPU's code path."""
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
+E2M1 = torch.float4_e2m1fn_x2
+"""NVFP4's element (two per byte)."""
 EPS = 1e-12
 """torchao's floor on amax (``torchao.float8.float8_utils.EPS``): a zero tensor gets a finite scale."""
 
@@ -45,11 +49,23 @@ class Cast:
     rowwise: bool = False
     block: int = 0
     """MX: one e8m0 scale per ``block`` elements along the GEMM's inner dimension (0: not MX)."""
+    tile: int = 0
+    """Blockwise: one fp32 scale per ``1 x tile`` block along the GEMM's inner dimension, or per
+    ``tile x tile`` tile where ``square`` (0: not blockwise)."""
+    square: bool = False
 
     @property
     def label(self) -> str:
         if self.dtype is None:
             return "high precision"
+        if self.tile:
+            return (
+                f"e4m3, fp32 scale per {self.tile}x{self.tile} tile"
+                if self.square
+                else f"e4m3, fp32 scale per 1x{self.tile}"
+            )
+        if self.dtype is E2M1:
+            return f"e2m1, e4m3 scale per {self.block} and an fp32 scale per tensor"
         if self.block:
             return f"e4m3, e8m0 scale per {self.block}"
         return f"{'e4m3' if self.dtype is E4M3 else 'e5m2'} {'rowwise' if self.rowwise else 'tensorwise'}"
@@ -76,6 +92,10 @@ class RecipeCasts:
     @property
     def granularity(self) -> str:
         """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``/``mx``)."""
+        if self.input.tile:
+            return f"blockwise (1x{self.input.tile}, weights {self.input.tile}x{self.input.tile})"
+        if self.input.dtype is E2M1:
+            return f"nvfp4 (blocks of {self.input.block})"
         if self.input.block:
             return f"mx (blocks of {self.input.block})"
         return "rowwise" if self.input.rowwise else "tensorwise"
@@ -98,6 +118,9 @@ class RecipeCasts:
 
 _HP = Cast(None)
 _MX = Cast(E4M3, block=_mx.BLOCK)
+_BW = Cast(E4M3, tile=_bw.BLOCK)
+_BW_TILE = Cast(E4M3, tile=_bw.BLOCK, square=True)
+_NV = Cast(E2M1, block=_nv.BLOCK)
 RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType(
     {
         # torchao/float8/config.py, Float8LinearConfig.from_recipe_name (0.18.0)
@@ -138,6 +161,28 @@ RECIPES: Mapping[Fp8Recipe, RecipeCasts] = MappingProxyType(
             weight_for_grad_input=_MX,
             grad_output_for_grad_weight=_MX,
             round_scales_to_power_of_2=True,
+        ),
+        # torchao/prototype/blockwise_fp8_training/linear.py, fp8_blockwise_mm (0.18.0): all e4m3,
+        # fp32 scales; computed by amp_fx.kernels.blockwise_fp8, not by _Fp8Matmul.
+        Fp8Recipe.BLOCKWISE: RecipeCasts(
+            input=_BW,
+            weight=_BW_TILE,
+            grad_output=_BW,
+            input_for_grad_weight=_BW,
+            weight_for_grad_input=_BW_TILE,
+            grad_output_for_grad_weight=_BW,
+            round_scales_to_power_of_2=False,
+        ),
+        # TransformerEngine's NVFP4BlockScaling: all e2m1 with e4m3 scales per 16; computed by
+        # amp_fx.kernels.nvfp4 (its Nvfp4Options hold the rounding and transform switches).
+        Fp8Recipe.NVFP4: RecipeCasts(
+            input=_NV,
+            weight=_NV,
+            grad_output=_NV,
+            input_for_grad_weight=_NV,
+            weight_for_grad_input=_NV,
+            grad_output_for_grad_weight=_NV,
+            round_scales_to_power_of_2=False,
         ),
     }
 )

@@ -19,7 +19,7 @@ from its bf16 cast, not from the fp32 master weight as the float8 recipes do.
 Where the GEMM runs:
 
 * a GPU with MX kernels (compute capability 10.0+, Blackwell): ``torch._scaled_mm`` on the e4m3
-  data with the e8m0 scales in cuBLAS's blocked layout (:func:`_to_blocked`), bf16 result
+  data with the e8m0 scales in cuBLAS's blocked layout (:func:`to_blocked`), bf16 result
   (torchao's ``KernelPreference.AUTO`` GEMM). Not run in this repository's tests (no such GPU).
 * elsewhere (CPU, H100/H200): emulated, as torchao's ``KernelPreference.EMULATED``: each operand
   dequantized to bf16 (``e4m3 -> bf16`` times its block's power of two, exact) and multiplied with
@@ -61,6 +61,7 @@ __all__ = [
     "mx_weight_casts",
     "mx_kernels_missing",
     "mxfp8_grouped_mm",
+    "to_blocked",
 ]
 
 BLOCK = 32
@@ -162,9 +163,10 @@ def _dequantize(a: _Mx, dtype: torch.dtype) -> torch.Tensor:
     return (data * scale.reshape(-1, 1).to(dtype)).reshape(rows, cols)
 
 
-def _to_blocked(scale: torch.Tensor) -> torch.Tensor:
-    """torchao ``to_blocked``: ``[rows, cols]`` e8m0 scales in cuBLAS's block-scaling layout
-    (128 x 4 tiles, zero-padded; https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout)."""
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """torchao ``to_blocked``: ``[rows, cols]`` byte scales (e8m0 here; NVFP4's e4m3, viewed as
+    bytes, in :mod:`amp_fx.kernels.nvfp4`) in cuBLAS's block-scaling layout (128 x 4 tiles,
+    zero-padded; https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout)."""
     rows, cols = scale.shape
     row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
     padded = scale
@@ -186,7 +188,7 @@ def _gemm(a: _Mx, b: _Mx, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor
     b_data, b_scale = _pad_to(b.data.view(torch.uint8), 0, 16).view(_E4M3), _pad_to(b.scale, 0, 16)
     e8m0 = torch.float8_e8m0fnu
     out = torch._scaled_mm(
-        a.data, b_data.t(), _to_blocked(a.scale).view(e8m0), _to_blocked(b_scale).view(e8m0), out_dtype=torch.bfloat16
+        a.data, b_data.t(), to_blocked(a.scale).view(e8m0), to_blocked(b_scale).view(e8m0), out_dtype=torch.bfloat16
     )
     out = out[:, :c] if out.shape[1] != c else out
     return out.to(out_dtype)

@@ -77,6 +77,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.kernels.blockwise_fp8 import BLOCK as BW_BLOCK
 from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
@@ -86,6 +87,8 @@ from amp_fx.kernels.fp8_support import check_rowwise_support
 from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
+from amp_fx.kernels.nvfp4 import BLOCK as NV_BLOCK
+from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_linear_flags
 from amp_fx.passes import meta
 from amp_fx.passes.capture import dtensor_method, module_stack
 from amp_fx.passes.fx_edit import (
@@ -94,6 +97,7 @@ from amp_fx.passes.fx_edit import (
     add_node,
     arg_node,
     innermost_module,
+    is_cast,
     is_inserted_cast,
     mark_cast,
     placeholders,
@@ -149,6 +153,11 @@ class Fp8Decision:
     """Where converted with a size that is not a multiple of 16: what its fp8 GEMMs pad and what
     that costs (None where nothing is padded, or a size is symbolic: then it pads at run time
     where needed)."""
+    left_out: bool = False
+    """True where the matmul stays in ``dtype`` for a reason the user did not ask for (its
+    operands' form: a batched or left-hand weight, a weight computed from a parameter): reported
+    once (``strict=True`` raises), where a matmul kept by the policy, the model's own
+    ``torch.autocast``, or a sharding rule reported on its own is not."""
 
     @property
     def flops(self) -> int:
@@ -211,11 +220,66 @@ class _Match:
     """A grouped GEMM's group ends (its weight is ``[E, K, N]``)."""
 
 
+def _model_cast(node: torch.fx.Node) -> bool:
+    """A cast the model wrote itself between two floating dtypes on one device (``w.bfloat16()``,
+    ``w.to(dtype)``, as torchtitan's ``GroupedExperts`` casts its expert weights): a value the
+    model computes from the parameter with no other change, so the matmul still multiplies by
+    that parameter."""
+    if not is_cast(node) or is_inserted_cast(node) or set(node.kwargs) - {"dtype"}:
+        return False
+    source = node.args[0]
+    if not isinstance(source, torch.fx.Node):
+        return False
+    before, after = _val(source), _val(node)
+    return (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype.is_floating_point
+        and after.dtype.is_floating_point
+    )
+
+
+def _weight_source(node: object) -> object:
+    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts and the
+    model's own float casts (:func:`_model_cast`): the value they start from."""
+    while True:
+        node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
+        if not (isinstance(node, torch.fx.Node) and _model_cast(node)):
+            return node
+        node = node.args[0]
+
+
 def _parameter(node: object) -> torch.fx.Node | None:
-    """The parameter placeholder ``node`` is (a view of), through insert_casts' casts."""
-    node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
+    """The parameter placeholder ``node`` is (a view of), through insert_casts' casts and the
+    model's own float casts (the model's cast stays where the model put it: the fp8 GEMM scales
+    the value the model multiplies by, as eager does)."""
+    node = _weight_source(node)
     if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(meta.PARAMETER):
         return node
+    return None
+
+
+def _computed_from_parameter(node: object) -> tuple[torch.fx.Node, str] | None:
+    """``(parameter, op)`` where a matmul's operand is computed from one parameter by ops that read
+    no other tensor (``w * mask_scalar``, ``w.abs()``, a weight norm of one input), through views
+    and casts; ``op`` the first such op up from the operand. None where the operand is no such
+    value (an activation reads other graph inputs). Such a matmul is a layer's matmul that fp8
+    leaves out: it is recorded and reported, never skipped in silence."""
+    first = None
+    node = _weight_source(node)
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        inputs = node.all_input_nodes
+        if len(inputs) != 1:
+            return None
+        first = first or node
+        node = _weight_source(inputs[0])
+    if (
+        first is not None
+        and isinstance(node, torch.fx.Node)
+        and node.op == "placeholder"
+        and node.meta.get(meta.PARAMETER)
+    ):
+        return node, op_label(first.target)
     return None
 
 
@@ -241,6 +305,12 @@ class _Fp8Rewriter:
         self.policy = policy
         self.fake_mode = fake_mode
         self.record = Fp8Record(config.recipe)
+        nv = config.nvfp4
+        self.nvfp4_flags: tuple[bool, bool, bool] = (
+            (nv.rht, nv.stochastic_rounding, nv.weight_2d) if nv is not None else (False, False, False)
+        )
+        """NVFP4's switches as :func:`~amp_fx.kernels.nvfp4.nvfp4_linear_flags` takes them (constants
+        FX writes back as code, as it cannot write a dataclass)."""
         self.gathered: list[tuple[str, torch.fx.Node]] = []
         """(``"<module> (<from> to <to>)"``, the input node) of each converted matmul whose input
         is all-gathered: reported unless :meth:`gather_in_fp8` moves the gather after the cast."""
@@ -262,30 +332,35 @@ class _Fp8Rewriter:
         module = innermost_module(node)
         weight = next((p for p in map(_parameter, node.args) if p is not None), None)
         if weight is None:
-            return  # no parameter operand: not a matmul of a layer, never fp8
-        match, why = self.match(node)
+            computed = next((c for c in map(_computed_from_parameter, node.args) if c is not None), None)
+            if computed is None:
+                return  # no operand is a parameter's value: not a matmul of a layer, never fp8
+            weight, by = computed
+            match, why = (
+                None,
+                (
+                    f"its operand is computed from the parameter by {by} (only views and casts of a "
+                    f"parameter are fp8 weights); compute the weight outside the model, or keep the "
+                    f"module out of fp8 with Policy(keep_out_of_fp8=...)"
+                ),
+            )
+        else:
+            match, why = self.match(node)
         shape = self.shape(match) if match is not None else None
 
-        def decide(converted: bool, reason: str, pad: Fp8Padding | None = None) -> Fp8Decision:
+        def decide(
+            converted: bool, reason: str, pad: Fp8Padding | None = None, *, left_out: bool = False
+        ) -> Fp8Decision:
             name = weight.meta.get(meta.PARAMETER) or weight.name
-            d = Fp8Decision(converted, reason, op, name, module, shape, self.recipe if converted else None, pad)
+            d = Fp8Decision(
+                converted, reason, op, name, module, shape, self.recipe if converted else None, pad, left_out=left_out
+            )
             self.record.decisions.append(d)
             return d
 
-        if match is None:
-            node.meta[meta.FP8] = decide(False, f"not fp8: {why}")
-            return
         decision: Decision | None = node.meta.get(meta.DECISION)
-        x_dtype = _val(match.x).dtype
         if decision is not None and decision.kept_module is not None:
             node.meta[meta.FP8] = decide(False, f"not fp8: {decision.reason}")
-            return
-        low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
-        if not low or x_dtype not in _LOW:
-            why = f" ({decision.reason})" if decision is not None else ""
-            node.meta[meta.FP8] = decide(
-                False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
-            )
             return
         excluded = self.excluded(stack)
         if excluded is not None:
@@ -293,7 +368,22 @@ class _Fp8Rewriter:
                 False, f"not fp8: module {excluded[0] or '<root>'} kept out of fp8 by policy ({excluded[1]})"
             )
             return
-        sharded = _sharded_contraction(match.x) if RECIPES[self.recipe].rowwise else None
+        if match is None:
+            # a grouped GEMM insert_casts left unlowered was left so by the policy
+            # (autocast_experts=False) or the dtype, each reported by the experts' own note
+            unlowered = _grouped(node.target) and node.target is not _GROUPED_MM
+            node.meta[meta.FP8] = decide(False, f"not fp8: {why}", left_out=not unlowered)
+            return
+        x_dtype = _val(match.x).dtype
+        low = decision is None or decision.cast_class is CastClass.LOWER_PRECISION_FP
+        if not low or x_dtype not in _LOW:
+            why = f" ({decision.reason})" if decision is not None else ""
+            node.meta[meta.FP8] = decide(
+                False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
+            )
+            return
+        blocked = RECIPES[self.recipe].rowwise or self.recipe is Fp8Recipe.BLOCKWISE  # scales along K
+        sharded = _sharded_contraction(match.x) if blocked else None
         if sharded is not None:
             self.record.sharded_contractions.append(f"{module or 'the root'} ({sharded})")
             node.meta[meta.FP8] = decide(
@@ -305,7 +395,17 @@ class _Fp8Rewriter:
             return
         pad = self.padding(shape) if match.offs is None else None
         reason = self.converted_reason()
-        if match.offs is not None:
+        if match.offs is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+            reason += (
+                f"; grouped: each expert's weight in its own {BW_BLOCK}x{BW_BLOCK} tiles, the weight "
+                f"gradient's operands per {BW_BLOCK} rows of each group (as torchao pads each group)"
+            )
+        elif match.offs is not None and self.recipe is Fp8Recipe.NVFP4:
+            reason += (
+                "; grouped: each expert's GEMMs on its group's rows, with its own tensor scales (as "
+                "TransformerEngine's GroupedLinear), emulated as one masked GEMM per expert"
+            )
+        elif match.offs is not None:
             reason += (
                 f"; grouped: each expert's GEMMs on its group's rows, scaled per group as an "
                 f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
@@ -313,6 +413,10 @@ class _Fp8Rewriter:
             )
         elif pad is not None and self.recipe is Fp8Recipe.MXFP8:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
+        elif pad is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+            reason += f"; padded to multiples of {BW_BLOCK} (its scale blocks): {pad.text}"
+        elif pad is not None and self.recipe is Fp8Recipe.NVFP4:
+            reason += f"; padded to multiples of {NV_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
         elif shape is not None and not all(isinstance(d, int) for d in shape):
@@ -443,6 +547,21 @@ class _Fp8Rewriter:
 
     def converted_reason(self) -> str:
         c = self.casts
+        if self.recipe is Fp8Recipe.BLOCKWISE:
+            return (
+                f"fp8 blockwise: out = x (e4m3, fp32 scale per 1x{BW_BLOCK} along K) @ w (e4m3, fp32 scale "
+                f"per {BW_BLOCK}x{BW_BLOCK} tile of the fp32 weight); grad_x: grad (1x{BW_BLOCK} along N) @ "
+                f"w (the same tiles); grad_w: x ({BW_BLOCK}x1 along M) @ grad ({BW_BLOCK}x1 along M)"
+            )
+        if self.recipe is Fp8Recipe.NVFP4:
+            rht, sr, w2d = self.nvfp4_flags
+            return (
+                f"nvfp4: x, w and grad in e2m1 with an e4m3 scale per {NV_BLOCK} elements along each "
+                f"GEMM's inner dimension and an fp32 scale per tensor, from their bf16 values; w per "
+                f"{'16x16 tile' if w2d else '1x16 block'}; grad rounded "
+                f"{'stochastically' if sr else 'to nearest even'}; grad_w's operands "
+                f"{'through' if rht else 'without'} the random Hadamard transform"
+            )
         if self.recipe is Fp8Recipe.MXFP8:
             return (
                 f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
@@ -462,6 +581,9 @@ class _Fp8Rewriter:
             if match.offs is not None:
                 if self.recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
                     out = self.call(mxfp8_grouped_mm, (match.x, match.weight, match.offs), stack, note)
+                elif self.recipe is Fp8Recipe.NVFP4:  # scales the bf16 operands, as TE's NVFP4 recipe
+                    args = (match.x, match.weight, match.offs, *self.nvfp4_flags)
+                    out = self.call(nvfp4_grouped_mm, args, stack, note)
                 else:
                     out = self.call(
                         fp8_grouped_mm,
@@ -479,7 +601,10 @@ class _Fp8Rewriter:
             w = match.weight_kn
             if w is None:
                 w = self.call(aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note()))
-            out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
+            if self.recipe is Fp8Recipe.NVFP4:
+                out = self.call(nvfp4_linear_flags, (match.x, w, *self.nvfp4_flags), stack, note)
+            else:
+                out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
             out.meta[meta.FP8] = decision
             if match.bias is not None:
                 # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
@@ -505,6 +630,8 @@ class _Fp8Rewriter:
         _erase_unused_casts(self.graph, inputs)
 
     def weight_note(self) -> str:
+        if self.recipe is Fp8Recipe.NVFP4:
+            return "fp8: the weight as [K, N]; nvfp4 scales its bf16 cast (as TransformerEngine's bf16 weights)"
         if self.recipe is Fp8Recipe.MXFP8:
             return (
                 "fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes bf16 operands)"

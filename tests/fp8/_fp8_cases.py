@@ -52,8 +52,9 @@ def _needs_rowwise() -> None:
         pytest.skip(_NO_ROWWISE)
 
 
-FLOAT8 = [r for r in Fp8Recipe if r is not Fp8Recipe.MXFP8]
-"""torchao's float8 training recipes, this file's reference (mxfp8: tests/fp8/test_mxfp8.py)."""
+FLOAT8 = [r for r in Fp8Recipe if r not in (Fp8Recipe.MXFP8, Fp8Recipe.BLOCKWISE, Fp8Recipe.NVFP4)]
+"""torchao's float8 training recipes, this file's reference (mxfp8: tests/fp8/test_mxfp8.py; blockwise:
+tests/fp8/test_blockwise.py; nvfp4: tests/fp8/test_nvfp4.py)."""
 
 
 RECIPES = [_recipe(r.value) for r in FLOAT8]

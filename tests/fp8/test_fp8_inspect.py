@@ -48,6 +48,23 @@ def test_explain_takes_fp8_and_shows_recipe_and_granularity() -> None:
     assert not any(n.op == "fp8_matmul" for n in amp_fx.explain(model, x).nodes())  # fp8 off: none
 
 
+def test_explain_before_after_says_a_converted_matmul_runs_in_fp8_not_folded_away() -> None:
+    """The before/after table's amp_fx column for a matmul the fp8 pass replaced: ``fp8 <recipe>
+    -> <dtype>``, with and without a bias (the bias's add then stands for it); a cast that
+    fold_casts removed still reads ``(folded away)``. Before, every converted matmul read
+    ``(folded away)``, as if it had changed no value."""
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(2, 16, 32)
+    ex = amp_fx.explain(model, x, fp8="tensorwise", policy=Policy(keep_out_of_fp8=[]))
+    rows = {line.split()[0]: line for line in ex.before_after(0).splitlines()[2:] if line.strip()}
+    converted = [d.weight.removesuffix(".weight") for d in ex.fp8_decisions() if d.converted]
+    linears = [name for name, line in rows.items() if " aten.linear " in f" {line} "]
+    assert len(linears) == len(converted) == 3, (rows, converted)
+    for name in linears:
+        assert "fp8 tensorwise -> bf16" in rows[name] and "folded away" not in rows[name], rows[name]
+    assert "fp8" not in rows["bmm"], rows["bmm"]  # the 3-D weight's bmm stays in bf16
+
+
 def test_explain_shows_why_nothing_converts_instead_of_failing() -> None:
     """explain is where the reasons are read: strict mode does not stop it (the compiled model
     itself raises, test_strict_mode_refuses_fp8_honoured_nowhere)."""

@@ -224,11 +224,13 @@ def _decisions(compiled: nn.Module) -> dict[str, object]:
 
 def test_shapes_scaled_mm_cannot_take_are_padded_and_a_3d_weight_stays_in_dtype() -> None:
     """N=40 and K=40 run in fp8, padded to 48 (tests/fp8/test_fp8_padding.py: bitwise torchao's
-    ``pad_inner_dim``); the bmm on a 3-D weight stays in bf16 and says why."""
+    ``pad_inner_dim``); the bmm on a 3-D weight stays in bf16, says why in its decision and is
+    reported once (issue 59: a matmul with a parameter fp8 leaves out is never silent)."""
     torch.manual_seed(0)
     model, x = Odd(), torch.randn(2, 16, 32)
-    compiled = compile_fp8(model, "tensorwise")
-    compiled(x)
+    compiled = compile_fp8(model, "tensorwise", strict=False)
+    with pytest.warns(UserWarning, match=r"1 matmul\(s\) with a parameter operand stay in bf16 .*experts.*3-D"):
+        compiled(x)
     d = _decisions(compiled)
     assert [w for w, dec in d.items() if dec.converted] == ["fc1.weight", "odd.weight", "head.weight"]
     assert d["fc1.weight"].padding is None

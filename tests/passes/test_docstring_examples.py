@@ -9,6 +9,7 @@ import amp_fx.fp8
 import amp_fx.kernels.fp8_matmul
 import amp_fx.kernels.fp8_padding
 import amp_fx.kernels.fp8_recipes
+import amp_fx.kernels.nvfp4
 import amp_fx.options
 import amp_fx.passes.fold_casts
 import amp_fx.passes.fp8_matmuls
@@ -29,6 +30,7 @@ import amp_fx.passes.lift_weight_casts
         amp_fx.fp8,
         amp_fx.kernels.fp8_recipes,
         amp_fx.kernels.fp8_padding,
+        amp_fx.kernels.nvfp4,
         amp_fx.passes.fx_edit,
         amp_fx._common.op_names,
     ],

@@ -90,3 +90,20 @@ def test_stages_that_would_write_more_files_than_come_back_are_refused(tmp_path:
     assert not (tmp_path / "many").exists()
     done, _ = _gpu(tmp_path / "six", *too_many[1:])  # without the tests: 7 .txt and summary.txt
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_blockwise_stage_skips_cleanly_without_cuda(tmp_path: Path) -> None:
+    """The blockwise stage (issue 60, only when named) skips with the reason and writes nothing
+    but the summary; its script alone says why it cannot run and exits 0."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: .ci/gpu would run the stage")
+    done, _ = _gpu(tmp_path / "bw", "blockwise")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (tmp_path / "bw" / "summary.txt").read_text()
+    assert re.findall(r"^(\w+)\s+\d+\s+\d+\s+skipped: no CUDA device", summary, re.M) == ["blockwise"], summary
+    assert sorted(p.name for p in (tmp_path / "bw").iterdir()) == ["summary.txt"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    script = str(ROOT / "bench" / "bench_blockwise.py")
+    bench = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "[bench_blockwise] skipped: needs CUDA" in bench.stdout
