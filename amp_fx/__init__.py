@@ -11,6 +11,7 @@ from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, Gra
 from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
+from amp_fx.low_precision import Blocks, LowPrecision
 from amp_fx.options import Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
@@ -22,6 +23,8 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Config",
     "Nvfp4Options",
+    "LowPrecision",
+    "Blocks",
     "AmpCompiledModule",
     "records",
     "uncompile",

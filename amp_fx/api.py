@@ -18,7 +18,7 @@ import torch
 from amp_fx._common.downstream import Backend
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
-from amp_fx.fp8 import Fp8Like
+from amp_fx.low_precision import LowPrecisionLike, one_option
 from amp_fx.options import Options, inductor_config
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
@@ -39,7 +39,8 @@ def compile(
     weight_cache: bool = False,
     inplace: bool = False,
     watch_nonfinite: bool = False,
-    fp8: Fp8Like = None,
+    low_precision: LowPrecisionLike = None,
+    fp8: LowPrecisionLike = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -68,16 +69,20 @@ def compile(
             ``amp_fx.GradScaler`` whose optimizer trains this model names it in
             ``overflow_report()`` (it finds the model itself; ``scaler.watch(model)`` says which
             model when several are watched). Values computed are unchanged.
-        fp8: train in fp8: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's
-            float8 training recipes and numerics), ``"mxfp8"`` (torchao's MXFP8 numerics; MX
-            kernels on Blackwell GPUs, emulated elsewhere, with a warning), ``"blockwise"``
-            (DeepSeek-V3's 1x128/128x128 blockwise fp8, torchao's numerics; emulated off Hopper,
-            with a notice), ``"nvfp4"``
-            (TransformerEngine's NVFP4 recipe, emulated without fp4 tensor cores, with a notice), an
-            ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
-            ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
-            fp8, forward and backward; everything else stays in ``dtype``
-            (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).
+        low_precision: train the matmuls in a low-precision recipe: ``"tensorwise"``,
+            ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's float8 training recipes and
+            numerics), ``"mxfp8"`` (torchao's MXFP8 numerics; MX kernels on Blackwell GPUs,
+            emulated elsewhere, with a warning), ``"blockwise"`` (DeepSeek-V3's 1x128/128x128
+            blockwise fp8, torchao's numerics; emulated off Hopper, with a notice), ``"nvfp4"``
+            (TransformerEngine's NVFP4 recipe, emulated without fp4 tensor cores, with a notice),
+            an ``amp_fx.Fp8Recipe`` or an
+            ``amp_fx.Fp8Config``. Every matmul with a parameter operand (``nn.Linear``,
+            ``F.linear``, ``Conv1D``, ``x @ W``) runs in it, forward and backward; everything
+            else stays in ``dtype`` (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)``
+            keeps modules out). A recipe per module: an ``amp_fx.LowPrecision`` (its preset
+            ``LowPrecision.keep_ends(recipe=...)`` keeps the first and last blocks and the head
+            in ``dtype``) or a dict ``{module: recipe or None}`` (:mod:`amp_fx.low_precision`).
+        fp8: the older spelling of ``low_precision`` (the same values); passing both is a TypeError.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -107,7 +112,7 @@ def compile(
         watch_nonfinite=watch_nonfinite,
         inductor=inductor_config(backend, mode, inductor),
         torch_compile=torch_compile_kwargs,
-        fp8=fp8,
+        fp8=one_option(fp8, low_precision, "amp_fx.compile"),
     )
     return compile_with(model_or_fn, options, inplace=inplace)
 

@@ -173,7 +173,14 @@ def _parser() -> argparse.ArgumentParser:
     e = parser("explain", "per-node dtypes, rules and casts; before/after; picture")
     common(e, "bf16", None)
     e.add_argument("--svg", metavar="PATH", help="write the graph picture (SVG via Graphviz)")
-    e.add_argument("--fp8", default=None, choices=_FP8, help="also which matmuls run in fp8 with this recipe")
+    e.add_argument(
+        "--low-precision",
+        "--fp8",
+        dest="fp8",
+        default=None,
+        choices=_FP8,
+        help="also which matmuls run in this low-precision recipe (--fp8: its older spelling)",
+    )
     e.add_argument(
         "--table",
         action="store_true",
@@ -183,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
     common(c, "bf16", "aot_eager")
     c.add_argument("--no-grads", action="store_true", help="skip the gradient comparison")
     c.add_argument(
+        "--low-precision",
         "--fp8",
+        dest="fp8",
         default=None,
         choices=_FP8,
         help="with fp8 on (this recipe) on both sides: the eager side with torchao's numerics",
@@ -213,7 +222,9 @@ def _parser() -> argparse.ArgumentParser:
         help="largest end-to-end error vs float64 (default: 32 eps of the dtype)",
     )
     a.add_argument(
+        "--low-precision",
         "--fp8",
+        dest="fp8",
         default=None,
         choices=_FP8,
         help="advise which matmuls to keep out of fp8 with this recipe (the rest in --dtype)",

@@ -120,7 +120,8 @@ class Fp8Config:
                 recipe = Fp8Recipe(recipe)
             except ValueError:
                 raise ValueError(
-                    f"amp_fx: unknown fp8 recipe {self.recipe!r}; expected one of {[r.value for r in Fp8Recipe]}"
+                    f"amp_fx: unknown low-precision recipe {self.recipe!r}; expected one of "
+                    f"{[r.value for r in Fp8Recipe]}"
                 ) from None
         if not isinstance(recipe, Fp8Recipe):
             raise TypeError(
@@ -145,7 +146,7 @@ class Fp8Config:
         if isinstance(value, (str, Fp8Recipe)):
             return Fp8Config(recipe=value)
         raise TypeError(
-            f"amp_fx: fp8 must be None, a recipe name {[r.value for r in Fp8Recipe]}, an "
+            f"amp_fx: fp8 must be None, a low-precision recipe {[r.value for r in Fp8Recipe]}, an "
             f"amp_fx.Fp8Recipe or an amp_fx.Fp8Config, got {value!r} "
             f"({type(value).__name__})"
         )

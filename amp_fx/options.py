@@ -26,9 +26,10 @@ import torch
 import torch._dynamo
 import torch._inductor
 
+from amp_fx import low_precision
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
-from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["Options", "check_backend", "inductor_config"]
@@ -55,8 +56,10 @@ class Options:
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
     fp8: Fp8Config | None = None
-    """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
-    stored as an ``Fp8Config`` (None: off)."""
+    """The low-precision recipe(s) (``low_precision=`` of ``amp_fx.compile``; ``fp8=`` is its older
+    spelling): given as a recipe name, an ``Fp8Recipe``, an ``Fp8Config``, an
+    ``amp_fx.LowPrecision`` or a dict ``{module: recipe or None}`` (:mod:`amp_fx.low_precision`);
+    stored as an ``Fp8Config``, a ``LowPrecision`` for a per-module map (None: off)."""
 
     if TYPE_CHECKING:  # what the constructor takes; __post_init__ stores the types declared above
 
@@ -71,18 +74,20 @@ class Options:
             watch_nonfinite: bool = False,
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
-            fp8: Fp8Like = None,
+            fp8: low_precision.LowPrecisionLike = None,
         ) -> None: ...
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # the one place a frozen record normalises what it was given
         set_(self, "dtype", resolve_dtype(self.dtype))
         set_(self, "strict", resolve_strict(self.strict))
-        set_(self, "fp8", Fp8Config.of(self.fp8))
-        if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 and self.dtype != torch.bfloat16:
+        set_(self, "fp8", low_precision.of(self.fp8))
+        if Fp8Recipe.MXFP8 in low_precision.recipes(self.fp8) and self.dtype != torch.bfloat16:
+            where = "" if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 else " (in the per-module map)"
             raise ValueError(
-                f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
-                f"as torchao's MXFP8 training does), got dtype={self.dtype}"
+                f"amp_fx: the low-precision recipe 'mxfp8'{where} needs dtype=torch.bfloat16 (MXFP8 scales "
+                f"bf16 operands, as torchao's MXFP8 training does), got dtype={self.dtype}; every recipe "
+                f"of a per-module map must suit the dtype"
             )
         if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.NVFP4 and self.dtype != torch.bfloat16:
             raise ValueError(

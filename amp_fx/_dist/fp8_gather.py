@@ -56,6 +56,7 @@ from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import scale_from_amax
 from amp_fx.kernels.fp8_recipes import E4M3
 from amp_fx.kernels.fp8_weight import EagerReads, Fp8Weight
+from amp_fx.low_precision import recipe_for, recipes
 from amp_fx.policy import Policy, module_matches
 
 if TYPE_CHECKING:
@@ -214,6 +215,13 @@ def _fsdp_params(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> lis
     return out
 
 
+def _stack(root: torch.nn.Module, path: str) -> list[tuple[str, type]]:
+    """The modules around ``path`` in ``root``, outermost first, as the fp8 pass sees a matmul's."""
+    parts = path.split(".") if path else []
+    prefixes = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+    return [(p, type(root.get_submodule(p))) for p in prefixes]
+
+
 def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
     """Why this FSDP2 parameter is not gathered in fp8, or None if it is."""
     from torch.distributed.tensor import Shard
@@ -243,7 +251,8 @@ def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
 # What _why_not says of a parameter gathered in fp32 by the user's own choice, or that no fp8
 # matmul would read: said only at debug level. Any other reason is an fp8 matmul's weight gathered
 # at 4 bytes instead of 1, reported.
-_CHOSEN = ("not an nn.Linear weight", "kept out of fp8 by the policy", "not gathered in fp32")
+_MAPPED = "run in "  # another recipe, or high precision, by a per-module map
+_CHOSEN = ("not an nn.Linear weight", "kept out of fp8 by the policy", "not gathered in fp32", _MAPPED)
 
 
 def gathered_fp8_weights(
@@ -256,13 +265,17 @@ def gathered_fp8_weights(
     """Cast before the all-gather the FSDP2 weights the fp8 matmul would cast after it (see the
     module docstring); None where there are none. An ``nn.Linear`` weight left to gather in fp32
     for a reason other than the user's choice is said once through ``reporter``."""
-    if fp8 is None or fp8.recipe is not Fp8Recipe.TENSORWISE:
+    if Fp8Recipe.TENSORWISE not in recipes(fp8):
         return None
+    assert fp8 is not None
     paths = {id(m): name for name, m in root.named_modules()}
     params, names, less = [], [], []
     for fsdp_param in _fsdp_params(root, units):
         path = paths.get(id(fsdp_param._module_info.module), "")
         why = _why_not(fsdp_param, policy, path)
+        recipe, selector = recipe_for(fp8, _stack(root, path))
+        if why is None and recipe is not Fp8Recipe.TENSORWISE:
+            why = f"{_MAPPED}{recipe.value if recipe else 'high precision'} by the low-precision map ({selector})"
         if why is not None:
             log.debug("FSDP2 all-gathers %s in fp32: %s", path or "the root", why)
             if not why.startswith(_CHOSEN):

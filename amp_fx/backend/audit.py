@@ -20,8 +20,10 @@ from amp_fx.kernels.blockwise_fp8 import blockwise_kernels_missing
 from amp_fx.kernels.fp8_support import fp8_tensor_cores_missing
 from amp_fx.kernels.mxfp8_matmul import mx_kernels_missing
 from amp_fx.kernels.nvfp4 import fp4_kernels_missing
+from amp_fx.low_precision import LowPrecision, label, recipe_text, recipes
 from amp_fx.passes import meta
 from amp_fx.passes.capture import autocast_hop, autocast_region, module_stack
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import GROUPED_MM_OPS, CastClass, Policy, module_matches
 
@@ -186,6 +188,7 @@ def _report_fp8(
     if fp8 is None or not records or noted_by_caller():
         return
     decisions = [d for r in records if r.fp8 is not None for d in r.fp8.decisions]
+    _report_unused_map(fp8, decisions, reporter)
     if any(d.converted for d in decisions):
         slow = slow_fp8_text(records)
         if slow is not None:
@@ -199,9 +202,9 @@ def _report_fp8(
                 ("fp8", "left out"),
                 (
                     f"amp_fx: {len(left)} matmul(s) with a parameter operand stay in {dtype_name(records[0].dtype)} "
-                    f"under fp8={fp8.recipe.value!r}: {shown}{'; ...' if len(left) > 4 else ''}. "
-                    f"amp_fx.explain(model, x, fp8=...) lists each; Policy(keep_out_of_fp8=[module]) keeps them "
-                    f"out on purpose and silences this; strict=True makes this an error."
+                    f"under low_precision={recipe_text(fp8)}: {shown}{'; ...' if len(left) > 4 else ''}. "
+                    f"amp_fx.explain(model, x, low_precision=...) lists each; Policy(keep_out_of_fp8=[module]) "
+                    f"keeps them out on purpose and silences this; strict=True makes this an error."
                 ),
             )
         sharded = [s for r in records if r.fp8 is not None for s in r.fp8.sharded_contractions]
@@ -210,7 +213,7 @@ def _report_fp8(
                 ("fp8", "sharded contraction"),
                 (
                     f"amp_fx: {len(sharded)} matmul(s) stay in {dtype_name(records[0].dtype)} under "
-                    f"fp8={fp8.recipe.value!r}: their contraction dimension is sharded across ranks "
+                    f"low_precision={recipe_text(fp8)}: their contraction dimension is sharded across ranks "
                     f"({'; '.join(sharded[:4])}), where DTensor has no sharding rule for a rowwise-scaled "
                     f"_scaled_mm (tensor parallelism's RowwiseParallel). fp8='tensorwise' converts them; "
                     f"strict=True makes this an error."
@@ -218,14 +221,14 @@ def _report_fp8(
             )
         gathered = [g for r in records if r.fp8 is not None for g in r.fp8.gathered_activations]
         if gathered:
-            if fp8.recipe is Fp8Recipe.TENSORWISE:
+            if Fp8Recipe.TENSORWISE in recipes(fp8):
                 why = (
                     "another op reads the gathered input too (a matmul kept out of fp8, or not a matmul), "
                     "and needs it in high precision"
                 )
             else:
                 why = (
-                    f"fp8={fp8.recipe.value!r} scales the input in rows or blocks, and the weight gradient's "
+                    f"low_precision={recipe_text(fp8)} scales the input in rows or blocks, and the weight gradient's "
                     f"GEMM along the other dimension, which needs the gathered input; fp8='tensorwise' gathers e4m3"
                 )
             reporter.did_less(
@@ -251,10 +254,31 @@ def _report_fp8(
     reporter.did_less(
         ("fp8", "nothing converted"),
         (
-            f"amp_fx: fp8={fp8.recipe.value!r} was asked, but {found}. Everything runs in "
+            f"amp_fx: low_precision={recipe_text(fp8)} was asked, but {found}. Everything runs in "
             f"{dtype_name(records[0].dtype)}. amp_fx.explain(model, x, fp8=...) gives each matmul's reason."
         ),
     )
+
+
+def _report_unused_map(fp8: Fp8Config, decisions: Sequence[Fp8Decision], reporter: Reporter) -> None:
+    """Each entry of a per-module map (``LowPrecision.modules``) that chose the recipe of no
+    matmul in the graphs of the first call (a name not the model's is reported at compile time)."""
+    if not isinstance(fp8, LowPrecision):
+        return
+    used = {d.selector for d in decisions}
+    for sel, recipe in fp8.modules.items():
+        if label(sel) in used:
+            continue
+        reporter.did_less(
+            ("low_precision map", label(sel)),
+            (
+                f"amp_fx: low_precision's map entry {label(sel)} -> {recipe.value if recipe else None!r} decided "
+                f"no matmul with a parameter operand in the graphs captured on the first call (no such matmul "
+                f"runs inside the modules it selects, or a more specific entry decides them). Name a module that "
+                f"runs matmuls (as in the model's named_modules(); amp_fx.explain lists each matmul's module "
+                f"and recipe), or drop the entry."
+            ),
+        )
 
 
 def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
@@ -265,7 +289,7 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
     Hopper's blockwise GEMM; tensorwise and rowwise through
     the CPU's reference ``torch._scaled_mm``), amp_fx says so once, as a notice: nothing asked is
     left undone, so strict mode does not refuse it (and CPU runs of fp8 stay possible there)."""
-    converted = {(r.fp8.recipe, r.device_type) for r in records if r.fp8 is not None and r.fp8.converted}
+    converted = {(d.recipe, r.device_type) for r in records if r.fp8 is not None for d in r.fp8.converted if d.recipe}
     for recipe, device_type in sorted(converted, key=lambda c: (c[0].value, c[1])):
         if recipe is Fp8Recipe.MXFP8:
             missing = mx_kernels_missing(device_type)

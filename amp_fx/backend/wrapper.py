@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from amp_fx import low_precision
 from amp_fx._common.devices import check_supported
 from amp_fx._common.fresh_code import calls_forward_only
 from amp_fx._common.report import Reporter
@@ -257,6 +258,8 @@ def wrap(model_or_fn: F, options: Options, *, label: str | None = None, root: to
     if isinstance(model_or_fn, torch.nn.Module):
         root = model_or_fn
     check_keep_fp32(options.policy, model_or_fn if root is None else root)
+    # the record holds the map in effect: its Blocks as the model's block names
+    options = options.replace(fp8=low_precision.bind(options.fp8, model_or_fn if root is None else root, reporter))
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
     if options.weight_cache and options.fp8 is not None and options.fp8.recipe is Fp8Recipe.NVFP4:

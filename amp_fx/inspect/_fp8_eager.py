@@ -39,6 +39,7 @@ from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_matmul
+from amp_fx.low_precision import recipe_for
 from amp_fx.policy import GROUPED_MM_OPS, ModuleSelector, module_matches
 
 __all__: list[str] = []
@@ -96,7 +97,10 @@ def _gemm(
 
 def _kernel_recipe(config: Fp8Config) -> Fp8Recipe | Nvfp4Options:
     """What the kernels take: the recipe, or NVFP4's switches (which say it is NVFP4)."""
-    return config.nvfp4 if config.recipe is Fp8Recipe.NVFP4 and config.nvfp4 is not None else config.recipe
+    if config.recipe is Fp8Recipe.NVFP4:
+        return config.nvfp4 if config.nvfp4 is not None else Nvfp4Options()
+    assert config.recipe is not None, "one matmul's config names its recipe"
+    return config.recipe
 
 
 def _add_bias(out: torch.Tensor, bias: torch.Tensor | None, device_type: str) -> torch.Tensor:
@@ -202,7 +206,7 @@ class Fp8Eager(TorchFunctionMode):
         grouped: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
-        self.recipe = _kernel_recipe(config)
+        self.config = config
         self.dtype = dtype
         self.device_type = device_type
         self.stack = stack
@@ -217,12 +221,14 @@ class Fp8Eager(TorchFunctionMode):
         op = _OPS.get(func)
         if op is not None:
             match = self._match(op, args, kwargs)
-            if match is not None:
-                return self._run(op, *match)
+            recipe = self._recipe() if match is not None else None
+            if match is not None and recipe is not None:
+                return self._run(op, *match, recipe)
         elif self.grouped and _grouped_name(func) is not None:
             operands = self._match_grouped(args, kwargs)
-            if operands is not None:
-                return grouped_gemm(*operands, self.recipe, self.dtype, self.device_type)
+            recipe = self._recipe() if operands is not None else None
+            if operands is not None and recipe is not None:
+                return grouped_gemm(*operands, recipe, self.dtype, self.device_type)
         return func(*args, **kwargs)
 
     def _match_grouped(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
@@ -270,8 +276,20 @@ class Fp8Eager(TorchFunctionMode):
             module_matches(k, path, type(self.root.get_submodule(path))) for path in self.stack for k in self.keep
         )
 
-    def _run(self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out, x_low = _gemm(x, w, self.recipe, self.dtype, self.device_type)
+    def _recipe(self) -> Fp8Recipe | Nvfp4Options | None:
+        """The recipe of a matmul in the running module (:func:`amp_fx.low_precision.recipe_for`,
+        as the pass chooses it), None for ``dtype``."""
+        root = self.root
+        stack = [(p, type(root.get_submodule(p)) if root is not None else object) for p in self.stack]
+        recipe = recipe_for(self.config, stack)[0]
+        if recipe is Fp8Recipe.NVFP4:  # the NVFP4 kernels take the recipe's switches (TE's defaults in a map)
+            return self.config.nvfp4 if self.config.nvfp4 is not None else Nvfp4Options()
+        return recipe
+
+    def _run(
+        self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe | Nvfp4Options
+    ) -> torch.Tensor:
+        out, x_low = _gemm(x, w, recipe, self.dtype, self.device_type)
         num = den = 0.0
         if self.measure:
             with torch.no_grad():

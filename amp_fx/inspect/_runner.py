@@ -39,7 +39,6 @@ from amp_fx._common.targets import check_target
 from amp_fx._dist.lend import Loan, is_fsdp2
 from amp_fx.backend.splits import leaves_cast_with_shared_cast, splits_noted_by_caller
 from amp_fx.errors import AmpFxError, AmpRunError, EagerError
-from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._probe import (
     clone_tensor,
     describe_value,
@@ -49,6 +48,7 @@ from amp_fx.inspect._probe import (
     source_text,
     tensors_of,
 )
+from amp_fx.low_precision import LowPrecisionLike
 from amp_fx.passes.fx_edit import placeholders
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
@@ -356,7 +356,7 @@ def run_amp(
     fold: bool = True,
     keep_inputs: bool = True,
     then: Callable[[Any], Any] | None = None,
-    fp8: Fp8Like = None,
+    fp8: LowPrecisionLike = None,
 ) -> AmpRun:
     """Compile a private copy of the model with amp_fx and ``downstream`` (wrapped in an
     :class:`InputRecorder`), call it on copies of the inputs from :data:`SEED`, and pass the output

@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,7 @@ from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
-from amp_fx.fp8 import Fp8Config, Fp8Like
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -81,7 +81,10 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.low_precision import LowPrecisionLike, one_option, recipes, with_blocks
+from amp_fx.low_precision import of as low_precision_of
 from amp_fx.passes import meta
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy, resolve_dtype
 
@@ -404,19 +407,19 @@ def _run(
     inputs: list[Any],
     *,
     autocast: tuple[str, torch.dtype] | None,
-    fp8: tuple[Fp8Config, frozenset[str]] | None = None,
+    fp8: Mapping[str, Fp8Config] | None = None,
 ) -> dict[str, Any]:
     """Every node's value; with ``fp8`` (and ``autocast``), the nodes it names (matmuls the fp8 pass
-    converted) computed as the pass rewrote them."""
+    converted, each with its recipe) computed as the pass rewrote them."""
     interp = ValueInterpreter(gm)
     current: list[torch.fx.Node] = []
     run_node = interp.run_node
 
     def tracked(n: torch.fx.Node) -> Any:
         current[:] = [n]
-        if fp8 is not None and autocast is not None and n.name in fp8[1]:
+        if fp8 is not None and autocast is not None and n.name in fp8:
             args, kwargs = interp.fetch_args_kwargs_from_env(n)
-            return fp8_aten(n.target, args, kwargs, fp8[0], autocast[1], autocast[0])
+            return fp8_aten(n.target, args, kwargs, fp8[n.name], autocast[1], autocast[0])
         return run_node(n)
 
     interp.run_node = tracked  # type: ignore[method-assign]
@@ -455,6 +458,13 @@ def _reference(record: GraphRecord, inputs: list[Any], flags: list[bool], report
         return ref
 
 
+def _fp8_decision(new: torch.fx.Node) -> Fp8Decision | None:
+    """The fp8 pass's decision on the node that replaced a converted matmul (the fp8 call, or the
+    bias add after it)."""
+    call = new if meta.FP8 in new.meta else new.args[0]
+    return call.meta.get(meta.FP8) if isinstance(call, torch.fx.Node) else None
+
+
 def _compare_graph(
     record: GraphRecord,
     inputs: list[Any],
@@ -466,13 +476,19 @@ def _compare_graph(
     flags = leaf_flags(record)
     # captured matmul -> the node that replaced it in the rewritten graph (fp8 call or bias add)
     replaced = {n.meta[meta.FP8_OF]: n for n in record.rewritten.graph.nodes if meta.FP8_OF in n.meta}
+    switches = fp8.nvfp4 if fp8 is not None else None  # NVFP4's switches, for its matmuls only
+    recipes = {
+        name: Fp8Config(d.recipe, nvfp4=switches if d.recipe is Fp8Recipe.NVFP4 else None)
+        for name, n in replaced.items()
+        if (d := _fp8_decision(n)) and d.recipe
+    }
     try:
         amp = _run(record.rewritten, clone_inputs(inputs, flags), autocast=None)
         eager = _run(
             record.captured,
             clone_inputs(inputs, flags),
             autocast=(record.device_type, record.dtype),
-            fp8=(fp8, frozenset(replaced)) if fp8 is not None and replaced else None,
+            fp8=recipes if fp8 is not None and recipes else None,
         )
     except _GraphRunError as e:
         report.notes.append(
@@ -492,8 +508,7 @@ def _compare_graph(
         rule = None
         if new is None and node.name in replaced:  # converted to fp8: compared with eager's fp8
             new = replaced[node.name]
-            call = new if meta.FP8 in new.meta else new.args[0]
-            decision = call.meta.get(meta.FP8) if isinstance(call, torch.fx.Node) else None
+            decision = _fp8_decision(new)
             rule = decision.reason if decision is not None else "fp8"
         e_val = eager[node.name]
         if new is None:
@@ -623,7 +638,8 @@ def compare(
     backend: str | Backend = "aot_eager",
     grads: bool = True,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    fp8: Fp8Like = None,
+    low_precision: LowPrecisionLike = None,
+    fp8: LowPrecisionLike = None,
     **kwargs: Any,
 ) -> CompareReport:
     """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
@@ -645,8 +661,10 @@ def compare(
         grads: also compare the parameters' gradients.
         loss_fn: maps the output to the scalar to differentiate; by default a fixed random
             projection of every floating output. Eager computes it inside the autocast region.
-        fp8: a recipe (as :func:`amp_fx.compile` takes it): amp_fx runs with fp8 on, and the eager
-            side runs the same matmuls in fp8 with torchao's numerics (see the module doc).
+        low_precision: a recipe, or a recipe per module (as :func:`amp_fx.compile` takes it):
+            amp_fx runs with it, and the eager side runs the same matmuls in the same recipes with
+            torchao's numerics (see the module doc).
+        fp8: the older spelling of ``low_precision``; passing both is a TypeError.
         **kwargs: example inputs by keyword, as the model takes them
             (``compare(model, input_ids=ids, labels=labels)``).
 
@@ -662,8 +680,8 @@ def compare(
         run_eager_checked(model_or_fn, call, tool="compare")
         device_type = call.device_type(model_or_fn)
 
-        config = Fp8Config.of(fp8)
-        report.fp8 = None if config is None else config.recipe.value
+        config = with_blocks(low_precision_of(one_option(fp8, low_precision, "amp_fx.compare")), model_or_fn)
+        report.fp8 = None if config is None else " + ".join(r.value for r in recipes(config))
         run = run_amp(
             model_or_fn,
             call,

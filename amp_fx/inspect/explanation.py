@@ -36,7 +36,6 @@ from amp_fx._common.op_names import op_label
 from amp_fx._common.report import did_less
 from amp_fx.backend.audit import fp32_experts_text, slow_fp8_text
 from amp_fx.errors import GraphvizNotFound
-from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect._graphviz import build_dot, write_svg
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -57,6 +56,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.low_precision import LowPrecisionLike, one_option
 from amp_fx.passes import meta
 from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.passes.fx_edit import is_cast, is_inserted_cast, placeholders
@@ -325,7 +325,7 @@ class Explanation:
         fp8 = [r.fp8 for r in self.records if r.fp8 is not None]
         if fp8 and not any(d.converted for f in fp8 for d in f.decisions):
             self.notes.append(
-                f"fp8={fp8[0].recipe.value!r}, but no matmul runs in fp8: "
+                f"fp8={fp8[0].recipes_text!r}, but no matmul runs in fp8: "
                 + (
                     "none has a parameter operand"
                     if not any(f.decisions for f in fp8)
@@ -463,7 +463,7 @@ class Explanation:
                     "-"
                     if r.fp8 is None
                     else (
-                        f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipe.value})"
+                        f"{len(r.fp8.converted)} of {len(r.fp8.decisions)} ({r.fp8.recipes_text})"
                         + (f", {padded} padded" if padded else "")
                         + (f", {share:.2f} of their FLOPs" if share is not None else "")
                     )
@@ -527,14 +527,15 @@ class Explanation:
                 d.module,
                 d.op,
                 "x".join(map(str, d.shape)) if d.shape else "?",
-                "fp8" if d.converted else dtype_name(r.dtype),
+                d.recipe.value if d.recipe is not None else dtype_name(r.dtype),
+                d.selector or "",
                 _reference(d.reason, reasons),
             ]
             for d in r.fp8.decisions
         ]
         return (
-            f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipe.value}; shape M x K x N)\n"
-            + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "why"])
+            f"graph {graph}: matmuls with a parameter operand (fp8={r.fp8.recipes_text}; shape M x K x N)\n"
+            + tabulate(rows, headers=["weight", "module", "op", "shape", "runs in", "chosen by", "why"])
             + "".join(f"\n[{k}] {why}" for why, k in reasons.items())
         )
 
@@ -744,13 +745,15 @@ def explain(
     dtype: str | torch.dtype = "bf16",
     policy: Policy | None = None,
     fold: bool = True,
-    fp8: Fp8Like = None,
+    low_precision: LowPrecisionLike = None,
+    fp8: LowPrecisionLike = None,
     **kwargs: Any,
 ) -> Explanation:
     """Explain what amp_fx does to ``model_or_fn`` on these inputs.
 
-    With ``fp8`` (as :func:`amp_fx.compile` takes it), also which matmuls run in fp8, with the
-    recipe and each operand's fp8 dtype and scale granularity, and why the others do not
+    With ``low_precision`` (as :func:`amp_fx.compile` takes it, a per-module map included; ``fp8``
+    is its older spelling), also which matmuls run in which recipe, with each operand's fp8 dtype
+    and scale granularity and the map's entry that chose the recipe, and why the others do not
     (:meth:`Explanation.fp8_text`, :meth:`Explanation.fp8_decisions`).
 
     Captures the graphs as :func:`amp_fx.compile` does and runs them once, with grad enabled and
@@ -771,6 +774,8 @@ def explain(
     from amp_fx.api import options_of, records
     from amp_fx.backend.wrapper import AmpCompiledModule
 
+    lp = one_option(fp8, low_precision, "amp_fx.explain")
+
     if not args and not kwargs and hasattr(model_or_fn, "amp_fx_records"):
         recs = list(records(model_or_fn))
         if not recs:
@@ -784,7 +789,7 @@ def explain(
         return Explanation(recs, policy=options.policy, labels=[input_labels(r, forward) for r in recs])
     if isinstance(model_or_fn, AmpCompiledModule):
         options = options_of(model_or_fn)
-        dtype, policy, fold, fp8 = options.dtype, options.policy, options.fold, options.fp8
+        dtype, policy, fold, lp = options.dtype, options.policy, options.fold, options.fp8
         model_or_fn = model_or_fn.original_module
     elif hasattr(model_or_fn, "amp_fx_records"):
         raise TypeError(
@@ -796,7 +801,7 @@ def explain(
     with lent(model_or_fn, tool="explain"):  # an FSDP2 model: runs on it, put back after
         run_eager_checked(model_or_fn, call, tool="explain")
         run = run_amp(
-            model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=fp8
+            model_or_fn, call, tool="explain", dtype=lower, policy=policy, downstream="eager", fold=fold, fp8=lp
         )
     split = weights_split_by_graph_breaks(run)
     return Explanation(

@@ -36,6 +36,7 @@ from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import layers
 from amp_fx.api import options_of
 from amp_fx.backend.wrapper import AmpCompiledModule, reporter_of
+from amp_fx.low_precision import recipes
 from amp_fx.options import Options
 from amp_fx.policy import resolve_dtype
 from amp_fx.scaler import GradScaler, ScalerMode
@@ -470,7 +471,7 @@ def _compute_weights_row(
         weights, note = master, "the master weights themselves (no mixed precision asked)"
     if fp8 is not None:
         weights = (*weights, torch.float8_e4m3fn)
-        note += f"; matmul weights in float8_e4m3fn ({fp8.recipe.value})"
+        note += f"; matmul weights in float8_e4m3fn ({' + '.join(r.value for r in recipes(fp8))})"
     return PrecisionRow("compute weights", weights, None, note)
 
 

@@ -51,6 +51,7 @@ from amp_fx.backend import AmpBackend
 from amp_fx.backend.audit import report_unused_policy
 from amp_fx.backend.names import frame_self
 from amp_fx.backend.wrapper import check_keep_fp32
+from amp_fx.low_precision import one_option
 from amp_fx.options import Options
 from amp_fx.passes.insert_casts import graph_device_type
 from amp_fx.policy import Policy
@@ -64,8 +65,10 @@ OPTIONS: Mapping[str, str] = {
     "fold": "run the value-preserving cast-folding pass (default True)",
     "strict": "raise instead of warning where amp_fx does less than asked (default: AMP_FX_STRICT)",
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
-    "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", an amp_fx.Fp8Recipe or '
-    "an amp_fx.Fp8Config (default None: off)",
+    "low_precision": 'the low-precision recipe: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "blockwise", '
+    '"nvfp4", an amp_fx.Fp8Recipe or an amp_fx.Fp8Config (default None: off); a per-module map '
+    "(amp_fx.LowPrecision) is checked against the model, and its Blocks found, by amp_fx.compile only",
+    "fp8": "the older spelling of low_precision",
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 
@@ -94,6 +97,9 @@ class _Config:
             raise ValueError(
                 f"amp_fx backend: unknown option(s) {unknown} in torch.compile(options=...); amp_fx reads {known}"
             )
+        if "fp8" in options or "low_precision" in options:
+            lp = one_option(options.pop("fp8", None), options.pop("low_precision", None), "amp_fx backend")
+            options["fp8"] = lp
         inductor = dict(torch._inductor.list_mode_options(mode)) if mode and mode != "default" else {}
         inductor.update(options.pop("inductor", None) or self.options.inductor)
         return _Config(

@@ -40,6 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised where torchtitan is mis
 from amp_fx._common.report import Reporter
 from amp_fx.backend.inplace import compile_inplace_at_first_call
 from amp_fx.fp8 import Fp8Like
+from amp_fx.low_precision import LowPrecision, one_option
 from amp_fx.options import Options
 from amp_fx.policy import Policy
 
@@ -67,6 +68,9 @@ class AmpFxTitanConfig:
             ``Float8LinearConverter`` and give its numerics bit for bit (tests/integrations/test_torchtitan_fp8.py),
             used instead of it on the unconverted model; amp_fx also has ``"tensorwise"`` (which
             torchtitan 0.3.0 dropped) and ``"mxfp8"``.
+        low_precision: the newer spelling of ``fp8`` (the same values; give one). One recipe: amp_fx
+            compiles each TransformerBlock on its own here, so a per-module map
+            (``amp_fx.LowPrecision``), whose names are the whole model's, is a TypeError.
         backend: the torch.compile backend amp_fx hands its graphs to.
         policy: overrides of autocast's op tables (``amp_fx.Policy``).
         strict: raise where amp_fx would warn that it did less than asked.
@@ -74,19 +78,27 @@ class AmpFxTitanConfig:
 
     dtype: str = "bf16"
     fp8: Fp8Like = None
+    low_precision: Fp8Like = None
     backend: str = "inductor"
     policy: Policy | None = None
     strict: bool | None = None
 
     def __post_init__(self) -> None:
         options = self.options()  # validates dtype, backend, fp8, policy, strict
-        if self.fp8 is not None and options.dtype != torch.bfloat16:
+        if isinstance(options.fp8, LowPrecision) and options.fp8.modules:
+            raise TypeError(
+                "AmpFxTitanConfig takes one low-precision recipe: amp_fx compiles each TransformerBlock on "
+                f"its own, so a per-module map's names do not apply; got {options.fp8!r}"
+            )
+        if options.fp8 is not None and options.dtype != torch.bfloat16:
             raise ValueError(
-                f"AmpFxTitanConfig: fp8={self.fp8!r} trains with bf16 around the fp8 matmuls; got dtype={self.dtype!r}"
+                f"AmpFxTitanConfig: low_precision={options.fp8.recipe.value!r} trains with bf16 around the fp8 "
+                f"matmuls; got dtype={self.dtype!r}"
             )
 
     def options(self) -> Options:
-        return Options(dtype=self.dtype, policy=self.policy, backend=self.backend, strict=self.strict, fp8=self.fp8)
+        fp8 = one_option(self.fp8, self.low_precision, "AmpFxTitanConfig")
+        return Options(dtype=self.dtype, policy=self.policy, backend=self.backend, strict=self.strict, fp8=fp8)
 
 
 def amp_fx_parallelize(

@@ -16,8 +16,15 @@ converted, or left in ``dtype`` with the reason recorded. A matmul stays in ``dt
 
 * the policy runs it in fp32 (``keep_fp32``, a model's ``torch.autocast(enabled=False)``) or its
   input is not bf16/fp16;
-* its module is kept out of fp8 by ``Policy(keep_out_of_fp8=...)``;
+* its module is kept out of fp8 by ``Policy(keep_out_of_fp8=...)``, or in ``dtype`` by a
+  per-module map (:class:`~amp_fx.low_precision.LowPrecision` mapping it to None);
 * the parameter is the left operand, or the weight is 3-D (batched matmul, ``bmm``).
+
+Each matmul runs in the recipe :func:`amp_fx.low_precision.recipe_for` gives it: the config's one
+recipe, or with a per-module map (:class:`~amp_fx.low_precision.LowPrecision`) the recipe of the
+most specific selector matching one of its enclosing modules (the selector naming the deepest
+module; at the same depth a name or block beats a type, then the later entry wins), else the
+map's default recipe. Its :class:`Fp8Decision` records the recipe and the selector.
 
 Any size converts: where a dimension of one of its fp8 GEMMs is not a multiple of 16 (which
 ``torch._scaled_mm`` needs on a GPU), the fp8 matmul pads it with zeros and slices the result
@@ -76,7 +83,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
-from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.kernels.blockwise_fp8 import BLOCK as BW_BLOCK
 from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
@@ -89,6 +96,7 @@ from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm
 from amp_fx.kernels.nvfp4 import BLOCK as NV_BLOCK
 from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm, nvfp4_linear_flags
+from amp_fx.low_precision import recipe_for, recipes
 from amp_fx.passes import meta
 from amp_fx.passes.capture import dtensor_method, module_stack
 from amp_fx.passes.fx_edit import (
@@ -153,6 +161,10 @@ class Fp8Decision:
     """Where converted with a size that is not a multiple of 16: what its fp8 GEMMs pad and what
     that costs (None where nothing is padded, or a size is symbolic: then it pads at run time
     where needed)."""
+    selector: str | None = None
+    """The entry of a per-module map (``LowPrecision.modules``) that chose the recipe (or kept the
+    matmul in ``dtype``), as text (``'lm_head'``, ``Blocks(first=1, ...)``, ``Linear``); None
+    where the default recipe applied or the map was not consulted."""
     left_out: bool = False
     """True where the matmul stays in ``dtype`` for a reason the user did not ask for (its
     operands' form: a batched or left-hand weight, a weight computed from a parameter): reported
@@ -174,7 +186,9 @@ class Fp8Decision:
 class Fp8Record:
     """What fp8_matmuls did to one graph."""
 
-    recipe: Fp8Recipe
+    recipe: Fp8Recipe | None
+    """The config's default recipe (None: a per-module map's modules only; each decision's
+    ``recipe`` is the one it runs with)."""
     decisions: list[Fp8Decision] = field(default_factory=list)
     """Every matmul considered, in graph order."""
     fp8_weight_reads: list[str] = field(default_factory=list)
@@ -197,6 +211,17 @@ class Fp8Record:
     @property
     def converted(self) -> list[Fp8Decision]:
         return [d for d in self.decisions if d.converted]
+
+    @property
+    def recipes(self) -> tuple[Fp8Recipe, ...]:
+        """The recipes the converted matmuls run with, in graph order (the default recipe where none is)."""
+        found = tuple(dict.fromkeys(d.recipe for d in self.converted if d.recipe is not None))
+        return found or ((self.recipe,) if self.recipe is not None else ())
+
+    @property
+    def recipes_text(self) -> str:
+        """The recipes as a table names them: ``tensorwise``, ``mxfp8 + rowwise``."""
+        return " + ".join(r.value for r in self.recipes) or "none"
 
     @property
     def kept(self) -> list[Fp8Decision]:
@@ -300,12 +325,11 @@ class _Fp8Rewriter:
     def __init__(self, gm: torch.fx.GraphModule, config: Fp8Config, policy: Policy, fake_mode: FakeTensorMode) -> None:
         self.gm = gm
         self.graph = gm.graph
-        self.recipe = config.recipe
-        self.casts = RECIPES[config.recipe]
+        self.config = config
         self.policy = policy
         self.fake_mode = fake_mode
         self.record = Fp8Record(config.recipe)
-        nv = config.nvfp4
+        nv = config.nvfp4 if config.nvfp4 is not None else Nvfp4Options()  # a map's nvfp4 modules: TE's defaults
         self.nvfp4_flags: tuple[bool, bool, bool] = (
             (nv.rht, nv.stochastic_rounding, nv.weight_2d) if nv is not None else (False, False, False)
         )
@@ -347,13 +371,28 @@ class _Fp8Rewriter:
         else:
             match, why = self.match(node)
         shape = self.shape(match) if match is not None else None
+        recipe, selector = recipe_for(self.config, stack)
 
         def decide(
-            converted: bool, reason: str, pad: Fp8Padding | None = None, *, left_out: bool = False
+            converted: bool,
+            reason: str,
+            pad: Fp8Padding | None = None,
+            *,
+            by_map: bool = False,
+            left_out: bool = False,
         ) -> Fp8Decision:
             name = weight.meta.get(meta.PARAMETER) or weight.name
             d = Fp8Decision(
-                converted, reason, op, name, module, shape, self.recipe if converted else None, pad, left_out=left_out
+                converted,
+                reason,
+                op,
+                name,
+                module,
+                shape,
+                recipe if converted else None,
+                pad,
+                selector if converted or by_map else None,
+                left_out=left_out,
             )
             self.record.decisions.append(d)
             return d
@@ -366,6 +405,14 @@ class _Fp8Rewriter:
         if excluded is not None:
             node.meta[meta.FP8] = decide(
                 False, f"not fp8: module {excluded[0] or '<root>'} kept out of fp8 by policy ({excluded[1]})"
+            )
+            return
+        if recipe is None:
+            node.meta[meta.FP8] = decide(
+                False,
+                f"not fp8: kept in {dtype_name(_val(node).dtype)} by the low-precision map "
+                f"({selector or 'its default: no recipe'})",
+                by_map=True,
             )
             return
         if match is None:
@@ -382,25 +429,25 @@ class _Fp8Rewriter:
                 False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
             )
             return
-        blocked = RECIPES[self.recipe].rowwise or self.recipe is Fp8Recipe.BLOCKWISE  # scales along K
+        blocked = RECIPES[recipe].rowwise or recipe is Fp8Recipe.BLOCKWISE  # scales along K
         sharded = _sharded_contraction(match.x) if blocked else None
         if sharded is not None:
             self.record.sharded_contractions.append(f"{module or 'the root'} ({sharded})")
             node.meta[meta.FP8] = decide(
                 False,
-                f"not fp8: {self.recipe.value} scales on a contraction dimension sharded across ranks "
-                f"({sharded}): DTensor has no sharding rule for a rowwise-scaled _scaled_mm there; "
+                f"not fp8: {recipe.value} scales on a contraction dimension sharded across ranks "
+                f"({sharded}): DTensor has no sharding rule for a {recipe.value}-scaled _scaled_mm there; "
                 f"fp8='tensorwise' converts it",
             )
             return
-        pad = self.padding(shape) if match.offs is None else None
-        reason = self.converted_reason()
-        if match.offs is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+        pad = self.padding(shape, recipe) if match.offs is None else None
+        reason = self.converted_reason(recipe)
+        if match.offs is not None and recipe is Fp8Recipe.BLOCKWISE:
             reason += (
                 f"; grouped: each expert's weight in its own {BW_BLOCK}x{BW_BLOCK} tiles, the weight "
                 f"gradient's operands per {BW_BLOCK} rows of each group (as torchao pads each group)"
             )
-        elif match.offs is not None and self.recipe is Fp8Recipe.NVFP4:
+        elif match.offs is not None and recipe is Fp8Recipe.NVFP4:
             reason += (
                 "; grouped: each expert's GEMMs on its group's rows, with its own tensor scales (as "
                 "TransformerEngine's GroupedLinear), emulated as one masked GEMM per expert"
@@ -411,11 +458,11 @@ class _Fp8Rewriter:
                 f"nn.Linear per expert under torchao (sizes not multiples of {ALIGNMENT} padded "
                 f"per group)"
             )
-        elif pad is not None and self.recipe is Fp8Recipe.MXFP8:
+        elif pad is not None and recipe is Fp8Recipe.MXFP8:
             reason += f"; padded to multiples of {MX_BLOCK} (its scale blocks): {pad.text}"
-        elif pad is not None and self.recipe is Fp8Recipe.BLOCKWISE:
+        elif pad is not None and recipe is Fp8Recipe.BLOCKWISE:
             reason += f"; padded to multiples of {BW_BLOCK} (its scale blocks): {pad.text}"
-        elif pad is not None and self.recipe is Fp8Recipe.NVFP4:
+        elif pad is not None and recipe is Fp8Recipe.NVFP4:
             reason += f"; padded to multiples of {NV_BLOCK} (its scale blocks): {pad.text}"
         elif pad is not None:
             reason += f"; padded to multiples of {ALIGNMENT} for torch._scaled_mm: {pad.text}"
@@ -433,7 +480,7 @@ class _Fp8Rewriter:
         docstring of :mod:`amp_fx.kernels.fp8_activation_gather`), and each matmul
         ``fp8_matmul(carrier, w, recipe, x_fp8=(data, scale, dtype))``. Returns the matmuls' former
         inputs (the casts, or the redistribute) it replaced."""
-        if self.recipe is not Fp8Recipe.TENSORWISE:
+        if Fp8Recipe.TENSORWISE not in recipes(self.config):
             return set()
         moved: set[torch.fx.Node] = set()
         for redistribute in dict.fromkeys(x.args[0] if is_inserted_cast(x) else x for _, x in self.gathered):
@@ -452,7 +499,10 @@ class _Fp8Rewriter:
             )
             with self.graph.inserting_before(redistribute):
                 gather = self.call(
-                    fp8_gather_input, (source, tuple(_val(redistribute).placements), dtype, self.recipe), stack, note
+                    fp8_gather_input,
+                    (source, tuple(_val(redistribute).placements), dtype, Fp8Recipe.TENSORWISE),
+                    stack,
+                    note,
                 )
                 carrier, data, scale = (self.call(operator.getitem, (gather, i), stack, note) for i in range(3))
             for x, matmuls in readers.items():
@@ -530,13 +580,13 @@ class _Fp8Rewriter:
         m = math.prod(xv.shape[:-1])
         return _text(m), _text(k), _text(n)
 
-    def padding(self, shape: tuple[int | str, int | str, int | str] | None) -> Fp8Padding | None:
+    def padding(self, shape: tuple[int | str, int | str, int | str] | None, recipe: Fp8Recipe) -> Fp8Padding | None:
         """What the fp8 matmul pads at these sizes (None where nothing, or a size is symbolic)."""
         assert shape is not None
         m, k, n = shape
         if not (isinstance(m, int) and isinstance(k, int) and isinstance(n, int)):
             return None
-        return padding(m, k, n, self.recipe)
+        return padding(m, k, n, recipe)
 
     def excluded(self, stack: Sequence[tuple[str, type]]) -> tuple[str, str] | None:
         for path, mtype in stack:
@@ -545,15 +595,15 @@ class _Fp8Rewriter:
                     return path, sel if isinstance(sel, str) else sel.__name__
         return None
 
-    def converted_reason(self) -> str:
-        c = self.casts
-        if self.recipe is Fp8Recipe.BLOCKWISE:
+    def converted_reason(self, recipe: Fp8Recipe) -> str:
+        c = RECIPES[recipe]
+        if recipe is Fp8Recipe.BLOCKWISE:
             return (
                 f"fp8 blockwise: out = x (e4m3, fp32 scale per 1x{BW_BLOCK} along K) @ w (e4m3, fp32 scale "
                 f"per {BW_BLOCK}x{BW_BLOCK} tile of the fp32 weight); grad_x: grad (1x{BW_BLOCK} along N) @ "
                 f"w (the same tiles); grad_w: x ({BW_BLOCK}x1 along M) @ grad ({BW_BLOCK}x1 along M)"
             )
-        if self.recipe is Fp8Recipe.NVFP4:
+        if recipe is Fp8Recipe.NVFP4:
             rht, sr, w2d = self.nvfp4_flags
             return (
                 f"nvfp4: x, w and grad in e2m1 with an e4m3 scale per {NV_BLOCK} elements along each "
@@ -562,13 +612,13 @@ class _Fp8Rewriter:
                 f"{'stochastically' if sr else 'to nearest even'}; grad_w's operands "
                 f"{'through' if rht else 'without'} the random Hadamard transform"
             )
-        if self.recipe is Fp8Recipe.MXFP8:
+        if recipe is Fp8Recipe.MXFP8:
             return (
                 f"fp8 mxfp8: x, w and grad in e4m3 with an e8m0 scale per {MX_BLOCK} elements along "
                 f"each GEMM's inner dimension (out, grad_x, grad_w), from their bf16 values"
             )
         return (
-            f"fp8 {self.recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
+            f"fp8 {recipe.value}: out = x ({c.input.label}) @ w ({c.weight.label}); "
             f"grad_x: grad ({c.grad_output.label}) @ w ({c.weight_for_grad_input.label}); "
             f"grad_w: x ({c.input_for_grad_weight.label}) @ grad "
             f"({c.grad_output_for_grad_weight.label})"
@@ -577,17 +627,19 @@ class _Fp8Rewriter:
     def convert(self, node: torch.fx.Node, match: _Match, decision: Fp8Decision) -> None:
         stack = node.meta.get("nn_module_stack", {})
         note = Decision(CastClass.NONE, decision.reason)
+        recipe = decision.recipe
+        assert recipe is not None, "a converted matmul's decision names its recipe"
         with self.graph.inserting_before(node):
             if match.offs is not None:
-                if self.recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
+                if recipe is Fp8Recipe.MXFP8:  # scales the bf16 operands, as torchao's MX recipe
                     out = self.call(mxfp8_grouped_mm, (match.x, match.weight, match.offs), stack, note)
-                elif self.recipe is Fp8Recipe.NVFP4:  # scales the bf16 operands, as TE's NVFP4 recipe
+                elif recipe is Fp8Recipe.NVFP4:  # scales the bf16 operands, as TE's NVFP4 recipe
                     args = (match.x, match.weight, match.offs, *self.nvfp4_flags)
                     out = self.call(nvfp4_grouped_mm, args, stack, note)
                 else:
                     out = self.call(
                         fp8_grouped_mm,
-                        (match.x, self.fp32_view(match.weight, stack), match.offs, self.recipe),
+                        (match.x, self.fp32_view(match.weight, stack), match.offs, recipe),
                         stack,
                         note,
                     )
@@ -600,11 +652,13 @@ class _Fp8Rewriter:
                 return
             w = match.weight_kn
             if w is None:
-                w = self.call(aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note()))
-            if self.recipe is Fp8Recipe.NVFP4:
+                w = self.call(
+                    aten.t.default, (match.weight,), stack, Decision(CastClass.NONE, self.weight_note(recipe))
+                )
+            if recipe is Fp8Recipe.NVFP4:
                 out = self.call(nvfp4_linear_flags, (match.x, w, *self.nvfp4_flags), stack, note)
             else:
-                out = self.call(fp8_matmul, (match.x, w, self.recipe), stack, note)
+                out = self.call(fp8_matmul, (match.x, w, recipe), stack, note)
             out.meta[meta.FP8] = decision
             if match.bias is not None:
                 # torchao's Float8Linear: output + bias.to(output.dtype), after the GEMM.
@@ -629,10 +683,10 @@ class _Fp8Rewriter:
         self.graph.erase_node(node)
         _erase_unused_casts(self.graph, inputs)
 
-    def weight_note(self) -> str:
-        if self.recipe is Fp8Recipe.NVFP4:
+    def weight_note(self, recipe: Fp8Recipe) -> str:
+        if recipe is Fp8Recipe.NVFP4:
             return "fp8: the weight as [K, N]; nvfp4 scales its bf16 cast (as TransformerEngine's bf16 weights)"
-        if self.recipe is Fp8Recipe.MXFP8:
+        if recipe is Fp8Recipe.MXFP8:
             return (
                 "fp8: the weight as [K, N]; mxfp8 scales its bf16 cast (as torchao's MXFP8 linear takes bf16 operands)"
             )
@@ -734,9 +788,13 @@ def _fp8_readers(
 
 
 def _reads_as_input(node: torch.fx.Node, x: torch.fx.Node) -> bool:
-    """``node`` is an fp8 matmul taking ``x`` as its input only."""
+    """``node`` is a tensorwise fp8 matmul taking ``x`` as its input only."""
     return (
-        node.target is fp8_matmul and node.args[0] is x and x not in node.args[1:] and node.kwargs.get("x_fp8") is None
+        node.target is fp8_matmul
+        and node.args[0] is x
+        and x not in node.args[1:]
+        and node.args[2] in (Fp8Recipe.TENSORWISE,)
+        and node.kwargs.get("x_fp8") is None
     )
 
 
@@ -794,5 +852,6 @@ def fp8_matmuls(
 
     Raises AmpFxError for a rowwise recipe on a device whose ``torch._scaled_mm`` takes no
     rowwise scales (torch 2.11's CPU kernel), before anything is rewritten."""
-    check_rowwise_support(config.recipe, device_type, "amp_fx")
+    for recipe in recipes(config):
+        check_rowwise_support(recipe, device_type, "amp_fx")
     return gm, _Fp8Rewriter(gm, config, policy, fake_mode).run()

@@ -23,8 +23,8 @@ from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
-from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect.precision import PrecisionReport, step_report
+from amp_fx.low_precision import LowPrecisionLike, one_option
 from amp_fx.options import Options
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.policy import Policy
@@ -325,7 +325,8 @@ def compile_step(
     strict: bool | None = None,
     weight_cache: bool = False,
     watch_nonfinite: bool = False,
-    fp8: Fp8Like = None,
+    low_precision: LowPrecisionLike = None,
+    fp8: LowPrecisionLike = None,
     train_state: Literal["bf16_sr", "bf16_kahan"] | None = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
@@ -371,8 +372,11 @@ def compile_step(
         watch_nonfinite: record on the device the first forward op whose low-precision output
             holds an inf/NaN, named by :meth:`CompiledStep.overflow_report` (``amp_fx.overflow``).
             Values are unchanged; the gradients' flags are recorded either way.
-        fp8: train the forward's matmuls in fp8, as :func:`amp_fx.compile`'s ``fp8=`` (a recipe
-            name, an ``amp_fx.Fp8Recipe`` or an ``amp_fx.Fp8Config``; docs: "fp8 training").
+        low_precision: train the forward's matmuls in a low-precision recipe, as
+            :func:`amp_fx.compile`'s ``low_precision=`` (a recipe name, an ``amp_fx.Fp8Recipe``,
+            an ``amp_fx.Fp8Config``, or a recipe per module: an ``amp_fx.LowPrecision`` or a dict;
+            docs: "fp8 training").
+        fp8: the older spelling of ``low_precision`` (the same values); passing both is a TypeError.
         train_state: hold the training state in bf16 (needs ``dtype="bf16"``): the optimizer's
             parameters are turned to bf16 **in place** (``p.data``; the model and optimizer keep
             the same Parameter objects, buffers and other parameters are left alone), the Adam
@@ -397,7 +401,7 @@ def compile_step(
         weight_cache=weight_cache,
         watch_nonfinite=watch_nonfinite,
         torch_compile={"dynamic": dynamic},
-        fp8=fp8,
+        fp8=one_option(fp8, low_precision, "amp_fx.compile_step"),
     )
     check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -46,6 +46,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from amp_fx.policy import Policy
 
 __all__ = [
+    "LLAMA_4_LAYERS",
     "LLAMA_GQA",
     "GEMMA3_SLIDING",
     "GEMMA3_FULL_LAYER",
@@ -155,11 +156,16 @@ def _hf_bert(gen: torch.Generator) -> Built:
     return _no_dropout(model), {"input_ids": ids, "labels": ids}, _hf_loss
 
 
-def _hf_llama(gen: torch.Generator, kv_heads: int = 4) -> Built:
+def _hf_llama(gen: torch.Generator, kv_heads: int = 4, layers: int | None = None) -> Built:
     import transformers as tf
 
-    config = tf.LlamaConfig(**_HF_DIMS, num_key_value_heads=kv_heads, use_cache=False)
+    dims = _HF_DIMS if layers is None else {**_HF_DIMS, "num_hidden_layers": layers}
+    config = tf.LlamaConfig(**dims, num_key_value_heads=kv_heads, use_cache=False)
     return _hf_causal(config, tf.LlamaForCausalLM, gen)
+
+
+def _hf_llama_4_layers(gen: torch.Generator) -> Built:
+    return _hf_llama(gen, layers=4)
 
 
 def _hf_llama_gqa(gen: torch.Generator) -> Built:
@@ -455,6 +461,10 @@ LLAMA_GQA = RealModel("hf_llama_gqa", "transformers", _hf_llama_gqa)
 """Llama with grouped-query attention (2 key/value heads for 4 query heads): transformers repeats
 k and v (``repeat_kv``: expand + reshape) in the low dtype, and torch.compile's gradients of k and
 v then differ from eager's in low precision, with or without amp_fx (tests/models)."""
+
+LLAMA_4_LAYERS = RealModel("hf_llama_4_layers", "transformers", _hf_llama_4_layers)
+"""Llama with 4 decoder blocks (``model.layers.0`` to ``.3``): a first and a last block with two
+between them, for the per-module low-precision map (tests/fp8/test_recipe_per_module.py)."""
 
 GEMMA3_SLIDING = RealModel("hf_gemma3_sliding", "transformers", _hf_gemma3)
 """Gemma 3 with grouped-query attention (2 key/value heads for 4) and sliding-window layers only,

@@ -206,14 +206,15 @@ def run(rank: int, world_size: int, wrapper: str, form: str, recipe: str) -> dic
         if form == "bf16":  # no fp8: the bytes the fp8 all-gather is compared with
             compiled = amp_fx.compile(_shard(model), dtype="bf16", backend="aot_eager", strict=False)
             return _train(model, compiled, rank, reference=False)
-        if form == "outer_keep":  # the second Linear kept out of fp8: gathered in fp32
+        if form in ("outer_keep", "map_keep"):  # the second Linear kept out of fp8: gathered in fp32
+            by_map = form == "map_keep"  # by the per-module low-precision map instead of the policy
             compiled = amp_fx.compile(
                 _shard(model),
                 dtype="bf16",
-                fp8=recipe,
+                low_precision=amp_fx.LowPrecision(recipe=recipe, modules={"2": None}) if by_map else recipe,
                 backend="aot_eager",
                 strict=False,
-                policy=amp_fx.Policy(keep_out_of_fp8=["2"]),
+                policy=None if by_map else amp_fx.Policy(keep_out_of_fp8=["2"]),
             )
             out = _train(model, compiled, rank, reference=False)
             return {**out, "converted": _converted(compiled), "warnings": _shortfalls(caught)}
@@ -325,6 +326,7 @@ def run_all(rank: int, world_size: int, recipes: list[str]) -> dict[Any, Any]:
             results[wrapper, form, recipe] = run(rank, world_size, wrapper, form, recipe)
     results["fsdp2", "bf16", None] = run(rank, world_size, "fsdp2", "bf16", "")
     results["fsdp2", "outer_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "outer_keep", "tensorwise")
+    results["fsdp2", "map_keep", "tensorwise"] = run(rank, world_size, "fsdp2", "map_keep", "tensorwise")
     results["reads_weight"] = reads_weight(rank)
     results["shared_weight"] = shared_weight(rank)
     results["root_reads_head"] = root_reads_head(rank)

@@ -72,7 +72,7 @@ def _gathered_bytes(fp8: set[str]) -> int:
     return sum(n * (1 if name in fp8 else 4) for name, n in GATHERED.items())
 
 
-@pytest.mark.parametrize("form", ["outer", "step", "outer_keep"])
+@pytest.mark.parametrize("form", ["outer", "step", "outer_keep", "map_keep"])
 def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
     """Bytes all-gathered per step (each rank's shards, counted in the process group): the two
     fp8 weights go as 1 byte per element instead of 4, the biases stay fp32 (``GATHERED``):
@@ -83,16 +83,21 @@ def test_fsdp2_fp8_all_gather_bytes(ranks: list[dict], form: str) -> None:
     all-reduce of the scales per step (``compile_step`` adds its own: the found-inf flag's).
 
     Negative twin, "outer_keep": ``Policy(keep_out_of_fp8=["2"])`` keeps the second Linear's
-    2048-element weight in fp32 all the way, the all-gather included."""
-    fp8 = {"0.weight"} if form == "outer_keep" else {"0.weight", "2.weight"}
+    2048-element weight in fp32 all the way, the all-gather included; "map_keep": the per-module
+    low-precision map ``{"2": None}`` does the same, bitwise with "outer_keep"."""
+    fp8 = {"0.weight"} if form in ("outer_keep", "map_keep") else {"0.weight", "2.weight"}
     for rank, results in enumerate(ranks):
         ours, ao = results["fsdp2", form, "tensorwise"]["sent"], results["fsdp2", "torchao_ag", "tensorwise"]["sent"]
         bf16 = results["fsdp2", "bf16", None]["sent"]
         assert bf16["all_gather"] == _gathered_bytes(set()) / 2, (rank, bf16)
         assert ours["all_gather"] == _gathered_bytes(fp8) / 2, (rank, ours, bf16)
-        if form == "outer_keep":
+        if form in ("outer_keep", "map_keep"):
             keep = results["fsdp2", form, "tensorwise"]
             assert keep["converted"] == 1 and not keep["warnings"], keep
+        if form == "map_keep":
+            policy = results["fsdp2", "outer_keep", "tensorwise"]
+            assert_bitwise(keep["losses"], policy["losses"], f"rank {rank}: losses, map against policy")
+            assert_bitwise(keep["params"], policy["params"], f"rank {rank}: params, map against policy")
         if form == "outer":
             assert ours["all_gather"] == ao["all_gather"], (rank, ours, ao)
             assert ours["all_reduce"] == ao["all_reduce"], (rank, ours, ao)

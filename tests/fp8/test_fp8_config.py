@@ -61,7 +61,7 @@ def test_options_record_holds_the_config() -> None:
 
 
 def test_a_bad_fp8_value_fails_at_compile_time() -> None:
-    with pytest.raises(ValueError, match="unknown fp8 recipe 'rowwize'"):
+    with pytest.raises(ValueError, match="unknown low-precision recipe 'rowwize'"):
         compile_fp8(mlp()[0], "rowwize")
 
 

@@ -189,11 +189,11 @@ def test_a_matmul_fp8_leaves_out_is_reported_not_skipped() -> None:
     left = [d for d in record.fp8.decisions if not d.converted]
     assert [(d.weight, d.left_out) for d in left] == [("scaled.weight", True)], record.fp8.decisions
     assert "computed from the parameter by aten.mul" in left[0].reason
-    said = [str(w.message) for w in caught if "stay in bf16 under fp8" in str(w.message)]
+    said = [str(w.message) for w in caught if "stay in bf16 under low_precision" in str(w.message)]
     assert len(said) == 1 and re.search(r"1 matmul\(s\) .*scaled \(aten.linear, scaled.weight\)", said[0]), said
     assert "keep_out_of_fp8" in said[0]
 
-    with pytest.raises(AmpFxError, match="stay in bf16 under fp8"):
+    with pytest.raises(AmpFxError, match="stay in bf16 under low_precision"):
         _compile_computed(strict=True)(x)
 
     kept = _compile_computed(strict=True, policy=amp_fx.Policy(keep_out_of_fp8=["scaled"]))

@@ -286,5 +286,5 @@ def test_hopper_is_told_blackwell_is_needed(
 
 
 def test_fp16_is_refused() -> None:
-    with pytest.raises(ValueError, match="fp8='mxfp8' needs dtype=torch.bfloat16"):
+    with pytest.raises(ValueError, match="low-precision recipe 'mxfp8' needs dtype=torch.bfloat16"):
         amp_fx.compile(MLP(), dtype="fp16", fp8="mxfp8", backend="aot_eager")

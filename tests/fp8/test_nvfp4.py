@@ -433,7 +433,7 @@ def _train(
     return losses, amp_fx.records(compiled)
 
 
-@pytest.mark.slow  # 200 to 350 s each on the loaded 2-core CPU (two cold compiles, 8 steps, 4 emulated)
+@pytest.mark.slow  # 50 to 65 s each on a quiet 2-core CPU, up to 350 s loaded (two cold compiles, 8 steps)
 @pytest.mark.filterwarnings(EMULATED)
 @pytest.mark.parametrize("build", [_llama, _qwen3_moe], ids=["llama", "qwen3_moe"])
 def test_models_train_with_every_gemm_in_nvfp4(build: object) -> None:
@@ -466,7 +466,6 @@ def test_models_train_with_every_gemm_in_nvfp4(build: object) -> None:
     assert abs(nvfp4[-1] - bf16[-1]) <= abs(nvfp4[0] - bf16[0]) + U_E2M1 * progress, (nvfp4, bf16)
 
 
-@pytest.mark.slow  # 30 to 100 s on a loaded 2-core CPU: a compile and three eager runs
 @pytest.mark.filterwarnings(EMULATED)
 def test_compare_runs_the_eager_side_in_nvfp4_with_the_switches() -> None:
     """``compare(fp8=...)``: its eager side (``Fp8Eager``) runs the converted matmuls through the

@@ -10,6 +10,7 @@ import amp_fx.kernels.fp8_matmul
 import amp_fx.kernels.fp8_padding
 import amp_fx.kernels.fp8_recipes
 import amp_fx.kernels.nvfp4
+import amp_fx.low_precision
 import amp_fx.options
 import amp_fx.passes.fold_casts
 import amp_fx.passes.fp8_matmuls
@@ -28,6 +29,7 @@ import amp_fx.passes.lift_weight_casts
         amp_fx.passes.fp8_matmuls,
         amp_fx.kernels.fp8_matmul,
         amp_fx.fp8,
+        amp_fx.low_precision,
         amp_fx.kernels.fp8_recipes,
         amp_fx.kernels.fp8_padding,
         amp_fx.kernels.nvfp4,

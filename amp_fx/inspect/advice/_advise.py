@@ -5,7 +5,7 @@ the training comparison (with ``steps``) and the result (reporting)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +24,7 @@ from amp_fx.inspect.advice._search import MAX_RUNS, search
 from amp_fx.inspect.advice._training import compare_training
 from amp_fx.inspect.advice._verify import meets
 from amp_fx.kernels.fp8_support import check_rowwise_support
+from amp_fx.low_precision import LowPrecision, one_option
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__: list[str] = []
@@ -45,6 +46,7 @@ def advise(
     optimizer: Any = None,
     steps: int = 0,
     max_runs: int = MAX_RUNS,
+    low_precision: Fp8Like = None,
     fp8: Fp8Like = None,
     strict: bool | None = None,
     **kwargs: Any,
@@ -72,7 +74,9 @@ def advise(
             ``dtype``; the search keeps modules' matmuls in ``dtype`` (``Policy(keep_out_of_fp8=...)``)
             until the target is met, starting from the matmuls whose fp8 GEMM error exceeds
             :data:`FP8_ERROR_HAZARD`. The advice also lists each fp8 matmul and whether it is too
-            small to gain (:func:`fp8_too_small`).
+            small to gain (:func:`fp8_too_small`). One recipe: the advice is itself which modules
+            to keep out of it (a per-module map, ``amp_fx.LowPrecision``, is a TypeError).
+        low_precision: the newer spelling of ``fp8`` (the same values); passing both is a TypeError.
         strict: raise instead of warning where advise does less than asked (``fp8`` set but no
             matmul runs in fp8); None: the ``AMP_FX_STRICT`` environment variable decides.
 
@@ -88,7 +92,12 @@ def advise(
         tool="advise",
         why="a float64 reference, runs with modules patched to fp32, training runs that step an optimizer",
     )
-    config = Fp8Config.of(fp8)
+    config = Fp8Config.of(cast(Fp8Like, one_option(fp8, low_precision, "amp_fx.advise")))
+    if isinstance(config, LowPrecision) and config.modules:
+        raise TypeError(
+            "amp_fx.advise takes one low-precision recipe (it advises which modules to keep out of it), "
+            f"got a per-module map {config!r}; pass its recipe alone"
+        )
     call = Call(args, kwargs)
     run_eager_checked(model, call, tool="advise")
     device_type = call.device_type(model)
