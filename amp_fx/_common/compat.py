@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "dtensor_type",
+    "fsdp_param_groups",
     "autocast_registrations",
     "current_decomposition_table",
     "dynamo_decomposes_number_scalars",
@@ -243,3 +244,20 @@ def local_tensor(t: Any) -> Any:
     in-place op on it bumps its own version counter, not the DTensor's); anything else as it is."""
     local = getattr(t, "_local_tensor", None)
     return t if local is None else local
+
+
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The FSDP2 parameter groups of ``module`` (one ``fully_shard`` was applied to; [] for any
+    other): one per mesh. A ``shard_placement_fn`` may put a module's parameters on several meshes
+    (torchtitan's MoE blocks under expert parallelism: the experts on ``(efsdp, ep)``, the rest on
+    ``fsdp``), and then FSDP2's ``_fsdp_param_group`` (singular) raises; torch 2.13 keeps the list
+    ``_fsdp_param_groups`` (2.11 and 2.15 not checked), a torch without the list the singular alone."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return []
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    return list(groups)

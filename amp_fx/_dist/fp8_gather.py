@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from amp_fx._common.compat import fsdp_param_groups
 from amp_fx._common.report import Reporter
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.fp8_matmul import scale_from_amax
@@ -206,14 +207,11 @@ def _fsdp_params(root: torch.nn.Module, units: Sequence[torch.nn.Module]) -> lis
     own = {id(u) for u in units if u is not root}
     out = []
     for unit in units:
-        state = getattr(unit, "_get_fsdp_state", None)
-        group = state()._fsdp_param_group if state is not None else None
-        if group is None:
-            continue
-        if unit is root and own:
-            out += [p for p in group.fsdp_params if id(p._module_info.module) in own]
-        else:
-            out += group.fsdp_params
+        for group in fsdp_param_groups(unit):
+            if unit is root and own:
+                out += [p for p in group.fsdp_params if id(p._module_info.module) in own]
+            else:
+                out += group.fsdp_params
     return out
 
 

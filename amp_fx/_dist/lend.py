@@ -28,19 +28,17 @@ from typing import Any
 
 import torch
 
+from amp_fx._common.compat import fsdp_param_groups
 from amp_fx._dist.step import is_fsdp2
 
 __all__ = ["Loan", "is_fsdp2"]
 
 
 def _param_groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any]]:
-    """(FSDP2 module, its parameter group) for each module ``fully_shard`` was applied to."""
+    """(FSDP2 module, one of its parameter groups) for each module ``fully_shard`` was applied to
+    (several groups where its parameters lie on several meshes: ``fsdp_param_groups``)."""
     for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        group = get_state()._fsdp_param_group
-        if group is not None:
+        for group in fsdp_param_groups(m):
             yield m, group
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from amp_fx._common.compat import fsdp_param_groups
 from amp_fx._common.report import Reporter
 from amp_fx._common.unwrap import layers
 from amp_fx.api import options_of
@@ -310,16 +311,14 @@ def _fsdp2_units(module: torch.nn.Module) -> list[FsdpUnit]:
     for name, m in module.named_modules():
         if not isinstance(m, FSDPModule):
             continue
-        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
-        if group is None:
-            continue
-        params = tuple(
-            (_local(p.sharded_param).numel(), p.sharded_param.dtype)
-            for p in group.fsdp_params
-            if p.sharded_param.requires_grad
-        )
-        if params:
-            units.append(FsdpUnit(name or "<root>", group.mp_policy, params))
+        for group in fsdp_param_groups(m):  # one per mesh its parameters lie on
+            params = tuple(
+                (_local(p.sharded_param).numel(), p.sharded_param.dtype)
+                for p in group.fsdp_params
+                if p.sharded_param.requires_grad
+            )
+            if params:
+                units.append(FsdpUnit(name or "<root>", group.mp_policy, params))
     return units
 
 

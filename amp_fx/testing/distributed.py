@@ -10,7 +10,8 @@ bytes counted (``amp_fx.testing.memory.sent_bytes``).
 The ranks run on the CPU: they start with no CUDA device visible (``CUDA_VISIBLE_DEVICES=""``).
 Where one is, FSDP2's ``fully_shard`` without ``mesh=`` builds its mesh on the accelerator and
 moves every rank's parameters onto it: on a machine with one GPU, both gloo ranks' parameters
-went to ``cuda:0`` while their inputs stayed on the CPU.
+went to ``cuda:0`` while their inputs stayed on the CPU. ``hide_cuda=False`` leaves the devices
+visible, for ranks that put their tensors on them (the GPU tier's context parallelism).
 """
 
 from __future__ import annotations
@@ -59,12 +60,16 @@ def _rank_main(
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` ranks (gloo by default); their return values."""
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str = "gloo", hide_cuda: bool = True
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` ranks (gloo by default); their return
+    values. ``hide_cuda``: the ranks see no CUDA device (module docstring)."""
     import torch.multiprocessing as mp
 
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the children read it at start (module docstring)
+    if hide_cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the children read it at start (module docstring)
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             mp.spawn(
@@ -73,6 +78,6 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: 
             return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
     finally:
         if hidden is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = hidden

@@ -9,7 +9,8 @@ CPU unit tests do; :func:`cpu_debugmodel` makes the same adjustments, each for a
 * the llama3 sharding config is set directly (``set_llama3_sharding_config``;
   ``Config.update_from_config`` imports the trainer, and with it tensorboard);
 * ``spmd_backend="partial_dtensor"`` (0.3.0's default, "spmd_types", fails with torch 2.13's
-  ``fully_shard`` beyond one rank: it targets a nightly torch);
+  ``fully_shard`` beyond one rank: it targets a nightly torch), set globally as the Trainer does
+  (``set_spmd_backend``: the MoE token dispatcher reads it at run time);
 * FSDP2's gradient reduction is a plain SUM: torchtitan sets the divide factor to 1.0 (its
   trainer scales by the global token count), which makes FSDP2 use PREMUL_SUM, which gloo lacks;
 * torchtitan's float8 converter is let through its hardware check (``has_cuda_capability``
@@ -25,7 +26,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TITAN_VOCAB", "cpu_debugmodel", "parallel_dims", "stand_in_for_trainer_extras", "trainer_config_fields"]
+__all__ = [
+    "TITAN_VOCAB",
+    "cpu_debugmodel",
+    "cpu_qwen3_moe",
+    "parallel_dims",
+    "stand_in_for_trainer_extras",
+    "trainer_config_fields",
+]
 
 TITAN_VOCAB = 2048  # the debugmodel's vocabulary
 
@@ -45,15 +53,22 @@ def _float8_on_cpu() -> None:
     float8.has_cuda_capability = lambda major, minor: True  # module docstring
 
 
-def parallel_dims(*, tp: int = 1, dp_shard: int = 1) -> tuple[Any, Any]:
-    """torchtitan's ``(ParallelismConfig, ParallelDims)`` for ``tp`` x ``dp_shard`` over the default group."""
+def parallel_dims(*, tp: int = 1, dp_shard: int = 1, ep: int = 1) -> tuple[Any, Any]:
+    """torchtitan's ``(ParallelismConfig, ParallelDims)`` for ``tp`` x ``dp_shard`` over the default
+    group; ``ep`` experts' ranks borrowed from ``dp_shard`` x ``tp`` (torchtitan's sparse mesh
+    ``efsdp`` x ``ep``, ``efsdp = dp_shard * tp / ep``)."""
     _cpu_device_type()
+    import torchtitan.distributed.utils as dist_utils
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
     config = ParallelismConfig(
-        tensor_parallel_degree=tp, data_parallel_shard_degree=dp_shard, spmd_backend="partial_dtensor"
+        tensor_parallel_degree=tp,
+        data_parallel_shard_degree=dp_shard,
+        expert_parallel_degree=ep,
+        spmd_backend="partial_dtensor",
     )
+    dist_utils.set_spmd_backend(config.spmd_backend)  # what torchtitan's Trainer does; the dispatcher reads it
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return config, ParallelDims.from_config(config, world)
 
@@ -78,8 +93,6 @@ def cpu_debugmodel(
     ``Float8LinearConverter`` with that recipe ("rowwise", "rowwise_with_gw_hp"), as
     ``model_registry(..., converters=[...])`` does: every ``Linear`` becomes torchao's
     ``Float8Linear``."""
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.models.common import ScaledDotProductAttention
     from torchtitan.models.llama3 import llama3_configs, parallelize_llama
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -95,9 +108,67 @@ def cpu_debugmodel(
         _float8_on_cpu()
         config = Float8LinearConverter.Config(recipe_name=float8_recipe).build().convert(config)
     set_llama3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel)
+    parallelize_fn = parallelize_llama if parallelize_fn is None else parallelize_fn
+    return _built(
+        config, parallelize_fn, parallelism, dims, param_dtype=param_dtype, seed=seed, model_dtype=model_dtype
+    )
+
+
+def cpu_qwen3_moe(
+    *,
+    ep: int = 1,
+    dp_shard: int = 1,
+    n_layers: int = 2,
+    param_dtype: str = "float32",
+    parallelize_fn: Callable[..., torch.nn.Module] | None = None,
+    seed: int = 0,
+    unsharded: bool = False,
+) -> torch.nn.Module:
+    """torchtitan's Qwen3 ``debugmodel_moe`` (dim 256, 64 experts of hidden 768, top 8, vocabulary
+    2048) with ``n_layers`` layers and SDPA attention, under ``parallelize_fn`` (default:
+    torchtitan's ``parallelize_qwen3``) with expert parallelism ``ep`` over ``dp_shard`` ranks
+    (``set_qwen3_sharding_config(enable_ep=ep > 1)``); built, materialized and initialized as
+    :func:`cpu_debugmodel`. Its ``AllToAllTokenDispatcher`` runs on gloo; its ``GroupedExperts``
+    cast their weights themselves (``w.bfloat16()``) before ``torch._grouped_mm``.
+
+    ``unsharded``: no ``ParallelDims`` and no parallelize function, the whole model on this rank
+    (a reference beside the parallel one on a rank of a larger world). Parallel: each rank's shards
+    initialized from ``seed + rank``: DTensor's random init on a CPU mesh draws every rank's shard
+    from the same generator state, which made rank 1's 32 experts (and the router's rows for them)
+    copies of rank 0's, with equal gradients."""
+    from torchtitan.models.common import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import parallelize_qwen3, qwen3_configs
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    config = qwen3_configs["debugmodel_moe"](attn_backend="flex")
+    config.layers = config.layers[:n_layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if unsharded:
+        return _built(config, lambda model, **_: model, None, None, param_dtype=param_dtype, seed=seed)
+    parallelism, dims = parallel_dims(dp_shard=dp_shard, ep=ep)
+    set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=ep > 1)
+    parallelize_fn = parallelize_qwen3 if parallelize_fn is None else parallelize_fn
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return _built(config, parallelize_fn, parallelism, dims, param_dtype=param_dtype, seed=seed + rank)
+
+
+def _built(
+    config: Any,
+    parallelize_fn: Callable[..., torch.nn.Module],
+    parallelism: Any,
+    dims: Any,
+    *,
+    param_dtype: str,
+    seed: int,
+    model_dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """``config`` built on meta, parallelized, materialized on the CPU, initialized from ``seed``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, TrainingConfig
+
     with torch.device("meta"):
         model = config.build()
-    parallelize_fn = parallelize_llama if parallelize_fn is None else parallelize_fn
     model = parallelize_fn(
         model,
         parallel_dims=dims,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from amp_fx._common.compat import local_tensor
+from amp_fx._common.compat import fsdp_param_groups, local_tensor
 from amp_fx.testing import assert_bitwise
 
 
@@ -43,10 +43,8 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
     for name, b in model.named_buffers():
         out[f"buffer {name}"] = (id(b), b.clone())
     for name, m in model.named_modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        group = None if get_state is None else get_state()._fsdp_param_group
-        if group is not None:
-            out[f"fsdp {name or 'root'}"] = group._sharded_state.name
+        for i, group in enumerate(fsdp_param_groups(m)):
+            out[f"fsdp {name or 'root'} {i}"] = group._sharded_state.name
     return out
 
 

@@ -676,7 +676,11 @@ def tp_all(rank: int, world_size: int) -> dict[Any, Any]:
     torch._dynamo.reset()
     results["fp8_torchao"] = fp8_against_torchao(init_device_mesh("cpu", (world_size,)), rank)
     results["fp8_sp"] = fp8_sequence_parallel(world_size)
+    from amp_fx.testing.fp8_reference import torchao_missing
+
     for schedule, dtype, form in PP_CASES:
+        if dtype == "fp8" and torchao_missing() is not None:
+            continue  # the reference is torchao's; the test skips
         torch._dynamo.reset()
         results[("pp", schedule, dtype, form)] = pipeline_run(rank, world_size, schedule, dtype, form)
     return results
@@ -704,13 +708,20 @@ def pipeline_run(rank: int, world_size: int, schedule: str, dtype: str, form: st
     ``form``: "eager" (torch.autocast around the schedule's step, torch.amp.GradScaler driven by hand:
     unscale_, its found-inf all-reduced (MAX) over every stage, step, update) or "amp_fx"
     (``amp_fx.compile`` of the stage, ``amp_fx.GradScaler(process_group=WORLD)``). bf16: no scaler,
-    nothing planted."""
+    nothing planted. "fp8": bf16 with fp8 tensorwise on every Linear of the stage, "eager" torchao's
+    ``Float8Linear`` under eager autocast (``cpu_autocast_torchao``), "amp_fx" ``fp8="tensorwise"``;
+    the run also counts the stage's matmuls amp_fx converted (``fp8_converted``)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage_module = _Stage(make_model().blocks[rank])
+    fp8 = dtype == "fp8"
+    stage_module: nn.Module = _Stage(make_model().blocks[rank])
+    if fp8 and form == "eager":
+        from amp_fx.testing.fp8_reference import torchao_float8
+
+        stage_module = torchao_float8(stage_module, "tensorwise")
     opt = _adamw(stage_module)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    low = torch.float16 if dtype == "fp16" else torch.bfloat16
     scaler: Any = None
     if form == "eager":
         scaler = torch.amp.GradScaler("cpu", growth_interval=2) if dtype == "fp16" else None
@@ -718,7 +729,9 @@ def pipeline_run(rank: int, world_size: int, schedule: str, dtype: str, form: st
     else:
         if dtype == "fp16":
             scaler = amp_fx.GradScaler("cpu", growth_interval=2, process_group=dist.group.WORLD)
-        run_module = amp_fx.compile(stage_module, dtype=dtype, backend="aot_eager")
+        run_module = amp_fx.compile(
+            stage_module, dtype="bf16" if fp8 else dtype, fp8="tensorwise" if fp8 else None, backend="aot_eager"
+        )
     stage = PipelineStage(run_module, rank, world_size, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
 
@@ -733,7 +746,13 @@ def pipeline_run(rank: int, world_size: int, schedule: str, dtype: str, form: st
         for i in range(STEPS):
             x, y = _batch(i)
             step_losses: list[torch.Tensor] = []
-            ctx = torch.autocast("cpu", dtype=low) if form == "eager" else contextlib.nullcontext()
+            ctx = contextlib.ExitStack()
+            if form == "eager":
+                if fp8:
+                    from amp_fx.testing.fp8_reference import cpu_autocast_torchao
+
+                    ctx.enter_context(cpu_autocast_torchao())
+                ctx.enter_context(torch.autocast("cpu", dtype=low))
             with ctx:
                 if rank == 0:
                     pipe.step(x)
@@ -752,6 +771,11 @@ def pipeline_run(rank: int, world_size: int, schedule: str, dtype: str, form: st
         "scales": torch.stack(scales) if scales else torch.zeros(0),
         "params": {n: p.detach().clone() for n, p in stage_module.named_parameters()},
         "amp_fx_warnings": _fallbacks(caught),
+        "fp8_converted": sum(
+            d.converted for r in amp_fx.records(run_module) if r.fp8 is not None for d in r.fp8.decisions
+        )
+        if form == "amp_fx"
+        else 0,
     }
 
 
@@ -779,5 +803,5 @@ def _pipeline_scaled_step(
 # (schedule, dtype, form); bf16 on GPipe alone: 1F1B differs in the order of the micro-batches'
 # backward, not in what autocast casts
 PP_CASES = [(schedule, "fp16", form) for schedule in ("gpipe", "1f1b") for form in ("eager", "amp_fx")] + [
-    ("gpipe", "bf16", form) for form in ("eager", "amp_fx")
+    ("gpipe", dtype, form) for dtype in ("bf16", "fp8") for form in ("eager", "amp_fx")
 ]

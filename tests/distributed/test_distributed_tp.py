@@ -179,6 +179,24 @@ def test_pipeline_stages_bf16_bitwise_with_eager_autocast(ranks):
             assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
 
 
+def test_pipeline_stages_fp8_bitwise_with_torchao(ranks):
+    """Two stages (GPipe, 2 micro-batches), bf16 with fp8 tensorwise on every Linear of each stage,
+    3 AdamW steps: ``amp_fx.compile(stage, fp8="tensorwise")`` against torchao's ``Float8Linear``
+    under eager autocast around the schedule's step. The loss on the last stage and every stage's
+    parameters bit for bit; the 6 Linears of each stage's block converted (q, k, v, o, the MLP's
+    two), no warning."""
+    if ("pp", "gpipe", "fp8", "eager") not in ranks[0]:
+        pytest.skip("torchao is not installed (the test extra pins it)")
+    for rank, res in enumerate(ranks):
+        got, want = res[("pp", "gpipe", "fp8", "amp_fx")], res[("pp", "gpipe", "fp8", "eager")]
+        what = f"stage {rank}"
+        assert got["amp_fx_warnings"] == [], what
+        assert got["fp8_converted"] == 6, f"{what}: {got['fp8_converted']}"
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        for name in want["params"]:
+            assert_bitwise(got["params"][name], want["params"][name], f"{what}: {name}")
+
+
 def test_tp_fp8_bitwise_with_torchaos_float8_tensor_parallel(ranks):
     """amp_fx fp8 tensorwise on ColwiseParallel/RowwiseParallel against torchao's
     Float8ColwiseParallel/Float8RowwiseParallel on Float8Linear, same mesh: bias-free linears fed a
