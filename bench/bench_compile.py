@@ -42,7 +42,7 @@ of those sizes (random init, no download; the loss is the mean square of the fp3
 * step: forward+backward, amp_fx and the baseline alternating step by step in one run so machine
   noise hits both alike; median and p10/p90 over ``--steps`` steps after ``--warmup``; the ratio is
   amp_fx's median over the baseline's.
-* ``--depth-sweep 2 8 32``: compiled regions (``amp_fx.compile``'s default, docs/regions.md)
+* ``--depth-sweep 2 8 32``: compiled regions (``regions=True``, docs/regions.md)
   against the whole graph. For each depth, the first forward+backward in a fresh process with an
   empty inductor cache (cold), then again in a second fresh process on the cache the first one
   filled (warm: a restart), for amp_fx in regions, amp_fx as one graph (``regions=False``),

@@ -63,7 +63,7 @@ def _regions_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_regions_bitwise_with_eager_autocast(name: str, dtype: torch.dtype) -> None:
     model, inputs, loss_fn = MODELS[name](4)
     expected = zoo.eager_autocast_step(copy.deepcopy(model), inputs, loss_fn, dtype)
-    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager")
+    compiled = amp_fx.compile(model, dtype=dtype, backend="aot_eager", regions=None)
     actual = zoo.step(compiled, model, inputs, loss_fn)
     assert_bitwise(actual, expected)
     assert len(amp_fx.records(compiled)) >= 1  # graphs ran (regions did not fall back to eager)
@@ -97,7 +97,7 @@ def test_block_kept_in_fp32_gets_its_own_region(caplog: pytest.LogCaptureFixture
     model, inputs, loss_fn = _lm(4)
     whole_model = copy.deepcopy(model)
     with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
-        compiled = amp_fx.compile(model, backend="aot_eager", policy=policy)
+        compiled = amp_fx.compile(model, backend="aot_eager", policy=policy, regions=None)
         actual = zoo.step(compiled, model, inputs, loss_fn)
     whole = amp_fx.compile(whole_model, backend="aot_eager", policy=policy, regions=False)
     expected = zoo.step(whole, whole_model, inputs, loss_fn)
@@ -184,7 +184,7 @@ def test_real_transformers_in_regions_bitwise(name: str, caplog: pytest.LogCaptu
     model, inputs, loss_fn = entry.build()
     expected = eager_autocast_real_step(copy.deepcopy(model), inputs, loss_fn, torch.bfloat16)
     with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
-        compiled = amp_fx.compile(model, backend="aot_eager", policy=entry.policy)
+        compiled = amp_fx.compile(model, backend="aot_eager", policy=entry.policy, regions=None)
         actual = real_step(compiled, model, inputs, loss_fn)
     assert_bitwise(actual, expected)
     lines = _regions_lines(caplog)
@@ -196,7 +196,7 @@ def test_new_batch_and_length_bitwise_in_regions() -> None:
     shared block graph (symbolic sizes), still bitwise with eager autocast at each call."""
     model, _, loss_fn = _lm(3)
     reference = copy.deepcopy(model)
-    compiled = amp_fx.compile(model, backend="aot_eager")
+    compiled = amp_fx.compile(model, backend="aot_eager", regions=None)
     gen = torch.Generator().manual_seed(0)
     for batch, length in ((2, 8), (3, 12)):
         ids = torch.randint(0, 32, (batch, length), generator=gen)
