@@ -262,7 +262,7 @@ def wrap(model_or_fn: F, options: Options, *, label: str | None = None, root: to
     options = options.replace(fp8=low_precision.bind(options.fp8, model_or_fn if root is None else root, reporter))
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
-    if options.weight_cache and options.fp8 is not None and options.fp8.recipe is Fp8Recipe.NVFP4:
+    if options.weight_cache and Fp8Recipe.NVFP4 in low_precision.recipes(options.fp8):  # a map's too
         reporter.did_less(
             "weight_cache:nvfp4",
             "amp_fx.compile(weight_cache=True, fp8='nvfp4'): NVFP4 matmuls quantize their weights in every "
