@@ -27,7 +27,8 @@ data-parallel dimensions of FSDP2 x TP or HSDP: the local shard is then a shard 
 cast with the whole weight's scale, and the gathered TP shard a DTensor over an Fp8Weight), gathered in
 fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
-cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
+cast needs whole rows or columns; torchao refuses it too; the weights of blockwise and nvfp4
+matmuls, scaled per tile of the whole weight, are gathered in fp32 and said once). Nothing to opt into: the values are
 the same with and without, only the bytes change; a Linear weight gathered in fp32 for a reason
 other than the user's choice is reported (``_CHOSEN``). After the first call, a gathered weight that
 some graph reads other than as an fp8 matmul's weight (a model that reads the Linear's weight
