@@ -26,12 +26,14 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect._fp8_eager import Fp8Eager, module_stack
 from amp_fx.kernels import blockwise_fp8 as bw
+from amp_fx.kernels import mxfp8_matmul as mx
 from amp_fx.kernels import nvfp4 as nv
 from amp_fx.testing import assert_bitwise
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:amp_fx. fp8='nvfp4' runs emulated here"),
     pytest.mark.filterwarnings("ignore:amp_fx. fp8='blockwise' runs emulated here"),
+    pytest.mark.filterwarnings("ignore:amp_fx. fp8='mxfp8' runs emulated here"),
 ]
 
 _NO_SR = Nvfp4Options(stochastic_rounding=False)
@@ -47,6 +49,8 @@ def _mlp() -> nn.Sequential:
 def _kernel(recipe: str, x: Tensor, w: Tensor) -> Tensor:
     if recipe == "nvfp4":
         return nv.nvfp4_matmul(x, w, options=_NO_SR)
+    if recipe == "mxfp8":
+        return mx.mxfp8_matmul(x, w, emulate=True)
     return bw.blockwise_fp8_matmul(x, w, emulate=True)
 
 
@@ -217,14 +221,15 @@ def test_fsdp2_says_once_that_block_scaled_weights_gather_in_high_precision(reci
 
 
 @pytest.mark.usefixtures("one_rank")
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "mxfp8"])
 def test_tensor_parallel_shardings_each_recipe_takes_and_refuses(recipe: str) -> None:
     """A Colwise/Rowwise MLP on a one-rank mesh. The row-parallel Linear's input is sharded on its
-    contraction dimension, which both recipes scale along (blocks of 128 or 16): kept in bf16 and
-    said. The column-parallel one: blockwise converts it, its output bitwise the kernel's on the
-    plain model; nvfp4 refuses any DTensor operand (its emulated GEMM unpacks codes through a
-    lookup table DTensor has no rule for: before, the pass failed and the whole graph fell back
-    to bf16, saying no matmul was found), said, strict an error."""
+    contraction dimension, which each recipe scales along (blocks of 128, 16 or mxfp8's 32): kept
+    in bf16 and said (mxfp8's before: converted). The column-parallel one: blockwise and mxfp8
+    convert it, its output bitwise the kernel's on the plain model; nvfp4 refuses any DTensor
+    operand (its emulated GEMM unpacks codes through a lookup table DTensor has no rule for:
+    before, the pass failed and the whole graph fell back to bf16, saying no matmul was found),
+    said, strict an error."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -239,11 +244,11 @@ def test_tensor_parallel_shardings_each_recipe_takes_and_refuses(recipe: str) ->
     assert not decisions["2.weight"].converted
     assert "contraction dimension sharded" in decisions["2.weight"].reason
     assert "contraction dimension is sharded" in said or "scales on a contraction dimension" in said, said
-    if recipe == "blockwise":
-        assert decisions["0.weight"].converted and decisions["0.weight"].recipe is Fp8Recipe.BLOCKWISE
+    if recipe != "nvfp4":
+        assert decisions["0.weight"].converted and decisions["0.weight"].recipe is Fp8Recipe(recipe)
         h = _kernel(recipe, x.bfloat16(), plain[0].weight.t()) + plain[0].bias.bfloat16()
         got = amp_fx.compile(model[0], dtype="bf16", low_precision=recipe, backend="aot_eager")(x)
-        assert_bitwise(got.full_tensor() if hasattr(got, "full_tensor") else got, h, "column-parallel blockwise")
+        assert_bitwise(got.full_tensor() if hasattr(got, "full_tensor") else got, h, f"column-parallel {recipe}")
     else:
         assert not decisions["0.weight"].converted
         assert "nvfp4 takes no DTensor operand" in decisions["0.weight"].reason
