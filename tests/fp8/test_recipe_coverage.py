@@ -100,6 +100,29 @@ def test_compile_step_is_bitwise_with_the_eager_kernel(recipe: str) -> None:
     assert_bitwise(dict(ours.named_parameters()), dict(model.named_parameters()), f"{recipe}: parameters")
 
 
+@pytest.mark.slow_cases  # two compiled steps per case: 6 to 7 s here, more when the machine is loaded
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compile_step_weight_cache_is_bitwise_with_uncached(recipe: str) -> None:
+    """``compile_step(weight_cache=True, accumulate=2, strict=True)`` (strict: a cache that fell
+    back would raise), NVFP4 with TE's defaults (stochastic rounding on, seeded per step): 3
+    fused-AdamW steps, losses and parameters bitwise with the same step uncached; the finish
+    graph's update makes the next forward quantize the weights anew."""
+    model = _mlp()
+    x, y = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    runs = []
+    for cached in (False, True):
+        ours = copy.deepcopy(model)
+        opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
+        options = {"weight_cache": cached, "accumulate": 2, "strict": True}
+        step = amp_fx.compile_step(ours, opt, _mse, dtype="bf16", low_precision=recipe, backend="aot_eager", **options)
+        losses = []
+        for i in range(3):
+            torch.manual_seed(i)
+            losses.append(step(x * (1 + i), y))
+        runs.append((losses, dict(ours.named_parameters())))
+    assert_bitwise(runs[1], runs[0], f"{recipe}: cached against uncached")
+
+
 def test_compile_step_refuses_fp16_for_nvfp4_and_not_for_blockwise() -> None:
     """NVFP4 quantizes bf16 operands (TE's recipe): fp16 is a ValueError naming both, at
     ``compile_step`` time; blockwise scales the fp32 weight and takes fp16 (the negative twin:
