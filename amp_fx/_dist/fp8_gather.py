@@ -27,7 +27,8 @@ data-parallel dimensions of FSDP2 x TP or HSDP: the local shard is then a shard 
 cast with the whole weight's scale, and the gathered TP shard a DTensor over an Fp8Weight), gathered in
 fp32 (``MixedPrecisionPolicy(param_dtype=None)``), not offloaded to the
 CPU, and not kept out of fp8 or in fp32 by the policy; with the tensorwise recipe only (a rowwise
-cast needs whole rows or columns; torchao refuses it too). Nothing to opt into: the values are
+cast needs whole rows or columns; torchao refuses it too; the weights of blockwise and nvfp4
+matmuls, scaled per tile of the whole weight, are gathered in fp32 and said once). Nothing to opt into: the values are
 the same with and without, only the bytes change; a Linear weight gathered in fp32 for a reason
 other than the user's choice is reported (``_CHOSEN``). After the first call, a gathered weight that
 some graph reads other than as an fp8 matmul's weight (a model that reads the Linear's weight
@@ -252,6 +253,9 @@ def _why_not(fsdp_param: Any, policy: Policy, path: str) -> str | None:
 # matmul would read: said only at debug level. Any other reason is an fp8 matmul's weight gathered
 # at 4 bytes instead of 1, reported.
 _MAPPED = "run in "  # another recipe, or high precision, by a per-module map
+_BLOCK_GATHERED_HP = frozenset({Fp8Recipe.BLOCKWISE, Fp8Recipe.NVFP4})
+"""Recipes whose weights FSDP2 gathers in high precision, said once (their scales are per tile
+of the whole weight; the fp8 all-gather here casts with one scale per weight)."""
 _CHOSEN = ("not an nn.Linear weight", "kept out of fp8 by the policy", "not gathered in fp32", _MAPPED)
 
 
@@ -265,15 +269,21 @@ def gathered_fp8_weights(
     """Cast before the all-gather the FSDP2 weights the fp8 matmul would cast after it (see the
     module docstring); None where there are none. An ``nn.Linear`` weight left to gather in fp32
     for a reason other than the user's choice is said once through ``reporter``."""
-    if Fp8Recipe.TENSORWISE not in recipes(fp8):
+    used = set(recipes(fp8))
+    if Fp8Recipe.TENSORWISE not in used and not used & _BLOCK_GATHERED_HP:
         return None
     assert fp8 is not None
     paths = {id(m): name for name, m in root.named_modules()}
-    params, names, less = [], [], []
+    params, names, less, block_scaled = [], [], [], []
     for fsdp_param in _fsdp_params(root, units):
         path = paths.get(id(fsdp_param._module_info.module), "")
         why = _why_not(fsdp_param, policy, path)
         recipe, selector = recipe_for(fp8, _stack(root, path))
+        if why is None and recipe in _BLOCK_GATHERED_HP:
+            block_scaled.append(f"{path}.{fsdp_param._module_info.param_name} ({recipe.value})")
+            continue
+        if Fp8Recipe.TENSORWISE not in used:
+            continue
         if why is None and recipe is not Fp8Recipe.TENSORWISE:
             why = f"{_MAPPED}{recipe.value if recipe else 'high precision'} by the low-precision map ({selector})"
         if why is not None:
@@ -292,6 +302,20 @@ def gathered_fp8_weights(
                 "before the fp8 matmul as the other fp8 weights; the values are the same, only the bytes "
                 "differ. Shard it with fully_shard on dim 0 (the default), not offloaded, owned by one "
                 "nn.Linear, to gather it in fp8; strict=True makes this an error."
+            ),
+        )
+    if block_scaled and reporter is not None:
+        reporter.did_less(
+            "fp8_all_gather:block_scaled",
+            (
+                f"amp_fx: FSDP2 all-gathers {', '.join(block_scaled[:4])}{', ...' if len(block_scaled) > 4 else ''} "
+                "in fp32 (4 bytes per element), not in low precision: amp_fx's low-precision all-gather "
+                "is tensorwise fp8 only (one scale per weight, all-reduced before the gather), while "
+                "blockwise scales each 128x128 tile and nvfp4 each 16x16 tile from the gathered "
+                "weight; the values are the same, only the bytes differ. "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16) gathers 2 bytes (nvfp4 quantizes the "
+                "weight's bf16 cast anyway; blockwise then scales the bf16 weight, not the fp32 one), "
+                "fp8='tensorwise' gathers 1; strict=True makes this an error."
             ),
         )
     if not params:

@@ -214,8 +214,9 @@ def _report_fp8(
                 (
                     f"amp_fx: {len(sharded)} matmul(s) stay in {dtype_name(records[0].dtype)} under "
                     f"low_precision={recipe_text(fp8)}: their contraction dimension is sharded across ranks "
-                    f"({'; '.join(sharded[:4])}), where DTensor has no sharding rule for a rowwise-scaled "
-                    f"_scaled_mm (tensor parallelism's RowwiseParallel). fp8='tensorwise' converts them; "
+                    f"({'; '.join(sharded[:4])}), where DTensor has no sharding rule for a GEMM scaled per row "
+                    f"or per block along it (tensor parallelism's RowwiseParallel). fp8='tensorwise' converts "
+                    f"them; "
                     f"strict=True makes this an error."
                 ),
             )

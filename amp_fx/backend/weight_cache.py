@@ -247,12 +247,12 @@ class WeightCache:
         per_key = self._entries.get(weight)
         if per_key is None:
             per_key = self._entries[weight] = {}
-        key = (cast.recipe, cast.views)
+        key = (cast.recipe, cast.views, cast.nvfp4)
         entry = per_key.get(key)
         if entry is not None and entry.fresh_for(weight):
             self.hits += 1
             return entry.lowp
-        casts = weight_casts(cast.operand(weight.detach()), cast.recipe)
+        casts = weight_casts(cast.operand(weight.detach()), cast.recipe, cast.nvfp4)
         per_key[key] = _Entry(casts, _version(weight), StorageWeakRef(weight.untyped_storage()), _layout(weight))
         self.refreshes += 1
         return casts
@@ -333,7 +333,7 @@ class WeightCache:
                 i, dtype, _, fp8_cast = lifted[j]
                 weight = args[i]
                 if fp8_cast is not None:
-                    key = (i, fp8_cast.recipe, fp8_cast.views)
+                    key = (i, fp8_cast.recipe, fp8_cast.views, fp8_cast.nvfp4)
                     if key not in fp8:
                         fp8[key] = self.fp8_casts(weight, fp8_cast)
                     fed[j] = fp8[key][fp8_cast.part]

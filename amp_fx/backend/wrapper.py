@@ -32,7 +32,6 @@ from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.backend.regions import find_regions, log_regions
 from amp_fx.backend.weight_cache import WeightCache, weight_cache_applies
-from amp_fx.fp8 import Fp8Recipe
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes.pipeline import GraphRecord, summarize
@@ -279,13 +278,6 @@ def wrap(model_or_fn: F, options: Options, *, label: str | None = None, root: to
     options = options.replace(fp8=low_precision.bind(options.fp8, model_or_fn if root is None else root, reporter))
     if options.weight_cache and not weight_cache_applies(options.policy, root, reporter, "amp_fx.compile"):
         options = options.replace(weight_cache=False)  # the record holds what is in effect
-    if options.weight_cache and options.fp8 is not None and options.fp8.recipe is Fp8Recipe.NVFP4:
-        reporter.did_less(
-            "weight_cache:nvfp4",
-            "amp_fx.compile(weight_cache=True, fp8='nvfp4'): NVFP4 matmuls quantize their weights in every "
-            "forward (the cache holds no NVFP4 casts yet); other weight casts are cached. Drop "
-            "weight_cache=True, or use fp8='mxfp8' or a float8 recipe, whose weight casts are cached.",
-        )
     if label is None:
         label = type(root).__name__ if root is not None else getattr(model_or_fn, "__qualname__", "the function")
     amp_backend = AmpBackend(options, root=root, reporter=reporter, label=label)

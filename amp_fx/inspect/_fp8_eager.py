@@ -24,8 +24,9 @@ not recorded in ``calls``.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -215,6 +216,9 @@ class Fp8Eager(TorchFunctionMode):
         self.measure = measure
         self.grouped = grouped
         self.calls: list[Fp8Call] = []
+        self.in_gemm = False
+        """Inside a recipe's GEMM kernel now (a FLOP counter attributes its matmuls to it: the
+        emulated recipes run ``torch.mm``, not ``_scaled_mm``)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -228,8 +232,17 @@ class Fp8Eager(TorchFunctionMode):
             operands = self._match_grouped(args, kwargs)
             recipe = self._recipe() if operands is not None else None
             if operands is not None and recipe is not None:
-                return grouped_gemm(*operands, recipe, self.dtype, self.device_type)
+                with self._gemm():
+                    return grouped_gemm(*operands, recipe, self.dtype, self.device_type)
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _gemm(self) -> Iterator[None]:
+        self.in_gemm = True
+        try:
+            yield
+        finally:
+            self.in_gemm = False
 
     def _match_grouped(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any] | None:
         """(x, w, offs) of a grouped expert GEMM in a module of ``grouped``, autocast on, else None."""
@@ -289,7 +302,8 @@ class Fp8Eager(TorchFunctionMode):
     def _run(
         self, op: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe | Nvfp4Options
     ) -> torch.Tensor:
-        out, x_low = _gemm(x, w, recipe, self.dtype, self.device_type)
+        with self._gemm():
+            out, x_low = _gemm(x, w, recipe, self.dtype, self.device_type)
         num = den = 0.0
         if self.measure:
             with torch.no_grad():

@@ -54,9 +54,10 @@ from typing import Any, NamedTuple
 import torch
 
 from amp_fx._common.matmul_output import matmul_output
-from amp_fx.fp8 import Fp8Recipe
+from amp_fx.fp8 import Fp8Recipe, Nvfp4Options
 from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
+from amp_fx.kernels import nvfp4 as _nv
 from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
 from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
 from amp_fx.kernels.fp8_weight import fp8_parts
@@ -303,12 +304,15 @@ def _backward_gemms(
     return grad_x, grad_w.t()
 
 
-def weight_casts(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight_casts(w: torch.Tensor, recipe: Fp8Recipe, nvfp4: Nvfp4Options | None = None) -> tuple[torch.Tensor, ...]:
     """The weight's two casts of ``recipe``, as :class:`_Fp8Matmul` computes them from ``w``
     (``[K, N]``): ``(data, scale)`` for the forward GEMM, then for the input-gradient GEMM. What
     the weight cache (``weight_cache=True``) computes once per optimizer step and hands to
     :func:`fp8_matmul_cached_weight`. Same ops on the same values as the uncached path: bitwise.
-    A cast that keeps the weight in high precision gives ``(w, empty scale)``."""
+    A cast that keeps the weight in high precision gives ``(w, empty scale)``. ``Fp8Recipe.NVFP4``
+    (its switches ``nvfp4``): :func:`amp_fx.kernels.nvfp4.weight_casts`, five tensors (the amax last)."""
+    if recipe is Fp8Recipe.NVFP4:
+        return _nv.weight_casts(w, nvfp4 if nvfp4 is not None else Nvfp4Options())
     if recipe is Fp8Recipe.MXFP8:
         return _mx.mx_weight_casts(w)
     if recipe is Fp8Recipe.BLOCKWISE:  # one set of tiles serves both GEMMs (transposed for grad_x)

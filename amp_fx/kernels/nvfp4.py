@@ -77,6 +77,8 @@ __all__ = [
     "rht",
     "nvfp4_matmul",
     "nvfp4_grouped_mm",
+    "nvfp4_linear_cached_weight",
+    "weight_casts",
     "fp4_kernels_missing",
 ]
 
@@ -157,7 +159,10 @@ def _round_e2m1(a: torch.Tensor, generator: torch.Generator | None, stochastic: 
     """Magnitudes ``a`` in [0, 6] (fp32) rounded onto the e2m1 grid: to nearest, ties to the even
     code (``torch.round`` on the grid's spacing: 0.5 below 2, 1 below 4, 2 above, where an even
     multiple is an even code), or stochastically between the two neighbours."""
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    # 0.5, 1, 2 from tensors only: a where of two Python scalars makes real tensors, which the
+    # weight cache's fake-tensor pass (lift_weight_casts) refuses
+    wide = (a >= 4).to(a.dtype) + 1.0
+    step = torch.where(a < 2, wide * 0.5, wide)
     if not stochastic:
         return torch.round(a / step) * step
     lo = torch.floor(a / step) * step
@@ -256,14 +261,15 @@ def _weight(w_nk: torch.Tensor, options: Nvfp4Options) -> Nvfp4Tensor:
 
 
 def _backward(
-    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, options: Nvfp4Options, generator: torch.Generator | None
+    grad: torch.Tensor, x: torch.Tensor, w_kn: Nvfp4Tensor, options: Nvfp4Options, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_x, grad_w as [K, N])`` of ``x @ w`` (module doc's grad_x and grad_w GEMMs)."""
+    """``(grad_x, grad_w as [K, N])`` of ``x @ w`` (module doc's grad_x and grad_w GEMMs), given
+    ``w_kn``, the weight as ``[K, N]`` quantized along N."""
     grad_2d = grad.contiguous().reshape(-1, grad.shape[-1])
     x_2d = x.reshape(-1, x.shape[-1])
     sr = options.stochastic_rounding
     g = quantize(grad_2d, stochastic=sr, generator=generator)  # along N
-    grad_x = _gemm(g, _weight(w, options), grad.dtype)[:, : x.shape[-1]]  # w as [K, N]: along N
+    grad_x = _gemm(g, w_kn, grad.dtype)[:, : x.shape[-1]]
     grad_x = grad_x.reshape(*grad.shape[:-1], x.shape[-1])
     g_t = quantize(grad_2d.t(), hadamard=options.rht, stochastic=sr, generator=generator)  # [N, M] along M
     x_t = quantize(x_2d.t(), hadamard=options.rht)  # [K, M] along M
@@ -288,7 +294,68 @@ class _Nvfp4Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        return (*_backward(grad, x, w, ctx.options, ctx.generator), None, None)
+        return (*_backward(grad, x, _weight(w, ctx.options), ctx.options, ctx.generator), None, None)
+
+
+def weight_casts(w: torch.Tensor, options: Nvfp4Options) -> tuple[torch.Tensor, ...]:
+    """The weight's two NVFP4 casts as :func:`nvfp4_matmul` computes them from ``w`` (``[K, N]``,
+    cast to bf16 first, as the matmul casts it to its bf16 input's dtype): ``(data, scale)`` of
+    ``w.T`` blocked along K (the forward GEMM's), of ``w`` blocked along N (the input-gradient
+    GEMM's), then the amax (one per tensor: a transpose keeps it). Deterministic (round to nearest
+    even; stochastic rounding is the gradient's), so ``weight_cache=True`` computes them once per
+    optimizer step and :func:`nvfp4_linear_cached_weight` reads them: bitwise the uncached path."""
+    with torch.no_grad():
+        wb = w.to(torch.bfloat16)
+        fwd, bwd = _weight(wb.t(), options), _weight(wb, options)
+    return fwd.data, fwd.scale, bwd.data, bwd.scale, fwd.amax
+
+
+class _Nvfp4MatmulCachedWeight(torch.autograd.Function):
+    """:class:`_Nvfp4Matmul` with the weight's casts given (:func:`weight_casts`): the same GEMMs on
+    the same operands; ``w`` carries the weight's gradient (in its own dtype, as the uncached
+    path's cast back) and is not read."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        fwd_data: torch.Tensor,
+        fwd_scale: torch.Tensor,
+        bwd_data: torch.Tensor,
+        bwd_scale: torch.Tensor,
+        amax: torch.Tensor,
+        options: Nvfp4Options,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, bwd_data, bwd_scale, amax)
+        ctx.options, ctx.w_dtype = options, w.dtype
+        out = _gemm(quantize(x.reshape(-1, x.shape[-1])), Nvfp4Tensor(fwd_data, fwd_scale, amax), x.dtype)
+        return matmul_output(out, (*x.shape[:-1], w.shape[1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, bwd_data, bwd_scale, amax = ctx.saved_tensors
+        grad_x, grad_w = _backward(grad, x, Nvfp4Tensor(bwd_data, bwd_scale, amax), ctx.options, None)
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None
+
+
+def nvfp4_linear_cached_weight(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fwd_data: torch.Tensor,
+    fwd_scale: torch.Tensor,
+    bwd_data: torch.Tensor,
+    bwd_scale: torch.Tensor,
+    amax: torch.Tensor,
+    rht: bool,
+    stochastic_rounding: bool,
+    weight_2d: bool,
+) -> torch.Tensor:
+    """:func:`nvfp4_linear_flags` with the weight's casts computed beforehand by
+    :func:`weight_casts` (``weight_cache=True``: once per optimizer step); bitwise with it. ``w``
+    (the weight as ``[K, N]``) receives the gradient; its values are not read."""
+    options = Nvfp4Options(rht, stochastic_rounding, weight_2d)
+    return _Nvfp4MatmulCachedWeight.apply(x, w, fwd_data, fwd_scale, bwd_data, bwd_scale, amax, options)
 
 
 def nvfp4_matmul(

@@ -139,6 +139,9 @@ def _grouped(target: object) -> bool:
 
 
 _LOW = (torch.bfloat16, torch.float16)
+_BLOCK_SCALED = frozenset({Fp8Recipe.MXFP8, Fp8Recipe.BLOCKWISE, Fp8Recipe.NVFP4})
+"""Recipes with a scale per block along each GEMM's inner dimension: a contraction dimension
+sharded across ranks splits their blocks (and NVFP4's per-tensor amax) between ranks."""
 
 
 @dataclass(frozen=True)
@@ -429,15 +432,26 @@ class _Fp8Rewriter:
                 False, f"not fp8: the matmul runs in {dtype_name(x_dtype)}, not in the autocast dtype{why}"
             )
             return
-        blocked = RECIPES[recipe].rowwise or recipe is Fp8Recipe.BLOCKWISE  # scales along K
+        # scales along K: per row (rowwise), per block of 32 (mxfp8), 128 (blockwise) or 16 (nvfp4)
+        blocked = RECIPES[recipe].rowwise or recipe in _BLOCK_SCALED
         sharded = _sharded_contraction(match.x) if blocked else None
         if sharded is not None:
             self.record.sharded_contractions.append(f"{module or 'the root'} ({sharded})")
             node.meta[meta.FP8] = decide(
                 False,
                 f"not fp8: {recipe.value} scales on a contraction dimension sharded across ranks "
-                f"({sharded}): DTensor has no sharding rule for a {recipe.value}-scaled _scaled_mm there; "
+                f"({sharded}): DTensor has no sharding rule for a {recipe.value}-scaled GEMM there; "
                 f"fp8='tensorwise' converts it",
+            )
+            return
+        if recipe is Fp8Recipe.NVFP4 and any(_placements(n) is not None for n in (match.x, match.weight)):
+            node.meta[meta.FP8] = decide(
+                False,
+                "not fp8: nvfp4 takes no DTensor operand (tensor parallelism): its emulated GEMM "
+                "unpacks e2m1 codes through a lookup table DTensor has no rule for; "
+                "low_precision='blockwise' or 'tensorwise' converts it, or keep the module out "
+                "(Policy(keep_out_of_fp8=[module]))",
+                left_out=True,
             )
             return
         pad = self.padding(shape, recipe) if match.offs is None else None
@@ -735,10 +749,15 @@ _PASS_THROUGH = {
 }
 
 
+def _placements(node: torch.fx.Node) -> Any:
+    """The DTensor placements of ``node``'s value; None for a plain tensor."""
+    return getattr(_val(node), "placements", None)
+
+
 def _sharded_contraction(x: torch.fx.Node) -> str | None:
     """The placements of ``x`` where ``x`` is a DTensor sharded on its last dimension (the
     matmul's contraction dimension, as a ``RowwiseParallel`` linear's input is); None otherwise."""
-    placements = getattr(_val(x), "placements", None)
+    placements = _placements(x)
     ndim = _val(x).dim()
     if placements is None:
         return None

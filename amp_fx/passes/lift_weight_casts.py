@@ -78,8 +78,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from amp_fx._common.compat import dtensor_type
 from amp_fx._common.dtype_names import dtype_name
-from amp_fx.fp8 import Fp8Recipe
+from amp_fx.fp8 import Fp8Recipe, Nvfp4Options
 from amp_fx.kernels.fp8_matmul import fp8_matmul, fp8_matmul_cached_weight, weight_casts
+from amp_fx.kernels.nvfp4 import nvfp4_linear_cached_weight, nvfp4_linear_flags
 from amp_fx.passes import meta
 from amp_fx.passes.fx_edit import CAST_OP, WEIGHT_VIEWS, copy_graph_module, placeholders, walk_views
 
@@ -98,7 +99,9 @@ class Fp8WeightCast:
     views: tuple[tuple[Any, tuple[Any, ...]], ...]
     """``(ATen view op, its arguments after the tensor)``, applied in order."""
     part: int
-    """0, 1: the forward GEMM's cast (data, scale); 2, 3: the input-gradient GEMM's."""
+    """0, 1: the forward GEMM's cast (data, scale); 2, 3: the input-gradient GEMM's; 4: NVFP4's amax."""
+    nvfp4: Nvfp4Options | None = None
+    """NVFP4's switches, for an NVFP4 matmul (``weight_2d`` decides its weight's tiles)."""
 
     def operand(self, weight: torch.Tensor) -> torch.Tensor:
         for op, args in self.views:
@@ -291,7 +294,13 @@ def lift_weight_casts(
     return copy, inputs, lifted
 
 
-_FP8_PARTS = ("w8", "w8_scale", "w8_grad", "w8_grad_scale")
+_FP8_PARTS = ("w8", "w8_scale", "w8_grad", "w8_grad_scale", "w8_amax")
+_UNCACHED: dict[Callable[..., Any], Callable[..., Any]] = {
+    fp8_matmul: fp8_matmul_cached_weight,
+    nvfp4_linear_flags: nvfp4_linear_cached_weight,
+}
+"""Each low-precision matmul the lifting pass rewrites, and its cached-weight twin (the same
+arguments, the weight's casts inserted after ``w``)."""
 
 
 def _constant(a: Any) -> bool:
@@ -329,8 +338,10 @@ def _lift_fp8_weight_casts(
     that read the same operand). Raises if a weight operand is not a constant view of an fp32
     parameter (the backend then compiles the graph uncached and says so)."""
     shared: dict[tuple[Any, ...], list[torch.fx.Node]] = {}
-    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is fp8_matmul]:
-        x, w, recipe = node.args
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _UNCACHED]:
+        x, w, *rest = node.args
+        nvfp4 = Nvfp4Options(*rest) if node.target is nvfp4_linear_flags else None
+        recipe = Fp8Recipe.NVFP4 if nvfp4 is not None else rest[0]
         found = _weight_operand(w, position, example_inputs)
         if found is None:
             raise ValueError(
@@ -338,12 +349,12 @@ def _lift_fp8_weight_casts(
                 f"parameter with constant arguments: its fp8 casts cannot be cached"
             )
         src, views = found
-        key = (src, views, recipe)
+        key = (src, views, recipe, nvfp4)
         if key not in shared:
             weight = _example(example_inputs[position[src]], torch.float32, fake_mode).detach()
             with torch.no_grad(), fake_mode if fake_mode is not None else contextlib.nullcontext():
-                examples = weight_casts(Fp8WeightCast(recipe, views, 0).operand(weight), recipe)
-            vals = weight_casts(w.meta["val"], recipe) if "val" in w.meta else examples
+                examples = weight_casts(Fp8WeightCast(recipe, views, 0).operand(weight), recipe, nvfp4)
+            vals = weight_casts(w.meta["val"], recipe, nvfp4) if "val" in w.meta else examples
             new = []
             for part, (example, val) in enumerate(zip(examples, vals, strict=True)):
                 with graph.inserting_after(last):
@@ -351,12 +362,12 @@ def _lift_fp8_weight_casts(
                 ph.meta["val"] = val
                 ph.meta[meta.WEIGHT_CACHE] = True
                 last = ph
-                lifted.append(Lifted(position[src], example.dtype, -1, Fp8WeightCast(recipe, views, part)))
+                lifted.append(Lifted(position[src], example.dtype, -1, Fp8WeightCast(recipe, views, part, nvfp4)))
                 inputs.append(example)
                 new.append(ph)
             shared[key] = new
-        node.target = fp8_matmul_cached_weight
-        node.args = (x, w, *shared[key], recipe)
+        node.target = _UNCACHED[node.target]
+        node.args = (x, w, *shared[key], *rest)
     return last
 
 

@@ -7,9 +7,9 @@ module, or of the model ``compile_step`` trains), the optimizer's and the scaler
 ``torch.save``, takes a third step (the run that did not stop), then loads the file with
 ``torch.load(weights_only=True)`` into a fresh plain model, compiles it again and takes the third
 step: the loss, every parameter and every optimizer state tensor must equal the run that did not
-stop, bit for bit. Every tensor of the file must be a plain ``torch.Tensor`` (a subclass such as
-amp_fx's ``Fp8Weight`` or a view into a cache would be named); the last test shows the check
-fires on one.
+stop, bit for bit (tensorwise fp8, blockwise and nvfp4 among the cases). Every tensor of the
+file must be a plain ``torch.Tensor`` (a subclass such as amp_fx's ``Fp8Weight`` or a view into
+a cache would be named); the last test shows the check fires on one.
 
 FSDP2 with the fp8 all-gather, saved and loaded through ``torch.distributed.checkpoint``:
 ``tests/distributed/test_distributed_fp8.py::test_fsdp2_fp8_all_gather_checkpoint_resumes_bitwise_through_dcp``
@@ -28,10 +28,20 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import amp_fx
+from amp_fx.fp8 import Fp8Config, Nvfp4Options
 from amp_fx.kernels.fp8_weight import Fp8Weight
 from amp_fx.testing import assert_bitwise
 
 STOP = 2  # steps before the checkpoint
+
+
+# nvfp4 without stochastic rounding: with it, the resumed run draws from a fresh generator state
+# (the RNG state is the user's to checkpoint), so its next step would differ for that reason alone
+_LOW_PRECISION: dict[str, Any] = {
+    "fp8": "tensorwise",
+    "blockwise": "blockwise",
+    "nvfp4": Fp8Config("nvfp4", nvfp4=Nvfp4Options(stochastic_rounding=False)),
+}
 
 
 def _make() -> nn.Module:
@@ -65,7 +75,7 @@ class _Run:
             self.scaler = self._step
             self.module = model
             return
-        options: dict[str, Any] = {"fp8": "tensorwise"} if case == "fp8" else {}
+        options: dict[str, Any] = {"fp8": _LOW_PRECISION[case]} if case in _LOW_PRECISION else {}
         if case == "weight_cache":
             options["weight_cache"] = True
         self.module = amp_fx.compile(model, dtype="bf16", backend="aot_eager", **options)
@@ -111,7 +121,7 @@ def _save_and_load(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
-CASES = ["bf16", "fp8", "weight_cache", "compile_step", "train_state"]
+CASES = ["bf16", "fp8", "blockwise", "nvfp4", "weight_cache", "compile_step", "train_state"]
 
 
 @pytest.mark.parametrize("case", CASES)

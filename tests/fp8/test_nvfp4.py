@@ -368,15 +368,43 @@ def test_hopper_is_told_blackwell_is_needed(
 
 
 @pytest.mark.filterwarnings(EMULATED)
-def test_weight_cache_says_nvfp4_weights_are_not_cached() -> None:
-    with pytest.warns(UserWarning, match="NVFP4 matmuls quantize their weights in every forward"):
-        amp_fx.compile(
-            nn.Linear(32, 16), dtype="bf16", fp8="nvfp4", backend="aot_eager", weight_cache=True, strict=False
-        )
-    with pytest.raises(amp_fx.AmpFxError, match="NVFP4 matmuls quantize their weights"):
-        amp_fx.compile(
-            nn.Linear(32, 16), dtype="bf16", fp8="nvfp4", backend="aot_eager", weight_cache=True, strict=True
-        )
+@pytest.mark.slow_cases  # two compiles each: about 20 s here
+@pytest.mark.filterwarnings(EMULATED)
+@pytest.mark.parametrize("weight_2d", [True, False], ids=["tiles", "rows"])
+def test_weight_cache_quantizes_once_per_step_bitwise_with_uncached(
+    weight_2d: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``weight_cache=True`` with NVFP4 (TE's defaults: stochastic rounding and the Hadamard
+    transform on, which touch the gradients only; ``rows``: the weight's two casts differ), 3 SGD
+    steps of 2 micro-batches, each seeded: losses and parameters bitwise with the uncached run
+    (weights are rounded to nearest even, so a cast made once per step is the cast each forward
+    made); after the first step (the compile) each of the 2 weights is quantized once per step,
+    not once per micro-batch. Before, amp_fx warned that NVFP4 weights were not cached."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(2, 8, 32)
+    config = Fp8Config("nvfp4", nvfp4=Nvfp4Options(weight_2d=weight_2d))
+    calls: list[int] = []
+    casts = nv.weight_casts
+    monkeypatch.setattr(nv, "weight_casts", lambda w, o: [calls.append(1), casts(w, o)][1])
+    runs = []
+    for cached in (False, True):
+        ours = copy.deepcopy(model)
+        compiled = amp_fx.compile(ours, dtype="bf16", fp8=config, backend="aot_eager", weight_cache=cached)
+        opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+        losses, per_step = [], []
+        for step in range(3):
+            calls.clear()
+            for micro in range(2):
+                torch.manual_seed(10 * step + micro)
+                loss = compiled(x * (1 + step + micro)).float().pow(2).mean()
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(calls))
+        runs.append((losses, dict(ours.named_parameters())))
+        assert per_step[1:] == ([2, 2] if cached else [0, 0]), per_step
+    assert_bitwise(runs[1], runs[0], "cached against uncached")
 
 
 def test_bad_configurations_are_refused() -> None:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from amp_fx._common.compat import local_tensor
 from amp_fx.fp8 import Fp8Config
 from amp_fx.inspect._flow import compute_flops
-from amp_fx.inspect._fp8_eager import module_stack
+from amp_fx.inspect._fp8_eager import Fp8Eager, module_stack
 from amp_fx.inspect._runner import SEED, Call, private_copy
 from amp_fx.inspect.advice._errors import LOW
 from amp_fx.inspect.advice._findings import inside
@@ -91,6 +91,9 @@ class _CostCounter(TorchDispatchMode):
         self.fp8 = 0.0
         self.total = 0.0
         self.cast_bytes = 0
+        self.low: Fp8Eager | None = None
+        """The eager low-precision mode of the run: every matmul inside its GEMM kernels is low
+        precision (the emulated recipes multiply dequantized operands with ``torch.mm``)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -99,7 +102,7 @@ class _CostCounter(TorchDispatchMode):
         if flops is not None:
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             self.total += flops
-            if func is torch.ops.aten._scaled_mm.default:
+            if func is torch.ops.aten._scaled_mm.default or (self.low is not None and self.low.in_gemm):
                 self.fp8 += flops
             elif first is not None and first.dtype not in LOW:
                 self.fp32 += flops
@@ -120,13 +123,11 @@ def _count(
     if fp8 is None:
         keep_in_fp32(m, keep, device_type)
     counter = _CostCounter()
+    low = fp8_mode(fp8, dtype, device_type, stack, keep, measure=False)
+    counter.low = low if isinstance(low, Fp8Eager) else None
     with torch.random.fork_rng(devices=[]), torch.no_grad(), module_stack(m, stack):
         torch.manual_seed(SEED)
-        with (
-            torch.autocast(device_type, dtype=dtype),
-            counter,
-            fp8_mode(fp8, dtype, device_type, stack, keep, measure=False),
-        ):
+        with torch.autocast(device_type, dtype=dtype), counter, low:
             call.copy()(m)
     return counter
 
