@@ -6,6 +6,7 @@ model = amp_fx.compile(model, dtype="bf16")
 import logging
 
 from amp_fx.api import compile, options_of, records, uncompile
+from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.wrapper import AmpCompiledModule
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
@@ -25,6 +26,7 @@ __all__ = [
     "records",
     "uncompile",
     "Options",
+    "Numerics",
     "options_of",
     "Policy",
     "CastClass",

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from amp_fx._common.downstream import Backend
+from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
 from amp_fx.fp8 import Fp8Like
@@ -40,6 +41,7 @@ def compile(
     inplace: bool = False,
     watch_nonfinite: bool = False,
     fp8: Fp8Like = None,
+    numerics: str | Numerics = "default",
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -75,6 +77,11 @@ def compile(
             ``F.linear``, ``Conv1D``, ``x @ W``) whose sizes ``torch._scaled_mm`` takes runs in
             fp8, forward and backward; everything else stays in ``dtype``
             (:mod:`amp_fx.passes.fp8_matmuls`; ``Policy(keep_out_of_fp8=...)`` keeps modules out).
+        numerics: ``"default"`` (the backend's own numbers) or ``"eager"``: under inductor, every
+            op stays on ATen's kernel except the pointwise ops inductor can fuse without changing
+            a value, so the forward and backward are bitwise with eager autocast
+            (:mod:`amp_fx.backend.eager_numerics`; docs "Eager numerics under inductor").
+            Needs ``backend="inductor"``.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -105,6 +112,7 @@ def compile(
         inductor=inductor_config(backend, mode, inductor),
         torch_compile=torch_compile_kwargs,
         fp8=fp8,
+        numerics=numerics,
     )
     return compile_with(model_or_fn, options, inplace=inplace)
 

@@ -28,6 +28,7 @@ import torch._inductor
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
+from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
@@ -54,6 +55,9 @@ class Options:
     watch_nonfinite: bool = False
     inductor: Mapping[str, Any] = field(default_factory=dict)
     torch_compile: Mapping[str, Any] = field(default_factory=dict)
+    numerics: Numerics = Numerics.DEFAULT
+    """``Numerics.EAGER`` (given as "eager"): inductor configured per graph to be bitwise with eager
+    autocast (:mod:`amp_fx.backend.eager_numerics`); stored as a :class:`Numerics`."""
     fp8: Fp8Config | None = None
     """fp8 training (``amp_fx.fp8``): given as a recipe name, an ``Fp8Recipe`` or an ``Fp8Config``;
     stored as an ``Fp8Config`` (None: off)."""
@@ -71,6 +75,7 @@ class Options:
             watch_nonfinite: bool = False,
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
+            numerics: Numerics | str = ...,
             fp8: Fp8Like = None,
         ) -> None: ...
 
@@ -79,6 +84,7 @@ class Options:
         set_(self, "dtype", resolve_dtype(self.dtype))
         set_(self, "strict", resolve_strict(self.strict))
         set_(self, "fp8", Fp8Config.of(self.fp8))
+        set_(self, "numerics", Numerics.of(self.numerics))
         if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 and self.dtype != torch.bfloat16:
             raise ValueError(
                 f"amp_fx: fp8='mxfp8' needs dtype=torch.bfloat16 (MXFP8 scales bf16 operands, "
@@ -99,6 +105,16 @@ class Options:
             raise ValueError(
                 f"amp_fx: inductor options {dict(self.inductor)} are set, but backend="
                 f"{self.backend!r}: mode= and options= configure inductor"
+            )
+        if self.numerics is Numerics.EAGER and self.backend != "inductor":
+            raise ValueError(
+                f"amp_fx: numerics='eager' configures inductor, but backend={self.backend!r}; "
+                f"backend='aot_eager' is already bitwise with eager autocast (pass numerics='default')"
+            )
+        if self.numerics is Numerics.EAGER and self.watch_nonfinite:
+            raise ValueError(
+                "amp_fx: numerics='eager' and watch_nonfinite=True do not combine yet (the backward "
+                "watch compiles its own inductor backward); pass one of them"
             )
 
     @property
@@ -121,6 +137,7 @@ class Options:
                 self.weight_cache,
                 self.watch_nonfinite,
                 tuple(sorted(self.inductor.items(), key=repr)),
+                self.numerics,
                 self.fp8,
             )
         )

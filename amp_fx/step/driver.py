@@ -22,6 +22,7 @@ from amp_fx._common.report import Reporter
 from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
+from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect.precision import PrecisionReport, step_report
@@ -142,7 +143,10 @@ class CompiledStep:
             grad_norm=config.grad_norm,
             writer=None if cache is None else StepWriter(cache, params),
             shards=shards,
-            backend=options.backend,
+            # numerics="eager": the optimizer graph has no backward, so nothing in it would be
+            # fused, and inductor's lite mode cannot lower its mutating custom ops
+            # (auto_functionalized_v2 of amp_fx.unscale_check_): ATen's kernels through aot_eager.
+            backend="aot_eager" if options.numerics is Numerics.EAGER else options.backend,
             step_fn=None if self._lowprec is None else self._lowprec.step,
         )
         self._finish_backend = self._finish.backend
@@ -327,6 +331,7 @@ def compile_step(
     watch_nonfinite: bool = False,
     fp8: Fp8Like = None,
     train_state: Literal["bf16_sr", "bf16_kahan"] | None = None,
+    numerics: str | Numerics = "default",
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -382,6 +387,10 @@ def compile_step(
             ``torch.optim.Adam``/``AdamW`` (not amsgrad, maximize, differentiable) on an unwrapped
             model; otherwise it warns (strict: raises) and trains as without it. See
             ``amp_fx.step.lowprec`` and docs "Memory".
+        numerics: ``"eager"``: the forward and backward compiled by inductor with every op on
+            ATen's kernel but value-preserving pointwise fusion, bitwise with eager autocast (as
+            :func:`amp_fx.compile`'s ``numerics=``); the optimizer graph (no backward, nothing to
+            fuse) runs ATen's kernels through ``aot_eager``. Needs ``backend="inductor"``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -398,6 +407,7 @@ def compile_step(
         watch_nonfinite=watch_nonfinite,
         torch_compile={"dynamic": dynamic},
         fp8=fp8,
+        numerics=numerics,
     )
     check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
