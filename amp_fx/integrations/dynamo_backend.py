@@ -66,6 +66,7 @@ OPTIONS: Mapping[str, str] = {
     "inductor": "a dict of inductor config patches (torch.compile's options= for inductor)",
     "fp8": 'fp8 training: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", an amp_fx.Fp8Recipe or '
     "an amp_fx.Fp8Config (default None: off)",
+    "numerics": '"default" or "eager" (bitwise with eager autocast under inductor; docs: numerics.md)',
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 

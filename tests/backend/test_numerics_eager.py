@@ -270,3 +270,20 @@ def test_comparison_row_counted(record_property: pytest.RecordProperty) -> None:
     bad, total = _real_pair("hf_llama", torch.bfloat16, options={"emulate_precision_casts": True})
     record_property("bitwise_gradients", f"{total - len([b for b in bad if '.' in b])}/{total}")
     assert bad, "the default row is bitwise on this torch: numerics='eager' would buy nothing here"
+
+
+# --- compare: a policy difference or a fusion difference --------------------------------------
+
+
+def test_compare_tells_fusion_from_policy() -> None:
+    """Under inductor's defaults compare's end-to-end values on NormChain leave eager's (within
+    its tolerance); with numerics="eager" they are bitwise, so that difference was fusion's. A
+    policy difference (the LayerNorm in bf16 by amp_fx's policy) stays with numerics="eager"."""
+    model, x = _small()
+    default = amp_fx.compare(model, x, backend="inductor")
+    eager = amp_fx.compare(model, x, backend="inductor", numerics="eager")
+    assert eager.exact and eager.ok, eager
+    assert any(v.error_vs_eager.abs > 0 for v in default.outputs + default.grads), default
+    policy = amp_fx.Policy(op_classes={"aten::native_layer_norm": amp_fx.CastClass.LOWER_PRECISION_FP})
+    moved = amp_fx.compare(model, x, backend="inductor", numerics="eager", policy=policy)
+    assert moved.exact and not moved.ok and moved.first_divergence is not None
