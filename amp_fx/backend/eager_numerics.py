@@ -90,7 +90,7 @@ INDUCTOR_KNOBS: Mapping[str, tuple[object, str]] = {
 """The inductor config this mode patches, each with the reason; lite mode's set plus
 ``emulate_precision_casts`` (torch 2.13's ``torch._inductor.list_mode_options("lite")``)."""
 
-_REQUIRED = ("fallback_by_default", "selective_decompose")
+_REQUIRED = ("fallback_by_default", "selective_decompose", "emulate_precision_casts")
 """Without these no graph can be made bitwise (torch versions before lite mode)."""
 
 _NOT_FUSED: Mapping[torch._ops.OpOverload, str] = {
@@ -231,6 +231,14 @@ def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporte
         return torch._dynamo.lookup_backend("aot_eager")
     from torch._inductor.compile_fx import compile_fx
 
+    overridden = sorted(k for k, v in inductor_config.items() if k in INDUCTOR_KNOBS and v != INDUCTOR_KNOBS[k][0])
+    if overridden:
+        reporter.did_less(
+            ("numerics", "options", tuple(overridden)),
+            f"amp_fx: numerics='eager' sets inductor's {', '.join(overridden)} itself "
+            f"({', '.join(f'{k}={INDUCTOR_KNOBS[k][0]}' for k in overridden)}); the values passed in "
+            f"options= are not used. Drop them, or pass numerics='default' to configure inductor yourself.",
+        )
     patches = {**inductor_config, **{name: value for name, (value, _) in INDUCTOR_KNOBS.items() if name not in missing}}
     if "post_grad_custom_post_pass" not in missing:
         patches["post_grad_custom_post_pass"] = _cache_marker()

@@ -210,6 +210,13 @@ def test_missing_knobs_said_and_bitwise(monkeypatch: pytest.MonkeyPatch) -> None
         amp_fx.compile(model, dtype="bf16", numerics="eager", strict=True)(x)
 
 
+def test_conflicting_option_said() -> None:
+    """An inductor option the mode sets itself, passed with another value: said (strict: raised)."""
+    model, x = _small()
+    with pytest.raises(AmpFxError, match="emulate_precision_casts"):
+        amp_fx.compile(model, dtype="bf16", numerics="eager", options={"emulate_precision_casts": False})(x)
+
+
 # --- compile_step: fp16 with the scaler ---------------------------------------------------------
 
 
