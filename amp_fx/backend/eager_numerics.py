@@ -93,14 +93,6 @@ INDUCTOR_KNOBS: Mapping[str, tuple[object, str]] = {
 _REQUIRED = ("fallback_by_default", "selective_decompose", "emulate_precision_casts")
 """Without these no graph can be made bitwise (torch versions before lite mode)."""
 
-_NOT_FUSED: Mapping[torch._ops.OpOverload, str] = {
-    aten.clone.default: (
-        "inductor picks a fused clone's output layout itself; an ATen view after it then fails "
-        "('Cannot view a tensor with shape ... and strides ...') where eager's clone gave contiguous strides"
-    ),
-}
-"""Pointwise ops inductor lowers that are still left on ATen, with the reason."""
-
 _RULE_VERSION = 2
 """Bumped whenever :func:`fusible` changes what it accepts: part of the cache key (:func:`_cache_marker`)."""
 
@@ -125,7 +117,9 @@ low-precision result rounded (``emulate_precision_casts``), is ATen's. Left on A
 transcendental (``exp``, ``tanh``, ``erf``, ``sin``, ``rsqrt``, ``pow``...: ATen's vectorized
 approximations and inductor's code may differ in the last bit; measured on GPT-2, whose fused
 tanh-GELU chain made 22 of 28 gradients differ) and division (inductor may multiply by a
-constant's reciprocal)."""
+constant's reciprocal). ``aten.clone`` too: fused, inductor picks its output layout itself
+and an ATen ``view`` after it fails ('Cannot view a tensor with shape ... and strides ...'),
+where eager's ``contiguous()`` gave contiguous strides."""
 
 
 def fusible(node: torch.fx.Node) -> bool:
@@ -137,9 +131,7 @@ def fusible(node: torch.fx.Node) -> bool:
         return False
     if target is prims.convert_element_type.default:
         return True
-    if target not in _EXACT_OPS or target in _NOT_FUSED:
-        return False
-    return not _inexact_scalar(node)
+    return target in _EXACT_OPS and not _inexact_scalar(node)
 
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -224,7 +216,7 @@ def _cache_marker() -> Any:
             return None
 
         def uuid(self) -> str:
-            rule = repr((_RULE_VERSION, sorted(INDUCTOR_KNOBS), sorted(map(str, _EXACT_OPS | set(_NOT_FUSED)))))
+            rule = repr((_RULE_VERSION, sorted(INDUCTOR_KNOBS), sorted(map(str, _EXACT_OPS))))
             return "amp_fx numerics=eager " + hashlib.sha256(rule.encode()).hexdigest()[:16]
 
     return _EagerNumericsKey()
