@@ -7,9 +7,10 @@ Each model is the real-model tier's (``amp_fx.testing.real_models``: transformer
 64, batch 2 x 16 tokens, random init), trained one forward+backward per step through
 ``amp_fx.compile`` with three downstream settings: ``backend="aot_eager"`` (ATen's kernels, no
 fusion: eager's numbers), ``backend="inductor"`` (defaults) and ``backend="inductor",
-numerics="eager"``. compile: wall time of the first step after ``torch._dynamo.reset()`` (inductor's
+numerics="eager"``. compile: wall time of the variant's first step (inductor's
 caches are those of the process: run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold
-compiles). step: the three variants alternate step by step so machine load hits them alike; the
+compiles; each variant
+keeps its own compiled code). step: the three variants alternate step by step so machine load hits them alike; the
 median and p10/p90 over ``--steps`` steps after ``--warmup``. bitwise: whether the step's loss and
 every gradient equal eager autocast's.
 
@@ -48,8 +49,8 @@ def _bench_model(name: str, dtype: torch.dtype, steps: int, warmup: int) -> list
     runs: dict[str, Callable[[], Any]] = {}
     compile_s: dict[str, float] = {}
     bitwise: dict[str, bool] = {}
-    for label, kwargs in VARIANTS.items():
-        torch._dynamo.reset()
+    torch._dynamo.reset()
+    for label, kwargs in VARIANTS.items():  # no reset between variants: each keeps its compiled code
         model.zero_grad(set_to_none=True)
         compiled = amp_fx.compile(model, dtype=dtype, policy=entry.policy, **kwargs)
         start = time.perf_counter()
