@@ -7,12 +7,11 @@ Each model is the real-model tier's (``amp_fx.testing.real_models``: transformer
 64, batch 2 x 16 tokens, random init), trained one forward+backward per step through
 ``amp_fx.compile`` with three downstream settings: ``backend="aot_eager"`` (ATen's kernels, no
 fusion: eager's numbers), ``backend="inductor"`` (defaults) and ``backend="inductor",
-numerics="eager"``. compile: wall time of the variant's first step (inductor's
-caches are those of the process: run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold
-compiles; each variant
-keeps its own compiled code). step: the three variants alternate step by step so machine load hits them alike; the
-median and p10/p90 over ``--steps`` steps after ``--warmup``. bitwise: whether the step's loss and
-every gradient equal eager autocast's.
+numerics="eager"``. compile: wall time of the variant's first step (inductor's caches are
+those of the process: run with ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` for cold compiles; each
+variant keeps its own compiled code). step: the three variants alternate step by step so machine
+load hits them alike; the median and p10/p90 over ``--steps`` steps after ``--warmup``.
+bitwise: whether the step's loss and every gradient equal eager autocast's.
 
 The ratio the issue asks for: ``numerics="eager"``'s median step over inductor's and over
 aot_eager's (goal: closer to inductor than to aot_eager). This CPU has no bf16/fp16 units: only the
