@@ -6,13 +6,12 @@ model = amp_fx.compile(model, dtype="bf16")
 import logging
 
 from amp_fx.api import compile, options_of, records, uncompile
-from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.wrapper import AmpCompiledModule
 from amp_fx.errors import AmpFxError, AmpFxWarning, AmpRunError, EagerError, GraphvizNotFound
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode

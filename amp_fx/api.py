@@ -16,11 +16,10 @@ from typing import Any, TypeVar
 import torch
 
 from amp_fx._common.downstream import Backend
-from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
 from amp_fx.fp8 import Fp8Like
-from amp_fx.options import Options, inductor_config
+from amp_fx.options import Numerics, Options, inductor_config
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
 

@@ -18,6 +18,7 @@ that uses it (the keyword of ``compile``/``compile_step`` is derived from the fi
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,11 +29,31 @@ import torch._inductor
 
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
-from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.fp8 import Fp8Config, Fp8Like, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
-__all__ = ["Options", "check_backend", "inductor_config"]
+__all__ = ["Options", "Numerics", "check_backend", "inductor_config"]
+
+
+class Numerics(enum.Enum):
+    """What a compiled graph's numbers are held to.
+
+    ``DEFAULT``: the backend's own (inductor fuses and reorders freely). ``EAGER``: bitwise with
+    eager autocast under inductor (this module)."""
+
+    DEFAULT = "default"
+    EAGER = "eager"
+
+    @classmethod
+    def of(cls, value: object) -> Numerics:
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if value == member.value:
+                return member
+        raise ValueError(
+            f"amp_fx: numerics must be one of {[m.value for m in cls]} or an amp_fx.Numerics, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)

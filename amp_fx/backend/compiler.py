@@ -31,14 +31,14 @@ from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.progress import timed
 from amp_fx._common.report import Reporter
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
-from amp_fx.backend.eager_numerics import Numerics, eager_numerics_backend
+from amp_fx.backend.eager_numerics import eager_numerics_backend
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
 from amp_fx.backend.traced_paths import report_traced_paths
 from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes.pipeline import GraphRecord, GraphWork, StageFailure, run_pipeline, stage
 from amp_fx.passes.watch_backward import WATCHABLE, stamp_forward_nodes, watching_downstream

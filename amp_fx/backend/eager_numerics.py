@@ -22,7 +22,6 @@ cached by a default-numerics compile of the same graph is never reused.
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
 import logging
@@ -34,34 +33,14 @@ import torch.fx
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
+from amp_fx.options import Numerics
 
-__all__ = ["Numerics", "INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
+__all__ = ["INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
 
 log = logging.getLogger(__name__)
 log.addHandler(logging.NullHandler())
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-
-class Numerics(enum.Enum):
-    """What a compiled graph's numbers are held to.
-
-    ``DEFAULT``: the backend's own (inductor fuses and reorders freely). ``EAGER``: bitwise with
-    eager autocast under inductor (this module)."""
-
-    DEFAULT = "default"
-    EAGER = "eager"
-
-    @classmethod
-    def of(cls, value: object) -> Numerics:
-        if isinstance(value, cls):
-            return value
-        for member in cls:
-            if value == member.value:
-                return member
-        raise ValueError(
-            f"amp_fx: numerics must be one of {[m.value for m in cls]} or an amp_fx.Numerics, got {value!r}"
-        )
 
 
 INDUCTOR_KNOBS: Mapping[str, tuple[object, str]] = {

@@ -59,7 +59,7 @@ from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx._common.report import Reporter, did_less
-from amp_fx.backend.eager_numerics import Numerics, eager_numerics_backend
+from amp_fx.backend.eager_numerics import eager_numerics_backend
 from amp_fx.fp8 import Fp8Config, Fp8Like
 from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
 from amp_fx.inspect._probe import (
@@ -82,6 +82,7 @@ from amp_fx.inspect._runner import (
     split_weight_note,
     weights_split_by_graph_breaks,
 )
+from amp_fx.options import Numerics
 from amp_fx.passes import meta
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy, resolve_dtype

@@ -22,11 +22,10 @@ from amp_fx._common.report import Reporter
 from amp_fx._common.targets import check_target
 from amp_fx._dist.capture import distributed_units
 from amp_fx._dist.step import check_distributed_step
-from amp_fx.backend.eager_numerics import Numerics
 from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.fp8 import Fp8Like
 from amp_fx.inspect.precision import PrecisionReport, step_report
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow.report import OverflowReport
 from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
