@@ -33,7 +33,6 @@ import torch.fx
 
 from amp_fx._common.downstream import Backend
 from amp_fx._common.report import Reporter
-from amp_fx.options import Numerics
 
 __all__ = ["INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
 
