@@ -12,7 +12,7 @@ from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
 from amp_fx.low_precision import Blocks, LowPrecision
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
@@ -29,6 +29,7 @@ __all__ = [
     "records",
     "uncompile",
     "Options",
+    "Numerics",
     "options_of",
     "Policy",
     "CastClass",

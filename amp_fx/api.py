@@ -19,7 +19,7 @@ from amp_fx._common.suggest import did_you_mean
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
 from amp_fx.low_precision import LowPrecisionLike, one_option
-from amp_fx.options import Options, inductor_config
+from amp_fx.options import Numerics, Options, inductor_config
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
 
@@ -42,6 +42,7 @@ def compile(
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
     regions: bool | None = False,
+    numerics: str | Numerics = "default",
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -98,6 +99,11 @@ def compile(
             functions, models under DDP/FSDP2 (whose units are compiled alike) or models without
             a repeated block. The progress lines say which classes were compiled once
             (docs/regions.md).
+        numerics: ``"default"`` (the backend's own numbers) or ``"eager"``: under inductor, every
+            op stays on ATen's kernel except the pointwise ops inductor can fuse without changing
+            a value, so the forward and backward are bitwise with eager autocast
+            (:mod:`amp_fx.backend.eager_numerics`; docs "Eager numerics under inductor").
+            Needs ``backend="inductor"``.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -129,6 +135,7 @@ def compile(
         torch_compile=torch_compile_kwargs,
         regions=_regions_default(regions, one_option(fp8, low_precision, "amp_fx.compile"), policy),
         fp8=one_option(fp8, low_precision, "amp_fx.compile"),
+        numerics=numerics,
     )
     return compile_with(model_or_fn, options, inplace=inplace)
 

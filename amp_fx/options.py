@@ -18,6 +18,7 @@ that uses it (the keyword of ``compile``/``compile_step`` is derived from the fi
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,28 @@ from amp_fx._common.report import resolve_strict
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.policy import Policy, resolve_dtype
 
-__all__ = ["Options", "check_backend", "inductor_config"]
+__all__ = ["Options", "Numerics", "check_backend", "inductor_config"]
+
+
+class Numerics(enum.Enum):
+    """What a compiled graph's numbers are held to.
+
+    ``DEFAULT``: the backend's own (inductor fuses and reorders freely). ``EAGER``: bitwise with
+    eager autocast under inductor (this module)."""
+
+    DEFAULT = "default"
+    EAGER = "eager"
+
+    @classmethod
+    def of(cls, value: object) -> Numerics:
+        if isinstance(value, cls):
+            return value
+        for member in cls:
+            if value == member.value:
+                return member
+        raise ValueError(
+            f"amp_fx: numerics must be one of {[m.value for m in cls]} or an amp_fx.Numerics, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +81,9 @@ class Options:
     """Compile each repeated block once (``amp_fx/backend/regions.py``): True always, None where
     proven (``amp_fx.compile``'s default: not for convolutional blocks), False never (the
     record's default: compile_step and the adapters compile whole graphs)."""
+    numerics: Numerics = Numerics.DEFAULT
+    """``Numerics.EAGER`` (given as "eager"): inductor configured per graph to be bitwise with eager
+    autocast (:mod:`amp_fx.backend.eager_numerics`); stored as a :class:`Numerics`."""
     fp8: Fp8Config | None = None
     """The low-precision recipe(s) (``low_precision=`` of ``amp_fx.compile``; ``fp8=`` is its older
     spelling): given as a recipe name, an ``Fp8Recipe``, an ``Fp8Config``, an
@@ -79,6 +104,7 @@ class Options:
             inductor: Mapping[str, Any] = ...,
             torch_compile: Mapping[str, Any] = ...,
             regions: bool | None = False,
+            numerics: Numerics | str = ...,
             fp8: low_precision.LowPrecisionLike = None,
         ) -> None: ...
 
@@ -87,6 +113,7 @@ class Options:
         set_(self, "dtype", resolve_dtype(self.dtype))
         set_(self, "strict", resolve_strict(self.strict))
         set_(self, "fp8", low_precision.of(self.fp8))
+        set_(self, "numerics", Numerics.of(self.numerics))
         if Fp8Recipe.MXFP8 in low_precision.recipes(self.fp8) and self.dtype != torch.bfloat16:
             where = "" if self.fp8 is not None and self.fp8.recipe is Fp8Recipe.MXFP8 else " (in the per-module map)"
             raise ValueError(
@@ -117,6 +144,16 @@ class Options:
                 f"amp_fx: inductor options {dict(self.inductor)} are set, but backend="
                 f"{self.backend!r}: mode= and options= configure inductor"
             )
+        if self.numerics is Numerics.EAGER and self.backend != "inductor":
+            raise ValueError(
+                f"amp_fx: numerics='eager' configures inductor, but backend={self.backend!r}; "
+                f"backend='aot_eager' is already bitwise with eager autocast (pass numerics='default')"
+            )
+        if self.numerics is Numerics.EAGER and self.watch_nonfinite:
+            raise ValueError(
+                "amp_fx: numerics='eager' and watch_nonfinite=True do not combine yet (the backward "
+                "watch compiles its own inductor backward); pass one of them"
+            )
 
     @property
     def backend_name(self) -> str:
@@ -139,6 +176,7 @@ class Options:
                 self.watch_nonfinite,
                 self.regions,
                 tuple(sorted(self.inductor.items(), key=repr)),
+                self.numerics,
                 self.fp8,
             )
         )

@@ -32,13 +32,14 @@ from amp_fx._common.progress import CompileClock, timed
 from amp_fx._common.report import Reporter
 from amp_fx._common.running_unit import running_unit
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
+from amp_fx.backend.eager_numerics import eager_numerics_backend
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
 from amp_fx.backend.traced_paths import report_traced_paths
 from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.overflow.watch import register_compiled
 from amp_fx.passes.fx_edit import counted_ops
@@ -78,7 +79,11 @@ class AmpBackend:
         self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
-        self._downstream = resolve_backend(options.backend, inductor_config=options.inductor)
+        self._downstream = (
+            eager_numerics_backend(options.inductor, self.reporter)
+            if options.numerics is Numerics.EAGER
+            else resolve_backend(options.backend, inductor_config=options.inductor)
+        )
         if self.watch is not None:
             self._report_unwatched_backward(self.watch)
         self.records: list[GraphRecord] = []

@@ -58,7 +58,8 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
-from amp_fx._common.report import did_less
+from amp_fx._common.report import Reporter, did_less
+from amp_fx.backend.eager_numerics import eager_numerics_backend
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
 from amp_fx.inspect._probe import (
@@ -83,6 +84,7 @@ from amp_fx.inspect._runner import (
 )
 from amp_fx.low_precision import LowPrecisionLike, one_option, recipes, with_blocks
 from amp_fx.low_precision import of as low_precision_of
+from amp_fx.options import Numerics
 from amp_fx.passes import meta
 from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.passes.pipeline import GraphRecord
@@ -640,6 +642,7 @@ def compare(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
+    numerics: str | Numerics = "default",
     **kwargs: Any,
 ) -> CompareReport:
     """Compare amp_fx with eager ``torch.autocast`` on the same inputs and parameters.
@@ -665,6 +668,10 @@ def compare(
             amp_fx runs with it, and the eager side runs the same matmuls in the same recipes with
             torchao's numerics (see the module doc).
         fp8: the older spelling of ``low_precision``; passing both is a TypeError.
+        numerics: ``"eager"`` with ``backend="inductor"``: amp_fx's graphs compiled as
+            ``amp_fx.compile(numerics="eager")`` compiles them, and the end-to-end comparison is
+            bitwise. A difference left there is the policy's (or amp_fx's); one that only the
+            default-numerics run shows is inductor's fusion (docs "Eager numerics under inductor").
         **kwargs: example inputs by keyword, as the model takes them
             (``compare(model, input_ids=ids, labels=labels)``).
 
@@ -675,6 +682,11 @@ def compare(
     lower = resolve_dtype(dtype)
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
     report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
+    if Numerics.of(numerics) is Numerics.EAGER:
+        if backend != "inductor":
+            raise ValueError(f"amp_fx.compare: numerics='eager' configures inductor, but backend={backend!r}")
+        backend = eager_numerics_backend({}, Reporter(strict=False))
+        report.exact, report.backend = True, "inductor (numerics='eager')"
     call = Call(args, kwargs)
     with lent(model_or_fn, tool="compare"):  # an FSDP2 model: runs on it, put back after
         run_eager_checked(model_or_fn, call, tool="compare")
@@ -693,7 +705,7 @@ def compare(
             fp8=config,
         )
         amp_out, amp_grads = run.result, _grads_of(run.compiled)
-        _compare_graphs(report, run, exact, config)
+        _compare_graphs(report, run, report.exact, config)
         eager_out, eager_grads = _run_end_to_end(
             private_copy(model_or_fn),
             call,
@@ -705,9 +717,9 @@ def compare(
             grouped=_fp8_grouped_modules(run.records),
         )
         ref_out, ref_grads = _float64_reference(model_or_fn, call, report, grads=grads, loss_fn=loss_fn)
-        _compare_outputs(report, eager_out, amp_out, ref_out, exact, lower)
+        _compare_outputs(report, eager_out, amp_out, ref_out, report.exact, lower)
         if grads:
-            _compare_grads(report, eager_grads, amp_grads, ref_grads, exact, lower, model_or_fn)
+            _compare_grads(report, eager_grads, amp_grads, ref_grads, report.exact, lower, model_or_fn)
         _explain_cross_graph_grads(report, run)
         return report
 

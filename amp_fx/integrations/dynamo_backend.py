@@ -69,6 +69,7 @@ OPTIONS: Mapping[str, str] = {
     '"nvfp4", an amp_fx.Fp8Recipe or an amp_fx.Fp8Config (default None: off); a per-module map '
     "(amp_fx.LowPrecision) is checked against the model, and its Blocks found, by amp_fx.compile only",
     "fp8": "the older spelling of low_precision",
+    "numerics": '"default" or "eager" (bitwise with eager autocast under inductor; docs: numerics.md)',
 }
 """The keys of ``torch.compile(..., backend="amp_fx", options={...})``, with what each means."""
 

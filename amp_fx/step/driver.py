@@ -29,7 +29,7 @@ from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.inspect.precision import PrecisionReport, step_report
 from amp_fx.low_precision import LowPrecisionLike, one_option
-from amp_fx.options import Options
+from amp_fx.options import Numerics, Options
 from amp_fx.overflow.report import STEP_WATCH_HINT, OverflowReport
 from amp_fx.policy import Policy
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode, rules
@@ -151,7 +151,10 @@ class CompiledStep:
             grad_norm=config.grad_norm,
             writer=None if cache is None else StepWriter(cache, params),
             shards=shards,
-            backend=options.backend,
+            # numerics="eager": the optimizer graph has no backward, so nothing in it would be
+            # fused, and inductor's lite mode cannot lower its mutating custom ops
+            # (auto_functionalized_v2 of amp_fx.unscale_check_): ATen's kernels through aot_eager.
+            backend="aot_eager" if options.numerics is Numerics.EAGER else options.backend,
             step_fn=None if self._lowprec is None else self._lowprec.step,
         )
         self._finish_backend = self._finish.backend
@@ -375,6 +378,7 @@ def compile_step(
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
     train_state: Literal["bf16_sr", "bf16_kahan"] | None = None,
+    numerics: str | Numerics = "default",
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -433,6 +437,10 @@ def compile_step(
             ``torch.optim.Adam``/``AdamW`` (not amsgrad, maximize, differentiable) on an unwrapped
             model; otherwise it warns (strict: raises) and trains as without it. See
             ``amp_fx.step.lowprec`` and docs "Memory".
+        numerics: ``"eager"``: the forward and backward compiled by inductor with every op on
+            ATen's kernel but value-preserving pointwise fusion, bitwise with eager autocast (as
+            :func:`amp_fx.compile`'s ``numerics=``); the optimizer graph (no backward, nothing to
+            fuse) runs ATen's kernels through ``aot_eager``. Needs ``backend="inductor"``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -449,6 +457,7 @@ def compile_step(
         watch_nonfinite=watch_nonfinite,
         torch_compile={"dynamic": dynamic},
         fp8=one_option(fp8, low_precision, "amp_fx.compile_step"),
+        numerics=numerics,
     )
     check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -1,0 +1,245 @@
+"""``numerics="eager"``: inductor configured, for amp_fx's graphs only, to compute what eager autocast computes.
+
+Inductor's defaults differ from eager autocast in three ways (docs/numerics.md lists what was
+measured): its CPU reductions accumulate in their own order (norms, softmax, the weight
+gradients' sums), its decompositions are not ATen's kernels (``_softmax_backward_data``,
+``embedding_dense_backward``, tiny ``mm`` as multiply-and-sum), and fusion keeps low-precision
+intermediates in fp32. This mode keeps every op of the joint graph on ATen's own kernel (an extern
+call: eager's kernel, eager's strides) except the pointwise ops :func:`fusible` accepts, which
+inductor fuses with ``emulate_precision_casts`` (each fused low-precision intermediate rounded as
+eager rounds it). The machinery is inductor's own "lite" mode (torch 2.13: ``fallback_by_default``,
+``selective_decompose``); amp_fx tags the joint graph's fusible nodes with the
+``compile_with_inductor`` annotation lite mode fuses, and removes any other tag.
+
+Scope: the config is patched around this graph's ``compile_fx`` only (``config_patches``, and
+``torch._functorch.config.patch`` for the tagging pass), so other compiled code in the process
+keeps its settings; a marker pass in ``post_grad_custom_post_pass`` (a no-op: post-grad passes are
+off in this mode) puts the mode and the fusible set into inductor's cache keys, so an artifact
+cached by a default-numerics compile of the same graph is never reused.
+
+    >>> model = amp_fx.compile(torch.nn.Linear(4, 4), dtype="bf16", numerics="eager")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx
+
+from amp_fx._common.downstream import Backend
+from amp_fx._common.report import Reporter
+
+__all__ = ["INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
+
+log = logging.getLogger(__name__)
+log.addHandler(logging.NullHandler())
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+INDUCTOR_KNOBS: Mapping[str, tuple[object, str]] = {
+    # name: (value, why) -- the docs' table (docs/numerics.md) is this mapping.
+    "fallback_by_default": (
+        True,
+        "every op not tagged fusible runs as ATen's kernel: reductions (sum, mean, norms, softmax "
+        "and their backwards), matmuls (no tiny-mm decomposition, no templates) keep eager's order",
+    ),
+    "selective_decompose": (
+        True,
+        "untagged ops are not decomposed: _softmax_backward_data, embedding_dense_backward, "
+        "native_layer_norm, var_mean stay ATen ops",
+    ),
+    "emulate_precision_casts": (True, "a fused low-precision intermediate is rounded as eager rounds it"),
+    "use_pre_grad_passes": (False, "pattern rewrites (inductor's lite mode turns them off)"),
+    "use_joint_graph_passes": (False, "joint-graph rewrites and constant folding (lite mode's setting)"),
+    "use_post_grad_passes": (
+        False,
+        "post-grad rewrites: mm decompositions, pattern replacements (lite mode's setting)",
+    ),
+    "reorder_for_peak_memory": (False, "lite mode's setting"),
+    "use_dce": (False, "lite mode's setting"),
+    "allow_buffer_reuse": (False, "lite mode's setting"),
+}
+"""The inductor config this mode patches, each with the reason; lite mode's set plus
+``emulate_precision_casts`` (torch 2.13's ``torch._inductor.list_mode_options("lite")``)."""
+
+_REQUIRED = ("fallback_by_default", "selective_decompose", "emulate_precision_casts")
+"""Without these no graph can be made bitwise (torch versions before lite mode)."""
+
+_RULE_VERSION = 2
+"""Bumped whenever :func:`fusible` changes what it accepts: part of the cache key (:func:`_cache_marker`)."""
+
+_FALLS_BACK_HOPS = ("triton_kernel_wrapper_functional",)
+"""Higher-order ops lite mode leaves to their kernel; inductor lowers every other one itself."""
+
+
+_EXACT_OPS = frozenset(
+    getattr(getattr(aten, name), overload)
+    for name, overload in [
+        *[(op, o) for op in ("add", "sub", "mul") for o in ("Tensor", "Scalar")],
+        *[(op, o) for op in ("eq", "ne", "lt", "le", "gt", "ge") for o in ("Tensor", "Scalar")],
+        ("neg", "default"),
+        ("where", "self"),
+        *[(op, "Tensor") for op in ("bitwise_and", "bitwise_or")],
+        *[(op, "default") for op in ("bitwise_not", "logical_and", "logical_or", "logical_not")],
+    ]
+)
+"""The pointwise ops inductor fuses: IEEE 754 rounds ``+``, ``-`` and ``*`` exactly (and
+comparisons, selections and negation are exact), so inductor's fused value, with each
+low-precision result rounded (``emulate_precision_casts``), is ATen's. Left on ATen: every
+transcendental (``exp``, ``tanh``, ``erf``, ``sin``, ``rsqrt``, ``pow``...: ATen's vectorized
+approximations and inductor's code may differ in the last bit; measured on GPT-2, whose fused
+tanh-GELU chain made 22 of 28 gradients differ) and division (inductor may multiply by a
+constant's reciprocal). ``aten.clone`` too: fused, inductor picks its output layout itself
+and an ATen ``view`` after it fails ('Cannot view a tensor with shape ... and strides ...'),
+where eager's ``contiguous()`` gave contiguous strides."""
+
+
+def fusible(node: torch.fx.Node) -> bool:
+    """Whether inductor may fuse this joint-graph node without changing a value: an op of
+    :data:`_EXACT_OPS` (all have inductor lowerings) without an inexact scalar, or a dtype-only
+    cast (``prims.convert_element_type``, see :func:`_as_convert`)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target is prims.convert_element_type.default:
+        return True
+    return target in _EXACT_OPS and not _inexact_scalar(node)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _inexact_scalar(node: torch.fx.Node) -> bool:
+    """A Python float argument of a low-precision op that the low dtype cannot hold exactly
+    (``x + 0.3`` on bf16 ``x``). Eager adds the scalar in fp32; fused, inductor does not compute
+    the same value (pytorch#136896; measured on ``x + 0.3``), so the op stays on ATen.
+    ``x + 0.25`` is fused."""
+    args = [*node.args, *node.kwargs.values()]
+    low = {
+        a.meta["val"].dtype
+        for a in args
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    }
+    low &= set(_LOW)
+    return any(isinstance(a, float) and torch.tensor(a, dtype=dtype).item() != a for a in args for dtype in low)
+
+
+def _as_convert(node: torch.fx.Node) -> None:
+    """``aten._to_copy(x, dtype=d)`` (a cast and nothing else) as ``prims.convert_element_type(x,
+    d)``: the op inductor's own decomposition of ``_to_copy`` produces, which it lowers (it has no
+    lowering for ``_to_copy``, and a tagged op without one fails: 'both a fallback and a decomp')."""
+    if node.target is aten._to_copy.default and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        node.target = prims.convert_element_type.default
+        node.args, node.kwargs = (node.args[0], node.kwargs["dtype"]), {}
+
+
+def _tag_fusible(
+    gm: torch.fx.GraphModule, joint_inputs: Any, *, then: Callable[..., Any] | None, reporter: Reporter
+) -> torch.fx.GraphModule:
+    """The joint-graph pass (``torch._functorch.config.joint_custom_pass``): tag each fusible node
+    ``compile_with_inductor``, untag every other one, name the higher-order ops inductor will
+    lower itself (not bitwise: said once, raised in strict mode)."""
+    if then is not None:  # a pass the caller set runs first, as it would without amp_fx
+        gm = then(gm, joint_inputs)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() not in _FALLS_BACK_HOPS:
+            _report_lowered(node, reporter)
+            continue
+        _as_convert(node)
+        custom = dict(node.meta.get("custom") or {})
+        custom.pop("compile_with_inductor", None)
+        if fusible(node):
+            custom["compile_with_inductor"] = "amp_fx numerics=eager"
+        node.meta["custom"] = custom
+    gm.recompile()
+    return gm
+
+
+def _report_lowered(node: torch.fx.Node, reporter: Reporter) -> None:
+    op = node.target.name() if isinstance(node.target, torch._ops.HigherOrderOperator) else str(node.target)
+    reporter.did_less(
+        ("numerics", "lowered", op),
+        f"amp_fx: numerics='eager': inductor lowers the higher-order op {op} (node {node.name}) itself "
+        f"(lite mode leaves only ATen ops on their kernels), so this graph may not be bitwise with "
+        f"eager autocast. Compile with backend='aot_eager' for eager's numbers on this model.",
+    )
+
+
+def missing_knobs() -> list[str]:
+    """The knobs this torch lacks (``torch._inductor.config`` entries, and the functorch joint pass)."""
+    missing = [name for name in INDUCTOR_KNOBS if not hasattr(torch._inductor.config, name)]
+    if not hasattr(torch._functorch.config, "joint_custom_pass"):
+        missing.append("torch._functorch.config.joint_custom_pass")
+    if not hasattr(torch._inductor.config, "post_grad_custom_post_pass"):
+        missing.append("post_grad_custom_post_pass")
+    return missing
+
+
+@functools.cache
+def _cache_marker() -> Any:
+    """A no-op post-grad pass whose ``uuid`` names this mode and its fusible rule: inductor's FX and
+    AOTAutograd cache keys include it, so a default-numerics artifact is never reused here."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _EagerNumericsKey(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:  # post-grad passes are off in this mode
+            return None
+
+        def uuid(self) -> str:
+            rule = repr((_RULE_VERSION, sorted(INDUCTOR_KNOBS), sorted(map(str, _EXACT_OPS))))
+            return "amp_fx numerics=eager " + hashlib.sha256(rule.encode()).hexdigest()[:16]
+
+    return _EagerNumericsKey()
+
+
+def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporter) -> Backend:
+    """``compile_fx`` with this mode's config, for one compiled model or step.
+
+    On a torch without lite mode's knobs (:data:`_REQUIRED`) no graph can be made bitwise under
+    inductor: amp_fx says so once naming the knobs (strict: raises) and compiles with
+    ``aot_eager``, whose numbers are eager's. Without the joint pass hook every op runs on ATen
+    (bitwise, unfused): logged."""
+    missing = missing_knobs()
+    if any(name in missing for name in _REQUIRED):
+        reporter.did_less(
+            ("numerics", "knobs"),
+            f"amp_fx: numerics='eager': torch {torch.__version__}'s inductor has no {', '.join(missing)}; "
+            f"amp_fx compiles with backend 'aot_eager' instead (eager's numbers, no fusion). "
+            f"torch 2.13 has every knob this mode needs.",
+        )
+        return torch._dynamo.lookup_backend("aot_eager")
+    from torch._inductor.compile_fx import compile_fx
+
+    overridden = sorted(k for k, v in inductor_config.items() if k in INDUCTOR_KNOBS and v != INDUCTOR_KNOBS[k][0])
+    if overridden:
+        reporter.did_less(
+            ("numerics", "options", tuple(overridden)),
+            f"amp_fx: numerics='eager' sets inductor's {', '.join(overridden)} itself "
+            f"({', '.join(f'{k}={INDUCTOR_KNOBS[k][0]}' for k in overridden)}); the values passed in "
+            f"options= are not used. Drop them, or pass numerics='default' to configure inductor yourself.",
+        )
+    patches = {**inductor_config, **{name: value for name, (value, _) in INDUCTOR_KNOBS.items() if name not in missing}}
+    if "post_grad_custom_post_pass" not in missing:
+        patches["post_grad_custom_post_pass"] = _cache_marker()
+    if "torch._functorch.config.joint_custom_pass" in missing:
+        log.info(
+            "numerics='eager': torch %s has no joint_custom_pass: every op runs on ATen, unfused", torch.__version__
+        )
+
+    def compile_eager_numerics(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if "torch._functorch.config.joint_custom_pass" in missing:
+            return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
+        tag = functools.partial(_tag_fusible, then=torch._functorch.config.joint_custom_pass, reporter=reporter)
+        with torch._functorch.config.patch(joint_custom_pass=tag):
+            # compile_fx is typed with the union of what its export modes return
+            return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
+
+    return compile_eager_numerics
