@@ -277,6 +277,10 @@ class AmpBackend:
         amp_fx can reach, one that announces its backward's compile (progress lines) and, with the
         watch, watches it."""
         watch, backend = self.watch, self.options.backend
+        if self.options.numerics is Numerics.EAGER:
+            # its own inductor compile (amp_fx/backend/eager_numerics.py), whose backward is not
+            # announced yet; the watch is refused with it (Options)
+            return self._downstream
         if not isinstance(backend, str) or backend not in BACKWARD_BACKENDS:
             return self._downstream
         around = self._announce_backward(record.index)
