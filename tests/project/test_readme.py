@@ -186,7 +186,21 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             "tests/step/test_lowprec.py runs compile_step(train_state=...) against torchao"
         ),
     },
+    "docs/numerics.md": {
+        'model = amp_fx.compile(model, dtype="bf16", numerics="eager")          # backend="inductor"': NotRun(
+            "model, opt and loss_fn are the reader's: tests/backend/test_numerics_eager.py runs both calls "
+            "against eager autocast"
+        ),
+    },
     "docs/distributed.md": {
+        "from torchtitan.models.qwen3 import parallelize_qwen3": NotRun(
+            "needs a process group and torchtitan's Qwen3 MoE: tests/integrations/test_torchtitan_moe.py runs "
+            "amp_fx_parallelize(parallelize_qwen3, ...) under expert parallelism on 2 gloo ranks"
+        ),
+        "from torch.distributed.tensor import DTensor, Shard": NotRun(
+            "a fragment of an attention's forward under context parallelism, CUDA only: "
+            "tests/cuda/test_cuda_context_parallel.py runs it (the .ci/gpu cp stage)"
+        ),
         'model = DDP(amp_fx.compile(model, dtype="fp16"))      # or amp_fx.compile(DDP(model), ...)': NotRun(
             "needs a process group; examples/train_ddp.py and train_fsdp.py run it under torchrun"
         ),
