@@ -3,6 +3,9 @@ bf16 and in each recipe, over a few seeds.
 
     python bench/bench_convergence.py                         # CPU: 4 x 64 Llama, 300 steps, 2 seeds
     python bench/bench_convergence.py --steps 100 --seeds 0,1,2 --recipes bf16,nvfp4
+    python bench/bench_convergence.py --recipes bf16,rowwise --json a.jsonl   # runs in parallel processes,
+    python bench/bench_convergence.py --recipes nvfp4 --json b.jsonl          # then one table of them all:
+    python bench/bench_convergence.py --table a.jsonl b.jsonl
 
 Per run: ``transformers.LlamaForCausalLM`` (vocab 256, hidden 64, 4 layers, 4 heads, SwiGLU
 128, random init from the seed), ``amp_fx.compile_step(..., dtype="bf16", low_precision=recipe)``
@@ -29,6 +32,8 @@ seeds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -136,6 +141,22 @@ def _reset(model: nn.Module, init: dict[str, Tensor], opt: torch.optim.Optimizer
                     value.zero_()
 
 
+def append_run(path: str, run: Run) -> None:
+    """``run`` as one JSON line at the end of ``path`` (``--json``): written as each run ends, so
+    that a run cut short keeps the seeds it finished."""
+    with open(path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(run)) + "\n")
+
+
+def read_runs(paths: list[str]) -> list[Run]:
+    """The runs that ``--json`` wrote, one JSON object a line, from each file in order."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs += [Run(**json.loads(line)) for line in f if line.strip()]
+    return runs
+
+
 def train(recipe: str, seeds: list[int], data: MarkovText, args: argparse.Namespace) -> list[Run]:
     """``recipe`` trained from each seed's initial weights on each seed's batches, through one
     compiled step: the model and optimizer are reset in place between seeds (``_reset``)."""
@@ -167,6 +188,8 @@ def train(recipe: str, seeds: list[int], data: MarkovText, args: argparse.Namesp
             seconds = time.perf_counter() - start
             run = Run(recipe, seed, losses, (args.steps - 1) / seconds if args.steps > 1 else float("nan"))
             runs.append(run)
+            if args.json:
+                append_run(args.json, run)
             print(
                 f"  {recipe} seed {seed}: final {final_loss(run.losses):.4f}, {run.steps_per_s:.2f} steps/s",
                 file=sys.stderr,
@@ -191,7 +214,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--json", default="", help="append each run (its losses) to this file, a JSON line each")
+    parser.add_argument(
+        "--table", nargs="+", default=None, help="only print the table of the runs in these --json files"
+    )
     args = parser.parse_args()
+    if args.table:
+        print(tabulate(table_rows(read_runs(args.table)), headers="keys", tablefmt="github"))
+        return
     torch.set_num_threads(args.threads)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_convergence import TAIL, Run, final_loss, table_rows  # noqa: E402
+from bench_convergence import TAIL, Run, append_run, final_loss, read_runs, table_rows  # noqa: E402
 
 
 def _losses(head: float, tail: float, n: int = 50) -> list[float]:
@@ -57,3 +57,19 @@ def test_table_rows_without_bf16_leave_the_difference_blank() -> None:
     rows = table_rows([Run("rowwise", 0, _losses(9.0, 3.0), 1.0)])
     assert rows[0]["- bf16"] == ""
     assert rows[0]["final loss (mean)"] == "3.0000"
+
+
+def test_runs_written_by_json_files_read_back_into_the_same_table(tmp_path: Path) -> None:
+    """``--json`` from parallel processes, then ``--table`` over the files: the same rows as one
+    process printing all the runs."""
+    runs = [
+        Run("bf16", 0, _losses(9.0, 2.0), 4.0),
+        Run("nvfp4", 0, _losses(9.0, 2.5), 1.0),
+        Run("bf16", 1, _losses(9.0, 2.2), 6.0),
+    ]
+    append_run(str(tmp_path / "a.jsonl"), runs[0])
+    append_run(str(tmp_path / "b.jsonl"), runs[1])
+    append_run(str(tmp_path / "a.jsonl"), runs[2])
+    back = read_runs([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    assert sorted(back, key=lambda r: (r.recipe, r.seed)) == sorted(runs, key=lambda r: (r.recipe, r.seed))
+    assert table_rows(back) == table_rows([runs[0], runs[2], runs[1]])
