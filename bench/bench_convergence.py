@@ -24,7 +24,8 @@ emulated (``_scaled_mm``'s reference kernel for fp8, amp_fx's dequantize-then-``
 the numerics are the recipe's, the steps/s say nothing about a GPU's tensor cores.
 
 Columns: the final loss (the mean of the last 20 steps' training losses) as mean over seeds and
-spread (max - min over seeds), its difference from bf16's mean, the first step's loss, and steps/s
+spread (max - min over seeds), its difference from bf16's mean and, per seed, from bf16's run at the
+same seed (same initial weights and batches: the seeds' spread cancels), the first step's loss, and steps/s
 (the steps after the first, whose time is mostly compilation, over their wall time; median over
 seeds).
 """
@@ -74,12 +75,14 @@ def final_loss(losses: list[float]) -> float:
 
 def table_rows(runs: list[Run]) -> list[dict[str, str]]:
     """One row per recipe, in first-seen order: the final loss's mean and spread (max - min) over
-    the recipe's seeds, the difference of its mean from bf16's (blank without a bf16 run), the
-    first loss's mean and the median steps/s."""
+    the recipe's seeds, the difference of its mean from bf16's (blank without a bf16 run) and of
+    each seed's final loss from bf16's at the same seed (the same initial weights and batches, so
+    the seeds' spread cancels), the first loss's mean and the median steps/s."""
     by_recipe: dict[str, list[Run]] = {}
     for run in runs:
         by_recipe.setdefault(run.recipe, []).append(run)
     base = statistics.fmean(final_loss(r.losses) for r in by_recipe["bf16"]) if "bf16" in by_recipe else None
+    base_by_seed = {r.seed: final_loss(r.losses) for r in by_recipe.get("bf16", [])}
     rows = []
     for recipe, group in by_recipe.items():
         finals = [final_loss(r.losses) for r in group]
@@ -91,6 +94,9 @@ def table_rows(runs: list[Run]) -> list[dict[str, str]]:
                 "final loss (mean)": f"{mean:.4f}",
                 "spread (max-min)": f"{max(finals) - min(finals):.4f}",
                 "- bf16": "" if base is None else f"{mean - base:+.4f}",
+                "- bf16 per seed": " ".join(
+                    f"{final_loss(r.losses) - base_by_seed[r.seed]:+.4f}" for r in group if r.seed in base_by_seed
+                ),
                 "first loss": f"{statistics.fmean(r.losses[0] for r in group):.4f}",
                 "steps/s": f"{statistics.median(r.steps_per_s for r in group):.2f}",
             }
@@ -220,7 +226,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.table:
-        print(tabulate(table_rows(read_runs(args.table)), headers="keys", tablefmt="github"))
+        runs = sorted(read_runs(args.table), key=lambda r: RECIPES.index(r.recipe))  # stable: seeds in order
+        print(tabulate(table_rows(runs), headers="keys", tablefmt="github", disable_numparse=True))
         return
     torch.set_num_threads(args.threads)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
@@ -247,7 +254,7 @@ def main() -> None:
     for recipe in recipes:
         runs += train(recipe, seeds, data, args)
         torch._dynamo.reset()
-    print(tabulate(table_rows(runs), headers="keys", tablefmt="github"))
+    print(tabulate(table_rows(runs), headers="keys", tablefmt="github", disable_numparse=True))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def test_table_rows_mean_spread_and_difference_from_bf16() -> None:
     assert rows["nvfp4"]["seeds"] == "3"
     assert rows["bf16"]["- bf16"] == "+0.0000"
     assert rows["nvfp4"]["- bf16"] == f"{nvfp4_mean - bf16_mean:+.4f}"
+    assert rows["nvfp4"]["- bf16 per seed"] == f"{2.5 - 2.0:+.4f} {2.1 - 2.2:+.4f}"  # seed 2 has no bf16 twin
     assert rows["nvfp4"]["first loss"] == "9.0000"
     assert rows["nvfp4"]["steps/s"] == "2.00"  # the median of 1, 3, 2: not the mean of 4 and 6's style
     assert rows["bf16"]["steps/s"] == "5.00"
