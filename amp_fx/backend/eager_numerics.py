@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx._common.downstream import Backend
+from amp_fx._common.downstream import Backend, resolve_backend
 from amp_fx._common.report import Reporter
 
 __all__ = ["INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
@@ -215,7 +215,7 @@ def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporte
             f"amp_fx compiles with backend 'aot_eager' instead (eager's numbers, no fusion). "
             f"torch 2.13 has every knob this mode needs.",
         )
-        return torch._dynamo.lookup_backend("aot_eager")
+        return resolve_backend("aot_eager")
     from torch._inductor.compile_fx import compile_fx
 
     overridden = sorted(k for k, v in inductor_config.items() if k in INDUCTOR_KNOBS and v != INDUCTOR_KNOBS[k][0])
