@@ -261,10 +261,19 @@ def _real_pair(name: str, dtype: torch.dtype, **compile_kwargs: object) -> tuple
     return bad, sum(g is not None for g in expected.grads.values())
 
 
+_VIT_FP16 = pytest.mark.xfail(
+    strict=True,
+    reason="ViT in fp16 under numerics='eager': 18 of its gradients (the embeddings, some attention "
+    "and norm weights, the classifier) differ from eager autocast; cause not found yet (docs/numerics.md)",
+)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2", "hf_bert", "hf_t5", "hf_vit"])
-def test_real_models_bitwise(name: str, dtype: torch.dtype) -> None:
+def test_real_models_bitwise(name: str, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    if name == "hf_vit" and dtype == torch.float16:
+        request.applymarker(_VIT_FP16)
     bad, _ = _real_pair(name, dtype, numerics="eager")
     assert bad == [], f"{name} {dtype}: not bitwise with eager autocast: {bad}"
 
