@@ -113,6 +113,12 @@ class Fp8Config:
             self, recipe: Fp8Recipe | str = Fp8Recipe.TENSORWISE, nvfp4: Nvfp4Options | None = None
         ) -> None: ...
 
+    @property
+    def nvfp4_switches(self) -> Nvfp4Options:
+        """The switches this config's NVFP4 matmuls run with: its own, else TransformerEngine's
+        defaults (a per-module map whose default recipe is another one)."""
+        return self.nvfp4 if self.nvfp4 is not None else Nvfp4Options()
+
     def __post_init__(self) -> None:
         recipe = self.recipe
         if isinstance(recipe, str):

@@ -99,7 +99,7 @@ def _gemm(
 def _kernel_recipe(config: Fp8Config) -> Fp8Recipe | Nvfp4Options:
     """What the kernels take: the recipe, or NVFP4's switches (which say it is NVFP4)."""
     if config.recipe is Fp8Recipe.NVFP4:
-        return config.nvfp4 if config.nvfp4 is not None else Nvfp4Options()
+        return config.nvfp4_switches
     assert config.recipe is not None, "one matmul's config names its recipe"
     return config.recipe
 
@@ -296,7 +296,7 @@ class Fp8Eager(TorchFunctionMode):
         stack = [(p, type(root.get_submodule(p)) if root is not None else object) for p in self.stack]
         recipe = recipe_for(self.config, stack)[0]
         if recipe is Fp8Recipe.NVFP4:  # the NVFP4 kernels take the recipe's switches (TE's defaults in a map)
-            return self.config.nvfp4 if self.config.nvfp4 is not None else Nvfp4Options()
+            return self.config.nvfp4_switches
         return recipe
 
     def _run(

@@ -83,7 +83,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
-from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
+from amp_fx.fp8 import Fp8Config, Fp8Recipe
 from amp_fx.kernels.blockwise_fp8 import BLOCK as BW_BLOCK
 from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
@@ -332,10 +332,8 @@ class _Fp8Rewriter:
         self.policy = policy
         self.fake_mode = fake_mode
         self.record = Fp8Record(config.recipe)
-        nv = config.nvfp4 if config.nvfp4 is not None else Nvfp4Options()  # a map's nvfp4 modules: TE's defaults
-        self.nvfp4_flags: tuple[bool, bool, bool] = (
-            (nv.rht, nv.stochastic_rounding, nv.weight_2d) if nv is not None else (False, False, False)
-        )
+        nv = config.nvfp4_switches
+        self.nvfp4_flags: tuple[bool, bool, bool] = (nv.rht, nv.stochastic_rounding, nv.weight_2d)
         """NVFP4's switches as :func:`~amp_fx.kernels.nvfp4.nvfp4_linear_flags` takes them (constants
         FX writes back as code, as it cannot write a dataclass)."""
         self.gathered: list[tuple[str, torch.fx.Node]] = []
