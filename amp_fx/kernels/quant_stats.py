@@ -12,8 +12,8 @@ as a 1-D float64 tensor, one entry per name of :data:`FIGURES`:
     nonzero           elements != 0
     underflow         nonzero elements whose code is zero (flushed to zero)
     saturated         elements beyond the largest magnitude their block represents
-                      (``|hp| > max * decode``), so clipped to it (see below)
-    amax              max |hp|
+                      (``|x| > max * decode``), so clipped to it (see below)
+    amax              max |x|
     blocks            scale blocks holding an element of the operand (a padding-only block is
                       not counted); 1 for a tensorwise scale, one per row for rowwise
     zero_blocks       those blocks whose elements are all zero
@@ -23,6 +23,10 @@ as a 1-D float64 tensor, one entry per name of :data:`FIGURES`:
                       (an all-zero block's scale is a floor artifact: 1e-12 / 448, or e8m0's least)
     err_sq_sum        sum of (dequantized - hp)**2
     hp_sq_sum         sum of hp**2: relative MSE = err_sq_sum / hp_sq_sum
+
+``x`` is what the quantizer receives (the operand; its bf16 cast for MXFP8 and NVFP4, which
+quantize bf16 operands): the counts, amax and blocks are of ``x``, the error is against ``hp``, the
+operand given (so an fp32 master weight's bf16 rounding is part of MXFP8's and NVFP4's error).
 
 Sums, not fractions, so that a fraction computed on read (in float64) is exact and figures of
 several steps or ranks add up. All in ATen ops on the operand's device, no host read: the function
@@ -47,8 +51,7 @@ gradient), nothing is quantized: underflow, saturation and error are 0 and the s
 
 **Operands, in the layouts the fp8 matmul receives them** (``fp8_matmul(x, w)``): ``input``
 ``[..., K]``, ``weight`` ``[K, N]`` (the transposed module weight), ``grad_output`` ``[..., N]``.
-MXFP8 and NVFP4 quantize the weight's bf16 cast (as their matmuls do); the error is measured
-against the operand given (an fp32 master weight's bf16 rounding is part of it).
+Grouped experts' 3-D weights: one expert's weight at a time.
 
 **NVFP4's stochastic rounding** (the gradient's, ``Nvfp4Options.stochastic_rounding``) is
 replaced by round-to-nearest-even here: a draw would consume the training's random stream, and
