@@ -12,6 +12,7 @@ from amp_fx.fp8 import Fp8Config, Fp8Recipe, Nvfp4Options
 from amp_fx.inspect import Advice, CompareReport, Explanation, NonfiniteReport, advise, compare, explain, find_nonfinite
 from amp_fx.inspect.precision import PrecisionReport, precision_report
 from amp_fx.low_precision import Blocks, LowPrecision
+from amp_fx.monitor import Fp8Monitor, Fp8Stats, fp8_stats
 from amp_fx.options import Numerics, Options
 from amp_fx.overflow import FirstOp, OverflowReport, skip_aware
 from amp_fx.policy import CastClass, Policy
@@ -57,6 +58,9 @@ __all__ = [
     "OverflowReport",
     "FirstOp",
     "skip_aware",
+    "Fp8Monitor",
+    "Fp8Stats",
+    "fp8_stats",
 ]
 __version__ = "0.1.0"
 

@@ -19,6 +19,7 @@ from amp_fx._common.suggest import did_you_mean
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
 from amp_fx.low_precision import LowPrecisionLike, one_option
+from amp_fx.monitor.config import Fp8Monitor
 from amp_fx.options import Numerics, Options, inductor_config
 from amp_fx.passes.pipeline import GraphRecord
 from amp_fx.policy import Policy
@@ -43,6 +44,7 @@ def compile(
     fp8: LowPrecisionLike = None,
     regions: bool | None = False,
     numerics: str | Numerics = "default",
+    monitor: Fp8Monitor | None = None,
     **torch_compile_kwargs: Any,
 ) -> F:
     """Compile a module or function with mixed precision inserted into its graphs.
@@ -104,6 +106,12 @@ def compile(
             a value, so the forward and backward are bitwise with eager autocast
             (:mod:`amp_fx.backend.eager_numerics`; docs "Eager numerics under inductor").
             Needs ``backend="inductor"``.
+        monitor: an ``amp_fx.Fp8Monitor(every=..., start=..., end=...)``: on the steps it selects
+            (a step is one call), every converted GEMM's quantization statistics (underflows,
+            saturations, amax, scales, relative error) for its input, weight and output gradient,
+            computed on the device in the compiled forward and backward; read them with
+            ``amp_fx.fp8_stats(model)`` (docs/fp8-monitor.md). Needs ``low_precision=``. None
+            (default): off, the graphs are those compiled without it.
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ...);
             an unknown keyword raises ``TypeError`` here.
 
@@ -136,6 +144,7 @@ def compile(
         regions=_regions_default(regions, one_option(fp8, low_precision, "amp_fx.compile"), policy),
         fp8=one_option(fp8, low_precision, "amp_fx.compile"),
         numerics=numerics,
+        monitor=monitor,
     )
     return compile_with(model_or_fn, options, inplace=inplace)
 

@@ -31,6 +31,7 @@ from amp_fx import low_precision
 from amp_fx._common.downstream import Backend, backend_name
 from amp_fx._common.report import resolve_strict
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.monitor.config import Fp8Monitor
 from amp_fx.policy import Policy, resolve_dtype
 
 __all__ = ["Options", "Numerics", "check_backend", "inductor_config"]
@@ -89,6 +90,10 @@ class Options:
     spelling): given as a recipe name, an ``Fp8Recipe``, an ``Fp8Config``, an
     ``amp_fx.LowPrecision`` or a dict ``{module: recipe or None}`` (:mod:`amp_fx.low_precision`);
     stored as an ``Fp8Config``, a ``LowPrecision`` for a per-module map (None: off)."""
+    monitor: Fp8Monitor | None = None
+    """Per-GEMM quantization statistics of the low-precision matmuls on the steps this schedule
+    selects (:mod:`amp_fx.monitor`; read with ``amp_fx.fp8_stats``); None: off, and the graphs are
+    those compiled without it."""
 
     if TYPE_CHECKING:  # what the constructor takes; __post_init__ stores the types declared above
 
@@ -106,6 +111,7 @@ class Options:
             regions: bool | None = False,
             numerics: Numerics | str = ...,
             fp8: low_precision.LowPrecisionLike = None,
+            monitor: Fp8Monitor | None = None,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -149,10 +155,40 @@ class Options:
                 f"amp_fx: numerics='eager' configures inductor, but backend={self.backend!r}; "
                 f"backend='aot_eager' is already bitwise with eager autocast (pass numerics='default')"
             )
+        self._check_monitor()
         if self.numerics is Numerics.EAGER and self.watch_nonfinite:
             raise ValueError(
                 "amp_fx: numerics='eager' and watch_nonfinite=True do not combine yet (the backward "
                 "watch compiles its own inductor backward); pass one of them"
+            )
+
+    def _check_monitor(self) -> None:
+        if self.monitor is None:
+            return
+        if not isinstance(self.monitor, Fp8Monitor):
+            raise TypeError(
+                f"amp_fx: monitor must be an amp_fx.Fp8Monitor (e.g. Fp8Monitor(every=100)) or None, "
+                f"got {self.monitor!r}"
+            )
+        if self.fp8 is None:
+            raise ValueError(
+                "amp_fx: monitor= watches the low-precision matmuls, but low_precision= is not set; pass a "
+                "recipe (low_precision='rowwise', ...) or monitor=None"
+            )
+        clash = [
+            name
+            for name, on in (
+                ("weight_cache=True", self.weight_cache),
+                ("watch_nonfinite=True", self.watch_nonfinite),
+                ("numerics='eager'", self.numerics is Numerics.EAGER),
+                ("regions=True", self.regions is True),
+            )
+            if on
+        ]
+        if clash:
+            raise ValueError(
+                f"amp_fx: monitor= does not combine with {', '.join(clash)} yet (its graphs would compute no "
+                f"statistics); pass one or the other"
             )
 
     @property
@@ -178,6 +214,7 @@ class Options:
                 tuple(sorted(self.inductor.items(), key=repr)),
                 self.numerics,
                 self.fp8,
+                self.monitor,
             )
         )
 

@@ -163,6 +163,8 @@ def amp_call(target: Callable[..., Any], backend: AmpBackend, *, check: bool = T
                 own_forward if direct else own_call, backend=sibling.for_dynamo(), **compile_kwargs
             )
         runs = backend.runs.count
+        if check and backend.monitor is not None:
+            backend.monitor.begin_call()  # one step of the fp8 monitor's schedule (host-side)
         try:
             with torch.autocast(device_type, dtype=backend.dtype), is_exporting_as_eager():
                 if backend.weight_cache is None:

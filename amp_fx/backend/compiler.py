@@ -39,6 +39,7 @@ from amp_fx.backend.splits import SplitTracker
 from amp_fx.backend.traced_paths import report_traced_paths
 from amp_fx.backend.weight_cache import WeightCache
 from amp_fx.errors import AmpFxError
+from amp_fx.monitor.state import GraphStats, MonitorState
 from amp_fx.options import Numerics, Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.overflow.watch import register_compiled
@@ -79,6 +80,8 @@ class AmpBackend:
         self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
+        self.monitor: MonitorState | None = MonitorState(options.monitor) if options.monitor is not None else None
+        """amp_fx/monitor/state.py: the fp8 monitor's step counter and buffers (``monitor=``)."""
         self._downstream = (
             eager_numerics_backend(options.inductor, self.reporter)
             if options.numerics is Numerics.EAGER
@@ -176,10 +179,45 @@ class AmpBackend:
                     self._splits.report(record, gm, example_inputs, names)
                 with stage("downstream", index, work.done):
                     compiled = self._downstream_for(record)(record.rewritten, list(example_inputs))
+                if self.monitor is not None:
+                    with stage("monitor_downstream", index, work.done):
+                        compiled = self._monitored(compiled, gm, record, example_inputs, self.monitor)
             with stage("run_wrapper", index, work.done):
                 run = self._run_wrapper(compiled, record)
         self.records.append(record)
         return run
+
+    def _monitored(
+        self,
+        plain: Callable[..., Any],
+        dynamo_gm: torch.fx.GraphModule,
+        record: GraphRecord,
+        example_inputs: list[Any],
+        monitor: MonitorState,
+    ) -> Callable[..., Any]:
+        """``monitor=``: graph ``record``'s monitored copy compiled too, and the callable that runs it
+        on logging steps and ``plain`` on the others (amp_fx/monitor/state.py). A converted GEMM the
+        copy computes no statistics for is reported once (strict mode: raised), naming it."""
+        monitored = record.monitored
+        if monitored is None:
+            return plain
+        for what in monitored.uncovered:
+            if what not in monitor.uncovered:
+                monitor.uncovered.append(what)
+            self.reporter.did_less(
+                ("monitor", what),
+                f"amp_fx: monitor=: no statistics for the fp8 GEMM of {what}. Its figures are missing "
+                f"from amp_fx.fp8_stats; keep that module out of low precision (LowPrecision(modules="
+                f"{{...: None}})) or read it offline with amp_fx.compare(fp8=...).",
+            )
+        if not monitored.gemms:
+            return plain
+        assert monitored.device is not None
+        graph = GraphStats.allocate(record.index, monitored.gemms, monitored.device)
+        monitor.graphs[record.index] = graph
+        carry_dynamo_inputs(dynamo_gm, monitored.gm)
+        compiled = self._downstream_for(record)(monitored.gm, [*example_inputs, graph.fwd, graph.sink])
+        return monitor.choose(plain, compiled, graph)
 
     def _fall_back(
         self, gm: torch.fx.GraphModule, example_inputs: list[Any], failure: StageFailure

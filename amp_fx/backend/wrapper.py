@@ -32,6 +32,7 @@ from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.compiler import AmpBackend
 from amp_fx.backend.regions import find_regions, log_regions
 from amp_fx.backend.weight_cache import WeightCache, weight_cache_applies
+from amp_fx.monitor.state import MonitorState
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
 from amp_fx.passes.pipeline import GraphRecord, summarize
@@ -70,6 +71,12 @@ class AmpCompiledModule(torch.nn.Module):
         if regions is not None:  # the repeated blocks compiled once per class, as FSDP2's units
             units = regions.units(module)
             log_regions(backend.label, regions)
+        if units is not None and backend.options.monitor is not None:
+            raise ValueError(
+                f"amp_fx: monitor= does not cover a model compiled unit by unit yet ({type(module).__name__}: "
+                f"DDP, FSDP2 or regions); compile it whole (regions=False, DDP(amp_fx.compile(model))) or "
+                f"pass monitor=None"
+            )
         gathered = (
             None
             if units is None
@@ -148,6 +155,11 @@ class AmpCompiledModule(torch.nn.Module):
     def amp_fx_watch(self) -> ForwardWatch | None:
         """The forward record of ``compile(..., watch_nonfinite=True)`` (``amp_fx.overflow``), else None."""
         return self._amp_fx_backend.watch
+
+    @property
+    def amp_fx_monitor(self) -> MonitorState | None:
+        """The fp8 monitor's state (``compile(..., monitor=...)``; read with ``amp_fx.fp8_stats``), else None."""
+        return self._amp_fx_backend.monitor
 
     @property
     def original_module(self) -> torch.nn.Module:
@@ -298,6 +310,7 @@ def wrap(model_or_fn: F, options: Options, *, label: str | None = None, root: to
     compiled.amp_fx_records = amp_backend.records  # type: ignore[attr-defined]
     compiled.amp_fx_weight_cache = amp_backend.weight_cache  # type: ignore[attr-defined]
     compiled.amp_fx_watch = amp_backend.watch  # type: ignore[attr-defined]
+    compiled.amp_fx_monitor = amp_backend.monitor  # type: ignore[attr-defined]
     compiled.amp_fx_options = options  # type: ignore[attr-defined]
     return compiled  # type: ignore[return-value]
 

@@ -40,6 +40,7 @@ from amp_fx.passes.fp8_matmuls import Fp8Record, fp8_matmuls
 from amp_fx.passes.fx_edit import CAST_OP, copy_graph_module, counted_ops, is_cast, placeholders
 from amp_fx.passes.insert_casts import InsertRecord, graph_device_type, insert_casts
 from amp_fx.passes.lift_weight_casts import Lifted, lift_weight_casts
+from amp_fx.passes.monitor_fp8 import MonitoredGraph, monitor_fp8
 from amp_fx.passes.watch_nonfinite import WatchRecord, watch_nonfinite
 from amp_fx.policy import Policy
 
@@ -126,6 +127,8 @@ class GraphRecord:
     compiled the backward with the watch on)."""
     fp8: Fp8Record | None = None
     """The matmuls ``fp8_matmuls`` considered (None when fp8 is off)."""
+    monitored: MonitoredGraph | None = None
+    """``monitor=``: the copy of ``rewritten`` that also computes the GEMMs' statistics (None when off)."""
     fallback: Fallback | None = None
     """Set when this graph fell back to what ``torch.compile`` under ``torch.autocast`` does."""
 
@@ -241,6 +244,8 @@ class GraphWork:
     folded: FoldRecord = field(default_factory=FoldRecord)
     watched: WatchRecord | None = None
     fp8: Fp8Record | None = None
+    monitored: MonitoredGraph | None = None
+    """With ``monitor=``: the copy of ``gm`` that computes the fp8 GEMMs' statistics."""
     lifted: LiftedGraph | None = None
     """With ``weight_cache=True``: the graph with its weight casts lifted into inputs."""
     lift_error: Exception | None = None
@@ -263,6 +268,7 @@ class GraphWork:
             pass_seconds=self.seconds,
             watched=self.watched,
             fp8=self.fp8,
+            monitored=self.monitored,
         )
 
 
@@ -318,6 +324,11 @@ def _fold_casts(options: Options, work: GraphWork) -> None:
 def _watch_nonfinite(options: Options, work: GraphWork) -> None:
     with work.fake_mode:
         work.gm, work.watched = watch_nonfinite(work.gm, dtype=options.dtype, data_inputs=work.data_inputs)
+
+
+def _monitor_fp8(options: Options, work: GraphWork) -> None:
+    assert options.fp8 is not None
+    work.monitored = monitor_fp8(work.gm, config=options.fp8, fake_mode=work.fake_mode)
 
 
 def _lift_weight_casts(options: Options, work: GraphWork) -> None:
@@ -408,6 +419,7 @@ PIPELINE: tuple[Stage, ...] = (
     ),
     Stage("fold_casts", _fold_casts, enabled=lambda o: o.fold, requires=(_aten_graph, _decided)),
     Stage("watch_nonfinite", _watch_nonfinite, enabled=lambda o: o.watch_nonfinite, requires=(_aten_graph, _decided)),
+    Stage("monitor_fp8", _monitor_fp8, enabled=lambda o: o.monitor is not None and o.fp8 is not None),
     Stage(
         "lift_weight_casts",
         _lift_weight_casts,

@@ -29,6 +29,8 @@ from amp_fx._dist.step import check_distributed_step
 from amp_fx.backend.weight_cache import StepWriter, weight_cache_off_for_fsdp2
 from amp_fx.inspect.precision import PrecisionReport, step_report
 from amp_fx.low_precision import LowPrecisionLike, one_option
+from amp_fx.monitor.config import Fp8Monitor
+from amp_fx.monitor.state import MonitorState
 from amp_fx.options import Numerics, Options
 from amp_fx.overflow.report import STEP_WATCH_HINT, OverflowReport
 from amp_fx.policy import Policy
@@ -208,6 +210,11 @@ class CompiledStep:
         """0-dim int64 tensor: the index of the most recent skipped step (-1: none); no sync."""
         return self.scaler.last_skipped_step
 
+    @property
+    def amp_fx_monitor(self) -> MonitorState | None:
+        """The fp8 monitor's state (``monitor=``; read with ``amp_fx.fp8_stats(step)``), else None."""
+        return getattr(self._forward, "amp_fx_monitor", None)
+
     def overflow_report(self) -> OverflowReport | None:
         """Why the most recent skipped step was skipped (``amp_fx.GradScaler.overflow_report``): its
         index, the parameters whose gradients held an inf/NaN and, with ``watch_nonfinite=True``,
@@ -379,6 +386,7 @@ def compile_step(
     fp8: LowPrecisionLike = None,
     train_state: Literal["bf16_sr", "bf16_kahan"] | None = None,
     numerics: str | Numerics = "default",
+    monitor: Fp8Monitor | None = None,
 ) -> CompiledStep:
     """Compile a mixed-precision training step that never reads the device on the host.
 
@@ -441,6 +449,9 @@ def compile_step(
             ATen's kernel but value-preserving pointwise fusion, bitwise with eager autocast (as
             :func:`amp_fx.compile`'s ``numerics=``); the optimizer graph (no backward, nothing to
             fuse) runs ATen's kernels through ``aot_eager``. Needs ``backend="inductor"``.
+        monitor: per-GEMM quantization statistics of the low-precision matmuls on the steps an
+            ``amp_fx.Fp8Monitor`` selects (one step: one call), as :func:`amp_fx.compile`'s
+            ``monitor=``; read with ``amp_fx.fp8_stats(step)``.
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -458,6 +469,7 @@ def compile_step(
         torch_compile={"dynamic": dynamic},
         fp8=one_option(fp8, low_precision, "amp_fx.compile_step"),
         numerics=numerics,
+        monitor=monitor,
     )
     check_target(model, "amp_fx.compile_step", module_only=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
