@@ -157,6 +157,11 @@ class Fp8Stats:
 
 
 def _state(target: object) -> Any:
+    from amp_fx.backend.inplace import inplace_call  # the backend imports this package
+
+    inplace = inplace_call(target)
+    if inplace is not None:  # compiled in place: its wrapper, built at the first call
+        target = inplace.build()
     for layer in layers(target, any_module_attr=True):
         state = getattr(layer, "amp_fx_monitor", None)
         if state is not None:

@@ -218,3 +218,35 @@ def test_monitor_refuses_what_it_cannot_watch(options: dict, match: str) -> None
 def test_fp8_stats_of_an_unmonitored_model_is_an_error() -> None:
     with pytest.raises(ValueError, match="not compiled with monitor="):
         amp_fx.fp8_stats(amp_fx.compile(nn.Linear(4, 4), backend=BACKEND))
+
+
+def test_per_module_recipe_fixes_the_planted_underflow() -> None:
+    """docs/fp8-monitor.md's last step: the GEMM the report named first kept in bf16 by a per-module
+    map; the monitor then shows no operand near the planted figure."""
+
+    def worst_flush(low_precision: object) -> tuple[amp_fx.Fp8Stats, float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        scale = torch.ones(64)
+        scale[40:] = torch.logspace(-3, -9, 24)
+        compiled = amp_fx.compile(
+            Planted(scale), dtype="bf16", low_precision=low_precision, backend=BACKEND, monitor=amp_fx.Fp8Monitor()
+        )
+        _step(compiled, torch.randn(16, 64), torch.randn(16, 32))
+        stats = amp_fx.fp8_stats(compiled)
+        return stats, max(r.underflow for r in stats.rows)
+
+    _, planted = worst_flush("tensorwise")
+    stats, fixed = worst_flush(amp_fx.LowPrecision(recipe="tensorwise", modules={"down": None}))
+    assert "down" not in {r.gemm for r in stats.rows}
+    assert planted > 0.1 and fixed < planted / 10, (planted, fixed)
+
+
+def test_inplace_compile_is_monitored() -> None:
+    torch.manual_seed(0)
+    model = Planted(torch.ones(64))
+    amp_fx.compile(
+        model, dtype="bf16", low_precision="tensorwise", backend=BACKEND, inplace=True, monitor=amp_fx.Fp8Monitor()
+    )
+    _step(model, torch.randn(4, 64), torch.randn(4, 32))
+    assert len(amp_fx.fp8_stats(model).rows) == 9  # 3 GEMMs x input, weight, grad_output

@@ -284,6 +284,31 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
             replace=(("amp_fx.explain(model, x,", "amp_fx.explain(Fp8Model(), x16,"),)
         ),
     },
+    # Fp8Model and x16 as for docs/fp8.md; aot_eager instead of a minute of inductor compiling
+    "docs/fp8-monitor.md": {
+        'model = amp_fx.compile(model, dtype="bf16", low_precision="tensorwise",': Run(
+            replace=(("amp_fx.compile(model,", "amp_fx.compile(Fp8Model(), backend=\"aot_eager\","),),
+            after="model(x16).float().sum().backward()\n",
+        ),
+        "stats = amp_fx.fp8_stats(model)   # the one host read": Run(
+            replace=(
+                (
+                    "stats = amp_fx.fp8_stats(model)",
+                    'model = amp_fx.compile(Fp8Model(), dtype="bf16", low_precision="tensorwise", '
+                    'backend="aot_eager", monitor=amp_fx.Fp8Monitor())\n'
+                    "model(x16).float().sum().backward()\n"
+                    "stats = amp_fx.fp8_stats(model)",
+                ),
+            )
+        ),
+        "for name, value in stats.to_dict().items():   # \"fp8/down/input/underflows%\": 24.12, ...": NotRun(
+            "needs a SummaryWriter; tests/fp8/test_fp8_monitor.py checks to_dict's figures"
+        ),
+        'model = amp_fx.compile(model, dtype="bf16",': NotRun(
+            "the planted model of tests/fp8/test_fp8_monitor.py (a module named down): "
+            "test_per_module_recipe_fixes_the_planted_underflow runs this map"
+        ),
+    },
     "docs/memory.md": {
         # inductor compiles for tens of seconds here: the same model on aot_eager
         'model = amp_fx.compile(model, dtype="bf16")': Run(
