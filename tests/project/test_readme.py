@@ -287,7 +287,7 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
     # Fp8Model and x16 as for docs/fp8.md; aot_eager instead of a minute of inductor compiling
     "docs/fp8-monitor.md": {
         'model = amp_fx.compile(model, dtype="bf16", low_precision="tensorwise",': Run(
-            replace=(("amp_fx.compile(model,", "amp_fx.compile(Fp8Model(), backend=\"aot_eager\","),),
+            replace=(("amp_fx.compile(model,", 'amp_fx.compile(Fp8Model(), backend="aot_eager",'),),
             after="model(x16).float().sum().backward()\n",
         ),
         "stats = amp_fx.fp8_stats(model)   # the one host read": Run(
@@ -301,7 +301,7 @@ BLOCKS: dict[str, dict[str, Run | NotRun]] = {
                 ),
             )
         ),
-        "for name, value in stats.to_dict().items():   # \"fp8/down/input/underflows%\": 24.12, ...": NotRun(
+        'for name, value in stats.to_dict().items():   # "fp8/down/input/underflows%": 24.12, ...': NotRun(
             "needs a SummaryWriter; tests/fp8/test_fp8_monitor.py checks to_dict's figures"
         ),
         'model = amp_fx.compile(model, dtype="bf16",': NotRun(
