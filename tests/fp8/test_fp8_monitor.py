@@ -250,3 +250,40 @@ def test_inplace_compile_is_monitored() -> None:
     )
     _step(model, torch.randn(4, 64), torch.randn(4, 32))
     assert len(amp_fx.fp8_stats(model).rows) == 9  # 3 GEMMs x input, weight, grad_output
+
+
+class _WithExperts(nn.Module):
+    """A dense Linear, then one grouped expert GEMM over a [E, K, N] parameter (which the monitor
+    does not cover yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+        self.experts = nn.Parameter(torch.randn(2, 32, 32) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([16, 32], dtype=torch.int32)
+        return torch.nn.functional.grouped_mm(self.proj(x), self.experts.bfloat16(), offs=offs)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_gemm_without_statistics_is_reported_by_name(strict: bool) -> None:
+    torch.manual_seed(0)
+    compiled = amp_fx.compile(
+        _WithExperts(),
+        dtype="bf16",
+        low_precision="rowwise",
+        backend=BACKEND,
+        monitor=amp_fx.Fp8Monitor(),
+        strict=strict,
+    )
+    x = torch.randn(32, 32)
+    if strict:
+        with pytest.raises(amp_fx.AmpFxError, match="monitor=: no statistics for the fp8 GEMM of .*grouped"):
+            compiled(x)
+        return
+    with pytest.warns(amp_fx.AmpFxWarning, match="monitor=: no statistics for the fp8 GEMM of .*grouped"):
+        compiled(x).float().sum().backward()
+    stats = amp_fx.fp8_stats(compiled)
+    assert {r.gemm for r in stats.rows} == {"proj"}
+    assert any("grouped" in m for m in stats.missing)
