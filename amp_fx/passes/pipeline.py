@@ -1,7 +1,7 @@
 """The pipeline: every stage amp_fx runs on a graph Dynamo captured, declared and run in one place.
 
     Dynamo graph --capture--> pre-dispatch ATen graph --insert_casts--> [--fp8_matmuls-->]
-        --fold_casts--> [--watch_nonfinite-->] [--lift_weight_casts-->] downstream backend
+        --fold_casts--> [--watch_nonfinite-->] [--monitor_fp8-->] [--lift_weight_casts-->] downstream backend
 
 :data:`PIPELINE` lists the stages in order; :func:`run_pipeline` runs them on one graph through
 one wrapper that times each stage (``GraphRecord.pass_seconds``), logs it on this module's logger

@@ -287,3 +287,30 @@ def test_a_gemm_without_statistics_is_reported_by_name(strict: bool) -> None:
     stats = amp_fx.fp8_stats(compiled)
     assert {r.gemm for r in stats.rows} == {"proj"}
     assert any("grouped" in m for m in stats.missing)
+
+
+@pytest.mark.slow
+def test_inductor_counts_equal_aot_eager_counts() -> None:
+    """The backend ladder's last rung: under inductor (the input mutation and the grad tap lowered
+    into its kernels) the planted case's counts are those of aot_eager, exactly; the errors and
+    scales within float64 rounding of a reordered sum."""
+
+    def stats(backend: str) -> amp_fx.Fp8Stats:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        scale = torch.ones(64)
+        scale[40:] = torch.logspace(-3, -9, 24)
+        compiled = amp_fx.compile(
+            Planted(scale), dtype="bf16", low_precision="tensorwise", backend=backend, monitor=amp_fx.Fp8Monitor()
+        )
+        _step(compiled, torch.randn(16, 64), torch.randn(16, 32))
+        return amp_fx.fp8_stats(compiled)
+
+    reference, got = stats(BACKEND), stats("inductor")
+    assert (got.worst.gemm, got.worst.operand) == ("down", "input")
+    for row in reference.rows:
+        other = got.find(row.gemm, row.operand)
+        for name in ("numel", "nonzero", "underflow", "saturated", "blocks", "zero_blocks", "amax"):
+            assert other.figures[name] == row.figures[name], (row.gemm, row.operand, name)
+        # a sum of squares inductor may reorder: float64 rounding, 1e-12 relative
+        torch.testing.assert_close(other.mse, row.mse, rtol=1e-12, atol=0)
