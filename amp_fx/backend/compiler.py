@@ -80,7 +80,9 @@ class AmpBackend:
         self.watch: ForwardWatch | None = ForwardWatch(root) if options.watch_nonfinite else None
         """amp_fx/overflow/watch.py: the first non-finite forward op, on the device (registered with
         the root, so that a GradScaler told nothing finds it by the optimizer's parameters)."""
-        self.monitor: MonitorState | None = MonitorState(options.monitor) if options.monitor is not None else None
+        self.monitor: MonitorState | None = (
+            MonitorState(options.monitor, options.fp8) if options.monitor is not None else None
+        )
         """amp_fx/monitor/state.py: the fp8 monitor's step counter and buffers (``monitor=``)."""
         self._downstream = (
             eager_numerics_backend(options.inductor, self.reporter)

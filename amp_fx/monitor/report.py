@@ -19,6 +19,8 @@ import torch
 from tabulate import tabulate
 
 from amp_fx._common.unwrap import layers
+from amp_fx.fp8 import Fp8Config
+from amp_fx.low_precision import LowPrecision, RecipeLike, Selector
 
 __all__ = ["fp8_stats", "Fp8Stats", "GemmStats"]
 
@@ -97,6 +99,22 @@ class Fp8Stats:
     rows: tuple[GemmStats, ...]
     missing: tuple[str, ...] = ()
     """What has no figures: GEMMs the monitor does not cover, backward rows not computed yet."""
+    low_precision: Fp8Config | None = None
+    """The compile's ``low_precision=``."""
+
+    def suggest(self, max_lost: float = 0.01) -> LowPrecision | None:
+        """A per-module map to pass back as ``low_precision=``: the compile's, with each module
+        whose GEMM flushes or saturates more than ``max_lost`` of some operand's nonzero values
+        kept in ``dtype`` (None where no module does). A starting point: a finer recipe
+        (``"mxfp8"``, ``"nvfp4"``'s 16-value blocks) may serve such a module too."""
+        flagged: dict[Selector, RecipeLike] = {
+            r.module: None for r in self.rows if r.module and max(r.underflow, r.saturation) > max_lost
+        }
+        if not flagged or self.low_precision is None:
+            return None
+        if isinstance(self.low_precision, LowPrecision):
+            return LowPrecision(recipe=self.low_precision.recipe, modules={**self.low_precision.modules, **flagged})
+        return LowPrecision(recipe=self.low_precision.recipe, modules=flagged, nvfp4=self.low_precision.nvfp4)
 
     @property
     def worst(self) -> GemmStats | None:
@@ -208,4 +226,4 @@ def fp8_stats(model: object) -> Fp8Stats:
                     GemmStats(operand=operand, figures=dict(zip(STAT_NAMES, row.tolist(), strict=True)), **base)
                 )
     rows.sort(key=lambda r: r.severity, reverse=True)
-    return Fp8Stats(tuple(rows), tuple(missing))
+    return Fp8Stats(tuple(rows), tuple(missing), state.low_precision)

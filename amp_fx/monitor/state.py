@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from amp_fx.fp8 import Fp8Config
 from amp_fx.kernels.monitor_tap import STAT_NAMES
 from amp_fx.monitor.config import Fp8Monitor
 from amp_fx.passes.monitor_fp8 import MonitoredGemm
@@ -52,6 +53,8 @@ class MonitorState:
     """The schedule's position and every monitored graph's buffers (see the module docstring)."""
 
     config: Fp8Monitor
+    low_precision: Fp8Config | None = None
+    """The compile's ``low_precision=`` (what :meth:`amp_fx.Fp8Stats.suggest` starts from)."""
     step: int = 0
     """The number of calls so far (the next call is step ``step``)."""
     logging: bool = False

@@ -87,6 +87,9 @@ def test_planted_underflow_is_named_first_with_exact_counts() -> None:
     scalars = stats.to_dict()
     assert scalars["fp8/down/input/underflows%"] == 100 * flushed / float(operand.numel())  # TE's: of all elements
     assert scalars["fp8/down/input/underflows_of_nonzero%"] == 100 * flushed / nonzero
+    suggested = stats.suggest(max_lost=0.01)  # the map test_per_module_recipe_fixes_... compiles
+    assert suggested == amp_fx.LowPrecision(recipe="tensorwise", modules={"down": None})
+    assert stats.suggest(max_lost=1.0) is None
 
 
 def test_planted_saturation_is_named_first_with_exact_counts() -> None:
@@ -292,21 +295,28 @@ def test_a_gemm_without_statistics_is_reported_by_name(strict: bool) -> None:
 @pytest.mark.slow
 def test_inductor_counts_equal_aot_eager_counts() -> None:
     """The backend ladder's last rung: under inductor (the input mutation and the grad tap lowered
-    into its kernels) the planted case's counts are those of aot_eager, exactly; the errors and
-    scales within float64 rounding of a reordered sum."""
+    into its kernels) the planted case's counts are those of aot_eager, exactly; the errors within
+    float64 rounding of a reordered sum. ``emulate_precision_casts``: inductor otherwise keeps
+    ``x * scale`` in fp32 inside its fused kernel instead of rounding it to bf16 (DESIGN.md), which
+    moved ``down``'s input error by 0.26 % (the counts were equal even then)."""
 
-    def stats(backend: str) -> amp_fx.Fp8Stats:
+    def stats(backend: str, **inductor: object) -> amp_fx.Fp8Stats:
         torch._dynamo.reset()
         torch.manual_seed(0)
         scale = torch.ones(64)
         scale[40:] = torch.logspace(-3, -9, 24)
         compiled = amp_fx.compile(
-            Planted(scale), dtype="bf16", low_precision="tensorwise", backend=backend, monitor=amp_fx.Fp8Monitor()
+            Planted(scale),
+            dtype="bf16",
+            low_precision="tensorwise",
+            backend=backend,
+            monitor=amp_fx.Fp8Monitor(),
+            **inductor,
         )
         _step(compiled, torch.randn(16, 64), torch.randn(16, 32))
         return amp_fx.fp8_stats(compiled)
 
-    reference, got = stats(BACKEND), stats("inductor")
+    reference, got = stats(BACKEND), stats("inductor", options={"emulate_precision_casts": True})
     assert (got.worst.gemm, got.worst.operand) == ("down", "input")
     for row in reference.rows:
         other = got.find(row.gemm, row.operand)
