@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 
 __all__ = [
     "BLOCK",
@@ -89,8 +90,14 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
 _EPS = 1e-12
 """torchao's floor on a block's amax (``blockwise_fp8_training/kernels.py``'s ``EPS``, the float8 one's value)."""
-_MIN_CAPABILITY = (9, 0)
-"""Blockwise-scaled fp8 GEMMs (cuBLAS's 1x128/128x128 scaling, torchao's Triton GEMMs) are Hopper's."""
+_KERNELS = KernelNeed(
+    lacks="blockwise fp8 GEMM",
+    elsewhere=" (it needs a Hopper GPU, compute capability 9.x)",
+    needs="cuBLAS's 1x128/128x128 scaling and torchao's Triton GEMMs are Hopper's (H100/H200)",
+    minimum=(9, 0),
+    below=(10, 0),  # Hopper's only: Blackwell's tensor cores take MX block scales, not these
+    rocm="amp_fx runs blockwise fp8 GEMMs on NVIDIA Hopper GPUs only (this is a ROCm build)",
+)
 
 
 class Blocks(NamedTuple):
@@ -191,17 +198,8 @@ def _torchao_gemms() -> tuple[Any, Any] | None:
 def blockwise_kernels_missing(device_type: str) -> str | None:
     """None where a blockwise fp8 GEMM runs on ``device_type``'s current device, else why not
     (then the matmul is emulated). Asks the CUDA device's compute capability once."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no blockwise fp8 GEMM (it needs a Hopper GPU, compute capability 9.x)"
-    if torch.version.hip is not None:
-        return "amp_fx runs blockwise fp8 GEMMs on NVIDIA Hopper GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if major != _MIN_CAPABILITY[0]:
-        return (
-            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no blockwise fp8 "
-            f"GEMM in torch or torchao: cuBLAS's 1x128/128x128 scaling and torchao's Triton GEMMs are "
-            f"Hopper's (H100/H200)"
-        )
+    if (missing := kernels_missing(device_type, _KERNELS)) is not None:
+        return missing
     if _scaled_mm_blockwise() is None and _torchao_gemms() is None:
         return (
             f"torch {torch.__version__}'s F.scaled_mm takes no blockwise scales and torchao is not "

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 
 __all__ = [
     "BLOCK",
@@ -71,26 +72,20 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_MIN_CAPABILITY = (10, 0)
-"""MX ``torch._scaled_mm`` needs a Blackwell GPU (sm_100); torchao's MXFP8 kernels are sm_100 only."""
+_KERNELS = KernelNeed(
+    lacks="MXFP8 matmul kernel",
+    elsewhere=" (MX torch._scaled_mm needs a Blackwell GPU, sm_100+)",
+    needs="MX torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)",
+    minimum=(10, 0),  # torchao's MXFP8 kernels are sm_100 only too
+    rocm="amp_fx runs MXFP8 on NVIDIA Blackwell GPUs only (this is a ROCm build)",
+)
 
 
 @functools.cache
 def mx_kernels_missing(device_type: str) -> str | None:
     """None where ``torch._scaled_mm`` runs MXFP8 on ``device_type``'s current device, else why not
-    (then :func:`mxfp8_matmul` emulates it). Asks the CUDA device's compute capability once."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no MXFP8 matmul kernel (MX torch._scaled_mm needs a Blackwell GPU, sm_100+)"
-    if torch.version.hip is not None:
-        return "amp_fx runs MXFP8 on NVIDIA Blackwell GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < _MIN_CAPABILITY:
-        name = torch.cuda.get_device_name()
-        return (
-            f"{name} (compute capability {major}.{minor}) has no MXFP8 tensor cores: MX "
-            f"torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)"
-        )
-    return None
+    (then :func:`mxfp8_matmul` emulates it). Asked once per device type."""
+    return kernels_missing(device_type, _KERNELS)
 
 
 class _Mx(NamedTuple):

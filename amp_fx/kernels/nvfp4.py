@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
 from amp_fx.fp8 import Nvfp4Options
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 from amp_fx.kernels.mxfp8_matmul import to_blocked
 
 __all__ = [
@@ -92,7 +93,6 @@ _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_MIN_CAPABILITY = (10, 0)
 
 
 class Nvfp4Tensor(NamedTuple):
@@ -107,21 +107,20 @@ class Nvfp4Tensor(NamedTuple):
     """fp32 scalar: the tensor's amax (after the Hadamard transform where applied)."""
 
 
+_KERNELS = KernelNeed(
+    lacks="fp4 tensor cores",
+    elsewhere=" (NVFP4 torch._scaled_mm needs a Blackwell GPU, sm_100+)",
+    needs="NVFP4 torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)",
+    minimum=(10, 0),
+    rocm="amp_fx runs NVFP4 on NVIDIA Blackwell GPUs only (this is a ROCm build)",
+)
+
+
 @functools.cache
 def fp4_kernels_missing(device_type: str) -> str | None:
     """None where ``torch._scaled_mm`` runs NVFP4 on ``device_type``'s current device, else why not
-    (then :func:`nvfp4_matmul` emulates it)."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no fp4 tensor cores (NVFP4 torch._scaled_mm needs a Blackwell GPU, sm_100+)"
-    if torch.version.hip is not None:
-        return "amp_fx runs NVFP4 on NVIDIA Blackwell GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < _MIN_CAPABILITY:
-        return (
-            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp4 tensor "
-            f"cores: NVFP4 torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)"
-        )
-    return None
+    (then :func:`nvfp4_matmul` emulates it). Asked once per device type."""
+    return kernels_missing(device_type, _KERNELS)
 
 
 def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
