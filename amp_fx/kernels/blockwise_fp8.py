@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx._common.pad import pad_to_multiples
 from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 
 __all__ = [
@@ -110,14 +111,6 @@ class Blocks(NamedTuple):
     ``[R' / 128, C' / 128]`` for tiles."""
 
 
-def _pad(x: torch.Tensor, *, rows: bool = False, cols: bool = False, multiple: int = BLOCK) -> torch.Tensor:
-    """``x`` zero-padded at the end of its last two dimensions (those asked for) to multiples of
-    ``multiple``; ``x`` itself where they already are (no op added)."""
-    pad_rows = -x.shape[-2] % multiple if rows else 0
-    pad_cols = -x.shape[-1] % multiple if cols else 0
-    return F.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
-
-
 def _scale(amax: torch.Tensor) -> torch.Tensor:
     """torchao's Triton kernels: ``amax`` (fp32) floored at EPS, ``448 / amax`` in float64, stored as fp32."""
     return (_E4M3_MAX / torch.clamp(amax.to(torch.float32), min=_EPS).to(torch.float64)).to(torch.float32)
@@ -134,7 +127,7 @@ def quantize_1x128(x: torch.Tensor) -> Blocks:
     dimension, zero-padded to a multiple of 128 first: torchao ``triton_fp8_blockwise_act_quant_lhs``
     (bitwise with ``torch_blockwise_scale_act_quant_lhs``; the transposed copies are this function
     of the transposed tensor)."""
-    x = _pad(x.contiguous(), cols=True)
+    x = pad_to_multiples(x.contiguous(), cols=BLOCK)
     rows, cols = x.shape
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(blocks), -1, keepdim=True))
@@ -147,7 +140,7 @@ def quantize_128x128(w: torch.Tensor) -> Blocks:
     """``w`` (2-D, any float dtype; amp_fx passes the fp32 master weight) in e4m3 with one fp32
     scale per 128 x 128 tile, both dimensions zero-padded to multiples of 128 first: torchao
     ``triton_fp8_blockwise_weight_quant_rhs`` (bitwise with ``torch_blockwise_scale_weight_quant``)."""
-    w = _pad(w.contiguous(), rows=True, cols=True)
+    w = pad_to_multiples(w.contiguous(), rows=BLOCK, cols=BLOCK)
     rows, cols = w.shape
     tiles = w.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(tiles), dim=(1, 3), keepdim=True))
@@ -225,8 +218,8 @@ def _on_gpu(a: Blocks, b: Blocks, out_dtype: torch.dtype) -> torch.Tensor:
     per 128 x 128 tile (``[I/128, C/128]``) or per 1 x 128 block (``[C, I/128]``)."""
     tiles = b.inv_scale.shape[0] != b.data.shape[0]
     if not tiles:  # _scaled_mm wants mat2's columns in multiples of 16 (a tile's are 128 already)
-        data = _pad(b.data.view(torch.uint8), rows=True, multiple=16).view(_E4M3)
-        b = Blocks(data, _pad(b.inv_scale, rows=True, multiple=16))
+        data = pad_to_multiples(b.data.view(torch.uint8), rows=16).view(_E4M3)
+        b = Blocks(data, pad_to_multiples(b.inv_scale, rows=16))
     a_data, a_scale, b_data = a.data, _col_major(a.inv_scale), _col_major(b.data.t())
     kinds = _scaled_mm_blockwise()
     if kinds is not None:
@@ -360,7 +353,7 @@ def _tiles_3d(w: torch.Tensor) -> Blocks:
     """:func:`quantize_128x128` of each expert of ``w`` (``[E, R, C]``): ``data`` ``[E, R', C']``,
     ``inv_scale`` ``[E, R'/128, C'/128]``."""
     e = w.shape[0]
-    w = _pad(w, rows=True, cols=True)
+    w = pad_to_multiples(w, rows=BLOCK, cols=BLOCK)
     _, rows, cols = w.shape
     with torch.no_grad():
         tiles = w.reshape(e, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)

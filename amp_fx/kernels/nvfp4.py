@@ -62,9 +62,9 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx._common.pad import pad_to_multiples
 from amp_fx.fp8 import Nvfp4Options
 from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 from amp_fx.kernels.mxfp8_matmul import to_blocked
@@ -123,13 +123,6 @@ def fp4_kernels_missing(device_type: str) -> str | None:
     return kernels_missing(device_type, _KERNELS)
 
 
-def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x`` (2-D) zero-padded at the end to multiples of ``rows`` and ``cols``; ``x`` itself where
-    it already is (no op added)."""
-    pad_r, pad_c = -x.shape[0] % rows, -x.shape[1] % cols
-    return F.pad(x, (0, pad_c, 0, pad_r)) if pad_r or pad_c else x
-
-
 def _sylvester(size: int) -> list[list[float]]:
     """Sylvester's Hadamard matrix of ``size`` (a power of two), entries +-1."""
     h = [[1.0]]
@@ -148,7 +141,7 @@ def rht(x: torch.Tensor) -> torch.Tensor:
     padded to a multiple of 16): products exact (entries +-1/4), summed in fp32, rounded to ``x``'s
     dtype (TE's reference multiplies in ``x``'s dtype: on this CPU a bf16 matmul flushes subnormal
     results to zero, this does not; ``tests/fp8/test_nvfp4.py``)."""
-    x = _pad(x, 1, BLOCK)
+    x = pad_to_multiples(x, cols=BLOCK)
     rows, cols = x.shape
     out = x.float().reshape(-1, BLOCK) @ torch.tensor(_RHT, dtype=torch.float32, device=x.device)
     return out.reshape(rows, cols).to(x.dtype)
@@ -201,7 +194,7 @@ def _quantize(
     # 2688: two roundings, a different S_enc on some tensors); inf (amax 0) -> FLT_MAX
     s_enc = torch.clamp(torch.full_like(amax, 2688.0) / amax, max=_FLT_MAX)
     s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
-    xp = _pad(x, tile_rows, BLOCK).float()
+    xp = pad_to_multiples(x, rows=tile_rows, cols=BLOCK).float()
     r, c = xp.shape
     blocks = xp.reshape(r // tile_rows, tile_rows, c // BLOCK, BLOCK)
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
