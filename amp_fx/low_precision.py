@@ -48,6 +48,7 @@ __all__ = [
     "label",
     "bind",
     "with_blocks",
+    "code",
 ]
 
 
@@ -365,3 +366,28 @@ def with_blocks(config: Fp8Config | None, root: object) -> Fp8Config | None:
     if not paths:
         return config
     return LowPrecision(recipe=config.recipe, modules=config.modules, block_paths=paths, nvfp4=config.nvfp4)
+
+
+def code(config: LowPrecision) -> str:
+    """``config`` as the code that builds it, with the names ``amp_fx`` exports
+    (``LowPrecision(recipe="rowwise", modules={"lm_head": None})``): what ``advise`` prints for
+    the user to paste into ``amp_fx.compile(..., low_precision=...)``.
+
+        >>> code(LowPrecision(recipe="mxfp8", modules={"lm_head": None, Blocks(last=2): "rowwise"}))
+        'LowPrecision(recipe="mxfp8", modules={"lm_head": None, Blocks(first=0, last=2, of=None): "rowwise"})'
+    """
+
+    def text(value: object) -> str:
+        if value is None:
+            return "None"
+        if isinstance(value, Fp8Recipe):
+            return f'"{value.value}"'
+        if isinstance(value, str):
+            return f'"{value}"'
+        if isinstance(value, type):
+            return ("nn." if value.__module__.startswith("torch.nn") else f"{value.__module__}.") + value.__qualname__
+        return repr(value)  # Blocks, Nvfp4Options: dataclasses whose repr is their constructor call
+
+    modules = ", ".join(f"{text(k)}: {text(v)}" for k, v in config.modules.items())
+    options = "" if config.nvfp4 is None else f", nvfp4={text(config.nvfp4)}"
+    return f"LowPrecision(recipe={text(config.recipe)}, modules={{{modules}}}{options})"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
@@ -292,40 +293,46 @@ def slow_fp8_text(records: Sequence[GraphRecord]) -> str | None:
     left undone, so strict mode does not refuse it (and CPU runs of fp8 stay possible there)."""
     converted = {(d.recipe, r.device_type) for r in records if r.fp8 is not None for d in r.fp8.converted if d.recipe}
     for recipe, device_type in sorted(converted, key=lambda c: (c[0].value, c[1])):
-        if recipe is Fp8Recipe.MXFP8:
-            missing = mx_kernels_missing(device_type)
-            if missing is not None:
-                return (
-                    f"amp_fx: fp8='mxfp8' runs emulated here: {missing}. Each MXFP8 GEMM is dequantized "
-                    f"to bf16 and multiplied in bf16 (torchao's KernelPreference.EMULATED): MXFP8's "
-                    f"numerics, slower than bf16. Train on a B200/GB200 for MXFP8 kernels; on an "
-                    f"H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed."
-                )
-        elif recipe is Fp8Recipe.BLOCKWISE:
-            missing = blockwise_kernels_missing(device_type)
-            if missing is not None:
-                return (
-                    f"amp_fx: fp8='blockwise' runs emulated here: {missing}. Each blockwise GEMM's operands "
-                    f"are quantized as the recipe says, dequantized to fp32 and multiplied in fp32: the "
-                    f"recipe's quantization, slower than bf16. Train on an H100/H200 for its fp8 GEMMs."
-                )
-        elif recipe is Fp8Recipe.NVFP4:
-            missing = fp4_kernels_missing(device_type)
-            if missing is not None:
-                return (
-                    f"amp_fx: fp8='nvfp4' runs emulated here: {missing}. Each NVFP4 GEMM is dequantized "
-                    f"to fp32 (e2m1 times its e4m3 block scale, exact) and multiplied in fp32, then "
-                    f"scaled by the tensor scales (as TransformerEngine's reference GEMM): NVFP4's "
-                    f"numerics, slower than bf16. Train on a B200/GB200 for fp4 tensor cores."
-                )
-        elif (missing := fp8_tensor_cores_missing(device_type)) is not None:
-            return (
-                f"amp_fx: fp8={recipe.value!r} runs without fp8 tensor cores here: {missing}. The "
-                f"recipe's numerics, slower than bf16 (for developing and testing fp8 on this machine); "
-                f"fp8 is fast on GPUs with compute capability 8.9+ (L4, L40S, H100, H200, B200). Here "
-                f"dtype='bf16' alone trains faster."
-            )
+        kernels_missing, consequence = _SLOW_KERNELS[recipe]
+        if (missing := kernels_missing(device_type)) is not None:
+            return f"amp_fx: fp8={recipe.value!r} {consequence.format(missing=missing)}"
     return None
+
+
+_FP8_REFERENCE_KERNEL = (
+    fp8_tensor_cores_missing,
+    "runs without fp8 tensor cores here: {missing}. The recipe's numerics, slower than bf16 (for "
+    "developing and testing fp8 on this machine); fp8 is fast on GPUs with compute capability 8.9+ "
+    "(L4, L40S, H100, H200, B200). Here dtype='bf16' alone trains faster.",
+)
+_SLOW_KERNELS: Mapping[Fp8Recipe, tuple[Callable[[str], str | None], str]] = MappingProxyType(
+    {
+        Fp8Recipe.TENSORWISE: _FP8_REFERENCE_KERNEL,
+        Fp8Recipe.ROWWISE: _FP8_REFERENCE_KERNEL,
+        Fp8Recipe.ROWWISE_WITH_GW_HP: _FP8_REFERENCE_KERNEL,
+        Fp8Recipe.MXFP8: (
+            mx_kernels_missing,
+            "runs emulated here: {missing}. Each MXFP8 GEMM is dequantized to bf16 and multiplied in "
+            "bf16 (torchao's KernelPreference.EMULATED): MXFP8's numerics, slower than bf16. Train on "
+            "a B200/GB200 for MXFP8 kernels; on an H100/H200 use fp8='rowwise' or 'tensorwise' for fp8 speed.",
+        ),
+        Fp8Recipe.BLOCKWISE: (
+            blockwise_kernels_missing,
+            "runs emulated here: {missing}. Each blockwise GEMM's operands are quantized as the recipe "
+            "says, dequantized to fp32 and multiplied in fp32: the recipe's quantization, slower than "
+            "bf16. Train on an H100/H200 for its fp8 GEMMs.",
+        ),
+        Fp8Recipe.NVFP4: (
+            fp4_kernels_missing,
+            "runs emulated here: {missing}. Each NVFP4 GEMM is dequantized to fp32 (e2m1 times its e4m3 "
+            "block scale, exact) and multiplied in fp32, then scaled by the tensor scales (as "
+            "TransformerEngine's reference GEMM): NVFP4's numerics, slower than bf16. Train on a "
+            "B200/GB200 for fp4 tensor cores.",
+        ),
+    }
+)
+"""Each recipe's kernel check (None where its fast GEMM runs on a device type, else why not) and
+what :func:`slow_fp8_text` says where it is missing (``{missing}``: the check's reason)."""
 
 
 def _report_experts(records: Sequence[GraphRecord], policy: Policy, reporter: Reporter) -> None:

@@ -37,7 +37,7 @@ from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_ba
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
 from amp_fx.backend.traced_paths import report_traced_paths
-from amp_fx.backend.weight_cache import WeightCache
+from amp_fx.backend.weight_cache import WeightCache, report_uncached_experts
 from amp_fx.errors import AmpFxError
 from amp_fx.monitor.state import GraphStats, MonitorState
 from amp_fx.options import Numerics, Options
@@ -286,6 +286,8 @@ class AmpBackend:
         with stage("downstream", work.index, work.done):
             downstream = self._downstream_for(record)
         if lifted is not None:
+            if record.fp8 is not None:
+                report_uncached_experts(record.fp8.decisions, self.reporter)
             stamp_forward_nodes(lifted.gm)  # the backward watch's names (a copy made before the stamp)
             try:
                 return self.weight_cache.wrap(downstream(lifted.gm, lifted.example_inputs), lifted.lifted)

@@ -39,6 +39,13 @@ Not detectable cheaply, hence documented: in-place edits through ``param.data`` 
 counter, autograd's own checks miss them too) and fused kernels run outside a
 ``torch.optim.Optimizer``. Call :meth:`WeightCache.invalidate` after those.
 
+Not cached, hence said (:func:`report_uncached_experts`; an error in strict mode): the
+low-precision casts of grouped expert weights (MoE layers' ``[E, K, N]`` parameters in a grouped
+GEMM the fp8 pass converted, any recipe). Their kernels quantize the weight inside the GEMM and
+have no cached-weight twin yet, so each forward quantizes them again: the same values (bitwise
+either way), one quantization per micro-batch. Kept out of low precision, their bf16 copies are
+cached as any weight's.
+
 Not supported, hence refused (:func:`weight_cache_off_for_fsdp2`): FSDP2 models.
 FSDP2 all-gathers each parameter into the same unsharded tensor every forward without bumping its
 version counter, and its optimizer steps the sharded parameters. DDP is supported: every rank
@@ -67,12 +74,22 @@ from amp_fx._common.compat import local_tensor
 from amp_fx._common.report import Reporter
 from amp_fx._dist.capture import distributed_units
 from amp_fx.kernels.fp8_matmul import weight_casts
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.passes.lift_weight_casts import Fp8WeightCast, Lifted
 from amp_fx.policy import Policy
 
-__all__ = ["WeightCache", "StepWriter", "LOW_DTYPES", "weight_cache_applies", "weight_cache_off_for_fsdp2"]
+__all__ = [
+    "WeightCache",
+    "StepWriter",
+    "LOW_DTYPES",
+    "weight_cache_applies",
+    "weight_cache_off_for_fsdp2",
+    "report_uncached_experts",
+]
 
 LOW_DTYPES = (torch.bfloat16, torch.float16)
+_GROUPED_OPS = ("aten._grouped_mm", "transformers.grouped_mm_fallback")
+"""The grouped expert GEMMs as :class:`~amp_fx.passes.fp8_matmuls.Fp8Decision` names them."""
 
 
 class _CachedCast(torch.autograd.Function):
@@ -430,3 +447,26 @@ def weight_cache_off_for_fsdp2(model: torch.nn.Module, reporter: Reporter, calle
         ),
     )
     return True
+
+
+def report_uncached_experts(decisions: Sequence[Fp8Decision], reporter: Reporter) -> None:
+    """Say once (an error in strict mode) that the grouped expert GEMMs among ``decisions`` (one
+    graph's fp8 decisions) that run in low precision have their weights quantized in every forward:
+    the weight cache holds no cast of theirs (module doc)."""
+    grouped = [d for d in decisions if d.converted and d.op in _GROUPED_OPS]
+    if not grouped:
+        return
+    shown = ", ".join(f"{d.weight} ({d.recipe.value if d.recipe else '?'})" for d in grouped[:4])
+    modules = sorted({d.module for d in grouped if d.module})
+    keep = f"Policy(keep_out_of_fp8={tuple(modules)!r})" if modules else "Policy(keep_out_of_fp8=[module])"
+    reporter.did_less(
+        ("weight_cache", "grouped experts"),
+        (
+            f"amp_fx: weight_cache=True does not cache the low-precision casts of grouped expert weights "
+            f"({shown}{', ...' if len(grouped) > 4 else ''}): their grouped GEMMs quantize the weight "
+            f"themselves, so every forward quantizes them again (the same values: results are bitwise "
+            f"either way; the cost is one quantization of the experts' weights per micro-batch). Every "
+            f"other weight is cached. Keep the experts out of low precision ({keep}, whose bf16 casts "
+            f"are cached) or accept the cost; strict=True makes this an error."
+        ),
+    )

@@ -66,6 +66,8 @@ import torch
 import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx._common.pad import pad_to_multiples
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 
 __all__ = [
     "BLOCK",
@@ -89,8 +91,14 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
 _EPS = 1e-12
 """torchao's floor on a block's amax (``blockwise_fp8_training/kernels.py``'s ``EPS``, the float8 one's value)."""
-_MIN_CAPABILITY = (9, 0)
-"""Blockwise-scaled fp8 GEMMs (cuBLAS's 1x128/128x128 scaling, torchao's Triton GEMMs) are Hopper's."""
+_KERNELS = KernelNeed(
+    lacks="blockwise fp8 GEMM",
+    elsewhere=" (it needs a Hopper GPU, compute capability 9.x)",
+    needs="cuBLAS's 1x128/128x128 scaling and torchao's Triton GEMMs are Hopper's (H100/H200)",
+    minimum=(9, 0),
+    below=(10, 0),  # Hopper's only: Blackwell's tensor cores take MX block scales, not these
+    rocm="amp_fx runs blockwise fp8 GEMMs on NVIDIA Hopper GPUs only (this is a ROCm build)",
+)
 
 
 class Blocks(NamedTuple):
@@ -101,14 +109,6 @@ class Blocks(NamedTuple):
     inv_scale: torch.Tensor
     """fp32 reciprocal scales (``hp ~ data * inv_scale``): ``[R, C' / 128]`` for 1x128 blocks,
     ``[R' / 128, C' / 128]`` for tiles."""
-
-
-def _pad(x: torch.Tensor, *, rows: bool = False, cols: bool = False, multiple: int = BLOCK) -> torch.Tensor:
-    """``x`` zero-padded at the end of its last two dimensions (those asked for) to multiples of
-    ``multiple``; ``x`` itself where they already are (no op added)."""
-    pad_rows = -x.shape[-2] % multiple if rows else 0
-    pad_cols = -x.shape[-1] % multiple if cols else 0
-    return F.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ def quantize_1x128(x: torch.Tensor) -> Blocks:
     dimension, zero-padded to a multiple of 128 first: torchao ``triton_fp8_blockwise_act_quant_lhs``
     (bitwise with ``torch_blockwise_scale_act_quant_lhs``; the transposed copies are this function
     of the transposed tensor)."""
-    x = _pad(x.contiguous(), cols=True)
+    x = pad_to_multiples(x.contiguous(), cols=BLOCK)
     rows, cols = x.shape
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(blocks), -1, keepdim=True))
@@ -140,7 +140,7 @@ def quantize_128x128(w: torch.Tensor) -> Blocks:
     """``w`` (2-D, any float dtype; amp_fx passes the fp32 master weight) in e4m3 with one fp32
     scale per 128 x 128 tile, both dimensions zero-padded to multiples of 128 first: torchao
     ``triton_fp8_blockwise_weight_quant_rhs`` (bitwise with ``torch_blockwise_scale_weight_quant``)."""
-    w = _pad(w.contiguous(), rows=True, cols=True)
+    w = pad_to_multiples(w.contiguous(), rows=BLOCK, cols=BLOCK)
     rows, cols = w.shape
     tiles = w.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
     scale = _scale(torch.amax(torch.abs(tiles), dim=(1, 3), keepdim=True))
@@ -191,17 +191,8 @@ def _torchao_gemms() -> tuple[Any, Any] | None:
 def blockwise_kernels_missing(device_type: str) -> str | None:
     """None where a blockwise fp8 GEMM runs on ``device_type``'s current device, else why not
     (then the matmul is emulated). Asks the CUDA device's compute capability once."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no blockwise fp8 GEMM (it needs a Hopper GPU, compute capability 9.x)"
-    if torch.version.hip is not None:
-        return "amp_fx runs blockwise fp8 GEMMs on NVIDIA Hopper GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if major != _MIN_CAPABILITY[0]:
-        return (
-            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no blockwise fp8 "
-            f"GEMM in torch or torchao: cuBLAS's 1x128/128x128 scaling and torchao's Triton GEMMs are "
-            f"Hopper's (H100/H200)"
-        )
+    if (missing := kernels_missing(device_type, _KERNELS)) is not None:
+        return missing
     if _scaled_mm_blockwise() is None and _torchao_gemms() is None:
         return (
             f"torch {torch.__version__}'s F.scaled_mm takes no blockwise scales and torchao is not "
@@ -227,8 +218,8 @@ def _on_gpu(a: Blocks, b: Blocks, out_dtype: torch.dtype) -> torch.Tensor:
     per 128 x 128 tile (``[I/128, C/128]``) or per 1 x 128 block (``[C, I/128]``)."""
     tiles = b.inv_scale.shape[0] != b.data.shape[0]
     if not tiles:  # _scaled_mm wants mat2's columns in multiples of 16 (a tile's are 128 already)
-        data = _pad(b.data.view(torch.uint8), rows=True, multiple=16).view(_E4M3)
-        b = Blocks(data, _pad(b.inv_scale, rows=True, multiple=16))
+        data = pad_to_multiples(b.data.view(torch.uint8), rows=16).view(_E4M3)
+        b = Blocks(data, pad_to_multiples(b.inv_scale, rows=16))
     a_data, a_scale, b_data = a.data, _col_major(a.inv_scale), _col_major(b.data.t())
     kinds = _scaled_mm_blockwise()
     if kinds is not None:
@@ -362,7 +353,7 @@ def _tiles_3d(w: torch.Tensor) -> Blocks:
     """:func:`quantize_128x128` of each expert of ``w`` (``[E, R, C]``): ``data`` ``[E, R', C']``,
     ``inv_scale`` ``[E, R'/128, C'/128]``."""
     e = w.shape[0]
-    w = _pad(w, rows=True, cols=True)
+    w = pad_to_multiples(w, rows=BLOCK, cols=BLOCK)
     _, rows, cols = w.shape
     with torch.no_grad():
         tiles = w.reshape(e, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)

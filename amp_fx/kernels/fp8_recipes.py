@@ -89,6 +89,19 @@ class RecipeCasts:
     fast_accum_grad_input: bool = False
     fast_accum_grad_weight: bool = False
 
+    def cast_in(self, operand: str, gemm: str) -> Cast:
+        """The cast of ``operand`` (``"input"``, ``"weight"``, ``"grad_output"``) in ``gemm``
+        (``"output"``: ``x @ w``; ``"grad_input"``: ``g @ w.T``; ``"grad_weight"``: ``x.T @ g``);
+        KeyError for an operand the GEMM does not read."""
+        return {
+            ("input", "output"): self.input,
+            ("weight", "output"): self.weight,
+            ("grad_output", "grad_input"): self.grad_output,
+            ("weight", "grad_input"): self.weight_for_grad_input,
+            ("input", "grad_weight"): self.input_for_grad_weight,
+            ("grad_output", "grad_weight"): self.grad_output_for_grad_weight,
+        }[(operand, gemm)]
+
     @property
     def granularity(self) -> str:
         """The scale granularity of the forward GEMM, for inspection (``tensorwise``/``rowwise``/``mx``)."""

@@ -50,9 +50,10 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx._common.pad import pad_to_multiples
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 
 __all__ = [
     "BLOCK",
@@ -71,26 +72,20 @@ _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
-_MIN_CAPABILITY = (10, 0)
-"""MX ``torch._scaled_mm`` needs a Blackwell GPU (sm_100); torchao's MXFP8 kernels are sm_100 only."""
+_KERNELS = KernelNeed(
+    lacks="MXFP8 matmul kernel",
+    elsewhere=" (MX torch._scaled_mm needs a Blackwell GPU, sm_100+)",
+    needs="MX torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)",
+    minimum=(10, 0),  # torchao's MXFP8 kernels are sm_100 only too
+    rocm="amp_fx runs MXFP8 on NVIDIA Blackwell GPUs only (this is a ROCm build)",
+)
 
 
 @functools.cache
 def mx_kernels_missing(device_type: str) -> str | None:
     """None where ``torch._scaled_mm`` runs MXFP8 on ``device_type``'s current device, else why not
-    (then :func:`mxfp8_matmul` emulates it). Asks the CUDA device's compute capability once."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no MXFP8 matmul kernel (MX torch._scaled_mm needs a Blackwell GPU, sm_100+)"
-    if torch.version.hip is not None:
-        return "amp_fx runs MXFP8 on NVIDIA Blackwell GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < _MIN_CAPABILITY:
-        name = torch.cuda.get_device_name()
-        return (
-            f"{name} (compute capability {major}.{minor}) has no MXFP8 tensor cores: MX "
-            f"torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)"
-        )
-    return None
+    (then :func:`mxfp8_matmul` emulates it). Asked once per device type."""
+    return kernels_missing(device_type, _KERNELS)
 
 
 class _Mx(NamedTuple):
@@ -102,21 +97,11 @@ class _Mx(NamedTuple):
     """uint8, ``[rows, cols // BLOCK]``: the biased e8m0 exponent of each block."""
 
 
-def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """``x`` zero-padded at the end of ``dim`` (0 or 1 of a 2-D tensor) to a multiple of
-    ``multiple``; ``x`` itself where it already is one (no op added)."""
-    size = x.shape[dim]
-    pad = -(-size // multiple) * multiple - size
-    if not pad:
-        return x
-    return F.pad(x, (0, pad) if dim == 1 else (0, 0, 0, pad))
-
-
 def _to_mx(x: torch.Tensor) -> _Mx:
     """torchao ``to_mx(x, e4m3, 32, ScaleCalculationMode.RCEIL)`` (with ``_to_mx_rceil``'s
     fallback, the one that runs off Blackwell and in eager) of a 2-D bf16/fp32 tensor, its last
     dimension zero-padded to a multiple of 32 first. Op for op torchao's, for bitwise results."""
-    x = _pad_to(x.contiguous(), 1, BLOCK)
+    x = pad_to_multiples(x.contiguous(), cols=BLOCK)
     rows, cols = x.shape
     blocks = x.reshape(rows, cols // BLOCK, BLOCK)
     max_abs = torch.amax(torch.abs(blocks), -1).unsqueeze(-1)
@@ -185,7 +170,8 @@ def _gemm(a: _Mx, b: _Mx, out_dtype: torch.dtype, emulate: bool) -> torch.Tensor
     if emulate:
         return torch.mm(_dequantize(a, out_dtype), _dequantize(b, out_dtype).t())
     c = b.data.shape[0]
-    b_data, b_scale = _pad_to(b.data.view(torch.uint8), 0, 16).view(_E4M3), _pad_to(b.scale, 0, 16)
+    b_data = pad_to_multiples(b.data.view(torch.uint8), rows=16).view(_E4M3)
+    b_scale = pad_to_multiples(b.scale, rows=16)
     e8m0 = torch.float8_e8m0fnu
     out = torch._scaled_mm(
         a.data, b_data.t(), to_blocked(a.scale).view(e8m0), to_blocked(b_scale).view(e8m0), out_dtype=torch.bfloat16
@@ -308,7 +294,7 @@ def _dequantize_grouped(a: _Mx) -> torch.Tensor:
 def _pad_tokens(x: torch.Tensor) -> torch.Tensor:
     """``x`` (``[M, D]``) zero-padded along M to a multiple of 32: rows past the last offset,
     which no group reads."""
-    return _pad_to(x, 0, BLOCK)
+    return pad_to_multiples(x, rows=BLOCK)
 
 
 class _MxGroupedMm(torch.autograd.Function):

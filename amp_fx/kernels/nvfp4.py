@@ -62,10 +62,11 @@ import functools
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from amp_fx._common.matmul_output import matmul_output
+from amp_fx._common.pad import pad_to_multiples
 from amp_fx.fp8 import Nvfp4Options
+from amp_fx.kernels.fp8_support import KernelNeed, kernels_missing
 from amp_fx.kernels.mxfp8_matmul import to_blocked
 
 __all__ = [
@@ -92,7 +93,6 @@ _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_MIN_CAPABILITY = (10, 0)
 
 
 class Nvfp4Tensor(NamedTuple):
@@ -107,28 +107,20 @@ class Nvfp4Tensor(NamedTuple):
     """fp32 scalar: the tensor's amax (after the Hadamard transform where applied)."""
 
 
+_KERNELS = KernelNeed(
+    lacks="fp4 tensor cores",
+    elsewhere=" (NVFP4 torch._scaled_mm needs a Blackwell GPU, sm_100+)",
+    needs="NVFP4 torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)",
+    minimum=(10, 0),
+    rocm="amp_fx runs NVFP4 on NVIDIA Blackwell GPUs only (this is a ROCm build)",
+)
+
+
 @functools.cache
 def fp4_kernels_missing(device_type: str) -> str | None:
     """None where ``torch._scaled_mm`` runs NVFP4 on ``device_type``'s current device, else why not
-    (then :func:`nvfp4_matmul` emulates it)."""
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return f"{device_type} has no fp4 tensor cores (NVFP4 torch._scaled_mm needs a Blackwell GPU, sm_100+)"
-    if torch.version.hip is not None:
-        return "amp_fx runs NVFP4 on NVIDIA Blackwell GPUs only (this is a ROCm build)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < _MIN_CAPABILITY:
-        return (
-            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no fp4 tensor "
-            f"cores: NVFP4 torch._scaled_mm needs a Blackwell GPU (compute capability 10.0+, B200/GB200)"
-        )
-    return None
-
-
-def _pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x`` (2-D) zero-padded at the end to multiples of ``rows`` and ``cols``; ``x`` itself where
-    it already is (no op added)."""
-    pad_r, pad_c = -x.shape[0] % rows, -x.shape[1] % cols
-    return F.pad(x, (0, pad_c, 0, pad_r)) if pad_r or pad_c else x
+    (then :func:`nvfp4_matmul` emulates it). Asked once per device type."""
+    return kernels_missing(device_type, _KERNELS)
 
 
 def _sylvester(size: int) -> list[list[float]]:
@@ -149,7 +141,7 @@ def rht(x: torch.Tensor) -> torch.Tensor:
     padded to a multiple of 16): products exact (entries +-1/4), summed in fp32, rounded to ``x``'s
     dtype (TE's reference multiplies in ``x``'s dtype: on this CPU a bf16 matmul flushes subnormal
     results to zero, this does not; ``tests/fp8/test_nvfp4.py``)."""
-    x = _pad(x, 1, BLOCK)
+    x = pad_to_multiples(x, cols=BLOCK)
     rows, cols = x.shape
     out = x.float().reshape(-1, BLOCK) @ torch.tensor(_RHT, dtype=torch.float32, device=x.device)
     return out.reshape(rows, cols).to(x.dtype)
@@ -202,7 +194,7 @@ def _quantize(
     # 2688: two roundings, a different S_enc on some tensors); inf (amax 0) -> FLT_MAX
     s_enc = torch.clamp(torch.full_like(amax, 2688.0) / amax, max=_FLT_MAX)
     s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
-    xp = _pad(x, tile_rows, BLOCK).float()
+    xp = pad_to_multiples(x, rows=tile_rows, cols=BLOCK).float()
     r, c = xp.shape
     blocks = xp.reshape(r // tile_rows, tile_rows, c // BLOCK, BLOCK)
     block_amax = blocks.abs().amax(dim=(1, 3), keepdim=True)

@@ -74,14 +74,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
+from amp_fx._common.pad import pad_to_multiples
 from amp_fx.fp8 import Fp8Recipe, Nvfp4Options
 from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels import nvfp4 as _nv
 from amp_fx.kernels.fp8_matmul import Fp8Operand, _to_fp8
-from amp_fx.kernels.fp8_recipes import RECIPES, Cast, RecipeCasts
+from amp_fx.kernels.fp8_recipes import RECIPES, Cast
 
 __all__ = ["FIGURES", "OPERANDS", "GEMMS", "quant_stats", "stats_dict", "te_stats"]
 
@@ -165,18 +165,7 @@ def _layout(hp: torch.Tensor, operand: str, gemm: str) -> torch.Tensor:
     return rows.t() if gemm == "grad_weight" else rows
 
 
-def _casts(c: RecipeCasts) -> dict[tuple[str, str], Cast]:
-    return {
-        ("input", "output"): c.input,
-        ("weight", "output"): c.weight,
-        ("grad_output", "grad_input"): c.grad_output,
-        ("weight", "grad_input"): c.weight_for_grad_input,
-        ("input", "grad_weight"): c.input_for_grad_weight,
-        ("grad_output", "grad_weight"): c.grad_output_for_grad_weight,
-    }
-
-
-_CASTS = {(recipe, *key): cast for recipe, c in RECIPES.items() for key, cast in _casts(c).items()}
+_CASTS = {(r, o, g): c.cast_in(o, g) for r, c in RECIPES.items() for g, operands in _READS.items() for o in operands}
 """Each (recipe, operand, gemm)'s cast, read from :data:`RECIPES` once: a plain dict, which Dynamo
 reads where it cannot read the ``MappingProxyType`` (its keys are enum members)."""
 _POW2 = {recipe: c.round_scales_to_power_of_2 for recipe, c in RECIPES.items()}
@@ -254,7 +243,7 @@ def _figures(q: _Quantized) -> torch.Tensor:
     nonzero = seen != 0
     decode = q.decode.repeat_interleave(q.tile_rows, dim=0)[:rows].repeat_interleave(q.tile_cols, dim=1)[:, :cols]
     saturated = magnitude > decode * (q.max * (1.0 + _SCALE_ROUNDING))
-    block_amax = F.pad(magnitude, (0, -cols % q.tile_cols, 0, -rows % q.tile_rows))
+    block_amax = pad_to_multiples(magnitude, rows=q.tile_rows, cols=q.tile_cols)
     block_amax = block_amax.reshape(q.decode.shape[0], q.tile_rows, q.decode.shape[1], q.tile_cols).amax(dim=(1, 3))
     live = block_amax > 0
     inf = torch.full_like(q.decode, float("inf"))

@@ -122,3 +122,11 @@ def test_a_slow_fp8_kernel_is_one_notice_even_in_strict_mode(recipe: str, says: 
     message = next(str(w.message) for w in caught if "amp_fx: fp8=" in str(w.message))
     assert says in message and "slower than bf16" in message and ("H100" in message or "B200" in message)
     assert says in str(amp_fx.explain(nn.Linear(32, 32), x, dtype="bf16", fp8=recipe))
+
+
+def test_every_recipe_has_a_kernel_check() -> None:
+    """``slow_fp8_text`` reads one table, recipe -> (kernel check, text): a recipe missing from it
+    would raise at the first compile that converts a matmul with it."""
+    from amp_fx.backend.audit import _SLOW_KERNELS
+
+    assert set(_SLOW_KERNELS) == set(Fp8Recipe)

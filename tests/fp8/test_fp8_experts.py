@@ -31,6 +31,7 @@ from amp_fx.testing.fp8_reference import (
     torchao_float8,
     torchao_missing,
 )
+from tests.fp8._fp8_cases import sgd_uncached_and_cached
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
 transformers = pytest.importorskip("transformers", reason="the MoE models come from transformers")
@@ -306,3 +307,42 @@ def test_autocast_experts_false_keeps_the_experts_out_of_fp8() -> None:
     assert len(record.fp8.decisions) > 2 and all(d.converted for d in record.fp8.decisions if d not in kept)
     grouped = [n for n in record.rewritten.graph.nodes if n.op == "call_function" and "grouped" in str(n.target)]
     assert len(grouped) == 2 and all(a.meta["val"].dtype == torch.float32 for n in grouped for a in n.args[:2])
+
+
+@pytest.mark.slow_cases
+@pytest.mark.parametrize("recipe", [_recipe("tensorwise"), _recipe("blockwise")])
+def test_weight_cache_says_grouped_expert_weights_are_not_cached(recipe: str) -> None:
+    """``weight_cache=True`` caches every weight but the grouped experts' low-precision casts: said
+    once, naming both expert weights and the fix (strict mode raises); training stays bitwise with
+    the uncached run (2 SGD steps of 2 micro-batches: the router's weight is cached, the experts'
+    quantized in every forward as without the cache). Its twin, the experts kept out of fp8, says
+    nothing and caches their bf16 casts."""
+    torch.manual_seed(0)
+    model = _GroupedMixture(hidden=64)
+    steps = [[torch.randn(2, 16, 32) for _ in range(2)] for _ in range(2)]
+    kwargs = {"fp8": recipe, "backend": "aot_eager"}
+    with pytest.warns(amp_fx.AmpFxWarning, match="weight_cache=True does not cache") as said:
+        (uncached, cached) = sgd_uncached_and_cached(model, steps, lr=0.5, strict=False, **kwargs)
+    messages = [str(w.message) for w in said if "does not cache" in str(w.message)]
+    assert len(messages) == 1 and "w_in" in messages[0] and "w_out" in messages[0], messages
+    assert "keep_out_of_fp8" in messages[0]
+    assert_bitwise(cached, uncached, f"{recipe}: weight cache with grouped experts against none")
+    with pytest.raises(amp_fx.AmpFxError, match="weight_cache=True does not cache"):
+        c = amp_fx.compile(copy.deepcopy(model), dtype="bf16", weight_cache=True, strict=True, **kwargs)
+        c(steps[0][0])
+    # the twin: the experts kept out of fp8 (by name: Policy selects no op of the compiled root's
+    # own code, and says so), their bf16 casts cached
+    import warnings
+
+    kept = nn.Sequential(copy.deepcopy(model))
+    with warnings.catch_warnings():  # not strict: it would refuse fp8 with no matmul left in it
+        warnings.filterwarnings("ignore", message=".*can run in fp8.*")
+        warnings.filterwarnings("error", message=".*does not cache.*")
+        c = amp_fx.compile(
+            kept, dtype="bf16", weight_cache=True, strict=False, policy=amp_fx.Policy(keep_out_of_fp8=("0",)), **kwargs
+        )
+        loss_fn(c(steps[0][0])).backward()
+    decisions = [d for r in amp_fx.records(c) if r.fp8 is not None for d in r.fp8.decisions]
+    assert decisions and not any(d.converted for d in decisions), decisions
+    cached = {id(w) for w, _ in c.amp_fx_weight_cache.pairs(list(kept.parameters()))}
+    assert {id(kept[0].w_in), id(kept[0].w_out)} <= cached

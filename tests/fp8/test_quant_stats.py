@@ -78,15 +78,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _cast(recipe: Fp8Recipe, operand: str, gemm: str) -> Cast:
-    c = RECIPES[recipe]
-    return {
-        ("input", "output"): c.input,
-        ("weight", "output"): c.weight,
-        ("grad_output", "grad_input"): c.grad_output,
-        ("weight", "grad_input"): c.weight_for_grad_input,
-        ("input", "grad_weight"): c.input_for_grad_weight,
-        ("grad_output", "grad_weight"): c.grad_output_for_grad_weight,
-    }[(operand, gemm)]
+    return RECIPES[recipe].cast_in(operand, gemm)
 
 
 def _ref_float8(t: torch.Tensor, recipe: Fp8Recipe, operand: str, gemm: str) -> Reference | None:

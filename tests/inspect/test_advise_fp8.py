@@ -229,3 +229,56 @@ def test_cli_fp8_choices_are_the_recipes() -> None:
     from amp_fx.fp8 import Fp8Recipe
 
     assert _FP8 == [r.value for r in Fp8Recipe]
+
+
+def _converted(compiled: object) -> dict[str, tuple[bool, object]]:
+    """Each matmul's (converted, recipe) by weight, as the fp8 pass decided it (what explain shows)."""
+    records = [r.fp8 for r in amp_fx.records(compiled) if r.fp8 is not None]
+    return {d.weight: (d.converted, d.recipe) for fp8 in records for d in fp8.decisions}
+
+
+@pytest.mark.slow_cases
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_advice_as_a_per_module_map_compiles_to_what_it_advised(recipe: str) -> None:
+    """``advice.low_precision`` (and its code, printed in the advice) is a per-module recipe map:
+    passed back to ``amp_fx.compile(low_precision=...)`` it converts the matmuls the advised policy
+    converts, kept module's in bf16 and the rest in the recipe (the fp8 pass's decisions, which
+    explain shows, selector and all), gives the same loss and gradients bit for bit, and meets the
+    target against float64 where every matmul in fp8 does not."""
+    model, inputs, loss_fn = build("fp8_outlier")
+    advice = amp_fx.advise(model, *inputs, dtype="bf16", fp8=recipe, loss_fn=loss_fn)
+    culprit = FP8_HAZARDS["fp8_outlier"]
+    lp = advice.low_precision
+    assert lp == amp_fx.LowPrecision(recipe=recipe, modules={culprit: None}), lp
+    code = f'LowPrecision(recipe="{recipe}", modules={{"{culprit}": None}})'
+    assert f"  low_precision = {code}" in str(advice) and advice.to_dict()["low_precision"] == code
+    assert eval(code, {"LowPrecision": amp_fx.LowPrecision}) == lp
+
+    runs = {}
+    for how, kwargs in {
+        "map": {"low_precision": lp},
+        "policy": {"fp8": recipe, "policy": advice.policy},
+    }.items():
+        m = copy.deepcopy(model)
+        compiled = amp_fx.compile(m, dtype="bf16", backend="aot_eager", strict=True, **kwargs)
+        loss = loss_fn(compiled(*inputs))
+        loss.backward()
+        runs[how] = (_converted(compiled), loss.detach(), {n: p.grad for n, p in m.named_parameters()})
+    decisions = runs["map"][0]
+    assert decisions == runs["policy"][0]
+    assert {w for w, (conv, _) in decisions.items() if not conv} == {f"{culprit}.weight"}, decisions
+    assert {r for conv, r in decisions.values() if conv} == {Fp8Config(recipe).recipe}
+    assert_bitwise(runs["map"][1:], runs["policy"][1:], "advice.low_precision against fp8= with advice.policy")
+    shown = amp_fx.explain(model, *inputs, dtype="bf16", low_precision=lp).table()
+    assert f"kept in bf16 by the low-precision map ('{culprit}')" in shown, shown
+    for module in ("inp", "down"):
+        assert any(line.split()[2:3] == [module] and f"fp8 {recipe} -> bf16" in line for line in shown.splitlines())
+    assert _amp_fx_error(model, inputs, loss_fn, "bf16", amp_fx.Policy(), fp8=lp) <= TARGET
+    assert not (_amp_fx_error(model, inputs, loss_fn, "bf16", amp_fx.Policy(), fp8=recipe) <= TARGET)
+
+
+def test_advice_without_fp8_has_no_low_precision_map() -> None:
+    model, inputs, loss_fn = build("fp8_outlier", hazard=False)
+    advice = amp_fx.advise(model, *inputs, dtype="bf16", loss_fn=loss_fn)
+    assert advice.low_precision is None and "low_precision =" not in str(advice)
+    assert advice.to_dict()["low_precision"] is None

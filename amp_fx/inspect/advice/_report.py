@@ -22,6 +22,8 @@ from amp_fx.inspect.advice._fp8_sizing import Fp8Matmul
 from amp_fx.inspect.advice._training import TrainingComparison
 from amp_fx.inspect.advice._verify import initial_scale
 from amp_fx.inspect.nonfinite import policy_code
+from amp_fx.low_precision import LowPrecision
+from amp_fx.low_precision import code as low_precision_code
 from amp_fx.overflow.report import scale_text
 from amp_fx.policy import Policy
 
@@ -75,6 +77,16 @@ class Advice:
     """With ``fp8``: each matmul that ran in fp8 with every eligible matmul in fp8, with its error
     and whether it is too small to gain."""
     _explain: Callable[[Policy], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def low_precision(self) -> LowPrecision | None:
+        """With ``fp8``: the advice as a recipe per module, to pass back as
+        ``amp_fx.compile(model, dtype=..., low_precision=advice.low_precision)``: the recipe for
+        every matmul, None (``dtype``) for the modules kept out of it. The same matmuls run in
+        low precision as with ``fp8=recipe, policy=advice.policy``; None without ``fp8``."""
+        if self.fp8 is None:
+            return None
+        return LowPrecision(recipe=self.fp8.recipe, modules=dict.fromkeys(self.keep_out_of_fp8), nvfp4=self.fp8.nvfp4)
 
     @property
     def keep_fp32(self) -> tuple[str, ...]:
@@ -200,6 +212,14 @@ class Advice:
         if self.steps:
             lines += ["", "search:"] + [f"  {s}" for s in self.steps]
         lines += ["", "policy:", "  from amp_fx import Policy", f"  policy = {policy_code(self.policy)}"]
+        if (lp := self.low_precision) is not None:
+            lines += [
+                "",
+                "or, as a recipe per module (the same matmuls in low precision):",
+                "  from amp_fx import LowPrecision" + (", Nvfp4Options" if lp.nvfp4 is not None else ""),
+                f"  low_precision = {low_precision_code(lp)}",
+                f'  amp_fx.compile(model, dtype="{dtype_name(self.dtype)}", low_precision=low_precision)',
+            ]
         return "\n".join(lines)
 
     def _hazards_beside_the_verdict(self) -> list[str]:
@@ -288,6 +308,7 @@ class Advice:
             "keep_out_of_fp8": list(self.keep_out_of_fp8),
             "fp8_matmuls": [{**asdict(m), "flops": m.flops} for m in self.fp8_matmuls],
             "policy": policy_code(self.policy),
+            "low_precision": None if self.low_precision is None else low_precision_code(self.low_precision),
             "target": self.target,
             "error": clean(self.error),
             "baseline_error": clean(self.baseline_error),
