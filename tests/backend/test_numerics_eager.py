@@ -10,6 +10,7 @@ small case shows is needed has a test that fails without it.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from torch._inductor.exc import InductorError
 
 import amp_fx
+from amp_fx._common.progress import PROGRESS_LOGGER
 from amp_fx.backend import eager_numerics
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, StepMode
@@ -169,6 +171,75 @@ def test_clone_left_on_aten(monkeypatch: pytest.MonkeyPatch) -> None:
     # the backward, compiled at the first backward call (outside amp_fx's compile), fails
     with torch._inductor.config.patch(force_disable_caches=True), pytest.raises(InductorError, match="Cannot view"):
         _step(amp_fx.compile(model, dtype="bf16", numerics="eager"), model, x)
+
+
+# --- the backward compile, announced; inference graphs fused -----------------------------------
+
+
+def test_backward_compile_announced_and_bitwise(caplog: pytest.LogCaptureFixture) -> None:
+    """The backward graph goes through the backward-announcing downstream
+    (``with_backward_compile`` wrapping the eager-numerics compile): its compile is announced and
+    timed like every backend's, and the backward stays bitwise. The caches are off: a backward
+    served from a warm cache is not compiled, so not announced."""
+    caplog.set_level(logging.INFO, logger=PROGRESS_LOGGER)
+    model, x = _small()
+    expected = _eager(model, x, torch.bfloat16)
+    compiled = amp_fx.compile(model, dtype="bf16", numerics="eager")
+    with torch._inductor.config.patch(force_disable_caches=True):
+        actual = _step(compiled, model, x)
+    lines = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    assert "amp_fx: NormChain: compiling the backward of graph 0 (its first backward) ..." in lines, lines
+    assert any(line.startswith("amp_fx: NormChain: compiled the backward of graph 0 (") for line in lines), lines
+    assert _differs(actual, expected) == []
+
+
+def _kernels_and_out(model: nn.Module, x: Tensor, **compile_kwargs: object) -> tuple[int, Tensor]:
+    torch._inductor.metrics.reset()
+    compiled = amp_fx.compile(model, dtype="bf16", numerics="eager", **compile_kwargs)  # type: ignore[arg-type]
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        out = compiled(x)
+    return torch._inductor.metrics.generated_kernel_count, out
+
+
+def test_inference_graph_fused_and_bitwise() -> None:
+    """A graph without a backward (no joint graph: AOTAutograd's inference graph) gets its fusible
+    ops tagged too: inductor generates kernels for them (none without the tagging: every op an
+    ATen extern call) and the output is bitwise with eager autocast under no_grad."""
+    model, x = _small()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    kernels, out = _kernels_and_out(model, x)
+    assert kernels > 0, "the inference graph ran unfused"
+    assert_bitwise(out, expected, "inference output")
+
+
+# --- torch versions: emulate_precision_casts checked by what it does -----------------------------
+
+
+def test_emulation_feature_test_can_fail() -> None:
+    """The feature test of emulate_precision_casts: true on this torch's CPU inductor with the
+    knob, false without it (so it tells a torch whose inductor ignores the knob)."""
+    assert eager_numerics.emulates_precision_casts("cpu")
+    assert not eager_numerics.emulates_precision_casts("cpu", emulate=False)
+
+
+def test_ignored_emulation_said_unfused_and_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where inductor ignores emulate_precision_casts (torch 2.11's CPU inductor): said once naming
+    the knob, nothing fused (no kernel generated), still bitwise; strict raises."""
+    monkeypatch.setattr(eager_numerics, "emulates_precision_casts", lambda device_type: False)
+    model, x = _small()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        kernels, out = _kernels_and_out(model, x, strict=False)
+    messages = [str(w.message) for w in said if issubclass(w.category, AmpFxWarning)]
+    assert len([m for m in messages if "ignores emulate_precision_casts" in m]) == 1, messages
+    assert kernels == 0
+    assert_bitwise(out, expected, "inference output")
+    torch._dynamo.reset()
+    with pytest.raises(AmpFxError, match="emulate_precision_casts"):
+        amp_fx.compile(model, dtype="bf16", numerics="eager", strict=True)(x)
 
 
 # --- scope: this graph's compile only ---------------------------------------------------------
