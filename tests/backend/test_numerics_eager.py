@@ -374,3 +374,30 @@ def test_compare_tells_fusion_from_policy() -> None:
     policy = amp_fx.Policy(op_classes={"aten::native_layer_norm": amp_fx.CastClass.LOWER_PRECISION_FP})
     moved = amp_fx.compare(model, x, backend="inductor", numerics="eager", policy=policy)
     assert moved.exact and not moved.ok and moved.first_divergence is not None
+
+
+class ExcessPrecision(nn.Module):
+    """``h * 1.5 - h`` on a bf16 matmul output: eager rounds ``h * 1.5`` to bf16 before the
+    subtraction; inductor's default fusion subtracts from the fp32 product (measured: the ``sub``
+    differs, ``mul`` itself does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return h * 1.5 - h
+
+
+def test_compare_names_where_each_inductor_run_leaves_eager() -> None:
+    """compare under inductor names, per compiled run, the first op whose compiled value leaves
+    the op-by-op run: none for numerics='eager', the fused ``sub`` for inductor's defaults."""
+    torch.manual_seed(0)
+    model, x = ExcessPrecision(), torch.randn(32, 64)
+    report = amp_fx.compare(model, x, backend="inductor", numerics="eager")
+    eager_run, default_run = report.compiled
+    assert eager_run.run == "inductor, numerics='eager'" and eager_run.node is None, report.compiled
+    assert default_run.run == "inductor, default numerics" and default_run.node == "sub", report.compiled
+    assert not eager_run.not_compiled and not default_run.not_compiled, report.notes
+    assert "compiled: inductor, default numerics: first op that differs: graph 0, node sub (aten.sub" in str(report)
