@@ -8,8 +8,10 @@ intermediates in fp32. This mode keeps every op of the joint graph on ATen's own
 call: eager's kernel, eager's strides) except the pointwise ops :func:`fusible` accepts, which
 inductor fuses with ``emulate_precision_casts`` (each fused low-precision intermediate rounded as
 eager rounds it). The machinery is inductor's own "lite" mode (torch 2.13: ``fallback_by_default``,
-``selective_decompose``); amp_fx tags the joint graph's fusible nodes with the
-``compile_with_inductor`` annotation lite mode fuses, and removes any other tag.
+``selective_decompose``); amp_fx tags the joint graph's fusible nodes (an inference graph's, which
+has no joint graph, in ``inner_compile``) with the ``compile_with_inductor`` annotation lite mode
+fuses, and removes any other tag. Where inductor ignores ``emulate_precision_casts`` (a feature
+test, :func:`emulates_precision_casts`), nothing is tagged: every op on ATen, said once.
 
 Scope: the config is patched around this graph's ``compile_fx`` only (``config_patches``, and
 ``torch._functorch.config.patch`` for the tagging pass), so other compiled code in the process

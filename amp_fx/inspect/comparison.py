@@ -680,6 +680,9 @@ def compare(
             ``amp_fx.compile(numerics="eager")`` compiles them, and the end-to-end comparison is
             bitwise. A difference left there is the policy's (or amp_fx's); one that only the
             default-numerics run shows is inductor's fusion (docs "Eager numerics under inductor").
+            With ``backend="inductor"`` (either numerics) ``report.compiled`` names, for this mode's
+            compile and for inductor's default one, the first forward op whose compiled value
+            leaves the op-by-op run (:mod:`amp_fx.inspect._compiled_ops`).
         **kwargs: example inputs by keyword, as the model takes them
             (``compare(model, input_ids=ids, labels=labels)``).
 
