@@ -291,9 +291,11 @@ def test_conflicting_option_said() -> None:
 # --- compile_step: fp16 with the scaler ---------------------------------------------------------
 
 
-def test_compile_step_fp16_scaler_bitwise() -> None:
+def test_compile_step_fp16_scaler_bitwise(caplog: pytest.LogCaptureFixture) -> None:
     """compile_step(numerics="eager") against eager autocast + torch.amp.GradScaler: losses,
-    parameters and scale bitwise over steps that include an overflow (a skipped step)."""
+    parameters and scale bitwise over steps that include an overflow (a skipped step). The
+    optimizer graph runs through aot_eager (eager's numbers, unfused): its progress line names it."""
+    caplog.set_level(logging.INFO, logger=PROGRESS_LOGGER)
     model = ZOO["mlp"].build()[0]
     ref_model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -311,6 +313,8 @@ def test_compile_step_fp16_scaler_bitwise() -> None:
         assert_bitwise(ours_scaler._scale, ref_scaler._scale, f"scale after step {i}")
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
             assert_bitwise(p, q, f"{n} after step {i}")
+    lines = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    assert any("compiling the optimizer step (" in line and "backend aot_eager)" in line for line in lines), lines
 
 
 # --- the real-model tier ------------------------------------------------------------------------
