@@ -17,6 +17,7 @@ __all__ = [
     "Backend",
     "BackwardCompile",
     "BACKWARD_BACKENDS",
+    "InductorCompile",
     "resolve_backend",
     "backend_name",
     "with_backward_compile",
@@ -26,6 +27,9 @@ Backend = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 BackwardCompile = Callable[[torch.fx.GraphModule, Any, Backend], Callable[..., Any]]
 """``around(gm, example_inputs, compile_graph)``: what compiles AOTAutograd's backward graph ``gm``
 (calling ``compile_graph`` on it, or on a graph made from it)."""
+InductorCompile = Callable[..., Callable[..., Any]]
+"""A compile with ``compile_fx``'s calling convention: ``(gm, example_inputs, *, inner_compile=...)``
+(``inner_compile`` compiles each graph AOTAutograd makes: forward, backward or inference)."""
 BACKWARD_BACKENDS = ("aot_eager", "inductor")
 """The backends whose backward compile amp_fx reaches (:func:`with_backward_compile`)."""
 
@@ -53,35 +57,52 @@ def backend_name(backend: str | Backend) -> str:
 
 
 def with_backward_compile(
-    backend: str, *, inductor_config: Mapping[str, Any] | None, around: BackwardCompile, autograd_cache: bool = True
+    backend: str,
+    *,
+    inductor_config: Mapping[str, Any] | None,
+    around: BackwardCompile,
+    autograd_cache: bool = True,
+    inductor: InductorCompile | None = None,
 ) -> Backend | None:
     """The downstream compile of ``backend`` with its backward graph compiled through ``around``, or
     None where the backend has no backward graph amp_fx can reach (``eager``, another name).
 
     ``aot_eager``: torch's ``aot_eager`` with a backward compiler that calls ``around`` on its nop
-    compiler. ``inductor``: ``compile_fx`` with an ``inner_compile`` that calls ``around`` on
-    ``compile_fx_inner`` for the backward graph (``is_backward=True``). ``autograd_cache=False``
-    turns AOTAutograd's cache off for the compile: its entries would hold a backward that
-    ``around`` changed without what ``around`` added around it."""
+    compiler. ``inductor``: ``inductor`` (by default ``compile_fx`` with ``inductor_config`` as its
+    config patches; ``numerics="eager"`` passes its own, amp_fx/backend/eager_numerics.py) with an
+    ``inner_compile`` that calls ``around`` on ``compile_fx_inner`` for the backward graph
+    (``is_backward=True``). ``autograd_cache=False`` turns AOTAutograd's cache off for the compile:
+    its entries would hold a backward that ``around`` changed without what ``around`` added around
+    it."""
     if backend == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
         return functools.partial(aot_eager, bw_compiler=lambda gm, ex: around(gm, ex, boxed_nop))
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx_inner
 
         def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
             if not kwargs.get("is_backward"):
                 return compile_fx_inner(gm, example_inputs, **kwargs)
             return around(gm, example_inputs, lambda g, ex: compile_fx_inner(g, ex, **kwargs))
 
+        compile_graph = inductor if inductor is not None else _compile_fx(inductor_config)
+
         def compile_inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             with torch._functorch.config.patch(enable_autograd_cache=autograd_cache):
-                # compile_fx's declared return is a union; given a graph module it returns the callable
-                return cast(
-                    Callable[..., Any],
-                    compile_fx(gm, example_inputs, inner_compile=inner, config_patches=dict(inductor_config or {})),
-                )
+                return compile_graph(gm, example_inputs, inner_compile=inner)
 
         return compile_inductor
     return None
+
+
+def _compile_fx(inductor_config: Mapping[str, Any] | None) -> InductorCompile:
+    from torch._inductor.compile_fx import compile_fx
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+        # compile_fx's declared return is a union; given a graph module it returns the callable
+        return cast(
+            Callable[..., Any], compile_fx(gm, example_inputs, config_patches=dict(inductor_config or {}), **kwargs)
+        )
+
+    return compile_graph

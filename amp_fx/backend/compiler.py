@@ -26,13 +26,19 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx._common.downstream import BACKWARD_BACKENDS, Backend, resolve_backend, with_backward_compile
+from amp_fx._common.downstream import (
+    BACKWARD_BACKENDS,
+    Backend,
+    InductorCompile,
+    resolve_backend,
+    with_backward_compile,
+)
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.progress import CompileClock, timed
 from amp_fx._common.report import Reporter
 from amp_fx._common.running_unit import running_unit
 from amp_fx.backend.dynamo_inputs import carry_dynamo_inputs
-from amp_fx.backend.eager_numerics import eager_numerics_backend
+from amp_fx.backend.eager_numerics import eager_numerics_compile
 from amp_fx.backend.guards import RunCount, guard_module_hooks, refuse_double_backward
 from amp_fx.backend.names import RootNames
 from amp_fx.backend.splits import SplitTracker
@@ -84,11 +90,16 @@ class AmpBackend:
             MonitorState(options.monitor, options.fp8) if options.monitor is not None else None
         )
         """amp_fx/monitor/state.py: the fp8 monitor's step counter and buffers (``monitor=``)."""
-        self._downstream = (
-            eager_numerics_backend(options.inductor, self.reporter)
-            if options.numerics is Numerics.EAGER
-            else resolve_backend(options.backend, inductor_config=options.inductor)
-        )
+        self._inductor: InductorCompile | None = None
+        """numerics="eager": its inductor compile (amp_fx/backend/eager_numerics.py), which the
+        backward-announcing downstream wraps; None: ``compile_fx`` with ``options.inductor``."""
+        self._backend: str | Backend = options.backend
+        """The backend the graphs go to: ``options.backend``, or ``"aot_eager"`` where numerics="eager"
+        cannot run on this torch's inductor (said once)."""
+        if options.numerics is Numerics.EAGER:
+            self._inductor = eager_numerics_compile(options.inductor, self.reporter)
+            self._backend = "inductor" if self._inductor is not None else "aot_eager"
+        self._downstream = self._inductor or resolve_backend(self._backend, inductor_config=options.inductor)
         if self.watch is not None:
             self._report_unwatched_backward(self.watch)
         self.records: list[GraphRecord] = []
@@ -318,17 +329,16 @@ class AmpBackend:
         """The downstream compile for ``record``'s graph: where the backend has a backward graph
         amp_fx can reach, one that announces its backward's compile (progress lines) and, with the
         watch, watches it."""
-        watch, backend = self.watch, self.options.backend
-        if self.options.numerics is Numerics.EAGER:
-            # its own inductor compile (amp_fx/backend/eager_numerics.py), whose backward is not
-            # announced yet; the watch is refused with it (Options)
-            return self._downstream
+        watch, backend = self.watch, self._backend
         if not isinstance(backend, str) or backend not in BACKWARD_BACKENDS:
             return self._downstream
         around = self._announce_backward(record.index)
         if watch is None or watch.backward_unwatched:
-            compile_backward = with_backward_compile(backend, inductor_config=self.options.inductor, around=around)
+            compile_backward = with_backward_compile(
+                backend, inductor_config=self.options.inductor, around=around, inductor=self._inductor
+            )
             return compile_backward if compile_backward is not None else self._downstream
+        assert self._inductor is None  # the watch compiles its own backward: refused with numerics="eager" (Options)
         key = watch.backward_key(record.index)
 
         def on_backward(watched: WatchRecord) -> Callable[[torch.Tensor], None]:

@@ -8,8 +8,10 @@ intermediates in fp32. This mode keeps every op of the joint graph on ATen's own
 call: eager's kernel, eager's strides) except the pointwise ops :func:`fusible` accepts, which
 inductor fuses with ``emulate_precision_casts`` (each fused low-precision intermediate rounded as
 eager rounds it). The machinery is inductor's own "lite" mode (torch 2.13: ``fallback_by_default``,
-``selective_decompose``); amp_fx tags the joint graph's fusible nodes with the
-``compile_with_inductor`` annotation lite mode fuses, and removes any other tag.
+``selective_decompose``); amp_fx tags the joint graph's fusible nodes (an inference graph's, which
+has no joint graph, in ``inner_compile``) with the ``compile_with_inductor`` annotation lite mode
+fuses, and removes any other tag. Where inductor ignores ``emulate_precision_casts`` (a feature
+test, :func:`emulates_precision_casts`), nothing is tagged: every op on ATen, said once.
 
 Scope: the config is patched around this graph's ``compile_fx`` only (``config_patches``, and
 ``torch._functorch.config.patch`` for the tagging pass), so other compiled code in the process
@@ -22,6 +24,7 @@ cached by a default-numerics compile of the same graph is never reused.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -31,10 +34,17 @@ from typing import Any
 import torch
 import torch.fx
 
-from amp_fx._common.downstream import Backend, resolve_backend
+from amp_fx._common.downstream import Backend, InductorCompile, resolve_backend
 from amp_fx._common.report import Reporter
 
-__all__ = ["INDUCTOR_KNOBS", "eager_numerics_backend", "fusible", "missing_knobs"]
+__all__ = [
+    "INDUCTOR_KNOBS",
+    "eager_numerics_backend",
+    "eager_numerics_compile",
+    "emulates_precision_casts",
+    "fusible",
+    "missing_knobs",
+]
 
 log = logging.getLogger(__name__)
 log.addHandler(logging.NullHandler())
@@ -68,10 +78,11 @@ INDUCTOR_KNOBS: Mapping[str, tuple[object, str]] = {
 """The inductor config this mode patches, each with the reason; lite mode's set plus
 ``emulate_precision_casts`` (torch 2.13's ``torch._inductor.list_mode_options("lite")``)."""
 
-_REQUIRED = ("fallback_by_default", "selective_decompose", "emulate_precision_casts")
-"""Without these no graph can be made bitwise (torch versions before lite mode)."""
+_REQUIRED = ("fallback_by_default", "selective_decompose")
+"""Without these no graph can be made bitwise (torch versions before lite mode). Without a working
+``emulate_precision_casts`` (:func:`emulates_precision_casts`) graphs are bitwise unfused."""
 
-_RULE_VERSION = 2
+_RULE_VERSION = 3
 """Bumped whenever :func:`fusible` changes what it accepts: part of the cache key (:func:`_cache_marker`)."""
 
 _FALLS_BACK_HOPS = ("triton_kernel_wrapper_functional",)
@@ -140,11 +151,17 @@ def _as_convert(node: torch.fx.Node) -> None:
 
 
 def _tag_fusible(
-    gm: torch.fx.GraphModule, joint_inputs: Any, *, then: Callable[..., Any] | None, reporter: Reporter
+    gm: torch.fx.GraphModule,
+    joint_inputs: Any,
+    *,
+    then: Callable[..., Any] | None,
+    reporter: Reporter,
+    fuse: bool = True,
 ) -> torch.fx.GraphModule:
-    """The joint-graph pass (``torch._functorch.config.joint_custom_pass``): tag each fusible node
-    ``compile_with_inductor``, untag every other one, name the higher-order ops inductor will
-    lower itself (not bitwise: said once, raised in strict mode)."""
+    """The joint-graph pass (``torch._functorch.config.joint_custom_pass``), and the inference
+    graph's: tag each fusible node ``compile_with_inductor`` (none with ``fuse=False``), untag
+    every other one, name the higher-order ops inductor will lower itself (not bitwise: said
+    once, raised in strict mode)."""
     if then is not None:  # a pass the caller set runs first, as it would without amp_fx
         gm = then(gm, joint_inputs)
     for node in gm.graph.nodes:
@@ -156,7 +173,7 @@ def _tag_fusible(
         _as_convert(node)
         custom = dict(node.meta.get("custom") or {})
         custom.pop("compile_with_inductor", None)
-        if fusible(node):
+        if fuse and fusible(node):
             custom["compile_with_inductor"] = "amp_fx numerics=eager"
         node.meta["custom"] = custom
     gm.recompile()
@@ -174,13 +191,57 @@ def _report_lowered(node: torch.fx.Node, reporter: Reporter) -> None:
 
 
 def missing_knobs() -> list[str]:
-    """The knobs this torch lacks (``torch._inductor.config`` entries, and the functorch joint pass)."""
+    """The knobs this torch lacks (``torch._inductor.config`` entries, and the functorch joint
+    pass). Whether ``emulate_precision_casts`` has an effect where it exists is a feature test
+    (:func:`emulates_precision_casts`): torch 2.11's CPU inductor has the knob and ignores it."""
     missing = [name for name in INDUCTOR_KNOBS if not hasattr(torch._inductor.config, name)]
     if not hasattr(torch._functorch.config, "joint_custom_pass"):
         missing.append("torch._functorch.config.joint_custom_pass")
     if not hasattr(torch._inductor.config, "post_grad_custom_post_pass"):
         missing.append("post_grad_custom_post_pass")
     return missing
+
+
+def _probe(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).float() - 1
+
+
+@functools.cache
+def emulates_precision_casts(device_type: str, *, emulate: bool = True) -> bool:
+    """Whether inductor on ``device_type``, with ``emulate_precision_casts=emulate``, rounds a
+    fused bf16 intermediate as eager does: ``(a * b).float() - 1`` with ``a = b = 1 + 2**-7`` in
+    bf16 is ``2**-6`` in eager (``a * b`` rounded to bf16) and ``2**-6 + 2**-14`` when the product
+    stays fp32. Compiled and run once per device type and process (seconds, cold; inductor's
+    cache serves later processes); ``emulate=False`` is the negative twin the tests check."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a = torch.full((8,), 1 + 2**-7, dtype=torch.bfloat16, device=device_type)
+    patches = {"emulate_precision_casts": emulate} if hasattr(torch._inductor.config, "emulate_precision_casts") else {}
+    # outside any compile this graph's compile may be nested in: its own tracing context
+    with torch._guards.tracing(None), torch._C._DisableAutocast():
+        compiled: Any = compile_fx(make_fx(_probe)(a, a), [a, a], config_patches=patches)
+        out = compiled(a, a)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return torch.equal(out, _probe(a, a))
+
+
+def _fusion_exact(example_inputs: Any, reporter: Reporter) -> bool:
+    """Whether this graph's pointwise ops may be fused: only where inductor rounds fused
+    low-precision intermediates (:func:`emulates_precision_casts`); where it does not, said once
+    per device type naming the knob (strict: raised), and every op runs on ATen."""
+    device_type = next((x.device.type for x in example_inputs if isinstance(x, torch.Tensor)), "cpu")
+    if emulates_precision_casts(device_type):
+        return True
+    reporter.did_less(
+        ("numerics", "emulate_precision_casts", device_type),
+        f"amp_fx: numerics='eager': torch {torch.__version__}'s {device_type} inductor ignores "
+        f"emulate_precision_casts (a fused bf16 product stays fp32: checked on (a * b).float() - 1), "
+        f"so amp_fx fuses no op in this mode on {device_type}: every op runs as ATen's kernel "
+        f"(bitwise with eager autocast, slower than fused). A torch whose inductor honours the knob "
+        f"(2.13 on the CPU) fuses the exactly-rounded pointwise ops.",
+    )
+    return False
 
 
 @functools.cache
@@ -200,13 +261,17 @@ def _cache_marker() -> Any:
     return _EagerNumericsKey()
 
 
-def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporter) -> Backend:
-    """``compile_fx`` with this mode's config, for one compiled model or step.
+def eager_numerics_compile(inductor_config: Mapping[str, Any], reporter: Reporter) -> InductorCompile | None:
+    """``compile_fx`` with this mode's config, for one compiled model or step, with
+    ``compile_fx``'s calling convention (``inner_compile=``: what
+    :func:`~amp_fx._common.downstream.with_backward_compile` wraps to announce the backward).
 
-    On a torch without lite mode's knobs (:data:`_REQUIRED`) no graph can be made bitwise under
-    inductor: amp_fx says so once naming the knobs (strict: raises) and compiles with
-    ``aot_eager``, whose numbers are eager's. Without the joint pass hook every op runs on ATen
-    (bitwise, unfused): logged."""
+    The fusible nodes are tagged on the joint graph (training) and on the inference graph (no
+    backward: AOTAutograd makes no joint graph), the latter in ``inner_compile``. On a torch without
+    lite mode's knobs (:data:`_REQUIRED`) no graph can be made bitwise under inductor: amp_fx says
+    so once naming the knobs (strict: raises) and returns None (the caller compiles with
+    ``aot_eager``, whose numbers are eager's). Without the joint pass hook training graphs run
+    every op on ATen (bitwise, unfused): logged."""
     missing = missing_knobs()
     if any(name in missing for name in _REQUIRED):
         reporter.did_less(
@@ -215,8 +280,8 @@ def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporte
             f"amp_fx compiles with backend 'aot_eager' instead (eager's numbers, no fusion). "
             f"torch 2.13 has every knob this mode needs.",
         )
-        return resolve_backend("aot_eager")
-    from torch._inductor.compile_fx import compile_fx
+        return None
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     overridden = sorted(k for k, v in inductor_config.items() if k in INDUCTOR_KNOBS and v != INDUCTOR_KNOBS[k][0])
     if overridden:
@@ -229,17 +294,33 @@ def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporte
     patches = {**inductor_config, **{name: value for name, (value, _) in INDUCTOR_KNOBS.items() if name not in missing}}
     if "post_grad_custom_post_pass" not in missing:
         patches["post_grad_custom_post_pass"] = _cache_marker()
-    if "torch._functorch.config.joint_custom_pass" in missing:
+    joint = "torch._functorch.config.joint_custom_pass" not in missing
+    if not joint:
         log.info(
-            "numerics='eager': torch %s has no joint_custom_pass: every op runs on ATen, unfused", torch.__version__
+            "numerics='eager': torch %s has no joint_custom_pass: training graphs run every op on ATen, unfused",
+            torch.__version__,
         )
 
-    def compile_eager_numerics(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        if "torch._functorch.config.joint_custom_pass" in missing:
-            return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
-        tag = functools.partial(_tag_fusible, then=torch._functorch.config.joint_custom_pass, reporter=reporter)
-        with torch._functorch.config.patch(joint_custom_pass=tag):
+    def compile_eager_numerics(
+        gm: torch.fx.GraphModule, example_inputs: list[Any], *, inner_compile: Callable[..., Any] = compile_fx_inner
+    ) -> Callable[..., Any]:
+        fuse = _fusion_exact(example_inputs, reporter)
+
+        def inner(graph: torch.fx.GraphModule, inputs: Any, **kwargs: Any) -> Any:
+            if kwargs.get("is_inference"):  # no joint graph was made: tagged here
+                graph = _tag_fusible(graph, inputs, then=None, reporter=reporter, fuse=fuse)
+            return inner_compile(graph, inputs, **kwargs)
+
+        joint_pass = torch._functorch.config.joint_custom_pass if joint else None
+        tag = functools.partial(_tag_fusible, then=joint_pass, reporter=reporter, fuse=fuse)
+        with torch._functorch.config.patch(joint_custom_pass=tag) if joint else contextlib.nullcontext():
             # compile_fx is typed with the union of what its export modes return
-            return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)  # type: ignore[return-value]
 
     return compile_eager_numerics
+
+
+def eager_numerics_backend(inductor_config: Mapping[str, Any], reporter: Reporter) -> Backend:
+    """:func:`eager_numerics_compile` as a plain backend: ``aot_eager`` where it returns None."""
+    compile_graph = eager_numerics_compile(inductor_config, reporter)
+    return compile_graph if compile_graph is not None else resolve_backend("aot_eager")

@@ -44,6 +44,7 @@ are untouched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -55,12 +56,13 @@ import torch.fx
 from tabulate import tabulate
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from amp_fx._common.downstream import Backend, backend_name
+from amp_fx._common.downstream import Backend, backend_name, resolve_backend
 from amp_fx._common.dtype_names import dtype_name
 from amp_fx._common.op_names import op_label
 from amp_fx._common.report import Reporter, did_less
 from amp_fx.backend.eager_numerics import eager_numerics_backend
 from amp_fx.fp8 import Fp8Config, Fp8Recipe
+from amp_fx.inspect._compiled_ops import CompiledDivergence, first_compiled_divergence
 from amp_fx.inspect._fp8_eager import Fp8Eager, fp8_aten, module_stack
 from amp_fx.inspect._probe import (
     ValueInterpreter,
@@ -236,6 +238,10 @@ class CompareReport:
     reference_dtype: str = "fp64"
     fp8: str | None = None
     """The fp8 recipe both sides ran (``compare(..., fp8=...)``), or None."""
+    compiled: list[CompiledDivergence] = field(default_factory=list)
+    """Under ``backend="inductor"``: the first op where the ``numerics="eager"`` compile leaves the
+    op-by-op run of amp_fx's graphs (ideally none), then the first where inductor's default compile
+    does (:mod:`amp_fx.inspect._compiled_ops`)."""
 
     def _what(self) -> str:
         source = "TransformerEngine's" if self.fp8 == "nvfp4" else "torchao's"
@@ -338,11 +344,12 @@ class CompareReport:
             flag = f"; NOT FINITE: {shown} (agreement is not health: amp_fx.find_nonfinite names the first op)"
         if self.ok:
             ops = sum(o.status != "folded" for o in self.ops)
-            return (
+            ok = (
                 f"OK: amp_fx agrees with eager torch.autocast ({self._what()}) on "
                 f"{_plural(ops, 'op')}, {_plural(len(self.outputs), 'output')} and "
                 f"{_plural(len(self.grads), 'gradient')} ({mode}){flag}"
             )
+            return "\n".join([ok, *(f"compiled: {c}" for c in self.compiled)])
         first = self.first_divergence
         lines = [f"DIFFERS from eager torch.autocast ({self._what()}, {mode}){flag}"]
         if first is not None:
@@ -357,6 +364,7 @@ class CompareReport:
         bad = [v.name for v in (*self.outputs, *self.grads) if not v.agree]
         if bad:
             lines.append("differing outputs/gradients: " + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+        lines += [f"compiled: {c}" for c in self.compiled]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -672,6 +680,9 @@ def compare(
             ``amp_fx.compile(numerics="eager")`` compiles them, and the end-to-end comparison is
             bitwise. A difference left there is the policy's (or amp_fx's); one that only the
             default-numerics run shows is inductor's fusion (docs "Eager numerics under inductor").
+            With ``backend="inductor"`` (either numerics) ``report.compiled`` names, for this mode's
+            compile and for inductor's default one, the first forward op whose compiled value
+            leaves the op-by-op run (:mod:`amp_fx.inspect._compiled_ops`).
         **kwargs: example inputs by keyword, as the model takes them
             (``compare(model, input_ids=ids, labels=labels)``).
 
@@ -682,10 +693,12 @@ def compare(
     lower = resolve_dtype(dtype)
     exact = isinstance(backend, str) and backend in _EXACT_BACKENDS
     report = CompareReport(dtype=lower, backend=backend_name(backend), exact=exact)
+    inductor = backend == "inductor"
+    reporter = Reporter()
     if Numerics.of(numerics) is Numerics.EAGER:
-        if backend != "inductor":
+        if not inductor:
             raise ValueError(f"amp_fx.compare: numerics='eager' configures inductor, but backend={backend!r}")
-        backend = eager_numerics_backend({}, Reporter(strict=False))
+        backend = eager_numerics_backend({}, reporter)
         report.exact, report.backend = True, "inductor (numerics='eager')"
     call = Call(args, kwargs)
     with lent(model_or_fn, tool="compare"):  # an FSDP2 model: runs on it, put back after
@@ -706,6 +719,8 @@ def compare(
         )
         amp_out, amp_grads = run.result, _grads_of(run.compiled)
         _compare_graphs(report, run, report.exact, config)
+        if inductor:
+            _compare_compiled(report, run, reporter)
         eager_out, eager_grads = _run_end_to_end(
             private_copy(model_or_fn),
             call,
@@ -745,6 +760,46 @@ def _compare_graphs(report: CompareReport, run: AmpRun, exact: bool, config: Fp8
         _compare_graph(r, inputs, exact, report, run, config)
     if recs and not any(o.eager_dtype in ("bf16", "fp16", "fp32", "fp64") or "(" in o.eager_dtype for o in report.ops):
         report.notes.append("no floating-point ops: nothing for autocast or amp_fx to cast")
+
+
+def _compare_compiled(report: CompareReport, run: AmpRun, reporter: Reporter) -> None:
+    """Under inductor: where the ``numerics="eager"`` compile and inductor's default compile of
+    amp_fx's graphs first leave the same graphs run op by op (:mod:`amp_fx.inspect._compiled_ops`):
+    a difference only the default run shows is fusion's, not the policy's."""
+    runs = {
+        "inductor, numerics='eager'": eager_numerics_backend({}, reporter),
+        "inductor, default numerics": resolve_backend("inductor"),
+    }
+    for label, backend in runs.items():
+        found, failed = CompiledDivergence(label), []
+        for r in run.records:
+            inputs = run.recorder.inputs_for(r)
+            if r.fallback is not None or inputs is None:
+                continue
+            flags = leaf_flags(r)
+            try:
+                op_by_op = _run(r.rewritten, clone_inputs(inputs, flags), autocast=None)
+                hit = first_compiled_divergence(
+                    r.rewritten, clone_inputs(inputs, flags), op_by_op, backend, same=_bitwise
+                )
+            except Exception as e:  # the op-by-op run's failure is noted by _compare_graph already
+                failed.append(r.index)
+                if not isinstance(e, _GraphRunError):
+                    line = (str(e).strip().splitlines() or [repr(e)])[0]
+                    report.notes.append(f"{label}: graph {r.index} not compiled op by op ({type(e).__name__}: {line})")
+                continue
+            if hit is not None:
+                node, value = hit
+                found = CompiledDivergence(
+                    label,
+                    r.index,
+                    node.name,
+                    op_label(node.target),
+                    run.module_of(r, node)[0],
+                    str(_error(value, op_by_op[node.name])),
+                )
+                break
+        report.compiled.append(dataclasses.replace(found, not_compiled=tuple(failed)))
 
 
 def _float64_reference(

@@ -153,9 +153,9 @@ class CompiledStep:
             grad_norm=config.grad_norm,
             writer=None if cache is None else StepWriter(cache, params),
             shards=shards,
-            # numerics="eager": the optimizer graph has no backward, so nothing in it would be
-            # fused, and inductor's lite mode cannot lower its mutating custom ops
-            # (auto_functionalized_v2 of amp_fx.unscale_check_): ATen's kernels through aot_eager.
+            # numerics="eager": inductor's lite mode cannot lower the optimizer graph's mutating
+            # custom ops (auto_functionalized_v2 of amp_fx.unscale_check_): ATen's kernels through
+            # aot_eager, eager's numbers bit for bit (unfused; its progress line names aot_eager).
             backend="aot_eager" if options.numerics is Numerics.EAGER else options.backend,
             step_fn=None if self._lowprec is None else self._lowprec.step,
         )
@@ -447,8 +447,9 @@ def compile_step(
             ``amp_fx.step.lowprec`` and docs "Memory".
         numerics: ``"eager"``: the forward and backward compiled by inductor with every op on
             ATen's kernel but value-preserving pointwise fusion, bitwise with eager autocast (as
-            :func:`amp_fx.compile`'s ``numerics=``); the optimizer graph (no backward, nothing to
-            fuse) runs ATen's kernels through ``aot_eager``. Needs ``backend="inductor"``.
+            :func:`amp_fx.compile`'s ``numerics=``); the optimizer graph runs ATen's kernels through
+            ``aot_eager`` (eager's numbers bit for bit, unfused: inductor's lite mode cannot lower
+            its mutating ops). Needs ``backend="inductor"``.
         monitor: per-GEMM quantization statistics of the low-precision matmuls on the steps an
             ``amp_fx.Fp8Monitor`` selects (one step: one call), as :func:`amp_fx.compile`'s
             ``monitor=``; read with ``amp_fx.fp8_stats(step)``.

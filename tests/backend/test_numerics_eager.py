@@ -10,6 +10,7 @@ small case shows is needed has a test that fails without it.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from torch._inductor.exc import InductorError
 
 import amp_fx
+from amp_fx._common.progress import PROGRESS_LOGGER
 from amp_fx.backend import eager_numerics
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.scaler import GradScaler, StepMode
@@ -87,6 +89,14 @@ def _small(cls: type[nn.Module] = NormChain) -> tuple[nn.Module, Tensor]:
     return cls(), x
 
 
+def _needs_fusion() -> None:
+    """Skip where this torch's CPU inductor ignores emulate_precision_casts (torch 2.11): there the
+    mode fuses nothing (said once; strict raises), so a test of what fusion keeps exact has nothing
+    to test (test_small_model_bitwise and test_ignored_emulation_said_unfused_and_bitwise run)."""
+    if not eager_numerics.emulates_precision_casts("cpu"):
+        pytest.skip(f"torch {torch.__version__}'s CPU inductor ignores emulate_precision_casts: nothing is fused")
+
+
 # --- options ----------------------------------------------------------------------------------
 
 
@@ -107,10 +117,17 @@ def test_numerics_option_checked() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_small_model_bitwise(dtype: torch.dtype) -> None:
+    """Bitwise, fused; where inductor ignores emulate_precision_casts (torch 2.11's CPU inductor),
+    bitwise unfused, said once (strict=False here: strict raises, test_ignored_emulation...)."""
+    fused = eager_numerics.emulates_precision_casts("cpu")
     model, x = _small()
     expected = _eager(model, x, dtype)
-    actual = _step(amp_fx.compile(model, dtype=dtype, numerics="eager"), model, x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        actual = _step(amp_fx.compile(model, dtype=dtype, numerics="eager", strict=fused), model, x)
     assert _differs(actual, expected) == []
+    ignored = [w for w in said if "ignores emulate_precision_casts" in str(w.message)]
+    assert len(ignored) == (0 if fused else 1), [str(w.message) for w in said]
 
 
 def test_small_model_differs_under_default_inductor() -> None:
@@ -131,6 +148,7 @@ def test_each_knob_needed(left_out: tuple[str, ...], monkeypatch: pytest.MonkeyP
     """With a knob left out of the mode's config, NormChain is no longer bitwise. (Without
     fallback_by_default, selective_decompose leaves ops undecomposed that inductor has no
     lowering for: :func:`test_selective_decompose_needs_fallback`.)"""
+    _needs_fusion()
     knobs = {k: v for k, v in eager_numerics.INDUCTOR_KNOBS.items() if k not in left_out}
     monkeypatch.setattr(eager_numerics, "INDUCTOR_KNOBS", knobs)
     model, x = _small()
@@ -140,6 +158,7 @@ def test_each_knob_needed(left_out: tuple[str, ...], monkeypatch: pytest.MonkeyP
 
 
 def test_selective_decompose_needs_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_fusion()
     knobs = {k: v for k, v in eager_numerics.INDUCTOR_KNOBS.items() if k != "fallback_by_default"}
     monkeypatch.setattr(eager_numerics, "INDUCTOR_KNOBS", knobs)
     model, x = _small()
@@ -149,6 +168,7 @@ def test_selective_decompose_needs_fallback(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_inexact_scalar_left_on_aten(monkeypatch: pytest.MonkeyPatch) -> None:
     """``x + 0.3`` on bf16 stays on ATen (pytorch#136896): bitwise; fused, it is not."""
+    _needs_fusion()
     torch.manual_seed(0)
     model, x = NormChain(shift=0.3), torch.randn(32, 64)
     expected = _eager(model, x, torch.bfloat16)
@@ -161,6 +181,7 @@ def test_inexact_scalar_left_on_aten(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_clone_left_on_aten(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_fusion()
     model, x = _small(TransposedCopy)
     expected = _eager(model, x, torch.bfloat16)
     assert _differs(_step(amp_fx.compile(model, dtype="bf16", numerics="eager"), model, x), expected) == []
@@ -171,12 +192,91 @@ def test_clone_left_on_aten(monkeypatch: pytest.MonkeyPatch) -> None:
         _step(amp_fx.compile(model, dtype="bf16", numerics="eager"), model, x)
 
 
+# --- the backward compile, announced; inference graphs fused -----------------------------------
+
+
+def test_backward_compile_announced_and_bitwise(caplog: pytest.LogCaptureFixture) -> None:
+    """The backward graph goes through the backward-announcing downstream
+    (``with_backward_compile`` wrapping the eager-numerics compile): its compile is announced and
+    timed like every backend's, and the backward stays bitwise. The caches are off: a backward
+    served from a warm cache is not compiled, so not announced."""
+    _needs_fusion()
+    caplog.set_level(logging.INFO, logger=PROGRESS_LOGGER)
+    model, x = _small()
+    expected = _eager(model, x, torch.bfloat16)
+    compiled = amp_fx.compile(model, dtype="bf16", numerics="eager")
+    with torch._inductor.config.patch(force_disable_caches=True):
+        actual = _step(compiled, model, x)
+    lines = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    assert "amp_fx: NormChain: compiling the backward of graph 0 (its first backward) ..." in lines, lines
+    assert any(line.startswith("amp_fx: NormChain: compiled the backward of graph 0 (") for line in lines), lines
+    assert _differs(actual, expected) == []
+
+
+def _kernels_and_out(model: nn.Module, x: Tensor, **compile_kwargs: object) -> tuple[int, Tensor]:
+    torch._inductor.metrics.reset()
+    compiled = amp_fx.compile(model, dtype="bf16", numerics="eager", **compile_kwargs)  # type: ignore[arg-type]
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        out = compiled(x)
+    return torch._inductor.metrics.generated_kernel_count, out
+
+
+def test_inference_graph_fused_and_bitwise() -> None:
+    """A graph without a backward (no joint graph: AOTAutograd's inference graph) gets its fusible
+    ops tagged too: inductor generates kernels for them (none without the tagging: every op an
+    ATen extern call) and the output is bitwise with eager autocast under no_grad."""
+    _needs_fusion()
+    model, x = _small()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    kernels, out = _kernels_and_out(model, x)
+    assert kernels > 0, "the inference graph ran unfused"
+    assert_bitwise(out, expected, "inference output")
+
+
+# --- torch versions: emulate_precision_casts checked by what it does -----------------------------
+
+
+_EMULATES_ON_CPU = {(2, 11): False, (2, 13): True}
+"""Measured: torch 2.11's CPU inductor ignores emulate_precision_casts, 2.13's honours it."""
+
+
+def test_emulation_feature_test_can_fail() -> None:
+    """The feature test of emulate_precision_casts: false without the knob (so it can tell a
+    torch whose inductor ignores it), and with it what was measured on the torches we know."""
+    assert not eager_numerics.emulates_precision_casts("cpu", emulate=False)
+    version = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    if version not in _EMULATES_ON_CPU:
+        pytest.skip(f"torch {torch.__version__}: not measured (torch 2.11: ignored; 2.13: honoured)")
+    assert eager_numerics.emulates_precision_casts("cpu") is _EMULATES_ON_CPU[version]
+
+
+def test_ignored_emulation_said_unfused_and_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where inductor ignores emulate_precision_casts (torch 2.11's CPU inductor): said once naming
+    the knob, nothing fused (no kernel generated), still bitwise; strict raises."""
+    monkeypatch.setattr(eager_numerics, "emulates_precision_casts", lambda device_type: False)
+    model, x = _small()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        kernels, out = _kernels_and_out(model, x, strict=False)
+    messages = [str(w.message) for w in said if issubclass(w.category, AmpFxWarning)]
+    assert len([m for m in messages if "ignores emulate_precision_casts" in m]) == 1, messages
+    assert kernels == 0
+    assert_bitwise(out, expected, "inference output")
+    torch._dynamo.reset()
+    with pytest.raises(AmpFxError, match="emulate_precision_casts"):
+        amp_fx.compile(model, dtype="bf16", numerics="eager", strict=True)(x)
+
+
 # --- scope: this graph's compile only ---------------------------------------------------------
 
 
 def test_scope_and_cache_key() -> None:
     """The default-numerics compile of the same graph runs first (caches on): the eager-numerics
     compile after it must not reuse its artifact, and leaves the global config as it found it."""
+    _needs_fusion()
     before = (torch._inductor.config.fallback_by_default, torch._functorch.config.joint_custom_pass)
     model, x = _small()
     expected = _eager(model, x, torch.bfloat16)
@@ -220,9 +320,12 @@ def test_conflicting_option_said() -> None:
 # --- compile_step: fp16 with the scaler ---------------------------------------------------------
 
 
-def test_compile_step_fp16_scaler_bitwise() -> None:
+def test_compile_step_fp16_scaler_bitwise(caplog: pytest.LogCaptureFixture) -> None:
     """compile_step(numerics="eager") against eager autocast + torch.amp.GradScaler: losses,
-    parameters and scale bitwise over steps that include an overflow (a skipped step)."""
+    parameters and scale bitwise over steps that include an overflow (a skipped step). The
+    optimizer graph runs through aot_eager (eager's numbers, unfused): its progress line names it."""
+    _needs_fusion()
+    caplog.set_level(logging.INFO, logger=PROGRESS_LOGGER)
     model = ZOO["mlp"].build()[0]
     ref_model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -240,6 +343,8 @@ def test_compile_step_fp16_scaler_bitwise() -> None:
         assert_bitwise(ours_scaler._scale, ref_scaler._scale, f"scale after step {i}")
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
             assert_bitwise(p, q, f"{n} after step {i}")
+    lines = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    assert any("compiling the optimizer step (" in line and "backend aot_eager)" in line for line in lines), lines
 
 
 # --- the real-model tier ------------------------------------------------------------------------
@@ -272,6 +377,7 @@ _VIT_FP16 = pytest.mark.xfail(
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2", "hf_bert", "hf_t5", "hf_vit"])
 def test_real_models_bitwise(name: str, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    _needs_fusion()
     if name == "hf_vit" and dtype == torch.float16:
         request.applymarker(_VIT_FP16)
     bad, _ = _real_pair(name, dtype, numerics="eager")
@@ -295,6 +401,7 @@ def test_compare_tells_fusion_from_policy() -> None:
     """Under inductor's defaults compare's end-to-end values on NormChain leave eager's (within
     its tolerance); with numerics="eager" they are bitwise, so that difference was fusion's. A
     policy difference (the LayerNorm in bf16 by amp_fx's policy) stays with numerics="eager"."""
+    _needs_fusion()
     model, x = _small()
     default = amp_fx.compare(model, x, backend="inductor")
     eager = amp_fx.compare(model, x, backend="inductor", numerics="eager")
@@ -303,3 +410,31 @@ def test_compare_tells_fusion_from_policy() -> None:
     policy = amp_fx.Policy(op_classes={"aten::native_layer_norm": amp_fx.CastClass.LOWER_PRECISION_FP})
     moved = amp_fx.compare(model, x, backend="inductor", numerics="eager", policy=policy)
     assert moved.exact and not moved.ok and moved.first_divergence is not None
+
+
+class ExcessPrecision(nn.Module):
+    """``h * 1.5 - h`` on a bf16 matmul output: eager rounds ``h * 1.5`` to bf16 before the
+    subtraction; inductor's default fusion subtracts from the fp32 product (measured: the ``sub``
+    differs, ``mul`` itself does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return h * 1.5 - h
+
+
+def test_compare_names_where_each_inductor_run_leaves_eager() -> None:
+    """compare under inductor names, per compiled run, the first op whose compiled value leaves
+    the op-by-op run: none for numerics='eager', the fused ``sub`` for inductor's defaults."""
+    _needs_fusion()
+    torch.manual_seed(0)
+    model, x = ExcessPrecision(), torch.randn(32, 64)
+    report = amp_fx.compare(model, x, backend="inductor", numerics="eager")
+    eager_run, default_run = report.compiled
+    assert eager_run.run == "inductor, numerics='eager'" and eager_run.node is None, report.compiled
+    assert default_run.run == "inductor, default numerics" and default_run.node == "sub", report.compiled
+    assert not eager_run.not_compiled and not default_run.not_compiled, report.notes
+    assert "compiled: inductor, default numerics: first op that differs: graph 0, node sub (aten.sub" in str(report)
