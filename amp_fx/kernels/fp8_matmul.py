@@ -62,7 +62,15 @@ from amp_fx.kernels.fp8_padding import pad_for_scaled_mm
 from amp_fx.kernels.fp8_recipes import E4M3, EPS, RECIPES, Cast, RecipeCasts
 from amp_fx.kernels.fp8_weight import fp8_parts
 
-__all__ = ["fp8_matmul", "fp8_matmul_cached_weight", "weight_casts", "scale_from_amax", "input_cast", "Fp8Input"]
+__all__ = [
+    "fp8_matmul",
+    "fp8_matmul_cached_weight",
+    "weight_casts",
+    "scale_from_amax",
+    "input_cast",
+    "to_fp8",
+    "Fp8Input",
+]
 
 
 class Fp8Operand(NamedTuple):
@@ -97,7 +105,7 @@ def _scale(x: torch.Tensor, dtype: torch.dtype, axiswise_dim: int | None, pow2: 
     return res
 
 
-def _to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> Fp8Operand | torch.Tensor:
+def to_fp8(x: torch.Tensor, cast: Cast, axiswise_dim: int, pow2: bool) -> Fp8Operand | torch.Tensor:
     """torchao ``hp_tensor_to_float8_dynamic``: scale, multiply in fp32, saturate, cast
     (``_ToFloat8ConstrFunc.forward`` and ``to_fp8_saturated``). ``x`` itself when the cast keeps
     it in high precision."""
@@ -214,7 +222,7 @@ class _Fp8Matmul(torch.autograd.Function):
         pow2 = c.round_scales_to_power_of_2
         x_fp8 = _input_operand(x, x_data, x_scale, x_dtype, c)
         ctx.save_for_backward(*_input_to_save(ctx, x, x_data, x_scale, x_dtype), w)
-        w_fp8 = _to_fp8(w, c.weight, 0, pow2)
+        w_fp8 = to_fp8(w, c.weight, 0, pow2)
         out = scaled_matmul(_rows(x_fp8), w_fp8, c.fast_accum_output)
         return matmul_output(out, (*x.shape[:-1], out.shape[-1]))
 
@@ -223,7 +231,7 @@ class _Fp8Matmul(torch.autograd.Function):
         *xs, w = ctx.saved_tensors
         c = RECIPES[ctx.recipe]
         x = _saved_input(ctx, xs)
-        w_dim0 = _to_fp8(w, c.weight_for_grad_input, -1, c.round_scales_to_power_of_2)
+        w_dim0 = to_fp8(w, c.weight_for_grad_input, -1, c.round_scales_to_power_of_2)
         grad_x, grad_w = _backward_gemms(c, grad, x, w_dim0)
         return grad_x.to(ctx.x_dtype), grad_w, None, None, None, None
 
@@ -239,7 +247,7 @@ def _input_operand(
     (``x_data``, ``x_scale``: :func:`input_cast` of ``x_dtype`` values, for a recipe whose
     weight-gradient GEMM takes the same cast of the input, as the tensorwise one)."""
     if x_data is None:
-        return _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+        return to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
     assert x_scale is not None and x_dtype is not None
     if not (c.input == c.input_for_grad_weight and not c.input.rowwise and c.input.dtype is not None):
         raise ValueError(
@@ -276,7 +284,7 @@ def input_cast(x: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.
     data is then the part of the whole tensor's cast (what gathering fp8 bytes relies on,
     :mod:`amp_fx.kernels.fp8_activation_gather`)."""
     c = RECIPES[recipe]
-    a = _to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
+    a = to_fp8(x, c.input, -1, c.round_scales_to_power_of_2)
     assert isinstance(a, Fp8Operand), f"{recipe.value} keeps its input in high precision"
     return a.data, a.scale
 
@@ -291,15 +299,15 @@ def _backward_gemms(
     pow2 = c.round_scales_to_power_of_2
     grad_2d = grad.reshape(-1, grad.shape[-1])
 
-    grad_dim0 = _to_fp8(grad_2d, c.grad_output, -1, pow2)
+    grad_dim0 = to_fp8(grad_2d, c.grad_output, -1, pow2)
     grad_x = scaled_matmul(grad_dim0, _t(w_dim0), c.fast_accum_grad_input)
     grad_x = grad_x.reshape(*grad.shape[:-1], grad_x.shape[-1])
 
-    grad_dim1 = _to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
+    grad_dim1 = to_fp8(grad_2d, c.grad_output_for_grad_weight, 0, pow2)
     if isinstance(x, Fp8Operand):
         x_dim1: Fp8Operand | torch.Tensor = _rows(x)
     else:
-        x_dim1 = _to_fp8(x.reshape(-1, x.shape[-1]), c.input_for_grad_weight, 0, pow2)
+        x_dim1 = to_fp8(x.reshape(-1, x.shape[-1]), c.input_for_grad_weight, 0, pow2)
     grad_w = scaled_matmul(_t(grad_dim1), x_dim1, c.fast_accum_grad_weight)
     return grad_x, grad_w.t()
 
@@ -326,13 +334,13 @@ def weight_casts(w: torch.Tensor, recipe: Fp8Recipe, nvfp4: Nvfp4Options | None 
             if out and cast == c.weight and not cast.rowwise:  # tensorwise twice: the same cast
                 out += out[:2]
                 continue
-            a = _to_fp8(w, cast, dim, pow2)
+            a = to_fp8(w, cast, dim, pow2)
             out += [a.data, a.scale] if isinstance(a, Fp8Operand) else [a, a.new_empty(0, dtype=torch.float32)]
     return out[0], out[1], out[2], out[3]
 
 
 def _cached(data: torch.Tensor, scale: torch.Tensor, cast: Cast, dim: int) -> Fp8Operand | torch.Tensor:
-    """A cast :func:`weight_casts` made, as the uncached path's ``_to_fp8`` returns it (the
+    """A cast :func:`weight_casts` made, as the uncached path's ``to_fp8`` returns it (the
     weight is always the right operand, whose ``orig_dtype`` no GEMM reads)."""
     if cast.dtype is None:
         return data

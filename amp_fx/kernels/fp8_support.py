@@ -19,15 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from amp_fx.errors import AmpFxError
-from amp_fx.fp8 import Fp8Recipe
-
 __all__ = [
     "KernelNeed",
     "kernels_missing",
     "rowwise_scales_missing",
     "fp8_tensor_cores_missing",
-    "check_rowwise_support",
 ]
 
 _E4M3 = torch.float8_e4m3fn
@@ -101,18 +97,3 @@ def fp8_tensor_cores_missing(device_type: str) -> str | None:
     """None where ``torch._scaled_mm`` runs tensorwise and rowwise fp8 on tensor cores, else why not
     (asked once per device type)."""
     return kernels_missing(device_type, _FP8_TENSOR_CORES)
-
-
-def check_rowwise_support(recipe: Fp8Recipe, device_type: str, caller: str) -> None:
-    """Raise :class:`~amp_fx.errors.AmpFxError` (its message starting with ``caller``) where
-    ``recipe`` takes rowwise scales and ``torch._scaled_mm`` on ``device_type`` takes none
-    (torch 2.11's CPU kernel): refused before anything runs, with the reason and the fix."""
-    from amp_fx.kernels.fp8_recipes import RECIPES  # it imports the kernels, which import this module
-
-    missing = rowwise_scales_missing(device_type) if RECIPES[recipe].rowwise else None
-    if missing is not None:
-        raise AmpFxError(
-            f"{caller}: fp8={recipe.value!r} needs rowwise scales in "
-            f"torch._scaled_mm, but {missing}. Use fp8='tensorwise' here, or torch 2.13 or "
-            f"newer (or a GPU) for the rowwise recipes."
-        )

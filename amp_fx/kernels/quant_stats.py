@@ -1,7 +1,7 @@
 """Quantization statistics of one GEMM operand under any recipe amp_fx has (issue 64).
 
 :func:`quant_stats` quantizes the operand with the recipe's own quantizer (the function the
-GEMM's kernel calls: :mod:`~amp_fx.kernels.fp8_matmul`'s ``_to_fp8``,
+GEMM's kernel calls: :mod:`~amp_fx.kernels.fp8_matmul`'s ``to_fp8``,
 :func:`~amp_fx.kernels.blockwise_fp8.quantize_1x128`/``quantize_128x128``,
 :mod:`~amp_fx.kernels.mxfp8_matmul`'s ``_to_mx``, :func:`~amp_fx.kernels.nvfp4.quantize`), takes
 the exact value each code stands for (``code * decode scale``, in float64), and returns raw sums
@@ -80,7 +80,7 @@ from amp_fx.fp8 import Fp8Recipe, Nvfp4Options
 from amp_fx.kernels import blockwise_fp8 as _bw
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels import nvfp4 as _nv
-from amp_fx.kernels.fp8_matmul import Fp8Operand, _to_fp8
+from amp_fx.kernels.fp8_matmul import Fp8Operand, to_fp8
 from amp_fx.kernels.fp8_recipes import RECIPES, Cast
 
 __all__ = ["FIGURES", "OPERANDS", "GEMMS", "quant_stats", "stats_dict", "te_stats"]
@@ -172,11 +172,11 @@ _POW2 = {recipe: c.round_scales_to_power_of_2 for recipe, c in RECIPES.items()}
 
 
 def _float8(t: torch.Tensor, recipe: Fp8Recipe, cast: Cast) -> _Quantized | None:
-    """Tensorwise and rowwise: ``fp8_matmul``'s ``_to_fp8`` of ``t`` scaled along its last
+    """Tensorwise and rowwise: ``fp8_matmul``'s ``to_fp8`` of ``t`` scaled along its last
     dimension (rowwise), decoded with the fp32 reciprocal the GEMM passes ``_scaled_mm``."""
     if cast.dtype is None:
         return None
-    a = _to_fp8(t, cast, -1, _POW2[recipe])
+    a = to_fp8(t, cast, -1, _POW2[recipe])
     assert isinstance(a, Fp8Operand)
     inverse = a.scale.reciprocal().to(torch.float64)
     decode = inverse.reshape(-1, 1) if cast.rowwise else inverse.reshape(1, 1)

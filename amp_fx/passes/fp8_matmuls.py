@@ -89,8 +89,7 @@ from amp_fx.kernels.fp8_activation_gather import fp8_gather_input
 from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm, grouped_mm_operands
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.kernels.fp8_padding import Fp8Padding, padding
-from amp_fx.kernels.fp8_recipes import ALIGNMENT, RECIPES
-from amp_fx.kernels.fp8_support import check_rowwise_support
+from amp_fx.kernels.fp8_recipes import ALIGNMENT, RECIPES, check_rowwise_support
 from amp_fx.kernels.fp8_weight import holds_fp8_weight
 from amp_fx.kernels.mxfp8_matmul import BLOCK as MX_BLOCK
 from amp_fx.kernels.mxfp8_matmul import mxfp8_grouped_mm

@@ -23,7 +23,7 @@ from amp_fx.inspect.advice._report import Advice
 from amp_fx.inspect.advice._search import MAX_RUNS, search
 from amp_fx.inspect.advice._training import compare_training
 from amp_fx.inspect.advice._verify import meets
-from amp_fx.kernels.fp8_support import check_rowwise_support
+from amp_fx.kernels.fp8_recipes import check_rowwise_support
 from amp_fx.low_precision import LowPrecision, one_option
 from amp_fx.policy import Policy, resolve_dtype
 
