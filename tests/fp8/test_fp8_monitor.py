@@ -140,6 +140,7 @@ def test_no_host_sync_on_any_step_and_schedule() -> None:
     )
     x, target = torch.randn(8, 64), torch.randn(8, 32)
     _step(compiled, x, target)  # step 0: compiles both graphs (not logging)
+    graphs_after_first_step = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     graph = next(iter(compiled.amp_fx_monitor.graphs.values()))
     assert graph.logged_step is None
     logged = []
@@ -150,7 +151,8 @@ def test_no_host_sync_on_any_step_and_schedule() -> None:
     assert counter.count == 0, counter.names
     assert logged == [1, 1, 3, 3, 5, 5, 5]
     assert len(compiled.amp_fx_records) == 1  # one Dynamo graph: switching never recompiled
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # Dynamo's counter is per process (other tests' graphs count too): none added after step 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_first_step
 
 
 def test_monitor_off_compiles_the_same_graphs() -> None:
