@@ -267,14 +267,28 @@ def _model_cast(node: torch.fx.Node) -> bool:
     )
 
 
+def _local_shard(node: torch.fx.Node) -> bool:
+    """``w.to_local()`` of a DTensor parameter (torchtitan's ``GroupedExperts`` under expert
+    parallelism: ``self.w1_EFD.to_local()``, then its own cast): this rank's shard of the parameter,
+    the values the model multiplies by here, with no change (its gradient flows back to the
+    parameter's local shard)."""
+    return node.op == "call_function" and node.target is dtensor_method and node.args[:1] == ("to_local",)
+
+
 def _weight_source(node: object) -> object:
-    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts and the
-    model's own float casts (:func:`_model_cast`): the value they start from."""
+    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts, the
+    model's own float casts (:func:`_model_cast`) and a DTensor parameter's ``to_local``
+    (:func:`_local_shard`): the value they start from."""
     while True:
         node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
-        if not (isinstance(node, torch.fx.Node) and _model_cast(node)):
+        if not isinstance(node, torch.fx.Node):
             return node
-        node = node.args[0]
+        if _model_cast(node):
+            node = node.args[0]
+        elif _local_shard(node):
+            node = node.args[1]
+        else:
+            return node
 
 
 def _parameter(node: object) -> torch.fx.Node | None:

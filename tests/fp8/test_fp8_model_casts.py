@@ -34,15 +34,13 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Recipe
-from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.fp8_reference import torchao_missing
+from amp_fx.testing.torchtitan import low_precision_experts
 from tests.fp8._fp8_cases import _recipe
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
-
-GroupedMm = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def _titan_experts() -> nn.Module:
@@ -52,18 +50,6 @@ def _titan_experts() -> nn.Module:
     for p in model.parameters():
         nn.init.normal_(p, std=0.1)
     return model
-
-
-def _reference_grouped_mm(recipe: str) -> GroupedMm:
-    """The grouped GEMM the recipe should run, in eager, on the operands exactly as the model made them."""
-    if recipe == "mxfp8":
-        from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        return lambda a, b, offs: _to_mxfp8_then_scaled_grouped_mm(
-            a, b, offs, kernel_preference=KernelPreference.EMULATED
-        )
-    return lambda a, b, offs: fp8_grouped_mm(a, b, offs, Fp8Recipe(recipe))
 
 
 def _inputs() -> tuple[Tensor, Tensor]:
@@ -92,8 +78,7 @@ def test_torchtitan_experts_that_cast_their_weights_run_in_fp8(recipe: str) -> N
     model = _titan_experts()
     x, counts = _inputs()
     reference = copy.deepcopy(model)
-    grouped = _reference_grouped_mm(recipe)
-    reference._grouped_mm = lambda *, A, B_t, offs: grouped(A, B_t, offs)  # torchtitan's own seam
+    assert low_precision_experts(reference, recipe) == 1  # torchtitan's own seam
     want_out, want = _step(reference, x, counts)
 
     compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
