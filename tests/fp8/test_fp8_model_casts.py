@@ -36,6 +36,7 @@ from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul
 from amp_fx.testing import assert_bitwise
+from amp_fx.testing.distributed import one_rank
 from amp_fx.testing.fp8_reference import torchao_missing
 from amp_fx.testing.torchtitan import low_precision_experts
 from tests.fp8._fp8_cases import _recipe
@@ -97,6 +98,44 @@ def test_torchtitan_experts_that_cast_their_weights_run_in_fp8(recipe: str) -> N
     bf16 = copy.deepcopy(reference)
     bf16._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
     assert not torch.equal(_step(bf16, x, counts)[0], want_out), "the reference must not be the bf16 GEMM"
+
+
+@pytest.mark.parametrize("recipe", [_recipe("rowwise"), "mxfp8"])
+def test_expert_weights_behind_to_local_run_in_fp8(recipe: str) -> None:
+    """torchtitan's ``GroupedExperts`` with DTensor parameters (one gloo rank; under expert
+    parallelism its forward calls ``w.to_local()`` before its own cast): all 3 grouped GEMMs
+    convert in strict mode, bitwise with the seam on the same operands. Before, the fp8 pass saw
+    ``to_local`` as an op computing the weight, left the 3 GEMMs in bf16 and reported them (strict:
+    raised), which is what torchtitan's Qwen3 MoE under EP 2 did (0 of 6 converted;
+    tests/integrations/test_torchtitan_moe.py)."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    with one_rank():
+        model = _titan_experts()
+        mesh = init_device_mesh("cpu", (1,))
+        for name, p in list(model.named_parameters()):
+            setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        x, counts = _inputs()
+        reference = copy.deepcopy(model)
+        assert low_precision_experts(reference, recipe) == 1
+        want_out, want = _step(reference, x, counts)
+
+        compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
+            out, got = _step(compiled, x, counts)
+        (record,) = amp_fx.records(compiled)
+        assert record.fp8 is not None
+        assert [(d.op, d.converted) for d in record.fp8.decisions] == [("aten._grouped_mm", True)] * 3
+        assert_bitwise(out, want_out, "out")
+        for name in want:
+            assert_bitwise(_local(got[name]), _local(want[name]), name)
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
 class _CastsItsWeight(nn.Module):

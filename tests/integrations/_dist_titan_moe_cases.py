@@ -13,7 +13,11 @@ others' over ``fsdp``); an inf is planted in rank 0's local shard of one expert 
 * eager: ``torch.autocast("cpu", dtype)``; fp16 with FSDP's ``ShardedGradScaler`` (its found-inf
   flag all-reduced over every rank);
 * amp_fx: ``amp_fx_parallelize(parallelize_qwen3, AmpFxTitanConfig(...))``; fp16 with ``amp_fx.GradScaler``;
-* step: ``amp_fx.compile_step`` on the torchtitan-parallelized model, fp16, ``max_grad_norm=CLIP``.
+* step: ``amp_fx.compile_step`` on the torchtitan-parallelized model, fp16, ``max_grad_norm=CLIP``;
+* low precision on the experts (``LP_CASES``, bf16, ``LP_STEPS`` steps): amp_fx with
+  ``low_precision`` in ``LOW_PRECISION`` and every ``nn.Linear`` kept in bf16 (``_experts_only``),
+  against "seam": eager autocast with torchtitan's ``GroupedExperts._grouped_mm`` running the
+  recipe's grouped GEMM (``amp_fx.testing.torchtitan.low_precision_experts``).
 
 The cases of one spawn take about 10 minutes on 2 shared cores (each model build, and each
 compile of its 13 graphs, runs on both ranks), so fp16 is clipped in every form rather than run
