@@ -7,7 +7,9 @@ on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders mar
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
 weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``, ``w[e]``
-of a 3-D parameter), seen through the cast ``insert_casts`` gave it, and the grouped expert GEMMs
+of a 3-D parameter), seen through the cast ``insert_casts`` gave it, the model's own float casts
+(``w.bfloat16()``) and a DTensor parameter's ``to_local()`` (torchtitan's experts under expert
+parallelism), and the grouped expert GEMMs
 of mixture-of-experts layers (``aten._grouped_mm(x, w, offs)``, ``w`` a view of an ``[E, K, N]``
 parameter; transformers' ``grouped_mm_fallback`` becomes one where ``insert_casts`` moved it to
 the autocast dtype, which the pipeline asks for whenever ``fp8=`` is on and
