@@ -169,7 +169,7 @@ def low_precision_experts(model: torch.nn.Module, recipe: str) -> int:
     swapped = 0
     for module in model.modules():
         if isinstance(module, GroupedExperts):
-            module._grouped_mm = lambda *, A, B_t, offs: grouped(A, B_t, offs)  # type: ignore[method-assign]
+            module._grouped_mm = lambda *, A, B_t, offs: grouped(A, B_t, offs)
             swapped += 1
     return swapped
 

@@ -35,6 +35,7 @@ import amp_fx
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.testing import assert_bitwise
 from amp_fx.testing.distributed import one_rank
 from amp_fx.testing.fp8_reference import torchao_missing
@@ -77,26 +78,12 @@ def test_torchtitan_experts_that_cast_their_weights_run_in_fp8(recipe: str) -> N
     input) are bitwise with torchtitan's seam running the recipe's grouped GEMM in eager on the same
     operands. Without the fix the GEMMs ran in bf16: the output differs from the fp8 reference."""
     model = _titan_experts()
-    x, counts = _inputs()
-    reference = copy.deepcopy(model)
-    assert low_precision_experts(reference, recipe) == 1  # torchtitan's own seam
-    want_out, want = _step(reference, x, counts)
-
-    compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
-        out, got = _step(compiled, x, counts)
-
-    (record,) = amp_fx.records(compiled)
-    assert record.fp8 is not None
-    decisions = record.fp8.decisions
-    assert [(d.op, d.converted) for d in decisions] == [("aten._grouped_mm", True)] * 3, decisions
+    decisions, reference = _bitwise_with_the_seam(model, recipe)
     assert [d.weight for d in decisions] == ["w1_EFD", "w3_EFD", "w2_EDF"], decisions
-    assert_bitwise(out, want_out, "out")
-    for name in want:
-        assert_bitwise(got[name], want[name], name)
     bf16 = copy.deepcopy(reference)
     bf16._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
+    x, counts = _inputs()
+    want_out = _step(reference, x, counts)[0]
     assert not torch.equal(_step(bf16, x, counts)[0], want_out), "the reference must not be the bf16 GEMM"
 
 
@@ -117,21 +104,30 @@ def test_expert_weights_behind_to_local_run_in_fp8(recipe: str) -> None:
         mesh = init_device_mesh("cpu", (1,))
         for name, p in list(model.named_parameters()):
             setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
-        x, counts = _inputs()
-        reference = copy.deepcopy(model)
-        assert low_precision_experts(reference, recipe) == 1
-        want_out, want = _step(reference, x, counts)
+        _bitwise_with_the_seam(model, recipe)
 
-        compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
-            out, got = _step(compiled, x, counts)
-        (record,) = amp_fx.records(compiled)
-        assert record.fp8 is not None
-        assert [(d.op, d.converted) for d in record.fp8.decisions] == [("aten._grouped_mm", True)] * 3
-        assert_bitwise(out, want_out, "out")
-        for name in want:
-            assert_bitwise(_local(got[name]), _local(want[name]), name)
+
+def _bitwise_with_the_seam(model: nn.Module, recipe: str) -> tuple[list[Fp8Decision], nn.Module]:
+    """``model`` compiled with ``recipe`` (strict) against a copy whose experts run the recipe
+    through torchtitan's own seam, on the same operands: the output and every gradient (the expert
+    weights' local values, the input's) bit for bit, and all 3 grouped GEMMs converted. Returns
+    amp_fx's decisions and the reference."""
+    x, counts = _inputs()
+    reference = copy.deepcopy(model)
+    assert low_precision_experts(reference, recipe) == 1  # torchtitan's own seam
+    want_out, want = _step(reference, x, counts)
+    compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
+        out, got = _step(compiled, x, counts)
+    (record,) = amp_fx.records(compiled)
+    assert record.fp8 is not None
+    decisions = record.fp8.decisions
+    assert [(d.op, d.converted) for d in decisions] == [("aten._grouped_mm", True)] * 3, decisions
+    assert_bitwise(out, want_out, "out")
+    for name in want:
+        assert_bitwise(_local(got[name]), _local(want[name]), name)
+    return decisions, reference
 
 
 def _local(t: Tensor | None) -> Tensor | None:
