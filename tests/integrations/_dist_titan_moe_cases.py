@@ -98,6 +98,7 @@ def train(rank: int, dtype: str, form: str, *, low_precision: str | None = None,
     with ``low_precision`` (bf16 only), amp_fx's decisions on every matmul ("amp_fx") or the
     recipe's experts through torchtitan's seam ("seam")."""
     import amp_fx
+    from tests.distributed._dist_tp_cases import step_and_zero
 
     torch._dynamo.reset()
     net = model(form, dtype) if low_precision is None else model(form, dtype, **_experts_only(low_precision))
@@ -131,13 +132,7 @@ def train(rank: int, dtype: str, form: str, *, low_precision: str | None = None,
                 grads = {n: local_tensor(p.grad).clone() for n, p in net.named_parameters()}
                 if scaler is not None:
                     norms.append(_clip(net))
-                if scaler is None:
-                    opt.step()
-                else:
-                    scaler.step(opt)
-                    scaler.update()
-                    scales.append(torch.tensor(scaler.get_scale()))
-                opt.zero_grad(set_to_none=True)
+                step_and_zero(opt, scaler, scales)
                 losses.append(loss.detach().clone())
     return {
         "losses": torch.stack(losses),
