@@ -107,6 +107,24 @@ def test_expert_weights_behind_to_local_run_in_fp8(recipe: str) -> None:
         _bitwise_with_the_seam(model, recipe)
 
 
+def test_nvfp4_experts_take_a_token_count_that_changes() -> None:
+    """Under expert parallelism a rank receives another number of tokens at each step, and Dynamo
+    recompiles the experts' graph with a symbolic count. nvfp4's stochastic rounding drew with
+    ``torch.rand(shape, generator=...)``, which AOTAutograd refuses for a symbolic shape ("SymIntArrayRef
+    expected to contain only concrete integers": strict mode raised at the second call; torchtitan's
+    Qwen3 MoE under EP 2 did it). Now it draws with ``uniform_``, as ``torch.rand`` itself does (the
+    same numbers: tests/fp8/test_nvfp4.py holds them to TransformerEngine's reference)."""
+    compiled = amp_fx.compile(_titan_experts(), dtype="bf16", fp8="nvfp4", backend="aot_eager", strict=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
+        for tokens in (64, 96, 80):
+            out, grads = _step(compiled, torch.randn(tokens, 32), torch.tensor([16, 0, tokens - 24, 8]))
+            assert out.shape == (tokens, 32) and all(g is not None for g in grads.values())
+    records = amp_fx.records(compiled)
+    assert len(records) == 2, records  # the first count, then the symbolic one
+    assert all(r.fp8 is not None and len(r.fp8.converted) == 3 for r in records)
+
+
 def _bitwise_with_the_seam(model: nn.Module, recipe: str) -> tuple[list[Fp8Decision], nn.Module]:
     """``model`` compiled with ``recipe`` (strict) against a copy whose experts run the recipe
     through torchtitan's own seam, on the same operands: the output and every gradient (the expert
