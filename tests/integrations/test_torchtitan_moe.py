@@ -2,7 +2,7 @@
 parallelized by torchtitan's own ``parallelize_qwen3`` with EP 2 over FSDP2's 2 gloo ranks,
 bitwise with eager autocast; ``compile_step`` with the planted overflow skipped on both ranks and
 the gradient norm over the ep and fsdp meshes; the watch, compare and explain per rank; the
-experts in fp8 rowwise and MXFP8 against torchtitan's own low-precision seam. The cases:
+experts in fp8 rowwise, MXFP8 and blockwise against torchtitan's own low-precision seam. The cases:
 tests/integrations/_dist_titan_moe_cases.py (one spawn: 14 minutes on 2 cores shared with other
 work; the low-precision cases add about 3.5 of them, measured alone).
 
@@ -169,8 +169,9 @@ def test_expert_parallel_experts_run_the_recipe_bitwise_with_torchtitans_seam(ra
     """``AmpFxTitanConfig(low_precision=recipe)`` with every ``nn.Linear`` kept in bf16
     (``Policy(keep_out_of_fp8=[nn.Linear])``) against eager autocast with torchtitan's own seam
     for low-precision experts (``GroupedExperts._grouped_mm``) running the recipe's grouped GEMM
-    (``low_precision_experts``: torchao's emulated MXFP8 grouped GEMM; amp_fx's rowwise grouped
-    kernel, held bitwise with torchao per expert): every grouped GEMM of both layers converted
+    (``low_precision_experts``: torchao's emulated MXFP8 grouped GEMM; amp_fx's rowwise and
+    blockwise grouped kernels, held to torchao in tests/fp8, so for those two the pass under EP
+    against its own kernel in eager): every grouped GEMM of both layers converted
     (each rank's 32 local experts, behind ``to_local()`` and the model's own ``bfloat16()``), in
     strict mode; losses, every local gradient of the last of ``LP_STEPS`` AdamW steps and every
     parameter after it bit for bit, on both ranks. Before, all 6 stayed in bf16 (the fp8 pass saw
