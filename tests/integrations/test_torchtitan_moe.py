@@ -3,8 +3,8 @@ parallelized by torchtitan's own ``parallelize_qwen3`` with EP 2 over FSDP2's 2 
 bitwise with eager autocast; ``compile_step`` with the planted overflow skipped on both ranks and
 the gradient norm over the ep and fsdp meshes; the watch, compare and explain per rank; the
 experts in fp8 rowwise, MXFP8 and blockwise against torchtitan's own low-precision seam. The cases:
-tests/integrations/_dist_titan_moe_cases.py (one spawn: 14 minutes on 2 cores shared with other
-work; the low-precision cases add about 3.5 of them, measured alone).
+tests/integrations/_dist_titan_moe_cases.py (one spawn: 6 to 14 minutes on 2 cores shared with other
+work; the three low-precision recipes add about 5 of them, measured alone).
 
 EP 2 x dp_shard 2 on 4 ranks is not run: one 2-rank spawn of these cases takes minutes, a 4-rank
 one would double the ranks on the same 2 cores (the CI budget, docs/contributing.md).
