@@ -158,7 +158,11 @@ def _round_e2m1(a: torch.Tensor, generator: torch.Generator | None, stochastic: 
     if not stochastic:
         return torch.round(a / step) * step
     lo = torch.floor(a / step) * step
-    up = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32) < (a - lo) / step
+    # torch.rand's own draw: uniform_ on an empty tensor, as torch.rand runs it; torch.rand with
+    # a generator refuses a symbolic shape under AOTAutograd (the token count of experts under
+    # expert parallelism, recompiled dynamic)
+    draw = torch.empty_like(a, dtype=torch.float32, memory_format=torch.contiguous_format)
+    up = draw.uniform_(0.0, 1.0, generator=generator) < (a - lo) / step
     return lo + step * up
 
 

@@ -7,7 +7,9 @@ on every op, inserted casts marked ``meta["amp_fx_cast"]``, and placeholders mar
 Which ops: ``aten.linear(x, w, b)`` (``nn.Linear``, ``F.linear``), ``aten.addmm(b, x, w)``
 (transformers' ``Conv1D``), ``aten.mm(x, w)`` and ``aten.matmul(x, w)`` (``x @ w``), where the
 weight operand ``w`` is a parameter or a view of one (``w.t()``, ``w.T``, ``w.view(...)``, ``w[e]``
-of a 3-D parameter), seen through the cast ``insert_casts`` gave it, and the grouped expert GEMMs
+of a 3-D parameter), seen through the cast ``insert_casts`` gave it, the model's own float casts
+(``w.bfloat16()``) and a DTensor parameter's ``to_local()`` (torchtitan's experts under expert
+parallelism), and the grouped expert GEMMs
 of mixture-of-experts layers (``aten._grouped_mm(x, w, offs)``, ``w`` a view of an ``[E, K, N]``
 parameter; transformers' ``grouped_mm_fallback`` becomes one where ``insert_casts`` moved it to
 the autocast dtype, which the pipeline asks for whenever ``fp8=`` is on and
@@ -266,14 +268,28 @@ def _model_cast(node: torch.fx.Node) -> bool:
     )
 
 
+def _local_shard(node: torch.fx.Node) -> bool:
+    """``w.to_local()`` of a DTensor parameter (torchtitan's ``GroupedExperts`` under expert
+    parallelism: ``self.w1_EFD.to_local()``, then its own cast): this rank's shard of the parameter,
+    the values the model multiplies by here, with no change (its gradient flows back to the
+    parameter's local shard)."""
+    return node.op == "call_function" and node.target is dtensor_method and node.args[:1] == ("to_local",)
+
+
 def _weight_source(node: object) -> object:
-    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts and the
-    model's own float casts (:func:`_model_cast`): the value they start from."""
+    """Up from a matmul's operand through the views of :data:`WEIGHT_VIEWS`, amp_fx's casts, the
+    model's own float casts (:func:`_model_cast`) and a DTensor parameter's ``to_local``
+    (:func:`_local_shard`): the value they start from."""
     while True:
         node, _ = walk_views(node, WEIGHT_VIEWS, through_casts=True)
-        if not (isinstance(node, torch.fx.Node) and _model_cast(node)):
+        if not isinstance(node, torch.fx.Node):
             return node
-        node = node.args[0]
+        if _model_cast(node):
+            node = node.args[0]
+        elif _local_shard(node):
+            node = node.args[1]
+        else:
+            return node
 
 
 def _parameter(node: object) -> torch.fx.Node | None:

@@ -16,16 +16,34 @@ visible, for ranks that put their tensors on them (the GPU tier's context parall
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "one_rank", "run_ranks"]
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """Inside: a gloo process group of one rank in this process (an in-memory store), for
+    single-process tests of DTensor and FSDP2 code; one already initialized is used as it is
+    (and left)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def free_port() -> int:

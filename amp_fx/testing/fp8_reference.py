@@ -37,6 +37,7 @@ __all__ = [
     "torchao_missing",
     "linear_twin",
     "expert_linears",
+    "reference_grouped_mm",
     "GemmFlops",
     "count_gemm_flops",
 ]
@@ -167,6 +168,52 @@ def torchao_mxfp8(
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, _TorchaoMXFP8Linear(module, pad=pad))
     return ref
+
+
+def reference_grouped_mm(recipe: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(A [M, K], B_t [E, K, N], offs) -> out``: the grouped expert GEMM ``recipe`` runs, in eager,
+    on the operands as the model made them (bf16: torchtitan's ``GroupedExperts`` casts both).
+    ``"mxfp8"``: torchao's own ``_to_mxfp8_then_scaled_grouped_mm(..., KernelPreference.EMULATED)``;
+    the others: amp_fx's grouped kernel for the recipe (``fp8_grouped_mm``, held bitwise with
+    torchao's per-expert ``Float8Linear`` in tests/fp8/test_fp8_experts.py; ``nvfp4_grouped_mm``
+    with TransformerEngine's default switches, held to TE's reference in tests/fp8/test_nvfp4.py).
+    Autocast is off inside, as in a compiled graph (which has no ambient autocast): the
+    operands are in low precision already, and the recipe's kernels cast what they mean to."""
+    from amp_fx.fp8 import Fp8Config, Fp8Recipe
+
+    which = Fp8Recipe(recipe)
+    if which is Fp8Recipe.MXFP8:
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            # torchao's weight gradient blocks the tokens by 32 over the whole A and asserts that
+            # M is a multiple of 32 (torchtitan's MXFP8 converter pads each group with its
+            # TorchAOTokenDispatcher, whose index kernel is Triton-only). Zero rows after the last
+            # group change no block's amax and add nothing to any sum: the values torchao would
+            # give, and how amp_fx's kernel pads (``_pad_tokens``).
+            m = a.shape[0]
+            padded = torch.nn.functional.pad(a, (0, 0, 0, -m % 32))
+            out = _to_mxfp8_then_scaled_grouped_mm(padded, b, offs, kernel_preference=KernelPreference.EMULATED)
+            return out[:m]
+    elif which is Fp8Recipe.NVFP4:
+        from amp_fx.kernels.nvfp4 import nvfp4_grouped_mm
+
+        nv = Fp8Config(which).nvfp4_switches
+
+        def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            return nvfp4_grouped_mm(a, b, offs, nv.rht, nv.stochastic_rounding, nv.weight_2d)
+    else:
+        from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
+
+        def grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+            return fp8_grouped_mm(a, b, offs, which)
+
+    def without_autocast(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(a.device.type, enabled=False):
+            return grouped(a, b, offs)
+
+    return without_autocast
 
 
 def expert_linears(weights: torch.Tensor) -> torch.nn.ModuleList:

@@ -30,6 +30,7 @@ __all__ = [
     "TITAN_VOCAB",
     "cpu_debugmodel",
     "cpu_qwen3_moe",
+    "low_precision_experts",
     "parallel_dims",
     "stand_in_for_trainer_extras",
     "trainer_config_fields",
@@ -151,6 +152,26 @@ def cpu_qwen3_moe(
     parallelize_fn = parallelize_qwen3 if parallelize_fn is None else parallelize_fn
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return _built(config, parallelize_fn, parallelism, dims, param_dtype=param_dtype, seed=seed + rank)
+
+
+def low_precision_experts(model: torch.nn.Module, recipe: str) -> int:
+    """Every torchtitan ``GroupedExperts`` of ``model`` (in place) running ``recipe``'s grouped GEMM
+    through torchtitan's own seam (``GroupedExperts._grouped_mm``, "overridable seam for
+    low-precision variants", which its MXFP8 converter swaps): the eager reference for amp_fx's
+    low-precision experts, on the operands as the model makes them (its own ``w.bfloat16()``,
+    after ``to_local()`` under expert parallelism). The grouped GEMM is
+    :func:`amp_fx.testing.fp8_reference.reference_grouped_mm`. Returns how many were swapped."""
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from amp_fx.testing.fp8_reference import reference_grouped_mm
+
+    grouped = reference_grouped_mm(recipe)
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module._grouped_mm = lambda *, A, B_t, offs: grouped(A, B_t, offs)
+            swapped += 1
+    return swapped
 
 
 def _built(

@@ -298,13 +298,11 @@ def test_no_graph_message_names_the_working_form_for_ddp_and_fsdp() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from amp_fx.backend.audit import wrapper_fix as _wrapper_fix
+    from amp_fx.testing.distributed import one_rank
 
     if not dist.is_available():
         pytest.skip("torch built without torch.distributed")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank():
         ddp = DistributedDataParallel(_mlp())
         assert "DDP(amp_fx.compile(model))" in _wrapper_fix(ddp)
         from torch.distributed.fsdp import fully_shard
@@ -314,9 +312,6 @@ def test_no_graph_message_names_the_working_form_for_ddp_and_fsdp() -> None:
         assert "FSDP2-sharded" in fix and "fully_shard each block, then the root, then amp_fx.compile" in fix
         assert "before sharding" not in fix
         assert _wrapper_fix(_mlp()) is None
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def test_hooks_still_run_and_hooked_models_own_their_entries_too() -> None:

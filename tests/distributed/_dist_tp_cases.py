@@ -288,13 +288,7 @@ def train(
                 if form == "eager_clip":
                     scaler.unscale_(opt)
                     _clip(model)
-                if scaler is None:
-                    opt.step()
-                else:
-                    scaler.step(opt)
-                    scaler.update()
-                    scales.append(torch.tensor(scaler.get_scale()))
-                opt.zero_grad(set_to_none=True)
+                step_and_zero(opt, scaler, scales)
                 losses.append(loss.detach().clone())
     return {
         "losses": torch.stack(losses),
@@ -302,6 +296,19 @@ def train(
         "params": {n: _local(p) for n, p in model.named_parameters()},
         "amp_fx_warnings": _fallbacks(caught),
     }
+
+
+def step_and_zero(opt: torch.optim.Optimizer, scaler: Any, scales: list[torch.Tensor]) -> None:
+    """``opt.step()`` (no scaler: bf16), or the scaler's step and update with the new scale appended
+    to ``scales``; then the gradients set to None. The training loops of these cases and of
+    tests/integrations/_dist_titan_moe_cases.py end their steps so."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+        scales.append(torch.tensor(scaler.get_scale()))
+    opt.zero_grad(set_to_none=True)
 
 
 def fp8_outputs(

@@ -34,15 +34,15 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Recipe
-from amp_fx.kernels.fp8_grouped_mm import fp8_grouped_mm
 from amp_fx.kernels.fp8_matmul import fp8_matmul
+from amp_fx.passes.fp8_matmuls import Fp8Decision
 from amp_fx.testing import assert_bitwise
+from amp_fx.testing.distributed import one_rank
 from amp_fx.testing.fp8_reference import torchao_missing
+from amp_fx.testing.torchtitan import low_precision_experts
 from tests.fp8._fp8_cases import _recipe
 
 pytestmark = pytest.mark.skipif(torchao_missing() is not None, reason=str(torchao_missing()))
-
-GroupedMm = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def _titan_experts() -> nn.Module:
@@ -52,18 +52,6 @@ def _titan_experts() -> nn.Module:
     for p in model.parameters():
         nn.init.normal_(p, std=0.1)
     return model
-
-
-def _reference_grouped_mm(recipe: str) -> GroupedMm:
-    """The grouped GEMM the recipe should run, in eager, on the operands exactly as the model made them."""
-    if recipe == "mxfp8":
-        from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-        return lambda a, b, offs: _to_mxfp8_then_scaled_grouped_mm(
-            a, b, offs, kernel_preference=KernelPreference.EMULATED
-        )
-    return lambda a, b, offs: fp8_grouped_mm(a, b, offs, Fp8Recipe(recipe))
 
 
 def _inputs() -> tuple[Tensor, Tensor]:
@@ -90,28 +78,78 @@ def test_torchtitan_experts_that_cast_their_weights_run_in_fp8(recipe: str) -> N
     input) are bitwise with torchtitan's seam running the recipe's grouped GEMM in eager on the same
     operands. Without the fix the GEMMs ran in bf16: the output differs from the fp8 reference."""
     model = _titan_experts()
+    decisions, reference = _bitwise_with_the_seam(model, recipe)
+    assert [d.weight for d in decisions] == ["w1_EFD", "w3_EFD", "w2_EDF"], decisions
+    bf16 = copy.deepcopy(reference)
+    bf16._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
+    x, counts = _inputs()
+    want_out = _step(reference, x, counts)[0]
+    assert not torch.equal(_step(bf16, x, counts)[0], want_out), "the reference must not be the bf16 GEMM"
+
+
+@pytest.mark.parametrize("recipe", [_recipe("rowwise"), "mxfp8"])
+def test_expert_weights_behind_to_local_run_in_fp8(recipe: str) -> None:
+    """torchtitan's ``GroupedExperts`` with DTensor parameters (one gloo rank; under expert
+    parallelism its forward calls ``w.to_local()`` before its own cast): all 3 grouped GEMMs
+    convert in strict mode, bitwise with the seam on the same operands. Before, the fp8 pass saw
+    ``to_local`` as an op computing the weight, left the 3 GEMMs in bf16 and reported them (strict:
+    raised), which is what torchtitan's Qwen3 MoE under EP 2 did (0 of 6 converted;
+    tests/integrations/test_torchtitan_moe.py)."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch built without torch.distributed")
+    with one_rank():
+        model = _titan_experts()
+        mesh = init_device_mesh("cpu", (1,))
+        for name, p in list(model.named_parameters()):
+            setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        _bitwise_with_the_seam(model, recipe)
+
+
+def test_nvfp4_experts_take_a_token_count_that_changes() -> None:
+    """Under expert parallelism a rank receives another number of tokens at each step, and Dynamo
+    recompiles the experts' graph with a symbolic count. nvfp4's stochastic rounding drew with
+    ``torch.rand(shape, generator=...)``, which AOTAutograd refuses for a symbolic shape ("SymIntArrayRef
+    expected to contain only concrete integers": strict mode raised at the second call; torchtitan's
+    Qwen3 MoE under EP 2 did it). Now it draws with ``uniform_``, as ``torch.rand`` itself does (the
+    same numbers: tests/fp8/test_nvfp4.py holds them to TransformerEngine's reference)."""
+    compiled = amp_fx.compile(_titan_experts(), dtype="bf16", fp8="nvfp4", backend="aot_eager", strict=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
+        for tokens in (64, 96, 80):
+            out, grads = _step(compiled, torch.randn(tokens, 32), torch.tensor([16, 0, tokens - 24, 8]))
+            assert out.shape == (tokens, 32) and all(g is not None for g in grads.values())
+    records = amp_fx.records(compiled)
+    assert len(records) == 2, records  # the first count, then the symbolic one
+    assert all(r.fp8 is not None and len(r.fp8.converted) == 3 for r in records)
+
+
+def _bitwise_with_the_seam(model: nn.Module, recipe: str) -> tuple[list[Fp8Decision], nn.Module]:
+    """``model`` compiled with ``recipe`` (strict) against a copy whose experts run the recipe
+    through torchtitan's own seam, on the same operands: the output and every gradient (the expert
+    weights' local values, the input's) bit for bit, and all 3 grouped GEMMs converted. Returns
+    amp_fx's decisions and the reference."""
     x, counts = _inputs()
     reference = copy.deepcopy(model)
-    grouped = _reference_grouped_mm(recipe)
-    reference._grouped_mm = lambda *, A, B_t, offs: grouped(A, B_t, offs)  # torchtitan's own seam
+    assert low_precision_experts(reference, recipe) == 1  # torchtitan's own seam
     want_out, want = _step(reference, x, counts)
-
     compiled = amp_fx.compile(model, dtype="bf16", fp8=recipe, backend="aot_eager", strict=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(runs emulated|without fp8 tensor cores).*")
         out, got = _step(compiled, x, counts)
-
     (record,) = amp_fx.records(compiled)
     assert record.fp8 is not None
     decisions = record.fp8.decisions
     assert [(d.op, d.converted) for d in decisions] == [("aten._grouped_mm", True)] * 3, decisions
-    assert [d.weight for d in decisions] == ["w1_EFD", "w3_EFD", "w2_EDF"], decisions
     assert_bitwise(out, want_out, "out")
     for name in want:
-        assert_bitwise(got[name], want[name], name)
-    bf16 = copy.deepcopy(reference)
-    bf16._grouped_mm = lambda *, A, B_t, offs: torch._grouped_mm(A, B_t, offs=offs)
-    assert not torch.equal(_step(bf16, x, counts)[0], want_out), "the reference must not be the bf16 GEMM"
+        assert_bitwise(_local(got[name]), _local(want[name]), name)
+    return decisions, reference
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
 
 
 class _CastsItsWeight(nn.Module):

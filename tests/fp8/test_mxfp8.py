@@ -132,6 +132,65 @@ def test_grouped_kernel_bitwise_with_torchao_emulated(ends: tuple[int, ...]) -> 
     assert torch._grouped_mm(x, w, offs=offs)._base is None and out._base is None
 
 
+def _grouped_grads(fn: object, x: Tensor, w: Tensor, offs: Tensor, g: Tensor) -> tuple[Tensor, ...]:
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = fn(x, w, offs)  # type: ignore[operator]
+    out.backward(g)
+    assert x.grad is not None and w.grad is not None
+    return out, x.grad, w.grad
+
+
+def test_quantizing_the_tokens_before_the_dispatch_keeps_the_forward_not_the_weight_gradient() -> None:
+    """Why the MXFP8 token dispatch (torchao's ``a2a_dispatch_mxfp8_fwd_hp_bwd``: the experts'
+    input quantized along K before expert parallelism's all-to-all, its e4m3 data and e8m0
+    scales moved) is not a value-preserving rewrite of ``low_precision="mxfp8"``
+    (docs/distributed.md, "The low-precision all-to-all"). The experts then receive
+    ``dequantize(quantize_K(x))`` instead of ``x``. Each row's blocks along K quantize alone, so
+    the forward GEMM and the input gradient are bit for bit the same (rows may move first). The
+    weight gradient quantizes ``x`` along the tokens, with other scales: equal on ordinary
+    activations (rounding to e4m3's 3 mantissa bits twice is rounding once), not where a value is
+    an e4m3 subnormal under its K-block's scale (a large value in its row) and normal under its
+    token block's. And torchao, given the quantized tokens, computes that gradient in high
+    precision from them (``wgrad_with_hp``, which it requires for such inputs): another recipe,
+    whose weight gradient differs from its own MXFP8 grouped GEMM's on the same values."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    def dispatched(x: Tensor) -> Tensor:
+        q = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+        return q.dequantize(torch.bfloat16)
+
+    def torchao(wgrad_with_hp: bool) -> object:
+        return lambda x, w, offs: _to_mxfp8_then_scaled_grouped_mm(
+            x, w, offs, kernel_preference=KernelPreference.EMULATED, wgrad_with_hp=wgrad_with_hp
+        )
+
+    torch.manual_seed(0)
+    x = torch.randn(96, 64).bfloat16()
+    w = torch.randn(3, 64, 64).bfloat16().transpose(-2, -1).contiguous().transpose(-2, -1)  # [E, K, N]
+    offs, g = torch.tensor([32, 40, 96], dtype=torch.int32), torch.randn(96, 64).bfloat16()
+    plain = _grouped_grads(mx.mxfp8_grouped_mm, x, w, offs, g)
+    moved = _grouped_grads(mx.mxfp8_grouped_mm, dispatched(x), w, offs, g)
+    for name, got, want in zip(("out", "grad_x", "grad_w"), moved, plain, strict=True):
+        assert_bitwise(got, want, name)
+
+    corner = x.clone()
+    corner[:, 0] = 1e-5  # column 0's token blocks: every value small, so each is normal there
+    corner[5, 1] = 300.0  # row 5's first K-block: 1e-5 is a subnormal under its scale
+    plain = _grouped_grads(mx.mxfp8_grouped_mm, corner, w, offs, g)
+    moved = _grouped_grads(mx.mxfp8_grouped_mm, dispatched(corner), w, offs, g)
+    assert_bitwise(moved[0], plain[0], "out")
+    assert_bitwise(moved[1], plain[1], "grad_x")
+    assert not torch.equal(moved[2], plain[2]), "grad_w: the corner must differ"
+
+    ours = _grouped_grads(torchao(False), x, w, offs, g)
+    theirs = _grouped_grads(torchao(True), dispatched(x), w, offs, g)
+    assert_bitwise(theirs[0], ours[0], "torchao's out")
+    assert not torch.equal(theirs[2], ours[2]), "torchao's grad_w in high precision"
+
+
 # --- the pass -----------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from amp_fx.inspect._fp8_eager import Fp8Eager, module_stack
 from amp_fx.kernels import blockwise_fp8 as bw
 from amp_fx.kernels import mxfp8_matmul as mx
 from amp_fx.kernels import nvfp4 as nv
-from amp_fx.testing import assert_bitwise
+from amp_fx.testing import assert_bitwise, distributed
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:amp_fx. fp8='nvfp4' runs emulated here"),
@@ -200,18 +200,10 @@ def test_compare_and_advise_run_the_recipe_on_their_eager_side(recipe: str) -> N
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:
-    import torch.distributed as dist
-
-    if not dist.is_available():
+    if not torch.distributed.is_available():
         pytest.skip("torch built without torch.distributed")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with distributed.one_rank():
         yield
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("one_rank")

@@ -13,7 +13,11 @@ others' over ``fsdp``); an inf is planted in rank 0's local shard of one expert 
 * eager: ``torch.autocast("cpu", dtype)``; fp16 with FSDP's ``ShardedGradScaler`` (its found-inf
   flag all-reduced over every rank);
 * amp_fx: ``amp_fx_parallelize(parallelize_qwen3, AmpFxTitanConfig(...))``; fp16 with ``amp_fx.GradScaler``;
-* step: ``amp_fx.compile_step`` on the torchtitan-parallelized model, fp16, ``max_grad_norm=CLIP``.
+* step: ``amp_fx.compile_step`` on the torchtitan-parallelized model, fp16, ``max_grad_norm=CLIP``;
+* low precision on the experts (``LP_CASES``, bf16, ``LP_STEPS`` steps): amp_fx with
+  ``low_precision`` in ``LOW_PRECISION`` and every ``nn.Linear`` kept in bf16 (``_experts_only``),
+  against "seam": eager autocast with torchtitan's ``GroupedExperts._grouped_mm`` running the
+  recipe's grouped GEMM (``amp_fx.testing.torchtitan.low_precision_experts``).
 
 The cases of one spawn take about 10 minutes on 2 shared cores (each model build, and each
 compile of its 13 graphs, runs on both ranks), so fp16 is clipped in every form rather than run
@@ -40,6 +44,9 @@ LR = 1e-2  # as tests/distributed/_dist_tp_cases.py: assert_within_traced_adam's
 CLIP = 0.05  # below every step's norm: the test checks the eager recipe's norms exceed it
 EXPERT = "layers.0.moe.routed_experts.inner_experts.w1_EFD"  # where the inf is planted
 CASES = [("bf16", "eager"), ("bf16", "amp_fx"), ("fp16", "eager"), ("fp16", "amp_fx"), ("fp16", "step")]
+LOW_PRECISION = ("rowwise", "mxfp8", "blockwise")
+LP_STEPS = 2  # the second step's gradients follow an AdamW step on fp8-trained parameters
+LP_CASES = [(recipe, form) for recipe in LOW_PRECISION for form in ("amp_fx", "seam")]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _BATCH, _SEQ = 2, 32
 
@@ -65,27 +72,36 @@ def _plant(model: torch.nn.Module, rank: int, step: int) -> None:
 
 
 def model(form: str, dtype: str = "bf16", **amp_fx_options: Any) -> torch.nn.Module:
-    """The EP 2 x dp_shard 2 model, parallelized by torchtitan ("eager", "step") or through amp_fx's
-    parallelize_fn ("amp_fx", ``AmpFxTitanConfig(dtype=dtype, **amp_fx_options)``)."""
+    """The EP 2 x dp_shard 2 model, parallelized by torchtitan ("eager", "step", "seam") or through
+    amp_fx's parallelize_fn ("amp_fx", ``AmpFxTitanConfig(dtype=dtype, **amp_fx_options)``).
+    "seam": every ``GroupedExperts`` runs ``amp_fx_options["low_precision"]``'s grouped GEMM through
+    torchtitan's own seam (``low_precision_experts``), the eager reference of amp_fx's recipe."""
     from torchtitan.models.qwen3 import parallelize_qwen3
 
     from amp_fx.integrations.torchtitan import AmpFxTitanConfig, amp_fx_parallelize
-    from amp_fx.testing.torchtitan import cpu_qwen3_moe
+    from amp_fx.testing.torchtitan import cpu_qwen3_moe, low_precision_experts
 
     parallelize = None
     if form == "amp_fx":
         config = AmpFxTitanConfig(dtype=dtype, backend="aot_eager", **amp_fx_options)
         parallelize = amp_fx_parallelize(parallelize_qwen3, config)
-    return cpu_qwen3_moe(ep=2, dp_shard=2, parallelize_fn=parallelize)
+    net = cpu_qwen3_moe(ep=2, dp_shard=2, parallelize_fn=parallelize)
+    if form == "seam":
+        swapped = low_precision_experts(net, amp_fx_options["low_precision"])
+        assert swapped == 2, swapped  # one GroupedExperts per layer
+    return net
 
 
-def train(rank: int, dtype: str, form: str) -> dict[str, Any]:
-    """``STEPS`` steps of ``form`` (module docstring): losses, loss scales, the eager recipe's
-    gradient norms, the last step's local gradients, the parameters after it, the AmpFxWarnings."""
+def train(rank: int, dtype: str, form: str, *, low_precision: str | None = None, steps: int = STEPS) -> dict[str, Any]:
+    """``steps`` steps of ``form`` (module docstring): losses, loss scales, the eager recipe's
+    gradient norms, the last step's local gradients, the parameters after it, the AmpFxWarnings;
+    with ``low_precision`` (bf16 only), amp_fx's decisions on every matmul ("amp_fx") or the
+    recipe's experts through torchtitan's seam ("seam")."""
     import amp_fx
+    from tests.distributed._dist_tp_cases import step_and_zero
 
     torch._dynamo.reset()
-    net = model(form, dtype)
+    net = model(form, dtype) if low_precision is None else model(form, dtype, **_experts_only(low_precision))
     opt = torch.optim.AdamW(net.parameters(), lr=LR, foreach=False)
     losses, scales, norms = [], [], []
     grads: dict[str, torch.Tensor] = {}
@@ -98,13 +114,13 @@ def train(rank: int, dtype: str, form: str) -> dict[str, Any]:
             step = amp_fx.compile_step(
                 net, opt, _loss, dtype=dtype, scaler=scaler, backend="aot_eager", max_grad_norm=CLIP
             )
-            for i in range(STEPS):
+            for i in range(steps):
                 losses.append(step(*tokens(rank, i)).detach().clone())
                 scales.append(step.scale.clone())
                 at["step"] = i + 1
         else:
             scaler = _scaler(dtype, form)
-            for i in range(STEPS):
+            for i in range(steps):
                 x, y = tokens(rank, i)
                 autocast = torch.autocast("cpu", dtype=_DTYPES[dtype]) if form != "amp_fx" else contextlib.nullcontext()
                 with autocast:
@@ -116,13 +132,7 @@ def train(rank: int, dtype: str, form: str) -> dict[str, Any]:
                 grads = {n: local_tensor(p.grad).clone() for n, p in net.named_parameters()}
                 if scaler is not None:
                     norms.append(_clip(net))
-                if scaler is None:
-                    opt.step()
-                else:
-                    scaler.step(opt)
-                    scaler.update()
-                    scales.append(torch.tensor(scaler.get_scale()))
-                opt.zero_grad(set_to_none=True)
+                step_and_zero(opt, scaler, scales)
                 losses.append(loss.detach().clone())
     return {
         "losses": torch.stack(losses),
@@ -131,7 +141,30 @@ def train(rank: int, dtype: str, form: str) -> dict[str, Any]:
         "grads": grads,
         "params": {n: local_tensor(p).detach().clone() for n, p in net.named_parameters()},
         "amp_fx_warnings": [str(w.message) for w in caught if issubclass(w.category, amp_fx.AmpFxWarning)],
+        "decisions": _decisions(net) if form == "amp_fx" and low_precision is not None else [],
     }
+
+
+def _experts_only(recipe: str) -> dict[str, Any]:
+    """amp_fx's options for ``recipe`` on the experts alone: every ``nn.Linear`` (attention, router,
+    ``lm_head``) kept in bf16 by ``Policy(keep_out_of_fp8=...)``, as in the "seam" reference, whose
+    dense layers run under eager autocast (amp_fx's bf16 is bitwise with it: the bf16 cases)."""
+    import amp_fx
+
+    return {"low_precision": recipe, "policy": amp_fx.Policy(keep_out_of_fp8=[torch.nn.Linear])}
+
+
+def _decisions(net: torch.nn.Module) -> list[tuple[str, str, str, bool, str]]:
+    """amp_fx's low-precision decisions in every captured graph: (op, module, weight, converted,
+    reason)."""
+    import amp_fx
+
+    return [
+        (d.op, d.module, d.weight, d.converted, d.reason)
+        for record in amp_fx.records(net)
+        if record.fp8 is not None
+        for d in record.fp8.decisions
+    ]
 
 
 def _scaler(dtype: str, form: str) -> Any:
@@ -247,6 +280,10 @@ def moe_all(rank: int, world_size: int) -> dict[Any, Any]:
 
     assert world_size == 2, world_size
     runs: dict[Any, Any] = {case: functools.partial(train, rank, *case) for case in CASES}
+    runs |= {
+        (recipe, form): functools.partial(train, rank, "bf16", form, low_precision=recipe, steps=LP_STEPS)
+        for recipe, form in LP_CASES
+    }
     runs |= {tool.__name__: functools.partial(tool, rank) for tool in (compare, explain)}
     runs |= {("watch", layer): functools.partial(watch, rank, layer) for layer in (0, 1)}
     results = _each(runs)
@@ -259,7 +296,7 @@ def moe_all(rank: int, world_size: int) -> dict[Any, Any]:
             results["clip_check"] = None
         except AssertionError as e:
             results["clip_check"] = str(e)
-    for case in CASES:
+    for case in (*CASES, *LP_CASES):
         for key in ("grads", "params"):
             if key in results[case]:
                 results[case][key] = {n: _digest(t) for n, t in results[case][key].items()}

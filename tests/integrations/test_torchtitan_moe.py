@@ -1,8 +1,10 @@
 """amp_fx under expert parallelism: torchtitan's Qwen3 MoE debugmodel (2 layers, 64 experts, top 8)
 parallelized by torchtitan's own ``parallelize_qwen3`` with EP 2 over FSDP2's 2 gloo ranks,
 bitwise with eager autocast; ``compile_step`` with the planted overflow skipped on both ranks and
-the gradient norm over the ep and fsdp meshes; the watch, compare and explain per rank. The cases:
-tests/integrations/_dist_titan_moe_cases.py (one spawn, about 6 minutes on 2 shared cores).
+the gradient norm over the ep and fsdp meshes; the watch, compare and explain per rank; the
+experts in fp8 rowwise, MXFP8 and blockwise against torchtitan's own low-precision seam. The cases:
+tests/integrations/_dist_titan_moe_cases.py (one spawn: 6 to 14 minutes on 2 cores shared with other
+work; the three low-precision recipes add about 5 of them, measured alone).
 
 EP 2 x dp_shard 2 on 4 ranks is not run: one 2-rank spawn of these cases takes minutes, a 4-rank
 one would double the ranks on the same 2 cores (the CI budget, docs/contributing.md).
@@ -19,7 +21,14 @@ pytest.importorskip("torchtitan", reason="needs torchtitan (pip install amp_fx[t
 
 from amp_fx.testing import assert_bitwise  # noqa: E402
 from amp_fx.testing.distributed import run_ranks  # noqa: E402
-from tests.integrations._dist_titan_moe_cases import CLIP, EXPERT, PLANTED_STEP, moe_all  # noqa: E402
+from tests.integrations._dist_titan_moe_cases import (  # noqa: E402
+    CLIP,
+    EXPERT,
+    LOW_PRECISION,
+    LP_STEPS,
+    PLANTED_STEP,
+    moe_all,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -148,3 +157,39 @@ def test_expert_parallel_explain_decides_as_on_the_unsharded_model(ranks):
         assert sum("_grouped_mm" in row[1] for row in run["ep"]) >= 3, f"rank {rank}: {run['ep']}"
         assert all(row in run["whole"] for row in run["ep"]), f"rank {rank}"
         assert _any_block(run["ep"]) == _any_block(run["whole"]), f"rank {rank}"
+
+
+_EXPERT_WEIGHTS = {
+    f"layers.{layer}.moe.routed_experts.inner_experts.{w}" for layer in (0, 1) for w in ("w1_EFD", "w3_EFD", "w2_EDF")
+}
+
+
+@pytest.mark.parametrize("recipe", LOW_PRECISION)
+def test_expert_parallel_experts_run_the_recipe_bitwise_with_torchtitans_seam(ranks, recipe):
+    """``AmpFxTitanConfig(low_precision=recipe)`` with every ``nn.Linear`` kept in bf16
+    (``Policy(keep_out_of_fp8=[nn.Linear])``) against eager autocast with torchtitan's own seam
+    for low-precision experts (``GroupedExperts._grouped_mm``) running the recipe's grouped GEMM
+    (``low_precision_experts``: torchao's emulated MXFP8 grouped GEMM; amp_fx's rowwise and
+    blockwise grouped kernels, held to torchao in tests/fp8, so for those two the pass under EP
+    against its own kernel in eager): every grouped GEMM of both layers converted
+    (each rank's 32 local experts, behind ``to_local()`` and the model's own ``bfloat16()``), in
+    strict mode; losses, every local gradient of the last of ``LP_STEPS`` AdamW steps and every
+    parameter after it bit for bit, on both ranks. Before, all 6 stayed in bf16 (the fp8 pass saw
+    ``to_local`` as an op computing the weight; strict mode raised). The reference is not bf16:
+    its losses differ from the bf16 case's on the same tokens and weights."""
+    for rank, res in enumerate(ranks):
+        got, want = _ok(res, (recipe, "amp_fx"), rank), _ok(res, (recipe, "seam"), rank)
+        what = f"rank {rank}, {recipe}"
+        grouped = [d for d in got["decisions"] if d[0] == "aten._grouped_mm"]
+        assert all(d[3] for d in grouped), f"{what}: {[d for d in grouped if not d[3]]}"
+        assert {d[2] for d in grouped} == _EXPERT_WEIGHTS, f"{what}: {grouped}"
+        dense = [d for d in got["decisions"] if d[0] != "aten._grouped_mm"]
+        assert dense and not any(d[3] for d in dense), f"{what}: {dense}"  # the Linears: kept by the policy
+        assert all("fp8 tensor cores" in w or "emulated" in w for w in got["amp_fx_warnings"]), got["amp_fx_warnings"]
+        assert_bitwise(got["losses"], want["losses"], f"{what}: losses")
+        assert set(got["grads"]) == set(want["grads"]) and len(want["grads"]) == 23, what
+        for name in want["grads"]:
+            assert got["grads"][name] == want["grads"][name], f"{what}: grad {name}"
+            assert got["params"][name] == want["params"][name], f"{what}: {name}"
+        bf16 = _ok(res, ("bf16", "amp_fx"), rank)["losses"][:LP_STEPS]
+        assert not torch.equal(want["losses"], bf16), f"{what}: the reference ran in bf16"
