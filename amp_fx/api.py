@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from amp_fx._common.downstream import Backend
+from amp_fx._common.report import regions_from_env
 from amp_fx._common.suggest import did_you_mean
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
@@ -41,7 +42,7 @@ def compile(
     watch_nonfinite: bool = False,
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
-    regions: bool | None = False,
+    regions: bool | None = None,
     numerics: str | Numerics = "default",
     **torch_compile_kwargs: Any,
 ) -> F:
@@ -141,7 +142,10 @@ def compile(
 
 
 def _regions_default(regions: bool | None, fp8: object, policy: Policy | None) -> bool | None:
-    """``compile(regions=None)``: where proven (docs/regions.md), and off with fp8 or op_classes."""
+    """``compile(regions=None)``, the default: ``AMP_FX_REGIONS`` where set (the suite's legs with
+    regions always on or always off), else where proven (docs/regions.md): off with fp8 or op_classes."""
+    if regions is None:
+        regions = regions_from_env()
     if regions is None and (fp8 is not None or (policy is not None and policy.op_classes)):
         return False
     return regions

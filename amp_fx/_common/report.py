@@ -36,6 +36,25 @@ def strict_from_env() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+REGIONS_ENV = "AMP_FX_REGIONS"
+
+
+def regions_from_env() -> bool | None:
+    """What ``AMP_FX_REGIONS`` asks of ``amp_fx.compile(regions=None)``, the default: "1" (also
+    "true", "yes", "on") compiles regions wherever there are repeated blocks, as ``regions=True``;
+    "0" (also "false", "no", "off") the whole graph, as ``regions=False``; unset or empty: None
+    (where shown safe). For running the whole suite with either setting (``.ci/matrix``, issue 62);
+    an explicit ``regions=True``/``False`` wins."""
+    said = os.environ.get(REGIONS_ENV, "").strip().lower()
+    if said in ("1", "true", "yes", "on"):
+        return True
+    if said in ("0", "false", "no", "off"):
+        return False
+    if said:
+        raise ValueError(f"amp_fx: {REGIONS_ENV}={said!r}: expected 1 (regions always) or 0 (whole graph), or unset")
+    return None
+
+
 def resolve_strict(strict: bool | None) -> bool:
     """An explicit ``strict=`` wins; ``None`` defers to the environment."""
     if strict is None:
