@@ -91,7 +91,8 @@ class AmpCompiledModule(torch.nn.Module):
                 module,
                 backend,
                 gathered=gathered,
-                root_own=root_state_modules(module, units) if regions is None else (),
+                root_own=root_state_modules(module, units),
+                in_regions=regions is not None,
             )
         )
         self.training = module.training

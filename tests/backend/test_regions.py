@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -236,3 +237,64 @@ def test_convolutional_blocks_compile_as_one_graph_by_default(
         # one block graph per input dtype (fp32 into the first block, bf16 after it), 3 blocks
         assert len(amp_fx.records(compiled)) == 2
         assert any("_ConvBlock (0): compiled once, reused by 2 blocks" in m for m in said), said
+
+
+class _HeadAfterLoop(nn.Module):
+    """A root whose own parameter (a head) is used after the loop over its blocks. Each block call
+    breaks Dynamo's graph, and a break inside a loop makes Dynamo skip the whole frame: with the
+    loop in ``forward`` (``own_method=False``) the head runs outside every compiled graph; with the
+    loop in a method of its own (the fix the report names) only that method's frame is skipped."""
+
+    def __init__(self, *, own_method: bool) -> None:
+        super().__init__()
+        self.own_method = own_method
+        self.emb = nn.Embedding(10, 16)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Parameter(torch.randn(10, 16))
+
+    def run_blocks(self, h: Tensor) -> Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)
+        if self.own_method:
+            h = self.run_blocks(h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return nn.functional.linear(h, self.head)
+
+
+@pytest.mark.parametrize("own_method", [False, True], ids=["loop_in_forward", "loop_in_own_method"])
+def test_root_ops_outside_every_graph_are_reported(own_method: bool) -> None:
+    """The root's own parameter used where Dynamo skipped the root's frame ran as eager autocast,
+    outside every compiled graph: said once, naming the root and the two fixes; with the loop in
+    a method of its own, the head is captured in the root's graph, bitwise, and nothing is said."""
+    torch.manual_seed(zoo.SEED)
+    model = _HeadAfterLoop(own_method=own_method)
+    ids = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(zoo.SEED))
+    loss_fn = lambda out: out.float().square().mean()  # noqa: E731
+    expected = zoo.eager_autocast_step(copy.deepcopy(model), (ids,), loss_fn, torch.bfloat16)
+    compiled = amp_fx.compile(model, backend="aot_eager", regions=None, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_bitwise(zoo.step(compiled, model, (ids,), loss_fn), expected)
+        compiled(ids)
+    said = [str(w.message) for w in caught if "outside every compiled graph" in str(w.message)]
+    if own_method:
+        assert said == []
+        heads = [
+            n
+            for r in amp_fx.records(compiled)
+            for n in r.captured.graph.nodes
+            if n.target is torch.ops.aten.linear.default and n.meta["val"].shape[-1] == 10
+        ]
+        assert len(heads) == 1  # the head's linear, in the root's graph
+        return
+    assert len(said) == 1, said
+    assert "amp_fx.compile(_HeadAfterLoop) in compiled regions" in said[0] and "<root>" in said[0]
+    assert "regions=False" in said[0] and "def run_blocks" in said[0]
+    with pytest.raises(amp_fx.AmpFxError, match="outside every compiled graph"):
+        amp_fx.compile(_HeadAfterLoop(own_method=False), backend="aot_eager", regions=None, strict=True)(ids)
