@@ -33,13 +33,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from amp_fx._common.progress import progress_log
+from amp_fx._common.report import Reporter
 from amp_fx.policy import Policy
 
-__all__ = ["Regions", "repeated_blocks", "outside_modules", "block_groups", "find_regions"]
+__all__ = ["Regions", "repeated_blocks", "outside_modules", "block_groups", "find_regions", "check_gradient_layout"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -228,6 +231,46 @@ def find_regions(
         return None
     groups = block_groups(blocks, policy)
     return Regions(tuple(blocks), groups, tuple(outside_modules(model, [b for _, b in blocks])))
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape lay out their elements alike (the strides of dimensions
+    longer than 1 equal): a reduction over either reads them in the same order."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def check_gradient_layout(name: str, out: Any, reporter: Reporter) -> None:
+    """Watch the first backward through a region's output ``out`` (unit ``name``): where the
+    gradient arrives laid out unlike the output (ConvNext's channels-last block output, whose
+    gradient arrives contiguous from the pooling's backward), AOTAutograd restrides it to the
+    output's layout before the region's backward (it traced that backward for the output's
+    strides), while eager autocast's backward reads it as it arrived: reductions in the block's
+    backward (a layer-scale parameter's gradient) then sum in another order, 1 ulp off eager
+    autocast (measured: transformers' ConvNext, tests/backend/test_regions.py). Said once, with
+    the fix; a model whose block outputs and gradients share a layout (transformers' decoders) is
+    unaffected. The root (``name`` empty) is not watched: its output's gradient is the user's, and
+    the whole-graph compile lays it out alike."""
+    if not name:
+        return
+    for t in tree_flatten(out)[0]:
+        if not (isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 1):
+            continue
+
+        def hook(grad: torch.Tensor, t: torch.Tensor = t) -> None:
+            if grad.shape == t.shape and not _same_layout(grad, t):
+                reporter.did_less(
+                    ("regions gradient layout",),
+                    (
+                        f"amp_fx: in compiled regions, the gradient reaching the output of {name} (shape "
+                        f"{tuple(t.shape)}, strides {t.stride()}) arrives with strides {grad.stride()}: "
+                        f"AOTAutograd lays it out as the output before the region's backward, eager autocast "
+                        f"reads it as it arrives, so gradients in the block can differ from eager autocast's "
+                        f"by a rounding step (reductions sum in another order). amp_fx.compile(regions=False) "
+                        f"compiles the whole model as one graph, bitwise with eager autocast under aot_eager."
+                    ),
+                )
+
+        t.register_hook(hook)
 
 
 def log_regions(label: str, regions: Regions) -> None:

@@ -30,7 +30,7 @@ from amp_fx._dist.capture import (
 from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.compiler import AmpBackend
-from amp_fx.backend.regions import find_regions, log_regions
+from amp_fx.backend.regions import check_gradient_layout, find_regions, log_regions
 from amp_fx.backend.weight_cache import WeightCache, weight_cache_applies
 from amp_fx.options import Options
 from amp_fx.overflow import ForwardWatch
@@ -87,6 +87,9 @@ class AmpCompiledModule(torch.nn.Module):
                     backend.dtype,
                     gathered=gathered,
                     group_of=None if regions is None else regions.group_of,
+                    first_output=None
+                    if regions is None
+                    else functools.partial(check_gradient_layout, reporter=backend.reporter),
                 ),
                 module,
                 backend,
