@@ -146,7 +146,7 @@ def _regions_default(regions: bool | None, fp8: object, policy: Policy | None) -
     regions always on or always off), else where proven (docs/regions.md): off with fp8 or op_classes."""
     if regions is None:
         regions = regions_from_env()
-    if regions is None and (fp8 is not None or (policy is not None and policy.op_classes)):
+    if regions is None and (fp8 is not None or (isinstance(policy, Policy) and policy.op_classes)):
         return False
     return regions
 

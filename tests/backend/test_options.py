@@ -86,8 +86,15 @@ def _compiled_kinds():
 def test_options_of_reads_what_was_asked(kind):
     compiled = _compiled_kinds()[kind]
     got = amp_fx.options_of(compiled)
+    # regions=None: amp_fx.compile's default (regions where shown safe); the record's own default
+    # is False (compile_step and the adapters compile whole graphs)
     assert got == Options(
-        dtype=torch.float16, backend="aot_eager", fold=False, strict=got.strict, torch_compile={"dynamic": False}
+        dtype=torch.float16,
+        backend="aot_eager",
+        fold=False,
+        strict=got.strict,
+        torch_compile={"dynamic": False},
+        regions=None,
     )
 
 
