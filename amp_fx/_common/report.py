@@ -40,19 +40,19 @@ REGIONS_ENV = "AMP_FX_REGIONS"
 
 
 def regions_from_env() -> bool | None:
-    """What ``AMP_FX_REGIONS`` asks of ``amp_fx.compile(regions=None)``, the default: "1" (also
-    "true", "yes", "on") compiles regions wherever there are repeated blocks, as ``regions=True``;
-    "0" (also "false", "no", "off") the whole graph, as ``regions=False``; unset or empty: None
-    (where shown safe). For running the whole suite with either setting (``.ci/matrix``, issue 62);
-    an explicit ``regions=True``/``False`` wins."""
+    """``amp_fx.compile``'s ``regions`` where the call does not give it: False (the whole graph,
+    the default for now), unless ``AMP_FX_REGIONS`` says otherwise: "1" (also "true", "yes", "on")
+    gives None (regions where shown safe, the default to be), "always" gives True, "0" (also
+    "false", "no", "off") False. For running the suite with regions on (issue 62); a ``regions=``
+    given in the call wins."""
     said = os.environ.get(REGIONS_ENV, "").strip().lower()
     if said in ("1", "true", "yes", "on"):
+        return None
+    if said == "always":
         return True
-    if said in ("0", "false", "no", "off"):
+    if said in ("", "0", "false", "no", "off"):
         return False
-    if said:
-        raise ValueError(f"amp_fx: {REGIONS_ENV}={said!r}: expected 1 (regions always) or 0 (whole graph), or unset")
-    return None
+    raise ValueError(f"amp_fx: {REGIONS_ENV}={said!r}: expected 1 (where shown safe), always, 0, or unset")
 
 
 def resolve_strict(strict: bool | None) -> bool:

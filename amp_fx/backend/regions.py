@@ -209,24 +209,42 @@ def _convolutions(blocks: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
     ]
 
 
+def _not_shown_safe(blocks: Sequence[tuple[str, torch.nn.Module]], policy: Policy, fp8: object) -> str | None:
+    """Why ``regions=None`` compiles these blocks as one graph, or None where regions are shown safe."""
+    convolutions = _convolutions(blocks)
+    if convolutions:
+        return (
+            f"its repeated blocks hold convolutions ({convolutions[0]}), where compiled regions are not bitwise "
+            f"with eager autocast (channels-last block outputs, docs/regions.md)"
+        )
+    if fp8 is not None or policy.op_classes:
+        # Code of the root's forward that Dynamo skips runs as eager autocast, out of their reach
+        # (a tied head written as F.linear(h, self.emb.weight) after the loop over the blocks).
+        what = "low_precision (fp8)" if fp8 is not None else "Policy(op_classes=...)"
+        return f"{what} acts on single ops, and code around compiled regions that Dynamo skips is out of its reach"
+    return None
+
+
 def find_regions(
-    model: torch.nn.Module, policy: Policy, *, proven_only: bool = False, label: str = ""
+    model: torch.nn.Module, policy: Policy, *, proven_only: bool = False, label: str = "", fp8: object = None
 ) -> Regions | None:
     """The regions of ``model``, or None where it has no repeated block. ``proven_only``
     (``amp_fx.compile(regions=None)``): None too where a block holds a convolution: in regions,
     transformers' ConvNext and diffusers' UNets differ from eager autocast by a rounding step in
     some gradients (1 ulp of fp32 or bf16; tests/models ``test_compile_bitwise`` under
-    ``regions=True``, cause not found), so they compile as one graph, and the progress lines say so."""
+    ``regions=True``). ConvNext's cause: its blocks' outputs are channels last and their gradients
+    arrive contiguous, and AOTAutograd restrides them to the output's layout before the region's
+    backward (:func:`check_gradient_layout`, which says so wherever it happens; the UNets' cause is
+    not confirmed). Convolutional models are where such layouts are the rule, so they compile as
+    one graph, and the progress lines say so. With ``fp8`` or ``Policy.op_classes`` too (their reach
+    into code of the root's forward that Dynamo skips is not checked)."""
     blocks = repeated_blocks(model)
     if not blocks:
         return None
-    convolutions = _convolutions(blocks) if proven_only else []
-    if convolutions:
+    why = _not_shown_safe(blocks, policy, fp8) if proven_only else None
+    if why is not None:
         progress_log.info(
-            "amp_fx: %s: compiled as one graph: its repeated blocks hold convolutions (%s), where compiled "
-            "regions are not shown bitwise with eager autocast; amp_fx.compile(regions=True) compiles them once",
-            label,
-            convolutions[0],
+            "amp_fx: %s: compiled as one graph: %s; amp_fx.compile(regions=True) compiles its blocks once", label, why
         )
         return None
     groups = block_groups(blocks, policy)
@@ -257,7 +275,10 @@ def check_gradient_layout(name: str, out: Any, reporter: Reporter) -> None:
             continue
 
         def hook(grad: torch.Tensor, t: torch.Tensor = t) -> None:
-            if grad.shape == t.shape and not _same_layout(grad, t):
+            # An expanded gradient (stride 0: a .sum() loss's) is copied dense before any graph's
+            # backward, the whole-graph compile's at the model's output alike: not a difference.
+            overlaps = torch._debug_has_internal_overlap(grad) == 1
+            if grad.shape == t.shape and not overlaps and not _same_layout(grad, t):
                 reporter.did_less(
                     ("regions gradient layout",),
                     (

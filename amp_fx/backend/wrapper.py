@@ -62,7 +62,11 @@ class AmpCompiledModule(torch.nn.Module):
             units = [*units, *root_linears(module, units)]
         regions = (
             find_regions(
-                module, backend.options.policy, proven_only=backend.options.regions is None, label=backend.label
+                module,
+                backend.options.policy,
+                proven_only=backend.options.regions is None,
+                label=backend.label,
+                fp8=backend.options.fp8,
             )
             if units is None and backend.options.regions is not False
             else None

@@ -362,3 +362,39 @@ def test_gradient_laid_out_unlike_the_block_output_is_reported(channels_last: bo
     strict = amp_fx.compile(copy.deepcopy(model), backend="aot_eager", regions=None, strict=True)
     with pytest.raises(amp_fx.AmpFxError, match="the gradient reaching the output of blocks.2"):
         loss_fn(strict(x)).backward()
+
+
+@pytest.mark.parametrize("regions", [None, True], ids=["default", "forced"])
+def test_op_classes_compile_as_one_graph_by_default(regions: bool | None, caplog: pytest.LogCaptureFixture) -> None:
+    """Policy(op_classes=...) acts on single ops, and code around the regions that Dynamo skips is
+    out of its reach, so the default compiles the whole model as one graph and says why (fp8 alike,
+    through the same rule); regions=True compiles the blocks once all the same."""
+    model, inputs, loss_fn = _lm(3)
+    policy = Policy(op_classes={"aten.gelu": amp_fx.CastClass.FP32})
+    with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
+        compiled = amp_fx.compile(model, backend="aot_eager", policy=policy, regions=regions, strict=False)
+        zoo.step(compiled, model, inputs, loss_fn)
+    said = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    if regions is None:
+        assert len(amp_fx.records(compiled)) == 1
+        assert any("compiled as one graph: Policy(op_classes=...) acts on single ops" in m for m in said), said
+    else:
+        assert any("compiled once, reused by 2 blocks" in m for m in said), said
+
+
+@pytest.mark.parametrize(
+    "env,given,expected",
+    [("", None, False), ("1", None, None), ("always", None, True), ("0", None, False), ("1", False, False)],
+)
+def test_regions_default_read_from_the_environment(
+    env: str, given: bool | None, expected: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AMP_FX_REGIONS`` sets compile's default (the suite runs with regions on through it); a
+    ``regions=`` given in the call wins; an unknown value is an error, not silently ignored."""
+    monkeypatch.setenv("AMP_FX_REGIONS", env)
+    kwargs = {} if given is None else {"regions": given}
+    compiled = amp_fx.compile(nn.Linear(4, 4), backend="aot_eager", **kwargs)
+    assert amp_fx.options_of(compiled).regions is expected
+    monkeypatch.setenv("AMP_FX_REGIONS", "sometimes")
+    with pytest.raises(ValueError, match="AMP_FX_REGIONS='sometimes'"):
+        amp_fx.compile(nn.Linear(4, 4), backend="aot_eager")
