@@ -7,6 +7,7 @@ The public entry points (``amp_fx.compile``, ``records``, ``uncompile``, ``optio
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from amp_fx._common.downstream import Backend
+from amp_fx._common.report import regions_from_env
 from amp_fx._common.suggest import did_you_mean
 from amp_fx.backend.inplace import compile_inplace, inplace_call
 from amp_fx.backend.wrapper import backend_of, wrap
@@ -27,6 +29,19 @@ from amp_fx.policy import Policy
 __all__ = ["compile", "records", "uncompile", "options_of", "compile_with", "check_compile_kwargs"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _NotGiven(enum.Enum):
+    """An option not given in the call (``compile(regions=...)``: its default is read from the
+    environment when ``compile`` is called)."""
+
+    NOT_GIVEN = "not given"
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+NOT_GIVEN = _NotGiven.NOT_GIVEN
 
 
 def compile(
@@ -42,7 +57,7 @@ def compile(
     watch_nonfinite: bool = False,
     low_precision: LowPrecisionLike = None,
     fp8: LowPrecisionLike = None,
-    regions: bool | None = False,
+    regions: bool | None | _NotGiven = NOT_GIVEN,
     numerics: str | Numerics = "default",
     monitor: Fp8Monitor | None = None,
     **torch_compile_kwargs: Any,
@@ -92,14 +107,16 @@ def compile(
             compiled region, so the first step's compile time does not grow with depth; the
             root's stateful modules outside the blocks are compiled as units of their own, and
             the root's forward around them as far as Dynamo captures it (code it skips runs as
-            eager autocast). ``False`` (default, for now: docs/regions.md says what is still to
-            be shown before it is on by default): the whole model as one graph (fusion across
-            blocks). ``True``: regions wherever there are repeated blocks. ``None``: as True,
-            except for blocks that hold convolutions (measured not bitwise with eager autocast
-            in regions: ConvNext, UNets) and with ``fp8`` or ``Policy.op_classes`` (their reach
-            into code of the root's forward that Dynamo skips is not checked). Not used for
-            functions, models under DDP/FSDP2 (whose units are compiled alike) or models without
-            a repeated block. The progress lines say which classes were compiled once
+            eager autocast, and is reported where it uses the root's own parameters).
+            ``False`` (the default when not given, for now: docs/regions.md says what is still
+            to be shown; ``AMP_FX_REGIONS=1`` makes it None): the whole model as one graph
+            (fusion across blocks). ``True``: regions wherever there are repeated blocks.
+            ``None``: as True, except for blocks that hold convolutions (channels-last block
+            outputs are not bitwise with eager autocast in regions: ConvNext, UNets) and with
+            ``fp8`` or ``Policy.op_classes`` (their reach into code of the root's forward that
+            Dynamo skips is not checked); the progress lines say so. Not used for functions,
+            models under DDP/FSDP2 (whose units are compiled alike) or models without a
+            repeated block. The progress lines say which classes were compiled once
             (docs/regions.md).
         numerics: ``"default"`` (the backend's own numbers) or ``"eager"``: under inductor, every
             op stays on ATen's kernel except the pointwise ops inductor can fuse without changing
@@ -141,7 +158,7 @@ def compile(
         watch_nonfinite=watch_nonfinite,
         inductor=inductor_config(backend, mode, inductor),
         torch_compile=torch_compile_kwargs,
-        regions=_regions_default(regions, one_option(fp8, low_precision, "amp_fx.compile"), policy),
+        regions=_regions_default(regions),
         fp8=one_option(fp8, low_precision, "amp_fx.compile"),
         numerics=numerics,
         monitor=monitor,
@@ -149,11 +166,9 @@ def compile(
     return compile_with(model_or_fn, options, inplace=inplace)
 
 
-def _regions_default(regions: bool | None, fp8: object, policy: Policy | None) -> bool | None:
-    """``compile(regions=None)``: where proven (docs/regions.md), and off with fp8 or op_classes."""
-    if regions is None and (fp8 is not None or (policy is not None and policy.op_classes)):
-        return False
-    return regions
+def _regions_default(regions: bool | None | _NotGiven) -> bool | None:
+    """``compile``'s ``regions``: as given, else ``AMP_FX_REGIONS`` (default: False)."""
+    return regions_from_env() if regions is NOT_GIVEN else regions
 
 
 def compile_with(

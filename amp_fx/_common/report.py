@@ -36,6 +36,25 @@ def strict_from_env() -> bool:
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+REGIONS_ENV = "AMP_FX_REGIONS"
+
+
+def regions_from_env() -> bool | None:
+    """``amp_fx.compile``'s ``regions`` where the call does not give it: False (the whole graph,
+    the default for now), unless ``AMP_FX_REGIONS`` says otherwise: "1" (also "true", "yes", "on")
+    gives None (regions where shown safe, the default to be), "always" gives True, "0" (also
+    "false", "no", "off") False. For running the suite with regions on (issue 62); a ``regions=``
+    given in the call wins."""
+    said = os.environ.get(REGIONS_ENV, "").strip().lower()
+    if said in ("1", "true", "yes", "on"):
+        return None
+    if said == "always":
+        return True
+    if said in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"amp_fx: {REGIONS_ENV}={said!r}: expected 1 (where shown safe), always, 0, or unset")
+
+
 def resolve_strict(strict: bool | None) -> bool:
     """An explicit ``strict=`` wins; ``None`` defers to the environment."""
     if strict is None:

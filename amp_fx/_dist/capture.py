@@ -252,6 +252,7 @@ def unit_call(
     *,
     gathered: GatheredFp8Weights | None = None,
     group_of: Callable[[torch.nn.Module], tuple[object, str]] | None = None,
+    first_output: Callable[[str, Any], None] | None = None,
 ) -> Callable[..., Any]:
     """The forward of a compiled DDP/FSDP2 model, or of a model compiled in regions
     (``amp_fx/backend/regions.py``): ``module.__call__`` eagerly, units compiled.
@@ -268,7 +269,9 @@ def unit_call(
     its group shares are named after the unit that compiled them, and the overflow watch renames
     their modules for the unit that runs them. ``gathered``: the FSDP2
     weights all-gathered in fp8 (``amp_fx._dist.fp8_gather``), whose scales are computed before
-    each call, before FSDP2's first all-gather.
+    each call, before FSDP2's first all-gather. ``first_output``: called with each unit's name and
+    output on the unit's first call (regions: the gradient layout check,
+    ``amp_fx.backend.regions.check_gradient_layout``).
     """
     _check_fsdp_mixed_precision(units, dtype)
     if group_of is None:
@@ -296,10 +299,16 @@ def unit_call(
         if found is None:
             compiled, name = compiled_for(unit), names.get(id(unit), "")
 
+            first = [first_output]
+
             @torch._dynamo.disable
             def forward(*args: Any, **kwargs: Any) -> Any:
                 with unit_running(name):
-                    return compiled(unit, *args, **kwargs)
+                    out = compiled(unit, *args, **kwargs)
+                if first[0] is not None:
+                    first[0], check = None, first[0]
+                    check(name, out)
+                return out
 
             found = forwards[id(unit)] = forward
         return found

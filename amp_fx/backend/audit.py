@@ -85,8 +85,8 @@ def report_unused_policy(
             ("keep_fp32", label),
             (
                 f"amp_fx: Policy(keep_fp32=...) entry {label} selects {', '.join(skipped[:4])}, which ran "
-                f"outside every captured graph (Dynamo skipped the frame that runs it: the FSDP2 root "
-                f"report above says why and how to fix it), so nothing was kept in fp32 for it; with "
+                f"outside every captured graph (Dynamo skipped the frame that runs it: the report "
+                f"above about the root's frame says why and how to fix it), so nothing was kept in fp32 for it; with "
                 f"that fixed, the entry applies."
                 if skipped
                 else f"amp_fx: Policy(keep_fp32=...) entry {label} matched no op in the graphs captured "
@@ -418,13 +418,20 @@ def report_no_graph(reporter: Reporter, target: object) -> None:
 
 
 def report_root_outside_graphs(
-    records: Sequence[GraphRecord], root: torch.nn.Module, own: Sequence[str], reporter: Reporter
+    records: Sequence[GraphRecord],
+    root: torch.nn.Module,
+    own: Sequence[str],
+    reporter: Reporter,
+    *,
+    in_regions: bool = False,
 ) -> list[tuple[str, type]]:
     """Report the FSDP2 root's own modules (``own``: :func:`amp_fx._dist.capture.root_state_modules`)
     that no op of the graphs captured so far ran inside: Dynamo skipped the frame that runs them
     (a graph break inside the loop over the sharded blocks), so they ran as eager autocast, where
-    the Policy does not reach. Called after the first call that ran graphs. Returns those modules
-    and every module under them, (name, type), for :func:`report_unused_policy`."""
+    the Policy does not reach. ``in_regions``: the units are the model's compiled regions
+    (``amp_fx/backend/regions.py``; each block call breaks the graph alike), and the fix is
+    worded for them. Called after the first call that ran graphs. Returns those modules and every
+    module under them, (name, type), for :func:`report_unused_policy`."""
     nodes = [n for r in records for n in r.captured.graph.nodes if n.op == "call_function"]
     stacks = [module_stack(n) for n in nodes]
     inside = {path for stack in stacks for path, _ in stack}
@@ -434,6 +441,27 @@ def report_root_outside_graphs(
     shown = ", ".join(name or "<root> (its own parameters and buffers)" for name in missing[:6]) + (
         f" and {len(missing) - 6} more" if len(missing) > 6 else ""
     )
+    if in_regions:
+        reporter.did_less(
+            ("regions_root_frame",),
+            (
+                f"amp_fx.compile({type(root).__name__}) in compiled regions: the first call's captured graphs ran "
+                f"no op of {shown}, of the root outside its repeated blocks and the modules compiled as units. "
+                f"The root's forward calls the blocks, each call breaks Dynamo's graph (each block is compiled on "
+                f"its own), and a break inside a loop (for block in self.blocks) makes Dynamo skip the whole "
+                f"frame: those ops ran outside every compiled graph, as eager autocast (eager autocast's values, "
+                f"not compiled; amp_fx's Policy does not apply to them). Fix: move the loop over the blocks into "
+                f"a method of its own (def run_blocks(self, x): for block in self.blocks: x = block(x); return x), "
+                f"so that Dynamo skips only that method's frame, or compile with regions=False (the whole model "
+                f"as one graph)."
+            ),
+        )
+    else:
+        _report_fsdp2_root_frame(root, missing, shown, reporter)
+    return [(path, type(m)) for name in missing for path, m in root.get_submodule(name).named_modules(prefix=name)]
+
+
+def _report_fsdp2_root_frame(root: torch.nn.Module, missing: Sequence[str], shown: str, reporter: Reporter) -> None:
     reporter.did_less(
         ("fsdp2_root_frame",),
         (
@@ -451,7 +479,6 @@ def report_root_outside_graphs(
             f"fully_shard it or drop it.{_tied_fix(root, missing)}"
         ),
     )
-    return [(path, type(m)) for name in missing for path, m in root.get_submodule(name).named_modules(prefix=name)]
 
 
 def _tied_fix(root: torch.nn.Module, names: Sequence[str]) -> str:

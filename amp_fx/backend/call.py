@@ -249,13 +249,17 @@ def checked_units(
     *,
     gathered: GatheredFp8Weights | None = None,
     root_own: Sequence[str] = (),
+    in_regions: bool = False,
 ) -> Callable[..., Any]:
-    """A DDP/FSDP2 model's call, checked once the whole model ran (each unit alone runs only part
-    of the policy's modules); ``gathered``: its weights all-gathered in fp8, checked against the
-    fp8 matmuls of the graphs captured so far; ``root_own``: the FSDP2 root's own modules that hold
-    state (``amp_fx._dist.capture.root_state_modules``), each reported if the first call's graphs
-    ran none of its ops (Dynamo skipped the frame that runs it). The fp8 weights are checked at
-    every call once a graph has run: an eager read can come later (a branch taken at step 100)."""
+    """A DDP/FSDP2 model's call (or one compiled in regions), checked once the whole model ran
+    (each unit alone runs only part of the policy's modules); ``gathered``: its weights
+    all-gathered in fp8, checked against the fp8 matmuls of the graphs captured so far;
+    ``root_own``: the root's own modules that hold state outside every other unit
+    (``amp_fx._dist.capture.root_state_modules``), each reported if the first call's graphs ran
+    none of its ops (Dynamo skipped the frame that runs it); ``in_regions``: the units are the
+    model's compiled regions (``amp_fx/backend/regions.py``), not FSDP2's, and the report says
+    so. The fp8 weights are checked at every call once a graph has run: an eager read can come
+    later (a branch taken at step 100)."""
     policy_checked = False
 
     def checked(*args: Any, **kwargs: Any) -> Any:
@@ -264,7 +268,9 @@ def checked_units(
         out = call(*args, **kwargs)
         outside: Sequence[tuple[str, type]] = ()
         if root_own and not policy_checked and backend.runs.count != runs:
-            outside = report_root_outside_graphs(backend.records, module, root_own, backend.reporter)
+            outside = report_root_outside_graphs(
+                backend.records, module, root_own, backend.reporter, in_regions=in_regions
+            )
         policy_checked = _check_call(backend, module, runs, out, _call_tensors(args, kwargs), policy_checked, outside)
         if gathered is not None and backend.records:
             gathered.check(backend.records, backend.reporter)

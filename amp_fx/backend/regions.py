@@ -33,13 +33,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from amp_fx._common.progress import progress_log
+from amp_fx._common.report import Reporter
 from amp_fx.policy import Policy
 
-__all__ = ["Regions", "repeated_blocks", "outside_modules", "block_groups", "find_regions"]
+__all__ = ["Regions", "repeated_blocks", "outside_modules", "block_groups", "find_regions", "check_gradient_layout"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
@@ -206,28 +209,89 @@ def _convolutions(blocks: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
     ]
 
 
+def _not_shown_safe(blocks: Sequence[tuple[str, torch.nn.Module]], policy: Policy, fp8: object) -> str | None:
+    """Why ``regions=None`` compiles these blocks as one graph, or None where regions are shown safe."""
+    convolutions = _convolutions(blocks)
+    if convolutions:
+        return (
+            f"its repeated blocks hold convolutions ({convolutions[0]}), where compiled regions are not bitwise "
+            f"with eager autocast (channels-last block outputs, docs/regions.md)"
+        )
+    if fp8 is not None or policy.op_classes:
+        # Code of the root's forward that Dynamo skips runs as eager autocast, out of their reach
+        # (a tied head written as F.linear(h, self.emb.weight) after the loop over the blocks).
+        what = "low_precision (fp8)" if fp8 is not None else "Policy(op_classes=...)"
+        return f"{what} acts on single ops, and code around compiled regions that Dynamo skips is out of its reach"
+    return None
+
+
 def find_regions(
-    model: torch.nn.Module, policy: Policy, *, proven_only: bool = False, label: str = ""
+    model: torch.nn.Module, policy: Policy, *, proven_only: bool = False, label: str = "", fp8: object = None
 ) -> Regions | None:
     """The regions of ``model``, or None where it has no repeated block. ``proven_only``
     (``amp_fx.compile(regions=None)``): None too where a block holds a convolution: in regions,
     transformers' ConvNext and diffusers' UNets differ from eager autocast by a rounding step in
     some gradients (1 ulp of fp32 or bf16; tests/models ``test_compile_bitwise`` under
-    ``regions=True``, cause not found), so they compile as one graph, and the progress lines say so."""
+    ``regions=True``). ConvNext's cause: its blocks' outputs are channels last and their gradients
+    arrive contiguous, and AOTAutograd restrides them to the output's layout before the region's
+    backward (:func:`check_gradient_layout`, which says so wherever it happens; the UNets' cause is
+    not confirmed). Convolutional models are where such layouts are the rule, so they compile as
+    one graph, and the progress lines say so. With ``fp8`` or ``Policy.op_classes`` too (their reach
+    into code of the root's forward that Dynamo skips is not checked)."""
     blocks = repeated_blocks(model)
     if not blocks:
         return None
-    convolutions = _convolutions(blocks) if proven_only else []
-    if convolutions:
+    why = _not_shown_safe(blocks, policy, fp8) if proven_only else None
+    if why is not None:
         progress_log.info(
-            "amp_fx: %s: compiled as one graph: its repeated blocks hold convolutions (%s), where compiled "
-            "regions are not shown bitwise with eager autocast; amp_fx.compile(regions=True) compiles them once",
-            label,
-            convolutions[0],
+            "amp_fx: %s: compiled as one graph: %s; amp_fx.compile(regions=True) compiles its blocks once", label, why
         )
         return None
     groups = block_groups(blocks, policy)
     return Regions(tuple(blocks), groups, tuple(outside_modules(model, [b for _, b in blocks])))
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape lay out their elements alike (the strides of dimensions
+    longer than 1 equal): a reduction over either reads them in the same order."""
+    return all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+def check_gradient_layout(name: str, out: Any, reporter: Reporter) -> None:
+    """Watch the first backward through a region's output ``out`` (unit ``name``): where the
+    gradient arrives laid out unlike the output (ConvNext's channels-last block output, whose
+    gradient arrives contiguous from the pooling's backward), AOTAutograd restrides it to the
+    output's layout before the region's backward (it traced that backward for the output's
+    strides), while eager autocast's backward reads it as it arrived: reductions in the block's
+    backward (a layer-scale parameter's gradient) then sum in another order, 1 ulp off eager
+    autocast (measured: transformers' ConvNext, tests/backend/test_regions.py). Said once, with
+    the fix; a model whose block outputs and gradients share a layout (transformers' decoders) is
+    unaffected. The root (``name`` empty) is not watched: its output's gradient is the user's, and
+    the whole-graph compile lays it out alike."""
+    if not name:
+        return
+    for t in tree_flatten(out)[0]:
+        if not (isinstance(t, torch.Tensor) and t.requires_grad and t.dim() > 1):
+            continue
+
+        def hook(grad: torch.Tensor, t: torch.Tensor = t) -> None:
+            # An expanded gradient (stride 0: a .sum() loss's) is copied dense before any graph's
+            # backward, the whole-graph compile's at the model's output alike: not a difference.
+            overlaps = torch._debug_has_internal_overlap(grad) == 1
+            if grad.shape == t.shape and not overlaps and not _same_layout(grad, t):
+                reporter.did_less(
+                    ("regions gradient layout",),
+                    (
+                        f"amp_fx: in compiled regions, the gradient reaching the output of {name} (shape "
+                        f"{tuple(t.shape)}, strides {t.stride()}) arrives with strides {grad.stride()}: "
+                        f"AOTAutograd lays it out as the output before the region's backward, eager autocast "
+                        f"reads it as it arrives, so gradients in the block can differ from eager autocast's "
+                        f"by a rounding step (reductions sum in another order). amp_fx.compile(regions=False) "
+                        f"compiles the whole model as one graph, bitwise with eager autocast under aot_eager."
+                    ),
+                )
+
+        t.register_hook(hook)
 
 
 def log_regions(label: str, regions: Regions) -> None:

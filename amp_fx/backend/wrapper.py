@@ -30,7 +30,7 @@ from amp_fx._dist.capture import (
 from amp_fx._dist.fp8_gather import gathered_fp8_weights
 from amp_fx.backend.call import amp_call, checked_units
 from amp_fx.backend.compiler import AmpBackend
-from amp_fx.backend.regions import find_regions, log_regions
+from amp_fx.backend.regions import check_gradient_layout, find_regions, log_regions
 from amp_fx.backend.weight_cache import WeightCache, weight_cache_applies
 from amp_fx.monitor.state import MonitorState
 from amp_fx.options import Options
@@ -63,7 +63,11 @@ class AmpCompiledModule(torch.nn.Module):
             units = [*units, *root_linears(module, units)]
         regions = (
             find_regions(
-                module, backend.options.policy, proven_only=backend.options.regions is None, label=backend.label
+                module,
+                backend.options.policy,
+                proven_only=backend.options.regions is None,
+                label=backend.label,
+                fp8=backend.options.fp8,
             )
             if units is None and backend.options.regions is not False
             else None
@@ -94,11 +98,15 @@ class AmpCompiledModule(torch.nn.Module):
                     backend.dtype,
                     gathered=gathered,
                     group_of=None if regions is None else regions.group_of,
+                    first_output=None
+                    if regions is None
+                    else functools.partial(check_gradient_layout, reporter=backend.reporter),
                 ),
                 module,
                 backend,
                 gathered=gathered,
-                root_own=root_state_modules(module, units) if regions is None else (),
+                root_own=root_state_modules(module, units),
+                in_regions=regions is not None,
             )
         )
         self.training = module.training

@@ -219,6 +219,8 @@ def lift_weight_casts(
     copy = copy_graph_module(gm)
     graph = copy.graph
     inputs_before = placeholders(graph)
+    if not inputs_before:  # no input, so no parameter to cast (a region of Llama's root that makes a mask)
+        return gm, list(example_inputs), []
     position = {n: i for i, n in enumerate(inputs_before)}
     where = {n: i for i, n in enumerate(graph.nodes)}
     lifted: list[Lifted] = []

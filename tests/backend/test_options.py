@@ -19,6 +19,7 @@ import torch
 
 import amp_fx
 from amp_fx import Options, Policy
+from amp_fx._common.report import regions_from_env
 from amp_fx.testing.zoo import MLP
 
 BAD = [
@@ -86,8 +87,14 @@ def _compiled_kinds():
 def test_options_of_reads_what_was_asked(kind):
     compiled = _compiled_kinds()[kind]
     got = amp_fx.options_of(compiled)
+    # regions: compile's default, read from AMP_FX_REGIONS (False where unset, as the record's)
     assert got == Options(
-        dtype=torch.float16, backend="aot_eager", fold=False, strict=got.strict, torch_compile={"dynamic": False}
+        dtype=torch.float16,
+        backend="aot_eager",
+        fold=False,
+        strict=got.strict,
+        torch_compile={"dynamic": False},
+        regions=regions_from_env(),
     )
 
 

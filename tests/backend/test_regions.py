@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -236,3 +237,164 @@ def test_convolutional_blocks_compile_as_one_graph_by_default(
         # one block graph per input dtype (fp32 into the first block, bf16 after it), 3 blocks
         assert len(amp_fx.records(compiled)) == 2
         assert any("_ConvBlock (0): compiled once, reused by 2 blocks" in m for m in said), said
+
+
+class _HeadAfterLoop(nn.Module):
+    """A root whose own parameter (a head) is used after the loop over its blocks. Each block call
+    breaks Dynamo's graph, and a break inside a loop makes Dynamo skip the whole frame: with the
+    loop in ``forward`` (``own_method=False``) the head runs outside every compiled graph; with the
+    loop in a method of its own (the fix the report names) only that method's frame is skipped."""
+
+    def __init__(self, *, own_method: bool) -> None:
+        super().__init__()
+        self.own_method = own_method
+        self.emb = nn.Embedding(10, 16)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Parameter(torch.randn(10, 16))
+
+    def run_blocks(self, h: Tensor) -> Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.emb(ids)
+        if self.own_method:
+            h = self.run_blocks(h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return nn.functional.linear(h, self.head)
+
+
+@pytest.mark.parametrize("own_method", [False, True], ids=["loop_in_forward", "loop_in_own_method"])
+def test_root_ops_outside_every_graph_are_reported(own_method: bool) -> None:
+    """The root's own parameter used where Dynamo skipped the root's frame ran as eager autocast,
+    outside every compiled graph: said once, naming the root and the two fixes; with the loop in
+    a method of its own, the head is captured in the root's graph, bitwise, and nothing is said."""
+    torch.manual_seed(zoo.SEED)
+    model = _HeadAfterLoop(own_method=own_method)
+    ids = torch.randint(0, 10, (2, 5), generator=torch.Generator().manual_seed(zoo.SEED))
+    loss_fn = lambda out: out.float().square().mean()  # noqa: E731
+    expected = zoo.eager_autocast_step(copy.deepcopy(model), (ids,), loss_fn, torch.bfloat16)
+    compiled = amp_fx.compile(model, backend="aot_eager", regions=None, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_bitwise(zoo.step(compiled, model, (ids,), loss_fn), expected)
+        compiled(ids)
+    said = [str(w.message) for w in caught if "outside every compiled graph" in str(w.message)]
+    if own_method:
+        assert said == []
+        heads = [
+            n
+            for r in amp_fx.records(compiled)
+            for n in r.captured.graph.nodes
+            if n.target is torch.ops.aten.linear.default and n.meta["val"].shape[-1] == 10
+        ]
+        assert len(heads) == 1  # the head's linear, in the root's graph
+        return
+    assert len(said) == 1, said
+    assert "amp_fx.compile(_HeadAfterLoop) in compiled regions" in said[0] and "<root>" in said[0]
+    assert "regions=False" in said[0] and "def run_blocks" in said[0]
+    with pytest.raises(amp_fx.AmpFxError, match="outside every compiled graph"):
+        amp_fx.compile(_HeadAfterLoop(own_method=False), backend="aot_eager", regions=None, strict=True)(ids)
+
+
+class _PermutedBlock(nn.Module):
+    """ConvNext's layer without its convolution: channels last inside, a layer scale, the
+    residual added in the input's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.fc = nn.Linear(32, 32)
+        self.scale = nn.Parameter(torch.rand(32))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + (self.scale * self.fc(self.norm(x.permute(0, 2, 3, 1)))).permute(0, 3, 1, 2)
+
+
+class _PooledStack(nn.Module):
+    def __init__(self, *, channels_last: bool) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        self.blocks = nn.ModuleList(_PermutedBlock() for _ in range(3))
+        self.head = nn.Linear(32, 4)
+
+    def run_blocks(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.head(self.run_blocks(x).mean([-2, -1]))  # mean's backward: a contiguous gradient
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "contiguous"])
+def test_gradient_laid_out_unlike_the_block_output_is_reported(channels_last: bool) -> None:
+    """The cause of ConvNext's 1-ulp gradients in regions: a block's output is channels last, its
+    gradient arrives contiguous (from the pooling's backward), AOTAutograd lays it out as the
+    output before the region's backward, eager autocast's backward reads it as it arrived, and
+    the layer scale's gradient (a reduction) sums in another order. No convolution is needed.
+    Said once, naming the block and regions=False (bitwise); its negative twin, contiguous
+    throughout, is bitwise in regions and says nothing."""
+    torch.manual_seed(zoo.SEED)
+    model = _PooledStack(channels_last=channels_last)
+    x = torch.randn(4, 32, 8, 8, generator=torch.Generator().manual_seed(zoo.SEED))
+    loss_fn = lambda out: out.float().square().mean()  # noqa: E731
+    expected = zoo.eager_autocast_step(copy.deepcopy(model), (x,), loss_fn, torch.bfloat16)
+    whole = copy.deepcopy(model)
+    assert_bitwise(zoo.step(amp_fx.compile(whole, backend="aot_eager", regions=False), whole, (x,), loss_fn), expected)
+    compiled = amp_fx.compile(model, backend="aot_eager", regions=None, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = zoo.step(compiled, model, (x,), loss_fn)
+    said = [str(w.message) for w in caught if "the gradient reaching the output of" in str(w.message)]
+    if not channels_last:
+        assert said == []
+        assert_bitwise(actual, expected)
+        return
+    assert len(said) == 1 and "blocks.2" in said[0] and "regions=False" in said[0], said
+    differ = [k for k, g in actual.grads.items() if not torch.equal(g, expected.grads[k])]
+    assert "blocks.2.scale" in differ, differ  # what it is said for: 1 ulp off eager autocast
+    strict = amp_fx.compile(copy.deepcopy(model), backend="aot_eager", regions=None, strict=True)
+    with pytest.raises(amp_fx.AmpFxError, match="the gradient reaching the output of blocks.2"):
+        loss_fn(strict(x)).backward()
+
+
+@pytest.mark.parametrize("regions", [None, True], ids=["default", "forced"])
+def test_op_classes_compile_as_one_graph_by_default(regions: bool | None, caplog: pytest.LogCaptureFixture) -> None:
+    """Policy(op_classes=...) acts on single ops, and code around the regions that Dynamo skips is
+    out of its reach, so the default compiles the whole model as one graph and says why (fp8 alike,
+    through the same rule); regions=True compiles the blocks once all the same."""
+    model, inputs, loss_fn = _lm(3)
+    policy = Policy(op_classes={"aten.gelu": amp_fx.CastClass.FP32})
+    with caplog.at_level(logging.INFO, logger=PROGRESS_LOGGER):
+        compiled = amp_fx.compile(model, backend="aot_eager", policy=policy, regions=regions, strict=False)
+        zoo.step(compiled, model, inputs, loss_fn)
+    said = [r.getMessage() for r in caplog.records if r.name == PROGRESS_LOGGER]
+    if regions is None:
+        assert len(amp_fx.records(compiled)) == 1
+        assert any("compiled as one graph: Policy(op_classes=...) acts on single ops" in m for m in said), said
+    else:
+        assert any("compiled once, reused by 2 blocks" in m for m in said), said
+
+
+@pytest.mark.parametrize(
+    "env,given,expected",
+    [("", None, False), ("1", None, None), ("always", None, True), ("0", None, False), ("1", False, False)],
+)
+def test_regions_default_read_from_the_environment(
+    env: str, given: bool | None, expected: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AMP_FX_REGIONS`` sets compile's default (the suite runs with regions on through it); a
+    ``regions=`` given in the call wins; an unknown value is an error, not silently ignored."""
+    monkeypatch.setenv("AMP_FX_REGIONS", env)
+    kwargs = {} if given is None else {"regions": given}
+    compiled = amp_fx.compile(nn.Linear(4, 4), backend="aot_eager", **kwargs)
+    assert amp_fx.options_of(compiled).regions is expected
+    monkeypatch.setenv("AMP_FX_REGIONS", "sometimes")
+    with pytest.raises(ValueError, match="AMP_FX_REGIONS='sometimes'"):
+        amp_fx.compile(nn.Linear(4, 4), backend="aot_eager")

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 import amp_fx
 from amp_fx.errors import AmpFxError, AmpFxWarning
 from amp_fx.passes import meta
+from amp_fx.passes.lift_weight_casts import lift_weight_casts
 from amp_fx.scaler import GradScaler, ScalerMode, StepMode
 from amp_fx.testing import assert_bitwise, eager_amp_step
 from amp_fx.testing.zoo import ZOO, TiedLM, eager_autocast_step, step
@@ -620,3 +621,13 @@ def test_inductor_within_the_excess_precision_tolerance(name: str) -> None:
     # rmsnorm: up, gate, down, out; tied_break: block.weight, block.bias, emb.weight
     assert compiled.amp_fx_weight_cache.refreshes == {"rmsnorm": 4, "tied_break": 3}[name]
     assert_within_excess_precision(actual, expected, dtype)
+
+
+def test_a_graph_without_inputs_lifts_nothing() -> None:
+    """A graph with no input (in compiled regions, the part of Llama's root that builds a mask
+    from nothing but sizes) has no weight to lift: it is returned as it is (it raised IndexError,
+    and weight_cache then said the downstream backend failed)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(torch.ones, (2,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert lift_weight_casts(gm, []) == (gm, [], [])

@@ -311,18 +311,27 @@ def test_grouped_query_attention_bitwise_with_eager_on_the_traced_path(
 _GQA_REPORT = "grouped-query attention runs another computation compiled than eager"
 
 
-def test_grouped_query_attention_is_reported_once_at_compile_time() -> None:
+_GQA_IN_REGIONS = pytest.mark.xfail(
+    strict=True,
+    reason="not said in compiled regions (issue 62): the root's region builds the causal mask and the decoder "
+    "layer's region receives it as an input, so amp_fx.backend.traced_paths, which reads one graph, cannot "
+    "tell it from a padding mask; the gradients differ from eager autocast's as in the whole graph",
+)
+
+
+@pytest.mark.parametrize("regions", [False, pytest.param(None, marks=_GQA_IN_REGIONS)], ids=["whole", "regions"])
+def test_grouped_query_attention_is_reported_once_at_compile_time(regions: bool | None) -> None:
     """The difference above cannot be fixed by amp_fx, so it is said: once per compiled model,
     when the graph is captured (an error in strict mode)."""
     model, inputs, loss_fn = _entry(LLAMA_GQA.name).build()
-    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False)
+    compiled = amp_fx.compile(model, dtype="bf16", backend="aot_eager", strict=False, regions=regions)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", amp_fx.AmpFxWarning)
         for _ in range(2):
             loss_fn(compiled(**inputs)).backward()
     reported = [str(w.message) for w in caught if _GQA_REPORT in str(w.message)]
     assert len(reported) == 1, [str(w.message)[:120] for w in caught]
-    strict = amp_fx.compile(copy.deepcopy(model), dtype="bf16", backend="aot_eager", strict=True)
+    strict = amp_fx.compile(copy.deepcopy(model), dtype="bf16", backend="aot_eager", strict=True, regions=regions)
     with pytest.raises(amp_fx.AmpFxError, match=_GQA_REPORT):
         strict(**inputs)
 
