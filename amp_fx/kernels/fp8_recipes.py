@@ -23,9 +23,9 @@ import torch
 from amp_fx.errors import AmpFxError
 from amp_fx.fp8 import Fp8Recipe
 from amp_fx.kernels import blockwise_fp8 as _bw
+from amp_fx.kernels import fp8_support
 from amp_fx.kernels import mxfp8_matmul as _mx
 from amp_fx.kernels import nvfp4 as _nv
-from amp_fx.kernels.fp8_support import rowwise_scales_missing
 
 __all__ = ["RECIPES", "RecipeCasts", "Cast", "E4M3", "E5M2", "EPS", "ALIGNMENT", "check_rowwise_support"]
 
@@ -208,7 +208,7 @@ def check_rowwise_support(recipe: Fp8Recipe, device_type: str, caller: str) -> N
     """Raise :class:`~amp_fx.errors.AmpFxError` (its message starting with ``caller``) where
     ``recipe`` takes rowwise scales and ``torch._scaled_mm`` on ``device_type`` takes none
     (torch 2.11's CPU kernel): refused before anything runs, with the reason and the fix."""
-    missing = rowwise_scales_missing(device_type) if RECIPES[recipe].rowwise else None
+    missing = fp8_support.rowwise_scales_missing(device_type) if RECIPES[recipe].rowwise else None
     if missing is not None:
         raise AmpFxError(
             f"{caller}: fp8={recipe.value!r} needs rowwise scales in "
