@@ -5,12 +5,19 @@ that eager rounds to inf never exists. aot_eager runs the ops one by one, as eag
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import amp_fx
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Amplified(nn.Module):
@@ -27,8 +34,7 @@ class _Amplified(nn.Module):
         return self.fc2(h)
 
 
-@pytest.mark.slow
-def test_inductor_keeps_a_fused_fp16_intermediate_that_eager_overflows() -> None:
+def _fused_check() -> None:
     torch.manual_seed(0)
     model, x = _Amplified(), torch.randn(8, 16)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -43,3 +49,15 @@ def test_inductor_keeps_a_fused_fp16_intermediate_that_eager_overflows() -> None
         h = model.fc1(x)
     wide = model.fc2(F.relu(h.float() * 1e5) * 1e-5)
     torch.testing.assert_close(fused.float(), wide, atol=2e-2, rtol=1e-2)  # two fp16 roundings (fc2's in and out)
+
+
+@pytest.mark.slow
+def test_inductor_keeps_a_fused_fp16_intermediate_that_eager_overflows() -> None:
+    """Run in a fresh process: in CI's full run (one xdist worker, after many other tests) the
+    inductor compile came out unfused (inf, as eager) while the test passes alone and after every
+    inductor test of tests/overflow, tests/backend/test_numerics_eager.py and tests/inspect/test_compare.py:
+    some earlier test leaves process state behind (cause not found yet; closing note of 2026-12-02)."""
+    script = "import tests.overflow.test_fused_intermediates as t; t._fused_check()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], cwd=_ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
